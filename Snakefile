@@ -1,0 +1,28 @@
+# mirageflow: reformat and augment datasets with LLMs, one Snakemake job per shard.
+#
+#   snakemake --cores 1                          # the demo pipeline in config/config.yaml
+#   snakemake --cores 1 --configfile my.yaml     # exactly my.yaml's pipeline
+#   snakemake --cores 1 --config stats=true      # GPU sampling on
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+# The demo config is read only when no --configfile is given, so nothing from it leaks
+# into a user's pipeline (Snakemake would otherwise deep-merge the two).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/shards.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        default_targets(),

@@ -1,0 +1,370 @@
+"""Pipeline config: environment expansion, schema validation with defaults, semantic checks.
+
+The schema (workflow/schemas/config.schema.yaml, shipped in the package as
+config.schema.yaml) owns keys, types, defaults and descriptions; this module adds the
+checks a schema cannot express (template variables, output schemas, paths) and turns
+everything into one error that names each offending key path.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import difflib
+import glob
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+import jsonschema
+import yaml
+
+from mirageflow import json_output, prompts
+
+
+class ConfigError(ValueError):
+    """Invalid pipeline config; ``problems`` holds one ``key.path: message`` per error."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        head = f"invalid pipeline config{f' {source}' if source else ''}"
+        super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# --------------------------------------------------------------------------- env vars
+
+_ENV_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+# MMIRAGE's per-process shard selector is meaningless here and usually "$SLURM_ARRAY_TASK_ID".
+_NOT_EXPANDED = {("loading_params", "shard_id")}
+
+
+def expand_env(value: Any, environ: Mapping[str, str], path: str, problems: list[str]) -> Any:
+    """Expand $VAR, ${VAR}, ${VAR:-default} in every string; $$ is a literal $.
+
+    Values stay strings here; ``coerce_scalars`` types them by the schema.
+    """
+    if isinstance(value, dict):
+        return {
+            k: v if (path, k) in _NOT_EXPANDED else expand_env(v, environ, _join(path, k), problems)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [expand_env(v, environ, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "$" not in value:
+        return value
+
+    def substitute(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(3)
+        if name in environ:
+            return environ[name]
+        if m.group(2) is not None:
+            return m.group(2)
+        problems.append(f"{path}: environment variable ${name} is not set (use ${{{name}:-default}} for a default)")
+        return m.group(0)
+
+    return _ENV_RE.sub(substitute, value)
+
+
+def coerce_scalars(value: Any, sch: dict, root: dict) -> Any:
+    """Turn strings into numbers/booleans where the schema wants one (``num_shards: ${N}``).
+
+    Driven by the schema, so a string field such as ``account: ${ACC}`` stays a string.
+    """
+    if "$ref" in sch:
+        sch = root["definitions"][sch["$ref"].rsplit("/", 1)[-1]]
+    if isinstance(value, dict):
+        props = sch.get("properties", {})
+        return {k: coerce_scalars(v, props.get(k, {}), root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [coerce_scalars(v, sch.get("items", {}), root) for v in value]
+    types = sch.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, str) and "string" not in types:
+        text = value.strip()
+        if "integer" in types and re.fullmatch(r"[+-]?\d+", text):
+            return int(text)
+        if "number" in types:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if "boolean" in types and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+    return value
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@functools.cache
+def schema() -> dict:
+    with resources.files("mirageflow").joinpath("config.schema.yaml").open() as f:
+        return yaml.safe_load(f)
+
+
+def _with_defaults(validator_class):
+    """A validator that fills in schema defaults while validating (as snakemake.utils.validate)."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_Validator = _with_defaults(jsonschema.Draft7Validator)
+
+
+def _error_path(err: jsonschema.ValidationError) -> str:
+    path = ""
+    for part in err.absolute_path:
+        path = f"{path}[{part}]" if isinstance(part, int) else _join(path, part)
+    return path or "<top level>"
+
+
+def _schema_problems(cfg: dict, sch: dict) -> list[str]:
+    problems = []
+    for err in sorted(_Validator(sch).iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path))):
+        where = _error_path(err)
+        if err.validator == "additionalProperties":
+            known = sorted(err.schema.get("properties", {}))
+            for key in sorted(set(err.instance) - set(known)):
+                hint = difflib.get_close_matches(key, known, n=1)
+                problems.append(
+                    f"{_join('' if where == '<top level>' else where, key)}: unknown key"
+                    + (f" (did you mean '{hint[0]}'?)" if hint else f" (known: {', '.join(known)})")
+                )
+        elif err.validator == "required":
+            missing = err.message.split("'")[1] if "'" in err.message else err.message
+            problems.append(f"{_join('' if where == '<top level>' else where, missing)}: required key is missing")
+        else:
+            problems.append(f"{where}: {err.message}")
+    return problems
+
+
+# --------------------------------------------------------------------------- typed view
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    index: int
+    path: str
+    type: str  # normalised: jsonl | parquet | loadable
+    output_dir: str
+    output_format: str
+    split: str | None
+
+
+@dataclass(frozen=True)
+class InputVar:
+    name: str
+    key: str
+    has_default: bool
+    default: Any
+
+
+@dataclass(frozen=True)
+class OutputVar:
+    name: str
+    processor: str
+    prompt: str
+    system: str | None
+    response_prefix: str
+    is_json: bool
+    schema: json_output.OutputSchema | None
+    sampling_params: dict
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    type: str
+    backend: str
+    server_args: dict
+    sampling_params: dict
+    chat_template_kwargs: dict
+    apply_chat_template: bool
+    torch_threads: int | None
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    raw: dict = field(repr=False)  # the validated, expanded config with defaults filled in
+    stats: bool
+    state_dir: str
+    num_shards: int
+    batch_size: int
+    datasets: list[DatasetConfig]
+    processors: dict[str, ProcessorConfig]
+    inputs: list[InputVar]
+    outputs: list[OutputVar]
+    remove_columns: bool
+    output_schema: dict
+    merge: bool
+
+    def shard_dir(self, shard_id: int) -> Path:
+        return Path(self.state_dir) / f"shard_{shard_id}"
+
+
+def load_config(
+    source: Mapping | str | os.PathLike,
+    *,
+    environ: Mapping[str, str] | None = None,
+    check_paths: bool = True,
+) -> PipelineConfig:
+    """Validate a config (a mapping, or a YAML file path) and return its typed view.
+
+    Raises ConfigError listing every problem found, each prefixed with its key path.
+    """
+    label = None
+    if not isinstance(source, Mapping):
+        label = str(source)
+        try:
+            with open(source) as f:
+                source = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError([f"cannot read config: {e}"], label) from None
+        if not isinstance(source, Mapping):
+            raise ConfigError(["the file must hold a YAML mapping"], label)
+    problems: list[str] = []
+    cfg = expand_env(copy.deepcopy(dict(source)), os.environ if environ is None else environ, "", problems)
+    cfg = coerce_scalars(cfg, schema(), schema())
+    problems += _schema_problems(cfg, schema())
+    if problems:
+        raise ConfigError(problems, label)
+    view = _build(cfg, problems, check_paths)
+    if problems:
+        raise ConfigError(problems, label)
+    return view
+
+
+def _dataset_problems(ds: dict, where: str) -> list[str]:
+    path, kind = os.path.expanduser(ds["path"]), ds["type"].lower()
+    if kind == "jsonl" and not os.path.isfile(path):
+        return [f"{where}.path: JSONL file '{path}' does not exist"]
+    if kind == "loadable" and not os.path.isdir(path):
+        return [f"{where}.path: loadable dataset directory '{path}' does not exist"]
+    if kind == "parquet" and not (os.path.isfile(path) or os.path.isdir(path) or glob.glob(path)):
+        return [f"{where}.path: no Parquet file, directory or glob match at '{path}'"]
+    return []
+
+
+def _processor(p: dict) -> ProcessorConfig:
+    sampling = dict(p["default_sampling_params"])
+    kwargs = dict(p["chat_template_kwargs"])
+    # MMIRAGE's location for chat-template switches has no effect in SGLang; honour it here.
+    custom = sampling.pop("custom_params", None) or {}
+    kwargs = {**custom.get("chat_template_kwargs", {}), **kwargs}
+    return ProcessorConfig(
+        type=p["type"],
+        backend=p["backend"],
+        server_args=p["server_args"],
+        sampling_params=sampling,
+        chat_template_kwargs=kwargs,
+        apply_chat_template=p["apply_chat_template"],
+        torch_threads=p["torch_threads"],
+    )
+
+
+def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
+    lp, pp = cfg["loading_params"], cfg["processing_params"]
+
+    processors: dict[str, ProcessorConfig] = {}
+    for i, p in enumerate(cfg["processors"]):
+        if p["type"] in processors:
+            problems.append(f"processors[{i}].type: a second '{p['type']}' processor; outputs could not tell them apart")
+        if p["chat_template"]:
+            problems.append(f"processors[{i}].chat_template: named chat templates are not supported; the model's own template is used")
+        processors[p["type"]] = _processor(p)
+
+    datasets = []
+    for i, ds in enumerate(lp["datasets"]):
+        if check_paths:
+            problems += _dataset_problems(ds, f"loading_params.datasets[{i}]")
+        if ds.get("image_base_path"):
+            problems.append(f"loading_params.datasets[{i}].image_base_path: image inputs are not supported yet")
+        datasets.append(
+            DatasetConfig(
+                index=i,
+                path=os.path.expanduser(ds["path"]),
+                type=ds["type"].lower(),
+                output_dir=os.path.expanduser(ds["output_dir"]),
+                output_format=ds["output_format"],
+                split=ds["split"],
+            )
+        )
+    out_dirs = [d.output_dir for d in datasets]
+    for i, d in enumerate(out_dirs):
+        if d in out_dirs[:i]:
+            problems.append(f"loading_params.datasets[{i}].output_dir: '{d}' is already used by another dataset")
+
+    known: list[str] = []
+    inputs = []
+    for i, var in enumerate(pp["inputs"]):
+        where = f"processing_params.inputs[{i}]"
+        if var["name"] in known:
+            problems.append(f"{where}.name: duplicate variable '{var['name']}'")
+        known.append(var["name"])
+        try:
+            prompts.compile_jmespath(var["key"])
+        except ValueError as e:
+            problems.append(f"{where}.key: {e}")
+        inputs.append(InputVar(var["name"], var["key"], "default" in var, var.get("default")))
+
+    outputs = []
+    for i, out in enumerate(pp["outputs"]):
+        where = f"processing_params.outputs[{i}]"
+        if out["name"] in known:
+            problems.append(f"{where}.name: duplicate variable '{out['name']}'")
+        if out["type"] not in processors:
+            problems.append(f"{where}.type: no '{out['type']}' processor is defined in processors")
+        for key in ("prompt", "system"):
+            if out.get(key):
+                problems += prompts.template_problems(out[key], known, f"{where}.{key}")
+        is_json = out["output_type"].lower() == "json"
+        schema = None
+        if "output_schema" in out:
+            if not is_json:
+                problems.append(f"{where}.output_schema: only JSON outputs have an output_schema (output_type is '{out['output_type']}')")
+            else:
+                try:
+                    schema = json_output.OutputSchema.parse(out["output_schema"], f"{where}.output_schema")
+                except json_output.SchemaError as e:
+                    problems += e.problems
+        elif is_json:
+            schema = json_output.OutputSchema.parse([], f"{where}.output_schema")
+        known.append(out["name"])
+        outputs.append(
+            OutputVar(
+                out["name"], out["type"], out["prompt"], out["system"], out["response_prefix"], is_json, schema, out["sampling_params"]
+            )
+        )
+
+    problems += prompts.record_template_problems(pp["output_schema"], known, "processing_params.output_schema")
+
+    return PipelineConfig(
+        raw=cfg,
+        stats=cfg["stats"],
+        state_dir=os.path.expanduser(lp["state_dir"]),
+        num_shards=lp["num_shards"],
+        batch_size=lp["batch_size"],
+        datasets=datasets,
+        processors=processors,
+        inputs=inputs,
+        outputs=outputs,
+        remove_columns=pp["remove_columns"],
+        output_schema=pp["output_schema"],
+        merge=cfg["execution_params"]["merge"],
+    )

@@ -1,0 +1,203 @@
+"""Dataset readers: index a dataset once, then let each shard read only its own rows.
+
+``build_index`` runs in its own Snakemake job (one per dataset) and records the row count
+and, per shard, where its rows start (a byte offset for JSONL, file/row positions for
+Parquet). A shard job seeks there and reads ``stop - start`` rows; it never parses the
+rest of the dataset.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from mirageflow.data.sharding import shard_range
+from mirageflow.prompts import RowError
+
+INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SourceRow:
+    index: int  # position in the dataset (source_index)
+    value: Any  # the row mapping, or a RowError for an unreadable row
+
+
+def _parquet_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        files = glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True)
+    else:
+        files = glob.glob(path, recursive=True)
+    return sorted(f for f in files if os.path.isfile(f))
+
+
+def _files(ds) -> list[str]:
+    if ds.type == "jsonl":
+        return [ds.path]
+    if ds.type == "parquet":
+        return _parquet_files(ds.path)
+    return sorted(str(p) for p in Path(ds.path).rglob("*") if p.is_file())
+
+
+def fingerprint(ds) -> list[list]:
+    """Cheap identity of the dataset's files (path, size, mtime) to detect a changed dataset."""
+    out = []
+    for f in _files(ds):
+        st = os.stat(f)
+        out.append([f, st.st_size, st.st_mtime_ns])
+    return out
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def _jsonl_count(path: str) -> int:
+    rows = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                rows += 1
+    return rows
+
+
+def _jsonl_starts(path: str, wanted: list[int]) -> dict[int, tuple[int, int]]:
+    """Byte offset and 1-based line number of each wanted row (rows are non-blank lines)."""
+    todo = sorted(set(wanted))
+    found: dict[int, tuple[int, int]] = {}
+    row = offset = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                while todo and todo[0] == row:
+                    found[todo.pop(0)] = (offset, lineno)
+                row += 1
+            offset += len(line)
+    for r in todo:  # empty shards at the end start at EOF
+        found[r] = (offset, 0)
+    return found
+
+
+def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int) -> Iterator[SourceRow]:
+    index = start
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for lineno, line in enumerate(f, start=lineno):
+            if index >= stop:
+                return
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+                if not isinstance(value, dict):
+                    value = RowError("read", "bad_row", f"{path}:{lineno}: line is a JSON {type(value).__name__}, not an object")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                value = RowError("read", "bad_row", f"{path}:{lineno}: not valid JSON ({e})")
+            yield SourceRow(index, value)
+            index += 1
+
+
+# --------------------------------------------------------------------------- Parquet
+
+
+def _read_parquet(files: list[dict], start: int, stop: int) -> Iterator[SourceRow]:
+    import pyarrow.parquet as pq
+
+    base = 0
+    for entry in files:
+        n = entry["rows"]
+        lo, hi = max(start, base), min(stop, base + n)
+        if lo < hi:
+            pf = pq.ParquetFile(entry["path"])
+            rg_base = base
+            for rg in range(pf.num_row_groups):
+                rg_rows = pf.metadata.row_group(rg).num_rows
+                a, b = max(lo, rg_base), min(hi, rg_base + rg_rows)
+                if a < b:
+                    table = pf.read_row_group(rg).slice(a - rg_base, b - a)
+                    for i, row in enumerate(table.to_pylist()):
+                        yield SourceRow(a + i, row)
+                rg_base += rg_rows
+        base += n
+        if base >= stop:
+            return
+
+
+# --------------------------------------------------------------------------- loadable
+
+
+def _load_hf(ds):
+    import datasets
+
+    obj = datasets.load_from_disk(ds.path)
+    if isinstance(obj, datasets.DatasetDict):
+        if ds.split is None:
+            if len(obj) != 1:
+                raise ValueError(f"{ds.path} holds splits {sorted(obj)}; set loading_params.datasets[{ds.index}].split")
+            return next(iter(obj.values()))
+        if ds.split not in obj:
+            raise ValueError(f"{ds.path} has no split '{ds.split}' (has {sorted(obj)})")
+        return obj[ds.split]
+    return obj
+
+
+def _read_loadable(ds, start: int, stop: int, chunk: int = 1024) -> Iterator[SourceRow]:
+    table = _load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
+    for a in range(start, stop, chunk):
+        b = min(stop, a + chunk)
+        for i, row in enumerate(table.select(range(a, b)).to_list()):
+            yield SourceRow(a + i, row)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def build_index(ds, num_shards: int) -> dict:
+    """Count the dataset's rows once and record where each shard starts."""
+    index: dict[str, Any] = {"version": INDEX_VERSION, "path": ds.path, "type": ds.type, "num_shards": num_shards}
+    if ds.type == "jsonl":
+        rows = _jsonl_count(ds.path)
+        starts = [shard_range(rows, num_shards, s)[0] for s in range(num_shards)]
+        found = _jsonl_starts(ds.path, starts)
+        shard_pos = [{"offset": found[r][0], "line": found[r][1]} for r in starts]
+    elif ds.type == "parquet":
+        import pyarrow.parquet as pq
+
+        files = [{"path": f, "rows": pq.ParquetFile(f).metadata.num_rows} for f in _parquet_files(ds.path)]
+        if not files:
+            raise FileNotFoundError(f"no Parquet files at '{ds.path}'")
+        rows = sum(f["rows"] for f in files)
+        index["files"] = files
+        shard_pos = [{} for _ in range(num_shards)]
+    else:
+        rows = len(_load_hf(ds))
+        shard_pos = [{} for _ in range(num_shards)]
+    index["rows"] = rows
+    index["shards"] = [
+        {"start": a, "stop": b, **pos} for (a, b), pos in ((shard_range(rows, num_shards, s), shard_pos[s]) for s in range(num_shards))
+    ]
+    index["fingerprint"] = fingerprint(ds)
+    return index
+
+
+def read_shard(ds, index: dict, shard_id: int) -> Iterator[SourceRow]:
+    """Rows of one shard, in source order, each with its source_index."""
+    if index["fingerprint"] != fingerprint(ds):
+        raise RuntimeError(
+            f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
+            f"(snakemake --forcerun index_dataset)"
+        )
+    shard = index["shards"][shard_id]
+    start, stop = shard["start"], shard["stop"]
+    if start >= stop:
+        return iter(())
+    if ds.type == "jsonl":
+        return _read_jsonl(ds.path, start, stop, shard["offset"], shard["line"])
+    if ds.type == "parquet":
+        return _read_parquet(index["files"], start, stop)
+    return _read_loadable(ds, start, stop)

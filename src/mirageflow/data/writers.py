@@ -1,0 +1,137 @@
+"""Writers: shard part files (atomic: temp name, fsync, rename) and the merged dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+PART_GLOB = "part-*"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a whole file so readers see the old content or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _write_records(path: Path, records: list[dict], fmt: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            try:
+                table = pa.Table.from_pylist(records)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                raise ValueError(
+                    f"cannot write {path} as Parquet: the records' columns have mixed types ({e}); "
+                    "make output_schema produce one type per field or use output_format: jsonl"
+                ) from None
+            pq.write_table(table, tmp)
+        else:
+            with open(tmp, "w") as f:
+                for r in records:
+                    f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ShardWriter:
+    """Writes one shard's records of one dataset as numbered part files.
+
+    Records are buffered and flushed every ``flush_rows`` rows, so memory stays bounded and
+    a part file on disk is always complete.
+    """
+
+    def __init__(self, out_dir: Path, fmt: str, flush_rows: int = 1000):
+        self.out_dir = Path(out_dir)
+        self.fmt = fmt
+        self.flush_rows = flush_rows
+        self.rows_written = 0
+        self._buffer: list[dict] = []
+        self._next_part = 0
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.out_dir.glob(PART_GLOB):  # left by an earlier attempt of this shard
+            stale.unlink()
+
+    def add(self, record: dict) -> None:
+        self._buffer.append(record)
+        if len(self._buffer) >= self.flush_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        path = self.out_dir / f"part-{self._next_part:05d}.{self.fmt}"
+        _write_records(path, self._buffer, self.fmt)
+        self.rows_written += len(self._buffer)
+        self._next_part += 1
+        self._buffer = []
+
+
+def read_parts(shard_dir: Path, fmt: str):
+    """The shard's records as one Arrow table (None when it wrote none)."""
+    import pyarrow as pa
+    import pyarrow.json as pajson
+    import pyarrow.parquet as pq
+
+    parts = sorted(Path(shard_dir).glob(f"part-*.{fmt}"))
+    tables = [pq.read_table(p) if fmt == "parquet" else pajson.read_json(p) for p in parts]
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return None
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def write_merged(tables: Iterable, out_dir: Path, fmt: str) -> int:
+    """Write tables (in order) as merged/part-NNNNN files, replacing the old merged dir atomically."""
+    import pyarrow.parquet as pq
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    rows = 0
+    try:
+        for i, table in enumerate(tables):
+            path = tmp / f"part-{i:05d}.{fmt}"
+            if fmt == "parquet":
+                pq.write_table(table, path)
+            else:
+                with open(path, "w") as f:
+                    for r in table.to_pylist():
+                        f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
+            rows += table.num_rows
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        if out_dir.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return rows

@@ -1,0 +1,163 @@
+"""JSON outputs: the three MMIRAGE output_schema forms, their JSON Schema, and parsing model text.
+
+A model answer that does not parse or does not validate is a row error (OutputError),
+never an empty object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+_TYPES = {
+    "str": "string", "string": "string",
+    "int": "integer", "integer": "integer",
+    "float": "number", "number": "number",
+    "bool": "boolean", "boolean": "boolean",
+}  # fmt: skip
+
+
+class SchemaError(ValueError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+class OutputError(ValueError):
+    """The model's text is not a JSON object matching the output schema."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind  # json_parse | json_schema | json_truncated
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: str  # JSON Schema type
+    minimum: float | None = None
+    maximum: float | None = None
+
+
+def _bound(value: Any, where: str, ftype: str, problems: list[str]) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        problems.append(f"{where}: bound must be a number, got {value!r}")
+        return None
+    try:
+        number = float(value) if not isinstance(value, (int, float)) else value
+    except (TypeError, ValueError):
+        problems.append(f"{where}: bound must be a number, got {value!r}")
+        return None
+    if not math.isfinite(number):  # a NaN bound would silently accept everything
+        problems.append(f"{where}: bound must be a number, got {value!r}")
+        return None
+    if isinstance(number, float) and number.is_integer() and isinstance(value, str) and "." not in value:
+        number = int(number)
+    if ftype == "integer" and not float(number).is_integer():
+        problems.append(f"{where}: fractional bound {value!r} on an integer field")
+        return None
+    return number
+
+
+@dataclass(frozen=True)
+class OutputSchema:
+    fields: tuple[Field, ...]
+
+    @classmethod
+    def parse(cls, spec: Any, where: str) -> "OutputSchema":
+        """Accept a list of names, a mapping name -> type, or name -> {type, min, max}."""
+        problems: list[str] = []
+        fields = []
+        if isinstance(spec, list):
+            for i, name in enumerate(spec):
+                if not isinstance(name, str) or not name:
+                    problems.append(f"{where}[{i}]: field names must be non-empty strings")
+                else:
+                    fields.append(Field(name, "string"))
+        elif isinstance(spec, dict):
+            for name, desc in spec.items():
+                fwhere = f"{where}.{name}"
+                if isinstance(desc, str) or desc is None:
+                    desc = {"type": desc}
+                if not isinstance(desc, dict):
+                    problems.append(f"{fwhere}: expected a type name or a mapping with type/min/max")
+                    continue
+                for key in sorted(set(desc) - {"type", "min", "max"}):
+                    problems.append(f"{fwhere}.{key}: unknown key (allowed: type, min, max)")
+                tname = desc.get("type")
+                if tname is None:
+                    problems.append(f"{fwhere}.type: missing type")
+                    continue
+                ftype = _TYPES.get(str(tname).lower())
+                if ftype is None:
+                    problems.append(f"{fwhere}.type: unknown type {tname!r} (use one of {', '.join(sorted(_TYPES))})")
+                    continue
+                has_bounds = desc.get("min") is not None or desc.get("max") is not None
+                if has_bounds and ftype not in ("integer", "number"):
+                    problems.append(f"{fwhere}: min/max are only allowed on numeric fields, not {tname!r}")
+                    continue
+                lo = _bound(desc.get("min"), f"{fwhere}.min", ftype, problems)
+                hi = _bound(desc.get("max"), f"{fwhere}.max", ftype, problems)
+                if lo is not None and hi is not None and lo > hi:
+                    problems.append(f"{fwhere}: min {lo} is greater than max {hi}")
+                fields.append(Field(name, ftype, lo, hi))
+        else:
+            problems.append(f"{where}: expected a list of field names or a mapping")
+        if problems:
+            raise SchemaError(problems)
+        return cls(tuple(fields))
+
+    def json_schema(self) -> dict:
+        """The JSON Schema of a valid answer (also what SGLang's json_schema takes, as a string)."""
+        props = {}
+        for f in self.fields:
+            prop: dict[str, Any] = {"type": f.type}
+            if f.minimum is not None:
+                prop["minimum"] = f.minimum
+            if f.maximum is not None:
+                prop["maximum"] = f.maximum
+            props[f.name] = prop
+        return {"type": "object", "properties": props, "required": [f.name for f in self.fields]}
+
+    def validator(self) -> jsonschema.Draft7Validator:
+        return jsonschema.Draft7Validator(self.json_schema())
+
+
+_FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?\s*```\s*$", re.S)
+
+
+def parse_answer(text: str, validator: jsonschema.Draft7Validator, truncated: bool) -> dict:
+    """Parse a model's answer as a JSON object and validate it.
+
+    Tolerates a Markdown code fence and text around one top-level object; nothing else.
+    """
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced:
+        body = fenced.group(1).strip()
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        start, end = body.find("{"), body.rfind("}")
+        try:
+            value = json.loads(body[start : end + 1]) if 0 <= start < end else None
+        except json.JSONDecodeError:
+            value = None
+        if value is None:
+            if truncated:
+                raise OutputError("json_truncated", "JSON answer was cut off by max_new_tokens") from None
+            raise OutputError("json_parse", f"answer is not valid JSON: {text[:200]!r}") from None
+    if not isinstance(value, dict):
+        raise OutputError("json_schema", f"answer is a JSON {type(value).__name__}, not an object")
+    errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        msgs = [f"{'.'.join(map(str, e.absolute_path)) or '<object>'}: {e.message}" for e in errors]
+        raise OutputError("json_schema", "; ".join(msgs))
+    return value

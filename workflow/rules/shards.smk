@@ -1,0 +1,17 @@
+# One job per shard: start the engine, process the shard's rows of every dataset, and
+# write status.json last.
+
+
+rule shard:
+    input:
+        indices=index_files(),
+        model=model_inputs(),
+    output:
+        f"{STATE_DIR}/shard_{{shard}}/status.json",
+    log:
+        f"{STATE_DIR}/logs/shard_{{shard}}.log",
+    threads: 1
+    resources:
+        attempt=lambda wildcards, attempt: attempt,
+    script:
+        "../scripts/run_shard.py"
