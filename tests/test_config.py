@@ -129,10 +129,10 @@ def test_demo_config_from_repo_loads(monkeypatch):
     c = load_config(REPO / "config" / "config.yaml", environ={})
     assert c.num_shards == 3
     assert c.datasets[0].type == "jsonl"
-    assert [o.name for o in c.outputs] == ["summary", "quiz"]
-    quiz = c.outputs[1]
-    assert quiz.is_json
-    assert [f.name for f in quiz.schema.fields] == ["question", "answer"]
+    assert [o.name for o in c.outputs] == ["summary", "card"]
+    card = c.outputs[1]
+    assert card.is_json and card.response_prefix == '{"subject": "'
+    assert [f.name for f in card.schema.fields] == ["subject", "category"]
     assert c.remove_columns is True
 
 

@@ -8,6 +8,8 @@ rule index_dataset:
         f"{STATE_DIR}/datasets/dataset_{{ds}}.index.json",
     log:
         f"{STATE_DIR}/logs/index_dataset_{{ds}}.log",
+    conda:
+        "../../environment.yaml"
     script:
         "../scripts/index_dataset.py"
 
@@ -20,5 +22,7 @@ rule merge:
     log:
         f"{STATE_DIR}/logs/merge_{{ds}}.log",
     localrule: True
+    conda:
+        "../../environment.yaml"
     script:
         "../scripts/merge_dataset.py"

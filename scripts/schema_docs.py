@@ -1,0 +1,61 @@
+"""Regenerate the key reference in config/README.md from workflow/schemas/config.schema.yaml.
+
+    python scripts/schema_docs.py          # rewrite the table
+    python scripts/schema_docs.py --check  # exit 1 when the README is out of date
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "config" / "README.md"
+BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
+
+
+def _rows(schema: dict, root: dict, prefix: str = ""):
+    if "$ref" in schema:
+        schema = {**root["definitions"][schema["$ref"].rsplit("/", 1)[-1]], **{k: v for k, v in schema.items() if k != "$ref"}}
+    for name, sub in schema.get("properties", {}).items():
+        path = f"{prefix}{name}"
+        if "$ref" in sub:
+            sub = {**root["definitions"][sub["$ref"].rsplit("/", 1)[-1]], **{k: v for k, v in sub.items() if k != "$ref"}}
+        kind = sub.get("type", "any" if "oneOf" not in sub else " or ".join(o.get("type", "?") for o in sub["oneOf"]))
+        kind = " or ".join(kind) if isinstance(kind, list) else kind
+        if "enum" in sub:
+            kind = " \\| ".join(f"`{v}`" for v in sub["enum"])
+        default = f"`{json.dumps(sub['default'])}`" if "default" in sub else ("**required**" if name in schema.get("required", []) else "")
+        desc = " ".join(str(sub.get("description", "")).split())
+        yield f"| `{path}` | {kind} | {default} | {desc} |"
+        if sub.get("type") == "object" or "properties" in sub:
+            yield from _rows(sub, root, f"{path}.")
+        elif sub.get("type") == "array" and isinstance(sub.get("items"), dict):
+            yield from _rows(sub["items"], root, f"{path}[].")
+
+
+def table() -> str:
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    lines = ["| key | type | default | description |", "|---|---|---|---|", *_rows(schema, schema)]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    text = README.read_text()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    new = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    if "--check" in sys.argv:
+        if new != text:
+            print(f"{README} is out of date: run python scripts/schema_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The transformers engine with real models: token counts, finish reasons, stops, chat templates."""
+
+from __future__ import annotations
+
+import pytest
+
+from mirageflow.engines.base import Request
+from mirageflow.engines.transformers_engine import TransformersEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = TransformersEngine({"model_path": str(tiny_model)}, batch_size=3, torch_threads=1)
+    eng.load()
+    yield eng
+    eng.close()
+
+
+def _requests(engine, texts, **params):
+    params = {"temperature": 0.0, "max_new_tokens": 6, **params}
+    return [
+        Request(i, None, engine.chat_prompt([{"role": "user", "content": t}], {}), params) for i, t in enumerate(texts)
+    ]
+
+
+def test_batched_generation_counts_tokens_and_keeps_ids(engine):
+    texts = ["hi", "What is the capital of France?", "The cat sat on the mat and looked out of the window.", "ok", "x"]
+    out = {c.id: c for c in engine.generate(_requests(engine, texts))}
+    assert sorted(out) == list(range(5))
+    tok = engine.tokenizer
+    for i, t in enumerate(texts):
+        expected_prompt = len(tok(engine.chat_prompt([{"role": "user", "content": t}], {}), add_special_tokens=False)["input_ids"])
+        assert out[i].prompt_tokens == expected_prompt  # padding is not counted
+        assert 1 <= out[i].completion_tokens <= 6
+        assert out[i].finish_reason in ("stop", "length")
+        if out[i].finish_reason == "length":
+            assert out[i].completion_tokens == 6
+
+
+def test_greedy_is_deterministic_and_independent_of_batching(engine, tiny_model):
+    texts = ["hello there", "Water boils at one hundred degrees."]
+    batched = {c.id: c.text for c in engine.generate(_requests(engine, texts))}
+    single = TransformersEngine({"model_path": str(tiny_model)}, batch_size=1, torch_threads=1)
+    single.load()
+    alone = {c.id: c.text for c in single.generate(_requests(single, texts))}
+    assert batched == alone
+
+
+def test_stop_string_cuts_the_text(engine):
+    free = next(iter(engine.generate(_requests(engine, ["hello"], max_new_tokens=12))))
+    assert len(free.text) > 2
+    stop = free.text[1:3]
+    cut = next(iter(engine.generate(_requests(engine, ["hello"], max_new_tokens=12, stop=[stop]))))
+    assert stop not in cut.text and free.text.startswith(cut.text)
+    assert cut.finish_reason == "stop"
+
+
+def test_prompt_longer_than_context_is_a_per_request_error(engine):
+    long = " ".join(["water"] * 600)
+    out = {c.id: c for c in engine.generate(_requests(engine, [long, "hi"]))}
+    assert out[0].error_kind == "context_length" and "context of 512" in out[0].error
+    assert out[1].error_kind is None and out[1].completion_tokens > 0
+
+
+def test_chat_template_kwargs_reach_the_template(engine):
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}" + template
+    )
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        assert engine.chat_prompt(msgs, {"enable_thinking": False}).startswith("NOTHINK ")
+        assert not engine.chat_prompt(msgs, {}).startswith("NOTHINK")
+    finally:
+        engine.tokenizer.chat_template = template
+
+
+def test_engine_info_records_versions(engine):
+    assert engine.info.backend == "transformers" and engine.info.device == "cpu"
+    assert {"transformers", "torch"} <= set(engine.info.versions)
