@@ -14,7 +14,7 @@ from mirageflow.config import DatasetConfig, load_config
 from mirageflow.data.merge import MergeRefused, merge_dataset
 from mirageflow.data.readers import build_index, read_shard
 from mirageflow.data.sharding import shard_range
-from mirageflow.data.writers import ShardWriter, atomic_write_json, read_parts
+from mirageflow.data.writers import atomic_write_json, read_parts, write_part
 from mirageflow.prompts import RowError
 
 # --------------------------------------------------------------------------- helpers
@@ -304,38 +304,18 @@ def records(start: int, stop: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_shard_writer_writes_complete_parts(tmp_path, fmt):
-    writer = ShardWriter(tmp_path / "shard_0", fmt, flush_rows=2)
-    for r in records(0, 5):
-        writer.add(r)
-    assert names(tmp_path / "shard_0") == [f"part-00000.{fmt}", f"part-00001.{fmt}"]  # buffered: 4 flushed
-    writer.flush()
-    writer.flush()  # nothing buffered: no empty part
-    assert names(tmp_path / "shard_0") == [f"part-0000{i}.{fmt}" for i in range(3)]  # no *.tmp left
-    assert writer.rows_written == 5
+def test_write_part_is_complete_and_leaves_no_temp_files(tmp_path, fmt):
+    (tmp_path / "shard_0").mkdir()
+    write_part(tmp_path / "shard_0" / f"part-00000.{fmt}", records(0, 2), fmt)
+    write_part(tmp_path / "shard_0" / f"part-00001.{fmt}", records(2, 5), fmt)
+    assert names(tmp_path / "shard_0") == [f"part-00000.{fmt}", f"part-00001.{fmt}"]
     assert read_parts(tmp_path / "shard_0", fmt).to_pylist() == records(0, 5)
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_shard_writer_removes_stale_parts_on_restart(tmp_path, fmt):
-    first = ShardWriter(tmp_path / "s", fmt, flush_rows=1)
-    for r in records(0, 3):
-        first.add(r)
-    assert len(names(tmp_path / "s")) == 3
-    second = ShardWriter(tmp_path / "s", fmt, flush_rows=10)
-    assert names(tmp_path / "s") == []
-    second.add(records(7, 8)[0])
-    second.flush()
-    assert names(tmp_path / "s") == [f"part-00000.{fmt}"]
-    assert read_parts(tmp_path / "s", fmt).to_pylist() == records(7, 8)
-
-
 def test_failed_parquet_part_leaves_nothing(tmp_path):
-    writer = ShardWriter(tmp_path / "s", "parquet")
-    writer.add({"a": 1})
-    writer.add({"a": "one"})
+    (tmp_path / "s").mkdir()
     with pytest.raises(ValueError, match="mixed types"):
-        writer.flush()
+        write_part(tmp_path / "s" / "part-00000.parquet", [{"a": 1}, {"a": "one"}], "parquet")
     assert names(tmp_path / "s") == []
 
 
@@ -373,10 +353,10 @@ def pipeline(tmp_path, num_shards: int, fmt: str = "parquet"):
 
 
 def finish_shard(cfg, ds, shard_id: int, rows: list[dict], status: str = "success", num_shards: int | None = None):
-    writer = ShardWriter(Path(ds.output_dir) / f"shard_{shard_id}", ds.output_format, flush_rows=2)
-    for r in rows:
-        writer.add(r)
-    writer.flush()
+    out = Path(ds.output_dir) / f"shard_{shard_id}"
+    out.mkdir(parents=True, exist_ok=True)
+    for n, start in enumerate(range(0, len(rows), 2)):
+        write_part(out / f"part-{n:05d}.{ds.output_format}", rows[start : start + 2], ds.output_format)
     status_doc = {"status": status, "num_shards": cfg.num_shards if num_shards is None else num_shards}
     atomic_write_json(cfg.shard_dir(shard_id) / "status.json", status_doc)
 
@@ -439,9 +419,19 @@ def test_merge_refuses_mixed_up_source_order(tmp_path):
     cfg, ds = pipeline(tmp_path, 2)
     finish_shard(cfg, ds, 0, records(3, 6))
     finish_shard(cfg, ds, 1, records(0, 3))
-    with pytest.raises(MergeRefused, match="not increasing"):
+    with pytest.raises(MergeRefused, match="in the wrong shard"):
         merge_dataset(cfg, ds)
     assert not (Path(ds.output_dir) / "merged").exists()
+
+
+def test_merge_sorts_parts_written_in_completion_order_and_refuses_duplicates(tmp_path):
+    cfg, ds = pipeline(tmp_path, 1)
+    finish_shard(cfg, ds, 0, [*records(2, 4), *records(0, 2)])
+    assert merge_dataset(cfg, ds)["rows"] == 4
+    assert pd.read_parquet(Path(ds.output_dir) / "merged")["source_index"].tolist() == [0, 1, 2, 3]
+    finish_shard(cfg, ds, 0, [*records(0, 2), *records(1, 3)])
+    with pytest.raises(MergeRefused, match="appears twice"):
+        merge_dataset(cfg, ds)
 
 
 def test_merge_unifies_column_types_across_shards(tmp_path):

@@ -28,15 +28,13 @@ class ScriptedEngine(Engine):
     def chat_prompt(self, messages, kwargs):
         return "|".join(f"{m['role']}:{m['content']}" for m in messages)
 
-    def generate(self, requests):
-        for r in requests:
-            self.prompts.append(r.prompt)
-            result = self.answer(r.prompt)
-            if isinstance(result, Completion):
-                result.id = r.id
-                yield result
-            else:
-                yield Completion(r.id, result, len(r.prompt), len(result.split()), "stop")
+    async def generate_one(self, r):
+        self.prompts.append(r.prompt)
+        result = self.answer(r.prompt)
+        if isinstance(result, Completion):
+            result.id = r.id
+            return result
+        return Completion(r.id, result, len(r.prompt), len(result.split()), "stop")
 
     def close(self):
         self.closed = True
@@ -52,6 +50,7 @@ def _setup(tmp_path, rows, outputs, output_schema=None, num_shards=1):
             "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
             "num_shards": num_shards,
         },
+        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2},
         "processing_params": {
             "inputs": [{"name": "q", "key": "q"}],
             "outputs": outputs,
@@ -123,7 +122,7 @@ def test_generation_errors_are_row_errors(tmp_path):
 def test_a_shard_where_every_row_fails_fails_loudly(tmp_path):
     cfg = _setup(tmp_path, [{"q": "a"}, {"other": 1}, "[1, 2]"], [JSON_OUTPUT])
     engine = ScriptedEngine(lambda p: "not json")
-    with pytest.raises(ShardFailed, match=r"every row of shard 0 failed \(.*json_parse: 1"):
+    with pytest.raises(ShardFailed, match=r"every row of shard 0: 3 of 3 rows failed \(.*json_parse: 1"):
         run_shard(cfg, 0, engine_factory=lambda p, b: engine)
     assert engine.closed
     assert not (cfg.shard_dir(0) / "status.json").exists()
@@ -136,3 +135,161 @@ def test_empty_shard_succeeds_with_zero_rows(tmp_path):
     cfg = _setup(tmp_path, [{"q": "only"}], [{"name": "a", "prompt": "{{ q }}"}], num_shards=2)
     status = run_shard(cfg, 1, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
     assert status["stats"]["rows_processed"] == 0 and status["datasets"][0]["row_range"] == [1, 1]
+
+
+# --------------------------------------------------------------------------- checkpoints and resume
+
+
+class EngineCrash(RuntimeError):
+    pass
+
+
+def _crash_after(n: int):
+    calls = {"n": 0}
+
+    def answer(prompt):
+        calls["n"] += 1
+        if calls["n"] > n:
+            raise EngineCrash("engine died")
+        return "ans " + prompt.rsplit(":", 1)[1]
+
+    return answer
+
+
+def _records(tmp_path):
+    table = read_parts(tmp_path / "out" / "shard_0", "parquet")
+    return sorted(table.to_pylist(), key=lambda r: r["source_index"])
+
+
+PLAIN = [{"name": "a", "prompt": "{{ q }}"}]
+
+
+def test_a_rerun_resumes_from_the_last_commit_without_redoing_rows(tmp_path):
+    rows = [{"q": f"r{i}"} for i in range(9)]
+    cfg = _setup(tmp_path, rows, PLAIN)
+    with pytest.raises(EngineCrash):
+        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(_crash_after(5)))
+    committed = {r["source_index"] for r in _records(tmp_path)}
+    assert len(committed) >= 4  # commits every 2 rows; a crash loses at most one interval
+    assert json.loads((cfg.shard_dir(0) / "failure.json").read_text())["error"].startswith("EngineCrash")
+
+    engine = ScriptedEngine(lambda p: "ans " + p.rsplit(":", 1)[1])
+    status = run_shard(cfg, 0, attempt=2, engine_factory=lambda p, b: engine)
+    redone = {int(p.rsplit("r", 1)[1]) for p in engine.prompts}
+    assert redone == set(range(9)) - committed  # committed rows are not asked again
+    records = _records(tmp_path)
+    assert [r["source_index"] for r in records] == list(range(9))  # each exactly once
+    assert all(r["a"] == f"ans r{r['source_index']}" for r in records)
+    assert status["stats"]["rows_resumed"] == len(committed) and status["stats"]["rows_processed"] == 9
+    assert not (cfg.shard_dir(0) / "failure.json").exists()
+
+
+def test_orphan_part_from_a_crash_between_rename_and_manifest_is_discarded(tmp_path):
+    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(4)], PLAIN)
+    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    orphan = tmp_path / "out" / "shard_0" / "part-00099.parquet"
+    orphan.write_bytes((tmp_path / "out" / "shard_0" / "part-00000.parquet").read_bytes())
+    (cfg.shard_dir(0) / "status.json").unlink()
+    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    assert not orphan.exists()
+    assert [r["source_index"] for r in _records(tmp_path)] == [0, 1, 2, 3]
+
+
+def test_changed_prompt_discards_old_parts(tmp_path, caplog):
+    rows = [{"q": f"r{i}"} for i in range(4)]
+    cfg = _setup(tmp_path, rows, PLAIN)
+    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "old"))
+    cfg2 = _setup(tmp_path, rows, [{"name": "a", "prompt": "new {{ q }}"}])
+    engine = ScriptedEngine(lambda p: p.rsplit(":", 1)[1])
+    run_shard(cfg2, 0, engine_factory=lambda p, b: engine)
+    assert len(engine.prompts) == 4
+    assert [r["a"] for r in _records(tmp_path)] == [f"new r{i}" for i in range(4)]
+    assert "discarding" in caplog.text
+
+
+def test_retry_failed_rows_recomputes_only_the_failures(tmp_path):
+    rows = [{"q": f"r{i}"} for i in range(6)]
+    cfg = _setup(tmp_path, rows, [JSON_OUTPUT])
+    flaky = lambda p: '{"n": 1}' if p.endswith(("r0", "r2", "r4")) else "oops"  # noqa: E731
+    first = run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(flaky))
+    assert first["stats"]["rows_failed"] == 3
+    rerun = _setup(tmp_path, rows, [JSON_OUTPUT])
+    object.__setattr__(rerun, "retry_failed_rows", True)
+    engine = ScriptedEngine(lambda p: '{"n": 2}')
+    status = run_shard(rerun, 0, engine_factory=lambda p, b: engine)
+    assert sorted(p.rsplit(":", 1)[1] for p in engine.prompts) == ["r1", "r3", "r5"]
+    assert [r["a"]["n"] for r in _records(tmp_path)] == [1, 2, 1, 2, 1, 2]
+    assert status["stats"]["rows_failed"] == 0 and _errors(cfg) == []
+
+
+def test_error_budget_fails_the_shard_and_keeps_committed_rows(tmp_path):
+    rows = [{"q": "ok"}, {"q": "ok"}, {"x": 1}, {"x": 2}, {"x": 3}, {"q": "ok"}]
+    cfg = _setup(tmp_path, rows, PLAIN)
+    object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_errors": 2}))
+    with pytest.raises(ShardFailed, match=r"error budget exceeded in shard 0: 3 of 5 rows failed \(missing_variable: 3\)"):
+        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    assert [e["source_index"] for e in _errors(cfg)] == [2, 3, 4]
+    assert {0, 1} <= {r["source_index"] for r in _records(tmp_path)} <= {0, 1, 5}  # rows that finished stay
+
+
+def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
+    import errno
+
+    from mirageflow import checkpoint
+
+    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
+    real, calls = checkpoint.write_part, {"n": 0}
+
+    def write_part(path, records, fmt):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, records, fmt)
+
+    monkeypatch.setattr(checkpoint, "write_part", write_part)
+    with pytest.raises(ShardFailed, match="No space left on device.*rows committed before are intact"):
+        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    assert [r["source_index"] for r in _records(tmp_path)] == [0, 1]
+
+
+def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path):
+    from mirageflow.checkpoint import Lease, ShardBusy
+
+    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    cfg.shard_dir(0).mkdir(parents=True)
+    atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": __import__("time").time()})
+    with pytest.raises(ShardBusy, match=r"shard_0 is being run by host node7 pid 1 \(SLURM job 42\)"):
+        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    assert json.loads((cfg.shard_dir(0) / "lease.json").read_text())["hostname"] == "node7"  # not removed
+
+    atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": 0})
+    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))  # stale: taken over
+    assert not (cfg.shard_dir(0) / "lease.json").exists()
+    assert not Lease(cfg.shard_dir(0), 300).held()
+
+
+def test_sigterm_commits_finished_rows_records_why_and_stops(tmp_path):
+    import asyncio
+    import os
+    import signal
+
+    from mirageflow.shard import ShardInterrupted
+
+    class SlowEngine(ScriptedEngine):
+        async def generate_one(self, r):
+            self.prompts.append(r.prompt)
+            if len(self.prompts) == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if len(self.prompts) >= 5:
+                await asyncio.sleep(30)  # would hang without the signal handling
+            return Completion(r.id, "x", 1, 1, "stop")
+
+    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(20)], PLAIN)
+    object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_inflight": 1}))
+    engine = SlowEngine(None)
+    with pytest.raises(ShardInterrupted):
+        run_shard(cfg, 0, engine_factory=lambda p, b: engine)
+    failure = json.loads((cfg.shard_dir(0) / "failure.json").read_text())
+    assert failure["signal"] == "SIGTERM" and "4 rows committed" in failure["error"]
+    assert [r["source_index"] for r in _records(tmp_path)] == [0, 1, 2, 3]
+    assert engine.closed and not (cfg.shard_dir(0) / "lease.json").exists()

@@ -200,6 +200,17 @@ class ProcessorConfig:
 
 
 @dataclass(frozen=True)
+class ShardParams:
+    checkpoint_rows: int
+    checkpoint_seconds: float
+    max_error_rate: float
+    min_rows_for_error_rate: int
+    max_errors: int | None
+    max_inflight: int | None
+    lease_timeout_seconds: float
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     raw: dict = field(repr=False)  # the validated, expanded config with defaults filled in
     stats: bool
@@ -213,6 +224,8 @@ class PipelineConfig:
     remove_columns: bool
     output_schema: dict
     merge: bool
+    shard: ShardParams
+    retry_failed_rows: bool
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"
@@ -367,4 +380,6 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         remove_columns=pp["remove_columns"],
         output_schema=pp["output_schema"],
         merge=cfg["execution_params"]["merge"],
+        shard=ShardParams(**cfg["shard_params"]),
+        retry_failed_rows=cfg["retry_failed_rows"],
     )

@@ -41,11 +41,16 @@ def index_dataset(smk) -> None:
 
 
 def run_shard(smk) -> None:
+    from mirageflow.shard import ShardInterrupted
     from mirageflow.shard import run_shard as run
 
     _log_to(smk.log[0])
     cfg = load_config(smk.config)
-    run(cfg, int(smk.wildcards.shard), attempt=int(smk.resources.get("attempt", 1)))
+    try:
+        run(cfg, int(smk.wildcards.shard), attempt=int(smk.resources.get("attempt", 1)))
+    except ShardInterrupted as e:
+        logging.error("%s", e)
+        sys.exit(128 + e.signum)  # the shell convention for "killed by signal N"
 
 
 def merge(smk) -> None:

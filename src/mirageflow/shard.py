@@ -1,37 +1,44 @@
 """The shard job: rows -> variables -> prompts -> engine -> records -> writer, observed by stats.
 
-One call of ``run_shard`` processes shard ``shard_id`` of every dataset in the config and
-writes ``<state_dir>/shard_<id>/status.json`` as its very last act. A bad row is written to
-``errors.jsonl`` and the shard goes on; a shard in which every row failed is a failure,
-never a silent empty output.
+``run_shard`` processes shard ``shard_id`` of every dataset in the config:
+
+- Feeding: each row runs as a small coroutine through the outputs in order; up to
+  ``max_inflight`` rows are in flight, so the engine always has work queued while Python
+  reads, extracts and renders the next rows. There is no per-batch barrier.
+- Checkpoints: finished rows are committed every ``checkpoint_rows`` rows or
+  ``checkpoint_seconds`` seconds (see checkpoint.py); a rerun skips committed rows.
+- Bad rows go to ``errors.jsonl`` and the shard goes on, within an error budget.
+- SIGTERM/SIGINT: stop feeding, commit what is finished, stop the engine, record why in
+  ``failure.json``, exit non-zero.
+- ``status.json`` is written last, and only on success.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import time
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from tqdm import tqdm
 
 from mirageflow import json_output, stats
+from mirageflow.checkpoint import Checkpoint, Lease, fingerprint
 from mirageflow.config import PipelineConfig
 from mirageflow.data.readers import SourceRow, read_shard
-from mirageflow.data.writers import ShardWriter, atomic_write_json
+from mirageflow.data.writers import atomic_write_json
 from mirageflow.engines.base import Completion, Engine, Request, create_engine
 from mirageflow.prompts import Extractor, PromptBuilder, RecordRenderer, RowError
 
 log = logging.getLogger(__name__)
-
-CHUNK_ROWS = 512  # rows taken through all outputs at a time; bounds memory and batches well
 
 
 def index_path(state_dir: str | Path, dataset_index: int) -> Path:
@@ -42,33 +49,10 @@ class ShardFailed(RuntimeError):
     pass
 
 
-@dataclass
-class Counters:
-    rows_ok: int = 0
-    failed: Counter = field(default_factory=Counter)
-    input_tokens: int = 0
-    output_tokens: int = 0
-    requests: int = 0
-
-    @property
-    def rows_failed(self) -> int:
-        return sum(self.failed.values())
-
-
-class _ErrorLog:
-    """errors.jsonl: one line per failed row, with the stage, class and message."""
-
-    def __init__(self, path: Path):
-        self._f = open(path, "w", buffering=1)
-
-    def write(self, dataset: int, source_index: int, err: RowError) -> None:
-        entry = {"dataset": dataset, "source_index": source_index, "stage": err.stage, "error": err.kind, "message": str(err)}
-        if err.raw is not None:
-            entry["raw"] = err.raw
-        self._f.write(json.dumps(entry, ensure_ascii=False) + "\n")
-
-    def close(self) -> None:
-        self._f.close()
+class ShardInterrupted(ShardFailed):
+    def __init__(self, signum: int, rows_done: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; {rows_done} rows committed, rerun to resume")
 
 
 class _OutputStep:
@@ -80,17 +64,23 @@ class _OutputStep:
         self.sampling = {**processor.sampling_params, **output.sampling_params}
         self.schema_json = json.dumps(output.schema.json_schema()) if output.is_json else None
         self.validator = output.schema.validator() if output.is_json else None
+        # OpenAI-compatible servers apply the chat template themselves.
+        self.server_templates = getattr(engine, "templates_server_side", False)
 
     def request(self, rid: int, variables: dict) -> Request:
         messages = self.builder.messages(variables)
-        if self.processor.apply_chat_template:
+        prompt = None
+        if self.server_templates:
+            pass  # the engine sends the messages
+        elif self.processor.apply_chat_template:
             try:
                 prompt = self.engine.chat_prompt(messages, self.processor.chat_template_kwargs)
             except Exception as e:  # a template that rejects this row's messages
                 raise RowError("render", "chat_template", f"chat template failed: {type(e).__name__}: {e}") from None
+            prompt += self.output.response_prefix
         else:
-            prompt = messages[-1]["content"]
-        return Request(rid, messages, prompt + self.output.response_prefix, self.sampling, self.schema_json)
+            prompt = messages[-1]["content"] + self.output.response_prefix
+        return Request(rid, messages, prompt, self.sampling, self.schema_json)
 
     def value(self, c: Completion):
         if c.error_kind:
@@ -109,139 +99,287 @@ class _OutputStep:
 class ShardRunner:
     def __init__(self, cfg: PipelineConfig, shard_id: int, engine_factory: Callable = create_engine):
         self.cfg, self.shard_id = cfg, shard_id
+        self.params = cfg.shard
         self.engine_factory = engine_factory
         self.extract = Extractor(cfg.inputs)
         self.render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs])
         self.timer = stats.PhaseTimer()
-        self.counters = Counters()
+        self.tracker = stats.InflightTracker()
         self.engines: dict[str, Engine] = {}
+        self.shard_dir = cfg.shard_dir(shard_id)
+        self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
+        # counters for this attempt; committed totals live in the checkpoint
+        self.computed = 0
+        self.failed_now: Counter = Counter()
+        self.input_tokens = self.output_tokens = self.requests = 0
+        self.resumed = 0
+        self.interrupted: int | None = None
+        self.abort: BaseException | None = None
+        self.checkpoint: Checkpoint | None = None
+        self._pending: dict[int, tuple[list, list]] = {}
+        self._pending_rows = 0
+        self._last_commit = time.monotonic()
 
-    # ------------------------------------------------------------------ per chunk
+    # ------------------------------------------------------------------ setup
 
-    def _process_chunk(self, ds_index: int, rows: list[SourceRow], steps, writer: ShardWriter, errors: _ErrorLog) -> None:
-        live: dict[int, tuple[SourceRow, dict]] = {}
-        for pos, row in enumerate(rows):
-            try:
-                if isinstance(row.value, RowError):
-                    raise row.value
-                live[pos] = (row, self.extract(row.value))
-            except RowError as e:
-                self._fail(errors, ds_index, row.index, e)
+    def _load_indices(self) -> list[dict]:
+        indices = []
+        for ds in self.cfg.datasets:
+            path = index_path(self.cfg.state_dir, ds.index)
+            index = json.loads(path.read_text())
+            if index["num_shards"] != self.cfg.num_shards or index["path"] != ds.path:
+                raise ShardFailed(f"{path} was built for another config; rerun its index rule")
+            indices.append(index)
+        return indices
 
+    def _totals(self) -> tuple[int, int]:
+        done = sum(len(p.done) for p in self.checkpoint.datasets.values())
+        failed = sum(len(p.failed) for p in self.checkpoint.datasets.values())
+        pending_ok = sum(len(r) for r, _ in self._pending.values())
+        pending_failed = sum(len(e) for _, e in self._pending.values())
+        return done + pending_ok, failed + pending_failed
+
+    # ------------------------------------------------------------------ one row
+
+    async def _row(self, row: SourceRow, steps: list[_OutputStep]) -> dict:
+        """The row's record; raises RowError for a row that cannot be completed."""
+        if isinstance(row.value, RowError):
+            raise row.value
+        variables = self.extract(row.value)
         for step in steps:
-            requests = []
-            for pos, (row, variables) in list(live.items()):
-                try:
-                    requests.append(step.request(pos, variables))
-                except RowError as e:
-                    self._fail(errors, ds_index, row.index, e)
-                    del live[pos]
-            with self.timer.phase("generate"):
-                completions = list(step.engine.generate(requests))
-            for c in completions:
-                self.counters.requests += 1
-                self.counters.input_tokens += c.prompt_tokens
-                self.counters.output_tokens += c.completion_tokens
-                row, variables = live[c.id]
-                try:
-                    variables[step.output.name] = step.value(c)
-                except RowError as e:
-                    self._fail(errors, ds_index, row.index, e)
-                    del live[c.id]
+            request = step.request(row.index, variables)
+            self.tracker.submitted()
+            try:
+                completion = await step.engine.generate_one(request)
+            finally:
+                self.tracker.completed()
+            self.requests += 1
+            self.input_tokens += completion.prompt_tokens
+            self.output_tokens += completion.completion_tokens
+            variables[step.output.name] = step.value(completion)
+        return self.render(row.index, row.value, variables)
 
+    def _finished(self, ds_index: int, row: SourceRow, task: asyncio.Task, progress) -> None:
+        if task.cancelled():
+            return
+        records, errors = self._pending.setdefault(ds_index, ([], []))
+        exc = task.exception()
+        if exc is None:
+            records.append(task.result())
+            self.computed += 1
+        elif isinstance(exc, RowError):
+            entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": str(exc)}
+            if exc.raw is not None:
+                entry["raw"] = exc.raw
+            errors.append(entry)
+            self.failed_now[exc.kind] += 1
+            self.computed += 1
+        else:  # engine crash, lost lease...: the shard cannot go on
+            self.abort = self.abort or exc
+            return
+        self._pending_rows += 1
+        progress.update(1)
+        self._check_budget(final=False)
+        if self._pending_rows >= self.params.checkpoint_rows:
+            try:
+                self._commit()
+            except BaseException as e:  # disk full, lost lease: a done-callback must not swallow it
+                self.abort = self.abort or e
+
+    def _check_budget(self, final: bool) -> None:
+        done, failed = self._totals()
+        total = done + failed
+        p = self.params
+        too_many = p.max_errors is not None and failed > p.max_errors
+        rate_applies = total >= p.min_rows_for_error_rate or (final and total > 0)
+        too_often = rate_applies and failed / total > p.max_error_rate
+        all_failed = final and failed and not done  # never a silent empty output
+        if (too_many or too_often or all_failed) and self.abort is None:
+            classes = ", ".join(f"{k}: {v}" for k, v in self._failed_classes().most_common())
+            what = "every row of" if all_failed else "error budget exceeded in"
+            self.abort = ShardFailed(
+                f"{what} shard {self.shard_id}: {failed} of {total} rows failed ({classes}); "
+                f"max_error_rate {p.max_error_rate}, max_errors {p.max_errors}; see {self.shard_dir / 'errors.jsonl'}"
+            )
+
+    def _failed_classes(self) -> Counter:
+        counts: Counter = Counter()
+        if self.checkpoint.errors_path.exists():
+            for line in self.checkpoint.errors_path.read_text().splitlines():
+                counts[json.loads(line)["error"]] += 1
+        for _, errors in self._pending.values():
+            counts.update(e["error"] for e in errors)
+        return counts
+
+    def _commit(self) -> None:
         with self.timer.phase("write"):
-            for pos in sorted(live):
-                row, variables = live[pos]
+            for ds_index, (records, errors) in self._pending.items():
+                if records or errors:
+                    try:
+                        self.checkpoint.commit(ds_index, records, errors)
+                    except OSError as e:  # disk full, quota, read-only output
+                        raise ShardFailed(
+                            f"cannot commit finished rows of shard {self.shard_id}: {e}; the rows committed "
+                            "before are intact and a rerun resumes from them"
+                        ) from e
+            self._pending.clear()
+            self._pending_rows = 0
+            self._last_commit = time.monotonic()
+            self.lease.heartbeat()
+
+    async def _ticker(self) -> None:
+        """Commits on time even when rows trickle in, and keeps the lease alive."""
+        period = min(self.params.checkpoint_seconds, self.params.lease_timeout_seconds / 4)
+        while True:
+            await asyncio.sleep(min(period, 1.0))
+            if time.monotonic() - self._last_commit >= period:
                 try:
-                    record = self.render(row.index, row.value, variables)
-                except RowError as e:
-                    self._fail(errors, ds_index, row.index, e)
-                    continue
-                writer.add(record)
-                self.counters.rows_ok += 1
+                    self._commit()
+                except BaseException as e:  # disk full, lost lease: stop the shard
+                    self.abort = self.abort or e
 
-    def _fail(self, errors: _ErrorLog, ds_index: int, source_index: int, err: RowError) -> None:
-        self.counters.failed[err.kind] += 1
-        errors.write(ds_index, source_index, err)
+    # ------------------------------------------------------------------ the shard
 
-    # ------------------------------------------------------------------ whole shard
+    async def _feed(self, ds, index: dict, steps, window: asyncio.Semaphore, progress) -> None:
+        rows = read_shard(ds, index, self.shard_id, skip=lambda i: self.checkpoint.is_committed(ds.index, i))
+        tasks: set[asyncio.Task] = set()
+        try:
+            for row in rows:
+                await window.acquire()
+                if self.abort or self.interrupted:
+                    window.release()
+                    break
+                task = asyncio.create_task(self._row(row, steps))
+                tasks.add(task)
+
+                def done(t, row=row):
+                    tasks.discard(t)
+                    window.release()
+                    self._finished(ds.index, row, t, progress)
+
+                task.add_done_callback(done)
+            while tasks and not (self.abort or self.interrupted):
+                await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_async(self, indices: list[dict], steps) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            log.warning("received %s: committing finished rows and stopping", signal.Signals(signum).name)
+            self.interrupted = signum
+            for engine in self.engines.values():
+                engine.stop()
+            main.cancel()
+
+        main = asyncio.current_task()
+        installed = []
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(signum, on_signal, signum)
+                installed.append(signum)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        ticker = asyncio.create_task(self._ticker())
+        window = asyncio.Semaphore(self.params.max_inflight or min(e.max_inflight for e in self.engines.values()))
+        total = sum(ix["shards"][self.shard_id]["stop"] - ix["shards"][self.shard_id]["start"] for ix in indices)
+        progress = tqdm(total=total, initial=self.resumed, desc=f"shard {self.shard_id}", unit="row", file=sys.stderr, mininterval=2.0)
+        try:
+            for ds, index in zip(self.cfg.datasets, indices):
+                await self._feed(ds, index, steps, window, progress)
+                if self.abort or self.interrupted:
+                    break
+        except asyncio.CancelledError:
+            if not self.interrupted:
+                raise
+        finally:
+            ticker.cancel()
+            progress.close()
+            for signum in installed:
+                loop.remove_signal_handler(signum)
 
     def run(self) -> list[dict]:
         cfg = self.cfg
-        indices = []
-        for ds in cfg.datasets:
-            with open(index_path(cfg.state_dir, ds.index)) as f:
-                index = json.load(f)
-            if index["num_shards"] != cfg.num_shards or index["path"] != ds.path:
-                raise ShardFailed(f"{index_path(cfg.state_dir, ds.index)} was built for another config; rerun its index rule")
-            indices.append(index)
-        total = sum(ix["shards"][self.shard_id]["stop"] - ix["shards"][self.shard_id]["start"] for ix in indices)
-
-        with self.timer.phase("load"):
-            for name in {o.processor for o in cfg.outputs}:
-                engine = self.engine_factory(cfg.processors[name], cfg.batch_size)
-                engine.load()
-                self.engines[name] = engine
-        steps = [_OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]) for o in cfg.outputs]
-
-        shard_dir = cfg.shard_dir(self.shard_id)
-        errors = _ErrorLog(shard_dir / "errors.jsonl")
-        per_dataset = []
-        progress = tqdm(total=total, desc=f"shard {self.shard_id}", unit="row", file=sys.stderr, mininterval=2.0)
+        indices = self._load_indices()
+        ranges = {ds.index: (ix["shards"][self.shard_id]["start"], ix["shards"][self.shard_id]["stop"]) for ds, ix in zip(cfg.datasets, indices)}
+        self.lease.acquire()
         try:
-            for ds, index in zip(cfg.datasets, indices):
-                before = (self.counters.rows_ok, self.counters.rows_failed)
-                out_dir = Path(ds.output_dir) / f"shard_{self.shard_id}"
-                writer = ShardWriter(out_dir, ds.output_format)
-                rows: Iterator[SourceRow] = read_shard(ds, index, self.shard_id)
-                while chunk := list(islice(rows, CHUNK_ROWS)):
-                    self._process_chunk(ds.index, chunk, steps, writer, errors)
-                    progress.update(len(chunk))
-                with self.timer.phase("write"):
-                    writer.flush()
-                shard = index["shards"][self.shard_id]
-                per_dataset.append({
-                    "path": ds.path,
-                    "output_dir": str(out_dir),
-                    "row_range": [shard["start"], shard["stop"]],
-                    "rows_processed": self.counters.rows_ok - before[0],
-                    "rows_failed": self.counters.rows_failed - before[1],
-                })  # fmt: skip
-        finally:
-            progress.close()
-            errors.close()
-        if self.counters.rows_failed and not self.counters.rows_ok:
-            classes = ", ".join(f"{k}: {v}" for k, v in self.counters.failed.most_common())
-            raise ShardFailed(
-                f"every row of shard {self.shard_id} failed ({classes}); see {shard_dir / 'errors.jsonl'}"
+            self.checkpoint = Checkpoint(
+                self.shard_dir,
+                fingerprint(cfg, ranges),
+                {ds.index: (Path(ds.output_dir) / f"shard_{self.shard_id}", ds.output_format) for ds in cfg.datasets},
             )
+            self.checkpoint.restore(retry_failed=cfg.retry_failed_rows)
+            self.resumed = self.checkpoint.resumed_rows()
+            if self.resumed:
+                log.info("resuming shard %d: %d rows already committed are skipped", self.shard_id, self.resumed)
+
+            with self.timer.phase("load"):
+                for name in {o.processor for o in cfg.outputs}:
+                    engine = self.engine_factory(cfg.processors[name], cfg.batch_size)
+                    self.engines[name] = engine
+                    engine.load()
+            steps = [_OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]) for o in cfg.outputs]
+
+            asyncio.run(self._run_async(indices, steps))
+            self._commit()  # whatever finished, also when interrupted
+            if self.interrupted:
+                raise ShardInterrupted(self.interrupted, sum(self._totals()))
+            if self.abort:
+                raise self.abort
+            self._check_budget(final=True)
+            if self.abort:
+                raise self.abort
+        finally:
+            self.lease.release()
+
+        per_dataset = []
+        for ds, (start, stop) in ((ds, ranges[ds.index]) for ds in cfg.datasets):
+            prog = self.checkpoint.datasets[ds.index]
+            per_dataset.append({
+                "path": ds.path,
+                "output_dir": str(prog.out_dir),
+                "row_range": [start, stop],
+                "rows_processed": len(prog.done),
+                "rows_failed": len(prog.failed),
+                "parts": prog.parts,
+            })  # fmt: skip
         return per_dataset
 
     def close(self) -> None:
         for engine in self.engines.values():
-            engine.close()
+            try:
+                engine.close()
+            except Exception:  # closing must not hide the shard's own error
+                log.exception("closing engine failed")
 
     def stats(self, runtime: float) -> dict:
-        c, phases = self.counters, self.timer.seconds
+        phases = self.timer.seconds
         num_gpus = stats.allocated_gpus()
-        inference = phases.get("generate", 0.0)
-        rows = c.rows_ok
+        window = self.tracker.window_seconds
+        done, failed = self._totals() if self.checkpoint else (0, 0)
         return {
             "runtime_seconds": runtime,
             "runtime_human": stats.human_duration(runtime),
             "model_load_seconds": phases.get("load", 0.0),
-            "inference_runtime_seconds": inference,
+            "inference_runtime_seconds": window,
             "write_seconds": phases.get("write", 0.0),
-            "other_seconds": max(0.0, runtime - sum(phases.values())),
-            "rows_processed": rows,
-            "rows_failed": c.rows_failed,
-            "rows_failed_by_class": dict(c.failed),
-            "requests": c.requests,
-            "throughput_rows_per_sec": rows / runtime if runtime > 0 else None,
-            "input_tokens": c.input_tokens,
-            "output_tokens": c.output_tokens,
+            **self.tracker.summary(),
+            "rows_processed": done,
+            "rows_failed": failed,
+            "rows_failed_by_class": dict(self._failed_classes()) if self.checkpoint else {},
+            "rows_resumed": self.resumed,
+            "rows_computed": self.computed,
+            "requests": self.requests,
+            "throughput_rows_per_sec": self.computed / runtime if runtime > 0 else None,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
             "num_gpus": num_gpus,
-            **stats.rate_figures(c.output_tokens, inference, num_gpus),
+            **stats.rate_figures(self.output_tokens, window, num_gpus),
             "gpu_seconds_allocated": num_gpus * runtime,
             # GPU sampling (stats: true) lands with NVML support; null until then.
             "gpu_util_mean": None,
@@ -253,8 +391,6 @@ class ShardRunner:
 
 def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine) -> dict:
     """Run one shard; write status.json on success, failure.json (and raise) on failure."""
-    import time
-
     shard_dir = cfg.shard_dir(shard_id)
     shard_dir.mkdir(parents=True, exist_ok=True)
     started_at, t0 = stats.utc_now(), time.monotonic()
@@ -277,6 +413,7 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
             "status": "failed",
             "finished_at": stats.utc_now(),
             "error": f"{type(e).__name__}: {e}",
+            "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
             "traceback": traceback.format_exc(),
             "stats": runner.stats(time.monotonic() - t0),
         }
@@ -295,8 +432,9 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
     }
     (shard_dir / "failure.json").unlink(missing_ok=True)
     atomic_write_json(shard_dir / "status.json", status)
+    st = status["stats"]
     log.info(
-        "shard %d done: %d rows ok, %d failed, %d output tokens",
-        shard_id, status["stats"]["rows_processed"], status["stats"]["rows_failed"], status["stats"]["output_tokens"],
+        "shard %d done: %d rows ok, %d failed (%d resumed), %d output tokens",
+        shard_id, st["rows_processed"], st["rows_failed"], st["rows_resumed"], st["output_tokens"],
     )  # fmt: skip
     return status

@@ -92,3 +92,54 @@ class PhaseTimer:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - start
+
+
+class InflightTracker:
+    """Engine occupancy seen from the runner: generation window, busy time, idle gaps.
+
+    The generation window runs from the first request to the last completion; an idle gap
+    is a stretch inside it with no request in flight (the engine waited for Python).
+    """
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.inflight = 0
+        self.peak = 0
+        self.first: float | None = None
+        self.last: float | None = None
+        self.busy_seconds = 0.0
+        self.idle_gaps = 0
+        self._busy_since = 0.0
+
+    def submitted(self) -> None:
+        now = self.clock()
+        if self.inflight == 0:
+            if self.first is None:
+                self.first = now
+            else:
+                self.idle_gaps += 1
+            self._busy_since = now
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+
+    def completed(self) -> None:
+        now = self.clock()
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.busy_seconds += now - self._busy_since
+        self.last = now
+
+    @property
+    def window_seconds(self) -> float:
+        if self.first is None or self.last is None:
+            return 0.0
+        return self.last - self.first
+
+    def summary(self) -> dict:
+        busy = self.busy_seconds + (self.clock() - self._busy_since if self.inflight else 0.0)
+        return {
+            "engine_busy_seconds": busy,
+            "engine_idle_seconds": max(0.0, self.window_seconds - busy),
+            "engine_idle_gaps": self.idle_gaps,
+            "peak_inflight": self.peak,
+        }

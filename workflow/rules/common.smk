@@ -58,3 +58,73 @@ def default_targets():
     if PIPELINE.merge:
         targets += expand(f"{STATE_DIR}/merged/dataset_{{ds}}.json", ds=DATASET_IDS)
     return targets
+
+
+def cluster_resources(job):
+    """SLURM resources of a shard job (job="shard") or of an index job (job="index").
+
+    They come from execution_params, so a user edits one file (docs/cluster.md has the
+    mapping). Local runs ignore them: Snakemake only limits the resources given with
+    --cores/--resources, so a `gpu` request never blocks a run on a machine without one.
+    Evaluated at DAG build, on the login node: a bad value fails before any job starts.
+    """
+    import math
+    import re
+
+    ep = PIPELINE.raw["execution_params"]
+
+    def minutes(limit):
+        days, _, hms = limit.rpartition("-")
+        h, m, s = (int(x) for x in hms.split(":"))
+        return max(1, math.ceil(((int(days or 0) * 24 + h) * 60 + m + s / 60)))
+
+    res = {}
+    if ep["account"]:
+        res["slurm_account"] = ep["account"]
+    if ep["partition"]:
+        res["slurm_partition"] = ep["partition"]
+    if ep["qos"]:
+        res["qos"] = ep["qos"]
+    extra = [f"--reservation={ep['reservation']}"] if ep["reservation"] else []
+    if job == "index":  # light: reads the dataset once to count rows
+        res.update(cpus_per_task=1, runtime=lambda wildcards, attempt: 60 * attempt)
+    else:
+        if ep["slurm_extra"]:
+            try:
+                from snakemake_executor_plugin_slurm.validation import get_forbidden_slurm_options
+            except ImportError:  # the SLURM plugin is not installed: nothing submits
+                forbidden = {}
+            else:
+                forbidden = get_forbidden_slurm_options()
+            for pattern, what in forbidden.items():
+                if re.search(pattern, ep["slurm_extra"]):
+                    raise WorkflowError(
+                        f"execution_params.slurm_extra: sets the {what}, which the workflow sets "
+                        "from execution_params (see docs/cluster.md)"
+                    )
+            extra.append(ep["slurm_extra"])
+        gpus = ep["gpus"]
+        if gpus is None:
+            gpus = max(p.server_args["tp_size"] * p.server_args["dp_size"] for p in PIPELINE.processors.values())
+        if ep["gres"]:
+            res["gres"] = ep["gres"]
+        elif gpus:
+            res["gpu"] = gpus
+        res["cpus_per_task"] = ep["cpus_per_task"] or (8 * gpus if gpus else 1)
+        if ep["mem"] is not None:
+            number, unit = re.fullmatch(r"(\d+)([KMGTkmgt]?)", str(ep["mem"])).groups()
+            scale = {"K": 1 / 1024, "M": 1, "": 1, "G": 1024, "T": 1024**2}[unit.upper()]
+            res["mem_mb"] = max(1, math.ceil(int(number) * scale))
+        if ep["constraint"]:
+            res["constraint"] = ep["constraint"]
+        base = minutes(ep["time_limit"])
+        cap = minutes(ep["max_time_limit"]) if ep["max_time_limit"] else None
+        if cap is not None and cap < base:
+            raise WorkflowError(
+                f"execution_params.max_time_limit: {ep['max_time_limit']} is shorter than "
+                f"time_limit {ep['time_limit']}"
+            )
+        res["runtime"] = lambda wildcards, attempt: min(base * attempt, cap or base * attempt)
+    if extra:
+        res["slurm_extra"] = " ".join(extra)
+    return res

@@ -8,6 +8,9 @@ rule index_dataset:
         f"{STATE_DIR}/datasets/dataset_{{ds}}.index.json",
     log:
         f"{STATE_DIR}/logs/index_dataset_{{ds}}.log",
+    resources:
+        # Light: 1 CPU, no GPU (account/partition/qos from execution_params).
+        **cluster_resources("index"),
     conda:
         "../../environment.yaml"
     script:

@@ -14,6 +14,8 @@ rule shard:
         "../../environment.yaml"
     threads: 1
     resources:
+        # The attempt number reaches the job; the SLURM resources come from execution_params.
         attempt=lambda wildcards, attempt: attempt,
+        **cluster_resources("shard"),
     script:
         "../scripts/run_shard.py"

@@ -74,9 +74,11 @@ def merge_dataset(cfg, ds) -> dict:
                 continue
             if schema is not None:
                 table = _conform(table, schema)
+            # Parts hold rows in completion order; a shard's rows are sorted here.
+            table = table.sort_by("source_index")
             idx = table.column("source_index").to_pylist()
             if idx[0] <= last or any(b <= a for a, b in zip(idx, idx[1:])):
-                raise MergeRefused(f"{d}: source_index is not increasing; the shard outputs were mixed up")
+                raise MergeRefused(f"{d}: a source_index appears twice, or in the wrong shard; the shard outputs were mixed up")
             last = idx[-1]
             yield table
 

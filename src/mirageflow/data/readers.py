@@ -83,7 +83,7 @@ def _jsonl_starts(path: str, wanted: list[int]) -> dict[int, tuple[int, int]]:
     return found
 
 
-def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int) -> Iterator[SourceRow]:
+def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int, skip) -> Iterator[SourceRow]:
     index = start
     with open(path, "rb") as f:
         f.seek(offset)
@@ -91,6 +91,9 @@ def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int) -> I
             if index >= stop:
                 return
             if not line.strip():
+                continue
+            if skip(index):  # committed by an earlier attempt: not even parsed
+                index += 1
                 continue
             try:
                 value = json.loads(line)
@@ -185,8 +188,8 @@ def build_index(ds, num_shards: int) -> dict:
     return index
 
 
-def read_shard(ds, index: dict, shard_id: int) -> Iterator[SourceRow]:
-    """Rows of one shard, in source order, each with its source_index."""
+def read_shard(ds, index: dict, shard_id: int, skip=lambda i: False) -> Iterator[SourceRow]:
+    """Rows of one shard, in source order, each with its source_index; ``skip(i)`` rows are left out."""
     if index["fingerprint"] != fingerprint(ds):
         raise RuntimeError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
@@ -197,7 +200,6 @@ def read_shard(ds, index: dict, shard_id: int) -> Iterator[SourceRow]:
     if start >= stop:
         return iter(())
     if ds.type == "jsonl":
-        return _read_jsonl(ds.path, start, stop, shard["offset"], shard["line"])
-    if ds.type == "parquet":
-        return _read_parquet(index["files"], start, stop)
-    return _read_loadable(ds, start, stop)
+        return _read_jsonl(ds.path, start, stop, shard["offset"], shard["line"], skip)
+    rows = _read_parquet(index["files"], start, stop) if ds.type == "parquet" else _read_loadable(ds, start, stop)
+    return (r for r in rows if not skip(r.index))

@@ -1,4 +1,4 @@
-"""Writers: shard part files (atomic: temp name, fsync, rename) and the merged dataset."""
+"""Writers: atomic small files, shard part files (temp name, fsync, rename), the merged dataset."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterable
-
-PART_GLOB = "part-*"
-
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a whole file so readers see the old content or the new one, never half."""
@@ -32,7 +29,8 @@ def atomic_write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def _write_records(path: Path, records: list[dict], fmt: str) -> None:
+def write_part(path: Path, records: list[dict], fmt: str) -> None:
+    """Write records as one Parquet/JSONL file, atomically (temp name, fsync, rename)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -58,39 +56,6 @@ def _write_records(path: Path, records: list[dict], fmt: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-class ShardWriter:
-    """Writes one shard's records of one dataset as numbered part files.
-
-    Records are buffered and flushed every ``flush_rows`` rows, so memory stays bounded and
-    a part file on disk is always complete.
-    """
-
-    def __init__(self, out_dir: Path, fmt: str, flush_rows: int = 1000):
-        self.out_dir = Path(out_dir)
-        self.fmt = fmt
-        self.flush_rows = flush_rows
-        self.rows_written = 0
-        self._buffer: list[dict] = []
-        self._next_part = 0
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.out_dir.glob(PART_GLOB):  # left by an earlier attempt of this shard
-            stale.unlink()
-
-    def add(self, record: dict) -> None:
-        self._buffer.append(record)
-        if len(self._buffer) >= self.flush_rows:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self._buffer:
-            return
-        path = self.out_dir / f"part-{self._next_part:05d}.{self.fmt}"
-        _write_records(path, self._buffer, self.fmt)
-        self.rows_written += len(self._buffer)
-        self._next_part += 1
-        self._buffer = []
 
 
 def read_parts(shard_dir: Path, fmt: str):

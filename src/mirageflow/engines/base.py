@@ -1,18 +1,20 @@
 """The engine interface every backend implements, and backend selection.
 
-An engine turns requests into completions. ``generate`` takes an iterable and yields
-completions as they finish (not necessarily in order; each carries its request id), so a
-backend that keeps requests in flight (SGLang, HTTP servers) can consume the iterable
-lazily while a batched backend (transformers) groups it.
+The shard runner keeps up to ``max_inflight`` rows in flight and awaits one
+``generate_one`` per request, so an engine is never drained between batches: a
+continuous-batching engine (SGLang, an HTTP server) takes each request as it comes, and a
+batched engine (transformers) groups whatever is waiting. ``generate`` is a synchronous
+convenience for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,10 @@ class EngineInfo:
 
 
 class Engine(abc.ABC):
-    """Load once, apply the model's chat template, generate, close."""
+    """Load once, apply the model's chat template, generate request by request, close."""
 
     info: EngineInfo
+    max_inflight: int = 64  # rows the runner keeps in flight; engines set it from their capacity
 
     @abc.abstractmethod
     def load(self) -> None: ...
@@ -59,10 +62,26 @@ class Engine(abc.ABC):
         """The model input for chat messages, through the model's own chat template."""
 
     @abc.abstractmethod
-    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]: ...
+    async def generate_one(self, request: Request) -> Completion:
+        """Generate one request; called concurrently, up to max_inflight at a time."""
+
+    def queue_depth(self) -> int | None:
+        """Requests waiting or running inside the engine, when it can tell."""
+        return None
+
+    def stop(self) -> None:  # noqa: B027 - engines without long calls have nothing to interrupt
+        """Interrupt running generation soon (called on SIGTERM/SIGINT, from any thread)."""
 
     def close(self) -> None:  # noqa: B027 - optional for engines without resources
         pass
+
+    def generate(self, requests: Iterable[Request]) -> list[Completion]:
+        """All requests at once, in input order (tests, benchmarks)."""
+
+        async def run():
+            return await asyncio.gather(*(self.generate_one(r) for r in requests))
+
+        return list(asyncio.run(run()))
 
     def __enter__(self):
         self.load()

@@ -1,16 +1,23 @@
-"""Hugging Face transformers engine: the CPU default (and a simple CUDA fallback).
+"""Hugging Face transformers engine: the CPU default (and a simple one-GPU CUDA path).
 
-Requests are grouped by sampling parameters, sorted by prompt length (less padding) and
-generated in left-padded batches of ``batch_size``.
+Requests arrive one by one from the runner's in-flight window. A worker thread takes
+whatever is waiting (up to ``batch_size``, requests that can share one ``generate`` call),
+runs a left-padded batch, and resolves each request's future. While a batch runs the
+window refills the queue, so the next batch is full as soon as the model is free.
+Requests with different ``max_new_tokens`` share a batch: a per-row stopping criterion
+ends each at its own limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-from itertools import groupby
-from typing import Iterable, Iterator
+import queue
+import threading
+import time
+from collections import deque
 
 from mirageflow.engines.base import Completion, Engine, EngineInfo, Request
 
@@ -22,6 +29,12 @@ _SUPPORTED = {
     "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
 }  # fmt: skip
 _ENGINE_ARGS = {"dtype", "attn_implementation"}
+_LINGER_SECONDS = 0.005  # wait this long for more requests before starting a short batch
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class EngineStopped(RuntimeError):
+    pass
 
 
 def default_threads(requested: int | None) -> int:
@@ -32,14 +45,26 @@ def default_threads(requested: int | None) -> int:
     return 1 if cpus <= 2 else cpus
 
 
+def _batch_key(params: dict) -> str:
+    """Requests may share a generate() call when they differ at most in max_new_tokens."""
+    return json.dumps({k: v for k, v in params.items() if k != "max_new_tokens"}, sort_keys=True)
+
+
 class TransformersEngine(Engine):
     def __init__(self, server_args: dict, batch_size: int = 32, torch_threads: int | None = None):
         self.server_args = server_args
         self.batch_size = batch_size
+        self.max_inflight = 2 * batch_size
         self.threads = default_threads(torch_threads)
         self.model = self.tokenizer = None
         self._warned: set[str] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._running = 0
         self.info = EngineInfo(backend="transformers", model_path=server_args["model_path"])
+
+    # ------------------------------------------------------------------ setup
 
     def load(self) -> None:
         import torch
@@ -74,6 +99,8 @@ class TransformersEngine(Engine):
             device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
             details={"dtype": dtype, "torch_threads": self.threads, "batch_size": self.batch_size},
         )
+        self._worker = threading.Thread(target=self._serve, name="transformers-batcher", daemon=True)
+        self._worker.start()
 
     def _eos_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id
@@ -87,12 +114,98 @@ class TransformersEngine(Engine):
             messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
         )
 
-    def _generation_kwargs(self, params: dict) -> dict:
+    # ------------------------------------------------------------------ requests
+
+    async def generate_one(self, request: Request) -> Completion:
+        if self._stopped.is_set():
+            raise EngineStopped("engine was stopped")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put((request, future, loop))
+        return await future
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize() + self._running
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def close(self) -> None:
+        self._stopped.set()
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=30)
+            self._worker = None
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _next_batch(self, backlog: deque) -> list | None:
+        """Up to batch_size waiting requests that can share a generate() call; None to exit."""
+        if not backlog:
+            item = self._queue.get()
+            if item is None:
+                return None
+            backlog.append(item)
+        deadline = time.monotonic() + _LINGER_SECONDS
+        while len(backlog) < 4 * self.batch_size:
+            try:
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item is None:
+                self._queue.put(None)  # exit after serving what is here
+                break
+            backlog.append(item)
+            deadline = time.monotonic() + _LINGER_SECONDS
+        key = _batch_key(backlog[0][0].sampling_params)
+        batch, rest = [], deque()
+        while backlog:
+            item = backlog.popleft()
+            (batch if len(batch) < self.batch_size and _batch_key(item[0].sampling_params) == key else rest).append(item)
+        backlog.extend(rest)
+        return batch
+
+    def _serve(self) -> None:
+        backlog: deque = deque()
+        while (batch := self._next_batch(backlog)) is not None:
+            self._running = len(batch)
+            try:
+                if self._stopped.is_set():
+                    raise EngineStopped("engine was stopped")
+                results = self._run(batch)
+            except BaseException as e:  # resolve every waiter; never leave a future hanging
+                results = [e] * len(batch)
+            finally:
+                self._running = 0
+            for (_, future, loop), result in zip(batch, results):
+                loop.call_soon_threadsafe(_resolve, future, result)
+
+    def _run(self, batch: list) -> list:
+        requests = [r for r, _, _ in batch]
+        ids = self.tokenizer([r.prompt for r in requests], add_special_tokens=False)["input_ids"]
+        results: list = [None] * len(requests)
+        runnable = []
+        for i, (r, prompt_ids) in enumerate(zip(requests, ids)):
+            max_new = r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+            if self.max_context and len(prompt_ids) + max_new > self.max_context:
+                results[i] = Completion(
+                    r.id, "", len(prompt_ids), 0, "abort", "context_length",
+                    f"prompt has {len(prompt_ids)} tokens; with max_new_tokens {max_new} it exceeds "
+                    f"the model's context of {self.max_context}",
+                )  # fmt: skip
+            else:
+                runnable.append(i)
+        if runnable:
+            for i, c in zip(runnable, self._generate_batch([requests[i] for i in runnable])):
+                results[i] = c
+        return results
+
+    def _generation_kwargs(self, params: dict, limits: list[int]) -> dict:
         for name in sorted(set(params) - _SUPPORTED - self._warned):
             log.warning("sampling param %r is not supported by the transformers engine; ignored", name)
             self._warned.add(name)
         temperature = params.get("temperature", 1.0)  # SGLang's default
-        kw = {"max_new_tokens": params.get("max_new_tokens", 128), "do_sample": temperature > 0}
+        kw = {"max_new_tokens": max(limits), "do_sample": temperature > 0}
         if kw["do_sample"]:
             kw.update(temperature=temperature, top_p=params.get("top_p", 1.0))
             if params.get("top_k", -1) > 0:
@@ -111,58 +224,71 @@ class TransformersEngine(Engine):
             kw["tokenizer"] = self.tokenizer
         if params.get("ignore_eos"):
             kw["eos_token_id"] = None
+
         return kw
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
-        key = lambda r: json.dumps(r.sampling_params, sort_keys=True)  # noqa: E731
-        for _, group in groupby(sorted(requests, key=key), key=key):
-            group = list(group)
-            prompts = [r.prompt for r in group]
-            lengths = [len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-            order = sorted(range(len(group)), key=lambda i: lengths[i])
-            params = group[0].sampling_params
-            max_new = params.get("max_new_tokens", 128)
-            runnable = []
-            for i in order:
-                if self.max_context and lengths[i] + max_new > self.max_context:
-                    yield Completion(
-                        group[i].id, "", lengths[i], 0, "abort", "context_length",
-                        f"prompt has {lengths[i]} tokens; with max_new_tokens {max_new} it exceeds the model's context of {self.max_context}",
-                    )  # fmt: skip
-                else:
-                    runnable.append(i)
-            for b in range(0, len(runnable), self.batch_size):
-                batch = [group[i] for i in runnable[b : b + self.batch_size]]
-                yield from self._generate_batch(batch, params)
-
-    def _generate_batch(self, batch: list[Request], params: dict) -> list[Completion]:
+    def _generate_batch(self, batch: list[Request]) -> list[Completion]:
         import torch
 
-        kw = self._generation_kwargs(params)
+        params = batch[0].sampling_params
+        limits = [r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS) for r in batch]
+        kw = self._generation_kwargs(params, limits)
         enc = self.tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
         enc = {k: v.to(self.device) for k, v in enc.items()}
+        prompt_len = enc["input_ids"].shape[1]
         with torch.inference_mode():
-            out = self.model.generate(**enc, **kw, pad_token_id=self.tokenizer.pad_token_id)
-        new = out[:, enc["input_ids"].shape[1] :].tolist()
+            out = self.model.generate(
+                **enc,
+                **kw,
+                stopping_criteria=_row_limits(limits, prompt_len, self._stopped),
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        if self._stopped.is_set():
+            raise EngineStopped("engine was stopped during generation")
+        new = out[:, prompt_len:].tolist()
         prompt_tokens = enc["attention_mask"].sum(dim=1).tolist()
         stops = kw.get("stop_strings") or []
         skip = params.get("skip_special_tokens", True)
         pad = self.tokenizer.pad_token_id
         results = []
-        for req, ids, n_prompt in zip(batch, new, prompt_tokens):
-            n = len(ids)
-            for j, t in enumerate(ids):
+        for req, ids, n_prompt, limit in zip(batch, new, prompt_tokens, limits):
+            n = min(len(ids), limit)
+            for j, t in enumerate(ids[:n]):
                 if t in self.eos_ids and not params.get("ignore_eos"):
                     n = j + 1
                     break
                 if t == pad and pad not in self.eos_ids:  # padding after a stop string
                     n = j
                     break
-            # A sequence ends early only through its own EOS or stop string.
-            finish = "length" if n >= kw["max_new_tokens"] else "stop"
+            # A row ends before its limit only through its own EOS or stop string.
+            finish = "length" if n >= limit else "stop"
             text = self.tokenizer.decode(ids[:n], skip_special_tokens=skip)
             cuts = [c for c in (text.find(s) for s in stops) if c >= 0]
             if cuts:
                 text, finish = text[: min(cuts)], "stop"
             results.append(Completion(req.id, text, int(n_prompt), n, finish))
         return results
+
+
+def _row_limits(limits: list[int], prompt_len: int, stopped: threading.Event):
+    """Ends each row at its own max_new_tokens, and every row once the engine is stopped."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class RowLimits(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if stopped.is_set():
+                return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            generated = input_ids.shape[1] - prompt_len
+            return torch.tensor([generated >= n for n in limits], device=input_ids.device)
+
+    return StoppingCriteriaList([RowLimits()])
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if future.done():  # the waiter was cancelled (shutdown)
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
