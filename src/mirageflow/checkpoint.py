@@ -173,6 +173,19 @@ def _holder() -> dict:
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
 
 
+def _dead_here(holder: dict) -> bool:
+    """The holder ran on this host and its process is gone (killed with SIGKILL, crashed)."""
+    if holder.get("hostname") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, ValueError, TypeError):
+        return False
+    return False
+
+
 class Lease:
     """Exclusive claim on a shard, kept alive by heartbeats; stale after ``timeout`` seconds."""
 
@@ -188,7 +201,7 @@ class Lease:
             current = None
         if current is not None:
             age = time.time() - current.get("heartbeat", 0)
-            if age < self.timeout:
+            if age < self.timeout and not _dead_here(current):
                 who = f"host {current['hostname']} pid {current['pid']}" + (
                     f" (SLURM job {current['slurm_job_id']})" if current.get("slurm_job_id") else ""
                 )
