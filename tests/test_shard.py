@@ -293,3 +293,48 @@ def test_sigterm_commits_finished_rows_records_why_and_stops(tmp_path):
     assert failure["signal"] == "SIGTERM" and "4 rows committed" in failure["error"]
     assert [r["source_index"] for r in _records(tmp_path)] == [0, 1, 2, 3]
     assert engine.closed and not (cfg.shard_dir(0) / "lease.json").exists()
+
+
+def test_each_kind_of_bad_row_is_recorded_with_its_class_and_good_rows_all_kept(tmp_path):
+    rows = [
+        {"q": "good1"},
+        "{this is not json",                 # 1 malformed line
+        "[1, 2, 3]",                         # 2 not an object
+        {"other": "no q"},                   # 3 missing key
+        {"q": {"nested": True}},             # 4 template error: q.word is undefined
+        {"q": "toolong"},                    # 5 prompt over the context
+        {"q": "abort"},                      # 6 generation aborted
+        {"q": "notjson"},                    # 7 answer is not JSON
+        {"q": "badschema"},                  # 8 answer breaks the schema
+        {"q": "truncated"},                  # 9 JSON cut off by max_new_tokens
+        {"q": "good2"},
+    ]  # fmt: skip
+    output = {**JSON_OUTPUT, "prompt": "{{ q if q is string else q.word }}"}
+    cfg = _setup(tmp_path, rows, [output])
+
+    def answer(prompt):
+        key = prompt.split(":", 1)[1]
+        return {
+            "toolong": Completion(0, "", 9999, 0, "abort", "context_length", "prompt has 9999 tokens"),
+            "abort": Completion(0, "partial", 5, 3, "abort"),
+            "notjson": "no json here",
+            "badschema": '{"n": "three"}',
+            "truncated": Completion(0, '{"n": 1', 5, 16, "length"),
+        }.get(key, '{"n": 5}')
+
+    status = run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(answer))
+    got = {e["source_index"]: (e["stage"], e["error"]) for e in _errors(cfg)}
+    assert got == {
+        1: ("read", "bad_row"), 2: ("read", "bad_row"), 3: ("extract", "missing_variable"),
+        4: ("render", "template_error"), 5: ("generate", "context_length"), 6: ("generate", "aborted"),
+        7: ("output", "json_parse"), 8: ("output", "json_schema"), 9: ("output", "json_truncated"),
+    }  # fmt: skip
+    errors = {e["source_index"]: e for e in _errors(cfg)}
+    assert "in.jsonl:2" in errors[1]["message"] and errors[8]["raw"] == '{"n": "three"}'
+    assert [r["source_index"] for r in _records(tmp_path)] == [0, 10]
+    assert status["stats"]["rows_failed"] == 9 and sum(status["stats"]["rows_failed_by_class"].values()) == 9
+
+    strict = _setup(tmp_path, rows, [output])
+    object.__setattr__(strict, "shard", type(strict.shard)(**{**vars(strict.shard), "max_error_rate": 0.5}))
+    with pytest.raises(ShardFailed, match="error budget exceeded in shard 0: 9 of 11 rows failed"):
+        run_shard(strict, 0, engine_factory=lambda p, b: ScriptedEngine(answer))
