@@ -338,3 +338,21 @@ def test_each_kind_of_bad_row_is_recorded_with_its_class_and_good_rows_all_kept(
     object.__setattr__(strict, "shard", type(strict.shard)(**{**vars(strict.shard), "max_error_rate": 0.5}))
     with pytest.raises(ShardFailed, match="error budget exceeded in shard 0: 9 of 11 rows failed"):
         run_shard(strict, 0, engine_factory=lambda p, b: ScriptedEngine(answer))
+
+
+def test_sigterm_while_the_engine_loads_is_recorded_too(tmp_path):
+    import os
+    import signal
+
+    from mirageflow.shard import ShardInterrupted
+
+    class SlowLoad(ScriptedEngine):
+        def load(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ShardInterrupted):
+        run_shard(cfg, 0, engine_factory=lambda p, b: SlowLoad(lambda p: "x"))
+    assert json.loads((cfg.shard_dir(0) / "failure.json").read_text())["signal"] == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -307,6 +308,7 @@ class ShardRunner:
         indices = self._load_indices()
         ranges = {ds.index: (ix["shards"][self.shard_id]["start"], ix["shards"][self.shard_id]["stop"]) for ds, ix in zip(cfg.datasets, indices)}
         self.lease.acquire()
+        previous = self._interrupt_on_signals()
         try:
             self.checkpoint = Checkpoint(
                 self.shard_dir,
@@ -326,6 +328,7 @@ class ShardRunner:
             steps = [_OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]) for o in cfg.outputs]
 
             asyncio.run(self._run_async(indices, steps))
+            self._interrupt_on_signals()  # the loop reset them to the defaults
             self._commit()  # whatever finished, also when interrupted
             if self.interrupted:
                 raise ShardInterrupted(self.interrupted, sum(self._totals()))
@@ -335,6 +338,8 @@ class ShardRunner:
             if self.abort:
                 raise self.abort
         finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             self.lease.release()
 
         per_dataset = []
@@ -349,6 +354,18 @@ class ShardRunner:
                 "parts": prog.parts,
             })  # fmt: skip
         return per_dataset
+
+    def _interrupt_on_signals(self) -> dict:
+        """Before and after the event loop (engine load, final commit) a signal still ends the shard cleanly."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, frame):
+            for engine in self.engines.values():
+                engine.stop()
+            raise ShardInterrupted(signum, sum(self._totals()) if self.checkpoint else 0)
+
+        return {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGINT)}
 
     def close(self) -> None:
         for engine in self.engines.values():
