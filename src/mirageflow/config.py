@@ -197,6 +197,14 @@ class ProcessorConfig:
     chat_template_kwargs: dict
     apply_chat_template: bool
     torch_threads: int | None
+    # sglang_server / openai backends (see the schema for each)
+    base_url: str | None = None
+    api_key_env: str | None = None
+    model: str | None = None
+    server_command: list[str] | None = None
+    server_start_timeout: float = 900.0
+    request_timeout: float = 600.0
+    max_retries: int = 5
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,7 @@ class ShardParams:
     max_errors: int | None
     max_inflight: int | None
     lease_timeout_seconds: float
+    gpu_sample_interval_seconds: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -288,6 +297,13 @@ def _processor(p: dict) -> ProcessorConfig:
         chat_template_kwargs=kwargs,
         apply_chat_template=p["apply_chat_template"],
         torch_threads=p["torch_threads"],
+        base_url=p["base_url"],
+        api_key_env=p["api_key_env"],
+        model=p["model"],
+        server_command=p["server_command"],
+        server_start_timeout=p["server_start_timeout"],
+        request_timeout=p["request_timeout"],
+        max_retries=p["max_retries"],
     )
 
 
@@ -300,6 +316,8 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             problems.append(f"processors[{i}].type: a second '{p['type']}' processor; outputs could not tell them apart")
         if p["chat_template"]:
             problems.append(f"processors[{i}].chat_template: named chat templates are not supported; the model's own template is used")
+        if p["backend"] == "openai" and not p["base_url"]:
+            problems.append(f"processors[{i}].base_url: required by backend openai (e.g. http://node:30000/v1)")
         processors[p["type"]] = _processor(p)
 
     datasets = []

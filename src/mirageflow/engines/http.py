@@ -75,11 +75,12 @@ class LoopEngine(Engine):
         if loop is None:
             return
 
-        async def drain() -> None:
-            for task in list(self._tasks):
+        async def drain() -> None:  # requests and the library's own background tasks
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
                 task.cancel()
-            if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=5)
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
 
         try:
             self._call(drain(), timeout=10)
@@ -108,19 +109,26 @@ class LoopEngine(Engine):
         if self._loop is None:
             raise RuntimeError(f"{type(self).__name__}: load() was not called, or the engine is closed")
         future = asyncio.run_coroutine_threadsafe(self._tracked(request), self._loop)
-        return await asyncio.wrap_future(future)
+        ok, value = await asyncio.wrap_future(future)
+        if not ok:
+            raise value
+        return value
 
-    async def _tracked(self, request):
+    async def _tracked(self, request) -> tuple[bool, Any]:
+        """(True, completion) or (False, exception): an error never stays unretrieved in the
+        engine loop when its caller has gone (e.g. cancelled after a sibling failed)."""
         task = asyncio.current_task()
         self._tasks.add(task)
         try:
             if self._failure is not None:
-                raise self._failure_error()
-            return await self._generate(request)
+                return False, self._failure_error()
+            return True, await self._generate(request)
         except asyncio.CancelledError:
             if self._failure is not None:
-                raise self._failure_error() from None
+                return False, self._failure_error()
             raise
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            return False, e
         finally:
             self._tasks.discard(task)
 
@@ -143,6 +151,20 @@ class LoopEngine(Engine):
 
 
 # --------------------------------------------------------------------------- HTTP helpers
+
+
+_SECRET = re.compile(r"(key|token|secret|password)$", re.IGNORECASE)  # api_key, --hf-token, ...
+
+
+def redact(value):
+    """A copy of engine arguments (a mapping, or an argv list) fit for logs and status files."""
+    if isinstance(value, dict):
+        return {k: "***" if _SECRET.search(str(k)) and v not in (None, False) else v for k, v in value.items()}
+    out, hide = [], False
+    for item in value:
+        out.append("***" if hide else item)
+        hide = isinstance(item, str) and item.startswith("--") and bool(_SECRET.search(item))
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

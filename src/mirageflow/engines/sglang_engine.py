@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from mirageflow import stats
 from mirageflow.engines.base import Completion, EngineInfo, Request
-from mirageflow.engines.http import LoopEngine, is_context_length_error
+from mirageflow.engines.http import LoopEngine, is_context_length_error, redact
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class SGLangEngine(LoopEngine):
                 f"or use backend transformers ({e})"
             ) from e
         kwargs = engine_kwargs(self.server_args)
-        log.info("starting sglang.Engine(%s)", ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+        log.info("starting sglang.Engine(%s)", ", ".join(f"{k}={v!r}" for k, v in redact(kwargs).items()))
         self.engine = sglang.Engine(**kwargs)
         try:
             self.tokenizer = self.engine.tokenizer_manager.tokenizer
@@ -128,7 +128,7 @@ class SGLangEngine(LoopEngine):
                 versions=versions,
                 device=_device_name(),
                 details={
-                    "engine_args": kwargs,
+                    "engine_args": redact(kwargs),
                     "max_inflight": self.max_inflight,
                     "gpus_allocated": stats.allocated_gpus(),
                 },
@@ -152,6 +152,21 @@ class SGLangEngine(LoopEngine):
         if isinstance(out, list):
             out = out[0]
         return completion_from_output(request.id, out)
+
+    def stop(self) -> None:
+        super().stop()  # fail every outstanding request now
+        manager = getattr(self.engine, "tokenizer_manager", None)
+        if manager is not None and self._loop is not None:
+            def abort_all():  # and free the GPU from them (best effort; the API varies by version)
+                try:
+                    manager.abort_request(abort_all=True)
+                except Exception:  # noqa: BLE001
+                    log.debug("abort_request(abort_all=True) failed", exc_info=True)
+
+            try:
+                self._loop.call_soon_threadsafe(abort_all)
+            except RuntimeError:  # the loop is closed
+                pass
 
     def close(self) -> None:
         try:

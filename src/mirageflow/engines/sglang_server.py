@@ -51,6 +51,7 @@ from mirageflow.engines.http import (
     free_port,
     parse_prometheus,
     post_with_retries,
+    redact,
 )
 from mirageflow.engines.sglang_engine import (
     completion_from_output,
@@ -152,10 +153,12 @@ class SGLangServerEngine(LoopEngine):
         self.command = self.build_command(self.port)
         with open(self.log_path, "ab") as logf:
             self._log_offset = logf.tell()
-            logf.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S%z')} mirageflow starts: {' '.join(self.command)}\n".encode())
+            shown = " ".join(redact(self.command))
+            logf.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S%z')} mirageflow starts: {shown}\n".encode())
             logf.flush()
             self._log_offset = logf.tell()
             log.info("starting the SGLang server on port %d (log: %s)", self.port, self.log_path)
+            started = time.monotonic()
             self.process = subprocess.Popen(
                 self.command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -164,7 +167,6 @@ class SGLangServerEngine(LoopEngine):
         try:
             if self.processor.apply_chat_template:
                 self.tokenizer = _load_tokenizer(self.server_args)  # while the server boots
-            started = time.monotonic()
             self._wait_healthy()
             self._start_loop("sglang-server-client")
             self._call(self._open_client())
@@ -174,7 +176,7 @@ class SGLangServerEngine(LoopEngine):
                 versions=self._versions(),
                 device="cuda",
                 details={
-                    "command": self.command,
+                    "command": redact(self.command),
                     "log": str(self.log_path),
                     "port": self.port,
                     "server_pid": self.process.pid,
@@ -201,7 +203,7 @@ class SGLangServerEngine(LoopEngine):
                 if rc is not None:
                     raise EngineError(
                         f"the SGLang server exited with code {rc} before it became healthy "
-                        f"({' '.join(self.command)}); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._tail()}"
+                        f"({' '.join(redact(self.command))}); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._tail()}"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -290,7 +292,7 @@ class SGLangServerEngine(LoopEngine):
 
     async def _check_alive(self) -> None:
         """After a connection error: fail with the server's exit, if that is what it was."""
-        for _ in range(10):  # the socket may close a moment before the exit is seen
+        for _ in range(5):  # the socket may close a moment before the exit is seen
             if self._failure is not None or self.process.poll() is not None:
                 break
             await asyncio.sleep(0.05)
@@ -342,7 +344,8 @@ class SGLangServerEngine(LoopEngine):
             return
         self._killed = True
         self._closing = True
-        descendants = _descendants(process.pid)
+        members = _process_tree(process.pid)  # before the leader goes and its children scatter
+        deadline = time.monotonic() + self.kill_grace
         try:
             os.killpg(process.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -351,15 +354,19 @@ class SGLangServerEngine(LoopEngine):
             process.wait(timeout=self.kill_grace)
         except subprocess.TimeoutExpired:
             log.warning("the SGLang server ignored SIGTERM for %g s; killing it", self.kill_grace)
+        members = _wait_gone(members, max(0.0, deadline - time.monotonic()))
         try:
             os.killpg(process.pid, signal.SIGKILL)  # also members that outlived the leader
         except ProcessLookupError:
             pass
-        _kill_all(descendants)  # children that left the group
+        _kill(members)  # children that left the group
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             log.error("the SGLang server (pid %d) did not exit after SIGKILL", process.pid)
+        left = _wait_gone(members, 10)
+        if left:
+            log.error("processes of the SGLang server survived SIGKILL: %s", [p.pid for p in left])
 
 
 def _load_tokenizer(server_args: dict):
@@ -368,23 +375,49 @@ def _load_tokenizer(server_args: dict):
     return AutoTokenizer.from_pretrained(server_args["model_path"], trust_remote_code=server_args.get("trust_remote_code", True))
 
 
-def _descendants(pid: int) -> list:
+def _process_tree(pid: int) -> list:
+    """The server's descendants and its process group's members (psutil; [] without it)."""
     try:
         import psutil
-
-        return psutil.Process(pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - psutil missing or the process is gone
+    except ImportError:
         return []
+    found = {}
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            found[child.pid] = child
+    except psutil.Error:
+        pass
+    for p in psutil.process_iter():
+        try:
+            if p.pid != pid and p.pid not in found and os.getpgid(p.pid) == pid:
+                found[p.pid] = p
+        except (OSError, psutil.Error):
+            pass
+    return list(found.values())
 
 
-def _kill_all(processes: list) -> None:
-    if not processes:
-        return
+def _running(p) -> bool:
     import psutil
 
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(processes: list, timeout: float) -> list:
+    """Those of ``processes`` still running after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        processes = [p for p in processes if _running(p)]
+        if not processes or time.monotonic() >= deadline:
+            return processes
+        time.sleep(0.02)
+
+
+def _kill(processes: list) -> None:
     for p in processes:
         try:
             p.kill()
-        except psutil.Error:
+        except Exception:  # noqa: BLE001 - gone meanwhile
             pass
-    psutil.wait_procs(processes, timeout=5)

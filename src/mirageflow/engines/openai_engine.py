@@ -1,0 +1,186 @@
+"""Any OpenAI-compatible endpoint (``backend: openai``): SGLang, vLLM, a hosted API.
+
+``POST {base_url}/chat/completions`` with the request's chat messages: the server applies
+the chat template (``templates_server_side = True``; the runner sends messages, and
+``chat_template_kwargs`` travel in the body). With ``apply_chat_template: false`` the
+prompt goes to ``POST {base_url}/completions`` as is.
+
+- Model: ``processors[].model``, else ``server_args.model_path``.
+- API key: read at load from the environment variable named by ``api_key_env`` and sent
+  as ``Authorization: Bearer``; never logged or recorded. Load fails if it is unset.
+- Sampling params keep SGLang's names except ``max_new_tokens`` -> ``max_tokens`` and
+  ``min_new_tokens`` -> ``min_tokens``; the others (top_k, min_p, repetition_penalty,
+  ignore_eos, ...) are passed as the extra fields SGLang and vLLM accept.
+- A last message from the assistant is a response prefix to continue: the body then
+  carries ``continue_final_message: true, add_generation_prompt: false``.
+- JSON outputs: ``response_format: {"type": "json_schema", "json_schema": {"name": "output",
+  "schema": ...}}``.
+- Tokens from ``usage``; finish reasons stop/length pass through, content_filter and abort
+  become ``abort``, anything else (tool_calls, ...) ``stop``.
+- Connection errors, timeouts (``request_timeout`` per attempt), 429 and 5xx are retried
+  with exponential backoff and jitter (Retry-After honoured) up to ``max_retries`` times,
+  then the request fails with EngineError (the shard fails: the endpoint is unusable). 401,
+  403 and 404 fail at once the same way; other 4xx answers fail only their row.
+- ``max_inflight``: 64 requests at once (``shard_params.max_inflight`` overrides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+from mirageflow.engines.base import Completion, EngineInfo, Request
+from mirageflow.engines.http import FATAL_STATUS, EngineError, LoopEngine, error_message, post_with_retries
+from mirageflow.engines.sglang_engine import rejected
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_INFLIGHT = 64
+_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_FINISH = {"stop": "stop", "length": "length", "content_filter": "abort", "abort": "abort"}
+
+
+def openai_params(params: dict) -> dict:
+    return {_RENAMED.get(k, k): v for k, v in params.items()}
+
+
+def finish_reason(value) -> str:
+    return _FINISH.get(value, "stop") if value is not None else "stop"
+
+
+class OpenAIEngine(LoopEngine):
+    templates_server_side = True  # the runner sends Request.messages; chat_prompt is not used
+    retry_base_delay = 0.5
+    retry_max_delay = 30.0
+
+    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+        super().__init__()
+        self.processor = processor
+        self.base_url = (processor.base_url or "").rstrip("/")
+        self.model = processor.model or processor.server_args["model_path"]
+        self.max_inflight = DEFAULT_MAX_INFLIGHT
+        self._client = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._warned_usage = False
+        self.info = EngineInfo(backend="openai", model_path=self.model)
+
+    def load(self) -> None:
+        import httpx2
+
+        if not self.base_url:
+            raise EngineError("backend openai needs processors[].base_url (e.g. http://host:30000/v1)")
+        headers = {}
+        name = self.processor.api_key_env
+        if name:
+            key = os.environ.get(name)
+            if not key:
+                raise EngineError(
+                    f"backend openai: the environment variable {name} (processors[].api_key_env) is "
+                    "not set or empty; export the API key in it before running"
+                )
+            headers["Authorization"] = f"Bearer {key}"
+        self._start_loop("openai-client")
+        try:
+            self._call(self._open_client(headers))
+        except BaseException:
+            self.close()
+            raise
+        self.info = EngineInfo(
+            backend="openai",
+            model_path=self.model,
+            versions={"httpx2": httpx2.__version__},
+            device="remote",
+            details={
+                "base_url": self.base_url,
+                "api_key_env": name,
+                "max_inflight": self.max_inflight,
+                "max_retries": self.processor.max_retries,
+                "request_timeout": self.processor.request_timeout,
+            },
+        )
+
+    async def _open_client(self, headers: dict) -> None:
+        import httpx2
+
+        limits = httpx2.Limits(max_connections=self.max_inflight, max_keepalive_connections=self.max_inflight)
+        self._client = httpx2.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=float(self.processor.request_timeout), limits=limits
+        )
+        self._semaphore = asyncio.Semaphore(self.max_inflight)
+
+    def chat_prompt(self, messages, chat_template_kwargs) -> str:
+        """Not used for templating (the server applies its template); a readable rendering only."""
+        return json.dumps(messages, ensure_ascii=False)
+
+    def request_body(self, request: Request) -> tuple[str, dict]:
+        body = {"model": self.model, **openai_params(request.sampling_params)}
+        if self.processor.apply_chat_template:
+            if request.messages is None:
+                raise ValueError("the openai engine needs chat messages (the server applies the chat template)")
+            path = "/chat/completions"
+            body["messages"] = request.messages
+            if request.messages and request.messages[-1].get("role") == "assistant":
+                # a response prefix: the model continues that message (vLLM/SGLang extension)
+                body.update(continue_final_message=True, add_generation_prompt=False)
+            if self.processor.chat_template_kwargs:
+                body["chat_template_kwargs"] = dict(self.processor.chat_template_kwargs)
+        else:
+            path = "/completions"
+            body["prompt"] = request.prompt if request.prompt is not None else request.messages[-1]["content"]
+        if request.json_schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": json.loads(request.json_schema)},
+            }
+        return path, body
+
+    async def _generate(self, request: Request) -> Completion:
+        path, body = self.request_body(request)
+        async with self._semaphore:
+            response = await post_with_retries(
+                self._client,
+                self.base_url + path,
+                body,
+                max_retries=int(self.processor.max_retries),
+                timeout=float(self.processor.request_timeout),
+                base_delay=self.retry_base_delay,
+                max_delay=self.retry_max_delay,
+                what=f"POST {self.base_url}{path}",
+            )
+        if not 200 <= response.status_code < 300:
+            message = f"{self.base_url}{path} answered HTTP {response.status_code}: {error_message(response.content)}"
+            if response.status_code in FATAL_STATUS:
+                raise EngineError(message)
+            return rejected(request.id, message)
+        data = response.json()
+        choice = (data.get("choices") or [{}])[0]
+        if path == "/chat/completions":
+            text = (choice.get("message") or {}).get("content")
+        else:
+            text = choice.get("text")
+        usage = data.get("usage") or {}
+        if not usage and not self._warned_usage:
+            self._warned_usage = True
+            log.warning("%s reports no usage; token counts will be 0", self.base_url)
+        completion = Completion(
+            request.id,
+            text or "",
+            int(usage.get("prompt_tokens") or 0),
+            int(usage.get("completion_tokens") or 0),
+            finish_reason(choice.get("finish_reason")),
+        )
+        if completion.finish_reason == "abort":
+            completion.error_kind = "aborted"
+            completion.error = f"the server ended the request with finish_reason {choice.get('finish_reason')!r}"
+        return completion
+
+    def close(self) -> None:
+        if self._client is not None and self._loop is not None:
+            try:
+                self._call(self._client.aclose(), timeout=10)
+            except Exception:  # noqa: BLE001
+                log.debug("closing the HTTP client failed", exc_info=True)
+            self._client = None
+        self._stop_loop()

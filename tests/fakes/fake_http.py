@@ -1,0 +1,223 @@
+"""A real HTTP server on 127.0.0.1 that speaks like SGLang's, with scripted trouble.
+
+Endpoints: ``GET /health_generate`` (503 while "starting", then 200), ``POST /generate``
+(SGLang native: ``{"text", "sampling_params"}`` -> ``{"text", "meta_info"}``),
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI), ``GET /metrics``
+(Prometheus text, when metrics are on), ``GET /get_server_info``.
+
+Trouble: ``latency`` per request; ``hold_until`` (hold requests until that many were in
+flight at once, to observe a client's window deterministically); ``unhealthy_for`` seconds of 503 at start;
+``never_healthy``; ``plan``, a list consumed one entry per generation request ("ok", an
+HTTP status such as "429"/"503"/"400"/"401", or "drop" to close the connection without an
+answer); ``crash_after`` (script mode only: the process exits with ``crash_code`` on the
+next generation request after that many were answered). A prompt containing ``TOO_LONG``
+gets SGLang's 400 context-length error.
+
+Used in a thread by tests (``FakeServer(...).start()``) and as the core of
+``fake_sglang_server.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+CONTEXT_ERROR = "The input (5000 tokens) is longer than the model's context length (2048 tokens)."
+
+
+@dataclass
+class Behaviour:
+    latency: float = 0.0
+    unhealthy_for: float = 0.0
+    never_healthy: bool = False
+    plan: list[str] = field(default_factory=list)
+    crash_after: int | None = None
+    crash_code: int = 7
+    enable_metrics: bool = True
+    model: str = "fake-model"
+    allow_exit: bool = False  # only a stand-in process may exit
+    hold_until: int = 0  # hold generation requests until this many were in flight at once (max 5 s)
+
+
+class FakeServer:
+    def __init__(self, behaviour: Behaviour | None = None, host: str = "127.0.0.1", port: int = 0):
+        self.behaviour = behaviour or Behaviour()
+        self.records: list[dict] = []
+        self.health_statuses: list[int] = []
+        self.lock = threading.Lock()
+        self.peak_reached = threading.Condition(self.lock)
+        self.started = time.monotonic()
+        self.answered = 0
+        self.in_flight = self.peak_in_flight = 0
+        self.prompt_tokens = self.generation_tokens = 0
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd.daemon_threads = True
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "FakeServer":
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def next_action(self) -> str:
+        with self.lock:
+            return self.behaviour.plan.pop(0) if self.behaviour.plan else "ok"
+
+    def healthy(self) -> bool:
+        b = self.behaviour
+        return not b.never_healthy and time.monotonic() - self.started >= b.unhealthy_for
+
+    def metrics_text(self) -> str:
+        m = self.behaviour.model
+        lines = []
+        for name, kind, value in (
+            ("sglang:prompt_tokens_total", "counter", self.prompt_tokens),
+            ("sglang:generation_tokens_total", "counter", self.generation_tokens),
+            ("sglang:num_running_reqs", "gauge", self.in_flight),
+            ("sglang:num_queue_reqs", "gauge", 0),
+        ):
+            lines += [f"# HELP {name} fake", f"# TYPE {name} {kind}"]
+            # two label sets (as with two TP ranks): the scraper must sum them
+            lines.append(f'{name}{{model_name="{m}",tp_rank="0"}} {float(value)}')
+            lines.append(f'{name}{{model_name="{m}",tp_rank="1"}} 0.0')
+        lines.append('sglang:gen_throughput{model_name="%s"} 1.0' % m)
+        return "\n".join(lines) + "\n"
+
+
+def _words(n: int) -> str:
+    return " ".join(f"w{i}" for i in range(n))
+
+
+def _handler(server: FakeServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # quiet; the stand-in logs what matters
+            pass
+
+        def _send(self, status: int, body, content_type: str = "application/json") -> None:
+            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            if status == 429:
+                self.send_header("Retry-After", "0")
+            self.end_headers()
+            try:
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
+                self.close_connection = True
+
+        def do_GET(self):
+            if self.path == "/health_generate":
+                status = 200 if server.healthy() else 503
+                server.health_statuses.append(status)
+                self._send(status, {} if status == 200 else {"error": "starting"})
+            elif self.path == "/metrics":
+                if server.behaviour.enable_metrics:
+                    self._send(200, server.metrics_text(), "text/plain; version=0.0.4")
+                else:
+                    self._send(404, {"detail": "Not Found"})
+            elif self.path == "/get_server_info":
+                self._send(200, {"version": "0.5.23+fake", "peak_in_flight": server.peak_in_flight, "answered": server.answered})
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            with server.lock:
+                server.records.append({"path": self.path, "headers": dict(self.headers), "body": body})
+            if self.path not in ("/generate", "/v1/chat/completions", "/v1/completions"):
+                return self._send(404, {"detail": "Not Found"})
+            b = server.behaviour
+            if b.crash_after is not None and server.answered >= b.crash_after and b.allow_exit:
+                print("fake sglang: CUDA error: an illegal memory access was encountered", flush=True)
+                os._exit(b.crash_code)
+            action = server.next_action()
+            if action == "drop":
+                self.close_connection = True
+                return
+            if action != "ok":
+                status = int(action)
+                return self._send(status, {"object": "error", "message": f"fake {status}", "code": status})
+            with server.lock:
+                server.in_flight += 1
+                server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
+                server.peak_reached.notify_all()
+                server.peak_reached.wait_for(lambda: server.peak_in_flight >= b.hold_until, timeout=5)
+            try:
+                if b.latency:
+                    time.sleep(b.latency)
+                if self.path == "/generate":
+                    status, answer = self._generate(body)
+                else:
+                    status, answer = self._openai(body)
+            finally:
+                with server.lock:
+                    server.in_flight -= 1
+            self._send(status, answer)
+
+        def _count(self, prompt: int, completion: int) -> None:
+            with server.lock:
+                server.answered += 1
+                server.prompt_tokens += prompt
+                server.generation_tokens += completion
+
+        def _generate(self, body: dict):
+            text, params = body.get("text"), body.get("sampling_params") or {}
+            if not isinstance(text, str):
+                return 400, {"error": {"message": "text must be a string"}}
+            if "json_schema" in params and not isinstance(params["json_schema"], str):
+                return 400, {"error": {"message": "json_schema must be a JSON string"}}
+            if "TOO_LONG" in text:
+                return 400, {"error": {"message": CONTEXT_ERROR}}
+            limit = int(params.get("max_new_tokens", 128))
+            n = min(limit, 1 + sum(map(ord, text)) % 7)
+            out = '{"answer": "yes"}' if "json_schema" in params else _words(n)
+            p = len(text.split())
+            self._count(p, n)
+            reason = {"type": "length", "length": n} if n >= limit else {"type": "stop", "matched": 2}
+            return 200, {"text": out, "meta_info": {"id": "x", "finish_reason": reason, "prompt_tokens": p, "completion_tokens": n}}
+
+        def _openai(self, body: dict):
+            chat = self.path == "/v1/chat/completions"
+            source = json.dumps(body.get("messages")) if chat else body.get("prompt", "")
+            if "TOO_LONG" in source:
+                return 400, {"object": "error", "message": CONTEXT_ERROR, "type": "BadRequestError", "code": 400}
+            limit = body.get("max_tokens") or 128
+            json_mode = (body.get("response_format") or {}).get("type") == "json_schema"
+            n = min(limit, 3 if json_mode else 1 + len(source) % 7)
+            out = '{"answer": "yes"}' if json_mode else _words(n)
+            p = len(source.split())
+            self._count(p, n)
+            finish = "length" if n >= limit else "stop"
+            choice = {"index": 0, "finish_reason": finish}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out}
+            else:
+                choice["text"] = out
+            usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+            return 200, {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"), "choices": [choice], "usage": usage}
+
+    return Handler
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick manual server
+    s = FakeServer(port=int(sys.argv[1]) if len(sys.argv) > 1 else 0).start()
+    print(s.url, flush=True)
+    s.thread.join()

@@ -1,0 +1,82 @@
+"""Stand-in for ``python -m sglang.launch_server``: same flags, the fake HTTP server behind.
+
+    python tests/fakes/fake_sglang_server.py --model-path M --port P [--host H] [--tp-size N] ...
+
+Unknown flags are an error (exit 2), as with the real launcher. Trouble comes from the
+environment (the engine's child inherits it):
+
+- FAKE_SGLANG_UNHEALTHY_FOR=seconds   /health_generate answers 503 this long
+- FAKE_SGLANG_NEVER_HEALTHY=1         ...forever
+- FAKE_SGLANG_EXIT_AT_START=code      exit before serving
+- FAKE_SGLANG_CRASH_AFTER=n           exit (code 7) on the generation request after n answers
+- FAKE_SGLANG_LATENCY=seconds         per generation request
+- FAKE_SGLANG_HOLD_UNTIL=n            hold requests until n were in flight at once
+- FAKE_SGLANG_PLAN=503,drop,ok        scripted answers, one per generation request
+- FAKE_SGLANG_IGNORE_SIGTERM=1        survive SIGTERM (the engine must SIGKILL)
+- FAKE_SGLANG_SPAWN_CHILD=1           start a grandchild (like SGLang's scheduler) and log its pid
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from fake_http import Behaviour, FakeServer
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sglang.launch_server (fake)")
+    p.add_argument("--model-path", "--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=1)
+    p.add_argument("--data-parallel-size", "--dp-size", "--dp", dest="dp_size", type=int, default=1)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--disable-custom-all-reduce", action="store_true")
+    p.add_argument("--enable-metrics", action="store_true")
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--grammar-backend")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
+    env = os.environ
+    print(f"fake sglang argv: {json.dumps(sys.argv[1:])}", flush=True)
+    print(f"fake sglang: server_args={vars(args)}", flush=True)
+    if env.get("FAKE_SGLANG_IGNORE_SIGTERM"):
+        signal.signal(signal.SIGTERM, lambda *a: print("fake sglang: ignoring SIGTERM", flush=True))
+    if env.get("FAKE_SGLANG_SPAWN_CHILD"):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"fake sglang: scheduler child pid {child.pid}", flush=True)
+    print("fake sglang: loading weights...", flush=True)
+    if env.get("FAKE_SGLANG_EXIT_AT_START"):
+        print("fake sglang: RuntimeError: not enough memory for the KV cache", flush=True)
+        sys.exit(int(env["FAKE_SGLANG_EXIT_AT_START"]))
+    plan = [x.strip() for x in env.get("FAKE_SGLANG_PLAN", "").split(",") if x.strip()]
+    behaviour = Behaviour(
+        latency=float(env.get("FAKE_SGLANG_LATENCY", "0")),
+        hold_until=int(env.get("FAKE_SGLANG_HOLD_UNTIL", "0")),
+        unhealthy_for=float(env.get("FAKE_SGLANG_UNHEALTHY_FOR", "0")),
+        never_healthy=bool(env.get("FAKE_SGLANG_NEVER_HEALTHY")),
+        plan=plan,
+        crash_after=int(env["FAKE_SGLANG_CRASH_AFTER"]) if env.get("FAKE_SGLANG_CRASH_AFTER") else None,
+        enable_metrics=args.enable_metrics,
+        model=args.model_path,
+        allow_exit=True,
+    )
+    server = FakeServer(behaviour, host=args.host, port=args.port)
+    print(f"fake sglang: serving on {server.url}", flush=True)
+    server.httpd.serve_forever(poll_interval=0.05)
+
+
+if __name__ == "__main__":
+    main()

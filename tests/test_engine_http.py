@@ -1,0 +1,374 @@
+"""The HTTP engines against real sockets: ``sglang_server`` launching a stand-in server
+process (tests/fakes/fake_sglang_server.py), and ``openai`` against a fake server in a thread."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fakes import alive, drive, stand_in_command
+from fakes.fake_http import Behaviour, FakeServer
+from mirageflow.config import ConfigError, ProcessorConfig, load_config
+from mirageflow.engines.base import Request
+from mirageflow.engines.http import EngineError, backoff_delay, parse_prometheus, redact
+from mirageflow.engines.openai_engine import OpenAIEngine
+from mirageflow.engines.sglang_server import SGLangServerEngine, ServerDied, server_flags
+from mirageflow.engines.transformers_engine import EngineStopped
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<|no_think|>{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def processor(backend="sglang_server", model="org/model", extra=None, apply_chat_template=False, **fields) -> ProcessorConfig:
+    server_args = {"model_path": model, "tp_size": 1, "dp_size": 1, "trust_remote_code": True,
+                   "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
+    server_args.update(fields.pop("server_args", {}))
+    defaults = dict(
+        type="llm", backend=backend, server_args=server_args, sampling_params={}, chat_template_kwargs={},
+        apply_chat_template=apply_chat_template, torch_threads=None, server_command=stand_in_command(),
+        server_start_timeout=10.0, request_timeout=10.0, max_retries=3,
+    )  # fmt: skip
+    defaults.update(fields)
+    return ProcessorConfig(**defaults)
+
+
+def req(i, prompt=None, schema=None, messages=None, **params) -> Request:
+    messages = messages or [{"role": "user", "content": f"question {i}"}]
+    return Request(i, messages, prompt or f"prompt number {i} " + "x" * i, params, json.dumps(schema) if schema else None)
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """Short waits: quick health polls, retries and kill grace."""
+    monkeypatch.setattr(SGLangServerEngine, "health_poll_interval", 0.05)
+    monkeypatch.setattr(SGLangServerEngine, "retry_base_delay", 0.01)
+    monkeypatch.setattr(SGLangServerEngine, "kill_grace", 2.0)
+    monkeypatch.setattr(OpenAIEngine, "retry_base_delay", 0.01)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A tiny local tokenizer with a chat template (what AutoTokenizer loads from the model path)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out = tmp_path_factory.mktemp("tok")
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate("hello world question be brief".split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def child_pid(log: Path) -> int:
+    return int(re.search(r"scheduler child pid (\d+)", log.read_text()).group(1))
+
+
+# --------------------------------------------------------------------------- sglang_server
+
+
+def test_server_flags():
+    assert server_flags({"tp_size": 2, "enable_metrics": True, "disable_custom_all_reduce": False, "context_length": None,
+                         "json_model_override_args": {"a": 1}, "cuda_graph_bs": [1, 2]}) == [
+        "--tp-size", "2", "--enable-metrics", "--json-model-override-args", '{"a": 1}', "--cuda-graph-bs", "1", "2",
+    ]  # fmt: skip
+    engine = SGLangServerEngine(processor(server_command=None, server_args={"tp_size": None}), log_dir=None)
+    cmd = engine.build_command(1234)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert cmd[3:] == ["--model-path", "org/model", "--host", "127.0.0.1", "--port", "1234",
+                       "--tp-size", "1", "--dp-size", "1", "--trust-remote-code"]  # fmt: skip
+
+
+def test_sglang_server_end_to_end(fast, monkeypatch, tmp_path, tokenizer_dir):
+    monkeypatch.setenv("FAKE_SGLANG_UNHEALTHY_FOR", "0.4")
+    monkeypatch.setenv("FAKE_SGLANG_SPAWN_CHILD", "1")
+    monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.01")
+    monkeypatch.setenv("FAKE_SGLANG_HOLD_UNTIL", "8")  # answers wait until the whole window is there
+    extra = {"enable_metrics": True, "max_running_requests": 4, "mem_fraction_static": 0.7}
+    proc = processor(model=str(tokenizer_dir), extra=extra, apply_chat_template=True, server_args={"tp_size": 2})
+    engine = SGLangServerEngine(proc, 32, log_dir=tmp_path / "logs")
+    t0 = time.monotonic()
+    engine.load()
+    try:
+        assert time.monotonic() - t0 >= 0.4  # waited through the 503s
+        log = tmp_path / "logs" / "sglang_server.log"
+        argv = json.loads(re.search(r"fake sglang argv: (.*)", log.read_text()).group(1))
+        assert argv == ["--model-path", str(tokenizer_dir), "--host", "127.0.0.1", "--port", str(engine.port),
+                        "--tp-size", "2", "--dp-size", "1", "--trust-remote-code", "--enable-metrics",
+                        "--max-running-requests", "4", "--mem-fraction-static", "0.7"]  # fmt: skip
+        server_pid, scheduler_pid = engine.process.pid, child_pid(log)
+        assert alive(server_pid) and alive(scheduler_pid)
+        assert engine.max_inflight == 8
+
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+        prompt = engine.chat_prompt(messages, {"enable_thinking": False})
+        assert prompt == "<|system|>be brief\n<|user|>hello world\n<|no_think|><|assistant|>"
+        requests = [req(i, prompt + str(i), SCHEMA if i % 3 == 0 else None, max_new_tokens=5) for i in range(24)]
+        completions = drive(engine, requests)
+        import httpx2
+
+        peak = httpx2.get(f"{engine.base_url}/get_server_info").json()["peak_in_flight"]
+        assert peak == engine.max_inflight  # the window reached the server
+        assert engine.info.versions["sglang"] == "0.5.23+fake"
+        assert engine.info.details["log"] == str(log)
+    finally:
+        engine.close()
+    assert [c.id for c in completions] == list(range(24))
+    assert all(c.text == '{"answer": "yes"}' for c in completions if c.id % 3 == 0)
+    assert all(c.finish_reason in ("stop", "length") and c.error_kind is None for c in completions)
+    generated = sum(c.completion_tokens for c in completions)
+    metrics = engine.info.details["server_metrics"]
+    assert metrics["start"]["sglang:generation_tokens_total"] == 0
+    assert metrics["end"]["sglang:generation_tokens_total"] == generated
+    assert metrics["end"]["sglang:prompt_tokens_total"] == sum(c.prompt_tokens for c in completions)
+    assert set(metrics["end"]) == {"sglang:generation_tokens_total", "sglang:prompt_tokens_total",
+                                   "sglang:num_running_reqs", "sglang:num_queue_reqs"}  # fmt: skip
+    assert not alive(server_pid) and not alive(scheduler_pid)  # the whole tree is gone
+
+
+def test_server_that_never_gets_healthy(fast, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_SGLANG_NEVER_HEALTHY", "1")
+    monkeypatch.setenv("FAKE_SGLANG_SPAWN_CHILD", "1")
+    engine = SGLangServerEngine(processor(server_start_timeout=1.0), log_dir=tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as err:
+        engine.load()
+    assert time.monotonic() - t0 < 5
+    message = str(err.value)
+    assert "did not become healthy within server_start_timeout=1 s" in message
+    assert "fake sglang: loading weights..." in message  # the log tail
+    assert str(tmp_path / "sglang_server.log") in message
+    assert not alive(engine.process.pid) and not alive(child_pid(tmp_path / "sglang_server.log"))
+    engine.close()  # the runner closes after a failed load: harmless
+
+
+def test_server_that_exits_at_start(fast, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_SGLANG_EXIT_AT_START", "3")
+    engine = SGLangServerEngine(processor(), log_dir=tmp_path)
+    with pytest.raises(EngineError, match="exited with code 3 before it became healthy") as err:
+        engine.load()
+    assert "not enough memory for the KV cache" in str(err.value)
+
+
+def test_server_dying_mid_run_fails_the_requests(fast, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_SGLANG_CRASH_AFTER", "5")
+    monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.05")
+    monkeypatch.setenv("FAKE_SGLANG_SPAWN_CHILD", "1")
+    engine = SGLangServerEngine(processor(extra={"max_running_requests": 2}), log_dir=tmp_path)
+    engine.load()
+    try:
+        with pytest.raises(ServerDied) as err:
+            drive(engine, [req(i) for i in range(30)])
+        message = str(err.value)
+        assert "exited with code 7 during the run" in message
+        assert "illegal memory access" in message
+        t0 = time.monotonic()
+        with pytest.raises(ServerDied, match="exited with code 7"):
+            engine.generate([req(99)])
+        assert time.monotonic() - t0 < 0.5  # new requests fail at once
+    finally:
+        engine.close()
+    assert not alive(child_pid(tmp_path / "sglang_server.log"))  # the orphaned scheduler too
+
+
+def test_retries_and_row_errors_on_generate(fast, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_SGLANG_PLAN", "503,drop,ok,ok")
+    with SGLangServerEngine(processor(), log_dir=tmp_path) as engine:
+        (ok,) = engine.generate([req(0)])  # survives a 503 and a dropped connection
+        (too_long,) = engine.generate([req(1, "TOO_LONG prompt")])
+    assert ok.error_kind is None and ok.completion_tokens > 0
+    assert (too_long.finish_reason, too_long.error_kind) == ("abort", "context_length")
+    assert "HTTP 400" in too_long.error
+
+
+def test_sigterm_ignored_means_sigkill(fast, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_SGLANG_IGNORE_SIGTERM", "1")
+    monkeypatch.setattr(SGLangServerEngine, "kill_grace", 0.3)
+    engine = SGLangServerEngine(processor(), log_dir=tmp_path)
+    engine.load()
+    pid = engine.process.pid
+    engine.stop()
+    with pytest.raises(EngineStopped):
+        engine.generate([req(0)])
+    engine.close()
+    assert not alive(pid)
+    assert "ignoring SIGTERM" in (tmp_path / "sglang_server.log").read_text()
+
+
+# --------------------------------------------------------------------------- openai
+
+
+@pytest.fixture
+def server():
+    servers = []
+
+    def start(**behaviour) -> FakeServer:
+        s = FakeServer(Behaviour(**behaviour)).start()
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def openai(server: FakeServer, **fields) -> OpenAIEngine:
+    fields.setdefault("apply_chat_template", True)
+    engine = OpenAIEngine(processor("openai", base_url=server.url + "/v1", **fields))
+    engine.load()
+    return engine
+
+
+def test_openai_request_shape_key_and_usage(fast, server, monkeypatch):
+    monkeypatch.setenv("MIRAGEFLOW_TEST_KEY", "sk-secret-123")
+    s = server()
+    engine = openai(s, model="served-name", api_key_env="MIRAGEFLOW_TEST_KEY",
+                    chat_template_kwargs={"enable_thinking": False}, sampling_params={"temperature": 0.5})  # fmt: skip
+    assert engine.templates_server_side is True
+    try:
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        requests = [Request(i, messages, None, {"max_new_tokens": 7, "temperature": 0, "top_k": 5, "stop": ["\n"]},
+                            json.dumps(SCHEMA) if i == 0 else None) for i in range(4)]  # fmt: skip
+        completions = drive(engine, requests)
+    finally:
+        engine.close()
+    assert len(s.records) == 4
+    for record in s.records:
+        assert record["path"] == "/v1/chat/completions"
+        assert record["headers"]["Authorization"] == "Bearer sk-secret-123"
+        body = record["body"]
+        assert body["model"] == "served-name" and body["messages"] == messages
+        assert body["chat_template_kwargs"] == {"enable_thinking": False}
+        assert (body["max_tokens"], body["temperature"], body["top_k"], body["stop"]) == (7, 0, 5, ["\n"])
+        assert "max_new_tokens" not in body
+    json_bodies = [r["body"] for r in s.records if "response_format" in r["body"]]
+    assert json_bodies == [json_bodies[0]] and json_bodies[0]["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "output", "schema": SCHEMA}}  # fmt: skip
+    assert completions[0].text == '{"answer": "yes"}'
+    assert sum(c.completion_tokens for c in completions) == s.generation_tokens
+    assert sum(c.prompt_tokens for c in completions) == s.prompt_tokens > 0
+    assert "sk-secret-123" not in json.dumps(vars(engine.info))
+    assert "continue_final_message" not in s.records[0]["body"]
+
+
+def test_openai_response_prefix_continues_the_assistant_message(fast, server):
+    s = server()
+    engine = openai(s)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Answer:"}]
+    try:
+        engine.generate([Request(0, messages, None, {})])
+    finally:
+        engine.close()
+    body = s.records[0]["body"]
+    assert body["messages"] == messages
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+
+
+def test_openai_missing_api_key_fails_at_load(fast, server, monkeypatch):
+    monkeypatch.delenv("MIRAGEFLOW_TEST_KEY", raising=False)
+    s = server()
+    with pytest.raises(EngineError, match="MIRAGEFLOW_TEST_KEY .*not set"):
+        openai(s, api_key_env="MIRAGEFLOW_TEST_KEY")
+    assert s.records == []
+
+
+def test_openai_retries_then_succeeds(fast, server):
+    s = server(plan=["429", "503", "drop", "ok"])
+    with_engine = openai(s, max_retries=5)
+    try:
+        (c,) = with_engine.generate([req(0, max_new_tokens=4)])
+    finally:
+        with_engine.close()
+    assert c.error_kind is None and c.text
+    assert len(s.records) == 4
+
+
+def test_openai_gives_up_after_max_retries(fast, server):
+    s = server(plan=["503"] * 10)
+    engine = openai(s, max_retries=2)
+    try:
+        with pytest.raises(EngineError, match=r"gave up after 2 retries .*HTTP 503"):
+            engine.generate([req(0)])
+    finally:
+        engine.close()
+    assert len(s.records) == 3
+
+
+def test_openai_timeout_is_retried_then_fails(fast, server):
+    s = server(latency=0.5)
+    engine = openai(s, request_timeout=0.1, max_retries=1)
+    try:
+        with pytest.raises(EngineError, match="no answer within request_timeout=0.1 s"):
+            engine.generate([req(0)])
+    finally:
+        engine.close()
+
+
+def test_openai_row_errors_and_fatal_statuses(fast, server):
+    s = server(plan=["ok", "400", "401"])
+    engine = openai(s)
+    try:
+        (too_long,) = engine.generate([req(0, messages=[{"role": "user", "content": "TOO_LONG"}])])
+        (bad,) = engine.generate([req(1)])
+        with pytest.raises(EngineError, match="HTTP 401"):
+            engine.generate([req(2)])
+    finally:
+        engine.close()
+    assert (too_long.error_kind, bad.error_kind) == ("context_length", "invalid_request")
+    assert too_long.finish_reason == bad.finish_reason == "abort"
+
+
+def test_openai_without_chat_template_uses_completions(fast, server):
+    s = server()
+    engine = openai(s, apply_chat_template=False)
+    try:
+        (c,) = engine.generate([Request(0, [{"role": "user", "content": "raw"}], "raw model input", {"max_new_tokens": 3})])
+    finally:
+        engine.close()
+    assert s.records[0]["path"] == "/v1/completions"
+    assert s.records[0]["body"]["prompt"] == "raw model input"
+    assert c.completion_tokens > 0 and c.text
+
+
+# --------------------------------------------------------------------------- helpers, config
+
+
+def test_prometheus_parsing_and_backoff():
+    text = '# TYPE a counter\na{x="1"} 2.0\na{x="2"} 3\nb 1e3\nc_other 9\n'
+    assert parse_prometheus(text, ["a", "b", "c"]) == {"a": 5.0, "b": 1000.0, "c": None}
+    delays = [backoff_delay(k, 0.5, 4.0) for k in range(6)]
+    assert all(0.25 * 2**k / 2 <= d <= min(4.0, 0.5 * 2**k) for k, d in enumerate(delays[:3]))
+    assert max(delays) <= 4.0
+    assert backoff_delay(0, 0.5, 30.0, retry_after="7") == 7.0
+    argv = ["--model-path", "m", "--api-key", "sk-1", "--tokenizer-path", "t", "--hf-token", "hf-2"]
+    assert redact(argv) == ["--model-path", "m", "--api-key", "***", "--tokenizer-path", "t", "--hf-token", "***"]
+    assert redact({"api_key": "sk-1", "tp_size": 2, "tokenizer_path": "t"}) == {"api_key": "***", "tp_size": 2, "tokenizer_path": "t"}
+
+
+def test_config_keys_and_openai_needs_base_url(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x"}\n')
+    cfg = {
+        "processors": [{"type": "llm", "backend": "openai", "server_args": {"model_path": "m"}}],
+        "loading_params": {"datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "o")}]},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}],
+                              "outputs": [{"name": "a", "type": "llm", "output_type": "plain", "prompt": "{{ q }}"}]},
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match=r"processors\[0\]\.base_url: required by backend openai"):
+        load_config(cfg)
+    cfg["processors"][0].update(base_url="http://h:1/v1", api_key_env="KEY", max_retries="2", server_command=["x", "y"])
+    proc = load_config(cfg).processors["llm"]
+    assert (proc.base_url, proc.api_key_env, proc.max_retries, proc.server_command) == ("http://h:1/v1", "KEY", 2, ["x", "y"])
+    assert (proc.server_start_timeout, proc.request_timeout, proc.model) == (900, 600, None)

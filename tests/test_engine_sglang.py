@@ -1,0 +1,203 @@
+"""The in-process SGLang engine against a fake ``sglang`` module (no GPU, no sglang install)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import threading
+import time
+
+import pytest
+
+from fakes import FAKES, drive
+from mirageflow.config import ProcessorConfig
+from mirageflow.engines.base import BACKENDS, Request, create_engine
+from mirageflow.engines.sglang_engine import SGLangEngine, engine_kwargs, resolve_parallelism
+from mirageflow.engines.transformers_engine import EngineStopped
+
+SCHEMA = json.dumps({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """A fresh fake sglang module as sys.modules['sglang'] (recorded state starts empty)."""
+    spec = importlib.util.spec_from_file_location("sglang", FAKES / "fake_sglang.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    return module
+
+
+def processor(model="org/model", extra=None, **server_args) -> ProcessorConfig:
+    args = {"model_path": model, "tp_size": 1, "dp_size": 1, "trust_remote_code": True,
+            "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
+    args.update(server_args)
+    return ProcessorConfig(
+        type="llm", backend="sglang", server_args=args, sampling_params={}, chat_template_kwargs={},
+        apply_chat_template=True, torch_threads=None,
+    )  # fmt: skip
+
+
+def req(i, prompt=None, schema=None, **params) -> Request:
+    return Request(i, [{"role": "user", "content": f"q{i}"}], prompt or f"prompt number {i}", params, schema)
+
+
+def test_engine_args_are_forwarded_with_extra_args_verbatim(fake_sglang):
+    extra = {"max_running_requests": 8, "mem_fraction_static": 0.8, "chunked_prefill_size": 4096, "grammar_backend": "xgrammar"}
+    engine = SGLangEngine(processor(tp_size=2, extra=extra), batch_size=32)
+    engine.load()
+    try:
+        (fake,) = fake_sglang.ENGINES
+        assert fake.server_args == {
+            "model_path": "org/model", "tp_size": 2, "dp_size": 1, "trust_remote_code": True,
+            "disable_custom_all_reduce": False, "max_running_requests": 8, "mem_fraction_static": 0.8,
+            "chunked_prefill_size": 4096, "grammar_backend": "xgrammar", "log_level": "error",
+        }  # fmt: skip
+        assert engine.max_inflight == 16  # 2 x max_running_requests
+        assert engine.info.backend == "sglang"
+        assert engine.info.versions["sglang"] == "0.5.23+fake"
+        assert engine.info.details["engine_args"]["mem_fraction_static"] == 0.8
+    finally:
+        engine.close()
+    assert fake.shutdown_calls == 1
+    engine.close()  # idempotent
+    assert fake.shutdown_calls == 1
+
+
+def test_default_window_and_parallelism_from_the_allocation(fake_sglang, monkeypatch):
+    assert SGLangEngine(processor()).max_inflight == 512
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert resolve_parallelism({"tp_size": None, "dp_size": 2}) == (2, 2)
+    assert resolve_parallelism({"tp_size": None, "dp_size": None}) == (4, 1)
+    assert resolve_parallelism({"tp_size": 1, "dp_size": 1}) == (1, 1)
+    assert resolve_parallelism({"tp_size": None}, {"CUDA_VISIBLE_DEVICES": ""}) == (1, 1)
+    kwargs = engine_kwargs({"model_path": "m", "tp_size": None, "dp_size": None, "extra_engine_args": {"tp_size": 3}})
+    assert kwargs == {"model_path": "m", "tp_size": 3, "dp_size": 1}  # extra args win, verbatim
+
+
+def test_generation_json_schema_chat_template_and_tokens(fake_sglang):
+    engine = create_engine(processor(extra={"max_running_requests": 4}), 32)
+    assert isinstance(engine, SGLangEngine)
+    with engine:
+        (fake,) = fake_sglang.ENGINES
+        requests = []
+        for i in range(10):
+            messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {i}"}]
+            prompt = engine.chat_prompt(messages, {"enable_thinking": False})
+            requests.append(Request(i, messages, prompt, {"max_new_tokens": 16, "temperature": 0}, SCHEMA if i % 2 else None))
+        completions = drive(engine, requests)
+    calls = fake.tokenizer_manager.tokenizer.calls
+    assert len(calls) == 10  # once per request
+    assert all(c["kwargs"] == {"enable_thinking": False} and c["add_generation_prompt"] and not c["tokenize"] for c in calls)
+    sent = {c["prompt"]: c["sampling_params"] for c in fake.calls}
+    assert len(sent) == 10 and all(p.endswith("<|no_think|><|assistant|>") for p in sent)
+    for r in requests:
+        params = sent[r.prompt]
+        if r.json_schema:
+            assert isinstance(params["json_schema"], str) and params["json_schema"] == SCHEMA
+        else:
+            assert "json_schema" not in params
+        assert params["max_new_tokens"] == 16 and params["temperature"] == 0
+    assert [c.id for c in completions] == list(range(10))
+    assert all(c.text == '{"answer": "fake"}' for c in completions if c.id % 2)
+    assert all(c.finish_reason in ("stop", "length") and c.error_kind is None for c in completions)
+    assert all(c.completion_tokens > 0 and c.prompt_tokens == len(requests[c.id].prompt.split()) for c in completions)
+    assert fake.shutdown_calls == 1
+
+
+def test_the_window_keeps_the_engine_full(fake_sglang):
+    engine = SGLangEngine(processor(extra={"max_running_requests": 4}))
+    engine.load()
+    try:
+        (fake,) = fake_sglang.ENGINES
+        completions = drive(engine, [req(i) for i in range(64)])
+    finally:
+        engine.close()
+    assert len(completions) == 64
+    assert fake.peak_in_flight == engine.max_inflight == 8  # the whole window reached the engine
+    assert fake.peak_running == 4  # and it ran at capacity, queueing the rest
+    # token counts come from meta_info; the fake's lengths vary
+    assert len({c.completion_tokens for c in completions}) > 3
+
+
+def test_aborts_and_rejections_become_failed_completions(fake_sglang):
+    with SGLangEngine(processor()) as engine:
+        aborted, too_long, ok = engine.generate([req(0, "please ABORT"), req(1, "TOO_LONG prompt"), req(2)])
+    assert (aborted.finish_reason, aborted.error_kind) == ("abort", "aborted")
+    assert "fake abort" in aborted.error
+    assert (too_long.finish_reason, too_long.error_kind, too_long.completion_tokens) == ("abort", "context_length", 0)
+    assert "context length" in too_long.error
+    assert ok.error_kind is None
+
+
+def test_engine_errors_propagate_and_shutdown_still_happens(fake_sglang):
+    with pytest.raises(RuntimeError, match="scheduler process died"):
+        with SGLangEngine(processor()) as engine:
+            engine.generate([req(0), req(1, "CRASH now")])
+    (fake,) = fake_sglang.ENGINES
+    assert fake.shutdown_calls == 1
+    assert engine.queue_depth() == 0
+
+
+def test_shutdown_when_load_fails_after_the_engine_started(fake_sglang):
+    engine = SGLangEngine(processor(model="no-tokenizer"))
+    with pytest.raises(AttributeError):
+        engine.load()
+    (fake,) = fake_sglang.ENGINES
+    assert fake.shutdown_calls == 1
+
+
+def test_a_failed_constructor_needs_no_shutdown(fake_sglang):
+    engine = SGLangEngine(processor(model="fail-load"))
+    with pytest.raises(RuntimeError, match="failed to load"):
+        engine.load()
+    engine.close()  # the runner closes anyway: harmless
+    assert fake_sglang.ENGINES[0].shutdown_calls == 0
+
+
+def test_requests_from_several_event_loops(fake_sglang):
+    """SGLang binds to the first loop that generates; the engine's own loop makes that safe."""
+    with SGLangEngine(processor()) as engine:
+        first = engine.generate([req(0), req(1)])
+        second = engine.generate([req(2)])  # a second asyncio.run
+    assert [c.id for c in first + second] == [0, 1, 2]
+    # the fake does enforce the binding
+    fake = fake_sglang.Engine(model_path="m")
+    asyncio.run(fake.async_generate(prompt="a", sampling_params={}))
+    with pytest.raises(RuntimeError, match="another event loop"):
+        asyncio.run(fake.async_generate(prompt="b", sampling_params={}))
+
+
+def test_stop_fails_outstanding_and_later_requests(fake_sglang, monkeypatch):
+    monkeypatch.setattr(fake_sglang, "TOKEN_SECONDS", 0.05)
+    engine = SGLangEngine(processor(extra={"max_running_requests": 2}))
+    engine.load()
+    try:
+        threading.Timer(0.1, engine.stop).start()
+        t0 = time.monotonic()
+        with pytest.raises(EngineStopped):
+            drive(engine, [req(i) for i in range(20)])
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(EngineStopped):
+            engine.generate([req(99)])
+    finally:
+        engine.close()
+    (fake,) = fake_sglang.ENGINES
+    assert fake.shutdown_calls == 1
+    assert fake.tokenizer_manager.aborts == [{"rid": "", "abort_all": True}]  # SGLang drops the running ones
+
+
+def test_missing_sglang_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    with pytest.raises(RuntimeError, match=r'pip install "\.\[sglang\]"'):
+        SGLangEngine(processor()).load()
+
+
+def test_every_backend_is_registered():
+    assert set(BACKENDS) == {"transformers", "sglang", "sglang_server", "openai"}
+    for name, cls in (("sglang_server", "SGLangServerEngine"), ("openai", "OpenAIEngine")):
+        proc = processor()
+        proc = ProcessorConfig(**{**vars(proc), "backend": name, "base_url": "http://127.0.0.1:1/v1"})
+        assert type(create_engine(proc, 8, log_dir=None)).__name__ == cls
