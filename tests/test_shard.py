@@ -80,7 +80,7 @@ def test_json_outputs_are_validated_and_bad_ones_become_row_errors(tmp_path):
             return Completion(0, answers[key], 5, 7, "length")
         return answers[key]
 
-    status = run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(answer))
+    status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
     records = read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist()
     assert records == [{"q": "ok", "a": {"n": 3}, "source_index": 0}, {"q": "fenced", "a": {"n": 4}, "source_index": 1}]
     errors = {e["source_index"]: e for e in _errors(cfg)}
@@ -100,7 +100,7 @@ def test_later_outputs_see_earlier_ones_and_system_prompts(tmp_path):
     ]
     cfg = _setup(tmp_path, [{"q": "x"}], outputs, {"b": "{{ b }}"})
     engine = ScriptedEngine(lambda p: p.rsplit(":", 1)[1].upper())
-    run_shard(cfg, 0, engine_factory=lambda p, b: engine)
+    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
     assert engine.prompts == ["system:be brief|user:first x", "user:second FIRST X"]
     assert read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist() == [{"b": "SECOND FIRST X", "source_index": 0}]
     assert engine.closed
@@ -114,7 +114,7 @@ def test_generation_errors_are_row_errors(tmp_path):
             return Completion(0, "", 900, 0, "abort", "context_length", "prompt has 900 tokens")
         return "ok"
 
-    status = run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(answer))
+    status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
     assert [e["error"] for e in _errors(cfg)] == ["context_length"]
     assert status["stats"]["rows_processed"] == 1
 
@@ -123,7 +123,7 @@ def test_a_shard_where_every_row_fails_fails_loudly(tmp_path):
     cfg = _setup(tmp_path, [{"q": "a"}, {"other": 1}, "[1, 2]"], [JSON_OUTPUT])
     engine = ScriptedEngine(lambda p: "not json")
     with pytest.raises(ShardFailed, match=r"every row of shard 0: 3 of 3 rows failed \(.*json_parse: 1"):
-        run_shard(cfg, 0, engine_factory=lambda p, b: engine)
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
     assert engine.closed
     assert not (cfg.shard_dir(0) / "status.json").exists()
     failure = json.loads((cfg.shard_dir(0) / "failure.json").read_text())
@@ -133,7 +133,7 @@ def test_a_shard_where_every_row_fails_fails_loudly(tmp_path):
 
 def test_empty_shard_succeeds_with_zero_rows(tmp_path):
     cfg = _setup(tmp_path, [{"q": "only"}], [{"name": "a", "prompt": "{{ q }}"}], num_shards=2)
-    status = run_shard(cfg, 1, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    status = run_shard(cfg, 1, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert status["stats"]["rows_processed"] == 0 and status["datasets"][0]["row_range"] == [1, 1]
 
 
@@ -168,13 +168,13 @@ def test_a_rerun_resumes_from_the_last_commit_without_redoing_rows(tmp_path):
     rows = [{"q": f"r{i}"} for i in range(9)]
     cfg = _setup(tmp_path, rows, PLAIN)
     with pytest.raises(EngineCrash):
-        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(_crash_after(5)))
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(_crash_after(5)))
     committed = {r["source_index"] for r in _records(tmp_path)}
     assert len(committed) >= 4  # commits every 2 rows; a crash loses at most one interval
     assert json.loads((cfg.shard_dir(0) / "failure.json").read_text())["error"].startswith("EngineCrash")
 
     engine = ScriptedEngine(lambda p: "ans " + p.rsplit(":", 1)[1])
-    status = run_shard(cfg, 0, attempt=2, engine_factory=lambda p, b: engine)
+    status = run_shard(cfg, 0, attempt=2, engine_factory=lambda p, b, **kw: engine)
     redone = {int(p.rsplit("r", 1)[1]) for p in engine.prompts}
     assert redone == set(range(9)) - committed  # committed rows are not asked again
     records = _records(tmp_path)
@@ -186,11 +186,11 @@ def test_a_rerun_resumes_from_the_last_commit_without_redoing_rows(tmp_path):
 
 def test_orphan_part_from_a_crash_between_rename_and_manifest_is_discarded(tmp_path):
     cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(4)], PLAIN)
-    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     orphan = tmp_path / "out" / "shard_0" / "part-00099.parquet"
     orphan.write_bytes((tmp_path / "out" / "shard_0" / "part-00000.parquet").read_bytes())
     (cfg.shard_dir(0) / "status.json").unlink()
-    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert not orphan.exists()
     assert [r["source_index"] for r in _records(tmp_path)] == [0, 1, 2, 3]
 
@@ -198,10 +198,10 @@ def test_orphan_part_from_a_crash_between_rename_and_manifest_is_discarded(tmp_p
 def test_changed_prompt_discards_old_parts(tmp_path, caplog):
     rows = [{"q": f"r{i}"} for i in range(4)]
     cfg = _setup(tmp_path, rows, PLAIN)
-    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "old"))
+    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "old"))
     cfg2 = _setup(tmp_path, rows, [{"name": "a", "prompt": "new {{ q }}"}])
     engine = ScriptedEngine(lambda p: p.rsplit(":", 1)[1])
-    run_shard(cfg2, 0, engine_factory=lambda p, b: engine)
+    run_shard(cfg2, 0, engine_factory=lambda p, b, **kw: engine)
     assert len(engine.prompts) == 4
     assert [r["a"] for r in _records(tmp_path)] == [f"new r{i}" for i in range(4)]
     assert "discarding" in caplog.text
@@ -211,12 +211,12 @@ def test_retry_failed_rows_recomputes_only_the_failures(tmp_path):
     rows = [{"q": f"r{i}"} for i in range(6)]
     cfg = _setup(tmp_path, rows, [JSON_OUTPUT])
     flaky = lambda p: '{"n": 1}' if p.endswith(("r0", "r2", "r4")) else "oops"  # noqa: E731
-    first = run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(flaky))
+    first = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(flaky))
     assert first["stats"]["rows_failed"] == 3
     rerun = _setup(tmp_path, rows, [JSON_OUTPUT])
     object.__setattr__(rerun, "retry_failed_rows", True)
     engine = ScriptedEngine(lambda p: '{"n": 2}')
-    status = run_shard(rerun, 0, engine_factory=lambda p, b: engine)
+    status = run_shard(rerun, 0, engine_factory=lambda p, b, **kw: engine)
     assert sorted(p.rsplit(":", 1)[1] for p in engine.prompts) == ["r1", "r3", "r5"]
     assert [r["a"]["n"] for r in _records(tmp_path)] == [1, 2, 1, 2, 1, 2]
     assert status["stats"]["rows_failed"] == 0 and _errors(cfg) == []
@@ -227,7 +227,7 @@ def test_error_budget_fails_the_shard_and_keeps_committed_rows(tmp_path):
     cfg = _setup(tmp_path, rows, PLAIN)
     object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_errors": 2}))
     with pytest.raises(ShardFailed, match=r"error budget exceeded in shard 0: 3 of 5 rows failed \(missing_variable: 3\)"):
-        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert [e["source_index"] for e in _errors(cfg)] == [2, 3, 4]
     assert {0, 1} <= {r["source_index"] for r in _records(tmp_path)} <= {0, 1, 5}  # rows that finished stay
 
@@ -248,7 +248,7 @@ def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "write_part", write_part)
     with pytest.raises(ShardFailed, match="No space left on device.*rows committed before are intact"):
-        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert [r["source_index"] for r in _records(tmp_path)] == [0, 1]
 
 
@@ -259,11 +259,11 @@ def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path):
     cfg.shard_dir(0).mkdir(parents=True)
     atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": __import__("time").time()})
     with pytest.raises(ShardBusy, match=r"shard_0 is being run by host node7 pid 1 \(SLURM job 42\)"):
-        run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert json.loads((cfg.shard_dir(0) / "lease.json").read_text())["hostname"] == "node7"  # not removed
 
     atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": 0})
-    run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(lambda p: "x"))  # stale: taken over
+    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))  # stale: taken over
     assert not (cfg.shard_dir(0) / "lease.json").exists()
     assert not Lease(cfg.shard_dir(0), 300).held()
 
@@ -288,7 +288,7 @@ def test_sigterm_commits_finished_rows_records_why_and_stops(tmp_path):
     object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_inflight": 1}))
     engine = SlowEngine(None)
     with pytest.raises(ShardInterrupted):
-        run_shard(cfg, 0, engine_factory=lambda p, b: engine)
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
     failure = json.loads((cfg.shard_dir(0) / "failure.json").read_text())
     assert failure["signal"] == "SIGTERM" and "4 rows committed" in failure["error"]
     assert [r["source_index"] for r in _records(tmp_path)] == [0, 1, 2, 3]
@@ -322,7 +322,7 @@ def test_each_kind_of_bad_row_is_recorded_with_its_class_and_good_rows_all_kept(
             "truncated": Completion(0, '{"n": 1', 5, 16, "length"),
         }.get(key, '{"n": 5}')
 
-    status = run_shard(cfg, 0, engine_factory=lambda p, b: ScriptedEngine(answer))
+    status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
     got = {e["source_index"]: (e["stage"], e["error"]) for e in _errors(cfg)}
     assert got == {
         1: ("read", "bad_row"), 2: ("read", "bad_row"), 3: ("extract", "missing_variable"),
@@ -337,7 +337,7 @@ def test_each_kind_of_bad_row_is_recorded_with_its_class_and_good_rows_all_kept(
     strict = _setup(tmp_path, rows, [output])
     object.__setattr__(strict, "shard", type(strict.shard)(**{**vars(strict.shard), "max_error_rate": 0.5}))
     with pytest.raises(ShardFailed, match="error budget exceeded in shard 0: 9 of 11 rows failed"):
-        run_shard(strict, 0, engine_factory=lambda p, b: ScriptedEngine(answer))
+        run_shard(strict, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
 
 
 def test_sigterm_while_the_engine_loads_is_recorded_too(tmp_path):
@@ -353,6 +353,6 @@ def test_sigterm_while_the_engine_loads_is_recorded_too(tmp_path):
     cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(ShardInterrupted):
-        run_shard(cfg, 0, engine_factory=lambda p, b: SlowLoad(lambda p: "x"))
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: SlowLoad(lambda p: "x"))
     assert json.loads((cfg.shard_dir(0) / "failure.json").read_text())["signal"] == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored

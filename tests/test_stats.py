@@ -230,7 +230,7 @@ def test_write_report(tmp_path):
     assert "| `tokens_per_sec_per_gpu` | n/a |" not in summary
     shard_lines = [line for line in summary.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
     assert len(shard_lines) == 2
-    assert sorted(p.name for p in state.iterdir()) == ["metrics.json", "shard_0", "shard_1", "shard_3", "summary.md"]
+    assert sorted(p.name for p in state.iterdir()) == ["metrics.json", "report.html", "shard_0", "shard_1", "shard_3", "summary.md"]
 
 
 def test_summary_without_missing_shards(tmp_path):
@@ -245,3 +245,185 @@ def test_report_refuses_status_from_another_num_shards(tmp_path):
     write_status(tmp_path, {**SHARD_0, "num_shards": 8})
     with pytest.raises(ValueError, match="num_shards=8"):
         report.load_statuses(tmp_path, 2)
+
+
+# --------------------------------------------------------------------------- wall-time figures, percentiles, roofline
+
+
+def test_wall_time_figures_charge_idle_allocated_gpus():
+    # 2 GPUs held for a 1000 s shard that generated 1e6 tokens in 500 s
+    gen = stats.rate_figures(1_000_000, 500.0, 2)
+    wall = stats.wall_rate_figures(1_000_000, 1000.0, 2)
+    assert gen["tokens_per_sec_per_gpu"] == pytest.approx(1000.0)
+    assert wall["tokens_per_sec_per_gpu_wall"] == pytest.approx(500.0)
+    assert wall["gpu_days_per_billion_tokens_wall"] == pytest.approx(2 * 1000 / 86400 / 1e-3)  # 23.148
+    assert wall["tokens_per_sec_per_gpu_wall"] * wall["gpu_days_per_billion_tokens_wall"] == pytest.approx(1e9 / 86400)
+    assert stats.wall_rate_figures(1000, 10.0, 0) == {"tokens_per_sec_per_gpu_wall": None, "gpu_days_per_billion_tokens_wall": None}
+
+
+def test_seed_page_example_wall_variant_by_hand():
+    # one GPU at 1850.3 tok/s for 1000 s of generation inside a 2000 s shard: half the rate, twice the cost
+    wall = stats.wall_rate_figures(1_850_300, 2000.0, 1)
+    assert wall["tokens_per_sec_per_gpu_wall"] == pytest.approx(925.15)
+    assert wall["gpu_days_per_billion_tokens_wall"] == pytest.approx(12.51, abs=0.01)
+
+
+def test_joules_per_1k_tokens():
+    assert stats.joules_per_1k_tokens(500.0, 2000) == pytest.approx(250.0)
+    assert stats.joules_per_1k_tokens(None, 2000) is None
+    assert stats.joules_per_1k_tokens(500.0, 0) is None
+
+
+def test_percentile_matches_linear_interpolation():
+    assert stats.percentile([], 50) is None
+    assert stats.percentile([7.0], 95) == 7.0
+    assert stats.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert stats.percentile(list(range(1, 101)), 95) == pytest.approx(95.05)
+    assert stats.percentile([10, 1, 5], 50) == 5
+
+
+def test_decode_roofline_reproduces_the_reference_qwen3_4b_h200_figure():
+    # mmirage-format.md: Qwen3-4B (8.04 GB bf16, 147,456 KV bytes/token) on an H200 (4.8 TB/s):
+    # ~45k tok/s at 256 sequences and 512 mean context; a batch of 64 caps near 24k.
+    at_256 = stats.decode_roofline_tokens_per_sec(8.04e9, 147_456, 256, 512, 4.8e12)
+    at_64 = stats.decode_roofline_tokens_per_sec(8.04e9, 147_456, 64, 512, 4.8e12)
+    assert at_256 == pytest.approx(45_000, rel=0.01)  # 44,901
+    assert at_64 == pytest.approx(24_000, rel=0.01)  # 23,868
+    # by hand: 256 x 4.8e12 / (8.04e9 + 256 x 512 x 147456)
+    assert at_256 == pytest.approx(256 * 4.8e12 / (8.04e9 + 256 * 512 * 147_456))
+
+
+@pytest.mark.parametrize(
+    "name, bandwidth",
+    [
+        ("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
+        ("NVIDIA H100 NVL", 3.9e12), ("NVIDIA A100-SXM4-80GB", 2.039e12), ("NVIDIA A100 80GB PCIe", 1.935e12),
+        ("NVIDIA A100-SXM4-40GB", 1.555e12), ("NVIDIA A100-PCIE-40GB", 1.555e12), ("NVIDIA L40S", 0.864e12),
+        ("NVIDIA H20", 4.0e12), ("NVIDIA GH200 480GB", 4.0e12),
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("Intel(R) Xeon(R)", None), (None, None),
+    ],
+)  # fmt: skip
+def test_hbm_bandwidth_by_nvml_name(name, bandwidth):
+    assert stats.hbm_bandwidth(name) == bandwidth
+
+
+def test_model_memory_facts_from_a_model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_size": 2560, "torch_dtype": "bfloat16",
+    }))  # fmt: skip
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 24)
+    facts = stats.model_memory_facts(tmp_path)
+    assert facts["weight_bytes"] == 1024
+    assert facts["kv_bytes_per_token"] == 2 * 36 * 8 * 128 * 2 == 147_456
+    assert stats.model_memory_facts(tmp_path / "missing") is None
+    assert stats.model_memory_facts("Qwen/Qwen3-4B") is None  # a hub id: not known here
+
+
+def test_model_memory_facts_defaults_head_dim_and_kv_heads(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "torch_dtype": "float32"}))
+    assert stats.model_memory_facts(tmp_path)["kv_bytes_per_token"] == 2 * 2 * 4 * 64 * 4
+    assert stats.model_memory_facts(tmp_path)["weight_bytes"] is None
+
+
+def test_roofline_figures_null_when_unknown():
+    model = {"weight_bytes": 8.04e9, "kv_bytes_per_token": 147_456}
+    known = stats.roofline_figures(model, "NVIDIA H200", 256, 256 * 100, 256 * 824, 256, 9000.0)
+    assert known["roofline_mean_context"] == pytest.approx(100 + 412)
+    assert known["roofline_tokens_per_sec_per_gpu"] == pytest.approx(stats.decode_roofline_tokens_per_sec(8.04e9, 147_456, 256, 512, 4.8e12))
+    assert known["roofline_fraction"] == pytest.approx(9000.0 / known["roofline_tokens_per_sec_per_gpu"])
+    for args in [(None, "NVIDIA H200"), (model, None), (model, "NVIDIA H100 80GB HBM3 MIG 3g.40gb")]:
+        assert stats.roofline_figures(*args, 256, 100, 100, 10, 9000.0)["roofline_fraction"] is None
+    cpu = stats.roofline_figures(model, "NVIDIA H200", 256, 100, 100, 10, None)  # no GPU held: no rate
+    assert cpu["roofline_fraction"] is None
+
+
+def test_token_histogram_buckets_and_merge():
+    h = stats.TokenHistogram()
+    for v in [0, 3, 15, 16, 17, 100, 1000, 1000]:
+        h.add(v)
+    assert stats.TokenHistogram.bucket(15) == (15, 16)
+    assert stats.TokenHistogram.bucket(17) == (16, 18)
+    assert stats.TokenHistogram.bucket(100) == (96, 104)
+    assert stats.TokenHistogram.bucket(1000) == (960, 1024)
+    data = h.to_json()
+    assert data["rows"] == 8 and data["sum"] == 2151 and (data["min"], data["max"]) == (0, 1000)
+    assert [960, 1024, 2] in data["buckets"]
+    merged = stats.TokenHistogram.merge([data, data, None])
+    assert merged["rows"] == 16 and merged["mean"] == pytest.approx(2151 / 8)
+    assert [960, 1024, 4] in merged["buckets"]
+    assert stats.TokenHistogram.merge([])["rows"] == 0
+
+
+# --------------------------------------------------------------------------- aggregate additions
+
+
+def with_gpu(status: dict, util: float | None, sampled_seconds: float, gpus: int) -> dict:
+    st = {**status["stats"], "gpu_util_mean": util, "gpu_sampled_seconds": sampled_seconds,
+          "gpus": [{"index": i, "util_mean": util} for i in range(gpus)]}  # fmt: skip
+    return {**status, "stats": st}
+
+
+def test_mean_gpu_util_is_weighted_by_sampled_time_and_gpus_not_rows():
+    # shard 0: 2 GPUs x 500 s at 90 %, 100 rows; shard 1: 1 GPU x 1200 s at 40 %, 300 rows
+    a, b = with_gpu(SHARD_0, 90.0, 500.0, 2), with_gpu(SHARD_1, 40.0, 1200.0, 1)
+    agg = report.aggregate([a, b], 2, [])
+    assert agg["mean_gpu_util_pct"] == pytest.approx((90 * 1000 + 40 * 1200) / 2200)  # 62.7
+    assert agg["mean_gpu_util_pct"] != pytest.approx((90 * 100 + 40 * 300) / 400)  # MMIRAGE's by-rows: 52.5
+    assert report.aggregate([a, with_gpu(SHARD_1, None, 0, 0)], 2, [])["mean_gpu_util_pct"] == 90.0
+
+
+def test_runtime_percentiles_and_stragglers():
+    shards = [shard_status(i, "2025-01-01T10:00:00+00:00", "2025-01-01T11:00:00+00:00", rt, 1.0, rt - 2, 10, 1, 100, 1, num_shards=5)
+              for i, rt in enumerate([100.0, 110.0, 90.0, 160.0, 400.0])]  # fmt: skip
+    agg = report.aggregate(shards, 5, [])
+    assert agg["p50_shard_runtime_seconds"] == 110.0
+    assert agg["p95_shard_runtime_seconds"] == pytest.approx(352.0)  # 160 + 0.8 x 240
+    assert [s["shard_id"] for s in agg["stragglers"]] == [4]  # 160 is not > 1.5 x 110 = 165
+    assert agg["stragglers"][0]["x_median"] == pytest.approx(400 / 110)
+
+
+def test_energy_and_roofline_aggregate_over_the_shards_that_know_them():
+    a = {**SHARD_0, "stats": {**SHARD_0["stats"], "gpu_energy_joules": 1000.0, "roofline_tokens_per_sec_per_gpu": 2000.0}}
+    agg = report.aggregate([a, SHARD_1], 2, [])
+    assert agg["gpu_energy_joules"] == 1000.0
+    assert agg["joules_per_1k_output_tokens"] == pytest.approx(1000.0 / 1000)  # shard 0's 1e6 tokens
+    # shard 0: 1e6 tokens in 500 s on 2 GPUs whose ceiling is 2000 tok/s each
+    assert agg["roofline_fraction"] == pytest.approx(1_000_000 / (2000 * 2 * 500))
+    assert report.aggregate([SHARD_1], 2, [])["roofline_fraction"] is None
+
+
+def _done(shard_id, runtime, gpus, num_shards):
+    return shard_status(shard_id, "2025-01-01T10:00:00+00:00", "2025-01-01T11:00:00+00:00", runtime, 1.0, runtime - 1, 10, 1, 100, gpus, num_shards=num_shards)
+
+
+def test_gpu_hours_remaining_projection():
+    done = [_done(0, 3600.0, 2, 4), _done(1, 1800.0, 2, 4)]  # mean 5400 GPU-s
+    states = [
+        {"shard_id": 0, "state": "done"}, {"shard_id": 1, "state": "done"},
+        {"shard_id": 2, "state": "running", "progress": {"fraction_done": 0.25, "elapsed_seconds": 600, "num_gpus": 2}},
+        {"shard_id": 3, "state": "pending", "progress": None},
+    ]  # fmt: skip
+    assert report.gpu_hours_remaining(done, states, 4) == pytest.approx((5400 * 0.75 + 5400) / 3600)
+    assert report.gpu_hours_remaining(done + [_done(2, 2.0, 2, 4), _done(3, 2.0, 2, 4)], states, 4) == 0.0
+    # nothing done yet: the running shard extrapolates itself (2 GPUs x 600 s / 0.25 = 4800 GPU-s)
+    assert report.gpu_hours_remaining([], states, 4) == pytest.approx(4800 * (0.75 + 1 + 1 + 1) / 3600)
+    assert report.gpu_hours_remaining([], [{"shard_id": 0, "state": "pending"}], 1) is None
+
+
+def test_shard_states_from_files(tmp_path):
+    now = 1_800_000_000.0
+    write_status(tmp_path, {**SHARD_0, "num_shards": 6})
+    atomic_write_json(tmp_path / "shard_1" / "failure.json", {"error": "ShardFailed: budget", "signal": None, "attempt": 2, "hostname": "n1"})
+    atomic_write_json(tmp_path / "shard_2" / "progress.json", {"phase": "generating", "updated_at_unix": now - 3, "rows_done": 5, "rows_total": 10})
+    atomic_write_json(tmp_path / "shard_3" / "progress.json", {"phase": "generating", "updated_at_unix": now - 3600, "hostname": "n3"})
+    atomic_write_json(tmp_path / "shard_4" / "lease.json", {"hostname": "n4", "pid": 1, "heartbeat": now - 10})
+    atomic_write_json(tmp_path / "shard_4" / "failure.json", {"error": "an earlier attempt", "signal": "SIGTERM"})  # retried now
+    states = {s["shard_id"]: s for s in report.shard_states(tmp_path, 6, lease_timeout=300, now=now)}
+    assert {k: v["state"] for k, v in states.items()} == {0: "done", 1: "failed", 2: "running", 3: "failed", 4: "running", 5: "pending"}
+    assert states[1]["error"] == "ShardFailed: budget" and states[1]["attempt"] == 2
+    assert "killed?" in states[3]["error"] and states[3]["host"] == "n3"
+    agg = report.aggregate([{**SHARD_0, "num_shards": 6}], 6, [1, 2, 3, 4, 5], list(states.values()))
+    assert [f["shard_id"] for f in agg["failed_shards"]] == [1, 3]
+    assert (agg["running_shards"], agg["pending_shards"]) == ([2, 4], [5])

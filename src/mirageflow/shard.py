@@ -31,12 +31,13 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from mirageflow import json_output, stats
+from mirageflow import gpu, json_output, stats
 from mirageflow.checkpoint import Checkpoint, Lease, fingerprint
 from mirageflow.config import PipelineConfig
 from mirageflow.data.readers import SourceRow, read_shard
 from mirageflow.data.writers import atomic_write_json
 from mirageflow.engines.base import Completion, Engine, Request, create_engine
+from mirageflow.progress import ProgressReporter
 from mirageflow.prompts import Extractor, PromptBuilder, RecordRenderer, RowError
 
 log = logging.getLogger(__name__)
@@ -70,17 +71,18 @@ class _OutputStep:
 
     def request(self, rid: int, variables: dict) -> Request:
         messages = self.builder.messages(variables)
-        prompt = None
-        if self.server_templates:
-            pass  # the engine sends the messages
-        elif self.processor.apply_chat_template:
+        prefix = self.output.response_prefix
+        if not self.processor.apply_chat_template:
+            prompt = messages[-1]["content"] + prefix
+        elif self.server_templates:  # the engine sends the messages; the server continues the prefix
+            prompt = None
+            if prefix:
+                messages.append({"role": "assistant", "content": prefix})
+        else:
             try:
-                prompt = self.engine.chat_prompt(messages, self.processor.chat_template_kwargs)
+                prompt = self.engine.chat_prompt(messages, self.processor.chat_template_kwargs) + prefix
             except Exception as e:  # a template that rejects this row's messages
                 raise RowError("render", "chat_template", f"chat template failed: {type(e).__name__}: {e}") from None
-            prompt += self.output.response_prefix
-        else:
-            prompt = messages[-1]["content"] + self.output.response_prefix
         return Request(rid, messages, prompt, self.sampling, self.schema_json)
 
     def value(self, c: Completion):
@@ -109,6 +111,7 @@ class ShardRunner:
         self.engines: dict[str, Engine] = {}
         self.shard_dir = cfg.shard_dir(shard_id)
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
+        self.log_dir = Path(cfg.state_dir) / "logs" / f"shard_{shard_id}"  # engine server logs
         # counters for this attempt; committed totals live in the checkpoint
         self.computed = 0
         self.failed_now: Counter = Counter()
@@ -119,7 +122,13 @@ class ShardRunner:
         self.checkpoint: Checkpoint | None = None
         self._pending: dict[int, tuple[list, list]] = {}
         self._pending_rows = 0
+        self._rate_applies = False  # once it does, a successful row cannot break the budget
         self._last_commit = time.monotonic()
+        # observers: GPU sampling (stats: true), live progress.json, tokens per row
+        self.sampler = gpu.GpuSampler(self.params.gpu_sample_interval_seconds, sample=cfg.stats)
+        self.live: ProgressReporter | None = None
+        self.tokens_per_row = stats.TokenHistogram()
+        self.attempt = 1
 
     # ------------------------------------------------------------------ setup
 
@@ -147,17 +156,23 @@ class ShardRunner:
         if isinstance(row.value, RowError):
             raise row.value
         variables = self.extract(row.value)
-        for step in steps:
-            request = step.request(row.index, variables)
-            self.tracker.submitted()
-            try:
-                completion = await step.engine.generate_one(request)
-            finally:
-                self.tracker.completed()
-            self.requests += 1
-            self.input_tokens += completion.prompt_tokens
-            self.output_tokens += completion.completion_tokens
-            variables[step.output.name] = step.value(completion)
+        row_tokens = None
+        try:
+            for step in steps:
+                request = step.request(row.index, variables)
+                self.tracker.submitted()
+                try:
+                    completion = await step.engine.generate_one(request)
+                finally:
+                    self.tracker.completed()
+                self.requests += 1
+                self.input_tokens += completion.prompt_tokens
+                self.output_tokens += completion.completion_tokens
+                row_tokens = (row_tokens or 0) + completion.completion_tokens
+                variables[step.output.name] = step.value(completion)
+        finally:
+            if row_tokens is not None:
+                self.tokens_per_row.add(row_tokens)
         return self.render(row.index, row.value, variables)
 
     def _finished(self, ds_index: int, row: SourceRow, task: asyncio.Task, progress) -> None:
@@ -180,7 +195,8 @@ class ShardRunner:
             return
         self._pending_rows += 1
         progress.update(1)
-        self._check_budget(final=False)
+        if exc is not None or not self._rate_applies:
+            self._check_budget(final=False)
         if self._pending_rows >= self.params.checkpoint_rows:
             try:
                 self._commit()
@@ -193,6 +209,7 @@ class ShardRunner:
         p = self.params
         too_many = p.max_errors is not None and failed > p.max_errors
         rate_applies = total >= p.min_rows_for_error_rate or (final and total > 0)
+        self._rate_applies = self._rate_applies or (rate_applies and not final)
         too_often = rate_applies and failed / total > p.max_error_rate
         all_failed = final and failed and not done  # never a silent empty output
         if (too_many or too_often or all_failed) and self.abort is None:
@@ -310,6 +327,7 @@ class ShardRunner:
         self.lease.acquire()
         previous = self._interrupt_on_signals()
         try:
+            self._start_progress(sum(stop - start for start, stop in ranges.values()))
             self.checkpoint = Checkpoint(
                 self.shard_dir,
                 fingerprint(cfg, ranges),
@@ -320,14 +338,31 @@ class ShardRunner:
             if self.resumed:
                 log.info("resuming shard %d: %d rows already committed are skipped", self.shard_id, self.resumed)
 
+            self.live.set_phase("loading")
             with self.timer.phase("load"):
                 for name in {o.processor for o in cfg.outputs}:
-                    engine = self.engine_factory(cfg.processors[name], cfg.batch_size)
+                    engine = self.engine_factory(cfg.processors[name], cfg.batch_size, log_dir=self.log_dir)
+                    if self.params.max_inflight:  # engines size their pools at load
+                        engine.max_inflight = self.params.max_inflight
                     self.engines[name] = engine
                     engine.load()
+            warmups = [e.warmup for e in self.engines.values() if callable(getattr(e, "warmup", None))]
+            if warmups:  # engines that warm up (compile, capture graphs) before serving
+                self.live.set_phase("warmup")
+                with self.timer.phase("warmup"):
+                    for warmup in warmups:
+                        warmup()
             steps = [_OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]) for o in cfg.outputs]
 
-            asyncio.run(self._run_async(indices, steps))
+            self.live.set_phase("generating")
+            self.sampler.start()
+            try:
+                with self.timer.phase("generate"):
+                    asyncio.run(self._run_async(indices, steps))
+            finally:
+                self.sampler.stop()
+                self._write_gpu_samples()
+            self.live.set_phase("writing")
             self._interrupt_on_signals()  # the loop reset them to the defaults
             self._commit()  # whatever finished, also when interrupted
             if self.interrupted:
@@ -367,6 +402,45 @@ class ShardRunner:
 
         return {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGINT)}
 
+    # ------------------------------------------------------------------ observers
+
+    def _start_progress(self, rows_total: int) -> None:
+        def snapshot() -> dict:
+            depths = [e.queue_depth() for e in list(self.engines.values())]
+            depths = [d for d in depths if d is not None]
+            return {
+                "rows_done": self.resumed + self.computed,
+                "rows_failed": sum(self.failed_now.values()),
+                "output_tokens": self.output_tokens,
+                "queue_depth": sum(depths) if depths else None,
+                "inflight": self.tracker.inflight,
+            }
+
+        self.live = ProgressReporter(
+            self.shard_dir / "progress.json", self.shard_id, rows_total, snapshot, attempt=self.attempt, num_gpus=stats.allocated_gpus()
+        )
+        self.live.start()
+
+    def finish_progress(self, phase: str) -> None:
+        if self.live is not None:
+            self.live.finish(phase)
+            self.live = None
+
+    def _write_gpu_samples(self) -> None:
+        timeline = self.sampler.timeline_json()
+        if timeline is not None:
+            try:
+                atomic_write_json(self.shard_dir / "gpu_samples.json", {"shard_id": self.shard_id, **timeline})
+            except OSError as e:  # the samples are for plots; the shard's records matter more
+                log.warning("cannot write gpu_samples.json: %s", e)
+
+    def hardware(self) -> dict:
+        return {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), **self.sampler.hardware()}
+
+    def model_facts(self) -> dict:
+        """Weight and KV-cache bytes of each processor's local model dir (for the roofline); null when unknown."""
+        return {name: stats.model_memory_facts(p.server_args.get("model_path")) for name, p in self.cfg.processors.items()}
+
     def close(self) -> None:
         for engine in self.engines.values():
             try:
@@ -379,10 +453,13 @@ class ShardRunner:
         num_gpus = stats.allocated_gpus()
         window = self.tracker.window_seconds
         done, failed = self._totals() if self.checkpoint else (0, 0)
+        gpus = self.sampler.summary()
         return {
             "runtime_seconds": runtime,
             "runtime_human": stats.human_duration(runtime),
             "model_load_seconds": phases.get("load", 0.0),
+            "warmup_seconds": phases.get("warmup", 0.0),
+            "generation_seconds": phases.get("generate", 0.0),
             "inference_runtime_seconds": window,
             "write_seconds": phases.get("write", 0.0),
             **self.tracker.summary(),
@@ -397,13 +474,29 @@ class ShardRunner:
             "output_tokens": self.output_tokens,
             "num_gpus": num_gpus,
             **stats.rate_figures(self.output_tokens, window, num_gpus),
+            **stats.wall_rate_figures(self.output_tokens, runtime, num_gpus),
             "gpu_seconds_allocated": num_gpus * runtime,
-            # GPU sampling (stats: true) lands with NVML support; null until then.
-            "gpu_util_mean": None,
-            "gpu_util_min": None,
-            "gpu_util_max": None,
-            "gpu_util_samples": None,
+            **gpus,
+            "joules_per_1k_output_tokens": stats.joules_per_1k_tokens(gpus["gpu_energy_joules"], self.output_tokens),
+            **self._roofline(stats.tokens_per_sec_per_gpu(self.output_tokens, window, num_gpus)),
+            "output_tokens_per_row_hist": self.tokens_per_row.to_json(),
         }
+
+    def _roofline(self, tokens_per_sec_per_gpu: float | None) -> dict:
+        """Decode roofline of the shard's model on its GPUs (one processor, one GPU model), else nulls."""
+        names = {g["name"] for g in self.sampler.hardware()["gpus"]}
+        procs = list(self.cfg.processors.values())
+        model = stats.model_memory_facts(procs[0].server_args.get("model_path")) if len(procs) == 1 else None
+        batch = None
+        if procs and self.tracker.peak:
+            args = procs[0].server_args
+            batch = self.tracker.peak / (args.get("dp_size") or 1)  # sequences per replica
+            cap = (args.get("extra_engine_args") or {}).get("max_running_requests")
+            batch = min(batch, cap) if cap else batch
+        return stats.roofline_figures(
+            model, names.pop() if len(names) == 1 else None, self.tracker.peak, self.input_tokens, self.output_tokens,
+            self.requests, tokens_per_sec_per_gpu, sequences_per_gpu=batch,
+        )  # fmt: skip
 
 
 def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine) -> dict:
@@ -422,9 +515,11 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
         "started_at": started_at,
     }
     runner = ShardRunner(cfg, shard_id, engine_factory)
+    runner.attempt = attempt
     try:
         per_dataset = runner.run()
     except BaseException as e:
+        runner.finish_progress("failed")
         failure = {
             **base,
             "status": "failed",
@@ -432,6 +527,7 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
             "error": f"{type(e).__name__}: {e}",
             "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
             "traceback": traceback.format_exc(),
+            "hardware": runner.hardware(),
             "stats": runner.stats(time.monotonic() - t0),
         }
         atomic_write_json(shard_dir / "failure.json", failure)
@@ -444,11 +540,14 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
         "finished_at": stats.utc_now(),
         "error": None,
         "engines": {name: vars(e.info) for name, e in runner.engines.items()},
+        "hardware": runner.hardware(),
+        "model": runner.model_facts(),
         "datasets": per_dataset,
         "stats": runner.stats(time.monotonic() - t0),
     }
     (shard_dir / "failure.json").unlink(missing_ok=True)
     atomic_write_json(shard_dir / "status.json", status)
+    runner.finish_progress("done")
     st = status["stats"]
     log.info(
         "shard %d done: %d rows ok, %d failed (%d resumed), %d output tokens",

@@ -1,12 +1,22 @@
-# Gather every shard's stats into the metrics report.
+# Gather every shard's stats into the metrics report: metrics.json, summary.md and a
+# self-contained report.html (plots embedded), also registered for `snakemake --report`.
 
 
 rule aggregate:
     input:
         status_files(),
     output:
-        metrics=f"{STATE_DIR}/metrics.json",
+        metrics=report(
+            f"{STATE_DIR}/metrics.json",
+            caption="../report/metrics.rst",
+            category="Run metrics",
+        ),
         summary=f"{STATE_DIR}/summary.md",
+        html=report(
+            f"{STATE_DIR}/report.html",
+            caption="../report/report.rst",
+            category="Run metrics",
+        ),
     log:
         f"{STATE_DIR}/logs/aggregate.log",
     localrule: True

@@ -1,0 +1,364 @@
+"""``mmirage``: MMIRAGE's command line, as a thin layer over the Snakemake workflow.
+
+run, submit, retry and merge build a ``python -m snakemake`` command (printed before it
+runs, so you can run it yourself) and run it in the current directory; stats and status
+only read the state directory. There is no second scheduler: Snakemake decides what runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # Snakemake failed, or shards failed
+EXIT_USAGE = 2  # bad arguments or config
+EXIT_INCOMPLETE = 3  # shards still pending or running (status, merge)
+
+EPILOG = """\
+exit codes:
+  0  success (status: every shard done)
+  1  the Snakemake run failed (run/submit/retry/merge), or a shard failed (status)
+  2  usage or config error (nothing was started)
+  3  incomplete: shards pending or running (status), or merge refused because of them
+  (status and merge: 1 wins over 3 when a shard failed)
+
+Anything after `--` goes to Snakemake unchanged, e.g.
+  mmirage run --config my.yaml -- --dry-run
+  mmirage submit --config my.yaml -- --jobs 500
+"""
+
+
+def workflow_dir() -> Path:
+    """The checkout holding the Snakefile: $MIRAGEFLOW_WORKFLOW_DIR, else the one this package lives in."""
+    env = os.environ.get("MIRAGEFLOW_WORKFLOW_DIR")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parents[2])
+    for path in candidates:
+        if (path / "Snakefile").is_file():
+            return path
+    raise FileNotFoundError(
+        "cannot find the workflow's Snakefile (mirageflow is not installed from a checkout); "
+        "set MIRAGEFLOW_WORKFLOW_DIR to the repository directory"
+    )
+
+
+class UsageError(Exception):
+    pass
+
+
+def _load(path: str, check_paths: bool = True):
+    from mirageflow.config import ConfigError, load_config
+
+    try:
+        return load_config(path, check_paths=check_paths)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def snakemake_command(
+    config: str, *, stats: bool = False, cores: str | None = None, profile: Path | None = None,
+    config_values: dict | None = None, flags: list[str] = (), extra: list[str] = (), targets: list[str] = (),
+) -> list[str]:  # fmt: skip
+    """``python -m snakemake --snakefile <repo>/Snakefile --configfile C ...``.
+
+    Targets go right after a one-value option (``--cores``/``--profile``): Snakemake's
+    multi-value options (--configfile, --config, --forcerun, ...) would swallow them.
+    """
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(workflow_dir() / "Snakefile"), "--configfile", config]
+    values = {**({"stats": "true"} if stats else {}), **(config_values or {})}
+    if values:
+        cmd += ["--config", *(f"{k}={v}" for k, v in values.items())]
+    if profile is not None:
+        cmd += ["--profile", str(profile)]
+    if cores is not None:
+        cmd += ["--cores", str(cores)]
+    if targets and profile is None and cores is None:
+        raise ValueError("targets need --cores or --profile before them")
+    return cmd + list(targets) + list(flags) + list(extra)
+
+
+def _run(cmd: list[str]) -> int:
+    print("mmirage: " + shlex.join(cmd), file=sys.stderr, flush=True)
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        print(f"mmirage: snakemake exited with status {rc}", file=sys.stderr)
+    return EXIT_OK if rc == 0 else EXIT_FAILED
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_run(args) -> int:
+    _load(args.config)  # fail fast, with exit code 2, before Snakemake starts
+    return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, extra=args.extra))
+
+
+def cmd_submit(args) -> int:
+    _load(args.config)
+    profile = Path(args.profile) if args.profile else workflow_dir() / "profiles" / "slurm"
+    return _run(snakemake_command(args.config, stats=args.stats, profile=profile, extra=args.extra))
+
+
+def retry_plan(cfg, failed_rows: bool) -> dict:
+    """What `mmirage retry` reruns: unfinished shards always; with failed_rows, done shards with failed rows too."""
+    from mirageflow.report import shard_states
+
+    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    unfinished = [s["shard_id"] for s in states if s["state"] != "done"]
+    running = [s["shard_id"] for s in states if s["state"] == "running"]
+    with_failed_rows = [
+        s["shard_id"] for s in states if s["state"] == "done" and (s["status"]["stats"].get("rows_failed") or 0) > 0
+    ]
+    return {"unfinished": unfinished, "running": running, "with_failed_rows": with_failed_rows if failed_rows else []}
+
+
+def cmd_retry(args) -> int:
+    cfg = _load(args.config)
+    plan = retry_plan(cfg, args.failed_rows)
+    if plan["running"]:
+        print(
+            f"mmirage: shard(s) {plan['running']} look alive (fresh progress.json/lease.json); their rerun waits for "
+            "their lease to expire or fails clearly",
+            file=sys.stderr,
+        )
+    # Failed and missing shards have no status.json, so Snakemake reruns them anyway;
+    # --rerun-incomplete also redoes the ones a killed driver left marked incomplete.
+    # Every rerun resumes from the shard's checkpoint. Shards that finished with failed
+    # rows are forced (one by one, not all shards) and recompute only those rows.
+    flags = ["--rerun-incomplete"]
+    values = {}
+    if plan["with_failed_rows"]:
+        flags += ["--forcerun", *(str(cfg.shard_dir(i) / "status.json") for i in plan["with_failed_rows"])]
+    if args.failed_rows:
+        values["retry_failed_rows"] = "true"
+    print(
+        f"mmirage: retrying {len(plan['unfinished'])} unfinished shard(s) {plan['unfinished'][:20]}"
+        + (f" and the failed rows of {len(plan['with_failed_rows'])} done shard(s) {plan['with_failed_rows'][:20]}" if args.failed_rows else ""),
+        file=sys.stderr,
+    )  # fmt: skip
+    profile = (Path(args.profile) if args.profile else workflow_dir() / "profiles" / "slurm") if args.submit else None
+    cores = None if args.submit else args.cores
+    return _run(
+        snakemake_command(args.config, stats=args.stats, cores=cores, profile=profile, config_values=values, flags=flags, extra=args.extra)
+    )
+
+
+def cmd_stats(args) -> int:
+    from mirageflow.report import compute_metrics
+
+    cfg = _load(args.config, check_paths=False)
+    metrics = compute_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    if args.html:
+        from mirageflow.data.writers import atomic_write_text
+        from mirageflow.report_html import render_html
+
+        atomic_write_text(Path(args.html), render_html(metrics, cfg.state_dir))
+        print(f"mmirage: wrote {args.html}", file=sys.stderr)
+    json.dump(metrics, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+    return EXIT_OK
+
+
+def status_summary(cfg) -> dict:
+    """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
+    from mirageflow import stats
+    from mirageflow.report import gpu_hours_remaining, shard_states
+
+    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "running", "failed", "pending")}
+    done_runtimes = [s["status"]["stats"]["runtime_seconds"] for s in states if s["state"] == "done"]
+    if not done_runtimes:  # nothing done yet: running shards extrapolate their own runtime
+        done_runtimes = [
+            p["elapsed_seconds"] / p["fraction_done"]
+            for s in states
+            if s["state"] == "running" and (p := s.get("progress") or {}).get("fraction_done") and p.get("elapsed_seconds")
+        ]
+    mean_runtime = sum(done_runtimes) / len(done_runtimes) if done_runtimes else None
+    running_left = []
+    for s in states:
+        if s["state"] != "running":
+            continue
+        p = s.get("progress") or {}
+        if p.get("eta_seconds") is not None:
+            running_left.append(p["eta_seconds"])
+        elif mean_runtime is not None:
+            running_left.append(max(0.0, mean_runtime - (p.get("elapsed_seconds") or 0)))
+        else:
+            running_left.append(None)
+    todo = counts["pending"] + counts["failed"]
+    eta = None
+    if counts["done"] == cfg.num_shards:
+        eta = 0.0
+    elif None not in running_left and (todo == 0 or mean_runtime is not None):
+        # as many shards at a time as run now (at least one): a rough figure
+        parallel = max(1, counts["running"])
+        eta = (sum(running_left) + todo * (mean_runtime or 0)) / parallel
+    statuses = [s["status"] for s in states if s["state"] == "done"]
+    return {
+        "state_dir": cfg.state_dir,
+        "total_shards": cfg.num_shards,
+        **counts,
+        "eta_seconds": eta,
+        "eta_human": stats.human_duration(eta),
+        "gpu_hours_remaining_estimate": gpu_hours_remaining(statuses, states, cfg.num_shards),
+        "shards": [
+            {k: v for k, v in s.items() if k not in ("status",)}
+            | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"]} if s["state"] == "done" else {})
+            for s in states
+        ],
+    }
+
+
+def _status_line(s: dict) -> str:
+    from mirageflow.report import _fmt
+
+    p = s.get("progress") or {}
+    rows = f"{p.get('rows_done')}/{p.get('rows_total')}" if p.get("rows_total") is not None else ""
+    detail = ""
+    if s["state"] == "running":
+        detail = (
+            f"phase {p.get('phase', '?')}, {_fmt(p.get('rows_per_sec'))} rows/s, {_fmt(p.get('tokens_per_sec'))} tok/s, "
+            f"ETA {p.get('eta_human') or 'n/a'}"
+            + (f", queue {p['queue_depth']}" if p.get("queue_depth") is not None else "")
+        )
+    elif s["state"] == "failed":
+        detail = (s.get("error") or "").splitlines()[0][:160] + (f" [{s['signal']}]" if s.get("signal") else "")
+    elif s["state"] == "done":
+        detail = f"{_fmt(s.get('runtime_seconds'))} s"
+    where = " ".join(x for x in (s.get("host") or p.get("hostname") or "", f"job {s['slurm_job_id']}" if s.get("slurm_job_id") else "") if x)
+    return f"{s['shard_id']:>6}  {s['state']:<8} {rows:>13}  {detail}" + (f"  ({where})" if where and s["state"] != "done" else "")
+
+
+def cmd_status(args) -> int:
+    cfg = _load(args.config, check_paths=False)
+    summary = status_summary(cfg)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(f"state_dir {summary['state_dir']}: {summary['total_shards']} shards")
+        hours = summary["gpu_hours_remaining_estimate"]
+        print(
+            f"done {summary['done']}, running {summary['running']}, failed {summary['failed']}, pending {summary['pending']}; "
+            f"ETA {summary['eta_human'] or 'n/a'} (rough); GPU-hours remaining {'n/a' if hours is None else f'{hours:.2f}'}"
+        )
+        shown = [s for s in summary["shards"] if args.all or s["state"] != "done"]
+        if shown:
+            print(f"{'shard':>6}  {'state':<8} {'rows':>13}  detail")
+            for s in shown:
+                print(_status_line(s))
+        if summary["failed"]:
+            print("retry the failed shards with: mmirage retry --config " + shlex.quote(args.config))
+    if summary["failed"]:
+        return EXIT_FAILED
+    if summary["done"] < summary["total_shards"]:
+        return EXIT_INCOMPLETE
+    return EXIT_OK
+
+
+def cmd_merge(args) -> int:
+    """Merge through Snakemake's merge rule only (never starts shards), once every shard is done."""
+    from mirageflow.report import shard_states
+
+    cfg = _load(args.config)
+    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    not_done = {k: [s["shard_id"] for s in states if s["state"] == k] for k in ("running", "failed", "pending")}
+    if any(not_done.values()):
+        what = "; ".join(f"{k}: {v[:20]}{' ...' if len(v) > 20 else ''}" for k, v in not_done.items() if v)
+        print(f"mmirage: cannot merge yet, not every shard is done ({what})", file=sys.stderr)
+        return EXIT_FAILED if not_done["failed"] else EXIT_INCOMPLETE
+    targets = [f"{cfg.state_dir}/merged/dataset_{ds.index}.json" for ds in cfg.datasets]
+    flags = ["--allowed-rules", "merge", "--rerun-triggers", "mtime"]
+    return _run(snakemake_command(args.config, cores="1", targets=targets, flags=flags, extra=args.extra))
+
+
+def cmd_check(args) -> int:
+    cfg = _load(args.config)
+    print(f"{args.config}: valid ({len(cfg.datasets)} dataset(s), {cfg.num_shards} shard(s), state_dir {cfg.state_dir})")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmirage",
+        description="Run MMIRAGE pipelines with the mirageflow Snakemake workflow, and read their stats.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, help_, func):
+        p = sub.add_parser(name, help=help_, description=help_, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", required=True, metavar="C", help="pipeline YAML (MMIRAGE format)")
+        p.set_defaults(func=func)
+        return p
+
+    p = command("run", "run the pipeline on this machine (snakemake --cores N)", cmd_run)
+    p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
+    p.add_argument("--cores", default="1", metavar="N", help="cores for Snakemake; each shard job takes one (default 1: one shard at a time; 'all')")
+
+    p = command("submit", "submit the pipeline's jobs to SLURM (snakemake --profile profiles/slurm)", cmd_submit)
+    p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
+    p.add_argument("--profile", metavar="DIR", help="Snakemake profile (default: the checkout's profiles/slurm)")
+
+    p = command("retry", "rerun failed, missing and incomplete shards (resuming from their checkpoints)", cmd_retry)
+    p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
+    p.add_argument("--failed-rows", action="store_true", help="also recompute the failed rows (errors.jsonl) of shards that finished")
+    p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")
+    p.add_argument("--submit", action="store_true", help="retry through SLURM (the submit profile) instead of locally")
+    p.add_argument("--profile", metavar="DIR", help="with --submit: Snakemake profile (default profiles/slurm)")
+
+    p = command("stats", "print the metrics JSON {per_shard, aggregate} from the state directory (no Snakemake)", cmd_stats)
+    p.add_argument("--html", metavar="FILE", help="also write the HTML report there")
+
+    p = command("status", "shards done / running / failed / pending, with progress and a rough ETA", cmd_status)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--all", action="store_true", help="list done shards too")
+
+    command("merge", "merge every dataset's shard outputs (Snakemake's merge rule; needs every shard done)", cmd_merge)
+
+    command("check", "validate the config and exit", cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    args.extra = extra
+    if extra and args.command in ("stats", "status", "check"):
+        print(f"mmirage {args.command}: takes no Snakemake arguments (got {' '.join(extra)})", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"mmirage {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as e:  # no Snakefile
+        print(f"mmirage {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as e:  # state from another num_shards
+        print(f"mmirage {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `mmirage status | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Live progress of a running shard: ``<state_dir>/shard_<id>/progress.json``, rewritten atomically.
+
+A thread asks the runner for a snapshot (rows done, output tokens, engine queue depth)
+every ``interval`` seconds and writes phase, rows done / total, rates over the last
+``window`` seconds (not since the start, so a slow model load or a resumed shard does not
+distort them), the ETA, and who runs the shard (host, pid, SLURM job). The file also
+updates while the engine loads, so ``mmirage status`` can tell a live shard from a dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+from mirageflow import stats
+from mirageflow.data.writers import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL = 5.0
+DEFAULT_WINDOW = 180.0  # seconds of history behind the rates
+
+
+class RateWindow:
+    """Rows/s and tokens/s over the last ``window`` seconds of (time, rows, tokens) observations."""
+
+    def __init__(self, window: float = DEFAULT_WINDOW):
+        self.window = window
+        self.points: deque[tuple[float, int, int]] = deque()
+
+    def add(self, t: float, rows: int, tokens: int) -> None:
+        self.points.append((t, rows, tokens))
+        # keep one point at or before the window's start, so the span covers the whole window
+        while len(self.points) > 2 and self.points[1][0] <= t - self.window:
+            self.points.popleft()
+
+    def rates(self) -> tuple[float | None, float | None, float]:
+        """(rows/s, tokens/s, seconds covered); None while less than a second is covered."""
+        if len(self.points) < 2:
+            return None, None, 0.0
+        (t0, r0, k0), (t1, r1, k1) = self.points[0], self.points[-1]
+        span = t1 - t0
+        if span < 1.0:
+            return None, None, span
+        return (r1 - r0) / span, (k1 - k0) / span, span
+
+    def reset(self) -> None:
+        self.points.clear()
+
+
+class ProgressReporter:
+    """Writes progress.json every ``interval`` seconds from a thread, and at each phase change.
+
+    ``snapshot()`` returns a dict with ``rows_done`` (committed or finished, including rows
+    resumed from a checkpoint), and optionally ``rows_failed``, ``output_tokens``,
+    ``queue_depth`` and ``inflight``. It runs in the reporter's thread.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        shard_id: int,
+        rows_total: int | None,
+        snapshot: Callable[[], dict],
+        *,
+        interval: float = DEFAULT_INTERVAL,
+        window: float = DEFAULT_WINDOW,
+        attempt: int | None = None,
+        num_gpus: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.path = Path(path)
+        self.shard_id = shard_id
+        self.rows_total = rows_total
+        self.snapshot = snapshot
+        self.interval = interval
+        self.attempt = attempt
+        self.num_gpus = num_gpus
+        self.clock = clock
+        self.rates = RateWindow(window)
+        self.phase = "starting"
+        self.started_at = stats.utc_now()
+        self.t0 = clock()
+        self._phase_since = self.t0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failed_writes = 0
+
+    def start(self) -> None:
+        self.write()
+        self._thread = threading.Thread(target=self._loop, name="progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.write()
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            if phase == self.phase:
+                return
+            self.phase = phase
+            self._phase_since = self.clock()
+            if phase == "generating":
+                self.rates.reset()  # rates count generation only
+        self.write()
+
+    def finish(self, phase: str) -> None:
+        """Stop the thread and write the final state (``done`` or ``failed``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+            self._thread = None
+        with self._lock:
+            self.phase = phase
+            self._phase_since = self.clock()
+        self.write()
+
+    def state(self) -> dict:
+        try:
+            snap = self.snapshot()
+        except Exception as e:  # counters changing under us: try again next tick
+            log.debug("progress snapshot failed: %s", e)
+            snap = None
+        now = self.clock()
+        with self._lock:
+            if snap is not None and self.phase == "generating":
+                self.rates.add(now, snap.get("rows_done", 0), snap.get("output_tokens") or 0)
+            rows_per_sec, tokens_per_sec, covered = self.rates.rates()
+            phase, phase_since = self.phase, self._phase_since
+        snap = snap or {}
+        done = snap.get("rows_done")
+        total = self.rows_total
+        eta = None
+        if rows_per_sec and total is not None and done is not None and phase == "generating":
+            eta = max(0, total - done) / rows_per_sec
+        elif phase == "done":
+            eta = 0.0
+        return {
+            "shard_id": self.shard_id,
+            "phase": phase,
+            "phase_seconds": now - phase_since,
+            "rows_done": done,
+            "rows_failed": snap.get("rows_failed"),
+            "rows_total": total,
+            "fraction_done": done / total if total and done is not None else (1.0 if total == 0 else None),
+            "output_tokens": snap.get("output_tokens"),
+            "rows_per_sec": rows_per_sec,
+            "tokens_per_sec": tokens_per_sec,
+            "rate_window_seconds": covered,
+            "eta_seconds": eta,
+            "eta_human": stats.human_duration(eta),
+            "queue_depth": snap.get("queue_depth"),
+            "inflight": snap.get("inflight"),
+            "elapsed_seconds": now - self.t0,
+            "started_at": self.started_at,
+            "updated_at": stats.utc_now(),
+            "updated_at_unix": time.time(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "attempt": self.attempt,
+            "num_gpus": self.num_gpus,
+        }
+
+    def write(self) -> None:
+        try:
+            atomic_write_json(self.path, self.state())
+        except OSError as e:  # progress is advisory: a full disk fails the commit, not this
+            self._failed_writes += 1
+            if self._failed_writes == 1:
+                log.warning("cannot write %s: %s", self.path, e)

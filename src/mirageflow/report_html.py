@@ -1,0 +1,354 @@
+"""report.html: the metrics and plots of a run in one self-contained page (opens offline).
+
+Plots are drawn with matplotlib's Agg backend (no display needed) and embedded as base64
+PNGs; there are no scripts, fonts or links to fetch.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import logging
+from pathlib import Path
+
+from mirageflow import stats
+
+log = logging.getLogger(__name__)
+
+MAX_SHARD_ROWS = 500  # per-shard table rows shown; the rest are in metrics.json
+
+CSS = """
+body { font-family: -apple-system, "Segoe UI", "DejaVu Sans", Arial, sans-serif; margin: 24px auto; max-width: 1180px;
+       color: #1d2433; background: #fff; padding: 0 16px; }
+h1 { font-size: 24px; margin-bottom: 4px; } h2 { font-size: 18px; margin-top: 32px; border-bottom: 1px solid #dde2ea; padding-bottom: 4px; }
+.sub { color: #5b6478; margin-top: 0; }
+.cards { display: flex; flex-wrap: wrap; gap: 12px; margin: 16px 0; }
+.card { border: 1px solid #dde2ea; border-radius: 6px; padding: 10px 14px; min-width: 150px; background: #f7f9fc; }
+.card .v { font-size: 20px; font-weight: 600; } .card .k { font-size: 12px; color: #5b6478; }
+table { border-collapse: collapse; font-size: 13px; margin: 8px 0; }
+th, td { border: 1px solid #dde2ea; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #eef2f7; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
+code { font-size: 12px; } .note { color: #5b6478; font-style: italic; }
+.bad { color: #b42318; } .plot { margin: 8px 0 16px; } .plot img { max-width: 100%; border: 1px solid #eef2f7; }
+.cols { display: flex; flex-wrap: wrap; gap: 24px; } .cols > div { flex: 1 1 480px; }
+"""
+
+
+def _esc(value) -> str:
+    return html.escape(str(value))
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value) if value else "none"
+    return str(value)
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure  # Agg canvas, no pyplot state, no display
+
+    return Figure(figsize=(width, height))
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot_shards(per_shard: list[dict], stragglers: set[int]) -> str | None:
+    """Per-shard output tokens/s and runtime split into phases."""
+    if not per_shard:
+        return None
+    ids = [s["shard_id"] for s in per_shard]
+    st = [s["stats"] for s in per_shard]
+    fig = _figure(11, 3.6)
+    ax1, ax2 = fig.subplots(1, 2)
+    x = list(range(len(ids)))
+    ax1.bar(x, [s.get("tokens_per_sec") or 0 for s in st], color="#3b6fb6")
+    ax1.set_title("output tokens/s per shard (generation time)")
+    ax1.set_ylabel("tokens/s")
+    load = [s.get("model_load_seconds") or 0 for s in st]
+    warm = [s.get("warmup_seconds") or 0 for s in st]
+    gen = [s.get("generation_seconds") or s.get("inference_runtime_seconds") or 0 for s in st]
+    other = [max(0.0, s["runtime_seconds"] - a - b - c) for s, a, b, c in zip(st, load, warm, gen)]
+    bottom = [0.0] * len(x)
+    edges = ["#b42318" if i in stragglers else "none" for i in ids]
+    for values, label, color in ((load, "engine load", "#9aa5b8"), (warm, "warm-up", "#f0b429"), (gen, "generation", "#3b6fb6"), (other, "other", "#d8dde6")):
+        if any(values):
+            ax2.bar(x, values, bottom=bottom, label=label, color=color, edgecolor=edges, linewidth=1.5)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax2.set_title("shard runtime (red outline: straggler, > 1.5 x median)" if stragglers else "shard runtime")
+    ax2.set_ylabel("seconds")
+    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for ax in (ax1, ax2):
+        ax.set_xlabel("shard")
+        if len(x) < 6:  # keep a few bars from filling the whole plot
+            ax.set_xlim(-0.5 - (6 - len(x)) / 2, len(x) - 0.5 + (6 - len(x)) / 2)
+        if len(x) <= 40:
+            ax.set_xticks(x, [str(i) for i in ids], fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def load_gpu_samples(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
+    out = []
+    for shard_id in shard_ids:
+        path = Path(state_dir) / f"shard_{shard_id}" / "gpu_samples.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("t"):
+            out.append({"shard_id": shard_id, **data})
+    return out
+
+
+def _gpu_series(samples: list[dict]) -> list[tuple[str, list[float], list[float], list]]:
+    """(label, starts, ends, utils) per GPU of each shard, in minutes on a common clock."""
+    starts = {}
+    for s in samples:
+        try:
+            starts[s["shard_id"]] = stats.parse_time(s["started_at"])
+        except (KeyError, TypeError, ValueError):
+            starts[s["shard_id"]] = None
+    known = [t for t in starts.values() if t is not None]
+    origin = min(known) if known else None
+    out = []
+    for s in samples:
+        offset = (starts[s["shard_id"]] - origin).total_seconds() if origin and starts[s["shard_id"]] else 0.0
+        durations = s.get("duration") or [s.get("interval_seconds") or 0.0] * len(s["t"])
+        t0 = [(offset + t) / 60 for t in s["t"]]
+        t1 = [(offset + t + d) / 60 for t, d in zip(s["t"], durations)]
+        for gpu, series in zip(s.get("gpus") or [{}] * len(s["util"]), s["util"]):
+            if any(v is not None for v in series):
+                out.append((f"shard {s['shard_id']} GPU {gpu.get('index', '?')}", t0, t1, series))
+    return out
+
+
+def plot_gpu_util(samples: list[dict]) -> str | None:
+    """GPU utilisation over time per GPU: lines for a few GPUs, a heatmap (one row per GPU) for more."""
+    series = _gpu_series(samples)
+    if not series:
+        return None
+    if len(series) <= 4:
+        fig = _figure(11, 3.6)
+        ax = fig.subplots()
+        for label, t0, t1, util in series:
+            # each point holds its mean over [t0, t1): draw it as steps
+            xs = [x for a, b in zip(t0, t1) for x in (a, b)]
+            ys = [float("nan") if v is None else v for v in util for _ in (0, 1)]
+            ax.plot(xs, ys, lw=1.3, label=label)
+        ax.set_ylim(-2, 102)
+        ax.set_ylabel("GPU utilisation %")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.grid(alpha=0.3)
+    else:
+        import bisect
+
+        import numpy as np
+
+        end = max(t1[-1] for _, _, t1, _ in series)
+        cols = 600
+        centers = [(i + 0.5) * end / cols for i in range(cols)]
+        grid = np.full((len(series), cols), np.nan)
+        for row, (_, t0, t1, util) in enumerate(series):
+            for col, x in enumerate(centers):
+                k = bisect.bisect_right(t0, x) - 1
+                if k >= 0 and x < t1[k] and util[k] is not None:
+                    grid[row, col] = util[k]
+        height = min(9.0, 1.6 + 0.22 * len(series))
+        fig = _figure(11, height)
+        ax = fig.subplots()
+        cmap = __import__("matplotlib").colormaps["viridis"].with_extremes(bad="#f2f4f7")
+        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=100, extent=(0, end, len(series), 0))
+        if len(series) <= 40:
+            ax.set_yticks([i + 0.5 for i in range(len(series))], [label for label, *_ in series], fontsize=7)
+        else:
+            ax.set_ylabel(f"{len(series)} GPUs (by shard)")
+        fig.colorbar(image, ax=ax, label="GPU utilisation %", pad=0.01)
+    ax.set_xlabel("minutes since the first shard's generation started")
+    ax.set_title("GPU utilisation over time, per GPU (NVML)")
+    return _png(fig)
+
+
+def plot_tokens_per_row(hist: dict | None) -> str | None:
+    if not hist or not hist.get("rows"):
+        return None
+    fig = _figure(5.4, 3.4)
+    ax = fig.subplots()
+    for low, high, n in hist["buckets"]:
+        ax.bar(low, n, width=high - low, align="edge", color="#3b6fb6", edgecolor="white", linewidth=0.5)
+    from matplotlib.ticker import MaxNLocator
+
+    if hist["max"] and hist["max"] > 64:
+        ax.set_xscale("symlog", linthresh=16)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(max(0, (hist["min"] or 0) - 2), (hist["max"] or 0) + 3)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("output tokens per row (all outputs of the row)")
+    ax.set_ylabel("rows")
+    ax.set_title(f"tokens per row: {hist['rows']:,} rows, mean {hist['mean']:.1f}, max {hist['max']}")
+    ax.grid(axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def plot_errors(by_class: dict) -> str | None:
+    if not by_class:
+        return None
+    items = sorted(by_class.items(), key=lambda kv: kv[1])
+    fig = _figure(5.4, max(1.6, 0.45 * len(items) + 1.0))
+    ax = fig.subplots()
+    ax.barh([k for k, _ in items], [v for _, v in items], color="#b42318")
+    for i, (_, v) in enumerate(items):
+        ax.text(v, i, f" {v:,}", va="center", fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(0, max(v for _, v in items) * 1.12)  # room for the counts
+    ax.set_xlabel("rows")
+    ax.set_title("failed rows by error class")
+    ax.grid(axis="x", alpha=0.3)
+    return _png(fig)
+
+
+# --------------------------------------------------------------------------- page
+
+
+def _img(png: str | None, alt: str, missing: str) -> str:
+    """The plot, or the note saying why there is none (``missing`` is trusted HTML)."""
+    if png is None:
+        return f'<p class="note">{missing}</p>'
+    return f'<div class="plot"><img alt="{_esc(alt)}" src="data:image/png;base64,{png}"></div>'
+
+
+def _card(key: str, value: str) -> str:
+    return f'<div class="card"><div class="v">{_esc(value)}</div><div class="k">{_esc(key)}</div></div>'
+
+
+def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow run report") -> str:
+    agg = metrics["aggregate"]
+    per_shard = metrics["per_shard"]
+    stragglers = {s["shard_id"] for s in agg.get("stragglers") or []}
+    samples = load_gpu_samples(state_dir, [s["shard_id"] for s in per_shard])
+    plots = {}
+    for name, fn in (
+        ("shards", lambda: plot_shards(per_shard, stragglers)),
+        ("gpu", lambda: plot_gpu_util(samples)),
+        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"))),
+        ("errors", lambda: plot_errors(agg.get("rows_failed_by_class") or {})),
+    ):
+        try:
+            plots[name] = fn()
+        except Exception:  # a plot must never cost the metrics
+            log.exception("plot %s failed", name)
+            plots[name] = None
+
+    def pct(v):
+        return "n/a" if v is None else f"{v:.1f} %"
+
+    cards = [
+        ("shards completed", f"{agg['completed_shards']} / {agg['total_shards']}"),
+        ("wall clock", agg.get("wall_clock_runtime_human") or "n/a"),
+        ("rows processed", _fmt(agg.get("total_rows_processed"))),
+        ("rows failed", _fmt(agg.get("total_rows_failed"))),
+        ("output tokens/s", _fmt(agg.get("tokens_per_sec"))),
+        ("output tokens/s per GPU", _fmt(agg.get("tokens_per_sec_per_gpu"))),
+        ("GPU-days per billion tokens", _fmt(agg.get("gpu_days_per_billion_tokens"))),
+        ("mean GPU utilisation", pct(agg.get("mean_gpu_util_pct"))),
+        ("roofline fraction", pct(None if agg.get("roofline_fraction") is None else 100 * agg["roofline_fraction"])),
+    ]
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{_esc(title)}</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{_esc(title)}</h1>",
+        f'<p class="sub">state directory <code>{_esc(state_dir)}</code>; generated {_esc(stats.utc_now()[:19])} UTC; '
+        "definitions of every figure: README.md, section \"Numbers in the report\".</p>",
+        '<div class="cards">' + "".join(_card(k, v) for k, v in cards) + "</div>",
+    ]
+    unfinished = [
+        ("running", agg.get("running_shards")),
+        ("pending", agg.get("pending_shards")),
+    ]
+    notes = [f"{k}: {', '.join(map(str, v))}" for k, v in unfinished if v]
+    if notes:
+        est = agg.get("gpu_hours_remaining_estimate")
+        notes.append(f"projected GPU-hours remaining: {_fmt(est)}")
+        out.append(f'<p class="bad">Run in progress or incomplete. {_esc("; ".join(notes))}.</p>')
+
+    if agg.get("failed_shards"):
+        out.append("<h2>Failed shards</h2><table><tr><th>shard</th><th>error</th><th>signal</th><th>attempt</th><th>host</th><th>SLURM job</th></tr>")
+        for f in agg["failed_shards"]:
+            out.append(
+                f"<tr><td class=n>{f['shard_id']}</td><td class=bad>{_esc(str(f.get('error') or '')[:500])}</td>"
+                f"<td>{_esc(f.get('signal') or '')}</td><td class=n>{_esc(f.get('attempt') or '')}</td>"
+                f"<td>{_esc(f.get('host') or '')}</td><td>{_esc(f.get('slurm_job_id') or '')}</td></tr>"
+            )
+        out.append("</table>")
+
+    out.append("<h2>Shards</h2>")
+    out.append(_img(plots["shards"], "per-shard throughput and runtime", "No completed shard yet."))
+    out.append("<h2>GPU utilisation</h2>")
+    out.append(
+        _img(
+            plots["gpu"], "GPU utilisation over time",
+            "No GPU samples: the run had no GPU, NVML was unavailable (see the shard logs), or "
+            "stats was off (sample with <code>stats: true</code> in the config, "
+            "<code>--config stats=true</code> or <code>mmirage run --stats</code>).",
+        )
+    )  # fmt: skip
+    out.append('<div class="cols"><div><h2>Tokens per row</h2>')
+    out.append(_img(plots["tokens"], "output tokens per row", "No rows generated."))
+    out.append("</div><div><h2>Errors</h2>")
+    out.append(_img(plots["errors"], "failed rows by error class", "No failed rows."))
+    out.append("</div></div>")
+
+    out.append("<h2>Metrics</h2><table><tr><th>metric</th><th>value</th></tr>")
+    skip = {"output_tokens_per_row_hist", "failed_shards"}
+    for key, value in agg.items():
+        if key in skip:
+            continue
+        if key == "stragglers":
+            value = ", ".join(f"shard {s['shard_id']} ({s['x_median']:.1f}x median)" for s in value) or "none"
+        cls = "n" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+        out.append(f"<tr><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value))}</td></tr>")
+    out.append("</table>")
+
+    columns = [
+        ("rows ok", "rows_processed"), ("failed", "rows_failed"), ("runtime s", "runtime_seconds"),
+        ("load s", "model_load_seconds"), ("generation s", "inference_runtime_seconds"), ("idle s", "engine_idle_seconds"),
+        ("output tokens", "output_tokens"), ("tok/s", "tokens_per_sec"), ("tok/s/GPU", "tokens_per_sec_per_gpu"),
+        ("GPUs", "num_gpus"), ("GPU util %", "gpu_util_mean"), ("energy J", "gpu_energy_joules"),
+        ("roofline", "roofline_fraction"),
+    ]  # fmt: skip
+    out.append("<h2>Per shard</h2>")
+    if len(per_shard) > MAX_SHARD_ROWS:
+        out.append(f'<p class="note">The first {MAX_SHARD_ROWS} of {len(per_shard)} shards; all are in metrics.json.</p>')
+    out.append("<table><tr><th>shard</th><th>host</th><th>GPU</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns) + "</tr>")
+    for s in per_shard[:MAX_SHARD_ROWS]:
+        st = s["stats"]
+        mark = ' title="straggler"' if s["shard_id"] in stragglers else ""
+        out.append(
+            f"<tr{' class=bad' if mark else ''}><td class=n{mark}>{s['shard_id']}</td><td>{_esc(s.get('hostname') or '')}</td><td>{_esc(s.get('gpu_name') or '')}</td>"
+            + "".join(f"<td class=n>{_esc(_fmt(st.get(k)))}</td>" for _, k in columns)
+            + "</tr>"
+        )
+    out.append("</table>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,258 @@
+"""The `mmirage` command line: each command on a finished run and on a half-finished state dir, and its exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mirageflow import cli
+from mirageflow.data.writers import atomic_write_json
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mmirage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """As a script runs it: a separate process, exit code and output."""
+    return subprocess.run([sys.executable, "-m", "mirageflow.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def _pipeline(model, num_shards: int = 1, rows: int = 6, bad_lines: int = 1, **shard_params) -> dict:
+    return {
+        "processors": [{
+            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
+            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 6},
+        }],
+        "loading_params": {
+            "state_dir": "state",
+            "datasets": [{"path": "in.jsonl", "type": "JSONL", "output_dir": "out"}],
+            "num_shards": num_shards, "batch_size": 4,
+        },
+        "shard_params": {"max_error_rate": 0.5, **shard_params},
+        "processing_params": {
+            "inputs": [{"name": "q", "key": "q"}],
+            "outputs": [{"name": "a", "prompt": "Answer briefly: {{ q }}"}],
+            "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"},
+        },
+    }  # fmt: skip
+
+
+def _workdir(root: Path, config: dict, rows: int = 6, bad_lines: int = 1) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"q": f"question {i}"}) for i in range(rows)] + ["{not json"] * bad_lines
+    (root / "in.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return root
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_model, tmp_path_factory):
+    """`mmirage run --stats` of a 1-shard pipeline (6 good rows, 1 bad line), run once for the module."""
+    root = _workdir(tmp_path_factory.mktemp("cli") / "run", _pipeline(tiny_model))
+    proc = mmirage(root, "run", "--config", "pipeline.yaml", "--stats", "--cores", "1")
+    return root, proc
+
+
+# --------------------------------------------------------------------------- a finished run
+
+
+def test_run_runs_snakemake_and_passes_stats(finished):
+    root, proc = finished
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mmirage: " in proc.stderr and "-m snakemake --snakefile" in proc.stderr and "--config stats=true" in proc.stderr
+    status = json.loads((root / "state/shard_0/status.json").read_text())
+    assert status["status"] == "success" and status["stats"]["rows_processed"] == 6 and status["stats"]["rows_failed"] == 1
+    assert "GPU sampling off" in (root / "state/logs/shard_0.log").read_text()  # stats reached the job; no NVML here
+    for name in ("metrics.json", "summary.md", "report.html", "merged/dataset_0.json"):
+        assert (root / "state" / name).exists(), name
+    progress = json.loads((root / "state/shard_0/progress.json").read_text())
+    assert progress["phase"] == "done" and progress["rows_done"] == progress["rows_total"] == 7
+
+
+def test_stats_prints_the_metrics_json(finished, tmp_path):
+    root, _ = finished
+    proc = mmirage(root, "stats", "--config", "pipeline.yaml", "--html", str(tmp_path / "r.html"))
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads(proc.stdout)
+    assert set(metrics) == {"per_shard", "aggregate"}
+    agg = metrics["aggregate"]
+    assert (agg["completed_shards"], agg["total_rows_processed"], agg["total_rows_failed"]) == (1, 6, 1)
+    assert agg["gpu_hours_remaining_estimate"] == 0.0 and agg["failed_shards"] == []
+    assert metrics == json.loads((root / "state/metrics.json").read_text())  # what the aggregate rule wrote
+    assert "data:image/png;base64," in (tmp_path / "r.html").read_text()
+
+
+def test_status_of_a_finished_run(finished):
+    root, _ = finished
+    proc = mmirage(root, "status", "--config", "pipeline.yaml", "--all")
+    assert proc.returncode == cli.EXIT_OK, proc.stdout + proc.stderr
+    assert "done 1, running 0, failed 0, pending 0" in proc.stdout
+    summary = json.loads(mmirage(root, "status", "--config", "pipeline.yaml", "--json").stdout)
+    assert summary["done"] == 1 and summary["eta_seconds"] == 0 and summary["shards"][0]["state"] == "done"
+
+
+def test_merge_of_a_finished_run_goes_through_snakemake(finished):
+    root, _ = finished
+    manifest = root / "state/merged/dataset_0.json"
+    manifest.unlink()
+    proc = mmirage(root, "merge", "--config", "pipeline.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--allowed-rules merge" in proc.stderr
+    assert json.loads(manifest.read_text())["rows"] == 6
+    assert "rule shard" not in proc.stderr  # never reruns a shard
+
+
+def test_retry_of_a_finished_run_has_nothing_to_do_unless_failed_rows(finished):
+    root, _ = finished
+    proc = mmirage(root, "retry", "--config", "pipeline.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--rerun-incomplete" in proc.stderr and "Nothing to be done" in proc.stderr
+    proc = mmirage(root, "retry", "--config", "pipeline.yaml", "--failed-rows", "--", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "--forcerun state/shard_0/status.json" in out and "retry_failed_rows=true" in out
+    assert "rule shard:" in out or "shard" in out.split("Job stats:")[-1]
+
+
+# --------------------------------------------------------------------------- a half-finished state dir
+
+
+@pytest.fixture
+def half(tmp_path, tiny_model):
+    """4 shards by hand: 0 done, 1 failed (failure.json), 2 running (fresh progress.json), 3 pending."""
+    root = _workdir(tmp_path / "half", _pipeline(tiny_model, num_shards=4))
+    state = root / "state"
+    atomic_write_json(state / "shard_0/status.json", {
+        "shard_id": 0, "num_shards": 4, "status": "success", "attempt": 1, "hostname": "n0",
+        "started_at": "2025-01-01T10:00:00+00:00", "finished_at": "2025-01-01T10:10:00+00:00",
+        "stats": {"runtime_seconds": 600.0, "model_load_seconds": 30.0, "inference_runtime_seconds": 500.0, "rows_processed": 2,
+                  "rows_failed": 0, "input_tokens": 40, "output_tokens": 12, "num_gpus": 1, "tokens_per_sec": 0.024},
+    })  # fmt: skip
+    atomic_write_json(state / "shard_1/failure.json", {
+        "shard_id": 1, "status": "failed", "attempt": 2, "hostname": "n1", "slurm_job_id": "991",
+        "error": "ShardInterrupted: interrupted by SIGTERM; 1 rows committed, rerun to resume", "signal": "SIGTERM",
+    })  # fmt: skip
+    atomic_write_json(state / "shard_2/progress.json", {
+        "shard_id": 2, "phase": "generating", "rows_done": 1, "rows_total": 4, "fraction_done": 0.25,
+        "rows_per_sec": 0.01, "tokens_per_sec": 0.1, "eta_seconds": 300.0, "eta_human": "00:05:00", "queue_depth": 3,
+        "elapsed_seconds": 100.0, "num_gpus": 1, "hostname": "n2", "slurm_job_id": "992",
+        "updated_at": "now", "updated_at_unix": time.time(),
+    })  # fmt: skip
+    return root
+
+
+def test_status_of_a_half_finished_run(half):
+    proc = mmirage(half, "status", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_FAILED, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "done 1, running 1, failed 1, pending 1" in out
+    assert "SIGTERM" in out and "phase generating" in out and "ETA 00:05:00" in out and "queue 3" in out and "job 992" in out
+    assert "mmirage retry --config pipeline.yaml" in out
+    summary = json.loads(mmirage(half, "status", "--config", "pipeline.yaml", "--json").stdout)
+    assert [s["state"] for s in summary["shards"]] == ["done", "failed", "running", "pending"]
+    # one running shard: its 300 s plus 2 shards x 600 s (the done shard's runtime), one at a time
+    assert summary["eta_seconds"] == pytest.approx(300 + 2 * 600)
+    assert summary["gpu_hours_remaining_estimate"] == pytest.approx(600 * (0.75 + 1 + 1) / 3600)
+
+    (half / "state/shard_1/failure.json").unlink()  # now nothing failed: incomplete
+    assert mmirage(half, "status", "--config", "pipeline.yaml").returncode == cli.EXIT_INCOMPLETE
+
+
+def test_stats_of_a_half_finished_run(half):
+    proc = mmirage(half, "stats", "--config", "pipeline.yaml")
+    assert proc.returncode == 0, proc.stderr
+    agg = json.loads(proc.stdout)["aggregate"]
+    assert (agg["completed_shards"], agg["missing_shards"]) == (1, [1, 2, 3])
+    assert agg["failed_shards"][0]["shard_id"] == 1 and agg["failed_shards"][0]["signal"] == "SIGTERM"
+    assert (agg["running_shards"], agg["pending_shards"]) == ([2], [3])
+    assert agg["gpu_hours_remaining_estimate"] == pytest.approx(600 * 2.75 / 3600)
+    assert not (half / "state/metrics.json").exists()  # stats only reads
+
+
+def test_merge_refuses_while_shards_are_missing(half):
+    proc = mmirage(half, "merge", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_FAILED and "failed: [1]" in proc.stderr and "snakemake" not in proc.stderr
+    (half / "state/shard_1/failure.json").unlink()
+    proc = mmirage(half, "merge", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_INCOMPLETE and "pending: [1, 3]" in proc.stderr and "running: [2]" in proc.stderr
+    assert not (half / "out/merged").exists()
+
+
+def test_retry_reruns_the_unfinished_shards(half):
+    proc = mmirage(half, "retry", "--config", "pipeline.yaml", "--", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "retrying 3 unfinished shard(s) [1, 2, 3]" in out and "[2] look alive" in out
+    assert "--forcerun" not in out  # no --failed-rows: done shards are left alone
+    assert "state/shard_1/status.json" in out and "state/shard_3/status.json" in out
+
+
+def test_retry_plan_forces_only_done_shards_with_failed_rows(half, monkeypatch):
+    monkeypatch.chdir(half)  # state_dir is relative, as in the commands
+    status = json.loads((half / "state/shard_0/status.json").read_text())
+    status["stats"]["rows_failed"] = 2
+    atomic_write_json(half / "state/shard_0/status.json", status)
+    cfg = cli._load("pipeline.yaml", check_paths=False)
+    assert cli.retry_plan(cfg, failed_rows=False)["with_failed_rows"] == []
+    plan = cli.retry_plan(cfg, failed_rows=True)
+    assert plan == {"unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0]}
+
+
+# --------------------------------------------------------------------------- errors and exit codes
+
+
+def test_a_bad_config_is_exit_code_2_before_anything_starts(tmp_path, tiny_model, monkeypatch, capsys):
+    cfg = _pipeline(tiny_model)
+    cfg["loading_params"]["num_shard"] = 2
+    root = _workdir(tmp_path / "bad", cfg)
+    proc = mmirage(root, "run", "--config", "pipeline.yaml")  # once as a script
+    assert proc.returncode == cli.EXIT_USAGE and "did you mean 'num_shards'?" in proc.stderr and "snakemake" not in proc.stderr
+    monkeypatch.chdir(root)
+    for command in ("run", "submit", "retry", "stats", "status", "merge", "check"):
+        assert cli.main([command, "--config", "pipeline.yaml"]) == cli.EXIT_USAGE, command
+        err = capsys.readouterr().err
+        assert "loading_params.num_shard: unknown key (did you mean 'num_shards'?)" in err and "snakemake" not in err
+    assert cli.main(["status", "--config", "missing.yaml"]) == cli.EXIT_USAGE
+    assert "No such file" in capsys.readouterr().err
+    assert cli.main(["status", "--config", "pipeline.yaml", "--", "--dry-run"]) == cli.EXIT_USAGE
+    for argv in (["status"], ["frobnicate", "--config", "pipeline.yaml"]):  # argparse: --config required, unknown command
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == cli.EXIT_USAGE
+    assert not (root / "state").exists() and not (root / ".snakemake").exists()
+
+
+def test_a_failed_run_is_exit_code_1(tmp_path, tiny_model):
+    root = tmp_path / "fail"
+    root.mkdir()
+    (root / "in.parquet").write_bytes(b"this is not a parquet file")  # the index job fails, fast
+    cfg = _pipeline(tiny_model)
+    cfg["loading_params"]["datasets"][0].update(path="in.parquet", type="parquet")
+    (root / "pipeline.yaml").write_text(yaml.safe_dump(cfg))
+    proc = mmirage(root, "run", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_FAILED, proc.stderr[-3000:]
+    assert "mmirage: snakemake exited with status 1" in proc.stderr
+
+
+def test_snakemake_command_shape(monkeypatch):
+    cmd = cli.snakemake_command("my.yaml", stats=True, cores="4", extra=["--dry-run"])
+    assert cmd[1:] == ["-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--configfile", "my.yaml",
+                       "--config", "stats=true", "--cores", "4", "--dry-run"]  # fmt: skip
+    cmd = cli.snakemake_command("my.yaml", profile=REPO / "profiles/slurm")
+    assert "--profile" in cmd and "--cores" not in cmd and "--config" not in cmd
+    monkeypatch.setenv("MIRAGEFLOW_WORKFLOW_DIR", str(REPO))
+    assert cli.workflow_dir() == REPO
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"mmirage": "mirageflow.cli:main"}
+    help_text = subprocess.run([sys.executable, "-m", "mirageflow.cli", "--help"], capture_output=True, text=True).stdout
+    assert "exit codes:" in help_text and "3  incomplete" in help_text

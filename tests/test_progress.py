@@ -1,0 +1,141 @@
+"""Live progress: windowed rates, ETA, atomic progress.json, and the runner's hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mirageflow.progress import ProgressReporter, RateWindow
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_shard import PLAIN, ScriptedEngine, _setup  # noqa: E402
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_rates_cover_the_last_window_not_the_lifetime():
+    w = RateWindow(window=180)
+    rows = tokens = 0
+    for t in range(0, 401, 5):
+        w.add(float(t), rows, tokens)
+        step = 50 if t < 200 else 5  # 10 rows/s for 200 s, then 1 row/s
+        rows += step
+        tokens += step * 20
+    rows_per_sec, tokens_per_sec, covered = w.rates()
+    assert rows_per_sec == pytest.approx(1.0, abs=0.05)  # lifetime would say ~5.5
+    assert tokens_per_sec == pytest.approx(20.0, abs=1.0)
+    assert 180 <= covered <= 185
+
+
+def test_rates_need_a_second_of_history():
+    w = RateWindow()
+    assert w.rates() == (None, None, 0.0)
+    w.add(0.0, 0, 0)
+    w.add(0.5, 10, 10)
+    assert w.rates()[0] is None
+
+
+def test_state_has_phase_rows_rates_eta_and_who(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    clock = Clock()
+    snap = {"rows_done": 100, "rows_failed": 2, "output_tokens": 1000, "queue_depth": 17, "inflight": 64}
+    rep = ProgressReporter(tmp_path / "progress.json", 3, 1100, lambda: dict(snap), attempt=2, num_gpus=4, clock=clock)
+    rep.set_phase("loading")
+    clock.now = 30.0
+    rep.set_phase("generating")  # rates start here (rows 100 were resumed)
+    clock.now = 130.0
+    snap.update(rows_done=600, output_tokens=51_000)
+    rep.write()
+    state = json.loads((tmp_path / "progress.json").read_text())
+    assert state["phase"] == "generating" and state["phase_seconds"] == pytest.approx(100.0)
+    assert (state["rows_done"], state["rows_total"], state["rows_failed"]) == (600, 1100, 2)
+    assert state["fraction_done"] == pytest.approx(600 / 1100)
+    assert state["rows_per_sec"] == pytest.approx(5.0) and state["tokens_per_sec"] == pytest.approx(500.0)
+    assert state["eta_seconds"] == pytest.approx(100.0) and state["eta_human"] == "00:01:40"
+    assert (state["queue_depth"], state["inflight"], state["num_gpus"], state["attempt"]) == (17, 64, 4, 2)
+    assert state["hostname"] and state["pid"] == os.getpid() and state["slurm_job_id"] == "4242"
+    assert state["updated_at"].endswith("+00:00") and state["elapsed_seconds"] == pytest.approx(130.0)
+    rep.finish("done")
+    state = json.loads((tmp_path / "progress.json").read_text())
+    assert state["phase"] == "done" and state["eta_seconds"] == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # atomic: no temp files left
+
+
+def test_thread_rewrites_the_file_every_interval(tmp_path):
+    count = {"n": 0}
+
+    def snapshot():
+        count["n"] += 1
+        return {"rows_done": count["n"]}
+
+    rep = ProgressReporter(tmp_path / "progress.json", 0, 100, snapshot, interval=0.05)
+    rep.start()
+    time.sleep(0.3)
+    rep.finish("done")
+    assert count["n"] >= 4
+    assert json.loads((tmp_path / "progress.json").read_text())["rows_done"] == count["n"]
+
+
+def test_a_failing_snapshot_or_disk_never_raises(tmp_path):
+    def broken():
+        raise RuntimeError("dictionary changed size during iteration")
+
+    rep = ProgressReporter(tmp_path / "progress.json", 0, 10, broken)
+    rep.write()
+    assert json.loads((tmp_path / "progress.json").read_text())["rows_done"] is None
+    (tmp_path / "a_file").write_text("")
+    rep = ProgressReporter(tmp_path / "a_file" / "progress.json", 0, 10, lambda: {})
+    rep.write()  # cannot create the directory: logged, not raised
+    assert rep._failed_writes == 1
+
+
+# --------------------------------------------------------------------------- in the shard runner
+
+
+class QueueEngine(ScriptedEngine):
+    """Looks at progress.json while generating; reports a queue depth."""
+
+    seen: list = []
+
+    def queue_depth(self):
+        return 7
+
+    async def generate_one(self, r):
+        path = self.shard_dir / "progress.json"
+        self.seen.append(json.loads(path.read_text()))
+        return await super().generate_one(r)
+
+
+def test_runner_writes_progress_through_the_phases(tmp_path):
+    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(5)], PLAIN)
+    engine = QueueEngine(lambda p: "a b")
+    engine.shard_dir = cfg.shard_dir(0)
+    engine.seen = []
+    from mirageflow.shard import run_shard
+
+    run_shard(cfg, 0, attempt=3, engine_factory=lambda p, b, **kw: engine)
+    mid = engine.seen[0]
+    assert mid["phase"] == "generating" and mid["rows_total"] == 5 and mid["queue_depth"] == 7 and mid["attempt"] == 3
+    final = json.loads((cfg.shard_dir(0) / "progress.json").read_text())
+    assert final["phase"] == "done" and final["rows_done"] == 5 and final["fraction_done"] == 1.0
+    assert final["output_tokens"] == 10
+
+
+def test_runner_marks_progress_failed(tmp_path):
+    from mirageflow.shard import ShardFailed, run_shard
+
+    cfg = _setup(tmp_path, [{"q": "a"}, {"q": "b"}], [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": ["x"]}])
+    with pytest.raises(ShardFailed):
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "not json"))
+    assert json.loads((cfg.shard_dir(0) / "progress.json").read_text())["phase"] == "failed"
