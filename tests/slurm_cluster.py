@@ -1,29 +1,40 @@
 """A real single-node SLURM for the tests, and helpers to run the workflow on it.
 
-The cluster is Debian's `slurm-wlm` (22.05) with `munge`, started as root with its own
-configuration under ``$MIRAGEFLOW_SLURM_DIR`` (default /var/tmp/mirageflow-slurm) on
-non-default ports, so it never touches /etc/slurm or a SLURM the machine already runs.
-Every command the tests run finds it through ``SLURM_CONF``.
+The cluster is Debian's `slurm-wlm` (22.05) with `munge`, started as root. Its
+configuration is /etc/slurm/slurm.conf, where SLURM's commands look by default (the SLURM
+plugin's job step drops every SLURM_* variable, SLURM_CONF included, before its `srun`).
+It is written only when absent or written by this module before: a machine with its own
+SLURM configuration there is left alone, and the tests skip. State, spool and logs live
+under ``$MIRAGEFLOW_SLURM_DIR`` (default /var/tmp/mirageflow-slurm); the daemons listen
+on non-default ports.
 
-The node is fake but SLURM is real: 8 CPUs (SlurmdParameters=config_overrides lets a
-2-core machine declare them; they are scheduled, not enforced), 4 fake GPUs
-(``gres gpu:fake:4`` backed by plain files: SLURM schedules and accounts them but sets no
+The node is fake but SLURM is real: 16 CPUs (SlurmdParameters=config_overrides lets a
+2-core machine declare them; they are scheduled, not enforced), 8 fake GPUs
+(``gres gpu:fake:8`` backed by plain files: SLURM schedules and accounts them but sets no
 CUDA_VISIBLE_DEVICES), feature ``fakegpu``, partitions ``cpu`` (default) and ``gpu``.
 There is no slurmdbd: job states come from ``squeue``/``scontrol`` (MinJobAge=600 keeps
-finished jobs visible for 10 minutes), so accounts and QOS are not validated.
+finished jobs visible for 10 minutes), and accounts and QOS are accepted unchecked.
 
-    python tests/slurm_cluster.py start     # install nothing; start munged, slurmctld, slurmd
+    python tests/slurm_cluster.py start     # installs nothing; starts munged, slurmctld, slurmd
     python tests/slurm_cluster.py status
     python tests/slurm_cluster.py stop
 
-`.ci/run` installs the packages (as root) and calls `start`; the `slurm_cluster` test
-fixture starts the cluster itself when it is not running, and skips with the reason when
-that is impossible (not root, packages missing).
+`.ci/run` installs the packages (as root) and calls `start`; the `cluster` fixture of
+tests/test_slurm.py starts the cluster itself when it is not running, and skips with the
+reason when that is impossible (not root, packages missing).
+
+Faults for the tests are injected from outside the project: ``fault_env`` puts a
+``sitecustomize.py`` on PYTHONPATH that, only in a shard job's script process and only for
+the listed (shard, attempt) pairs, fails or hangs before handing over to the real
+``mirageflow.jobs.run_shard``. Everything else (sbatch, the plugin's job step, srun,
+Snakemake in the job, the shard runner) is the real thing.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,50 +43,83 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
 ROOT = Path(os.environ.get("MIRAGEFLOW_SLURM_DIR", "/var/tmp/mirageflow-slurm"))
-CONF = ROOT / "etc" / "slurm.conf"
-CTLD_PORT, SLURMD_PORT = 6917, 6918  # not SLURM's 6817/6818: never collide with a real one
-NUM_GPUS, NUM_CPUS = 4, 8
-PARTITIONS = ("cpu", "gpu")
+CONF = Path("/etc/slurm/slurm.conf")
+MARKER = "# Written by mirageflow tests/slurm_cluster.py"
+CTLD_PORT, SLURMD_PORT = 6917, 6918  # not SLURM's 6817/6818
+NUM_GPUS, NUM_CPUS = 8, 16
 FEATURE = "fakegpu"
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
+
+# Test-only overrides of profiles/slurm: poll every second (the plugin adds 10 s per poll
+# that saw nothing finish, and resets when a job finishes), squeue (no slurmdbd here), keep
+# every job's SLURM log, and log the sbatch calls (--verbose).
+FAST_POLLING = [
+    "--slurm-status-command", "squeue",
+    "--slurm-init-seconds-before-status-checks", "1",
+    "--seconds-between-status-checks", "1",
+    "--latency-wait", "5",
+    "--slurm-keep-successful-logs",
+    "--verbose",
+]  # fmt: skip
 
 
-def env() -> dict:
-    """The environment every SLURM client command (and the workflow) needs to find this cluster."""
-    return {**os.environ, "SLURM_CONF": str(CONF)}
+# --------------------------------------------------------------------------- the cluster
+
+
+def _host() -> str:
+    return socket.gethostname().split(".")[0]
 
 
 def _which(name: str) -> str | None:
-    return shutil.which(name) or next((p for d in ("/usr/sbin", "/sbin") if os.access(p := f"{d}/{name}", os.X_OK)), None)
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in ("/usr/sbin", "/sbin"):
+        if os.access(f"{d}/{name}", os.X_OK):
+            return f"{d}/{name}"
+    return None
+
+
+def ours() -> bool:
+    """True when /etc/slurm/slurm.conf is absent or was written by this module."""
+    try:
+        return CONF.read_text().startswith(MARKER)
+    except FileNotFoundError:
+        return True
 
 
 def unavailable_reason() -> str | None:
     """Why this machine cannot run the test cluster, or None when it can."""
+    if not ours():
+        return f"SLURM test cluster unavailable: {CONF} exists and was not written by tests/slurm_cluster.py; not touching it"
     missing = [b for b in BINARIES if _which(b) is None]
-    if running():
-        return None
     if missing:
         return (
             f"SLURM test cluster unavailable: {', '.join(missing)} not installed "
-            "(as root: apt-get install slurm-wlm munge; `bash .ci/run` does it)"
+            "(as root: apt-get install slurm-wlm munge, which `bash .ci/run` does)"
         )
+    if running():
+        return None
     if os.geteuid() != 0:
-        return "SLURM test cluster unavailable: starting slurmctld/slurmd needs root"
+        return "SLURM test cluster unavailable: not root (starting munged, slurmctld and slurmd needs root)"
     return None
 
 
 def _run(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env=env(), check=check, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=timeout)
 
 
 def running() -> bool:
-    """True when our controller answers and the node is usable."""
-    if not CONF.exists() or _which("sinfo") is None:
+    """True when our controller answers and the node takes jobs."""
+    if not CONF.exists() or not ours() or _which("sinfo") is None:
         return False
     try:
-        proc = _run("sinfo", "--noheader", "--format=%T", "--nodes", socket.gethostname().split(".")[0], check=False, timeout=10)
+        proc = _run("sinfo", "--noheader", "--format=%T", "--nodes", _host(), check=False, timeout=10)
     except subprocess.TimeoutExpired:
         return False
     states = proc.stdout.split()
@@ -88,14 +132,9 @@ def _mem_mb() -> int:
     return max(2048, min(16000, total_kb // 1024 - 1024))
 
 
-def write_config() -> None:
-    host = socket.gethostname().split(".")[0]
-    for sub in ("etc", "state", "spool", "log", "run", "dev"):
-        (ROOT / sub).mkdir(parents=True, exist_ok=True)
-    for i in range(NUM_GPUS):
-        (ROOT / "dev" / f"fakegpu{i}").touch()
-    CONF.write_text(
-        f"""# Written by mirageflow tests/slurm_cluster.py: a one-node test cluster.
+def config_text() -> str:
+    host = _host()
+    return f"""{MARKER}: a one-node test cluster.
 ClusterName=mirageflow
 SlurmctldHost={host}
 SlurmctldPort={CTLD_PORT}
@@ -131,15 +170,22 @@ NodeName={host} CPUs={NUM_CPUS} RealMemory={_mem_mb()} Gres=gpu:fake:{NUM_GPUS} 
 PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
 PartitionName=gpu Nodes={host} MaxTime=INFINITE State=UP
 """
-    )
+
+
+def write_config() -> None:
+    CONF.parent.mkdir(parents=True, exist_ok=True)
+    for sub in ("state", "spool", "log", "run", "dev"):
+        (ROOT / sub).mkdir(parents=True, exist_ok=True)
+    for i in range(NUM_GPUS):
+        (ROOT / "dev" / f"fakegpu{i}").touch()
+    CONF.write_text(config_text())
     (CONF.parent / "gres.conf").write_text(
-        f"NodeName={host} Name=gpu Type=fake File={ROOT}/dev/fakegpu[0-{NUM_GPUS - 1}]\n"
+        f"{MARKER}\nNodeName={_host()} Name=gpu Type=fake File={ROOT}/dev/fakegpu[0-{NUM_GPUS - 1}]\n"
     )
 
 
 def _start_munge() -> None:
-    probe = subprocess.run(["munge", "-n"], capture_output=True) if _which("munge") else None
-    if probe is not None and probe.returncode == 0:
+    if _which("munge") and subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
         return
     run_dir = MUNGE_SOCKET.parent
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,41 +209,233 @@ def _pid(name: str) -> int | None:
 
 
 def start(timeout: float = 60) -> None:
-    """Start munged, slurmctld and slurmd (each only when not running); wait until the node is idle."""
-    if running():
-        return
+    """Start munged, slurmctld and slurmd (each unless running); wait until the node is idle.
+
+    A cluster started from an older version of this configuration is restarted.
+    """
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(reason)
+    if running() and CONF.read_text() == config_text():
+        return
+    stop()
     write_config()
     _start_munge()
     for daemon in ("slurmctld", "slurmd"):
-        if _pid(daemon) is None:
-            # slurmctld -i: ignore state left by an earlier test cluster (its jobs are gone).
-            args = [_which(daemon), "-f", str(CONF)] + (["-i"] if daemon == "slurmctld" else [])
-            subprocess.run(args, check=True, capture_output=True, env=env())
+        # slurmctld -i: ignore the state an earlier test cluster left (its jobs are gone).
+        args = [_which(daemon), "-f", str(CONF)] + (["-i"] if daemon == "slurmctld" else [])
+        subprocess.run(args, check=True, capture_output=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if running():
             return
         time.sleep(0.5)
-        # A node that was down (e.g. after a restart) comes back only when told to.
-        _run("scontrol", "update", f"nodename={socket.gethostname().split('.')[0]}", "state=resume", check=False)
+        # A node marked down (e.g. after an unclean stop) comes back only when told to.
+        _run("scontrol", "update", f"nodename={_host()}", "state=resume", check=False)
     raise RuntimeError(f"SLURM test cluster did not become idle within {timeout:.0f}s; see {ROOT}/log/")
 
 
 def stop() -> None:
-    """Stop slurmd and slurmctld started from this configuration (munged is left running)."""
+    """Stop the slurmd and slurmctld started from this configuration (munged keeps running)."""
     for daemon in ("slurmd", "slurmctld"):
         pid = _pid(daemon)
-        if pid is not None:
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(100):
-                try:
-                    os.kill(pid, 0)
-                except OSError:
-                    break
-                time.sleep(0.1)
+        if pid is None:
+            continue
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                break
+            time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def job(jobid: str) -> dict:
+    """`scontrol show job` as a dict (one entry per KEY=VALUE; array tasks by <id>_<task>)."""
+    out = _run("scontrol", "show", "job", "--oneliner", jobid).stdout.strip()
+    info = {}
+    for item in re.findall(r"(\S+?)=(.*?)(?=\s+\S+?=|$)", out):
+        info.setdefault(item[0], item[1].strip())
+    return info
+
+
+def jobs_named(name: str) -> list[dict]:
+    """Every job (finished ones too, for MinJobAge) whose name is ``name``, oldest first."""
+    out = _run("squeue", "--noheader", "--states=all", "--name", name, "--format=%i").stdout.split()
+    return [job(j) for j in sorted(set(out), key=lambda j: [int(x) for x in j.split("_") if x.isdigit()])]
+
+
+def cancel_named(name: str) -> None:
+    _run("scancel", "--name", name, check=False)
+
+
+# --------------------------------------------------------------------------- faults
+
+SITECUSTOMIZE = '''\
+"""Test-only fault injection for mirageflow shard jobs (written by tests/slurm_cluster.py).
+
+$MIRAGEFLOW_TEST_FAULTS is JSON {"<shard>": {"<attempt>": "fail" | "hang"}}. Only in a
+shard job's script process, and only for those (shard, attempt) pairs, it records a
+marker file in $MIRAGEFLOW_TEST_FAULTS_DIR (holding the SLURM job id) and fails (exit 3)
+or hangs until SLURM kills the job; otherwise the real mirageflow.jobs.run_shard runs.
+"""
+import os
+import sys
+
+if os.environ.get("MIRAGEFLOW_TEST_FAULTS") and sys.argv and sys.argv[0].endswith("run_shard.py"):
+    import json
+    import time
+    from pathlib import Path
+
+    from mirageflow import jobs
+
+    _faults = json.loads(os.environ["MIRAGEFLOW_TEST_FAULTS"])
+    _real = jobs.run_shard
+
+    def _run_shard(smk):
+        shard, attempt = str(smk.wildcards.shard), int(smk.resources.get("attempt", 1))
+        action = _faults.get(shard, {}).get(str(attempt))
+        if action:
+            marker = Path(os.environ["MIRAGEFLOW_TEST_FAULTS_DIR"]) / f"shard{shard}.attempt{attempt}.{action}"
+            marker.write_text(os.environ.get("SLURM_JOB_ID", ""))
+            print(f"TEST FAULT: {action} in shard {shard}, attempt {attempt}", file=sys.stderr, flush=True)
+            if action == "fail":
+                sys.exit(3)
+            while True:
+                time.sleep(60)
+        return _real(smk)
+
+    jobs.run_shard = _run_shard
+'''
+
+
+def fault_env(directory: Path, faults: dict) -> dict:
+    """Environment for a driver whose shard jobs meet ``faults`` (sbatch --export=ALL passes it on)."""
+    site = directory / "faults_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    markers = directory / "faults"
+    markers.mkdir(exist_ok=True)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "MIRAGEFLOW_TEST_FAULTS": json.dumps(faults),
+        "MIRAGEFLOW_TEST_FAULTS_DIR": str(markers),
+    }
+
+
+# --------------------------------------------------------------------------- workflow runs
+
+
+def write_rows(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"text": f"Passage {i} about the sea and the wind."}) + "\n" for i in range(n)))
+    return path
+
+
+def pipeline_config(model: Path, data: Path, num_shards: int, **execution_params) -> dict:
+    return {
+        "processors": [
+            {
+                "type": "llm",
+                "backend": "transformers",
+                "server_args": {"model_path": str(model)},
+                "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
+            }
+        ],
+        "loading_params": {
+            "state_dir": "state",
+            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": "out"}],
+            "num_shards": num_shards,
+            "batch_size": 4,
+        },
+        "processing_params": {
+            "inputs": [{"name": "text", "key": "text"}],
+            "outputs": [{"name": "summary", "type": "llm", "prompt": "Summarise: {{ text }}"}],
+        },
+        "execution_params": execution_params,
+    }
+
+
+class Run:
+    """One `python -m snakemake --profile profiles/slurm` driver, started in the background."""
+
+    def __init__(self, workdir: Path, config: dict, *extra: str, env: dict | None = None, name: str = "driver"):
+        self.workdir = workdir
+        cfg_path = workdir / "pipeline.yaml"
+        cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.log = workdir / f"{name}.log"
+        self.cmd = [
+            sys.executable, "-m", "snakemake",
+            "--snakefile", str(REPO / "Snakefile"),
+            "--directory", str(workdir),
+            "--configfile", str(cfg_path),
+            "--profile", str(REPO / "profiles" / "slurm"),
+            *FAST_POLLING,
+            *extra,
+        ]  # fmt: skip
+        self.started = time.monotonic()
+        self.seconds: float | None = None
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def run_id(self) -> str:
+        m = re.search(r"SLURM run ID: (\S+)", self.output)
+        assert m, f"no SLURM run ID in the driver's output:\n{self.output[-3000:]}"
+        return m.group(1)
+
+    def wait(self, timeout: float = 600) -> int:
+        """Wait for the driver (``timeout`` counts from its start); stop it when it runs over."""
+        try:
+            rc = self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"snakemake ran over {timeout:.0f}s:\n{self.output[-6000:]}") from None
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+        return rc
+
+    def stop(self) -> None:
+        """Kill the driver if it still runs, and cancel whatever jobs of this run are left."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        m = re.search(r"SLURM run ID: (\S+)", self.output)
+        if m:
+            cancel_named(m.group(1))
+
+    def sbatch_calls(self) -> list[str]:
+        return re.findall(r"^sbatch call: (sbatch .*)$", self.output, re.MULTILINE) + re.findall(
+            r"^Submitting array job with sbatch call: (sbatch .*)$", self.output, re.MULTILINE
+        )
+
+    def jobs(self) -> list[dict]:
+        return jobs_named(self.run_id())
+
+    def shard_jobs(self, shard: int) -> list[dict]:
+        """The SLURM jobs that ran shard ``shard``, oldest first."""
+        return [j for j in self.jobs() if j.get("Comment") == f"rule_shard_wildcards_{shard}"]
+
+
+def wait_for(path: Path, timeout: float, run: Run) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        if run.proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"{path} did not appear within {timeout:.0f}s:\n{run.output[-4000:]}")
+
+
+# --------------------------------------------------------------------------- CLI
 
 
 def main(argv: list[str]) -> int:
@@ -208,12 +446,12 @@ def main(argv: list[str]) -> int:
             print(reason, file=sys.stderr)
             return 2
         start()
-        print(f"SLURM test cluster up (SLURM_CONF={CONF})")
+        print(f"SLURM test cluster up ({CONF})")
     elif cmd == "stop":
         stop()
     elif cmd == "status":
         up = running()
-        print(f"SLURM test cluster {'up' if up else 'down'} (SLURM_CONF={CONF})")
+        print(f"SLURM test cluster {'up' if up else 'down'} ({CONF})")
         return 0 if up else 1
     else:
         print(__doc__, file=sys.stderr)

@@ -97,7 +97,7 @@ def test_defaults_are_filled_in(cfg):
     assert c.remove_columns is False
     assert c.output_schema == {}
     ep = c.raw["execution_params"]
-    assert (ep["mode"], ep["max_retries"], ep["gpus"], ep["time_limit"]) == ("local", 3, 4, "11:59:59")
+    assert (ep["mode"], ep["max_retries"], ep["gpus"], ep["time_limit"]) == ("local", 3, None, "11:59:59")  # gpus: from tp_size x dp_size
     proc = c.processors["llm"]
     assert proc.backend == "auto"
     assert proc.server_args == {

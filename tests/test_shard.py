@@ -252,8 +252,11 @@ def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
     assert [r["source_index"] for r in _records(tmp_path)] == [0, 1]
 
 
-def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path):
+def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path, monkeypatch):
+    from mirageflow import checkpoint
     from mirageflow.checkpoint import Lease, ShardBusy
+
+    monkeypatch.setattr(checkpoint.shutil, "which", lambda name: None)  # no squeue: job 42 may be alive
 
     cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
     cfg.shard_dir(0).mkdir(parents=True)
@@ -356,3 +359,20 @@ def test_sigterm_while_the_engine_loads_is_recorded_too(tmp_path):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: SlowLoad(lambda p: "x"))
     assert json.loads((cfg.shard_dir(0) / "failure.json").read_text())["signal"] == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+
+
+def test_a_lease_whose_slurm_job_has_ended_is_taken_over(tmp_path, monkeypatch):
+    import os
+    import time
+
+    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    squeue = fake_bin / "squeue"
+    squeue.write_text("#!/bin/sh\necho CANCELLED\n")  # what squeue says of a job that just ended
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    cfg.shard_dir(0).mkdir(parents=True)
+    atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": time.time()})
+    status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
+    assert status["status"] == "success"

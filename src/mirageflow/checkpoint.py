@@ -14,10 +14,13 @@ cluster jobs still run) from writing the same files.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +65,18 @@ def from_ranges(ranges: list[list[int]]) -> set[int]:
     return {i for a, b in ranges for i in range(a, b)}
 
 
+def merge_ranges(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    """The union of two sorted range lists, as sorted disjoint ranges (new lists)."""
+    out: list[list[int]] = []
+    for start, stop in heapq.merge(a, b):
+        if out and start <= out[-1][1]:
+            if stop > out[-1][1]:
+                out[-1][1] = stop
+        else:
+            out.append([start, stop])
+    return out
+
+
 # --------------------------------------------------------------------------- manifest
 
 
@@ -72,6 +87,23 @@ class DatasetProgress:
     parts: list[str] = field(default_factory=list)
     done: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
+    # ranges of done/failed kept up to date by add(), so a commit does not sort every index
+    # committed so far (quadratic over a long shard); rebuilt if the set was replaced or changed
+    _ranges: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def ranges(self, which: str) -> list[list[int]]:
+        indices = getattr(self, which)
+        cached = self._ranges.get(which)
+        if cached is None or cached[0] is not indices or cached[1] != len(indices):
+            cached = self._ranges[which] = (indices, len(indices), to_ranges(indices))
+        return cached[2]
+
+    def add(self, which: str, new) -> None:
+        indices = getattr(self, which)
+        current = self.ranges(which)
+        fresh = sorted({i for i in new if i not in indices})
+        indices.update(fresh)
+        self._ranges[which] = (indices, len(indices), merge_ranges(current, to_ranges(fresh)) if fresh else current)
 
 
 class Checkpoint:
@@ -137,10 +169,10 @@ class Checkpoint:
             name = f"part-{len(prog.parts):05d}.{prog.fmt}"
             write_part(prog.out_dir / name, records, prog.fmt)
             prog.parts.append(name)
-            prog.done.update(r["source_index"] for r in records)
+            prog.add("done", (r["source_index"] for r in records))
         if errors:
             self._write_errors([json.dumps(e, ensure_ascii=False) for e in errors], mode="a")
-            prog.failed.update(e["source_index"] for e in errors)
+            prog.add("failed", (e["source_index"] for e in errors))
         self._save()
 
     def _write_errors(self, lines: list[str], mode: str) -> None:
@@ -155,7 +187,7 @@ class Checkpoint:
             {
                 "fingerprint": self.fingerprint,
                 "datasets": {
-                    str(k): {"out_dir": str(p.out_dir), "parts": p.parts, "done": to_ranges(p.done), "failed": to_ranges(p.failed)}
+                    str(k): {"out_dir": str(p.out_dir), "parts": p.parts, "done": p.ranges("done"), "failed": p.ranges("failed")}
                     for k, p in self.datasets.items()
                 },
             },
@@ -173,17 +205,28 @@ def _holder() -> dict:
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
 
 
-def _dead_here(holder: dict) -> bool:
-    """The holder ran on this host and its process is gone (killed with SIGKILL, crashed)."""
-    if holder.get("hostname") != socket.gethostname():
+def _holder_dead(holder: dict) -> bool:
+    """The holder is known to be gone: its process on this host, or its SLURM job, no longer exists."""
+    if holder.get("hostname") == socket.gethostname():
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, KeyError, ValueError, TypeError):
+            return False
         return False
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, KeyError, ValueError, TypeError):
-        return False
+    job = holder.get("slurm_job_id")
+    if job and shutil.which("squeue"):
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        # squeue forgets finished jobs (or errors on unknown ids): either way the holder is gone
+        return out.returncode != 0 or not out.stdout.strip() or out.stdout.split()[0] in _ENDED
     return False
+
+
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 class Lease:
@@ -201,7 +244,7 @@ class Lease:
             current = None
         if current is not None:
             age = time.time() - current.get("heartbeat", 0)
-            if age < self.timeout and not _dead_here(current):
+            if age < self.timeout and not _holder_dead(current):
                 who = f"host {current['hostname']} pid {current['pid']}" + (
                     f" (SLURM job {current['slurm_job_id']})" if current.get("slurm_job_id") else ""
                 )
@@ -225,7 +268,8 @@ class Lease:
     def heartbeat(self, check: bool = True) -> None:
         if check and not self.held():
             raise ShardBusy(f"lost {self.path}: another job took over this shard; stopping to avoid mixed output")
-        atomic_write_json(self.path, {**self.me, "heartbeat": time.time()})
+        # a liveness mark, not data: no fsync (a crashed node's lease is stale anyway)
+        atomic_write_json(self.path, {**self.me, "heartbeat": time.time()}, durable=False)
 
     def release(self) -> None:
         if self.held():

@@ -46,6 +46,9 @@ def run_shard(smk) -> None:
 
     _log_to(smk.log[0])
     cfg = load_config(smk.config)
+    hf_home = cfg.raw["execution_params"].get("hf_home")
+    if hf_home:  # before transformers/sglang read it at import
+        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
     try:
         run(cfg, int(smk.wildcards.shard), attempt=int(smk.resources.get("attempt", 1)))
     except ShardInterrupted as e:

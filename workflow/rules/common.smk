@@ -50,7 +50,17 @@ def model_inputs():
 
 
 def status_files():
-    return expand(f"{STATE_DIR}/shard_{{shard}}/status.json", shard=SHARD_IDS)
+    """Input of the rules that need every shard's status.json (aggregate, merge).
+
+    An input function, not a list: Snakemake calls it only when the DAG holds such a job.
+    A list of num_shards paths would be built and registered each time the Snakefile is
+    parsed, and every cluster job parses it again to run one shard (O(num_shards) per job).
+    """
+    return _status_files
+
+
+def _status_files(wildcards):
+    return [f"{STATE_DIR}/shard_{i}/status.json" for i in SHARD_IDS]
 
 
 def default_targets():
@@ -73,12 +83,21 @@ def cluster_resources(job):
 
     ep = PIPELINE.raw["execution_params"]
 
-    def minutes(limit):
+    def minutes(limit):  # [D-]HH:MM:SS, rounded up
         days, _, hms = limit.rpartition("-")
         h, m, s = (int(x) for x in hms.split(":"))
-        return max(1, math.ceil(((int(days or 0) * 24 + h) * 60 + m + s / 60)))
+        return max(1, math.ceil((int(days or 0) * 24 + h) * 60 + m + s / 60))
 
-    res = {}
+    base = minutes(ep["time_limit"])
+    cap = minutes(ep["max_time_limit"]) if ep["max_time_limit"] else math.inf
+    if cap < base:
+        raise WorkflowError(
+            f"execution_params.max_time_limit: {ep['max_time_limit']} is shorter than "
+            f"time_limit {ep['time_limit']}"
+        )
+    if job == "index":  # light: reads the dataset once to count rows
+        base = min(base, 60)
+    res = {"runtime": lambda wildcards, attempt: min(base * attempt, cap)}
     if ep["account"]:
         res["slurm_account"] = ep["account"]
     if ep["partition"]:
@@ -86,45 +105,45 @@ def cluster_resources(job):
     if ep["qos"]:
         res["qos"] = ep["qos"]
     extra = [f"--reservation={ep['reservation']}"] if ep["reservation"] else []
-    if job == "index":  # light: reads the dataset once to count rows
-        res.update(cpus_per_task=1, runtime=lambda wildcards, attempt: 60 * attempt)
+    if job == "index":
+        res["cpus_per_task"] = 1
     else:
-        if ep["slurm_extra"]:
-            try:
-                from snakemake_executor_plugin_slurm.validation import get_forbidden_slurm_options
-            except ImportError:  # the SLURM plugin is not installed: nothing submits
-                forbidden = {}
-            else:
-                forbidden = get_forbidden_slurm_options()
-            for pattern, what in forbidden.items():
-                if re.search(pattern, ep["slurm_extra"]):
-                    raise WorkflowError(
-                        f"execution_params.slurm_extra: sets the {what}, which the workflow sets "
-                        "from execution_params (see docs/cluster.md)"
-                    )
-            extra.append(ep["slurm_extra"])
         gpus = ep["gpus"]
-        if gpus is None:
-            gpus = max(p.server_args["tp_size"] * p.server_args["dp_size"] for p in PIPELINE.processors.values())
+        if gpus is None:  # tp_size null (= the GPUs the job holds) counts as 1 here
+            gpus = max(
+                (p.server_args.get("tp_size") or 1)
+                * (p.server_args.get("dp_size") or 1)
+                for p in PIPELINE.processors.values()
+            )
         if ep["gres"]:
             res["gres"] = ep["gres"]
+            counted = re.fullmatch(r"gpu(?::[^:]+)?:(\d+)", ep["gres"])
+            gpus = int(counted.group(1)) if counted else gpus
         elif gpus:
             res["gpu"] = gpus
         res["cpus_per_task"] = ep["cpus_per_task"] or (8 * gpus if gpus else 1)
         if ep["mem"] is not None:
-            number, unit = re.fullmatch(r"(\d+)([KMGTkmgt]?)", str(ep["mem"])).groups()
-            scale = {"K": 1 / 1024, "M": 1, "": 1, "G": 1024, "T": 1024**2}[unit.upper()]
+            number, unit = re.fullmatch(
+                r"(\d+)([KMGT]?)", str(ep["mem"]).upper()
+            ).groups()
+            scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[unit]
             res["mem_mb"] = max(1, math.ceil(int(number) * scale))
         if ep["constraint"]:
             res["constraint"] = ep["constraint"]
-        base = minutes(ep["time_limit"])
-        cap = minutes(ep["max_time_limit"]) if ep["max_time_limit"] else None
-        if cap is not None and cap < base:
-            raise WorkflowError(
-                f"execution_params.max_time_limit: {ep['max_time_limit']} is shorter than "
-                f"time_limit {ep['time_limit']}"
-            )
-        res["runtime"] = lambda wildcards, attempt: min(base * attempt, cap or base * attempt)
+        if ep["slurm_extra"]:
+            try:
+                from snakemake_executor_plugin_slurm.validation import (
+                    get_forbidden_slurm_options,
+                )
+            except ImportError:  # no SLURM plugin: nothing is submitted
+                get_forbidden_slurm_options = dict
+            for pattern, what in get_forbidden_slurm_options().items():
+                if re.search(pattern, ep["slurm_extra"]):
+                    raise WorkflowError(
+                        f"execution_params.slurm_extra: sets the {what}, which the "
+                        "workflow sets from execution_params (see docs/cluster.md)"
+                    )
+            extra.append(ep["slurm_extra"])
     if extra:
         res["slurm_extra"] = " ".join(extra)
     return res

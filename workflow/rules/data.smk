@@ -8,11 +8,11 @@ rule index_dataset:
         f"{STATE_DIR}/datasets/dataset_{{ds}}.index.json",
     log:
         f"{STATE_DIR}/logs/index_dataset_{{ds}}.log",
+    conda:
+        "../../environment.yaml"
     resources:
         # Light: 1 CPU, no GPU (account/partition/qos from execution_params).
         **cluster_resources("index"),
-    conda:
-        "../../environment.yaml"
     script:
         "../scripts/index_dataset.py"
 

@@ -14,8 +14,9 @@ rule shard:
         "../../environment.yaml"
     threads: 1
     resources:
-        # The attempt number reaches the job; the SLURM resources come from execution_params.
-        attempt=lambda wildcards, attempt: attempt,
+        # SLURM resources from execution_params (docs/cluster.md), and the attempt number
+        # for the job (the time limit grows with it).
         **cluster_resources("shard"),
+        attempt=lambda wildcards, attempt: attempt,
     script:
         "../scripts/run_shard.py"
