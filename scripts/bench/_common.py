@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -83,14 +84,35 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
+def _busy_per_cpu(seconds: float = 0.5) -> dict[int, float]:
+    def sample():
+        out = {}
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("cpu") and line[3].isdigit():
+                name, *vals = line.split()
+                vals = [int(v) for v in vals]
+                out[int(name[3:])] = (sum(vals), vals[3] + vals[4])  # total, idle + iowait
+        return out
+
+    a = sample()
+    time.sleep(seconds)
+    b = sample()
+    return {c: 1 - (b[c][1] - a[c][1]) / max(1, b[c][0] - a[c][0]) for c in a if c in b}
+
+
 def pin_to_one_core(core: int | None = None) -> str:
-    """Run this process (and its children) on one CPU; returns a description."""
+    """Run this process (and its children) on one CPU: the least busy one unless given."""
     if not hasattr(os, "sched_setaffinity"):
         return "not pinned (no sched_setaffinity)"
     allowed = sorted(os.sched_getaffinity(0))
-    core = allowed[0] if core is None else core
+    if core is None:
+        try:
+            busy = _busy_per_cpu()
+            core = min(allowed, key=lambda c: busy.get(c, 1.0))
+        except (OSError, ValueError, IndexError):
+            core = allowed[0]
     os.sched_setaffinity(0, {core})
-    return f"pinned to CPU {core} (sched_setaffinity)"
+    return f"pinned to one CPU (sched_setaffinity, CPU {core}: the least busy at start)"
 
 
 def median(xs):

@@ -9,11 +9,12 @@
    ``checkpoint_seconds`` huge: one commit at the end). Pinned to one CPU, interleaved
    repeats, medians.
 2. Work redone after a kill: a shard runs in a subprocess with a slow-ish fake engine
-   (5-25 ms per request, 32 in flight) that appends each finished request id to a log
-   (unbuffered, so it survives the kill); it is SIGKILLed at a random moment (seeded) after
-   generation started, then rerun to completion with a fresh log. Rows recomputed = rows
-   the second run computed that the first had already finished. Target: at most one
-   commit interval (``checkpoint_rows``) per kill. Each trial also checks that the final
+   (5-25 ms per request, 32 in flight); the child appends each finished row (the runner's
+   ``rows_computed``) and each generated request id to logs (unbuffered, so they survive
+   the kill); it is SIGKILLed at a random moment (seeded) after generation started, then
+   rerun to completion with fresh logs. Rows recomputed = rows the second run computed that
+   the first had already finished. Target: at most one commit interval
+   (``checkpoint_rows``) per kill. Each trial also checks that the final
    output holds every row exactly once.
 """
 
@@ -40,14 +41,29 @@ KILL_CHECKPOINT_ROWS = 500
 # --------------------------------------------------------------------------- child: one shard run
 
 
-def child(cfg_path: str, log_path: str, seed: int) -> None:
+def child(cfg_path: str, log_prefix: str, seed: int) -> None:
+    """One shard run; appends each generated request id to LOG.generated (the engine) and
+    each finished row (record or row error handed to the runner's pending commit) to
+    LOG.finished, unbuffered, so both survive SIGKILL."""
     from _engines import SlowEngine
 
+    from mirageflow import shard
     from mirageflow.config import load_config
-    from mirageflow.shard import run_shard
 
+    fd = os.open(f"{log_prefix}.finished", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    original = shard.ShardRunner._finished
+
+    def finished(self, *args, **kwargs):  # the runner's own notion of a finished row
+        before = self.computed
+        original(self, *args, **kwargs)
+        if self.computed > before:
+            row = kwargs.get("row", args[1] if len(args) > 1 else None)
+            os.write(fd, f"{row.index}\n".encode())
+
+    shard.ShardRunner._finished = finished
     cfg = load_config(json.loads(Path(cfg_path).read_text()))
-    run_shard(cfg, 0, engine_factory=lambda *a, **k: SlowEngine(delay=(0.005, 0.025), log_path=log_path, seed=seed, max_inflight=32))
+    engine = SlowEngine(delay=(0.005, 0.025), log_path=f"{log_prefix}.generated", seed=seed, max_inflight=32)
+    shard.run_shard(cfg, 0, engine_factory=lambda *a, **k: engine)
 
 
 # --------------------------------------------------------------------------- 1. throughput
@@ -115,11 +131,12 @@ def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     me = str(Path(__file__).resolve())
 
     # first run, killed at a random moment once generation started
-    log1, log2 = tdir / "finished_run1.txt", tdir / "finished_run2.txt"
+    log1, log2 = tdir / "run1", tdir / "run2"
+    gen1 = tdir / "run1.generated"
     rng = random.Random(seed * 1000 + trial)
     proc = subprocess.Popen([sys.executable, me, "--child", str(cfg_path), str(log1), str(trial)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not log1.exists() or log1.stat().st_size == 0:
+    while not gen1.exists() or gen1.stat().st_size == 0:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"trial {trial}: the first run ended before generating (rc {proc.returncode})")
         time.sleep(0.005)
@@ -128,7 +145,8 @@ def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_after = time.monotonic() - started
-    finished1 = set(_ids(log1))
+    finished1 = set(_ids(tdir / "run1.finished"))
+    generated1 = set(_ids(gen1))
     manifest = json.loads((cfg.shard_dir(0) / "checkpoint.json").read_text())
     committed1 = sum(b - a for d in manifest["datasets"].values() for key in ("done", "failed") for a, b in d[key])
 
@@ -136,7 +154,7 @@ def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     out = subprocess.run([sys.executable, me, "--child", str(cfg_path), str(log2), str(trial + 1000)], env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"trial {trial}: the rerun failed:\n{out.stderr[-3000:]}")
-    computed2 = _ids(log2)
+    computed2 = _ids(tdir / "run2.generated")
     recomputed = len(finished1 & set(computed2))
     records = read_parts(tdir / "out" / "shard_0", "parquet").to_pylist()
     indices = sorted(r["source_index"] for r in records)
@@ -146,10 +164,12 @@ def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     return {
         "trial": trial,
         "killed_after_s": killed_after,
+        "generated_before_kill": len(generated1),
         "finished_before_kill": len(finished1),
         "committed_before_kill": committed1,
         "computed_by_rerun": len(computed2),
         "recomputed": recomputed,
+        "regenerated": len(generated1 & set(computed2)),
     }
 
 
@@ -201,6 +221,7 @@ def main() -> None:
         "kill_trials": len(trials),
         "rows_recomputed_per_kill_median": C.median(redone),
         "rows_recomputed_per_kill_max": max(redone),
+        "rows_regenerated_per_kill_max": max(t["regenerated"] for t in trials),
         "commit_interval_rows": KILL_CHECKPOINT_ROWS,
     }
     if not args.no_write:
@@ -210,7 +231,7 @@ def main() -> None:
             for name, rs in tp.items()
         ]
         kill_rows = [
-            [t["trial"], f"{t['killed_after_s']:.2f}", t["finished_before_kill"], t["committed_before_kill"], t["computed_by_rerun"], t["recomputed"]]
+            [t["trial"], f"{t['killed_after_s']:.2f}", t["generated_before_kill"], t["finished_before_kill"], t["committed_before_kill"], t["computed_by_rerun"], t["recomputed"], t["regenerated"]]
             for t in trials
         ]
         body = f"""## Checkpoint cost (`scripts/bench/checkpoint_cost.py`)
@@ -228,11 +249,14 @@ leaves out time the process waited (fsync, other tenants of the machine).
 
 Work redone after SIGKILL: a shard of {args.kill_rows:,} rows with a fake engine of 5-25 ms per
 request (32 in flight), `checkpoint_rows` {KILL_CHECKPOINT_ROWS}, killed at a seeded random moment
-0.2-2.5 s after generation started, then rerun to completion; recomputed = rows the rerun
-computed that the killed run had already finished. Every trial's output holds each row
+0.2-2.5 s after generation started, then rerun to completion. Recomputed = rows the rerun
+computed that the killed run had already finished (handed to the runner as a record or a
+row error, the `rows_computed` count); regenerated = rows the rerun computed whose
+generation the killed run had completed (also counts rows the engine had answered but
+the runner had not yet collected when the kill came). Every trial's output holds each row
 exactly once.
 
-{C.table(["trial", "killed after s", "finished before kill", "committed before kill", "computed by rerun", "recomputed"], kill_rows)}
+{C.table(["trial", "killed after s", "generated before kill", "finished before kill", "committed before kill", "computed by rerun", "recomputed", "regenerated"], kill_rows)}
 
 Figures:
 

@@ -347,6 +347,7 @@ class ShardRunner:
                         engine.max_inflight = self.params.max_inflight
                     self.engines[name] = engine
                     engine.load()
+                gc.collect()  # what loading left behind, once (counted as load: ~0.3 s with transformers)
             warmups = [e.warmup for e in self.engines.values() if callable(getattr(e, "warmup", None))]
             if warmups:  # engines that warm up (compile, capture graphs) before serving
                 self.live.set_phase("warmup")
@@ -360,7 +361,6 @@ class ShardRunner:
             # Take what is alive now (model, libraries: ~400k objects with transformers) out of
             # the cyclic GC's view: a full collection during generation would walk them all
             # (0.3 s each on a 2-core machine) while the event loop, and so the engine, waits.
-            gc.collect()
             gc.freeze()
             try:
                 with self.timer.phase("generate"):
