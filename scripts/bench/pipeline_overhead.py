@@ -1,6 +1,6 @@
 """Per-row pipeline overhead: rows/s through everything around the engine, ours vs MMIRAGE 0.1.4.
 
-    python scripts/bench/pipeline_overhead.py            # full run (~5 min the first time: builds MMIRAGE's venv)
+    python scripts/bench/pipeline_overhead.py            # full run, ~10 min (+1-2 min once: MMIRAGE's venv)
     python scripts/bench/pipeline_overhead.py --rows 20000 --repeats 3 --no-mmirage
     python scripts/bench/pipeline_overhead.py --profile plain   # cProfile of our shard, top functions
 
@@ -200,7 +200,7 @@ def profile(kind: str, rows: int, tokenizer: str, work: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=50_000)
-    ap.add_argument("--mmirage-rows", type=int, default=5_000, help="MMIRAGE runs on this prefix of the same rows (it is ~20x slower)")
+    ap.add_argument("--mmirage-rows", type=int, default=5_000, help="MMIRAGE runs on this prefix of the same rows (it is far slower)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-mmirage", action="store_true", help="measure ours only")
     ap.add_argument("--no-pin", action="store_true", help="do not pin to one CPU")
@@ -271,7 +271,7 @@ tiny test model's chat template, record rendering, JSON parsing and validation (
 variant), Parquet part files and checkpoints (ours; `checkpoint_rows` 500, each commit
 fsyncs a part file and the manifest) or `save_to_disk` (MMIRAGE). 1 shard, {pinned};
 {args.repeats} interleaved repeats after one warm-up run, median. Ours runs {args.rows:,} rows, MMIRAGE the
-first {min(args.mmirage_rows, args.rows):,} of them (it is ~20x slower; these are rates). rows/s is wall time (ours:
+first {min(args.mmirage_rows, args.rows):,} of them (it is far slower; these are rates). rows/s is wall time (ours:
 shard runtime minus engine load; MMIRAGE: load + map + save); rows per CPU-second counts
 only the CPU the process got, which is the steadier figure on a shared machine.
 
