@@ -70,6 +70,17 @@ class LoopEngine(Engine):
         """Run a coroutine on the engine loop and wait for it (from a synchronous caller)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def _close_client_and_loop(self) -> None:
+        """Close the pooled HTTP client (when the engine has one) on its loop, then stop the loop."""
+        client = getattr(self, "_client", None)
+        if client is not None and self._loop is not None:
+            try:
+                self._call(client.aclose(), timeout=10)
+            except Exception:  # noqa: BLE001 - closing goes on
+                log.debug("closing the HTTP client failed", exc_info=True)
+            self._client = None
+        self._stop_loop()
+
     def _stop_loop(self) -> None:
         loop, thread = self._loop, self._thread
         if loop is None:

@@ -177,10 +177,4 @@ class OpenAIEngine(LoopEngine):
         return completion
 
     def close(self) -> None:
-        if self._client is not None and self._loop is not None:
-            try:
-                self._call(self._client.aclose(), timeout=10)
-            except Exception:  # noqa: BLE001
-                log.debug("closing the HTTP client failed", exc_info=True)
-            self._client = None
-        self._stop_loop()
+        self._close_client_and_loop()

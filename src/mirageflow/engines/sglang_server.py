@@ -326,13 +326,7 @@ class SGLangServerEngine(LoopEngine):
         try:
             if self._metrics and self.process is not None and self.process.poll() is None:
                 self._metrics["end"] = self._scrape_metrics()
-            if self._client is not None and self._loop is not None:
-                try:
-                    self._call(self._client.aclose(), timeout=10)
-                except Exception:  # noqa: BLE001
-                    log.debug("closing the HTTP client failed", exc_info=True)
-                self._client = None
-            self._stop_loop()
+            self._close_client_and_loop()
         finally:
             self._kill_server()
             atexit.unregister(self._kill_server)
