@@ -24,9 +24,9 @@ tests/test_slurm.py starts the cluster itself when it is not running, and skips 
 reason when that is impossible (not root, packages missing).
 
 Faults for the tests are injected from outside the project: ``fault_env`` puts a
-``sitecustomize.py`` on PYTHONPATH that, only in a shard job's script process and only for
-the listed (shard, attempt) pairs, fails or hangs before handing over to the real
-``mirageflow.jobs.run_shard``. Everything else (sbatch, the plugin's job step, srun,
+``sitecustomize.py`` on PYTHONPATH that, only when a shard job calls the shard runner and
+only for the listed (shard, attempt) pairs, fails or hangs before handing over to the real
+``mirageflow.shard.run_shard``. Everything else (sbatch, the plugin's job step, srun,
 Snakemake in the job, the shard runner) is the real thing.
 """
 
@@ -277,26 +277,26 @@ def cancel_named(name: str) -> None:
 SITECUSTOMIZE = '''\
 """Test-only fault injection for mirageflow shard jobs (written by tests/slurm_cluster.py).
 
-$MIRAGEFLOW_TEST_FAULTS is JSON {"<shard>": {"<attempt>": "fail" | "hang"}}. Only in a
-shard job's script process, and only for those (shard, attempt) pairs, it records a
+$MIRAGEFLOW_TEST_FAULTS is JSON {"<shard>": {"<attempt>": "fail" | "hang"}}. When a
+shard job calls the shard runner, and only for those (shard, attempt) pairs, it records a
 marker file in $MIRAGEFLOW_TEST_FAULTS_DIR (holding the SLURM job id) and fails (exit 3)
-or hangs until SLURM kills the job; otherwise the real mirageflow.jobs.run_shard runs.
+or hangs until SLURM kills the job; otherwise the real mirageflow.shard.run_shard runs.
 """
 import os
 import sys
 
-if os.environ.get("MIRAGEFLOW_TEST_FAULTS") and sys.argv and sys.argv[0].endswith("run_shard.py"):
+if os.environ.get("MIRAGEFLOW_TEST_FAULTS"):
     import json
     import time
     from pathlib import Path
 
-    from mirageflow import jobs
+    from mirageflow import shard as _shard_module
 
     _faults = json.loads(os.environ["MIRAGEFLOW_TEST_FAULTS"])
-    _real = jobs.run_shard
+    _real = _shard_module.run_shard
 
-    def _run_shard(smk):
-        shard, attempt = str(smk.wildcards.shard), int(smk.resources.get("attempt", 1))
+    def _run_shard(cfg, shard_id, attempt=1, **kwargs):
+        shard = str(shard_id)
         action = _faults.get(shard, {}).get(str(attempt))
         if action:
             marker = Path(os.environ["MIRAGEFLOW_TEST_FAULTS_DIR"]) / f"shard{shard}.attempt{attempt}.{action}"
@@ -306,9 +306,9 @@ if os.environ.get("MIRAGEFLOW_TEST_FAULTS") and sys.argv and sys.argv[0].endswit
                 sys.exit(3)
             while True:
                 time.sleep(60)
-        return _real(smk)
+        return _real(cfg, shard_id, attempt=attempt, **kwargs)
 
-    jobs.run_shard = _run_shard
+    _shard_module.run_shard = _run_shard
 '''
 
 

@@ -10,11 +10,15 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
 from mirageflow.config import ConfigError, load_config
+from mirageflow.jobs import export_config
 
 try:
     PIPELINE = load_config(config)
-except ConfigError as e:
+    # The jobs read the config from the environment (see mirageflow/jobs.py).
+    export_config(config)
+except (ConfigError, ValueError) as e:
     raise WorkflowError(str(e)) from None
+
 
 STATE_DIR = PIPELINE.state_dir
 # The demo model, built by the smollm2_model rule (workflow/rules/models.smk).

@@ -5,7 +5,9 @@ rule index_dataset:
     input:
         dataset_files,
     output:
-        f"{STATE_DIR}/datasets/dataset_{{ds}}.index.json",
+        # The header (rows, files) and where each shard starts (see data/readers.py).
+        index=f"{STATE_DIR}/datasets/dataset_{{ds}}.index.json",
+        offsets=f"{STATE_DIR}/datasets/dataset_{{ds}}.offsets.bin",
     log:
         f"{STATE_DIR}/logs/index_dataset_{{ds}}.log",
     conda:
@@ -13,8 +15,8 @@ rule index_dataset:
     resources:
         # Light: 1 CPU, no GPU (account/partition/qos from execution_params).
         **cluster_resources("index"),
-    script:
-        "../scripts/index_dataset.py"
+    shell:
+        "python -m mirageflow.jobs --log {log:q} index {wildcards.ds} {output.index:q}"
 
 
 rule merge:
@@ -27,5 +29,5 @@ rule merge:
     localrule: True
     conda:
         "../../environment.yaml"
-    script:
-        "../scripts/merge_dataset.py"
+    shell:
+        "python -m mirageflow.jobs --log {log:q} merge {wildcards.ds} {output:q}"

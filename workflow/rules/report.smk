@@ -22,5 +22,5 @@ rule aggregate:
     localrule: True
     conda:
         "../../environment.yaml"
-    script:
-        "../scripts/aggregate.py"
+    shell:
+        "python -m mirageflow.jobs --log {log:q} aggregate"

@@ -18,5 +18,5 @@ rule shard:
         # for the job (the time limit grows with it).
         **cluster_resources("shard"),
         attempt=lambda wildcards, attempt: attempt,
-    script:
-        "../scripts/run_shard.py"
+    shell:
+        "python -m mirageflow.jobs --log {log:q} shard {wildcards.shard} --attempt {resources.attempt}"
