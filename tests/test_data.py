@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +13,7 @@ import pytest
 
 from mirageflow.config import DatasetConfig, load_config
 from mirageflow.data.merge import MergeRefused, merge_dataset
-from mirageflow.data.readers import build_index, read_shard
+from mirageflow.data.readers import SHARD_START, load_shard, offsets_path, read_shard, write_index
 from mirageflow.data.sharding import shard_range
 from mirageflow.data.writers import atomic_write_json, read_parts, write_part
 from mirageflow.prompts import RowError
@@ -26,9 +27,11 @@ def dataset(path, kind: str, split: str | None = None, output_dir="unused") -> D
 
 def read_shards(ds: DatasetConfig, num_shards: int) -> list[list]:
     """Every shard's rows, shard by shard, from one index."""
-    index = build_index(ds, num_shards)
-    assert index["num_shards"] == num_shards and len(index["shards"]) == num_shards
-    return [list(read_shard(ds, index, s)) for s in range(num_shards)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "dataset_0.index.json"
+        header = write_index(ds, num_shards, path)
+        assert header["num_shards"] == num_shards and "shards" not in header
+        return [list(read_shard(ds, load_shard(path, ds, num_shards, s))) for s in range(num_shards)]
 
 
 def assert_shards_cover(shards: list[list], expected_rows: list) -> None:
@@ -135,10 +138,36 @@ def test_jsonl_shards_cover_all_rows(messy_jsonl, k):
         assert [r.index for r in rows] == list(range(start, stop))
 
 
-def test_jsonl_index_counts_nonblank_lines(messy_jsonl):
-    index = build_index(dataset(messy_jsonl, "jsonl"), 2)
-    assert index["rows"] == 6
-    assert [(s["start"], s["stop"], s["line"]) for s in index["shards"]] == [(0, 3, 1), (3, 6, 5)]
+def test_jsonl_index_counts_nonblank_lines(messy_jsonl, tmp_path):
+    ds = dataset(messy_jsonl, "jsonl")
+    path = tmp_path / "dataset_0.index.json"
+    assert write_index(ds, 2, path)["rows"] == 6
+    slices = [load_shard(path, ds, 2, s) for s in range(2)]
+    assert [(s.start, s.stop, s.line) for s in slices] == [(0, 3, 1), (3, 6, 5)]
+    assert messy_jsonl.read_bytes()[slices[1].offset :].startswith(b"[1, 2, 3]\n")
+
+
+def test_shard_reads_a_fixed_amount_of_the_index(tmp_path):
+    """What a shard job reads does not grow with the number of shards: a fixed-size header
+    and one fixed-size entry of the table."""
+    ds = dataset(write_jsonl(tmp_path / "d.jsonl", [{"i": i} for i in range(50)]), "jsonl")
+    sizes = {}
+    for k in (10, 10_000):
+        path = tmp_path / f"k{k}" / "dataset_0.index.json"
+        write_index(ds, k, path)
+        sizes[k] = path.stat().st_size
+        assert offsets_path(path).stat().st_size == k * SHARD_START.size
+        last = load_shard(path, ds, k, k - 1)
+        assert (last.start, last.stop) == shard_range(50, k, k - 1)
+    assert abs(sizes[10_000] - sizes[10]) <= 3  # "num_shards": 10 vs 10000
+
+
+def test_index_for_another_shard_count_is_refused(tmp_path):
+    ds = dataset(write_jsonl(tmp_path / "d.jsonl", [{"i": 0}]), "jsonl")
+    path = tmp_path / "dataset_0.index.json"
+    write_index(ds, 2, path)
+    with pytest.raises(ValueError, match="rerun its index rule"):
+        load_shard(path, ds, 3, 0)
 
 
 def test_jsonl_many_rows(tmp_path):
@@ -173,11 +202,12 @@ def test_jsonl_invalid_utf8_is_bad_row(tmp_path):
 def test_changed_jsonl_after_indexing_raises(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"i": 0}, {"i": 1}])
     ds = dataset(path, "jsonl")
-    index = build_index(ds, 2)
+    index = tmp_path / "dataset_0.index.json"
+    write_index(ds, 2, index)
     with path.open("a") as f:
         f.write('{"i": 2}\n')
-    with pytest.raises(RuntimeError, match="changed after it was indexed"):
-        read_shard(ds, index, 0)
+    with pytest.raises(ValueError, match="changed after it was indexed"):
+        load_shard(index, ds, 2, 0)
 
 
 # --------------------------------------------------------------------------- Parquet
@@ -224,7 +254,7 @@ def test_parquet_glob(parquet_dir):
     (parquet_dir / "other.parquet").write_bytes((parquet_dir / "part-0.parquet").read_bytes())
     ds = dataset(parquet_dir / "part-[12].parquet", "parquet")
     expected = pandas_rows([parquet_dir / "part-1.parquet", parquet_dir / "part-2.parquet"])
-    assert [f["rows"] for f in build_index(ds, 1)["files"]] == [7, 13]
+    assert [f["rows"] for f in write_index(ds, 1, parquet_dir / "i.index.json")["files"]] == [7, 13]
     assert_shards_cover(read_shards(ds, 3), expected)
 
 
@@ -235,15 +265,16 @@ def test_parquet_single_file(parquet_dir):
 
 def test_parquet_nothing_there(tmp_path):
     with pytest.raises(FileNotFoundError):
-        build_index(dataset(tmp_path / "none-*.parquet", "parquet"), 1)
+        write_index(dataset(tmp_path / "none-*.parquet", "parquet"), 1, tmp_path / "i.index.json")
 
 
-def test_changed_parquet_after_indexing_raises(parquet_dir):
+def test_changed_parquet_after_indexing_raises(parquet_dir, tmp_path):
     ds = dataset(parquet_dir, "parquet")
-    index = build_index(ds, 2)
+    index = tmp_path / "dataset_0.index.json"
+    write_index(ds, 2, index)
     pq.write_table(pa.table({"id": [1]}), parquet_dir / "part-3.parquet")
-    with pytest.raises(RuntimeError, match="changed after it was indexed"):
-        read_shard(ds, index, 1)
+    with pytest.raises(ValueError, match="changed after it was indexed"):
+        load_shard(index, ds, 2, 1)
 
 
 # --------------------------------------------------------------------------- loadable (save_to_disk)
@@ -269,9 +300,9 @@ def test_loadable_dataset_dict_needs_split(tmp_path):
     )
     dd.save_to_disk(str(tmp_path / "hf"))
     with pytest.raises(ValueError, match=r"set loading_params\.datasets\[0\]\.split"):
-        build_index(dataset(tmp_path / "hf", "loadable"), 1)
+        write_index(dataset(tmp_path / "hf", "loadable"), 1, tmp_path / "i.index.json")
     with pytest.raises(ValueError, match="no split 'validation'"):
-        build_index(dataset(tmp_path / "hf", "loadable", split="validation"), 1)
+        write_index(dataset(tmp_path / "hf", "loadable", split="validation"), 1, tmp_path / "i.index.json")
     assert_shards_cover(read_shards(dataset(tmp_path / "hf", "loadable", split="test"), 3), ROWS[:2])
     assert_shards_cover(read_shards(dataset(tmp_path / "hf", "loadable", split="train"), 2), ROWS)
 
@@ -288,12 +319,13 @@ def test_changed_loadable_after_indexing_raises(tmp_path):
 
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "hf"))
     ds = dataset(tmp_path / "hf", "loadable")
-    index = build_index(ds, 1)
+    index = tmp_path / "dataset_0.index.json"
+    write_index(ds, 1, index)
     datasets.Dataset.from_list(ROWS[:3]).save_to_disk(str(tmp_path / "hf2"))
     for f in (tmp_path / "hf2").iterdir():
         (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
-    with pytest.raises(RuntimeError, match="changed after it was indexed"):
-        read_shard(ds, index, 0)
+    with pytest.raises(ValueError, match="changed after it was indexed"):
+        load_shard(index, ds, 1, 0)
 
 
 # --------------------------------------------------------------------------- writers

@@ -7,10 +7,9 @@ import json
 import pytest
 
 from mirageflow.config import load_config
-from mirageflow.data.readers import build_index
 from mirageflow.data.writers import atomic_write_json, read_parts
 from mirageflow.engines.base import Completion, Engine, EngineInfo
-from mirageflow.shard import ShardFailed, index_path, run_shard
+from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
 
 class ScriptedEngine(Engine):
@@ -58,8 +57,7 @@ def _setup(tmp_path, rows, outputs, output_schema=None, num_shards=1):
             "output_schema": output_schema or {"q": "{{ q }}", "a": "{{ a }}"},
         },
     })  # fmt: skip
-    for ds in cfg.datasets:
-        atomic_write_json(index_path(cfg.state_dir, ds.index), build_index(ds, cfg.num_shards))
+    index_datasets(cfg)
     return cfg
 
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from mirageflow import gpu, json_output, stats
 from mirageflow.checkpoint import Checkpoint, Lease, fingerprint
 from mirageflow.config import PipelineConfig
-from mirageflow.data.readers import SourceRow, read_shard
+from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
 from mirageflow.data.writers import atomic_write_json
 from mirageflow.engines.base import Completion, Engine, Request, create_engine
 from mirageflow.progress import ProgressReporter
@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 
 def index_path(state_dir: str | Path, dataset_index: int) -> Path:
     return Path(state_dir) / "datasets" / f"dataset_{dataset_index}.index.json"
+
+
+def index_datasets(cfg: PipelineConfig) -> None:
+    """Index every dataset where the shards look for it: the index rule's work, for running
+    shards without Snakemake (tests, benchmarks)."""
+    for ds in cfg.datasets:
+        write_index(ds, cfg.num_shards, index_path(cfg.state_dir, ds.index))
 
 
 class ShardFailed(RuntimeError):
@@ -133,15 +140,15 @@ class ShardRunner:
 
     # ------------------------------------------------------------------ setup
 
-    def _load_indices(self) -> list[dict]:
-        indices = []
+    def _load_slices(self) -> list[ShardSlice]:
+        """Where this shard's rows are in each dataset (from the index rule's output)."""
+        slices = []
         for ds in self.cfg.datasets:
-            path = index_path(self.cfg.state_dir, ds.index)
-            index = json.loads(path.read_text())
-            if index["num_shards"] != self.cfg.num_shards or index["path"] != ds.path:
-                raise ShardFailed(f"{path} was built for another config; rerun its index rule")
-            indices.append(index)
-        return indices
+            try:
+                slices.append(load_shard(index_path(self.cfg.state_dir, ds.index), ds, self.cfg.num_shards, self.shard_id))
+            except (OSError, ValueError) as e:
+                raise ShardFailed(str(e)) from e
+        return slices
 
     def _totals(self) -> tuple[int, int]:
         done = sum(len(p.done) for p in self.checkpoint.datasets.values())
@@ -259,8 +266,8 @@ class ShardRunner:
 
     # ------------------------------------------------------------------ the shard
 
-    async def _feed(self, ds, index: dict, steps, window: asyncio.Semaphore, progress) -> None:
-        rows = read_shard(ds, index, self.shard_id, skip=lambda i: self.checkpoint.is_committed(ds.index, i))
+    async def _feed(self, ds, piece: ShardSlice, steps, window: asyncio.Semaphore, progress) -> None:
+        rows = read_shard(ds, piece, skip=lambda i: self.checkpoint.is_committed(ds.index, i))
         tasks: set[asyncio.Task] = set()
         try:
             for row in rows:
@@ -285,7 +292,7 @@ class ShardRunner:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_async(self, indices: list[dict], steps) -> None:
+    async def _run_async(self, slices: list[ShardSlice], steps) -> None:
         loop = asyncio.get_running_loop()
 
         def on_signal(signum: int) -> None:
@@ -305,11 +312,11 @@ class ShardRunner:
                 pass
         ticker = asyncio.create_task(self._ticker())
         window = asyncio.Semaphore(self.params.max_inflight or min(e.max_inflight for e in self.engines.values()))
-        total = sum(ix["shards"][self.shard_id]["stop"] - ix["shards"][self.shard_id]["start"] for ix in indices)
+        total = sum(piece.stop - piece.start for piece in slices)
         progress = tqdm(total=total, initial=self.resumed, desc=f"shard {self.shard_id}", unit="row", file=sys.stderr, mininterval=2.0)
         try:
-            for ds, index in zip(self.cfg.datasets, indices):
-                await self._feed(ds, index, steps, window, progress)
+            for ds, piece in zip(self.cfg.datasets, slices):
+                await self._feed(ds, piece, steps, window, progress)
                 if self.abort or self.interrupted:
                     break
         except asyncio.CancelledError:
@@ -323,8 +330,8 @@ class ShardRunner:
 
     def run(self) -> list[dict]:
         cfg = self.cfg
-        indices = self._load_indices()
-        ranges = {ds.index: (ix["shards"][self.shard_id]["start"], ix["shards"][self.shard_id]["stop"]) for ds, ix in zip(cfg.datasets, indices)}
+        slices = self._load_slices()
+        ranges = {ds.index: (piece.start, piece.stop) for ds, piece in zip(cfg.datasets, slices)}
         self.lease.acquire()
         previous = self._interrupt_on_signals()
         try:
@@ -364,7 +371,7 @@ class ShardRunner:
             gc.freeze()
             try:
                 with self.timer.phase("generate"):
-                    asyncio.run(self._run_async(indices, steps))
+                    asyncio.run(self._run_async(slices, steps))
             finally:
                 gc.unfreeze()
                 self.sampler.stop()

@@ -1,9 +1,11 @@
 """Dataset readers: index a dataset once, then let each shard read only its own rows.
 
-``build_index`` runs in its own Snakemake job (one per dataset) and records the row count
-and, per shard, where its rows start (a byte offset for JSONL, file/row positions for
-Parquet). A shard job seeks there and reads ``stop - start`` rows; it never parses the
-rest of the dataset.
+``write_index`` runs in its own Snakemake job (one per dataset). It writes a small JSON
+header (row count, files, fingerprint) and, for JSONL, a binary table of where each
+shard's rows start (byte offset and line number, 16 bytes per shard). ``load_shard`` reads
+the header and its own 16 bytes, so what a shard job reads does not grow with the number
+of shards; it then seeks there (JSONL) or to its row groups (Parquet) or slice (Hugging
+Face) and reads ``stop - start`` rows. It never parses the rest of the dataset.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ from __future__ import annotations
 import glob
 import json
 import os
+import struct
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 from mirageflow.data.sharding import shard_range
+from mirageflow.data.writers import atomic_write_bytes, atomic_write_json
 from mirageflow.prompts import RowError
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+# Per shard in the offsets file: byte offset of its first row, that row's 1-based line number.
+SHARD_START = struct.Struct("<QQ")
 
 
 class SourceRow(NamedTuple):  # a tuple: built once per row, cheaper than a frozen dataclass
@@ -161,14 +167,36 @@ def _read_loadable(ds, start: int, stop: int, chunk: int = 1024) -> Iterator[Sou
 # --------------------------------------------------------------------------- public API
 
 
-def build_index(ds, num_shards: int) -> dict:
-    """Count the dataset's rows once and record where each shard starts."""
-    index: dict[str, Any] = {"version": INDEX_VERSION, "path": ds.path, "type": ds.type, "num_shards": num_shards}
+class ShardSlice(NamedTuple):
+    """Where one shard's rows are: rows [start, stop) of the dataset."""
+
+    start: int
+    stop: int
+    offset: int = 0  # JSONL: byte offset of row `start`
+    line: int = 0  # JSONL: its 1-based line number
+    files: list | None = None  # Parquet: [{"path", "rows"}] of the whole dataset
+
+
+def offsets_path(index_path: str | Path) -> Path:
+    """The index's per-shard table, next to it: dataset_K.index.json -> dataset_K.offsets.bin."""
+    index_path = Path(index_path)
+    return index_path.with_name(index_path.name.removesuffix(".index.json") + ".offsets.bin")
+
+
+def write_index(ds, num_shards: int, path: str | Path) -> dict:
+    """Count the dataset's rows once; write the header to ``path`` and the shard table next to it.
+
+    The table is empty for Parquet and Hugging Face datasets: a shard finds its rows from
+    the row count (and the files' row counts) alone. The header is written last, so a
+    header always has its table.
+    """
+    header: dict[str, Any] = {"version": INDEX_VERSION, "path": ds.path, "type": ds.type, "num_shards": num_shards}
+    table = b""
     if ds.type == "jsonl":
         rows = _jsonl_count(ds.path)
         starts = [shard_range(rows, num_shards, s)[0] for s in range(num_shards)]
         found = _jsonl_starts(ds.path, starts)
-        shard_pos = [{"offset": found[r][0], "line": found[r][1]} for r in starts]
+        table = b"".join(SHARD_START.pack(*found[r]) for r in starts)
     elif ds.type == "parquet":
         import pyarrow.parquet as pq
 
@@ -176,31 +204,46 @@ def build_index(ds, num_shards: int) -> dict:
         if not files:
             raise FileNotFoundError(f"no Parquet files at '{ds.path}'")
         rows = sum(f["rows"] for f in files)
-        index["files"] = files
-        shard_pos = [{} for _ in range(num_shards)]
+        header["files"] = files
     else:
         rows = len(_load_hf(ds))
-        shard_pos = [{} for _ in range(num_shards)]
-    index["rows"] = rows
-    index["shards"] = [
-        {"start": a, "stop": b, **pos} for (a, b), pos in ((shard_range(rows, num_shards, s), shard_pos[s]) for s in range(num_shards))
-    ]
-    index["fingerprint"] = fingerprint(ds)
-    return index
+    header["rows"] = rows
+    header["fingerprint"] = fingerprint(ds)
+    atomic_write_bytes(offsets_path(path), table)
+    atomic_write_json(path, header)
+    return header
 
 
-def read_shard(ds, index: dict, shard_id: int, skip=lambda i: False) -> Iterator[SourceRow]:
-    """Rows of one shard, in source order, each with its source_index; ``skip(i)`` rows are left out."""
-    if index["fingerprint"] != fingerprint(ds):
-        raise RuntimeError(
+def load_shard(path: str | Path, ds, num_shards: int, shard_id: int) -> ShardSlice:
+    """This shard's slice, from the index at ``path``: reads the header and 16 bytes of the table."""
+    path = Path(path)
+    header = json.loads(path.read_text())
+    if header.get("version") != INDEX_VERSION or header["num_shards"] != num_shards or header["path"] != ds.path:
+        raise ValueError(f"{path} was built for another config or version; rerun its index rule")
+    if header["fingerprint"] != fingerprint(ds):
+        raise ValueError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
             f"(snakemake --forcerun index_dataset)"
         )
-    shard = index["shards"][shard_id]
-    start, stop = shard["start"], shard["stop"]
+    start, stop = shard_range(header["rows"], num_shards, shard_id)
+    if ds.type != "jsonl":
+        return ShardSlice(start, stop, files=header.get("files"))
+    table = offsets_path(path)
+    with open(table, "rb") as f:
+        f.seek(shard_id * SHARD_START.size)
+        entry = f.read(SHARD_START.size)
+    if len(entry) != SHARD_START.size:
+        raise ValueError(f"{table} has no entry for shard {shard_id}; rerun the index rule")
+    offset, line = SHARD_START.unpack(entry)
+    return ShardSlice(start, stop, offset, line)
+
+
+def read_shard(ds, shard: ShardSlice, skip=lambda i: False) -> Iterator[SourceRow]:
+    """Rows of one shard, in source order, each with its source_index; ``skip(i)`` rows are left out."""
+    start, stop = shard.start, shard.stop
     if start >= stop:
         return iter(())
     if ds.type == "jsonl":
-        return _read_jsonl(ds.path, start, stop, shard["offset"], shard["line"], skip)
-    rows = _read_parquet(index["files"], start, stop) if ds.type == "parquet" else _read_loadable(ds, start, stop)
+        return _read_jsonl(ds.path, start, stop, shard.offset, shard.line, skip)
+    rows = _read_parquet(shard.files, start, stop) if ds.type == "parquet" else _read_loadable(ds, start, stop)
     return (r for r in rows if not skip(r.index))

@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import Iterable
 
 def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(), durable)
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     """Write a whole file so readers see the old content or the new one, never half.
 
     ``durable``: fsync before the rename, so the new content also survives a crash of the
@@ -19,8 +23,8 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
