@@ -67,12 +67,14 @@ def test_chat_template_kwargs_reach_the_template(engine):
     engine.tokenizer.chat_template = (
         "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}" + template
     )
+    vars(engine).pop("_chat_template", None)  # compiled once, at first use: recompile this one
     try:
         msgs = [{"role": "user", "content": "hi"}]
         assert engine.chat_prompt(msgs, {"enable_thinking": False}).startswith("NOTHINK ")
         assert not engine.chat_prompt(msgs, {}).startswith("NOTHINK")
     finally:
         engine.tokenizer.chat_template = template
+        vars(engine).pop("_chat_template", None)
 
 
 def test_engine_info_records_versions(engine):

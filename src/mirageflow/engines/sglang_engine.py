@@ -137,11 +137,6 @@ class SGLangEngine(LoopEngine):
             self.close()
             raise
 
-    def chat_prompt(self, messages, chat_template_kwargs) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
-        )
-
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:
             raise ValueError("the sglang engine needs a formatted prompt (it templates client-side)")

@@ -257,13 +257,6 @@ class SGLangServerEngine(LoopEngine):
 
     # ------------------------------------------------------------------ requests
 
-    def chat_prompt(self, messages, chat_template_kwargs) -> str:
-        if self.tokenizer is None:
-            raise RuntimeError("no tokenizer loaded (apply_chat_template is false for this processor)")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
-        )
-
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:
             raise ValueError("the sglang_server engine needs a formatted prompt (it templates client-side)")

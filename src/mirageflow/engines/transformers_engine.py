@@ -110,11 +110,6 @@ class TransformersEngine(Engine):
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def chat_prompt(self, messages, chat_template_kwargs) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
-        )
-
     # ------------------------------------------------------------------ requests
 
     async def generate_one(self, request: Request) -> Completion:
