@@ -115,16 +115,14 @@ def _ids(path: Path) -> list[int]:
 
 def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     from mirageflow.config import load_config
-    from mirageflow.data.readers import build_index
-    from mirageflow.data.writers import atomic_write_json, read_parts
-    from mirageflow.shard import index_path
+    from mirageflow.data.writers import read_parts
+    from mirageflow.shard import index_datasets
 
     tdir = work / f"trial_{trial}"
     data = C.write_jsonl(tdir / "data.jsonl", C.make_rows(rows, seed=trial))
     cfg_dict = _shard_config(data, tdir)
     cfg = load_config(cfg_dict)
-    for ds in cfg.datasets:
-        atomic_write_json(index_path(cfg.state_dir, ds.index), build_index(ds, cfg.num_shards))
+    index_datasets(cfg)
     cfg_path = tdir / "config.json"
     cfg_path.write_text(json.dumps(cfg_dict))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(C.ROOT / "src"), os.environ.get("PYTHONPATH", "")])}

@@ -22,7 +22,7 @@ per line, ``name: value``; the ``cpu_engine`` section of BENCHMARKS.md is regene
 
 from __future__ import annotations
 
-from _common import write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, write_section  # noqa: E402 - sibling module of this script
 
 import os
 
@@ -33,7 +33,6 @@ import argparse
 import datetime as dt
 import json
 import logging
-import platform
 import random
 import shlex
 import statistics
@@ -142,17 +141,13 @@ class BatchLog:
 
 def run_ours(model: Path, texts: list[str], root: Path, batch_size: int, new_tokens: int, batches: BatchLog) -> dict:
     from mirageflow.config import load_config
-    from mirageflow.data.readers import build_index
-    from mirageflow.data.writers import atomic_write_json
-    from mirageflow.shard import index_path, run_shard
+    from mirageflow.shard import index_datasets, run_shard
 
     root.mkdir(parents=True)
     jsonl = root / "prompts.jsonl"
     jsonl.write_text("".join(json.dumps({"i": i, "text": t}) + "\n" for i, t in enumerate(texts)))
     cfg = load_config(pipeline_config(model, jsonl, root, batch_size, new_tokens))
-    index = index_path(cfg.state_dir, 0)
-    index.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(index, build_index(cfg.datasets[0], cfg.num_shards))
+    index_datasets(cfg)
     batches.reset()
     t0 = time.perf_counter()
     status = run_shard(cfg, 0)
@@ -272,39 +267,14 @@ def bench_model(name: str, model: Path, n: int, batch_size: int, new_tokens: int
 # --------------------------------------------------------------------------- BENCHMARKS.md
 
 
-def machine() -> dict:
-    import torch
-    import transformers
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        commit += " + uncommitted changes" if dirty else ""
-    except OSError:
-        commit = "?"
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "commit": commit,
-    }
-
-
 def section(cmd: str, info: dict, args, results: dict, load: tuple) -> str:
     lines = [
         "## CPU engine: shard runner + TransformersEngine vs a bare `model.generate` loop",
         "",
         f"Command: `{cmd}`",
         "",
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, torch {info['torch']}, "
-        f"transformers {info['transformers']}; commit {info['commit']}; "
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, torch {info['versions']['torch']}, "
+        f"transformers {info['versions']['transformers']}; commit {git_rev()}; "
         f"{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; load average {load[0]:.2f} at start, {load[1]:.2f} at end "
         "(shared machine).",
         "",
@@ -372,7 +342,7 @@ def main() -> None:
             results[name] = bench_model(name, model, n, args.batch_size, args.new_tokens, args.repeats, work, batches)
     load1 = os.getloadavg()[0]
     if not args.no_write:
-        write_section(SECTION, section(cmd, machine(), args, results, (load0, load1)))
+        write_section(SECTION, section(cmd, machine("torch", "transformers"), args, results, (load0, load1)))
     for k, v in figures(results).items():
         print(f"{k}: {v}")
 

@@ -93,14 +93,11 @@ def summarise(engine: TimedEngine, capacity: int, step: float) -> dict:
 
 def run_ours(rows, lengths, args, tokenizer, work: Path) -> dict:
     from mirageflow.config import load_config
-    from mirageflow.data.readers import build_index
-    from mirageflow.data.writers import atomic_write_json
-    from mirageflow.shard import index_path, run_shard
+    from mirageflow.shard import index_datasets, run_shard
 
     data = C.write_jsonl(work / "data.jsonl", rows)
     cfg = load_config(config(data, work, tokenizer, args.max_new_tokens))
-    for ds in cfg.datasets:
-        atomic_write_json(index_path(cfg.state_dir, ds.index), build_index(ds, cfg.num_shards))
+    index_datasets(cfg)
     engine = TimedEngine(lengths, capacity=args.capacity, step_seconds=args.step_ms / 1000, tokenizer_path=tokenizer, chat="fast")
     status = run_shard(cfg, 0, engine_factory=lambda *a, **k: engine)
     assert status["stats"]["rows_processed"] == len(rows), status["stats"]

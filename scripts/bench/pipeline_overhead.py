@@ -79,17 +79,14 @@ def pipeline_config(data: Path, out: Path, state: Path, kind: str, tokenizer: st
 
 def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> dict:
     from mirageflow.config import load_config
-    from mirageflow.data.readers import build_index
-    from mirageflow.data.writers import atomic_write_json
-    from mirageflow.shard import index_path, run_shard
+    from mirageflow.shard import index_datasets, run_shard
 
     for key in ("state_dir",):
         shutil.rmtree(cfg_dict["loading_params"][key], ignore_errors=True)
     for ds in cfg_dict["loading_params"]["datasets"]:
         shutil.rmtree(ds["output_dir"], ignore_errors=True)
     cfg = load_config(cfg_dict)
-    for ds in cfg.datasets:
-        atomic_write_json(index_path(cfg.state_dir, ds.index), build_index(ds, cfg.num_shards))
+    index_datasets(cfg)
     completion = PLAIN_COMPLETION if kind == "plain" else JSON_COMPLETION
 
     engines = []

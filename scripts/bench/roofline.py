@@ -20,7 +20,6 @@ from _common import write_section  # noqa: E402 - sibling module of this script
 
 import argparse
 import datetime as dt
-import os
 import platform
 import shlex
 import subprocess

@@ -17,8 +17,9 @@ pipeline config: a generated JSONL dataset (--rows, 20,000 by default), the tiny
    again; anything there that grows with num_shards is paid by every job. Measured as
    ``snakemake --target-jobs shard:shard=0 --allowed-rules shard -n`` with the index built,
    for each --shards count, and the Snakefile parse alone (``snakemake --list-rules``) up to
-   100,000 shards: neither may grow with N. The shard's index file (read whole by every
-   shard job) is measured too: its size and parse time.
+   100,000 shards: neither may grow with N. What a shard job reads of the dataset index
+   is measured too (``load_shard``: the JSON header and its entry of the offsets table):
+   bytes and time, which must not grow with N either.
 3. A local run (``--cores 1``) of --run-shards shards of --rows-per-shard rows each with
    max_new_tokens 4 on the tiny model: total wall time vs the sum of the shards'
    runtime_seconds (status.json). Overhead per job = (wall - sum of shard runtimes - the
@@ -26,20 +27,26 @@ pipeline config: a generated JSONL dataset (--rows, 20,000 by default), the tiny
    imports + config validation, outside the shard's own clock. The shard's own fixed cost
    (model_load_seconds: torch/transformers imports + model load) is reported apart.
 
+The SLURM executor plugin runs ``scontrol show config`` once whenever Snakemake loads it,
+even for a local run. Where SLURM is installed but no controller answers (a dev machine
+after the SLURM tests), that call waits 9 s before it gives up; the script then puts an
+``scontrol`` that fails at once first on PATH, as on a machine without SLURM, and reports
+the probe's time apart. On a cluster it answers in milliseconds.
+
 Runs are interleaved and repeated (--repeats); figures are medians. Printed last, one per
 line, ``name: value``; the ``snakemake_scale`` section of BENCHMARKS.md is regenerated.
 """
 
 from __future__ import annotations
 
-from _common import write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, write_section  # noqa: E402 - sibling module of this script
 
 import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -157,6 +164,28 @@ def workdir(root: Path, name: str, cfg: dict) -> Path:
     return d
 
 
+def slurm_probe(root: Path) -> dict:
+    """Time the SLURM plugin's load-time ``scontrol show config``; when it only waits for an
+    absent controller, put an scontrol that fails at once first on PATH (see the docstring)."""
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return {"probe_s": None, "stubbed": False}
+    t0 = time.perf_counter()
+    try:
+        ok = subprocess.run([exe, "show", "config"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        ok = False
+    took = time.perf_counter() - t0
+    stubbed = not ok and took > 2.0
+    if stubbed:
+        stub = root / "no-slurm-bin"
+        stub.mkdir()
+        (stub / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+        (stub / "scontrol").chmod(0o755)
+        os.environ["PATH"] = f"{stub}{os.pathsep}{os.environ['PATH']}"
+    return {"probe_s": took, "answered": ok, "stubbed": stubbed}
+
+
 def job_count(output: str) -> int | None:
     for line in output.splitlines():
         parts = line.split()
@@ -205,14 +234,20 @@ def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], r
             runs[n].append(m)
             print(f"[job parse {n} shards] {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU", file=sys.stderr)
     out = {n: summarize(v) for n, v in runs.items()}
-    for n, d in dirs.items():  # the index every shard job reads in full
+    from mirageflow.config import load_config
+    from mirageflow.data.readers import SHARD_START, load_shard, offsets_path
+
+    for n, d in dirs.items():  # what a shard job reads of the index: header + its table entry
         path = d / "state" / "datasets" / "dataset_0.index.json"
+        cfg = load_config(pipeline(model, dataset, n), check_paths=False)
         times = []
-        for _ in range(5):
+        for _ in range(20):
             t0 = time.perf_counter()
-            json.loads(path.read_text())
+            load_shard(path, cfg.datasets[0], n, n // 2)
             times.append(time.perf_counter() - t0)
-        out[n]["index_bytes"] = path.stat().st_size
+        out[n]["index_header_bytes"] = path.stat().st_size
+        out[n]["index_table_bytes"] = offsets_path(path).stat().st_size
+        out[n]["index_read_bytes"] = path.stat().st_size + SHARD_START.size
         out[n]["index_read_ms"] = statistics.median(times) * 1000
     return out
 
@@ -268,27 +303,8 @@ def summarize(runs: list[dict]) -> dict:
 # --------------------------------------------------------------------------- BENCHMARKS.md
 
 
-def machine() -> dict:
-    import snakemake as smk
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "snakemake": smk.__version__,
-        "commit": commit + (" + uncommitted changes" if dirty else ""),
-    }
-
-
-def figures(dry: dict, parse: dict, run: dict | None, parsed: dict) -> dict:
-    out = {}
+def figures(dry: dict, parse: dict, run: dict | None, parsed: dict, probe: dict) -> dict:
+    out = {"slurm_probe_s": None if probe["probe_s"] is None else round(probe["probe_s"], 2), "slurm_probe_stubbed": probe["stubbed"]}
     for n, r in dry.items():
         q, v = r["quiet"], r["verbose"]
         out[f"dryrun_{n}_shards_wall_s"] = round(q["wall_s"], 2)
@@ -299,7 +315,8 @@ def figures(dry: dict, parse: dict, run: dict | None, parsed: dict) -> dict:
         out[f"dryrun_{n}_shards_printing_jobs_cpu_s"] = round(v["cpu_s"], 2)
     for n, r in parse.items():
         out[f"job_parse_{n}_shards_cpu_s"] = round(r["cpu_s"], 2)
-        out[f"index_read_{n}_shards_ms"] = round(r["index_read_ms"], 2)
+        out[f"index_read_{n}_shards_bytes"] = r["index_read_bytes"]
+        out[f"index_read_{n}_shards_ms"] = round(r["index_read_ms"], 3)
     for n, r in parsed.items():
         out[f"parse_only_{n}_shards_cpu_s"] = round(r["cpu_s"], 2)
     if run:
@@ -313,19 +330,33 @@ def figures(dry: dict, parse: dict, run: dict | None, parsed: dict) -> dict:
     return out
 
 
-def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None, parsed: dict, load: tuple) -> str:
+def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None, parsed: dict, load: tuple, probe: dict) -> str:
+    if probe["probe_s"] is None:
+        probe_text = "No `scontrol` on this machine: the SLURM plugin's load-time probe fails at once."
+    elif probe["stubbed"]:
+        probe_text = (
+            f"`scontrol show config` took {probe['probe_s']:.1f} s here and failed (SLURM installed, no controller "
+            "running). The SLURM plugin runs it once whenever Snakemake loads it, even for local runs, so every "
+            "Snakemake command below ran with an `scontrol` that fails at once first on PATH, as on a machine "
+            "without SLURM; on a cluster it answers in milliseconds. Add that wait to each figure for a machine "
+            "in this state."
+        )
+    else:
+        probe_text = f"`scontrol show config` (run once by the SLURM plugin when Snakemake loads it) answered in {probe['probe_s']:.2f} s."
     lines = [
         "## Snakemake at scale: DAG dry run, per-job parse, per-job overhead of a local run",
         "",
         f"Command: `{cmd}`",
         "",
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, Snakemake {info['snakemake']}; "
-        f"commit {info['commit']}; {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; "
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, Snakemake {info['versions']['snakemake']}, "
+        f"SLURM plugin {info['versions']['snakemake-executor-plugin-slurm']}; commit {git_rev()}; {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; "
         f"load average {load[0]:.2f} at start, {load[1]:.2f} at end (shared machine: wall times include waiting "
         "for the CPU, CPU times do not).",
         "",
         f"Workflow: `{SNAKEFILE}`. Config: one JSONL dataset of {args.rows:,} rows, the tiny test model, one plain "
         f"output, merge on. Medians of {args.repeats} interleaved repeats.",
+        "",
+        probe_text,
         "",
         "### Dry run of the whole DAG (dataset not indexed yet)",
         "",
@@ -355,13 +386,17 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
         "### What one cluster job pays before its shard runs",
         "",
         "`snakemake --target-jobs shard:shard=0 --allowed-rules shard -n` (a SLURM job re-parses the Snakefile "
-        "like this), and the dataset index that every shard job reads whole:",
+        "like this), and what its shard reads of the dataset index (`load_shard`: the JSON header and its "
+        "16-byte entry of the offsets table, whatever the number of shards):",
         "",
-        "| shards | wall s | CPU s | index file bytes | index parse ms |",
-        "|---|---|---|---|---|",
+        "| shards | wall s | CPU s | index header bytes | offsets table bytes | bytes a shard reads | load_shard ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n, r in parse.items():
-        lines.append(f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['index_bytes']:,} | {r['index_read_ms']:.1f} |")
+        lines.append(
+            f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['index_header_bytes']:,} | {r['index_table_bytes']:,} | "
+            f"{r['index_read_bytes']:,} | {r['index_read_ms']:.2f} |"
+        )
     lines += [
         "",
         "Parsing the Snakefile alone (`snakemake --list-rules`: config validation and rule declarations), the part "
@@ -389,7 +424,7 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
             f"| per shard: inference_runtime_seconds, median | {run['inference_median_s']:.3f} |",
             f"| per shard: runtime_seconds, median | {run['runtime_median_s']:.2f} |",
         ]
-    lines += ["", "Figures (the script's last lines):", "", "```"] + [f"{k}: {v}" for k, v in figures(dry, parse, run, parsed).items()] + ["```"]
+    lines += ["", "Figures (the script's last lines):", "", "```"] + [f"{k}: {v}" for k, v in figures(dry, parse, run, parsed, probe).items()] + ["```"]
     return "\n".join(lines)
 
 
@@ -417,14 +452,15 @@ def main() -> None:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
         dataset = root / "data.jsonl"
         write_dataset(dataset, args.rows)
+        probe = slurm_probe(root)
         dry = dry_runs(root, model, dataset, counts, args.repeats)
         parse = job_parse(root, model, dataset, counts, args.repeats)
         parsed = parse_only(root, model, dataset, [int(x) for x in args.parse_shards.split(",") if x.strip()], args.repeats)
         run = local_run(root, model, args.run_shards, args.rows_per_shard) if args.run_shards else None
     load1 = os.getloadavg()[0]
     if not args.no_write:
-        write_section(SECTION, section(cmd, machine(), args, dry, parse, run, parsed, (load0, load1)))
-    for k, v in figures(dry, parse, run, parsed).items():
+        write_section(SECTION, section(cmd, machine("snakemake", "snakemake-executor-plugin-slurm"), args, dry, parse, run, parsed, (load0, load1), probe))
+    for k, v in figures(dry, parse, run, parsed, probe).items():
         print(f"{k}: {v}")
 
 
