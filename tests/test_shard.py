@@ -135,6 +135,51 @@ def test_empty_shard_succeeds_with_zero_rows(tmp_path):
     assert status["stats"]["rows_processed"] == 0 and status["datasets"][0]["row_range"] == [1, 1]
 
 
+class GatedEngine(ScriptedEngine):
+    """Holds every request until ``max_inflight`` are waiting, then answers the oldest one
+    (all of them once ``total`` requests came): the runner must keep the window full,
+    across datasets too, or the shard never ends."""
+
+    max_inflight = 4
+
+    def __init__(self, total: int):
+        super().__init__(lambda p: "x")
+        self.total, self.submitted = total, 0
+        self.waiting: list = []
+        self.inflight_prompts: list[list[str]] = []
+
+    async def generate_one(self, r):
+        import asyncio
+
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((r.prompt, future))
+        self.submitted += 1
+        if len(self.waiting) == self.max_inflight:
+            self.inflight_prompts.append([p for p, _ in self.waiting])
+            self.waiting.pop(0)[1].set_result(None)
+        if self.submitted == self.total:
+            while self.waiting:
+                self.waiting.pop(0)[1].set_result(None)
+        await asyncio.wait_for(future, 10)
+        return Completion(r.id, "x", 1, 1, "stop")
+
+
+def test_the_window_stays_full_from_one_dataset_into_the_next(tmp_path):
+    cfg = _setup(tmp_path, [{"q": f"a{i}"} for i in range(6)], PLAIN)
+    second = tmp_path / "second.jsonl"
+    second.write_text("".join(json.dumps({"q": f"b{i}"}) + "\n" for i in range(6)))
+    raw = json.loads(json.dumps(cfg.raw))
+    raw["loading_params"]["datasets"].append({"path": str(second), "type": "JSONL", "output_dir": str(tmp_path / "out2")})
+    cfg = load_config(raw)
+    index_datasets(cfg)
+    engine = GatedEngine(total=12)
+    status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
+    assert status["stats"]["rows_processed"] == 12
+    # every time the engine answered, 4 rows were in flight; some of those mixed the datasets
+    assert all(len(w) == 4 for w in engine.inflight_prompts)
+    assert any({p.split(":")[-1][0] for p in w} == {"a", "b"} for w in engine.inflight_prompts)
+
+
 # --------------------------------------------------------------------------- checkpoints and resume
 
 

@@ -296,11 +296,12 @@ class TokenHistogram:
     SUB = 8
 
     def __init__(self):
-        self.counts: dict[int, int] = {}
+        self.counts: dict[int, int] = {}  # bucket low -> rows
         self.rows = 0
         self.sum = 0
         self.min: int | None = None
         self.max: int | None = None
+        self._values: dict[int, int] = {}  # exact value -> rows, not yet in the buckets
 
     @classmethod
     def bucket(cls, value: int) -> tuple[int, int]:
@@ -313,15 +314,23 @@ class TokenHistogram:
         return low, low + width
 
     def add(self, value: int) -> None:
-        value = max(0, int(value))
-        low, _ = self.bucket(value)
-        self.counts[low] = self.counts.get(low, 0) + 1
-        self.rows += 1
-        self.sum += value
-        self.min = value if self.min is None else min(self.min, value)
-        self.max = value if self.max is None else max(self.max, value)
+        # Called for every row: one dict update. Token counts take few distinct values
+        # (at most max_new_tokens + 1), so they are bucketed when the histogram is read.
+        self._values[value] = self._values.get(value, 0) + 1
+
+    def _fold(self) -> None:
+        for value, n in self._values.items():
+            value = max(0, int(value))
+            low, _ = self.bucket(value)
+            self.counts[low] = self.counts.get(low, 0) + n
+            self.rows += n
+            self.sum += value * n
+            self.min = value if self.min is None else min(self.min, value)
+            self.max = value if self.max is None else max(self.max, value)
+        self._values.clear()
 
     def to_json(self) -> dict:
+        self._fold()
         return {
             "buckets": [[low, self.bucket(low)[1], n] for low, n in sorted(self.counts.items())],
             "rows": self.rows,
