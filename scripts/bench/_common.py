@@ -190,6 +190,17 @@ def make_rows(n: int, seed: int = 0, words: tuple[int, int] = (30, 60)) -> list[
     return rows
 
 
+def transformers_processor(model, new_tokens: int) -> dict:
+    """The processor of the CPU benchmarks: our transformers backend, greedy, one torch thread."""
+    return {
+        "type": "llm",
+        "backend": "transformers",
+        "server_args": {"model_path": str(model)},
+        "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens},
+        "torch_threads": 1,
+    }
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:

@@ -22,7 +22,7 @@ per line, ``name: value``; the ``cpu_engine`` section of BENCHMARKS.md is regene
 
 from __future__ import annotations
 
-from _common import git_rev, machine, write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, transformers_processor, write_section  # noqa: E402 - sibling module of this script
 
 import os
 
@@ -90,15 +90,7 @@ def smollm2_model(workdir: Path) -> Path:
 
 def pipeline_config(model: Path, jsonl: Path, root: Path, batch_size: int, new_tokens: int) -> dict:
     return {
-        "processors": [
-            {
-                "type": "llm",
-                "backend": "transformers",
-                "server_args": {"model_path": str(model)},
-                "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens},
-                "torch_threads": 1,
-            }
-        ],
+        "processors": [transformers_processor(model, new_tokens)],
         "loading_params": {
             "state_dir": str(root / "state"),
             "datasets": [{"path": str(jsonl), "type": "JSONL", "output_dir": str(root / "out"), "output_format": "jsonl"}],

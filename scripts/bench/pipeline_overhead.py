@@ -44,6 +44,8 @@ PLAIN_COMPLETION = "The passage describes how the river model results change ene
 JSON_COMPLETION = json.dumps({"question": "What does the passage describe?", "answer": "How the river model results change energy policy."})
 COMPLETION_TOKENS = 20
 MMIRAGE_VERSION = "0.1.4"
+TARGET_ROWS_PER_SEC = 20_000  # plain output, one core
+TARGET_SPEEDUP = 10.0
 
 
 def pipeline_config(data: Path, out: Path, state: Path, kind: str, tokenizer: str) -> dict:
@@ -254,6 +256,15 @@ def main() -> None:
     figures["ours_plain_hf_chat_rows_per_sec"] = med["ours_plain_hf_chat"]
     figures["ours_plain_hf_chat_rows_per_cpu_sec"] = cpu["ours_plain_hf_chat"]
 
+    verdicts = [
+        f"- ours_plain >= {TARGET_ROWS_PER_SEC:,} rows/s on one core: **{'met' if med['ours_plain'] >= TARGET_ROWS_PER_SEC else 'NOT met'}** "
+        f"({C.fmt(med['ours_plain'])} rows/s)"
+    ]
+    if mm_python:
+        for kind in ("plain", "json"):
+            x = figures[f"{kind}_speedup_vs_mmirage"]
+            verdicts.append(f"- ours_{kind} >= {TARGET_SPEEDUP:.0f}x MMIRAGE: **{'met' if x >= TARGET_SPEEDUP else 'NOT met'}** ({x:.1f}x)")
+
     if not args.no_write:
         rows = []
         for name, rs in results.items():
@@ -283,6 +294,10 @@ a 2-field schema, nested record), `ours_plain_hf_chat` (as `ours_plain` but the 
 rows and config).
 
 {C.table(["variant", "rows", "median rows/s", "all repeats (rows/s)", "median rows per CPU-second"], rows)}
+
+Targets:
+
+{chr(10).join(verdicts)}
 
 Figures:
 

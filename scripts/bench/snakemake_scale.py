@@ -39,7 +39,7 @@ line, ``name: value``; the ``snakemake_scale`` section of BENCHMARKS.md is regen
 
 from __future__ import annotations
 
-from _common import git_rev, machine, write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, transformers_processor, write_section  # noqa: E402 - sibling module of this script
 
 import argparse
 import datetime as dt
@@ -132,15 +132,7 @@ def write_dataset(path: Path, rows: int) -> None:
 
 def pipeline(model: Path, dataset: Path, shards: int, new_tokens: int = 4) -> dict:
     return {
-        "processors": [
-            {
-                "type": "llm",
-                "backend": "transformers",
-                "server_args": {"model_path": str(model)},
-                "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens},
-                "torch_threads": 1,
-            }
-        ],
+        "processors": [transformers_processor(model, new_tokens)],
         "loading_params": {
             "state_dir": "state",
             "datasets": [{"path": str(dataset), "type": "JSONL", "output_dir": "out"}],
