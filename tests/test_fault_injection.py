@@ -33,7 +33,7 @@ def _config(root: Path, model: Path) -> dict:
             "state_dir": "state", "num_shards": NUM_SHARDS, "batch_size": 2,
             "datasets": [{"path": str(data), "type": "JSONL", "output_dir": "out"}],
         },
-        "shard_params": {"checkpoint_rows": 3, "checkpoint_seconds": 1},
+        "shard_params": {"checkpoint_rows": 3, "checkpoint_seconds": 1, "checkpoint_min_seconds": 0},
         "processing_params": {
             "inputs": [{"name": "q", "key": "q"}],
             "outputs": [{"name": "a", "prompt": "Answer: {{ q }}"}],

@@ -49,7 +49,7 @@ def _setup(tmp_path, rows, outputs, output_schema=None, num_shards=1):
             "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
             "num_shards": num_shards,
         },
-        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2},
+        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
         "processing_params": {
             "inputs": [{"name": "q", "key": "q"}],
             "outputs": outputs,

@@ -13,6 +13,7 @@ cluster jobs still run) from writing the same files.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import json
@@ -22,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,9 +164,30 @@ class Checkpoint:
     def resumed_rows(self) -> int:
         return sum(len(p.done) + len(p.failed) for p in self.datasets.values())
 
-    def is_committed(self, dataset: int, index: int) -> bool:
+    def committed_before(self, dataset: int):
+        """``skip(index)``: whether the row was committed when this was called (at resume).
+
+        A snapshot, as compact ranges: the writer thread adds to the live sets meanwhile.
+        """
         prog = self.datasets[dataset]
-        return index in prog.done or index in prog.failed
+        ranges = merge_ranges(prog.ranges("done"), prog.ranges("failed"))
+        if not ranges:
+            return lambda index: False
+        starts = [a for a, _ in ranges]
+
+        def skip(index: int) -> bool:
+            k = bisect.bisect_right(starts, index) - 1
+            return k >= 0 and index < ranges[k][1]
+
+        return skip
+
+    def failed_classes(self) -> Counter:
+        """Failed rows per error class, from errors.jsonl (the committed failures)."""
+        counts: Counter = Counter()
+        if self.errors_path.exists():
+            for line in self.errors_path.read_text().splitlines():
+                counts[json.loads(line)["error"]] += 1
+        return counts
 
     # ------------------------------------------------------------------ commit
 
@@ -198,6 +221,7 @@ class Checkpoint:
                     for k, p in self.datasets.items()
                 },
             },
+            indent=None,  # rewritten at every commit: compact, by the C encoder
         )
 
 

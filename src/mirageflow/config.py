@@ -211,6 +211,7 @@ class ProcessorConfig:
 class ShardParams:
     checkpoint_rows: int
     checkpoint_seconds: float
+    checkpoint_min_seconds: float
     max_error_rate: float
     min_rows_for_error_rate: int
     max_errors: int | None

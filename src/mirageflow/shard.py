@@ -5,8 +5,12 @@
 - Feeding: each row runs as a small coroutine through the outputs in order; up to
   ``max_inflight`` rows are in flight, so the engine always has work queued while Python
   reads, extracts and renders the next rows. There is no per-batch barrier.
-- Checkpoints: finished rows are committed every ``checkpoint_rows`` rows or
-  ``checkpoint_seconds`` seconds (see checkpoint.py); a rerun skips committed rows.
+- Checkpoints: finished rows are committed every ``checkpoint_rows`` rows (but not more
+  often than every ``checkpoint_min_seconds``) or ``checkpoint_seconds`` seconds (see
+  checkpoint.py); a rerun skips committed rows. During
+  generation a writer thread makes them durable (part file, fsync, manifest) while the
+  event loop goes on feeding the engine; while one commit is being written, the next one
+  grows.
 - Bad rows go to ``errors.jsonl`` and the shard goes on, within an error budget.
 - SIGTERM/SIGINT: stop feeding, commit what is finished, stop the engine, record why in
   ``failure.json``, exit non-zero.
@@ -27,6 +31,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -123,6 +128,10 @@ class ShardRunner:
         # counters for this attempt; committed totals live in the checkpoint
         self.computed = 0
         self.failed_now: Counter = Counter()
+        self.ok_now = 0
+        # committed by earlier attempts (set once the checkpoint is restored)
+        self._resumed_ok = 0
+        self._resumed_failed: Counter = Counter()
         self.input_tokens = self.output_tokens = self.requests = 0
         self.resumed = 0
         self.interrupted: int | None = None
@@ -133,6 +142,8 @@ class ShardRunner:
         self._rate_applies = False  # once it does, a successful row cannot break the budget
         self._last_commit = time.monotonic()
         self._stopping: asyncio.Event | None = None  # set to stop feeding rows (_halt)
+        self._writer: ThreadPoolExecutor | None = None  # commits during generation
+        self._writing: asyncio.Future | None = None  # the commit being written
         # observers: GPU sampling (stats: true), live progress.json, tokens per row
         self.sampler = gpu.GpuSampler(self.params.gpu_sample_interval_seconds, sample=cfg.stats)
         self.live: ProgressReporter | None = None
@@ -152,11 +163,8 @@ class ShardRunner:
         return slices
 
     def _totals(self) -> tuple[int, int]:
-        done = sum(len(p.done) for p in self.checkpoint.datasets.values())
-        failed = sum(len(p.failed) for p in self.checkpoint.datasets.values())
-        pending_ok = sum(len(r) for r, _ in self._pending.values())
-        pending_failed = sum(len(e) for _, e in self._pending.values())
-        return done + pending_ok, failed + pending_failed
+        """Rows done and failed so far: committed before, and finished in this attempt."""
+        return self._resumed_ok + self.ok_now, sum(self._resumed_failed.values()) + sum(self.failed_now.values())
 
     # ------------------------------------------------------------------ one row
 
@@ -189,6 +197,7 @@ class ShardRunner:
         records, errors = self._pending.setdefault(ds_index, ([], []))
         if exc is None:
             records.append(record)
+            self.ok_now += 1
         else:
             entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": str(exc)}
             if exc.raw is not None:
@@ -200,11 +209,11 @@ class ShardRunner:
         progress.update(1)
         if exc is not None or not self._rate_applies:
             self._check_budget(final=False)
-        if self._pending_rows >= self.params.checkpoint_rows:
-            try:
-                self._commit()
-            except BaseException as e:  # disk full, lost lease: the shard cannot go on
-                self._halt(e)
+        if self._pending_rows >= self.params.checkpoint_rows and self._commit_allowed():
+            self._commit_soon()
+
+    def _commit_allowed(self) -> bool:
+        return time.monotonic() - self._last_commit >= self.params.checkpoint_min_seconds
 
     def _halt(self, exc: BaseException | None = None) -> None:
         """Stop feeding rows: the shard failed (exc) or was interrupted; rows in flight are cancelled."""
@@ -231,48 +240,60 @@ class ShardRunner:
             ))
 
     def _failed_classes(self) -> Counter:
-        counts: Counter = Counter()
-        if self.checkpoint.errors_path.exists():
-            for line in self.checkpoint.errors_path.read_text().splitlines():
-                counts[json.loads(line)["error"]] += 1
-        for _, errors in self._pending.values():
-            counts.update(e["error"] for e in errors)
-        return counts
+        return self._resumed_failed + self.failed_now
+
+    def _take_pending(self) -> dict[int, tuple[list, list]]:
+        batch = {k: v for k, v in self._pending.items() if v[0] or v[1]}
+        self._pending = {}
+        self._pending_rows = 0
+        self._last_commit = time.monotonic()
+        return batch
+
+    def _write(self, batch: dict[int, tuple[list, list]]) -> None:
+        """Make a batch of finished rows durable and renew the lease (one thread at a time)."""
+        with self.timer.phase("write"):
+            for ds_index, (records, errors) in batch.items():
+                try:
+                    self.checkpoint.commit(ds_index, records, errors)
+                except OSError as e:  # disk full, quota, read-only output
+                    raise ShardFailed(
+                        f"cannot commit finished rows of shard {self.shard_id}: {e}; the rows committed "
+                        "before are intact and a rerun resumes from them"
+                    ) from e
+            self.lease.heartbeat()
 
     def _commit(self) -> None:
-        with self.timer.phase("write"):
-            for ds_index, (records, errors) in self._pending.items():
-                if records or errors:
-                    try:
-                        self.checkpoint.commit(ds_index, records, errors)
-                    except OSError as e:  # disk full, quota, read-only output
-                        raise ShardFailed(
-                            f"cannot commit finished rows of shard {self.shard_id}: {e}; the rows committed "
-                            "before are intact and a rerun resumes from them"
-                        ) from e
-            self._pending.clear()
-            self._pending_rows = 0
-            self._last_commit = time.monotonic()
-            self.lease.heartbeat()
+        """Commit everything finished, now, in this thread (outside the event loop)."""
+        self._write(self._take_pending())
+
+    def _commit_soon(self) -> None:
+        """On the event loop: hand what is finished to the writer thread, unless it is still
+        writing the last batch (then the rows wait for the next call and the batch grows)."""
+        if self._writing is not None and not self._writing.done():
+            return
+        self._writing = asyncio.get_running_loop().run_in_executor(self._writer, self._write, self._take_pending())
+        self._writing.add_done_callback(self._written)
+
+    def _written(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is not None:  # disk full, lost lease
+            self._halt(future.exception())
 
     async def _ticker(self) -> None:
         """Commits on time even when rows trickle in, and keeps the lease alive."""
         period = min(self.params.checkpoint_seconds, self.params.lease_timeout_seconds / 4)
         while True:
             await asyncio.sleep(min(period, 1.0))
-            if time.monotonic() - self._last_commit >= period:
-                try:
-                    self._commit()
-                except BaseException as e:  # disk full, lost lease: stop the shard
-                    self._halt(e)
+            if time.monotonic() - self._last_commit >= period or (
+                self._pending_rows >= self.params.checkpoint_rows and self._commit_allowed()
+            ):
+                self._commit_soon()
 
     # ------------------------------------------------------------------ the shard
 
     def _rows(self, slices: list[ShardSlice]):
         """(dataset index, row) for every row still to do, dataset after dataset, in source order."""
         for ds, piece in zip(self.cfg.datasets, slices):
-            committed = self.checkpoint.is_committed
-            yield from ((ds.index, row) for row in read_shard(ds, piece, skip=lambda i, k=ds.index: committed(k, i)))
+            yield from ((ds.index, row) for row in read_shard(ds, piece, skip=self.checkpoint.committed_before(ds.index)))
 
     async def _worker(self, rows, steps, progress) -> None:
         """Take the next row, run it through every output, book it; until no row is left.
@@ -340,6 +361,8 @@ class ShardRunner:
                 raise
         finally:
             ticker.cancel()
+            if self._writing is not None:  # the last batch handed over: written before the loop ends
+                await asyncio.gather(self._writing, return_exceptions=True)
             progress.close()
             for signum in installed:
                 loop.remove_signal_handler(signum)
@@ -359,6 +382,8 @@ class ShardRunner:
             )
             self.checkpoint.restore(retry_failed=cfg.retry_failed_rows)
             self.resumed = self.checkpoint.resumed_rows()
+            self._resumed_ok = sum(len(p.done) for p in self.checkpoint.datasets.values())
+            self._resumed_failed = self.checkpoint.failed_classes()
             if self.resumed:
                 log.info("resuming shard %d: %d rows already committed are skipped", self.shard_id, self.resumed)
 
@@ -385,10 +410,12 @@ class ShardRunner:
             # the cyclic GC's view: a full collection during generation would walk them all
             # (0.3 s each on a 2-core machine) while the event loop, and so the engine, waits.
             gc.freeze()
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"shard{self.shard_id}-writer")
             try:
                 with self.timer.phase("generate"):
                     asyncio.run(self._run_async(slices, steps))
             finally:
+                self._writer.shutdown(wait=True)
                 gc.unfreeze()
                 self.sampler.stop()
                 self._write_gpu_samples()

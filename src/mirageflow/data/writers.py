@@ -34,8 +34,9 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
         raise
 
 
-def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n", durable)
+def atomic_write_json(path: Path, obj, durable: bool = True, indent: int | None = 2) -> None:
+    """``indent=None``: compact, and encoded by json's C encoder (several times faster)."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", durable)
 
 
 def write_part(path: Path, records: list[dict], fmt: str) -> None:
