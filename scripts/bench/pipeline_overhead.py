@@ -273,11 +273,12 @@ def main() -> None:
         cmd = "python scripts/bench/pipeline_overhead.py" + "".join(f" {a}" for a in sys.argv[1:])
         body = f"""## Per-row pipeline overhead (`scripts/bench/pipeline_overhead.py`)
 
-Rows/s through everything around the engine, with an engine that answers instantly (fixed
-completion of {COMPLETION_TOKENS} tokens): JSONL read, JMESPath extraction, prompt rendering, the
+Rows/s through everything around the engine, with an engine that answers at once (fixed
+completion of {COMPLETION_TOKENS} tokens; it yields to the event loop once per request, as a
+real engine whose answer arrives later does): JSONL read, JMESPath extraction, prompt rendering, the
 tiny test model's chat template, record rendering, JSON parsing and validation (JSON
-variant), Parquet part files and checkpoints (ours; `checkpoint_rows` 500, each commit
-fsyncs a part file and the manifest) or `save_to_disk` (MMIRAGE). 1 shard, {pinned};
+variant), Parquet part files and checkpoints (ours, default settings: every 500 rows
+but at most once a second; each commit fsyncs a part file and the manifest) or `save_to_disk` (MMIRAGE). 1 shard, {pinned};
 {args.repeats} interleaved repeats after one warm-up run, median. Ours runs {args.rows:,} rows, MMIRAGE the
 first {min(args.mmirage_rows, args.rows):,} of them (it is far slower; these are rates). rows/s is wall time (ours:
 shard runtime minus engine load; MMIRAGE: load + map + save); rows per CPU-second counts
