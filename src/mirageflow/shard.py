@@ -7,10 +7,9 @@
   reads, extracts and renders the next rows. There is no per-batch barrier.
 - Checkpoints: finished rows are committed every ``checkpoint_rows`` rows (but not more
   often than every ``checkpoint_min_seconds``) or ``checkpoint_seconds`` seconds (see
-  checkpoint.py); a rerun skips committed rows. During
-  generation a writer thread makes them durable (part file, fsync, manifest) while the
-  event loop goes on feeding the engine; while one commit is being written, the next one
-  grows.
+  checkpoint.py); a rerun skips committed rows. During generation a writer thread makes
+  them durable (part file, fsync, manifest) while the event loop goes on feeding the
+  engine; while one commit is being written, the next one grows.
 - Bad rows go to ``errors.jsonl`` and the shard goes on, within an error budget.
 - SIGTERM/SIGINT: stop feeding, commit what is finished, stop the engine, record why in
   ``failure.json``, exit non-zero.
@@ -125,7 +124,8 @@ class ShardRunner:
         self.shard_dir = cfg.shard_dir(shard_id)
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = Path(cfg.state_dir) / "logs" / f"shard_{shard_id}"  # engine server logs
-        # counters for this attempt; committed totals live in the checkpoint
+        # counters for this attempt (the error budget and progress read these, not the
+        # checkpoint, which the writer thread updates)
         self.computed = 0
         self.failed_now: Counter = Counter()
         self.ok_now = 0
@@ -322,12 +322,9 @@ class ShardRunner:
         stopping = asyncio.create_task(self._stopping.wait())
         try:
             await asyncio.wait([everything, stopping], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+        finally:  # stopped, or done: cancelling the gather cancels the workers still running
             everything.cancel()
+            stopping.cancel()
             await asyncio.gather(everything, stopping, return_exceptions=True)
 
     async def _run_async(self, slices: list[ShardSlice], steps) -> None:
