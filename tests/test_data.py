@@ -344,9 +344,14 @@ def test_write_part_is_complete_and_leaves_no_temp_files(tmp_path, fmt):
     assert read_parts(tmp_path / "shard_0", fmt).to_pylist() == records(0, 5)
 
 
-def test_failed_parquet_part_leaves_nothing(tmp_path):
+def test_failed_parquet_part_leaves_nothing(tmp_path, monkeypatch):
     (tmp_path / "s").mkdir()
-    with pytest.raises(ValueError, match="mixed types"):
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", disk_full)
+    with pytest.raises(OSError, match="No space left"):
         write_part(tmp_path / "s" / "part-00000.parquet", [{"a": 1}, {"a": "one"}], "parquet")
     assert names(tmp_path / "s") == []
 
@@ -384,12 +389,19 @@ def pipeline(tmp_path, num_shards: int, fmt: str = "parquet"):
     return c, c.datasets[0]
 
 
-def finish_shard(cfg, ds, shard_id: int, rows: list[dict], status: str = "success", num_shards: int | None = None):
+def finish_shard(cfg, ds, shard_id: int, rows: list[dict], status: str = "success", num_shards: int | None = None, per_part: int = 2):
+    """A shard's parts and its status.json, as the runner leaves them (parts listed, records counted)."""
     out = Path(ds.output_dir) / f"shard_{shard_id}"
     out.mkdir(parents=True, exist_ok=True)
-    for n, start in enumerate(range(0, len(rows), 2)):
-        write_part(out / f"part-{n:05d}.{ds.output_format}", rows[start : start + 2], ds.output_format)
-    status_doc = {"status": status, "num_shards": cfg.num_shards if num_shards is None else num_shards}
+    names = []
+    for n, start in enumerate(range(0, len(rows), per_part)):
+        names.append(f"part-{n:05d}.{ds.output_format}")
+        write_part(out / names[-1], rows[start : start + per_part], ds.output_format)
+    status_doc = {
+        "status": status,
+        "num_shards": cfg.num_shards if num_shards is None else num_shards,
+        "datasets": [{"parts": names, "rows_processed": len(rows)} if d.index == ds.index else {"parts": [], "rows_processed": 0} for d in cfg.datasets],
+    }
     atomic_write_json(cfg.shard_dir(shard_id) / "status.json", status_doc)
 
 
@@ -487,10 +499,11 @@ def test_merge_unifies_column_types_across_shards(tmp_path):
     assert hf.to_list() == expected
 
 
-def test_merge_refuses_incompatible_column_types(tmp_path):
+def test_merge_stores_incompatible_column_types_as_json(tmp_path):
     cfg, ds = pipeline(tmp_path, 2)
     finish_shard(cfg, ds, 0, [{"source_index": 0, "answer": 1}])
     finish_shard(cfg, ds, 1, [{"source_index": 1, "answer": "one"}])
-    with pytest.raises(MergeRefused, match="incompatible column types"):
-        merge_dataset(cfg, ds)
-    assert not (Path(ds.output_dir) / "merged").exists()
+    assert merge_dataset(cfg, ds)["rows"] == 2
+    merged = pq.read_table(Path(ds.output_dir) / "merged")
+    assert merged.schema.field("answer").metadata == {b"mirageflow.encoding": b"json"}
+    assert [json.loads(v) for v in merged.column("answer").to_pylist()] == [1, "one"]

@@ -5,83 +5,176 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mirageflow.data.writers import read_parts, write_merged
+from mirageflow.data.writers import (
+    ColumnNeedsJson,
+    PartUnreadable,
+    conform,
+    plan_schema,
+    read_part_table,
+    write_merged,
+)
 
 
 class MergeRefused(RuntimeError):
     pass
 
 
-def _merged_schema(shard_dirs: list[Path], fmt: str):
-    """One Arrow schema for every shard's Parquet parts, so the merged files agree.
+def _damaged(e: Exception, shard_id: int, cfg) -> MergeRefused:
+    return MergeRefused(
+        f"{e}. The outputs of shard {shard_id} are damaged: delete {cfg.shard_dir(shard_id)} (its checkpoint) "
+        f"and the shard's output directory, rerun the workflow so shard {shard_id} runs again, then merge"
+    )
 
-    Each shard infers its own types: a column that is null in all of one shard's rows has
-    type null there, and a mix of such files cannot be read back as one dataset.
-    """
-    if fmt != "parquet":
-        return None
-    import pyarrow as pa
+
+def _parquet_plan(parts: dict[int, list[Path]], cfg):
+    """Every non-empty part's schema (from its footer), to plan one merged schema."""
     import pyarrow.parquet as pq
 
-    schemas = [pq.read_schema(p) for d in shard_dirs for p in sorted(d.glob("part-*.parquet"))]
-    if not schemas:
-        return None
-    try:
-        return pa.unify_schemas(schemas, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise MergeRefused(
-            f"shard outputs have incompatible column types ({e}); "
-            "make output_schema produce one type per field or use output_format: jsonl"
-        ) from None
+    schemas = []
+    for shard_id, paths in parts.items():
+        for p in paths:
+            try:
+                meta = pq.read_metadata(p)
+                schema = meta.schema.to_arrow_schema()
+            except Exception as e:
+                raise _damaged(PartUnreadable(f"{p}: cannot read this Parquet part file ({type(e).__name__}: {e})"), shard_id, cfg) from None
+            if meta.num_rows:
+                schemas.append(schema)
+    return schemas
 
 
-def _conform(table, schema):
+def _check_order(where, idx: list[int], last: int) -> None:
+    if idx and (idx[0] <= last or any(b <= a for a, b in zip(idx, idx[1:]))):
+        raise MergeRefused(f"{where}: a source_index appears twice, or in the wrong shard; the shard outputs were mixed up")
+
+
+def _check_count(shard_id: int, found: int, expected: dict[int, int], cfg) -> None:
+    """A shard's parts must hold the records its status.json counted (nothing lost or added)."""
+    if found != expected[shard_id]:
+        raise _damaged(
+            PartUnreadable(f"shard {shard_id}'s parts hold {found} records, its status.json counts {expected[shard_id]}"), shard_id, cfg
+        )
+
+
+def _parquet_tables(parts: dict[int, list[Path]], cfg, schema, out_dir: Path, expected: dict[int, int]):
     import pyarrow as pa
 
-    columns = [
-        table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-        for f in schema
-    ]
-    return pa.Table.from_arrays(columns, schema=schema)
+    last = -1
+    for shard_id, paths in parts.items():
+        tables = []
+        for p in paths:
+            try:
+                table = read_part_table(p)
+            except PartUnreadable as e:
+                raise _damaged(e, shard_id, cfg) from None
+            if table.num_rows:
+                tables.append(conform(table, schema))
+        _check_count(shard_id, sum(t.num_rows for t in tables), expected, cfg)
+        if not tables:
+            continue
+        # Parts hold rows in completion order; a shard's rows are sorted here.
+        table = pa.concat_tables(tables).sort_by("source_index")
+        idx = table.column("source_index").to_pylist()
+        _check_order(out_dir / f"shard_{shard_id}", idx, last)
+        last = idx[-1]
+        yield table
+
+
+_TAIL = b'"source_index": '
+
+
+def _source_index(line: bytes, where: str) -> int:
+    """A record line's source_index. Fast path: the last member, as RecordRenderer writes it
+    (``, "source_index": 12}``); otherwise the line is parsed (ints kept exact)."""
+    body = line.rstrip()
+    cut = body.rfind(_TAIL)
+    if cut > 0 and body.endswith(b"}") and body[cut - 1 : cut] in (b" ", b"{"):
+        digits = body[cut + len(_TAIL) : -1]
+        if digits.isdigit():
+            return int(digits)
+    try:
+        value = json.loads(line)
+        index = value["source_index"]
+    except (ValueError, TypeError, KeyError) as e:
+        raise PartUnreadable(f"{where}: not a JSON record with a source_index ({type(e).__name__}: {e})") from None
+    if type(index) is not int:
+        raise PartUnreadable(f"{where}: source_index is {index!r}, not an integer")
+    return index
+
+
+def _jsonl_line_lists(parts: dict[int, list[Path]], cfg, out_dir: Path, expected: dict[int, int]):
+    """Each shard's record lines, byte for byte as the parts hold them, in source order."""
+    last = -1
+    for shard_id, paths in parts.items():
+        keyed = []
+        for p in paths:
+            try:
+                with open(p, "rb") as f:
+                    for lineno, line in enumerate(f, start=1):
+                        if not line.strip():
+                            continue
+                        if not line.endswith(b"\n"):
+                            line += b"\n"
+                        keyed.append((_source_index(line, f"{p}:{lineno}"), line))
+            except PartUnreadable as e:
+                raise _damaged(e, shard_id, cfg) from None
+            except OSError as e:
+                raise _damaged(PartUnreadable(f"{p}: cannot read this JSONL part file ({e})"), shard_id, cfg) from None
+        _check_count(shard_id, len(keyed), expected, cfg)
+        if not keyed:
+            continue
+        keyed.sort(key=lambda kv: kv[0])  # stable; parts are sorted runs, so this is a merge
+        idx = [k for k, _ in keyed]
+        _check_order(out_dir / f"shard_{shard_id}", idx, last)
+        last = idx[-1]
+        yield [line for _, line in keyed]
 
 
 def merge_dataset(cfg, ds) -> dict:
     """Write merged/ for dataset ``ds``; refuse (nothing written) when any shard is not complete."""
-    missing = []
+    missing, damaged, expected, parts = [], [], {}, {}
+    out_dir = Path(ds.output_dir)
+    fmt = ds.output_format
     for shard_id in range(cfg.num_shards):
         status_path = cfg.shard_dir(shard_id) / "status.json"
         try:
-            status = json.loads(status_path.read_text())
+            status = json.loads(status_path.read_text(encoding="utf-8"))
+            if status.get("status") != "success" or status.get("num_shards") != cfg.num_shards:
+                missing.append(shard_id)
+                continue
+            # the parts its checkpoint listed, and how many records they hold (the accounting)
+            entry = status["datasets"][ds.index]
+            expected[shard_id] = int(entry["rows_processed"])
+            parts[shard_id] = [out_dir / f"shard_{shard_id}" / name for name in entry["parts"]]
         except FileNotFoundError:
             missing.append(shard_id)
-            continue
-        if status.get("status") != "success" or status.get("num_shards") != cfg.num_shards:
-            missing.append(shard_id)
-    if missing:
+        except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            damaged.append(f"{status_path} ({type(e).__name__}: {e})")
+    if missing or damaged:
         raise MergeRefused(
-            f"cannot merge {ds.path}: shard(s) {missing} of {cfg.num_shards} are not complete "
-            f"(no successful {cfg.state_dir}/shard_<id>/status.json); run the workflow until every shard succeeds"
-        )
+            f"cannot merge {ds.path}: "
+            + (f"shard(s) {missing} of {cfg.num_shards} are not complete (no successful "
+               f"{cfg.state_dir}/shard_<id>/status.json); run the workflow until every shard succeeds. " if missing else "")
+            + (f"damaged status files: {'; '.join(damaged)}; delete them and rerun those shards" if damaged else "")
+        )  # fmt: skip
 
-    shard_dirs = [Path(ds.output_dir) / f"shard_{s}" for s in range(cfg.num_shards)]
-    schema = _merged_schema(shard_dirs, ds.output_format)
+    out = out_dir / "merged"
+    if fmt != "parquet":
+        rows = write_merged(_jsonl_line_lists(parts, cfg, out_dir, expected), out, fmt)
+        return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}
 
-    def tables():
-        last = -1
-        for d in shard_dirs:
-            table = read_parts(d, ds.output_format)
-            if table is None:
-                continue
-            if schema is not None:
-                table = _conform(table, schema)
-            # Parts hold rows in completion order; a shard's rows are sorted here.
-            table = table.sort_by("source_index")
-            idx = table.column("source_index").to_pylist()
-            if idx[0] <= last or any(b <= a for a, b in zip(idx, idx[1:])):
-                raise MergeRefused(f"{d}: a source_index appears twice, or in the wrong shard; the shard outputs were mixed up")
-            last = idx[-1]
-            yield table
-
-    out = Path(ds.output_dir) / "merged"
-    rows = write_merged(tables(), out, ds.output_format)
-    return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": ds.output_format}
+    # One schema for every shard's parts: each part inferred its own types (a column that
+    # is null in all of a part's rows has type null there; int in one, float or str in
+    # another). A column whose types cannot be unified without changing a value is JSON
+    # text in merged/ (writers: the storage rule); a cast that would change a value is
+    # only found while writing, so the merge then starts again with that column as JSON.
+    schemas = _parquet_plan(parts, cfg)
+    as_json: set[str] = set()
+    while True:
+        schema = plan_schema(schemas, as_json)
+        try:
+            rows = write_merged(_parquet_tables(parts, cfg, schema, out_dir, expected), out, fmt)
+            break
+        except ColumnNeedsJson as e:
+            as_json.add(e.name)
+    return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}

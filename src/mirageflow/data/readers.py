@@ -6,13 +6,26 @@ shard's rows start (byte offset and line number, 16 bytes per shard). ``load_sha
 the header and its own 16 bytes, so what a shard job reads does not grow with the number
 of shards; it then seeks there (JSONL) or to its row groups (Parquet) or slice (Hugging
 Face) and reads ``stop - start`` rows. It never parses the rest of the dataset.
+
+What a shard reader promises (the runner checks it): for the shard's rows [start, stop)
+it yields exactly one ``SourceRow`` per index, in order, leaving out only the rows
+``skip(index)`` names; each value is the row (a dict) or a ``RowError`` saying why that
+row cannot be read. A failure that is not one row's (a file that cannot be opened or has
+fewer rows than indexed) raises ``DatasetReadError``, naming the file.
+
+Row values are plain Python: what ``json.loads`` gives (JSONL) or Arrow's ``to_pylist``
+(Parquet, Hugging Face), except that an Arrow MAP value becomes a dict when its keys are
+all strings and distinct, and otherwise a list of ``[key, value]`` pairs (in order, so no
+key or value is lost).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import re
 import struct
 from collections import deque
 from pathlib import Path
@@ -22,9 +35,13 @@ from mirageflow.data.sharding import shard_range
 from mirageflow.data.writers import atomic_write_bytes, atomic_write_json
 from mirageflow.prompts import RowError
 
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 # Per shard in the offsets file: byte offset of its first row, that row's 1-based line number.
 SHARD_START = struct.Struct("<QQ")
+
+
+class DatasetReadError(OSError):
+    """A dataset file cannot be read (not one row of it): the shard cannot go on. Names the file."""
 
 
 class SourceRow(NamedTuple):  # a tuple: built once per row, cheaper than a frozen dataclass
@@ -42,7 +59,8 @@ def _parquet_files(path: str) -> list[str]:
     return sorted(f for f in files if os.path.isfile(f))
 
 
-def _files(ds) -> list[str]:
+def dataset_files(ds) -> list[str]:
+    """The files dataset ``ds`` is read from (Snakemake's inputs of its index rule)."""
     if ds.type == "jsonl":
         return [ds.path]
     if ds.type == "parquet":
@@ -50,13 +68,36 @@ def _files(ds) -> list[str]:
     return sorted(str(p) for p in Path(ds.path).rglob("*") if p.is_file())
 
 
-def fingerprint(ds) -> list[list]:
-    """Cheap identity of the dataset's files (path, size, mtime) to detect a changed dataset."""
+# Snakemake does not rerun a job whose newer input has the same checksum as before (files up
+# to --max-checksum-file-size, 1 MB by default): such a rewritten dataset file keeps its old
+# index, so files up to this size are also identified by their content.
+CONTENT_HASHED_MAX_BYTES = 16 << 20
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def fingerprint(ds, hashed: bool = True) -> list[list]:
+    """Identity of the dataset's files: [path, size, mtime_ns, sha256 or None (large files)]."""
     out = []
-    for f in _files(ds):
+    for f in dataset_files(ds):
         st = os.stat(f)
-        out.append([f, st.st_size, st.st_mtime_ns])
+        digest = _sha256(f) if hashed and st.st_size <= CONTENT_HASHED_MAX_BYTES else None
+        out.append([f, st.st_size, st.st_mtime_ns, digest])
     return out
+
+
+def unchanged_since_indexed(indexed: list[list], ds) -> bool:
+    """The files are those indexed: same paths, sizes and mtimes, or, where only an mtime
+    moved, the same content (a file rewritten with identical bytes)."""
+    now = fingerprint(ds, hashed=False)
+    if [e[:3] for e in indexed] == now:
+        return True
+    if [e[:2] for e in indexed] != [e[:2] for e in now]:
+        return False
+    return all(old[2] == new[2] or (old[3] is not None and old[3] == _sha256(new[0])) for old, new in zip(indexed, now))
 
 
 # --------------------------------------------------------------------------- JSONL
@@ -88,50 +129,237 @@ def _jsonl_starts(path: str, wanted: list[int]) -> dict[int, tuple[int, int]]:
     return found
 
 
+# Lone surrogates (U+D800..U+DFFF alone) pass json.loads but no UTF-8 encoder: they would
+# kill the shard later (tokenizer, writers), so such a row is a row error at read time.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_UD_ESCAPE = re.compile(rb"\\u[dD]")  # where json.loads can make one: a \uDxxx escape
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` (safe in UTF-8 messages)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def lone_surrogate_at(value) -> str | None:
+    """Where the first lone surrogate in ``value`` is (a key path such as ``a.b[2]``), or None."""
+    stack = [(value, "")]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return where or "(the value)"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                path = f"{where}.{_printable(k)}" if where else _printable(k)
+                if _SURROGATE.search(k):
+                    return f"key {path}"
+                stack.append((x, path))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+    return None
+
+
+def _jsonl_row(line: bytes, path: str, lineno: int):
+    """One JSONL line as a dict, or the RowError saying why it is not one (never raises)."""
+    try:
+        # str, not bytes: json.loads(bytes) sniffs the encoding of every line; this is its
+        # UTF-8 decoding (BOM dropped) without the sniffing, strict: encoded surrogates fail
+        text = line.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        try:
+            line.decode("utf-8-sig", "surrogatepass")
+        except UnicodeDecodeError:
+            return RowError("read", "bad_row", f"{path}:{lineno}: not valid UTF-8 ({e})")
+        return RowError("read", "invalid_unicode", f"{path}:{lineno}: a lone UTF-16 surrogate encoded as UTF-8 bytes ({e})")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return RowError("read", "bad_row", f"{path}:{lineno}: not valid JSON ({e})")
+    except Exception as e:  # RecursionError (deep nesting), MemoryError, ...: this row only
+        return RowError("read", "bad_row", f"{path}:{lineno}: cannot parse this line ({type(e).__name__}: {e})")
+    if type(value) is not dict:
+        return RowError("read", "bad_row", f"{path}:{lineno}: line is a JSON {type(value).__name__}, not an object")
+    # Only a line with a \\uD... escape can hold a lone surrogate now (the strict decoding
+    # refused encoded ones): the common path pays a search of the line, not a walk of the value.
+    if _UD_ESCAPE.search(line):
+        try:
+            where = lone_surrogate_at(value)
+        except Exception as e:  # defensive: a row, never the shard
+            return RowError("read", "bad_row", f"{path}:{lineno}: cannot check this row ({type(e).__name__}: {e})")
+        if where is not None:
+            return RowError("read", "invalid_unicode", f"{path}:{lineno}: {where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)")
+    return value
+
+
 def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int, skip) -> Iterator[SourceRow]:
     index = start
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for lineno, line in enumerate(f, start=lineno):
-            if index >= stop:
-                return
-            if not line.strip():
-                continue
-            if skip(index):  # committed by an earlier attempt: not even parsed
+    loads = json.loads
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DatasetReadError(f"{path}: cannot open the dataset file ({e})") from e
+    with f:
+        try:
+            f.seek(offset)
+            for lineno, line in enumerate(f, start=lineno):
+                if index >= stop:
+                    return
+                if not line.strip():
+                    continue
+                if skip(index):  # committed by an earlier attempt: not even parsed
+                    index += 1
+                    continue
+                # The common path, inline; anything unusual is redone and named by _jsonl_row.
+                try:
+                    value = loads(line.decode("utf-8-sig"))
+                except Exception:
+                    value = _jsonl_row(line, path, lineno)
+                else:
+                    # 92 is "\\": memchr, nearly free; only then look for a \\uD escape
+                    if type(value) is not dict or (92 in line and _UD_ESCAPE.search(line)):
+                        value = _jsonl_row(line, path, lineno)
+                yield SourceRow(index, value)
                 index += 1
-                continue
-            try:
-                # str, not bytes: json.loads(bytes) sniffs the encoding of every line; this is
-                # its UTF-8 decoding (BOM dropped, surrogatepass) without the sniffing
-                value = json.loads(line.decode("utf-8-sig", "surrogatepass"))
-                if not isinstance(value, dict):
-                    value = RowError("read", "bad_row", f"{path}:{lineno}: line is a JSON {type(value).__name__}, not an object")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                value = RowError("read", "bad_row", f"{path}:{lineno}: not valid JSON ({e})")
-            yield SourceRow(index, value)
-            index += 1
+        except OSError as e:
+            raise DatasetReadError(f"{path}: cannot read past line {lineno} ({e})") from e
+    if index < stop:
+        raise DatasetReadError(
+            f"{path}: ended at row {index}, but its index says the shard has rows up to {stop - 1}; "
+            "the file changed after it was indexed: rerun so the index rule runs again"
+        )
 
 
 # --------------------------------------------------------------------------- Parquet
 
 
-def _read_parquet(files: list[dict], start: int, stop: int) -> Iterator[SourceRow]:
+def _map_converter(t):
+    """A function giving mirageflow's form of a ``to_pylist`` value of Arrow type ``t``; None when
+    ``t`` holds no MAP (the value is kept as it is).
+
+    ``to_pylist`` gives a MAP as a list of (key, value) tuples. It becomes a dict when every
+    key is a str and no key repeats, else a list of [key, value] lists: lossless either way.
+    """
+    import pyarrow as pa
+
+    if pa.types.is_map(t):
+        key, item = _map_converter(t.key_type), _map_converter(t.item_type)
+
+        def convert_map(v):
+            if v is None:
+                return None
+            pairs = [(key(k) if key else k, item(x) if item else x) for k, x in v]
+            if all(type(k) is str for k, _ in pairs):
+                d = dict(pairs)
+                if len(d) == len(pairs):
+                    return d
+            return [[k, x] for k, x in pairs]
+
+        return convert_map
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or (
+        hasattr(pa.types, "is_list_view") and (pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
+    ):
+        inner = _map_converter(t.value_type)
+        if inner is None:
+            return None
+        return lambda v: None if v is None else [inner(x) for x in v]
+    if pa.types.is_struct(t):
+        fields = {t.field(i).name: c for i in range(t.num_fields) if (c := _map_converter(t.field(i).type))}
+        if not fields:
+            return None
+
+        def convert_struct(v):
+            if v is None:
+                return None
+            for name, c in fields.items():
+                v[name] = c(v[name])
+            return v
+
+        return convert_struct
+    return None
+
+
+def _arrow_rows(table, where: str, first: int) -> list:
+    """``table``'s rows as dicts (MAPs converted); a row that cannot be converted (e.g. a
+    timestamp beyond Python's datetime) is a RowError, the others are kept. ``first``: the
+    dataset index of its first row, for messages."""
+    converters = {f.name: c for f in table.schema if (c := _map_converter(f.type))}
+    try:
+        rows = table.to_pylist()
+    except Exception:
+        rows = []
+        for i in range(table.num_rows):
+            try:
+                rows.extend(table.slice(i, 1).to_pylist())
+            except Exception as e:
+                rows.append(RowError("read", "bad_row", f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})"))
+    if converters:
+        for i, row in enumerate(rows):
+            if isinstance(row, RowError):
+                continue
+            try:
+                for name, c in converters.items():
+                    row[name] = c(row[name])
+            except Exception as e:
+                rows[i] = RowError("read", "bad_row", f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})")
+    return rows
+
+
+def _open_parquet(path: str, rows: int):
     import pyarrow.parquet as pq
 
+    try:
+        pf = pq.ParquetFile(path)
+        found = pf.metadata.num_rows
+    except Exception as e:
+        raise DatasetReadError(f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun") from e
+    if found != rows:
+        raise DatasetReadError(
+            f"{path}: has {found} rows, its index says {rows}; the file changed after it was indexed: "
+            "rerun so the index rule runs again"
+        )
+    return pf
+
+
+def _parquet_rows(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception as e:
+        raise DatasetReadError(f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun") from e
+
+
+def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[SourceRow]:
     base = 0
     for entry in files:
         n = entry["rows"]
         lo, hi = max(start, base), min(stop, base + n)
         if lo < hi:
-            pf = pq.ParquetFile(entry["path"])
+            path = entry["path"]
+            pf = _open_parquet(path, n)
             rg_base = base
             for rg in range(pf.num_row_groups):
                 rg_rows = pf.metadata.row_group(rg).num_rows
                 a, b = max(lo, rg_base), min(hi, rg_base + rg_rows)
-                if a < b:
-                    table = pf.read_row_group(rg).slice(a - rg_base, b - a)
-                    for i, row in enumerate(table.to_pylist()):
-                        yield SourceRow(a + i, row)
+                if a < b and not all(skip(i) for i in range(a, b)):  # all committed: not even read
+                    try:
+                        table = pf.read_row_group(rg)
+                        if table.num_rows != rg_rows:
+                            raise ValueError(f"it has {table.num_rows} rows, the footer says {rg_rows}")
+                    except Exception as e:
+                        # One damaged row group costs its rows, not the file's other groups.
+                        why = (
+                            f"{path}: row group {rg} (dataset rows {rg_base}..{rg_base + rg_rows - 1}) "
+                            f"cannot be read ({type(e).__name__}: {e})"
+                        )
+                        for i in range(a, b):
+                            if not skip(i):
+                                yield SourceRow(i, RowError("read", "unreadable_row_group", why))
+                    else:
+                        rows = _arrow_rows(table.slice(a - rg_base, b - a), f"{path}", a)
+                        for i, row in enumerate(rows, start=a):
+                            if not skip(i):
+                                yield SourceRow(i, row)
                 rg_base += rg_rows
         base += n
         if base >= stop:
@@ -156,12 +384,35 @@ def _load_hf(ds):
     return obj
 
 
-def _read_loadable(ds, start: int, stop: int, chunk: int = 1024) -> Iterator[SourceRow]:
-    table = _load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
+def _read_loadable(ds, start: int, stop: int, skip, chunk: int = 1024) -> Iterator[SourceRow]:
+    try:
+        table = _load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
+        rows = len(table)
+    except Exception as e:
+        raise DatasetReadError(f"{ds.path}: cannot load this dataset ({type(e).__name__}: {e})") from e
+    if rows < stop:
+        raise DatasetReadError(
+            f"{ds.path}: has {rows} rows, its index says the shard has rows up to {stop - 1}; "
+            "the dataset changed after it was indexed: rerun so the index rule runs again"
+        )
     for a in range(start, stop, chunk):
         b = min(stop, a + chunk)
-        for i, row in enumerate(table.select(range(a, b)).to_list()):
-            yield SourceRow(a + i, row)
+        if all(skip(i) for i in range(a, b)):
+            continue
+        try:
+            values = table.select(range(a, b)).to_list()
+            if len(values) != b - a:
+                raise ValueError(f"got {len(values)} rows for {b - a}")
+        except Exception:
+            values = []  # one row at a time: keep every row that can be read
+            for i in range(a, b):
+                try:
+                    values.append(table[i])
+                except Exception as e:
+                    values.append(RowError("read", "unreadable_rows", f"{ds.path}: row {i} cannot be read ({type(e).__name__}: {e})"))
+        for i, row in enumerate(values, start=a):
+            if not skip(i):
+                yield SourceRow(i, row)
 
 
 # --------------------------------------------------------------------------- public API
@@ -198,9 +449,7 @@ def write_index(ds, num_shards: int, path: str | Path) -> dict:
         found = _jsonl_starts(ds.path, starts)
         table = b"".join(SHARD_START.pack(*found[r]) for r in starts)
     elif ds.type == "parquet":
-        import pyarrow.parquet as pq
-
-        files = [{"path": f, "rows": pq.ParquetFile(f).metadata.num_rows} for f in _parquet_files(ds.path)]
+        files = [{"path": f, "rows": _parquet_rows(f)} for f in _parquet_files(ds.path)]
         if not files:
             raise FileNotFoundError(f"no Parquet files at '{ds.path}'")
         rows = sum(f["rows"] for f in files)
@@ -220,7 +469,7 @@ def load_shard(path: str | Path, ds, num_shards: int, shard_id: int) -> ShardSli
     header = json.loads(path.read_text())
     if header.get("version") != INDEX_VERSION or header["num_shards"] != num_shards or header["path"] != ds.path:
         raise ValueError(f"{path} was built for another config or version; rerun its index rule")
-    if header["fingerprint"] != fingerprint(ds):
+    if not unchanged_since_indexed(header["fingerprint"], ds):
         raise ValueError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
             f"(snakemake --forcerun index_dataset)"
@@ -239,11 +488,17 @@ def load_shard(path: str | Path, ds, num_shards: int, shard_id: int) -> ShardSli
 
 
 def read_shard(ds, shard: ShardSlice, skip=lambda i: False) -> Iterator[SourceRow]:
-    """Rows of one shard, in source order, each with its source_index; ``skip(i)`` rows are left out."""
+    """Rows of one shard, in source order, each with its source_index; ``skip(i)`` rows are left out.
+
+    Exactly one SourceRow per other index of [start, stop): a dict, or a RowError for a row
+    that cannot be read. Raises DatasetReadError (an OSError naming the file) when the data
+    cannot be read at all.
+    """
     start, stop = shard.start, shard.stop
     if start >= stop:
         return iter(())
     if ds.type == "jsonl":
         return _read_jsonl(ds.path, start, stop, shard.offset, shard.line, skip)
-    rows = _read_parquet(shard.files, start, stop) if ds.type == "parquet" else _read_loadable(ds, start, stop)
-    return (r for r in rows if not skip(r.index))
+    if ds.type == "parquet":
+        return _read_parquet(shard.files, start, stop, skip)
+    return _read_loadable(ds, start, stop, skip)

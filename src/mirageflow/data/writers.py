@@ -1,31 +1,361 @@
-"""Writers: atomic small files, shard part files (temp name, fsync, rename), the merged dataset."""
+"""Writers: atomic small files, shard part files (temp name, fsync, rename), the merged dataset.
+
+Files and directories are created as ``open``/``mkdir`` create them (0666 / 0777 less the
+umask, and any default ACL), never with ``tempfile``'s private 0600 / 0700.
+
+How records are stored (the same rule for part files, ``read_parts`` and ``merged/``):
+
+- JSONL: one ``json.dumps(record, ensure_ascii=False)`` line per record, UTF-8; values as
+  Python's json gives them (ints of any size stay ints). A string holding a lone surrogate
+  is written as a ``\\udXXX`` escape (``ensure_ascii`` for that line only).
+- Parquet: one column per field any record has (in first-seen order); a record without the
+  field has null there. A column is stored with Arrow's type for its values when that
+  keeps every value as it is; objects become structs whose fields are the union of the
+  keys seen (a key an object lacks reads back as null). Otherwise (values of different
+  types across rows: a string in one row and a number, bool, list or object in another;
+  ints beyond int64; ints mixed with floats where an int is not exactly a double; bools
+  mixed with numbers; str mixed with bytes; an empty object) the whole column is stored
+  as JSON text: each value ``json.dumps(value, ensure_ascii=False)``, null stays null,
+  and the column's Parquet field metadata has ``mirageflow.encoding: json``
+  (``is_json_field``), so ``json.loads`` gives the values back.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
+
+ENCODING_KEY = b"mirageflow.encoding"
+JSON_ENCODING = b"json"
+_JSON_META = {ENCODING_KEY: JSON_ENCODING}
+_FLOAT_ONLY = {float, type(None)}
+_EXACT_INT = 2**53  # ints up to this size are exactly a double (what Arrow's safe cast allows)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _new_file(path: Path) -> tuple[int, Path]:
+    """Open a new temp file next to ``path`` for writing: (fd, temp path). Mode 0666 less the umask."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temp file next to {path}")
+
+
+def _new_dir(path: Path) -> Path:
+    """Create a new temp directory next to ``path``. Mode 0777 less the umask."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}")
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temp directory next to {path}")
+
 
 def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     atomic_write_bytes(path, text.encode(), durable)
 
 
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True, only_if_absent: bool = False) -> bool:
     """Write a whole file so readers see the old content or the new one, never half.
 
     ``durable``: fsync before the rename, so the new content also survives a crash of the
     machine (not only of the process); off for files that only mark liveness.
+    ``only_if_absent``: never replace an existing file (the new one is hard-linked into
+    place, which fails when another process got there first). Returns whether it wrote.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _new_file(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if not only_if_absent:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links on this filesystem: a rename, after a last check
+            if path.exists():
+                return False
+            os.replace(tmp, path)
+        return True
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def atomic_write_json(path: Path, obj, durable: bool = True, indent: int | None = 2) -> None:
+    """``indent=None``: compact, and encoded by json's C encoder (several times faster)."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", durable)
+
+
+# --------------------------------------------------------------------------- JSON lines
+
+
+def jsonl_line(record) -> bytes:
+    """One JSONL line, UTF-8. A lone surrogate (not UTF-8) is written as its ``\\u`` escape."""
+    try:
+        return (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(record, ensure_ascii=True, default=str) + "\n").encode("utf-8")
+
+
+def _jsonl_bytes(records: Iterable) -> bytes:
+    text = "".join([json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records])
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # rare: only then line by line
+        return b"".join(jsonl_line(r) for r in records)
+
+
+# --------------------------------------------------------------------------- Arrow columns
+
+
+def is_json_field(field) -> bool:
+    """Whether a Parquet/Arrow column holds JSON text (see the module docstring)."""
+    md = field.metadata
+    return bool(md) and md.get(ENCODING_KEY) == JSON_ENCODING
+
+
+def json_field(name: str):
+    import pyarrow as pa
+
+    return pa.field(name, pa.string(), metadata=_JSON_META)
+
+
+def json_array(values: list):
+    """Arrow strings: each value as JSON text, None as null."""
+    import pyarrow as pa
+
+    texts = [None if v is None else json.dumps(v, ensure_ascii=False, default=str) for v in values]
+    try:
+        return pa.array(texts, pa.string())
+    except UnicodeEncodeError:  # a lone surrogate: escaped, as JSON allows
+        texts = [None if v is None else json.dumps(v, ensure_ascii=True, default=str) for v in values]
+        return pa.array(texts, pa.string())
+
+
+@functools.lru_cache(maxsize=1024)
+def _check(t) -> str:
+    """What an inferred Arrow type needs: "json" (cannot be stored as is: an empty struct),
+    "values" (holds a double or binary that other Python types may have been coerced into),
+    or "" (nothing)."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        if t.num_fields == 0:
+            return "json"
+        found = [_check(t.field(i).type) for i in range(t.num_fields)]
+        return "json" if "json" in found else ("values" if "values" in found else "")
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _check(t.value_type)
+    if pa.types.is_floating(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "values"
+    return ""
+
+
+def _values_kept(values: list, t) -> bool:
+    """Whether Arrow type ``t`` (inferred from ``values``) keeps every value as it is.
+
+    Arrow's inference turns a bool or a big int among floats into a float, and a str
+    among bytes into bytes; this walks the values at the float/binary places of ``t``.
+    """
+    import pyarrow as pa
+
+    if pa.types.is_floating(t) and {type(v) for v in values} <= _FLOAT_ONLY:
+        return True
+    stack = [(v, t) for v in values]
+    while stack:
+        v, t = stack.pop()
+        if v is None:
+            continue
+        if pa.types.is_floating(t):
+            if type(v) is float or (type(v) is int and -_EXACT_INT <= v <= _EXACT_INT):
+                continue
+            return False
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            if isinstance(v, (bytes, bytearray, memoryview)):
+                continue
+            return False
+        if not _check(t):
+            continue
+        if pa.types.is_struct(t):
+            if isinstance(v, dict):
+                stack.extend((v.get(t.field(i).name), t.field(i).type) for i in range(t.num_fields))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, t.value_type) for x in v)
+    return True
+
+
+def column_array(values: list):
+    """(Arrow array, stored as JSON text?) for one column's values; never raises for a value type."""
+    import pyarrow as pa
+
+    try:
+        arr = pa.array(values)
+    except Exception:  # ArrowInvalid / ArrowTypeError (mixed types), OverflowError (> int64), ...
+        return json_array(values), True
+    check = _check(arr.type)
+    if check == "json" or (check == "values" and not _values_kept(values, arr.type)):
+        return json_array(values), True
+    return arr, False
+
+
+def records_table(records: list[dict]):
+    """An Arrow table of the records under the storage rule (module docstring)."""
+    import pyarrow as pa
+
+    if not records:
+        return pa.table({})
+    names = list(records[0])
+    columns = None
+    if sum(map(len, records)) == len(names) * len(records):
+        try:  # every record has the first one's fields, and no others (the common case)
+            columns = [[r[name] for r in records] for name in names]
+        except KeyError:
+            pass
+    if columns is None:  # a field any record has is a column; the others have null there
+        names = list(dict.fromkeys(k for r in records for k in r))
+        columns = [[r.get(name) for r in records] for name in names]
+    arrays, fields = [], []
+    for name, values in zip(names, columns):
+        arr, as_json = column_array(values)
+        arrays.append(arr)
+        fields.append(json_field(name) if as_json else pa.field(name, arr.type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+# --------------------------------------------------------------------------- one schema for many tables
+
+
+class ColumnNeedsJson(Exception):
+    """A column's values cannot be cast to the planned type without a change: store it as JSON."""
+
+    def __init__(self, name: str, why: str):
+        self.name = name
+        super().__init__(f"column {name!r}: {why}")
+
+
+def plan_schema(schemas: list, as_json: Iterable[str] = ()):
+    """One schema for tables with these schemas, under the storage rule.
+
+    A column is JSON text when any table has it as JSON, when it is in ``as_json``, or when
+    its types cannot be unified by Arrow (null -> any, int -> wider int or float, structs
+    -> union of their fields); ``conform`` finds, by a safe cast, when a unified type
+    would change a value (ColumnNeedsJson).
+    """
+    import pyarrow as pa
+
+    as_json = set(as_json)
+    columns: dict[str, list] = {}
+    for schema in schemas:
+        for f in schema:
+            columns.setdefault(f.name, []).append(f)
+    fields = []
+    for name, seen in columns.items():
+        if name in as_json or any(is_json_field(f) for f in seen):
+            fields.append(json_field(name))
+            continue
+        types = list(dict.fromkeys(f.type for f in seen))
+        if len(types) == 1:
+            fields.append(pa.field(name, types[0]))
+            continue
+        try:
+            unified = pa.unify_schemas([pa.schema([pa.field(name, t)]) for t in types], promote_options="permissive")
+            fields.append(pa.field(name, unified.field(name).type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            fields.append(json_field(name))
+    return pa.schema(fields)
+
+
+def conform(table, schema):
+    """``table`` with exactly ``schema``'s columns: cast without loss, encoded as JSON text, or
+    null where the table lacks the column. Raises ColumnNeedsJson when a cast would change a value."""
+    import pyarrow as pa
+
+    columns = []
+    for f in schema:
+        if f.name not in table.column_names:
+            columns.append(pa.nulls(table.num_rows, f.type))
+            continue
+        col = table.column(f.name)
+        if is_json_field(f):
+            if is_json_field(table.schema.field(f.name)):
+                columns.append(col.cast(pa.string()))
+            else:
+                columns.append(json_array(col.to_pylist()))
+            continue
+        if col.type == f.type:
+            columns.append(col)
+            continue
+        try:
+            columns.append(col.cast(f.type))  # safe: fails rather than truncate or round
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise ColumnNeedsJson(f.name, f"cannot cast {col.type} to {f.type} without a change ({e})") from None
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def unify_tables(tables: list):
+    """The tables as one, under the storage rule (a column whose types disagree becomes JSON text)."""
+    import pyarrow as pa
+
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return None
+    as_json: set[str] = set()
+    while True:
+        schema = plan_schema([t.schema for t in tables], as_json)
+        try:
+            return pa.concat_tables([conform(t, schema) for t in tables])
+        except ColumnNeedsJson as e:
+            as_json.add(e.name)
+
+
+# --------------------------------------------------------------------------- part files
+
+
+def write_part(path: Path, records: list[dict], fmt: str) -> None:
+    """Write records as one Parquet/JSONL file, atomically (temp name, fsync, rename).
+
+    Every field of every record is kept, under the storage rule (module docstring); no
+    value type makes it fail.
+    """
+    path = Path(path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        table = records_table(records)
+    else:
+        data = _jsonl_bytes(records)
+    fd, tmp = _new_file(path)
+    try:
+        if fmt == "parquet":
+            os.close(fd)
+            pq.write_table(table, str(tmp))  # by path: faster than through a Python file; the mode stays
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,72 +364,73 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
         raise
 
 
-def atomic_write_json(path: Path, obj, durable: bool = True, indent: int | None = 2) -> None:
-    """``indent=None``: compact, and encoded by json's C encoder (several times faster)."""
-    atomic_write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", durable)
+class PartUnreadable(OSError):
+    """A part file cannot be read; the message names it."""
 
 
-def write_part(path: Path, records: list[dict], fmt: str) -> None:
-    """Write records as one Parquet/JSONL file, atomically (temp name, fsync, rename)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+def read_part_table(path: Path):
+    """One Parquet part as an Arrow table; PartUnreadable (naming the file) when it cannot be read."""
+    import pyarrow.parquet as pq
+
     try:
-        if fmt == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
+        return pq.read_table(path)
+    except Exception as e:
+        raise PartUnreadable(f"{path}: cannot read this Parquet part file ({type(e).__name__}: {e})") from e
 
-            try:
-                table = pa.Table.from_pylist(records)
-            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-                raise ValueError(
-                    f"cannot write {path} as Parquet: the records' columns have mixed types ({e}); "
-                    "make output_schema produce one type per field or use output_format: jsonl"
-                ) from None
-            pq.write_table(table, tmp)
-        else:
-            with open(tmp, "w") as f:
-                for r in records:
-                    f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+def read_jsonl_part(path: Path) -> list[dict]:
+    """One JSONL part's records (ints of any size kept); PartUnreadable naming the file and line."""
+    records = []
+    try:
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    records.append(json.loads(line))
+    except (OSError, ValueError) as e:
+        raise PartUnreadable(f"{path}: cannot read this JSONL part file ({type(e).__name__}: {e})") from e
+    return records
 
 
 def read_parts(shard_dir: Path, fmt: str):
-    """The shard's records as one Arrow table (None when it wrote none)."""
-    import pyarrow as pa
-    import pyarrow.json as pajson
-    import pyarrow.parquet as pq
-
+    """The shard's records as one Arrow table (None when it wrote none), under the storage rule."""
     parts = sorted(Path(shard_dir).glob(f"part-*.{fmt}"))
-    tables = [pq.read_table(p) if fmt == "parquet" else pajson.read_json(p) for p in parts]
-    tables = [t for t in tables if t.num_rows]
-    if not tables:
-        return None
-    return pa.concat_tables(tables, promote_options="permissive")
+    if fmt == "parquet":
+        return unify_tables([read_part_table(p) for p in parts])
+    records = [r for p in parts for r in read_jsonl_part(p)]
+    return records_table(records) if records else None
+
+
+# --------------------------------------------------------------------------- merged/
 
 
 def write_merged(tables: Iterable, out_dir: Path, fmt: str) -> int:
-    """Write tables (in order) as merged/part-NNNNN files, replacing the old merged dir atomically."""
+    """Write tables (in order) as merged/part-NNNNN files, replacing the old merged dir atomically.
+
+    An item is an Arrow table, or (JSONL) a list of lines (bytes, each ending in a newline)
+    written byte for byte.
+    """
     import pyarrow.parquet as pq
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    tmp = _new_dir(out_dir)
     rows = 0
     try:
         for i, table in enumerate(tables):
             path = tmp / f"part-{i:05d}.{fmt}"
-            if fmt == "parquet":
-                pq.write_table(table, path)
-            else:
-                with open(path, "w") as f:
-                    for r in table.to_pylist():
-                        f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
-            rows += table.num_rows
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(table, list):
+                    f.writelines(table)
+                    rows += len(table)
+                elif fmt == "parquet":
+                    pq.write_table(table, f)
+                    rows += table.num_rows
+                else:
+                    f.write(_jsonl_bytes(table.to_pylist()))
+                    rows += table.num_rows
+                f.flush()
+                os.fsync(f.fileno())
         old = out_dir.with_name(f".{out_dir.name}.old")
         if out_dir.exists():
             shutil.rmtree(old, ignore_errors=True)
