@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import jsonschema
 import yaml
 
-from mirageflow import json_output, prompts
+from mirageflow import cluster, json_output, prompts
 
 
 class ConfigError(ValueError):
@@ -186,6 +186,7 @@ class OutputVar:
     is_json: bool
     schema: json_output.OutputSchema | None
     sampling_params: dict
+    allow_empty_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -380,11 +381,13 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         known.append(out["name"])
         outputs.append(
             OutputVar(
-                out["name"], out["type"], out["prompt"], out["system"], out["response_prefix"], is_json, schema, out["sampling_params"]
+                out["name"], out["type"], out["prompt"], out["system"], out["response_prefix"], is_json, schema,
+                out["sampling_params"], out["allow_empty_output"],
             )
         )
 
     problems += prompts.record_template_problems(pp["output_schema"], known, "processing_params.output_schema")
+    problems += cluster.execution_problems(cfg["execution_params"])
 
     return PipelineConfig(
         raw=cfg,
@@ -402,3 +405,37 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         shard=ShardParams(**cfg["shard_params"]),
         retry_failed_rows=cfg["retry_failed_rows"],
     )
+
+
+# --------------------------------------------------------------------------- records identity
+
+RECORDS_IDENTITY_VERSION = 1
+# How the workflow reaches or runs an engine, not what it generates: an edit here reruns nothing.
+_PROCESSOR_OPERATIONAL_KEYS = (
+    "base_url", "api_key_env", "server_start_timeout", "request_timeout", "max_retries", "torch_threads",
+)  # fmt: skip
+
+
+def records_identity(cfg: PipelineConfig) -> dict:
+    """The part of a validated config that can change a shard's records (JSON-able, ordered).
+
+    Processors (backend, model, server args, sampling, chat template settings; not how the
+    engine is reached or waited for: base_url, api_key_env, timeouts, retries, torch
+    threads), processing_params (inputs, outputs with their prompts and schemas,
+    output_schema, remove_columns) and each dataset's path, type, split, output format and
+    output directory. Comments, execution_params, shard_params, stats, retry_failed_rows
+    and the state_dir are not part of it. The workflow reruns shards when its hash changes
+    (``<state_dir>/records.fingerprint``, see mirageflow.pipeline_state).
+    """
+    raw = cfg.raw
+    return {
+        "version": RECORDS_IDENTITY_VERSION,
+        "processors": [
+            {k: v for k, v in p.items() if k not in _PROCESSOR_OPERATIONAL_KEYS} for p in raw["processors"]
+        ],
+        "processing_params": raw["processing_params"],
+        "datasets": [
+            {"path": d.path, "type": d.type, "split": d.split, "output_format": d.output_format, "output_dir": d.output_dir}
+            for d in cfg.datasets
+        ],
+    }

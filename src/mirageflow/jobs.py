@@ -1,55 +1,173 @@
-"""Entry points of the workflow's jobs: ``python -m mirageflow.jobs <job> ...``.
+"""Entry points of the workflow's jobs: ``python -m mirageflow.jobs --config FILE --log LOG <job> ...``.
 
 Every rule runs its job as a plain shell command, not a Snakemake ``script:``: Snakemake
 reads a script file once per job while it builds the DAG, which at 10,000 shards is a
-third of a dry run. The config travels in the environment instead: common.smk puts the
-config Snakemake was given (after --configfile and --config) in $MIRAGEFLOW_CONFIG when it
-parses the Snakefile, locally and in every cluster job, and the job's shell command
-inherits it. The job validates it again, so a compute node runs exactly the pipeline the
-driver validated, with ``$VAR`` references expanded in the job's own environment.
+third of a dry run. The config travels as a file named on the command line: when the
+driver parses the Snakefile it stores the config it was given (after --configfile and
+--config) as JSON in ``<state_dir>/configs/<sha256 prefix>.json`` (mirageflow.pipeline_state),
+so the command Snakemake prints runs as is by hand. The job validates that config again,
+so a compute node runs exactly the pipeline the driver validated, with ``$VAR`` references
+expanded in the job's own environment. ``--config`` also takes a YAML pipeline file.
 
-Each job sends everything it prints (logging, tqdm, warnings from libraries) to the rule's
-log file.
+Each job sends everything it prints (logging, tqdm, warnings from libraries) to a log of
+its own attempt, ``<log dir>/attempts/<job>.<UTC time>.<pid>.log``, and the rule's log
+path (which Snakemake deletes before a rerun) is a hard link to it: every attempt's log
+survives reruns.
+
+A shard job stopped by SIGTERM/SIGINT before its runner takes over the signals (during
+the imports, config validation, ...) writes a minimal ``<state_dir>/shard_<id>/failure.json``
+and exits 128 + the signal number: the handler is installed before anything heavy is
+imported.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import os
+import signal
 import sys
 
-from mirageflow.config import PipelineConfig, load_config
-from mirageflow.data.writers import atomic_write_json
+# --------------------------------------------------------------------------- early stop
+# Installed first (see the end of this block), before the heavy imports below.
 
-CONFIG_ENV = "MIRAGEFLOW_CONFIG"
-# One environment string may hold at most 128 KiB on Linux (MAX_ARG_STRLEN).
-MAX_CONFIG_BYTES = 128 * 1024 - len(CONFIG_ENV) - 2
+_EARLY: dict = {"failure": None, "shard": None, "attempt": None}
 
 
-def export_config(config: dict) -> None:
-    """Called by common.smk: hand Snakemake's config to the jobs it starts."""
-    text = json.dumps(config, separators=(",", ":"), default=str)
-    if len(text.encode()) > MAX_CONFIG_BYTES:
-        raise ValueError(
-            f"the config is {len(text.encode()):,} bytes as JSON; the jobs receive it in "
-            f"${CONFIG_ENV}, which holds at most {MAX_CONFIG_BYTES:,}. Move long prompts or "
-            "schemas out of the config (e.g. shorter templates)"
-        )
-    os.environ[CONFIG_ENV] = text
+def _early_argv(argv: list[str]) -> dict:
+    """The little the signal handler needs from the command line, without argparse."""
+    found: dict = {"config": None, "log": None, "job": None, "shard": None, "attempt": 1}
+    positional = []
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "--log", "--attempt"):
+            value = value if eq else next(it, None)
+            found[name[2:]] = value
+        elif not arg.startswith("-"):
+            positional.append(arg)
+    if positional:
+        found["job"] = positional[0]
+    if found["job"] == "shard" and len(positional) > 1 and positional[1].isdigit():
+        found["shard"] = int(positional[1])
+    return found
 
 
-def _config(check_paths: bool = True) -> PipelineConfig:
-    text = os.environ.get(CONFIG_ENV)
-    if text is None:
-        raise SystemExit(f"${CONFIG_ENV} is not set: run this job through the workflow (snakemake), not by hand")
-    return load_config(json.loads(text), check_paths=check_paths)
+def _write_early_failure(path: str, signum: int) -> None:
+    import json
+    import socket
+    from datetime import datetime, timezone
+
+    name = signal.Signals(signum).name
+    failure = {
+        "shard_id": _EARLY["shard"],
+        "status": "failed",
+        "attempt": _EARLY["attempt"],
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "error": f"stopped by {name} before the shard started (while the job was starting up); nothing was committed",
+        "reason": "stopped before the shard runner started",
+        "signal": name,
+        "stats": None,
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(failure, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
-def _log_to(path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def _on_early_signal(signum, frame) -> None:
+    """SIGTERM/SIGINT before the shard runner installs its own handlers: record it, exit."""
+    try:
+        sys.stderr.write(f"mirageflow.jobs: stopped by {signal.Signals(signum).name} while starting up\n")
+        sys.stderr.flush()
+        path = _EARLY["failure"]
+        # not after this attempt's success (a signal between status.json and the exit)
+        if path and not os.path.exists(os.path.join(os.path.dirname(path), "status.json")):
+            _write_early_failure(path, signum)
+    except BaseException as e:  # never let the record keep the job from exiting; say why it is missing
+        try:
+            sys.stderr.write(f"mirageflow.jobs: could not write failure.json: {type(e).__name__}: {e}\n")
+        except BaseException:
+            pass
+    finally:
+        os._exit(128 + signum)
+
+
+def _install_early_handlers(argv: list[str]) -> None:
+    found = _early_argv(argv)
+    if found["job"] != "shard":  # index, merge, aggregate: the default behaviour is fine
+        return
+    if found["shard"] is not None:
+        _EARLY["shard"] = found["shard"]
+        try:
+            _EARLY["attempt"] = int(found["attempt"])
+        except (TypeError, ValueError):
+            pass
+        if found["config"]:  # a workflow-written config: <state_dir>/configs/<hash>.json
+            parent = os.path.dirname(os.path.abspath(found["config"]))
+            if os.path.basename(parent) == "configs":
+                _EARLY["failure"] = os.path.join(
+                    os.path.dirname(parent), f"shard_{found['shard']}", "failure.json"
+                )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _on_early_signal)
+
+
+if __name__ == "__main__":
+    _install_early_handlers(sys.argv[1:])
+
+# --------------------------------------------------------------------------- the jobs
+
+import argparse  # noqa: E402 - after the early signal handlers, on purpose
+import json  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+from mirageflow.config import PipelineConfig, load_config  # noqa: E402
+from mirageflow.data.writers import atomic_write_json  # noqa: E402
+
+ATTEMPTS_DIR = "attempts"
+
+
+def _config(path: str, check_paths: bool = True) -> PipelineConfig:
+    return load_config(path, check_paths=check_paths)
+
+
+def attempt_log_path(log: str, now: float | None = None, pid: int | None = None) -> str:
+    """``<log dir>/attempts/<log name>.<UTC time>.<pid>.log`` for the rule's log path ``log``."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    name = os.path.basename(log)
+    stem = name[: -len(".log")] if name.endswith(".log") else name
+    return os.path.join(os.path.dirname(log), ATTEMPTS_DIR, f"{stem}.{stamp}.{pid or os.getpid()}.log")
+
+
+def _log_to(path: str) -> str:
+    """Send stdout/stderr to this attempt's log file, with ``path`` (the rule's log) linked to it.
+
+    Returns the attempt's log path. Files follow the umask. Where hard links fail (a
+    filesystem without them), the job writes ``path`` and copies it to the attempt's log
+    when it exits.
+    """
+    attempt = attempt_log_path(path)
+    os.makedirs(os.path.dirname(attempt), exist_ok=True)
+    fd = os.open(attempt, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    try:
+        try:
+            os.unlink(path)  # a previous attempt's link (Snakemake removes it before a rerun)
+        except FileNotFoundError:
+            pass
+        os.link(attempt, path)
+    except OSError:
+        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        import atexit
+
+        atexit.register(lambda: shutil.copyfile(path, attempt))
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -58,50 +176,63 @@ def _log_to(path: str) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
     )
+    return attempt
 
 
-def index_dataset(ds_index: int, output: str) -> None:
+def index_dataset(config: str, ds_index: int, output: str) -> None:
     from mirageflow.data.readers import write_index
 
-    cfg = _config()
+    cfg = _config(config)
     ds = cfg.datasets[ds_index]
     index = write_index(ds, cfg.num_shards, output)
     logging.info("indexed %s: %d rows, %d shards", ds.path, index["rows"], cfg.num_shards)
 
 
-def run_shard(shard: int, attempt: int) -> None:
+def run_shard(config: str, shard: int, attempt: int) -> None:
+    cfg = _config(config)
+    _EARLY["failure"] = str(cfg.shard_dir(shard) / "failure.json")  # the config's own state_dir
+    from mirageflow import pipeline_state
+
+    # Whatever the aggregate and merge rules built from earlier shards is stale from now on.
+    pipeline_state.remove_derived_outputs(cfg, f"shard {shard} starts")
+
     from mirageflow.shard import ShardInterrupted
     from mirageflow.shard import run_shard as run
 
-    cfg = _config()
     hf_home = cfg.raw["execution_params"].get("hf_home")
     if hf_home:  # before transformers/sglang read it at import
         os.environ["HF_HOME"] = os.path.expanduser(hf_home)
     try:
         run(cfg, shard, attempt=attempt)
     except ShardInterrupted as e:
+        _EARLY["failure"] = None  # the runner wrote its own failure.json
         logging.error("%s", e)
         sys.exit(128 + e.signum)  # the shell convention for "killed by signal N"
+    finally:
+        _EARLY["failure"] = None
 
 
-def merge(ds_index: int, output: str) -> None:
+def merge(config: str, ds_index: int, output: str) -> None:
     from mirageflow.data.merge import merge_dataset
 
-    cfg = _config()
+    cfg = _config(config)
     manifest = merge_dataset(cfg, cfg.datasets[ds_index])
     logging.info("merged %s", json.dumps(manifest))
     atomic_write_json(output, manifest)
 
 
-def aggregate() -> None:
+def aggregate(config: str) -> None:
     from mirageflow.report import write_report
 
-    cfg = _config(check_paths=False)
+    cfg = _config(config, check_paths=False)
     write_report(cfg.state_dir, cfg.num_shards)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mirageflow.jobs", description="Run one job of the workflow.")
+    ap.add_argument(
+        "--config", required=True, help="the pipeline config: <state_dir>/configs/<hash>.json (or a YAML pipeline file)"
+    )
     ap.add_argument("--log", required=True, help="the rule's log file; the job's output goes there")
     sub = ap.add_subparsers(dest="job", required=True)
     p = sub.add_parser("index", help="index one dataset")
@@ -117,13 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     _log_to(args.log)
     if args.job == "index":
-        index_dataset(args.dataset, args.output)
+        index_dataset(args.config, args.dataset, args.output)
     elif args.job == "shard":
-        run_shard(args.shard, args.attempt)
+        run_shard(args.config, args.shard, args.attempt)
     elif args.job == "merge":
-        merge(args.dataset, args.output)
+        merge(args.config, args.dataset, args.output)
     else:
-        aggregate()
+        aggregate(args.config)
 
 
 if __name__ == "__main__":

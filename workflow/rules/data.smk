@@ -15,8 +15,10 @@ rule index_dataset:
     resources:
         # Light: 1 CPU, no GPU (account/partition/qos from execution_params).
         **cluster_resources("index"),
+        # The config file on the command line (a resource: not a rerun trigger).
+        job_config=JOB_CONFIG,
     shell:
-        "python -m mirageflow.jobs --log {log:q} index {wildcards.ds} {output.index:q}"
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} index {wildcards.ds} {output.index:q}"
 
 
 rule merge:
@@ -29,5 +31,7 @@ rule merge:
     localrule: True
     conda:
         "../../environment.yaml"
+    resources:
+        job_config=JOB_CONFIG,
     shell:
-        "python -m mirageflow.jobs --log {log:q} merge {wildcards.ds} {output:q}"
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} merge {wildcards.ds} {output:q}"

@@ -22,5 +22,7 @@ rule aggregate:
     localrule: True
     conda:
         "../../environment.yaml"
+    resources:
+        job_config=JOB_CONFIG,
     shell:
-        "python -m mirageflow.jobs --log {log:q} aggregate"
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} aggregate"

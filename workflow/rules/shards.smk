@@ -6,6 +6,9 @@ rule shard:
     input:
         indices=index_files(),
         model=model_inputs(),
+        # Rewritten when a prompt, schema, model, sampling or dataset changes: reruns the
+        # shards under every rerun trigger, mtime included (mirageflow/pipeline_state.py).
+        fingerprint=RECORDS_FINGERPRINT,
     output:
         f"{STATE_DIR}/shard_{{shard}}/status.json",
     log:
@@ -14,9 +17,11 @@ rule shard:
         "../../environment.yaml"
     threads: 1
     resources:
-        # SLURM resources from execution_params (docs/cluster.md), and the attempt number
-        # for the job (the time limit grows with it).
+        # SLURM resources from execution_params (docs/cluster.md), the attempt number
+        # for the job (the time limit grows with it) and the config file of its command
+        # line (a resource, not a param: resources are no rerun trigger).
         **cluster_resources("shard"),
         attempt=lambda wildcards, attempt: attempt,
+        job_config=JOB_CONFIG,
     shell:
-        "python -m mirageflow.jobs --log {log:q} shard {wildcards.shard} --attempt {resources.attempt}"
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} shard {wildcards.shard} --attempt {resources.attempt}"

@@ -1,0 +1,153 @@
+"""SLURM resources from execution_params (mirageflow.cluster), and their checks in load_config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mirageflow import cluster
+from mirageflow.config import ConfigError, load_config
+
+
+@pytest.fixture
+def cfg(tmp_path) -> dict:
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"q": "x"}\n')
+    return {
+        "processors": [{"type": "llm", "server_args": {"model_path": "org/model", "tp_size": 2, "dp_size": 2}}],
+        "loading_params": {"datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(tmp_path / "out")}]},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}]},
+    }
+
+
+def resources(cfg: dict, job: str = "shard", **ep) -> dict:
+    cfg["execution_params"] = ep
+    return cluster.cluster_resources(load_config(cfg, environ={}), job)
+
+
+def problems(cfg: dict, **ep) -> list[str]:
+    cfg["execution_params"] = ep
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, environ={})
+    return err.value.problems
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize(
+    "limit, minutes",
+    [("00:00:01", 1), ("00:30:00", 30), ("00:30:01", 31), ("11:59:59", 720), ("1-00:00:00", 1440), ("2-01:02:00", 2942), ("100:00:00", 6000)],
+)
+def test_minutes_rounds_up(limit, minutes):
+    assert cluster.minutes(limit) == minutes
+
+
+@pytest.mark.parametrize("limit", ["12:00", "1:00:00:00", "00:60:00", "00:00:75", "abc", "", "1-2:00"])
+def test_minutes_refuses_malformed(limit):
+    with pytest.raises(ValueError):
+        cluster.minutes(limit)
+
+
+@pytest.mark.parametrize("mem, mb", [("200G", 204800), ("200g", 204800), ("64000M", 64000), ("512", 512), (512, 512), ("1T", 1048576), ("1500K", 2)])
+def test_mem_mb(mem, mb):
+    assert cluster.mem_mb(mem) == mb
+
+
+@pytest.mark.parametrize("mem", ["200GB", "1.5G", "-4G", "0", "G"])
+def test_mem_mb_refuses_malformed(mem):
+    with pytest.raises(ValueError):
+        cluster.mem_mb(mem)
+
+
+@pytest.mark.parametrize(
+    "extra, what",
+    [("--time=10", "runtime/time limit"), ("--exclusive -t 10", "runtime/time limit"), ("--mem 4G", "memory"),
+     ("--gres=gpu:2", "generic resources (GRES)"), ("-A acc", "account"), ("--job-name=x", "job name"),
+     ("--exclusive", None), ("--mail-type=FAIL --nice=7", None)],
+)  # fmt: skip
+def test_forbidden_slurm_option(extra, what):
+    assert cluster.forbidden_slurm_option(extra) == what
+
+
+def test_forbidden_options_match_the_slurm_plugin():
+    validation = pytest.importorskip("snakemake_executor_plugin_slurm.validation")
+    assert cluster.FORBIDDEN_SLURM_OPTIONS == validation.get_forbidden_slurm_options()
+
+
+# --------------------------------------------------------------------------- validation: ConfigError with the key path
+
+
+def test_max_time_limit_shorter_than_time_limit_is_a_config_error(cfg):
+    (p,) = problems(cfg, time_limit="02:00:00", max_time_limit="01:00:00")
+    assert p == "execution_params.max_time_limit: 01:00:00 is shorter than time_limit 02:00:00"
+
+
+def test_forbidden_slurm_extra_is_a_config_error(cfg):
+    (p,) = problems(cfg, slurm_extra="--exclusive --gres=gpu:2")
+    assert p.startswith("execution_params.slurm_extra: sets the generic resources (GRES), which the workflow sets")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("time_limit", "12:00"), ("time_limit", "00:75:00"), ("max_time_limit", "1:2:3"), ("mem", "200GB"), ("gres", "gpu a100")],
+)
+def test_malformed_values_are_config_errors_naming_the_key(cfg, key, value):
+    found = problems(cfg, **{key: value})
+    assert found and all(p.startswith(f"execution_params.{key}: ") for p in found), found
+
+
+def test_every_problem_is_reported_at_once(cfg):
+    found = problems(cfg, time_limit="02:00:00", max_time_limit="01:00:00", slurm_extra="--mem=1G")
+    assert [p.split(":")[0] for p in found] == ["execution_params.max_time_limit", "execution_params.slurm_extra"]
+
+
+# --------------------------------------------------------------------------- resources
+
+
+def test_shard_resources_defaults(cfg):
+    res = resources(cfg)
+    runtime = res.pop("runtime")
+    assert res == {"gpu": 4, "cpus_per_task": 32}  # tp_size x dp_size GPUs, 8 CPUs each
+    assert [runtime(wildcards=None, attempt=a) for a in (1, 2, 3)] == [720, 1440, 2160]
+
+
+def test_shard_resources_from_every_key(cfg):
+    res = resources(
+        cfg, account="a1", partition="gpu", qos="high", reservation="r", gpus=1, cpus_per_task=6, mem="64G",
+        time_limit="01:00:00", max_time_limit="02:30:00", constraint="h100", slurm_extra="--exclusive",
+    )  # fmt: skip
+    runtime = res.pop("runtime")
+    assert res == {
+        "slurm_account": "a1", "slurm_partition": "gpu", "qos": "high", "gpu": 1, "cpus_per_task": 6,
+        "mem_mb": 65536, "constraint": "h100", "slurm_extra": "--reservation=r --exclusive",
+    }  # fmt: skip
+    assert [runtime(None, a) for a in (1, 2, 3)] == [60, 120, 150]
+
+
+def test_gres_replaces_gpus_and_counts_them_for_cpus(cfg):
+    res = resources(cfg, gres="gpu:a100:3")
+    assert (res["gres"], res["cpus_per_task"], "gpu" in res) == ("gpu:a100:3", 24, False)
+
+
+def test_cpu_only_job(cfg):
+    res = resources(cfg, gpus=0)
+    assert "gpu" not in res and res["cpus_per_task"] == 1
+
+
+def test_index_jobs_are_light(cfg):
+    res = resources(cfg, "index", account="a1", reservation="r", gpus=4, mem="64G", slurm_extra="--exclusive", time_limit="05:00:00")
+    runtime = res.pop("runtime")
+    assert res == {"slurm_account": "a1", "cpus_per_task": 1, "slurm_extra": "--reservation=r"}
+    assert runtime(None, 1) == 60 and runtime(None, 3) == 180
+
+
+def test_uncapped_runtime_grows_without_bound(cfg):
+    runtime = resources(cfg, time_limit="00:10:00")["runtime"]
+    assert runtime(None, 1000) == 10000 and not math.isinf(runtime(None, 1))
+
+
+def test_unknown_job_kind(cfg):
+    with pytest.raises(ValueError, match="job must be"):
+        resources(cfg, "merge")
