@@ -7,8 +7,35 @@ so both survive Snakemake deleting a failed job's outputs; a rerun skips committ
 The manifest carries a fingerprint of everything that determines the output; when it
 changes, the old parts are discarded instead of being mixed with new ones.
 
+State files are verified, not trusted. The manifest lists each part with its byte size,
+sha256 and the source-index ranges of its rows; ``restore()`` checks every part (size,
+then checksum) and recomputes the rows of a missing or damaged one (moved aside to
+``<shard state dir>/damaged/<UTC stamp>/``). A damaged ``checkpoint.json`` is renamed to
+``checkpoint.json.damaged-<UTC stamp>`` and treated as missing. Part files no manifest
+lists are never deleted silently: they are moved to ``<shard state dir>/orphaned/<UTC
+stamp>/`` and their rows recomputed (only the parts of a manifest whose fingerprint
+changed are deleted). Damaged lines of ``errors.jsonl`` are skipped, and a row the manifest
+lists as failed without a readable error line is recomputed, so that failed rows and error
+lines always agree. Temp files of writes that a kill interrupted are removed.
+
+Manifest format 2 (``MANIFEST_VERSION``)::
+
+    {"format": 2, "fingerprint": "9f2c...",
+     "datasets": {"0": {"out_dir": "out/shard_0", "fmt": "parquet",
+                        "parts": [{"name": "part-00000.parquet", "bytes": 48213,
+                                   "sha256": "5be1...", "rows": [[0, 500]]}],
+                        "done": [[0, 500]], "failed": [[731, 732]]}},
+     "attempts": [{"attempt": 1, "...": "..."}]}
+
+A format-1 manifest (``parts`` a list of names; before per-part checksums) is verified by
+reading each part: a part that reads back is kept and its rows are the ``source_index``
+values it holds, one that does not is moved aside as damaged; the manifest is rewritten in
+format 2 at once.
+
 The lease (``lease.json``) keeps two copies of one shard (a restarted driver while old
-cluster jobs still run) from writing the same files.
+cluster jobs still run) from writing the same files. A daemon thread renews it from
+``acquire()`` to ``release()`` (also while the model loads); a copy that finds it lost
+(taken over) stops renewing, and ``check()`` raises ``ShardBusy`` from then on.
 """
 
 from __future__ import annotations
@@ -16,37 +43,67 @@ from __future__ import annotations
 import bisect
 import hashlib
 import heapq
+import io
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mirageflow.data.writers import atomic_write_json, write_part
+from mirageflow.config import records_identity
+from mirageflow.data.writers import atomic_write_json, atomic_write_text, write_part
 
 log = logging.getLogger(__name__)
 
+# Part of fingerprint()'s material: bumping it changes every shard's fingerprint, which
+# discards (deletes) every committed part on upgrade. The manifest layout has its own
+# version, MANIFEST_VERSION.
 FORMAT_VERSION = 1
+# Layout of checkpoint.json: 1 = part names only; 2 = per-part size, sha256 and row ranges,
+# plus "format" and "attempts".
+MANIFEST_VERSION = 2
+
+# Temp files of atomic writes that another thread of this process may be writing right now
+# (the lease heartbeat, the progress reporter) are removed only once older than this.
+TEMP_GRACE_SECONDS = 10.0
+# The lease's heartbeat thread renews it every lease_timeout / 4 (three renewals may fail,
+# e.g. a stalled file system, before the lease goes stale), and at least this often, so that
+# the lease's age stays a liveness signal for `mmirage status` even with a long timeout.
+HEARTBEAT_MAX_PERIOD = 30.0
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint cannot be used as it is; the message names the file and what to do."""
 
 
 def fingerprint(cfg, shard_ranges: dict[int, tuple[int, int]]) -> str:
-    """Hash of what determines a shard's records: model, sampling, prompts, schemas, rows."""
-    raw = cfg.raw
+    """Hash of what determines this shard's records: the config's records identity (model,
+    sampling, prompts, schemas, datasets; the same one that reruns shards through
+    ``records.fingerprint``) and the shard's row range in each dataset."""
     material = {
         "version": FORMAT_VERSION,
-        "processors": raw["processors"],
-        "processing_params": raw["processing_params"],
-        "datasets": [
-            {"path": d.path, "type": d.type, "split": d.split, "format": d.output_format, "rows": shard_ranges[d.index]}
-            for d in cfg.datasets
-        ],
+        "records": records_identity(cfg),
+        "rows": [shard_ranges[d.index] for d in cfg.datasets],
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _error_line(entry: dict) -> str:
+    """One errors.jsonl line: UTF-8 text, or \\u escapes where a value holds a lone surrogate."""
+    line = json.dumps(entry, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(entry)
+    return line
 
 
 # --------------------------------------------------------------------------- index ranges
@@ -79,16 +136,59 @@ def merge_ranges(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def _utc_stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _unique(path: Path) -> Path:
+    """``path``, or ``path-1``, ``path-2``... whichever does not exist yet."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+def _sha256_and_size(path: Path) -> tuple[str, int]:
+    """One read of the file (just written: from the page cache)."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return digest, os.fstat(f.fileno()).st_size
+
+
 # --------------------------------------------------------------------------- manifest
+
+
+_PART_NAME = re.compile(r"part-\d+\.[A-Za-z0-9]+")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _bad_ranges(ranges) -> bool:
+    return not isinstance(ranges, list) or not all(
+        isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and 0 <= r[0] < r[1] for r in ranges
+    )
+
+
+def _json_dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
 @dataclass
 class DatasetProgress:
     out_dir: Path
     fmt: str
-    parts: list[str] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)  # names of the committed part files, in commit order
     done: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
+    # name -> {"bytes", "sha256", "rows"} of each committed part (what restore() verifies)
+    part_info: dict[str, dict] = field(default_factory=dict, repr=False)
+    next_part: int = 0  # number of the next part file (never one of a kept part)
+    # each part's manifest entry, encoded once: a commit rewrites the manifest by joining them
+    _part_json: list[str] = field(default_factory=list, repr=False, compare=False)
     # ranges of done/failed kept up to date by add(), so a commit does not sort every index
     # committed so far (quadratic over a long shard); rebuilt if the set was replaced or changed
     _ranges: dict = field(default_factory=dict, repr=False, compare=False)
@@ -107,9 +207,42 @@ class DatasetProgress:
         indices.update(fresh)
         self._ranges[which] = (indices, len(indices), merge_ranges(current, to_ranges(fresh)) if fresh else current)
 
+    def add_part(self, name: str, size: int, sha256: str, rows: list[list[int]]) -> None:
+        """Record a committed part file (the rows' indices go to ``done`` separately)."""
+        info = {"name": name, "bytes": size, "sha256": sha256, "rows": rows}
+        self.parts.append(name)
+        self.part_info[name] = info
+        self._part_json.append(_json_dumps(info))
+        m = re.fullmatch(r"part-(\d+)\..*", name)
+        if m:
+            self.next_part = max(self.next_part, int(m.group(1)) + 1)
+
+    def manifest_json(self) -> str:
+        return (
+            f'{{"out_dir":{_json_dumps(str(self.out_dir))},"fmt":{_json_dumps(self.fmt)},'
+            f'"parts":[{",".join(self._part_json)}],'
+            f'"done":{_json_dumps(self.ranges("done"))},"failed":{_json_dumps(self.ranges("failed"))}}}'
+        )
+
+
+def _runs(sorted_indices: list[int]) -> list[list[int]]:
+    """[start, stop) ranges of a sorted list of distinct indices, in one pass."""
+    out: list[list[int]] = []
+    for i in sorted_indices:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
 
 class Checkpoint:
-    """Committed progress of one shard across its datasets."""
+    """Committed progress of one shard across its datasets.
+
+    Use: ``restore()`` once (under the shard's lease), then ``commit()`` batches of finished
+    rows. ``attempts`` (per-attempt stats kept with the checkpoint) is restored too; change
+    it with ``begin_attempt``/``update_attempt``; every commit and ``save()`` persist it.
+    """
 
     def __init__(self, shard_dir: Path, fingerprint: str, outputs: dict[int, tuple[Path, str]]):
         self.shard_dir = Path(shard_dir)
@@ -117,6 +250,8 @@ class Checkpoint:
         self.errors_path = self.shard_dir / "errors.jsonl"
         self.fingerprint = fingerprint
         self.datasets = {k: DatasetProgress(Path(d), fmt) for k, (d, fmt) in outputs.items()}
+        self.attempts: list[dict] = []
+        self._stamp: str | None = None  # of the damaged/ and orphaned/ directories of this restore
         if any(fmt == "parquet" for _, fmt in outputs.values()):
             # now, not at the first commit: pyarrow, and pandas on the first Table.from_pylist,
             # take ~0.6 s to import, a stall of the event loop mid-generation
@@ -128,38 +263,256 @@ class Checkpoint:
     # ------------------------------------------------------------------ resume
 
     def restore(self, retry_failed: bool) -> None:
-        """Load committed progress, or start clean when there is none or the fingerprint changed."""
-        saved = None
-        if self.path.exists():
-            saved = json.loads(self.path.read_text())
-            if saved.get("fingerprint") != self.fingerprint:
-                n = sum(len(d["parts"]) for d in saved["datasets"].values())
-                log.warning(
-                    "checkpoint of %s was made with another model/prompt/schema/row range: discarding %d committed part(s)",
-                    self.shard_dir.name, n,
-                )  # fmt: skip
-                saved = None
-        kept_errors: list[str] = []
-        if saved is not None:
-            for key, d in saved["datasets"].items():
-                prog = self.datasets[int(key)]
-                prog.parts = list(d["parts"])
-                prog.done = from_ranges(d["done"])
-                prog.failed = set() if retry_failed else from_ranges(d["failed"])
-            if self.errors_path.exists():
-                for line in self.errors_path.read_text().splitlines():
-                    entry = json.loads(line)
-                    if entry["source_index"] in self.datasets[entry["dataset"]].failed:
-                        kept_errors.append(line)
-        # Parts not in the manifest were renamed into place by a run that died before
-        # recording them (or belong to a discarded checkpoint): their rows are not committed.
-        for prog in self.datasets.values():
+        """Load committed progress, verified; or start clean when there is none or the fingerprint changed.
+
+        Every part the manifest lists is checked (size, then sha256); the rows of a missing
+        or damaged one are recomputed. Parts no manifest lists are moved aside to
+        ``orphaned/``, never deleted, unless the manifest's fingerprint changed (config
+        edited): then all parts are deleted. A WARNING names each file concerned.
+        """
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self._stamp = None  # one UTC stamp for whatever this restore moves aside
+        self._remove_temp_files()
+        saved = self._load_manifest()
+        discard = False
+        if saved is not None and saved["fingerprint"] != self.fingerprint:
+            n = sum(len(d["parts"]) for d in saved["datasets"].values())
+            log.warning(
+                "checkpoint of %s was made with another model/prompt/schema/row range: discarding %d committed part(s)",
+                self.shard_dir.name, n,
+            )  # fmt: skip
+            saved, discard = None, True
+        self.attempts = list(saved.get("attempts", [])) if saved is not None else []
+
+        for key, prog in self.datasets.items():
             prog.out_dir.mkdir(parents=True, exist_ok=True)
-            for stale in prog.out_dir.glob("part-*"):
-                if stale.name not in prog.parts:
-                    stale.unlink()
-        self._write_errors(kept_errors, mode="w")
+            entry = saved["datasets"].get(str(key)) if saved is not None else None
+            prog.parts, prog.part_info, prog._part_json, prog.next_part = [], {}, [], 0
+            prog.done, prog.failed = set(), set()
+            if entry is not None:
+                self._restore_dataset(key, prog, entry, retry_failed)
+            self._set_aside_unlisted(key, prog, discard)
+        self._restore_errors()
         self._save()
+
+    def _restore_dataset(self, key: int, prog: DatasetProgress, entry: dict, retry_failed: bool) -> None:
+        """Verify the dataset's listed parts; done = the rows of the parts that are intact."""
+        for part in entry["parts"]:
+            if isinstance(part, str):  # format 1: no size or checksum recorded, read it back
+                info = self._verify_unrecorded_part(key, prog, part)
+            else:
+                info = self._verify_part(key, prog, part)
+            if info is not None:
+                prog.add_part(info["name"], info["bytes"], info["sha256"], info["rows"])
+        prog.done = from_ranges(merge_ranges(sorted(r for name in prog.parts for r in prog.part_info[name]["rows"]), []))
+        listed = from_ranges(entry["done"])
+        unbacked = len(listed - prog.done)
+        lost_in_parts = sum(
+            b - a for part in entry["parts"] if not isinstance(part, str) and part["name"] not in prog.part_info for a, b in part["rows"]
+        )
+        if unbacked > lost_in_parts:  # beyond the rows of the parts reported damaged or missing
+            log.warning(
+                "%s lists %d row(s) of dataset %d as done that no intact part file holds: they will be recomputed",
+                self.path, unbacked - lost_in_parts, key,
+            )  # fmt: skip
+        if not retry_failed:
+            prog.failed = from_ranges(entry["failed"]) - prog.done
+
+    def _verify_part(self, key: int, prog: DatasetProgress, part: dict) -> dict | None:
+        """The part's entry when its file is intact; else None (moved aside, WARNING)."""
+        path = prog.out_dir / part["name"]
+        rows = sum(b - a for a, b in part["rows"])
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            log.warning("part file %s listed in %s is missing: its %d row(s) will be recomputed", path, self.path, rows)
+            return None
+        if size != part["bytes"]:
+            self._move_damaged(key, path, f"{size} bytes, {self.path.name} says {part['bytes']}", rows)
+            return None
+        digest, _ = _sha256_and_size(path)
+        if digest != part["sha256"]:
+            self._move_damaged(key, path, f"sha256 {digest[:12]}..., {self.path.name} says {part['sha256'][:12]}...", rows)
+            return None
+        return part
+
+    def _verify_unrecorded_part(self, key: int, prog: DatasetProgress, name: str) -> dict | None:
+        """A format-1 part (no size or checksum on record): intact if it reads back; its rows
+        are the source_index values it holds."""
+        path = prog.out_dir / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            log.warning("part file %s listed in %s is missing: its rows will be recomputed", path, self.path)
+            return None
+        try:
+            indices = _part_indices(data, prog.fmt)
+        except (ValueError, KeyError, TypeError, OSError) as e:  # pyarrow's errors are ValueError/OSError
+            self._move_damaged(key, path, f"unreadable: {str(e)[:200]}", None)
+            return None
+        return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rows": to_ranges(indices)}
+
+    def _aside_dir(self, kind: str, key: int) -> Path:
+        if self._stamp is None:
+            # one stamp per restore; a second restore within the same second gets a suffix
+            base, n = _utc_stamp(), 0
+            self._stamp = base
+            while any((self.shard_dir / k / self._stamp).exists() for k in ("damaged", "orphaned")):
+                n += 1
+                self._stamp = f"{base}-{n}"
+        return self.shard_dir / kind / self._stamp / f"dataset_{key}"
+
+    def _move_damaged(self, key: int, path: Path, why: str, rows: int | None) -> None:
+        dest = self._aside_dir("damaged", key)
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(path), str(dest / path.name))
+        log.warning(
+            "part file %s is damaged (%s): moved to %s; its %s will be recomputed",
+            path, why, dest, f"{rows} row(s)" if rows is not None else "rows",
+        )  # fmt: skip
+
+    def _set_aside_unlisted(self, key: int, prog: DatasetProgress, discard: bool) -> None:
+        """Part files not in the manifest: a run that died between renaming a part into place
+        and recording it, a lost or damaged manifest, or a discarded checkpoint."""
+        unlisted = sorted(p for p in prog.out_dir.glob("part-*") if p.name not in prog.part_info)
+        if not unlisted:
+            return
+        if discard:  # another config made them: deleting them is the point
+            for p in unlisted:
+                p.unlink()
+            return
+        dest = self._aside_dir("orphaned", key)
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in unlisted:
+            shutil.move(str(p), str(dest / p.name))
+        log.warning(
+            "%d part file(s) in %s not listed in %s moved to %s; their rows will be recomputed",
+            len(unlisted), prog.out_dir, self.path, dest,
+        )  # fmt: skip
+
+    def _remove_temp_files(self) -> None:
+        """Temp files of writes that a kill interrupted (part files, manifest, lease, progress...)."""
+        now = time.time()
+        for prog in self.datasets.values():
+            for tmp in prog.out_dir.glob(".part-*.tmp") if prog.out_dir.is_dir() else ():
+                tmp.unlink(missing_ok=True)
+        for tmp in self.shard_dir.glob(".*.tmp"):
+            if tmp.name.startswith((".lease.json.", ".progress.json.")):  # may be being written by a live thread
+                try:
+                    if now - tmp.stat().st_mtime < TEMP_GRACE_SECONDS:
+                        continue
+                except FileNotFoundError:  # its write just finished
+                    continue
+            tmp.unlink(missing_ok=True)
+
+    def _load_manifest(self) -> dict | None:
+        """The manifest, checked; None when there is none or it is damaged (renamed aside, WARNING)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            saved = json.loads(raw.decode("utf-8"))
+            problem = self._manifest_problem(saved)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            problem = f"not JSON: {e}"
+        if problem is None:
+            return saved
+        aside = _unique(self.path.with_name(f"{self.path.name}.damaged-{_utc_stamp()}"))
+        os.replace(self.path, aside)
+        log.warning(
+            "%s is damaged (%s): renamed to %s; the shard's committed part files are moved aside and their rows recomputed",
+            self.path, problem, aside,
+        )  # fmt: skip
+        return None
+
+    def _manifest_problem(self, saved) -> str | None:
+        """What is wrong with a parsed manifest (None: nothing). A newer format raises."""
+        if not isinstance(saved, dict):
+            return f"a JSON {type(saved).__name__}, not an object"
+        version = saved.get("format", 1)
+        if not _is_int(version):
+            return "'format' is not an integer"
+        if version > MANIFEST_VERSION:
+            raise CheckpointError(
+                f"{self.path} has manifest format {version}, newer than this mirageflow reads ({MANIFEST_VERSION}): "
+                f"run this shard with the newer mirageflow, or delete {self.path} to recompute the shard"
+            )
+        if not isinstance(saved.get("fingerprint"), str):
+            return "no 'fingerprint'"
+        datasets = saved.get("datasets")
+        if not isinstance(datasets, dict):
+            return "no 'datasets' object"
+        for key, d in datasets.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                return f"bad dataset key {key!r}"
+            if int(key) not in self.datasets and saved["fingerprint"] == self.fingerprint:  # else: config changed
+                return f"unknown dataset {key!r}"
+            if not isinstance(d, dict) or not isinstance(d.get("parts"), list):
+                return f"dataset {key}: no 'parts' list"
+            for name in ("done", "failed"):
+                if _bad_ranges(d.get(name)):
+                    return f"dataset {key}: '{name}' is not a list of [start, stop) ranges"
+            for part in d["parts"]:
+                if version == 1:
+                    if not (isinstance(part, str) and _PART_NAME.fullmatch(part)):
+                        return f"dataset {key}: bad part name {part!r}"
+                elif not (
+                    isinstance(part, dict)
+                    and isinstance(part.get("name"), str) and _PART_NAME.fullmatch(part["name"])
+                    and _is_int(part.get("bytes")) and part["bytes"] >= 0
+                    and isinstance(part.get("sha256"), str) and _SHA256.fullmatch(part["sha256"])
+                    and not _bad_ranges(part.get("rows"))
+                ):  # fmt: skip
+                    return f"dataset {key}: bad part entry {str(part)[:200]}"
+        attempts = saved.get("attempts", [])
+        if not isinstance(attempts, list) or not all(isinstance(a, dict) for a in attempts):
+            return "'attempts' is not a list of objects"
+        return None
+
+    def _read_error_lines(self):
+        """(line number, text, entry) of each readable line of errors.jsonl; a damaged line
+        (a kill mid-append cuts the last one) is skipped with a WARNING naming file:line."""
+        try:
+            raw = self.errors_path.read_bytes()
+        except FileNotFoundError:
+            return
+        for n, chunk in enumerate(raw.split(b"\n"), 1):
+            if not chunk.strip():
+                continue
+            try:
+                text = chunk.decode("utf-8")
+                entry = json.loads(text)
+                ok = (
+                    isinstance(entry, dict) and _is_int(entry.get("dataset")) and entry["dataset"] in self.datasets
+                    and _is_int(entry.get("source_index")) and isinstance(entry.get("error"), str)
+                )  # fmt: skip
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                ok = False
+            if not ok:
+                log.warning("%s:%d is damaged (not a row error of this shard): skipped", self.errors_path, n)
+                continue
+            yield n, text, entry
+
+    def _restore_errors(self) -> None:
+        """Keep one error line per row the manifest lists as failed; a failed row without one
+        is recomputed (failed rows == error lines, always)."""
+        kept: list[str] = []
+        seen: dict[int, set[int]] = {k: set() for k in self.datasets}
+        for _, text, entry in self._read_error_lines():
+            ds, index = entry["dataset"], entry["source_index"]
+            if index in self.datasets[ds].failed and index not in seen[ds]:
+                seen[ds].add(index)
+                kept.append(text)
+        for key, prog in self.datasets.items():
+            missing = len(prog.failed) - len(seen[key])
+            if missing:
+                log.warning(
+                    "%d row(s) of dataset %d listed as failed in %s have no readable line in %s: they will be recomputed",
+                    missing, key, self.path, self.errors_path,
+                )  # fmt: skip
+                prog.failed = seen[key]
+        self._write_errors(kept, mode="w")
 
     def resumed_rows(self) -> int:
         return sum(len(p.done) + len(p.failed) for p in self.datasets.values())
@@ -183,11 +536,22 @@ class Checkpoint:
 
     def failed_classes(self) -> Counter:
         """Failed rows per error class, from errors.jsonl (the committed failures)."""
-        counts: Counter = Counter()
-        if self.errors_path.exists():
-            for line in self.errors_path.read_text().splitlines():
-                counts[json.loads(line)["error"]] += 1
-        return counts
+        return Counter(entry["error"] for _, _, entry in self._read_error_lines())
+
+    # ------------------------------------------------------------------ attempts
+
+    def begin_attempt(self, entry: dict) -> int:
+        """Record a new attempt (persisted by the next commit or ``save()``); its index."""
+        self.attempts.append(entry)
+        return len(self.attempts) - 1
+
+    def update_attempt(self, i: int, entry: dict) -> None:
+        """Replace attempt ``i`` (persisted by the next commit or ``save()``)."""
+        self.attempts[i] = entry
+
+    def save(self) -> None:
+        """Write the manifest now (e.g. after ``update_attempt`` at the end of an attempt)."""
+        self._save()
 
     # ------------------------------------------------------------------ commit
 
@@ -196,33 +560,48 @@ class Checkpoint:
         prog = self.datasets[dataset]
         if records:
             records.sort(key=lambda r: r["source_index"])
-            name = f"part-{len(prog.parts):05d}.{prog.fmt}"
-            write_part(prog.out_dir / name, records, prog.fmt)
-            prog.parts.append(name)
-            prog.add("done", (r["source_index"] for r in records))
+            name = f"part-{prog.next_part:05d}.{prog.fmt}"
+            path = prog.out_dir / name
+            write_part(path, records, prog.fmt)
+            digest, size = _sha256_and_size(path)  # read back from the page cache
+            indices = [r["source_index"] for r in records]
+            prog.add_part(name, size, digest, _runs(indices))
+            prog.add("done", indices)
         if errors:
-            self._write_errors([json.dumps(e, ensure_ascii=False) for e in errors], mode="a")
+            self._write_errors([_error_line(e) for e in errors], mode="a")
             prog.add("failed", (e["source_index"] for e in errors))
         self._save()
 
     def _write_errors(self, lines: list[str], mode: str) -> None:
-        with open(self.errors_path, mode) as f:
+        with open(self.errors_path, mode, encoding="utf-8") as f:
             f.writelines(line + "\n" for line in lines)
             f.flush()
             os.fsync(f.fileno())
 
     def _save(self) -> None:
-        atomic_write_json(
-            self.path,
-            {
-                "fingerprint": self.fingerprint,
-                "datasets": {
-                    str(k): {"out_dir": str(p.out_dir), "parts": p.parts, "done": p.ranges("done"), "failed": p.ranges("failed")}
-                    for k, p in self.datasets.items()
-                },
-            },
-            indent=None,  # rewritten at every commit: compact, by the C encoder
+        # built from pre-encoded pieces: rewritten at every commit, and each part's entry is
+        # encoded once, when committed (attempts are few and may be changed in place: encoded each time)
+        datasets = ",".join(f'"{k}":{p.manifest_json()}' for k, p in self.datasets.items())
+        text = (
+            f'{{"format":{MANIFEST_VERSION},"fingerprint":{_json_dumps(self.fingerprint)},'
+            f'"datasets":{{{datasets}}},"attempts":{_json_dumps(self.attempts)}}}\n'
         )
+        atomic_write_text(self.path, text)
+
+
+def _part_indices(data: bytes, fmt: str) -> set[int]:
+    """The source_index values of a part file's records (raises when it does not read back)."""
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        column = pq.read_table(pa.BufferReader(data), columns=["source_index"]).column("source_index")
+        indices = column.to_pylist()
+    else:
+        indices = [json.loads(line)["source_index"] for line in io.StringIO(data.decode("utf-8")) if line.strip()]
+    if not all(_is_int(i) for i in indices):
+        raise ValueError("source_index values are not all integers")
+    return set(indices)
 
 
 # --------------------------------------------------------------------------- lease
@@ -260,48 +639,132 @@ def _holder_dead(holder: dict) -> bool:
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
+def _describe(holder: dict) -> str:
+    return f"host {holder.get('hostname')} pid {holder.get('pid')}" + (
+        f" (SLURM job {holder['slurm_job_id']})" if holder.get("slurm_job_id") else ""
+    )
+
+
 class Lease:
-    """Exclusive claim on a shard, kept alive by heartbeats; stale after ``timeout`` seconds."""
+    """Exclusive claim on a shard, kept alive by heartbeats; stale after ``timeout`` seconds.
+
+    ``acquire()`` starts a daemon thread that renews the lease every ``period`` seconds
+    (``min(timeout / 4, HEARTBEAT_MAX_PERIOD)``) until ``release()``. If a renewal finds the
+    lease held by another job (taken over), the thread stops and records it in ``lost``;
+    ``check()`` (before each commit) then raises ShardBusy. A renewal that fails with an
+    I/O error (disk full) is logged and retried at the next period.
+    """
 
     def __init__(self, shard_dir: Path, timeout: float):
         self.path = Path(shard_dir) / "lease.json"
         self.timeout = timeout
-        self.me = _holder()
+        # the token tells two Lease objects of one process (or a reused pid) apart
+        self.me = {**_holder(), "token": uuid.uuid4().hex}
+        self.period = min(timeout / 4, HEARTBEAT_MAX_PERIOD)
+        self.lost: str | None = None  # why the lease was lost, once a heartbeat or check() found out
+        self._lock = threading.Lock()  # one renewal at a time; release() waits for one in flight
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> tuple[dict | None, str | None]:
+        """(the lease, None), (None, None) when there is none, or (None, what is wrong) when damaged."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None, None
+        try:
+            current = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return None, f"not JSON: {e}"
+        if not (
+            isinstance(current, dict)
+            and isinstance(current.get("heartbeat"), (int, float)) and not isinstance(current["heartbeat"], bool)
+            and isinstance(current.get("hostname"), str) and _is_int(current.get("pid"))
+        ):  # fmt: skip
+            return None, "not a lease (no hostname, pid and heartbeat)"
+        return current, None
 
     def acquire(self) -> None:
-        try:
-            current = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            current = None
-        if current is not None:
-            age = time.time() - current.get("heartbeat", 0)
-            if age < self.timeout and not _holder_dead(current):
-                who = f"host {current['hostname']} pid {current['pid']}" + (
-                    f" (SLURM job {current['slurm_job_id']})" if current.get("slurm_job_id") else ""
-                )
+        current, problem = self._read()
+        if problem is not None:
+            try:
+                age = time.time() - self.path.stat().st_mtime
+            except FileNotFoundError:
+                age = float("inf")  # removed meanwhile
+            if age < self.timeout:
                 raise ShardBusy(
-                    f"{self.path.parent.name} is being run by {who}, last heartbeat {age:.0f} s ago. "
+                    f"{self.path} is damaged ({problem}) and was written {age:.0f} s ago; if no job runs "
+                    f"{self.path.parent.name}, delete it, or rerun after {self.timeout - age:.0f} s "
+                    "(shard_params.lease_timeout_seconds)"
+                )
+            log.warning("taking over %s: it is damaged (%s) and %.0f s old", self.path, problem, age)
+        elif current is not None:
+            age = time.time() - current["heartbeat"]
+            if age < self.timeout and not _holder_dead(current):
+                raise ShardBusy(
+                    f"{self.path.parent.name} is being run by {_describe(current)}, last heartbeat {age:.0f} s ago. "
                     f"Cancel that job (scancel) or, if it is dead, rerun after {self.timeout - age:.0f} s "
                     f"(shard_params.lease_timeout_seconds) or delete {self.path}."
                 )
             log.warning("taking over %s: its holder %s stopped heartbeating %.0f s ago", self.path, current, age)
+        self.lost = None
         self.heartbeat(check=False)
         if not self.held():
             raise ShardBusy(f"another job claimed {self.path.parent.name} at the same moment: {self.path}")
+        # temp files of lease writes a kill interrupted; no one else writes the lease while we hold it
+        for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+        self._stop.set()  # a thread of an earlier acquire() without release()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(self._stop,), name=f"lease-{self.path.parent.name}", daemon=True)
+        self._thread.start()
 
     def held(self) -> bool:
-        try:
-            current = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return False
-        return all(current.get(k) == v for k, v in self.me.items())
+        current, _ = self._read()
+        return current is not None and all(current.get(k) == v for k, v in self.me.items())
+
+    def _lost_message(self) -> str:
+        current, problem = self._read()
+        if current is not None:
+            who = f"{_describe(current)} holds it now"
+        else:
+            who = f"it is damaged ({problem})" if problem else "it was deleted"
+        return f"lost {self.path}: {who}; another job took over this shard; stopping to avoid mixed output"
+
+    def check(self) -> None:
+        """Raise ShardBusy if the lease was lost (taken over): call before writing the shard's files."""
+        if self.lost is None and not self.held():
+            self.lost = self._lost_message()
+        if self.lost is not None:
+            raise ShardBusy(self.lost)
 
     def heartbeat(self, check: bool = True) -> None:
-        if check and not self.held():
-            raise ShardBusy(f"lost {self.path}: another job took over this shard; stopping to avoid mixed output")
-        # a liveness mark, not data: no fsync (a crashed node's lease is stale anyway)
-        atomic_write_json(self.path, {**self.me, "heartbeat": time.time()}, durable=False)
+        with self._lock:
+            if check:
+                self.check()
+            # a liveness mark, not data: no fsync (a crashed node's lease is stale anyway)
+            atomic_write_json(self.path, {**self.me, "heartbeat": time.time()}, durable=False)
+
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.period):
+            with self._lock:
+                if stop.is_set():  # released meanwhile: do not write the lease again
+                    return
+                try:
+                    if self.lost is None and not self.held():
+                        self.lost = self._lost_message()
+                    if self.lost is not None:
+                        log.error("%s", self.lost)
+                        return
+                    atomic_write_json(self.path, {**self.me, "heartbeat": time.time()}, durable=False)
+                except OSError as e:  # disk full, a file system hiccup: try again next period
+                    log.warning("cannot renew %s: %s; retrying in %.0f s", self.path, e, self.period)
 
     def release(self) -> None:
-        if self.held():
-            self.path.unlink(missing_ok=True)
+        self._stop.set()
+        with self._lock:  # waits for a renewal in flight, which then sees the stop
+            if self.held():
+                self.path.unlink(missing_ok=True)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
