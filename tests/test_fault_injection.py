@@ -113,5 +113,8 @@ def test_sigterm_to_a_shard_job_records_why_and_the_rerun_resumes(tiny_model, tm
     log = (tmp_path / "state/logs/shard_0.log").read_text()
     assert f"resuming shard 0: {committed} rows already committed are skipped" in log
     status = json.loads((tmp_path / "state/shard_0/status.json").read_text())
-    assert status["stats"]["rows_resumed"] == committed and status["stats"]["rows_computed"] == ROWS - committed
+    st = status["stats"]
+    assert st["rows_resumed"] == committed and st["attempts"][-1]["rows_computed"] == ROWS - committed
+    # the stopped attempt is counted too: rows computed add up over attempts
+    assert [a["outcome"] for a in st["attempts"]] == ["interrupted", "success"] and st["rows_computed"] == ROWS
     assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))

@@ -210,11 +210,11 @@ PLAIN = [{"name": "a", "prompt": "{{ q }}"}]
 def test_a_rerun_resumes_from_the_last_commit_without_redoing_rows(tmp_path):
     rows = [{"q": f"r{i}"} for i in range(9)]
     cfg = _setup(tmp_path, rows, PLAIN)
-    with pytest.raises(EngineCrash):
+    with pytest.raises(ShardFailed, match="engine 'llm' failed on row .*: EngineCrash: engine died"):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(_crash_after(5)))
     committed = {r["source_index"] for r in _records(tmp_path)}
     assert len(committed) >= 4  # commits every 2 rows; a crash loses at most one interval
-    assert json.loads((cfg.shard_dir(0) / "failure.json").read_text())["error"].startswith("EngineCrash")
+    assert json.loads((cfg.shard_dir(0) / "failure.json").read_text())["error"].startswith("EngineFailed: engine 'llm'")
 
     engine = ScriptedEngine(lambda p: "ans " + p.rsplit(":", 1)[1])
     status = run_shard(cfg, 0, attempt=2, engine_factory=lambda p, b, **kw: engine)

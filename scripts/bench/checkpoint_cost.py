@@ -55,11 +55,10 @@ def child(cfg_path: str, log_prefix: str, seed: int) -> None:
     fd = os.open(f"{log_prefix}.finished", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     original = shard.ShardRunner._finished
 
-    def finished(self, *args, **kwargs):  # the runner's own notion of a finished row
-        before = self.computed
-        original(self, *args, **kwargs)
-        if self.computed > before:
-            row = kwargs.get("row", args[1] if len(args) > 1 else None)
+    def finished(self, ds_index, row, record, exc):  # the runner's own notion of a finished row
+        before = self.budget.computed
+        original(self, ds_index, row, record, exc)
+        if self.budget.computed > before:
             os.write(fd, f"{row.index}\n".encode())
 
     shard.ShardRunner._finished = finished

@@ -190,11 +190,11 @@ def parse_answer(text: str, validator: "FastValidator | jsonschema.Draft7Validat
         body = fenced.group(1).strip()
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than Python's stack
         start, end = body.find("{"), body.rfind("}")
         try:
             value = json.loads(body[start : end + 1]) if 0 <= start < end else None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             value = None
         if value is None:
             if truncated:

@@ -206,6 +206,14 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     with _single_thread():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
+        # Whitespace-only tokens get a zero embedding (tied: a zero logit), so greedy answers
+        # hold visible text: random weights otherwise answer newlines only, which the
+        # pipeline rightly records as empty_output rather than as a record.
+        with torch.no_grad():
+            weight = model.get_input_embeddings().weight
+            for token_id in range(config.vocab_size):
+                if not tokenizer.decode([token_id]).strip():
+                    weight[token_id] = 0
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

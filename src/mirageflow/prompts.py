@@ -196,7 +196,10 @@ class Extractor:
             raise RowError("extract", "bad_row", f"row is a {type(row).__name__}, not an object")
         values = {}
         for name, expr, default, key in self._inputs:
-            value = expr.search(row)
+            try:
+                value = expr.search(row)
+            except Exception as e:  # e.g. a JMESPath function applied to the wrong type in this row
+                raise RowError("extract", "extract_error", f"input '{name}': key '{key}': {type(e).__name__}: {e}") from None
             if value is None:
                 if default is self._MISSING:
                     raise RowError("extract", "missing_variable", f"input '{name}': key '{key}' not found in the row")

@@ -1,0 +1,157 @@
+"""What a shard measures: phases, engine occupancy, tokens, requests, GPUs, and the sums
+over its attempts.
+
+Each attempt's counters are kept in the checkpoint (``attempt_entry``, saved with every
+commit), so a shard resumed after a crash, a time limit or a failed budget reports the
+work of all its attempts: rows, tokens, requests, GPU-seconds and phase times add up, and
+its tokens/s divides all output tokens by all generation time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from mirageflow import gpu, stats
+from mirageflow.data.writers import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+# Per-attempt counters that add up over attempts.
+SUMMED = (
+    "runtime_seconds", "model_load_seconds", "warmup_seconds", "generation_seconds", "inference_runtime_seconds",
+    "write_seconds", "engine_busy_seconds", "engine_idle_seconds", "engine_idle_gaps", "rows_computed", "requests",
+    "input_tokens", "output_tokens", "gpu_seconds_allocated",
+)  # fmt: skip
+
+
+class ShardMetrics:
+    def __init__(self, cfg, attempt: int):
+        self.cfg = cfg
+        self.attempt = attempt
+        self.started_at, self.t0 = stats.utc_now(), time.monotonic()
+        self.timer = stats.PhaseTimer()
+        self.tracker = stats.InflightTracker()
+        self.input_tokens = self.output_tokens = self.requests = 0
+        self.tokens_per_row = stats.TokenHistogram()
+        self.sampler = gpu.GpuSampler(cfg.shard.gpu_sample_interval_seconds, sample=cfg.stats)
+        self.num_gpus = stats.allocated_gpus()
+        self.checkpoint = None  # where the attempts are kept, once restored
+        self.index = 0  # this attempt's place in checkpoint.attempts
+
+    def runtime(self) -> float:
+        return time.monotonic() - self.t0
+
+    # ------------------------------------------------------------------ this attempt
+
+    def attempt_entry(self, rows_computed: int, outcome: str = "running", error: str | None = None) -> dict:
+        """This attempt's counters, as kept in the checkpoint."""
+        phases = self.timer.seconds
+        runtime = self.runtime()
+        occupancy = self.tracker.summary()
+        return {
+            "attempt": self.attempt,
+            "started_at": self.started_at,
+            "finished_at": None if outcome == "running" else stats.utc_now(),
+            "outcome": outcome,
+            "error": error,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "runtime_seconds": runtime,
+            "model_load_seconds": phases.get("load", 0.0),
+            "warmup_seconds": phases.get("warmup", 0.0),
+            "generation_seconds": phases.get("generate", 0.0),
+            "inference_runtime_seconds": self.tracker.window_seconds,
+            "write_seconds": phases.get("write", 0.0),
+            "engine_busy_seconds": occupancy["engine_busy_seconds"],
+            "engine_idle_seconds": occupancy["engine_idle_seconds"],
+            "engine_idle_gaps": occupancy["engine_idle_gaps"],
+            "peak_inflight": occupancy["peak_inflight"],
+            "rows_computed": rows_computed,
+            "requests": self.requests,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "num_gpus": self.num_gpus,
+            "gpu_seconds_allocated": self.num_gpus * runtime,
+            "output_tokens_per_row_hist": self.tokens_per_row.to_json(),
+        }
+
+    def begin_attempt(self, checkpoint) -> None:
+        """Add this attempt to the checkpoint's list; one left "running" there was killed."""
+        for earlier in checkpoint.attempts:
+            if earlier.get("outcome") == "running":
+                earlier["outcome"] = "killed"
+        self.checkpoint = checkpoint
+        self.index = checkpoint.begin_attempt(self.attempt_entry(0))
+
+    def save_attempt(self, rows_computed: int, outcome: str = "running", error: str | None = None) -> None:
+        """This attempt's counters into the checkpoint (written with its next save)."""
+        self.checkpoint.update_attempt(self.index, self.attempt_entry(rows_computed, outcome, error))
+
+    # ------------------------------------------------------------------ all attempts
+
+    def stats(self, budget, resumed: int, attempts: list[dict] | None = None) -> dict:
+        """status.json's ``stats``: sums over the attempts (this one last), rates from the sums.
+
+        GPU utilisation and energy are sampled by this attempt only.
+        """
+        if attempts is None:
+            attempts = self.checkpoint.attempts if self.checkpoint is not None else [self.attempt_entry(budget.computed, "failed")]
+        total = {k: sum(a.get(k) or 0 for a in attempts) for k in SUMMED}
+        done, failed = budget.totals()
+        runtime, window = total["runtime_seconds"], total["inference_runtime_seconds"]
+        out_tokens, num_gpus = total["output_tokens"], self.num_gpus
+        gpus = self.sampler.summary()
+        return {
+            **total,
+            "runtime_human": stats.human_duration(runtime),
+            "peak_inflight": max((a.get("peak_inflight") or 0 for a in attempts), default=0),
+            "rows_processed": done,
+            "rows_failed": failed,
+            "rows_failed_by_class": dict(budget.failed_classes()),
+            "rows_resumed": resumed,
+            "throughput_rows_per_sec": total["rows_computed"] / runtime if runtime > 0 else None,
+            "num_gpus": num_gpus,
+            **stats.rate_figures(out_tokens, window, num_gpus),
+            **stats.wall_rate_figures(out_tokens, runtime, num_gpus),
+            **gpus,
+            "joules_per_1k_output_tokens": stats.joules_per_1k_tokens(gpus["gpu_energy_joules"], self.output_tokens),
+            **self._roofline(stats.tokens_per_sec_per_gpu(self.output_tokens, self.tracker.window_seconds, num_gpus)),
+            "output_tokens_per_row_hist": stats.TokenHistogram.merge([a.get("output_tokens_per_row_hist") for a in attempts]),
+            "attempts": [{k: v for k, v in a.items() if k != "output_tokens_per_row_hist"} for a in attempts],
+        }
+
+    def _roofline(self, tokens_per_sec_per_gpu: float | None) -> dict:
+        """Decode roofline of this attempt's model on its GPUs (one processor, one GPU model), else nulls."""
+        names = {g["name"] for g in self.sampler.hardware()["gpus"]}
+        procs = list(self.cfg.processors.values())
+        model = stats.model_memory_facts(procs[0].server_args.get("model_path")) if len(procs) == 1 else None
+        batch = None
+        if procs and self.tracker.peak:
+            args = procs[0].server_args
+            batch = self.tracker.peak / (args.get("dp_size") or 1)  # sequences per replica
+            cap = (args.get("extra_engine_args") or {}).get("max_running_requests")
+            batch = min(batch, cap) if cap else batch
+        return stats.roofline_figures(
+            model, names.pop() if len(names) == 1 else None, self.tracker.peak, self.input_tokens, self.output_tokens,
+            self.requests, tokens_per_sec_per_gpu, sequences_per_gpu=batch,
+        )  # fmt: skip
+
+    def hardware(self) -> dict:
+        return {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), **self.sampler.hardware()}
+
+    def model_facts(self) -> dict:
+        """Weight and KV-cache bytes of each processor's local model dir (for the roofline); null when unknown."""
+        return {name: stats.model_memory_facts(p.server_args.get("model_path")) for name, p in self.cfg.processors.items()}
+
+    def write_gpu_samples(self, shard_dir: Path, shard_id: int) -> None:
+        timeline = self.sampler.timeline_json()
+        if timeline is not None:
+            try:
+                atomic_write_json(shard_dir / "gpu_samples.json", {"shard_id": shard_id, **timeline})
+            except OSError as e:  # the samples are for plots; the shard's records matter more
+                log.warning("cannot write gpu_samples.json: %s", e)
