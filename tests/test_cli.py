@@ -200,7 +200,22 @@ def test_retry_plan_forces_only_done_shards_with_failed_rows(half, monkeypatch):
     cfg = cli._load("pipeline.yaml", check_paths=False)
     assert cli.retry_plan(cfg, failed_rows=False)["with_failed_rows"] == []
     plan = cli.retry_plan(cfg, failed_rows=True)
-    assert plan == {"unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0]}
+    assert plan == {"unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0], "damaged_status": []}
+
+
+def test_retry_forces_a_shard_whose_status_json_is_damaged(half, monkeypatch):
+    """Snakemake sees the damaged status.json and would skip the shard: retry forces it."""
+    (half / "state/shard_0/status.json").write_text("[]")
+    monkeypatch.chdir(half)
+    plan = cli.retry_plan(cli._load("pipeline.yaml", check_paths=False), failed_rows=False)
+    assert plan["damaged_status"] == [0] and plan["unfinished"] == [0, 1, 2, 3]
+    proc = mmirage(half, "retry", "--config", "pipeline.yaml", "--", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "retrying 4 unfinished shard(s) [0, 1, 2, 3]" in out and "--forcerun state/shard_0/status.json" in out
+    proc = mmirage(half, "status", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_FAILED and "done 0, running 1, failed 2, pending 1" in proc.stdout
+    assert "damaged state file state/shard_0/status.json" in proc.stdout and "Traceback" not in proc.stderr
 
 
 # --------------------------------------------------------------------------- errors and exit codes

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mirageflow.progress import ProgressReporter, RateWindow
+from mirageflow.progress import ProgressReporter, RateWindow, check_progress, read_progress
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_shard import PLAIN, ScriptedEngine, _setup  # noqa: E402
@@ -98,6 +98,40 @@ def test_a_failing_snapshot_or_disk_never_raises(tmp_path):
     rep = ProgressReporter(tmp_path / "a_file" / "progress.json", 0, 10, lambda: {})
     rep.write()  # cannot create the directory: logged, not raised
     assert rep._failed_writes == 1
+
+
+def test_what_the_reporter_writes_passes_its_readers_check(tmp_path):
+    """check_progress (used by `mmirage status` and the report) accepts every state() the reporter writes."""
+    clock = Clock()
+    rep = ProgressReporter(tmp_path / "progress.json", 0, 10, lambda: {"rows_done": 3, "output_tokens": 7}, attempt=1, clock=clock)
+    for phase in ("starting", "loading", "generating", "done"):
+        rep.set_phase(phase)
+        clock.now += 2.0
+        rep.write()
+        progress, why = read_progress(tmp_path / "progress.json")
+        assert why is None and progress["phase"] == phase
+    assert read_progress(tmp_path / "missing.json") == (None, None)
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"[]", "a JSON array, not an object"),
+        (b"{}", "phase is missing, not a string"),
+        (b"\x00\xff\xfe garbage", "not JSON"),
+        (b"", "empty file"),
+        (b'{"phase": "generating", "updated_at_unix": "now"}', 'updated_at_unix is "now", not a number'),
+        (b'{"phase": "generating", "fraction_done": true}', "fraction_done is true, not a number"),
+        (b'{"phase": "generating", "hostname": 7}', "hostname is 7, not a string"),
+        (b'{"phase": "generating", "eta_seconds": NaN}', "eta_seconds is NaN, not a number"),
+    ],
+)
+def test_a_damaged_progress_json_says_why(tmp_path, content, why):
+    path = tmp_path / "progress.json"
+    path.write_bytes(content)
+    progress, reason = read_progress(path)
+    assert progress is None and reason.startswith(why)
+    assert check_progress({"phase": "done", "rows_done": None}) is None
 
 
 # --------------------------------------------------------------------------- in the shard runner

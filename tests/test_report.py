@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import random
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,117 @@ def test_metrics_json_matches_what_the_page_shows(tmp_path):
     assert metrics["aggregate"]["rows_failed_by_class"] == {"json_parse": 1 + 2 + 1}
     summary = (state / "summary.md").read_text()
     assert "## Failed shards" in summary and "EngineCrashed" in summary
+
+
+# --------------------------------------------------------------------------- failed shards' rows, attempts, atomic files
+
+
+def _fail_shard(state: Path, shard: int, num_shards: int, rows_ok: int, rows_failed: int, by_class: dict, attempts: int | None = None):
+    """failure.json as the runner writes it: with stats (totals over the attempts when ``attempts`` is given)."""
+    st = {"runtime_seconds": 30.0, "inference_runtime_seconds": 20.0, "output_tokens": 0, "num_gpus": 1,
+          "rows_processed": rows_ok, "rows_failed": rows_failed, "rows_failed_by_class": by_class}  # fmt: skip
+    if attempts is not None:
+        st["attempts"] = [
+            {"attempt": i + 1, "started_at": "2025-03-01T10:00:00+00:00", "finished_at": "2025-03-01T10:01:00+00:00",
+             "outcome": "failed", "rows_computed": 0, "output_tokens": 0, "runtime_seconds": 10.0}
+            for i in range(attempts)
+        ]  # fmt: skip
+    atomic_write_json(state / f"shard_{shard}" / "failure.json", {
+        "shard_id": shard, "num_shards": num_shards, "status": "failed", "attempt": attempts or 1, "hostname": "gpu042",
+        "finished_at": "2025-03-01T10:01:00+00:00", "signal": None, "stats": st,
+        "error": f"ShardFailed: every row of shard {shard}: {rows_failed} of {rows_failed} rows failed (empty_output: {rows_failed})",
+    })  # fmt: skip
+
+
+def test_a_failed_shards_rows_count_as_failed_rows(tmp_path):
+    """The failed rows of a shard that failed (failure.json's stats) are in every failed-rows figure."""
+    state = tmp_path / "state"
+    _fail_shard(state, 0, 1, 0, 25, {"empty_output": 25})
+    metrics = report.write_report(state, 1)
+    agg = metrics["aggregate"]
+    assert agg["total_rows_failed"] == 25 and agg["rows_failed_by_class"] == {"empty_output": 25}
+    assert (agg["rows_failed_completed_shards"], agg["rows_failed_failed_shards"]) == (0, 25)
+    assert agg["failed_shards"][0]["rows_failed"] == 25 and agg["failed_shards"][0]["rows_processed"] == 0
+    assert agg["total_rows_processed"] == 0 and agg["completed_shards"] == 0  # completed-shard figures as before
+    page = (state / "report.html").read_text()
+    assert "every row of shard 0: 25 of 25 rows failed" in page
+    assert "No failed rows" not in page and len(_images(page)) == 1  # the failed-rows plot
+    assert '<div class="v">25</div><div class="k">rows failed' in page
+    summary = (state / "summary.md").read_text()
+    assert "| `total_rows_failed` | 25 |" in summary and "empty_output 25" in summary
+    assert json.loads((state / "metrics.json").read_text())["aggregate"]["rows_failed_by_class"] == {"empty_output": 25}
+
+
+def test_failed_rows_add_completed_and_failed_shards_and_say_which_figure_covers_what(tmp_path):
+    state = make_state(tmp_path)  # shards 0-4 completed (json_parse 1 + 2 + 1), shard 5 failed
+    _fail_shard(state, 5, 6, 7, 25, {"empty_output": 20, "json_parse": 5})
+    metrics = report.write_report(state, 6)
+    agg = metrics["aggregate"]
+    assert agg["total_rows_failed"] == 4 + 25
+    assert agg["rows_failed_by_class"] == {"json_parse": 4 + 5, "empty_output": 20}
+    assert (agg["rows_failed_completed_shards"], agg["rows_failed_failed_shards"], agg["rows_processed_failed_shards"]) == (4, 25, 7)
+    # completed-shard figures are unchanged by the failed shard
+    assert agg["total_rows_processed"] == 5 * 500 and agg["completed_shards"] == 5
+    assert agg["total_output_tokens"] == sum(s["stats"]["output_tokens"] for s in metrics["per_shard"])
+    assert set(agg["figure_scope"]) == {"completed and failed shards", "failed shards", "completed shards"}
+    assert "total_rows_failed" in agg["figure_scope"]["completed and failed shards"]
+    for text in ((state / "summary.md").read_text(), (state / "report.html").read_text()):
+        assert "count completed and failed shards: 4 in completed shards, 25 in 1 failed shard(s)" in text
+        assert "every other figure covers the 5 completed shard(s) only" in text
+
+
+def _attempts(n: int) -> list[dict]:
+    return [
+        {"attempt": i + 1, "started_at": f"2025-03-01T1{i}:00:00+00:00", "finished_at": f"2025-03-01T1{i}:30:00+00:00",
+         "outcome": "success" if i == n - 1 else "failed", "rows_computed": 100, "output_tokens": 1000, "runtime_seconds": 1800.0}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def test_attempts_per_shard_from_new_and_old_status_files(tmp_path):
+    state = make_state(tmp_path)
+    path = state / "shard_1" / "status.json"
+    status = json.loads(path.read_text())
+    status["stats"]["attempts"] = _attempts(3)  # the new runner: stats are totals over these
+    atomic_write_json(path, status)
+    _fail_shard(state, 5, 6, 0, 3, {"timeout": 3}, attempts=2)
+    metrics = report.write_report(state, 6)
+    by_id = {s["shard_id"]: s for s in metrics["per_shard"]}
+    assert by_id[1]["attempts"] == 3 and by_id[0]["attempts"] is None  # an older status.json: unknown
+    assert metrics["aggregate"]["failed_shards"][0]["attempts"] == 2
+    assert json.loads((state / "metrics.json").read_text())["per_shard"][1]["attempts"] == 3
+    page = (state / "report.html").read_text()
+    table = page.split("<h2>Per shard</h2>")[1]
+    assert "<th>shard</th><th>attempts</th>" in table
+    assert re.search(r"<td class=n>1</td><td class=n>3</td>", table) and re.search(r"<td class=n>0</td><td class=n>n/a</td>", table)
+    assert "| 1 | 3 | 500 |" in (state / "summary.md").read_text()
+
+
+def test_report_files_go_through_the_atomic_writers(tmp_path, monkeypatch):
+    from mirageflow.data import writers
+
+    written = []
+    real = writers.atomic_write_bytes
+
+    def spy(path, data, durable=True):
+        written.append(Path(path).name)
+        return real(path, data, durable)
+
+    state = make_state(tmp_path, gpu_samples=False)
+    before = {p for p in state.rglob("*")}
+    monkeypatch.setattr(writers, "atomic_write_bytes", spy)
+    report.write_report(state, 6)
+    assert sorted(written) == ["metrics.json", "report.html", "summary.md"]
+    assert {p.name for p in state.rglob("*")} - {p.name for p in before} == {"metrics.json", "report.html", "summary.md"}
+
+
+def test_report_files_follow_the_umask(tmp_path):
+    """Written through data.writers, which create files as open() would (mode 0666 & ~umask), not mkstemp's 0600."""
+    state = make_state(tmp_path, gpu_samples=False)
+    old = os.umask(0o022)
+    try:
+        report.write_report(state, 6)
+    finally:
+        os.umask(old)
+    for name in ("metrics.json", "summary.md", "report.html"):
+        assert stat.S_IMODE((state / name).stat().st_mode) == 0o644, name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -115,7 +116,12 @@ def retry_plan(cfg, failed_rows: bool) -> dict:
     with_failed_rows = [
         s["shard_id"] for s in states if s["state"] == "done" and (s["status"]["stats"].get("rows_failed") or 0) > 0
     ]
-    return {"unfinished": unfinished, "running": running, "with_failed_rows": with_failed_rows if failed_rows else []}
+    # a damaged status.json: not done, but Snakemake sees the file and would not rerun the shard unforced
+    damaged = [s["shard_id"] for s in states if s["state"] == "failed" and any(x["file"] == "status.json" for x in s.get("damaged") or [])]
+    return {
+        "unfinished": unfinished, "running": running, "with_failed_rows": with_failed_rows if failed_rows else [],
+        "damaged_status": damaged,
+    }  # fmt: skip
 
 
 def cmd_retry(args) -> int:
@@ -133,8 +139,9 @@ def cmd_retry(args) -> int:
     # rows are forced (one by one, not all shards) and recompute only those rows.
     flags = ["--rerun-incomplete"]
     values = {}
-    if plan["with_failed_rows"]:
-        flags += ["--forcerun", *(str(cfg.shard_dir(i) / "status.json") for i in plan["with_failed_rows"])]
+    forced = sorted(set(plan["with_failed_rows"]) | set(plan["damaged_status"]))
+    if forced:
+        flags += ["--forcerun", *(str(cfg.shard_dir(i) / "status.json") for i in forced)]
     if args.failed_rows:
         values["retry_failed_rows"] = "true"
     print(
@@ -208,7 +215,7 @@ def status_summary(cfg) -> dict:
         "eta_human": stats.human_duration(eta),
         "gpu_hours_remaining_estimate": gpu_hours_remaining(statuses, states, cfg.num_shards),
         "shards": [
-            {k: v for k, v in s.items() if k not in ("status",)}
+            {k: v for k, v in s.items() if k not in ("status", "failure")}
             | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"]} if s["state"] == "done" else {})
             for s in states
         ],
@@ -228,16 +235,27 @@ def _status_line(s: dict) -> str:
             + (f", queue {p['queue_depth']}" if p.get("queue_depth") is not None else "")
         )
     elif s["state"] == "failed":
-        detail = (s.get("error") or "").splitlines()[0][:160] + (f" [{s['signal']}]" if s.get("signal") else "")
+        first = next(iter(str(s.get("error") or "no error recorded").splitlines()), "")
+        detail = first[:240] + (f" [{s['signal']}]" if s.get("signal") else "")
     elif s["state"] == "done":
         detail = f"{_fmt(s.get('runtime_seconds'))} s"
     where = " ".join(x for x in (s.get("host") or p.get("hostname") or "", f"job {s['slurm_job_id']}" if s.get("slurm_job_id") else "") if x)
     return f"{s['shard_id']:>6}  {s['state']:<8} {rows:>13}  {detail}" + (f"  ({where})" if where and s["state"] != "done" else "")
 
 
+def _warn_damaged(shards: list[dict]) -> None:
+    """One line on stderr per damaged state file."""
+    from mirageflow.report import DAMAGED_CONSEQUENCE, damaged_note
+
+    for s in shards:
+        for x in s.get("damaged") or []:
+            print(f"mmirage: WARNING: {damaged_note(x['path'], x['reason'])}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}", file=sys.stderr)
+
+
 def cmd_status(args) -> int:
     cfg = _load(args.config, check_paths=False)
     summary = status_summary(cfg)
+    _warn_damaged(summary["shards"])
     if args.json:
         json.dump(summary, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -338,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     args.extra = extra
+    if not logging.getLogger().handlers:  # the report's warnings (damaged state files), one line each
+        logging.basicConfig(level=logging.WARNING, format="mmirage: %(levelname)s: %(message)s")
     if extra and args.command in ("stats", "status", "check"):
         print(f"mmirage {args.command}: takes no Snakemake arguments (got {' '.join(extra)})", file=sys.stderr)
         return EXIT_USAGE

@@ -9,7 +9,9 @@ updates while the engine loads, so ``mmirage status`` can tell a live shard from
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -25,6 +27,43 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WINDOW = 180.0  # seconds of history behind the rates
+
+
+# progress.json fields its readers (`mmirage status`, the report) compute with or print
+NUMBER_FIELDS = (
+    "phase_seconds", "rows_done", "rows_failed", "rows_total", "fraction_done", "output_tokens", "rows_per_sec",
+    "tokens_per_sec", "rate_window_seconds", "eta_seconds", "queue_depth", "inflight", "elapsed_seconds",
+    "updated_at_unix", "num_gpus", "attempt",
+)  # fmt: skip
+STRING_FIELDS = ("phase", "eta_human", "started_at", "updated_at", "hostname")
+
+
+def check_progress(state: dict) -> str | None:
+    """Why a progress.json object cannot be used (a field of the wrong type), or None.
+
+    ``phase`` is required; every other field may be missing or null, but the ones present
+    must have the type ``state()`` writes.
+    """
+    if not isinstance(state.get("phase"), str):
+        return f"phase is {'missing' if 'phase' not in state else json.dumps(state['phase'], default=str)[:40]}, not a string"
+    for k in NUMBER_FIELDS:
+        v = state.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            return f"{k} is {json.dumps(v, default=str)[:40]}, not a number"
+    for k in STRING_FIELDS:
+        v = state.get(k)
+        if v is not None and not isinstance(v, str):
+            return f"{k} is {json.dumps(v, default=str)[:40]}, not a string"
+    if state.get("slurm_job_id") is not None and not isinstance(state["slurm_job_id"], (str, int)):
+        return "slurm_job_id is not a string"
+    return None
+
+
+def read_progress(path: str | os.PathLike) -> tuple[dict | None, str | None]:
+    """(progress, None); (None, None) when there is no file; (None, why) when it is damaged."""
+    from mirageflow.report import read_state_file
+
+    return read_state_file(path, check_progress)
 
 
 class RateWindow:

@@ -9,48 +9,207 @@ MMIRAGE's keys plus our additions; ``README.md`` ("Numbers in the report") defin
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from pathlib import Path
 
 from mirageflow import stats
 from mirageflow.data.writers import atomic_write_json, atomic_write_text
 
+log = logging.getLogger(__name__)
+
 STRAGGLER_FACTOR = 1.5  # a shard slower than 1.5 x the median runtime
 PROGRESS_STALE_SECONDS = 120.0  # progress.json is rewritten every 5 s while a shard lives
 DEFAULT_LEASE_TIMEOUT = 300.0
 
 
-def _read_json(path: Path) -> dict | None:
+# --------------------------------------------------------------------------- reading the state files
+#
+# Every state file is read through read_state_file: one that does not parse or has the wrong
+# shape is "damaged", named in a one-line warning and in the report, never a crash. A damaged
+# status.json never counts as done (the shard is failed, with the reason), and write_report
+# raises after writing the report, so the aggregate rule fails instead of claiming success.
+
+
+class DamagedStateError(ValueError):
+    """A shard's status.json exists but is damaged: the run is not complete, whatever Snakemake thinks."""
+
+
+def _is_num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _show(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_numbers(d: dict, keys, prefix: str = "", required: bool = False) -> str | None:
+    for k in keys:
+        v = d.get(k)
+        if v is None and not required:
+            continue
+        if not _is_num(v):
+            return f"{prefix}{k} is {'missing' if k not in d else _show(v)}, not a number"
+    return None
+
+
+def _check_strings(d: dict, keys, prefix: str = "") -> str | None:
+    for k in keys:
+        if d.get(k) is not None and not isinstance(d[k], str):
+            return f"{prefix}{k} is {_show(d[k])}, not a string"
+    return None
+
+
+def _check_time(d: dict, key: str) -> str | None:
+    v = d.get(key)
     try:
-        with open(path) as f:
-            return json.load(f)
+        if isinstance(v, str) and stats.parse_time(v).tzinfo is not None:
+            return None
+    except ValueError:
+        pass
+    return f"{key} is {'missing' if key not in d else _show(v)}, not a timestamp with a UTC offset"
+
+
+def _check_hist(h) -> bool:
+    if h is None:
+        return True
+    if not isinstance(h, dict) or not isinstance(h.get("buckets"), list):
+        return False
+    if not all(isinstance(b, list) and len(b) == 3 and all(_is_num(x) for x in b) for b in h["buckets"]):
+        return False
+    return _is_num(h.get("rows")) and _is_num(h.get("sum")) and all(h.get(k) is None or _is_num(h[k]) for k in ("min", "max"))
+
+
+# stats keys the report does arithmetic on: each a number or null when present
+STATS_NUMBERS = (
+    "runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus", "rows_processed", "rows_failed",
+    "input_tokens", "model_load_seconds", "warmup_seconds", "generation_seconds", "write_seconds",
+    "engine_idle_seconds", "gpu_util_mean", "gpu_sampled_seconds", "gpu_energy_joules", "roofline_tokens_per_sec_per_gpu",
+)  # fmt: skip
+# ... and those a successful shard's figures cannot do without
+STATS_REQUIRED = ("runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus")
+
+
+def check_stats(st, required: tuple = ()) -> str | None:
+    """Why a ``stats`` dict (status.json or failure.json) cannot be used, or None."""
+    if not isinstance(st, dict):
+        return f"stats is {_show(st)}, not an object"
+    why = _check_numbers(st, required, "stats.", required=True) or _check_numbers(st, STATS_NUMBERS, "stats.")
+    if why:
+        return why
+    by_class = st.get("rows_failed_by_class")
+    if by_class is not None and not (isinstance(by_class, dict) and all(_is_num(v) for v in by_class.values())):
+        return "stats.rows_failed_by_class is not an object of counts"
+    gpus = st.get("gpus")
+    if gpus is not None and not (isinstance(gpus, list) and all(isinstance(g, dict) and (g.get("util_mean") is None or _is_num(g["util_mean"])) for g in gpus)):
+        return "stats.gpus is not a list of GPU objects"
+    if not _check_hist(st.get("output_tokens_per_row_hist")):
+        return "stats.output_tokens_per_row_hist is not a token histogram"
+    attempts = st.get("attempts")
+    if attempts is not None and not (isinstance(attempts, list) and all(isinstance(a, dict) for a in attempts)):
+        return "stats.attempts is not a list of attempt objects"
+    return None
+
+
+def check_status(status: dict, shard_id: int | None = None) -> str | None:
+    """Why a status.json cannot be used, or None. Only a successful one needs its stats and times."""
+    if not isinstance(status.get("status"), str):
+        return f"status is {'missing' if 'status' not in status else _show(status['status'])}, not a string"
+    if status.get("shard_id") is not None and shard_id is not None and status["shard_id"] != shard_id:
+        return f"shard_id is {_show(status['shard_id'])}, not {shard_id}"
+    if status.get("num_shards") is not None and not (isinstance(status["num_shards"], int) and not isinstance(status["num_shards"], bool)):
+        return f"num_shards is {_show(status['num_shards'])}, not an integer"
+    if status["status"] != "success":
+        return None
+    return (
+        _check_time(status, "started_at") or _check_time(status, "finished_at")
+        or _check_strings(status, ("hostname",))
+        or (None if status.get("hardware") is None or isinstance(status["hardware"], dict) else "hardware is not an object")
+        or check_stats(status.get("stats"), STATS_REQUIRED)
+    )  # fmt: skip
+
+
+def check_failure(failure: dict) -> str | None:
+    if not isinstance(failure.get("error"), str):
+        return f"error is {'missing' if 'error' not in failure else _show(failure['error'])}, not a string"
+    why = _check_strings(failure, ("signal", "hostname", "finished_at"))
+    if why:
+        return why
+    return None if failure.get("stats") is None else check_stats(failure["stats"])
+
+
+def check_lease(lease: dict) -> str | None:
+    return _check_numbers(lease, ("heartbeat",), required=True) or _check_strings(lease, ("hostname",))
+
+
+def read_state_file(path: str | Path, check=None) -> tuple[dict | None, str | None]:
+    """(content, None); (None, None) when the file is absent; (None, why) when it is damaged.
+
+    Damaged: unreadable, not JSON, not a JSON object, or ``check(content)`` says why not.
+    """
+    try:
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError):  # half-written by a crashed writer: treat as absent
-        return None
+        return None, None
+    except OSError as e:
+        return None, f"cannot read it ({e.strerror or e})"
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # also UnicodeDecodeError: random bytes
+        return None, f"not JSON ({str(e).splitlines()[0][:80]})" if raw.strip() else "empty file"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__ if not isinstance(data, list) else 'array'}, not an object"
+    why = check(data) if check is not None else None
+    return (None, why) if why else (data, None)
+
+
+# what the report and `mmirage status` make of a damaged file
+DAMAGED_CONSEQUENCE = {
+    "status.json": "the shard is not counted as done (failed); delete the file and rerun the shard (mmirage retry)",
+    "failure.json": "the shard counts as failed, without its error and stats",
+    "progress.json": "ignored (the shard's state comes from its other files)",
+    "lease.json": "ignored (the shard's state comes from its other files)",
+    "gpu_samples.json": "ignored (no GPU timeline for the shard)",
+}
+
+
+def damaged_note(path: str | Path, why: str) -> str:
+    return f"damaged state file {path}: {why}"
 
 
 def load_statuses(state_dir: str | Path, num_shards: int) -> tuple[list[dict], list[int]]:
-    """Successful shards' status.json contents, and the ids of shards without one."""
+    """Successful shards' status.json contents, and the ids of shards without one (or with a damaged one)."""
     found, missing = [], []
     for shard_id in range(num_shards):
         path = Path(state_dir) / f"shard_{shard_id}" / "status.json"
-        try:
-            with open(path) as f:
-                status = json.load(f)
-        except FileNotFoundError:
+        status, why = read_state_file(path, lambda s: check_status(s, shard_id))
+        if status is None:
+            if why:
+                log.warning("%s; shard %d is not counted as done", damaged_note(path, why), shard_id)
             missing.append(shard_id)
             continue
-        if status.get("num_shards", num_shards) != num_shards:
-            raise ValueError(
-                f"{path} comes from a run with num_shards={status['num_shards']}, the config says {num_shards}; "
-                "use a fresh state_dir (and output_dir) when changing num_shards"
-            )
+        _check_num_shards(status, path, num_shards)
         if status.get("status") == "success":
-            found.append(status)
+            found.append({"shard_id": shard_id, **status})
         else:
             missing.append(shard_id)
     return found, missing
+
+
+def _check_num_shards(status: dict, path: Path, num_shards: int) -> None:
+    if status.get("num_shards", num_shards) != num_shards:
+        raise ValueError(
+            f"{path} comes from a run with num_shards={status['num_shards']}, the config says {num_shards}; "
+            "use a fresh state_dir (and output_dir) when changing num_shards"
+        )
+
+
+def attempts_count(stats_: dict | None) -> int | None:
+    """How many attempts a shard's stats cover: the length of ``stats.attempts``; None in older files without it."""
+    attempts = (stats_ or {}).get("attempts")
+    return len(attempts) if isinstance(attempts, list) else None
 
 
 def shard_states(
@@ -61,39 +220,90 @@ def shard_states(
     Works from the files alone (on a login node or locally): a running shard rewrites
     progress.json every few seconds and heartbeats lease.json; a failed one left
     failure.json (error, signal) or a progress.json that stopped updating mid-run.
+    Damaged files are listed in the entry's ``damaged`` ([{file, path, reason}], only when
+    there are any) and otherwise ignored, except a damaged status.json or failure.json: the
+    shard is failed with ``error`` "damaged state file <path>: <why>" (unless it runs now).
+    ``failure`` holds a failed shard's failure.json (its ``stats`` count in the report).
     """
+    from mirageflow.progress import check_progress
+
     now = time.time() if now is None else now
     out = []
     for shard_id in range(num_shards):
         d = Path(state_dir) / f"shard_{shard_id}"
-        status = _read_json(d / "status.json")
-        failure = _read_json(d / "failure.json")
-        progress = _read_json(d / "progress.json")
-        lease = _read_json(d / "lease.json")
+        damaged = []
+
+        def read(name, check):
+            data, why = read_state_file(d / name, check)
+            if why:
+                damaged.append({"file": name, "path": str(d / name), "reason": why})
+            return data
+
+        status = read("status.json", lambda s: check_status(s, shard_id))
+        failure = read("failure.json", check_failure)
+        progress = read("progress.json", check_progress)
+        lease = read("lease.json", check_lease)
+        bad = {x["file"]: x for x in damaged}
         entry = {"shard_id": shard_id, "state": "pending", "progress": progress}
-        lease_age = now - lease["heartbeat"] if lease and "heartbeat" in lease else None
-        progress_age = now - progress["updated_at_unix"] if progress and "updated_at_unix" in progress else None
+        lease_age = now - lease["heartbeat"] if lease and lease.get("heartbeat") is not None else None
+        progress_age = now - progress["updated_at_unix"] if progress and progress.get("updated_at_unix") is not None else None
         progress_live = progress is not None and progress.get("phase") not in ("done", "failed") and progress_age is not None
+        if "progress.json" in bad and progress_age is None:  # a damaged progress.json still says when it was written
+            try:
+                progress_age = now - (d / "progress.json").stat().st_mtime
+            except OSError:
+                pass
+            progress_live = progress_age is not None and status is None
+        if status is not None and status.get("num_shards", num_shards) != num_shards:
+            entry["other_run_num_shards"] = status["num_shards"]
         if status is not None and status.get("status") == "success" and status.get("num_shards", num_shards) == num_shards:
             entry.update(state="done", status=status)
         elif (lease_age is not None and lease_age < lease_timeout) or (progress_live and progress_age < PROGRESS_STALE_SECONDS):
             entry.update(state="running", since_update_seconds=progress_age if progress_live else lease_age)
             entry["host"] = (progress or lease or {}).get("hostname")
             entry["slurm_job_id"] = (progress or lease or {}).get("slurm_job_id")
+        elif "status.json" in bad or (failure is None and "failure.json" in bad):
+            x = bad.get("status.json") or bad["failure.json"]
+            more = "not counted as done; delete it and rerun the shard (mmirage retry)" if x["file"] == "status.json" else "the shard failed"
+            entry.update(
+                state="failed", error=f"{damaged_note(x['path'], x['reason'])}; {more}", signal=None,
+                attempt=(progress or {}).get("attempt"), host=(progress or lease or {}).get("hostname"),
+                slurm_job_id=(progress or lease or {}).get("slurm_job_id"), finished_at=None,
+            )  # fmt: skip
+            if failure is not None:
+                entry["failure"] = failure
         elif failure is not None:
             entry.update(
                 state="failed", error=failure.get("error"), signal=failure.get("signal"), attempt=failure.get("attempt"),
                 host=failure.get("hostname"), slurm_job_id=failure.get("slurm_job_id"), finished_at=failure.get("finished_at"),
+                failure=failure,
             )  # fmt: skip
         elif progress_live:  # stopped updating without failure.json: SIGKILL, OOM killer, node failure
+            p = progress or {}
+            if progress is None:  # damaged
+                x = bad["progress.json"]
+                error = (f"{damaged_note(x['path'], x['reason'])}; no status.json or failure.json: stopped (killed?); "
+                         f"progress.json last written {stats.human_duration(progress_age)} ago")  # fmt: skip
+            else:
+                error = (f"stopped without a failure record in phase '{p.get('phase')}' (killed?); "
+                         f"progress.json last updated {stats.human_duration(progress_age)} ago")  # fmt: skip
             entry.update(
-                state="failed", signal=None, attempt=progress.get("attempt"), host=progress.get("hostname"),
-                slurm_job_id=progress.get("slurm_job_id"), finished_at=progress.get("updated_at"),
-                error=f"stopped without a failure record in phase '{progress.get('phase')}' (killed?); "
-                f"progress.json last updated {stats.human_duration(progress_age)} ago",
+                state="failed", signal=None, attempt=p.get("attempt"), host=p.get("hostname") or (lease or {}).get("hostname"),
+                slurm_job_id=p.get("slurm_job_id"), finished_at=p.get("updated_at"), error=error,
             )  # fmt: skip
+        if damaged:
+            entry["damaged"] = damaged
         out.append(entry)
     return out
+
+
+# which shards each figure of the aggregate covers (also in metrics.json, as "figure_scope")
+FIGURE_SCOPE = {
+    "completed and failed shards": "total_rows_failed, rows_failed_by_class (a failed shard's rows from its failure.json); "
+    "split into rows_failed_completed_shards and rows_failed_failed_shards",
+    "failed shards": "rows_processed_failed_shards, failed_shards",
+    "completed shards": "every other figure: total_rows_processed, runtimes, throughput, tokens and tokens/s, GPU, energy, roofline",
+}
 
 
 def _sum(shards: list[dict], key: str) -> float:
@@ -178,10 +388,14 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
         if p50 and s["stats"]["runtime_seconds"] > STRAGGLER_FACTOR * p50
     ]
     by_state = {k: [s for s in states or [] if s["state"] == k] for k in ("running", "failed", "pending")}
-    failed = [
-        {k: s.get(k) for k in ("shard_id", "error", "signal", "attempt", "host", "slurm_job_id", "finished_at")}
-        for s in by_state["failed"]
-    ]
+    failed = []
+    for s in by_state["failed"]:
+        fst = (s.get("failure") or {}).get("stats") or {}  # totals over the shard's attempts, when failure.json has them
+        failed.append(
+            {k: s.get(k) for k in ("shard_id", "error", "signal", "attempt", "host", "slurm_job_id", "finished_at")}
+            | {k: fst.get(k) for k in ("rows_processed", "rows_failed")}
+            | {"rows_failed_by_class": fst.get("rows_failed_by_class"), "attempts": attempts_count(fst)}
+        )
     # energy and roofline over the shards that know them
     energy = [s for s in statuses if s["stats"].get("gpu_energy_joules") is not None]
     energy_j = sum(s["stats"]["gpu_energy_joules"] for s in energy) if energy else None
@@ -190,10 +404,13 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
     roof_capacity = sum(
         s["stats"]["roofline_tokens_per_sec_per_gpu"] * s["stats"]["num_gpus"] * s["stats"]["inference_runtime_seconds"] for s in roof
     )
+    # failed rows over every shard that says (completed ones, and failed ones through failure.json's stats)
     failed_by_class: dict[str, int] = {}
-    for s in statuses:
-        for k, v in (s["stats"].get("rows_failed_by_class") or {}).items():
+    for by_class in [s["stats"].get("rows_failed_by_class") for s in statuses] + [f["rows_failed_by_class"] for f in failed]:
+        for k, v in (by_class or {}).items():
             failed_by_class[k] = failed_by_class.get(k, 0) + v
+    rows_failed_done = int(_sum(statuses, "rows_failed"))
+    rows_failed_failed = int(sum(f["rows_failed"] or 0 for f in failed))
     hardware = [s.get("hardware") or {} for s in statuses]
     return {
         "total_shards": num_shards,
@@ -203,8 +420,15 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
         "pending_shards": [s["shard_id"] for s in by_state["pending"]],
         "failed_shards": failed,
         "total_rows_processed": rows,
-        "total_rows_failed": int(_sum(statuses, "rows_failed")),
+        "total_rows_failed": rows_failed_done + rows_failed_failed,
         "rows_failed_by_class": failed_by_class,
+        "rows_failed_completed_shards": rows_failed_done,
+        "rows_failed_failed_shards": rows_failed_failed,
+        "rows_processed_failed_shards": int(sum(f["rows_processed"] or 0 for f in failed)),
+        "figure_scope": FIGURE_SCOPE,
+        "damaged_state_files": [
+            {"shard_id": s["shard_id"], **x} for s in states or [] for x in s.get("damaged") or []
+        ],
         "wall_clock_runtime_seconds": wall,
         "wall_clock_runtime_human": stats.human_duration(wall),
         "sum_shard_runtime_seconds": sum(runtimes),
@@ -221,8 +445,8 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
         "overall_throughput_rows_per_sec": rows / wall if wall else None,
         "mean_gpu_util_pct": mean_gpu_util(statuses),
         "num_gpus": max((s["stats"]["num_gpus"] for s in statuses), default=0),
-        "gpu_names": sorted({h["gpu_name"] for h in hardware if h.get("gpu_name")}),
-        "driver_versions": sorted({h["driver_version"] for h in hardware if h.get("driver_version")}),
+        "gpu_names": sorted({str(h["gpu_name"]) for h in hardware if h.get("gpu_name")}),
+        "driver_versions": sorted({str(h["driver_version"]) for h in hardware if h.get("driver_version")}),
         "total_input_tokens": int(_sum(statuses, "input_tokens")),
         "total_output_tokens": out_tokens,
         "sum_model_load_seconds": _sum(statuses, "model_load_seconds"),
@@ -263,7 +487,27 @@ def _fmt(value) -> str:
 
 
 # aggregate keys shown as tables of their own (or too long for one cell)
-_NOT_IN_TABLE = {"missing_shards", "running_shards", "pending_shards", "failed_shards", "stragglers", "output_tokens_per_row_hist", "rows_failed_by_class"}
+_NOT_IN_TABLE = {
+    "missing_shards", "running_shards", "pending_shards", "failed_shards", "stragglers", "output_tokens_per_row_hist",
+    "rows_failed_by_class", "figure_scope", "damaged_state_files",
+}  # fmt: skip
+
+
+def scope_sentence(agg: dict) -> str:
+    """Which shards the figures cover, in one sentence (summary.md and report.html)."""
+    failed = agg.get("failed_shards") or []
+    text = (
+        f"Failed rows (total_rows_failed, rows_failed_by_class) count completed and failed shards: "
+        f"{_fmt(agg.get('rows_failed_completed_shards'))} in completed shards, "
+        f"{_fmt(agg.get('rows_failed_failed_shards'))} in {len(failed)} failed shard(s)"
+    )
+    if failed:
+        text += f" (which also committed {_fmt(agg.get('rows_processed_failed_shards'))} rows ok)"
+    return text + f"; every other figure covers the {agg['completed_shards']} completed shard(s) only."
+
+
+def _cell(value) -> str:
+    return str(value if value is not None else "").replace("|", "\\|").replace("\n", " ")
 
 
 def summary_markdown(metrics: dict) -> str:
@@ -275,34 +519,59 @@ def summary_markdown(metrics: dict) -> str:
         + (f"; missing: {agg['missing_shards']}" if agg["missing_shards"] else "")
         + ".",
         "",
-        "| metric | value |",
-        "|---|---|",
+        scope_sentence(agg),
+        "",
     ]
+    if agg.get("damaged_state_files"):
+        lines += ["## Damaged state files", ""]
+        lines += [f"- {_cell(damaged_note(x['path'], x['reason']))}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}" for x in agg["damaged_state_files"]]
+        lines.append("")
+    lines += ["| metric | value |", "|---|---|"]
     lines += [f"| `{k}` | {_fmt(v)} |" for k, v in agg.items() if k not in _NOT_IN_TABLE]
+    if agg.get("rows_failed_by_class"):
+        lines += ["", "Failed rows by error class (completed and failed shards): "
+                  + ", ".join(f"{_cell(k)} {v:,}" for k, v in sorted(agg["rows_failed_by_class"].items(), key=lambda kv: -kv[1]))]  # fmt: skip
     if agg.get("failed_shards"):
-        lines += ["", "## Failed shards", "", "| shard | error | signal | host |", "|---|---|---|---|"]
+        lines += ["", "## Failed shards", "", "| shard | error | signal | host | attempts | rows ok | rows failed |", "|---|---|---|---|---|---|---|"]
         for f in agg["failed_shards"]:
-            error = str(f.get("error") or "").replace("|", "\\|").replace("\n", " ")[:300]
-            lines.append(f"| {f['shard_id']} | {error} | {f.get('signal') or ''} | {f.get('host') or ''} |")
+            error = _cell(f.get("error"))[:300]
+            lines.append(
+                f"| {f['shard_id']} | {error} | {_cell(f.get('signal'))} | {_cell(f.get('host'))} | "
+                f"{_fmt(f.get('attempts'))} | {_fmt(f.get('rows_processed'))} | {_fmt(f.get('rows_failed'))} |"
+            )
     if agg.get("stragglers"):
         lines += ["", f"Stragglers (> {STRAGGLER_FACTOR} x median runtime): "
                   + ", ".join(f"shard {s['shard_id']} ({s['x_median']:.1f}x)" for s in agg["stragglers"])]  # fmt: skip
-    lines += ["", "## Shards", "", "| shard | rows ok | rows failed | runtime s | load s | generate s | output tokens | tok/s | GPU util % |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "", "## Shards (completed; each row covers all attempts of the shard)", "",
+        "| shard | attempts | rows ok | rows failed | runtime s | load s | generate s | output tokens | tok/s | GPU util % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    cells = [
+        "rows_processed", "rows_failed", "runtime_seconds", "model_load_seconds", "inference_runtime_seconds",
+        "output_tokens", "tokens_per_sec", "gpu_util_mean",
+    ]  # fmt: skip
     for s in metrics["per_shard"]:
         st = s["stats"]
-        cells = ["rows_processed", "rows_failed", "runtime_seconds", "model_load_seconds", "inference_runtime_seconds", "output_tokens", "tokens_per_sec", "gpu_util_mean"]
-        lines.append(f"| {s['shard_id']} | " + " | ".join(_fmt(st.get(k)) for k in cells) + " |")
+        lines.append(f"| {s['shard_id']} | {_fmt(s.get('attempts'))} | " + " | ".join(_fmt(st.get(k)) for k in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
-    statuses, missing = load_statuses(state_dir, num_shards)
     states = shard_states(state_dir, num_shards, lease_timeout)
+    for s in states:
+        if s.get("other_run_num_shards") is not None:  # a status.json of another run refuses the report
+            _check_num_shards({"num_shards": s["other_run_num_shards"]}, Path(state_dir) / f"shard_{s['shard_id']}" / "status.json", num_shards)
+        for x in s.get("damaged") or []:
+            log.warning("%s; %s", damaged_note(x["path"], x["reason"]), DAMAGED_CONSEQUENCE[x["file"]])
+    statuses = [{**s["status"], "shard_id": s["shard_id"]} for s in states if s["state"] == "done"]
+    missing = [s["shard_id"] for s in states if s["state"] != "done"]
     per_shard = [
         {
             "shard_id": s["shard_id"],
-            "hostname": s["hostname"],
+            "hostname": s.get("hostname"),
             "attempt": s.get("attempt"),
+            "attempts": attempts_count(s["stats"]),
             "started_at": s["started_at"],
             "finished_at": s["finished_at"],
             "gpu_name": (s.get("hardware") or {}).get("gpu_name"),
@@ -314,6 +583,11 @@ def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float
 
 
 def write_report(state_dir: str | Path, num_shards: int, html: bool = True, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
+    """Write metrics.json, summary.md and report.html (atomically, through data.writers).
+
+    Raises DamagedStateError after writing them when a shard's status.json is damaged: the
+    file exists, so Snakemake took the shard for done, but it is not; the aggregate rule fails.
+    """
     metrics = compute_metrics(state_dir, num_shards, lease_timeout)
     atomic_write_json(Path(state_dir) / "metrics.json", metrics)
     atomic_write_text(Path(state_dir) / "summary.md", summary_markdown(metrics))
@@ -321,4 +595,11 @@ def write_report(state_dir: str | Path, num_shards: int, html: bool = True, leas
         from mirageflow.report_html import render_html
 
         atomic_write_text(Path(state_dir) / "report.html", render_html(metrics, state_dir))
+    bad = [x for x in metrics["aggregate"]["damaged_state_files"] if x["file"] == "status.json"]
+    if bad:
+        raise DamagedStateError(
+            "; ".join(damaged_note(x["path"], x["reason"]) for x in bad)
+            + f" -- shard(s) {[x['shard_id'] for x in bad]} not done: delete the damaged status.json and rerun "
+            "(mmirage retry); the report lists them as failed"
+        )
     return metrics

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from mirageflow import stats
+from mirageflow.report import DAMAGED_CONSEQUENCE, _is_num, damaged_note, read_state_file, scope_sentence
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +105,42 @@ def plot_shards(per_shard: list[dict], stragglers: set[int]) -> str | None:
     return _png(fig)
 
 
-def load_gpu_samples(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
+def check_gpu_samples(data: dict) -> str | None:
+    """Why a gpu_samples.json object cannot be plotted, or None."""
+    t = data.get("t")
+    if t is None:
+        return None  # nothing sampled: no plot, nothing wrong
+    if not isinstance(t, list) or not all(_is_num(x) for x in t):
+        return "t is not a list of numbers"
+    util = data.get("util")
+    if not isinstance(util, list) or not all(isinstance(u, list) and len(u) == len(t) and all(v is None or _is_num(v) for v in u) for u in util):
+        return "util is not a list of per-GPU series as long as t"
+    duration = data.get("duration")
+    if duration is not None and not (isinstance(duration, list) and len(duration) == len(t) and all(_is_num(x) for x in duration)):
+        return "duration is not a list of numbers as long as t"
+    if data.get("interval_seconds") is not None and not _is_num(data["interval_seconds"]):
+        return "interval_seconds is not a number"
+    gpus = data.get("gpus")
+    if gpus is not None and not (isinstance(gpus, list) and all(isinstance(g, dict) for g in gpus)):
+        return "gpus is not a list of objects"
+    if data.get("started_at") is not None and not isinstance(data["started_at"], str):
+        return "started_at is not a string"
+    return None
+
+
+def load_gpu_samples(state_dir: str | Path, shard_ids: list[int], damaged: list[dict] | None = None) -> list[dict]:
+    """The shards' GPU timelines; a damaged gpu_samples.json is skipped with a warning and added to ``damaged``."""
     out = []
     for shard_id in shard_ids:
         path = Path(state_dir) / f"shard_{shard_id}" / "gpu_samples.json"
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+        data, why = read_state_file(path, check_gpu_samples)
+        if why:
+            log.warning("%s; %s", damaged_note(path, why), DAMAGED_CONSEQUENCE["gpu_samples.json"])
+            if damaged is not None:
+                damaged.append({"shard_id": shard_id, "file": "gpu_samples.json", "path": str(path), "reason": why})
             continue
-        if data.get("t"):
-            out.append({"shard_id": shard_id, **data})
+        if data and data.get("t"):
+            out.append({**data, "shard_id": shard_id})
     return out
 
 
@@ -221,7 +248,7 @@ def plot_errors(by_class: dict) -> str | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlim(0, max(v for _, v in items) * 1.12)  # room for the counts
     ax.set_xlabel("rows")
-    ax.set_title("failed rows by error class")
+    ax.set_title("failed rows by error class (completed and failed shards)")
     ax.grid(axis="x", alpha=0.3)
     return _png(fig)
 
@@ -244,7 +271,8 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     agg = metrics["aggregate"]
     per_shard = metrics["per_shard"]
     stragglers = {s["shard_id"] for s in agg.get("stragglers") or []}
-    samples = load_gpu_samples(state_dir, [s["shard_id"] for s in per_shard])
+    damaged = list(agg.get("damaged_state_files") or [])
+    samples = load_gpu_samples(state_dir, [s["shard_id"] for s in per_shard], damaged)
     plots = {}
     for name, fn in (
         ("shards", lambda: plot_shards(per_shard, stragglers)),
@@ -264,8 +292,8 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     cards = [
         ("shards completed", f"{agg['completed_shards']} / {agg['total_shards']}"),
         ("wall clock", agg.get("wall_clock_runtime_human") or "n/a"),
-        ("rows processed", _fmt(agg.get("total_rows_processed"))),
-        ("rows failed", _fmt(agg.get("total_rows_failed"))),
+        ("rows ok (completed shards)", _fmt(agg.get("total_rows_processed"))),
+        ("rows failed (completed + failed shards)", _fmt(agg.get("total_rows_failed"))),
         ("output tokens/s", _fmt(agg.get("tokens_per_sec"))),
         ("output tokens/s per GPU", _fmt(agg.get("tokens_per_sec_per_gpu"))),
         ("GPU-days per billion tokens", _fmt(agg.get("gpu_days_per_billion_tokens"))),
@@ -281,7 +309,15 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         f'<p class="sub">state directory <code>{_esc(state_dir)}</code>; generated {_esc(stats.utc_now()[:19])} UTC; '
         "definitions of every figure: README.md, section \"Numbers in the report\".</p>",
         '<div class="cards">' + "".join(_card(k, v) for k, v in cards) + "</div>",
+        f'<p class="note">{_esc(scope_sentence(agg))}</p>',
     ]
+    if damaged:
+        out.append('<h2>Damaged state files</h2><ul class="bad">')
+        out += [
+            f"<li>{_esc(damaged_note(x['path'], x['reason']))}; {_esc(DAMAGED_CONSEQUENCE.get(x['file'], 'ignored'))}</li>"
+            for x in damaged
+        ]
+        out.append("</ul>")
     unfinished = [
         ("running", agg.get("running_shards")),
         ("pending", agg.get("pending_shards")),
@@ -293,11 +329,16 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         out.append(f'<p class="bad">Run in progress or incomplete. {_esc("; ".join(notes))}.</p>')
 
     if agg.get("failed_shards"):
-        out.append("<h2>Failed shards</h2><table><tr><th>shard</th><th>error</th><th>signal</th><th>attempt</th><th>host</th><th>SLURM job</th></tr>")
+        out.append(
+            "<h2>Failed shards</h2><table><tr><th>shard</th><th>error</th><th>signal</th><th>attempt</th><th>attempts</th>"
+            "<th>rows ok</th><th>rows failed</th><th>host</th><th>SLURM job</th></tr>"
+        )
         for f in agg["failed_shards"]:
             out.append(
                 f"<tr><td class=n>{f['shard_id']}</td><td class=bad>{_esc(str(f.get('error') or '')[:500])}</td>"
                 f"<td>{_esc(f.get('signal') or '')}</td><td class=n>{_esc(f.get('attempt') or '')}</td>"
+                f"<td class=n>{_esc(_fmt(f.get('attempts')))}</td><td class=n>{_esc(_fmt(f.get('rows_processed')))}</td>"
+                f"<td class=n>{_esc(_fmt(f.get('rows_failed')))}</td>"
                 f"<td>{_esc(f.get('host') or '')}</td><td>{_esc(f.get('slurm_job_id') or '')}</td></tr>"
             )
         out.append("</table>")
@@ -316,11 +357,14 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     out.append('<div class="cols"><div><h2>Tokens per row</h2>')
     out.append(_img(plots["tokens"], "output tokens per row", "No rows generated."))
     out.append("</div><div><h2>Errors</h2>")
-    out.append(_img(plots["errors"], "failed rows by error class", "No failed rows."))
+    if plots["errors"] is None and agg.get("total_rows_failed"):  # failed rows without a class (older files)
+        out.append(f'<p class="note">{_esc(_fmt(agg["total_rows_failed"]))} failed rows, without error classes.</p>')
+    else:
+        out.append(_img(plots["errors"], "failed rows by error class", "No failed rows."))
     out.append("</div></div>")
 
     out.append("<h2>Metrics</h2><table><tr><th>metric</th><th>value</th></tr>")
-    skip = {"output_tokens_per_row_hist", "failed_shards"}
+    skip = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files"}
     for key, value in agg.items():
         if key in skip:
             continue
@@ -328,6 +372,9 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
             value = ", ".join(f"shard {s['shard_id']} ({s['x_median']:.1f}x median)" for s in value) or "none"
         cls = "n" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
         out.append(f"<tr><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value))}</td></tr>")
+    out.append("</table>")
+    out.append("<table><tr><th>the figures of</th><th>cover</th></tr>")
+    out += [f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in (agg.get("figure_scope") or {}).items()]
     out.append("</table>")
 
     columns = [
@@ -340,12 +387,14 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     out.append("<h2>Per shard</h2>")
     if len(per_shard) > MAX_SHARD_ROWS:
         out.append(f'<p class="note">The first {MAX_SHARD_ROWS} of {len(per_shard)} shards; all are in metrics.json.</p>')
-    out.append("<table><tr><th>shard</th><th>host</th><th>GPU</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns) + "</tr>")
+    out.append('<p class="note">Completed shards; each row covers all attempts of the shard.</p>')
+    out.append("<table><tr><th>shard</th><th>attempts</th><th>host</th><th>GPU</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns) + "</tr>")
     for s in per_shard[:MAX_SHARD_ROWS]:
         st = s["stats"]
         mark = ' title="straggler"' if s["shard_id"] in stragglers else ""
         out.append(
-            f"<tr{' class=bad' if mark else ''}><td class=n{mark}>{s['shard_id']}</td><td>{_esc(s.get('hostname') or '')}</td><td>{_esc(s.get('gpu_name') or '')}</td>"
+            f"<tr{' class=bad' if mark else ''}><td class=n{mark}>{s['shard_id']}</td><td class=n>{_esc(_fmt(s.get('attempts')))}</td>"
+            f"<td>{_esc(s.get('hostname') or '')}</td><td>{_esc(s.get('gpu_name') or '')}</td>"
             + "".join(f"<td class=n>{_esc(_fmt(st.get(k)))}</td>" for _, k in columns)
             + "</tr>"
         )
