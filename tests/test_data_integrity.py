@@ -30,7 +30,7 @@ from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shar
 from mirageflow.data.sharding import shard_range
 from mirageflow.data.writers import atomic_write_bytes, atomic_write_json, atomic_write_text, read_parts, write_part
 from mirageflow.prompts import RowError
-from test_data import finish_shard
+from test_data import finish_shard, pipeline
 
 JSON_META = {b"mirageflow.encoding": b"json"}
 
@@ -363,25 +363,6 @@ def test_jsonl_part_is_lossless(tmp_path):
 
 
 # --------------------------------------------------------------------------- 6. merge
-
-
-def pipeline(tmp_path, num_shards: int, fmt: str = "parquet"):
-    src = tmp_path / "in.jsonl"
-    src.write_text('{"q": "x"}\n')
-    cfg = {
-        "processors": [{"type": "llm", "server_args": {"model_path": "m"}}],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "num_shards": num_shards,
-            "datasets": [{"path": str(src), "type": "JSONL", "output_dir": str(tmp_path / "out"), "output_format": fmt}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}],
-            "outputs": [{"name": "a", "prompt": "{{ q }}"}],
-        },
-    }
-    c = load_config(cfg, environ={})
-    return c, c.datasets[0]
 
 
 def test_jsonl_merge_keeps_every_line_byte_for_byte(tmp_path):
