@@ -90,7 +90,8 @@ def test_minimal_config_loads_into_typed_view(cfg, jsonl, tmp_path):
 
 def test_defaults_are_filled_in(cfg):
     c = load(cfg)
-    assert c.state_dir == os.path.expanduser("~/.cache/MMIRAGE/state_dir")
+    # per pipeline: next to its first output, never one directory shared by every pipeline
+    assert c.state_dir == str(Path(cfg["loading_params"]["datasets"][0]["output_dir"]) / ".mirageflow-state")
     assert c.batch_size == 32
     assert c.merge is True
     assert c.stats is False
@@ -104,7 +105,7 @@ def test_defaults_are_filled_in(cfg):
         "model_path": "org/model",
         "tp_size": 1,
         "dp_size": 1,
-        "trust_remote_code": True,
+        "trust_remote_code": False,  # a model directory is data: its code runs only when asked
         "disable_custom_all_reduce": False,
         "extra_engine_args": {},
     }
@@ -143,7 +144,7 @@ def test_config_from_yaml_file(tmp_path, cfg):
     path.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="must hold a YAML mapping"):
         load_config(path, environ={})
-    with pytest.raises(ConfigError, match="cannot read config"):
+    with pytest.raises(ConfigError, match="absent.yaml' does not exist"):
         load_config(tmp_path / "absent.yaml", environ={})
 
 
@@ -414,8 +415,23 @@ def test_env_comes_from_environ_argument_not_process(cfg, monkeypatch):
 
 
 def test_double_dollar_is_a_literal_dollar(cfg):
-    cfg["processing_params"]["outputs"][0]["prompt"] = "Price in $$USD for {{ question }}; $$"
-    assert load(cfg).outputs[0].prompt == "Price in $USD for {{ question }}; $"
+    cfg["processors"][0]["server_args"]["model_path"] = "models/$$weird"
+    assert load(cfg).processors["llm"].server_args["model_path"] == "models/$weird"
+
+
+def test_templates_are_not_env_expanded(cfg):
+    """A prompt is text for the model: "$5" stays, and "$SECRET" is never replaced by the secret."""
+    out = cfg["processing_params"]["outputs"][0]
+    out.update(prompt="A $5 price, $$ and ${SECRET} for {{ question }}; $SECRET", system="$SECRET", response_prefix="$SECRET")
+    cfg["processing_params"]["output_schema"] = {"a": "{{ answer }} $SECRET", "n": ["$UNSET_VAR"]}
+    c = load(cfg, SECRET="hunter2")
+    assert c.outputs[0].prompt == "A $5 price, $$ and ${SECRET} for {{ question }}; $SECRET"
+    assert (c.outputs[0].system, c.outputs[0].response_prefix) == ("$SECRET", "$SECRET")
+    assert c.output_schema == {"a": "{{ answer }} $SECRET", "n": ["$UNSET_VAR"]}  # unset: no error either
+    assert "hunter2" not in repr(c.raw)
+    # settings are still expanded, and an output's field spec too (numeric bounds)
+    cfg["loading_params"]["num_shards"] = "${N}"
+    assert load(cfg, N="2", SECRET="x").num_shards == 2
 
 
 def test_env_whole_value_is_retyped(cfg):
@@ -457,3 +473,119 @@ def test_explicit_chat_template_kwargs_win_over_mmirage_location(cfg):
     }
     cfg["processors"][0]["chat_template_kwargs"] = {"enable_thinking": True}
     assert load(cfg).processors["llm"].chat_template_kwargs == {"enable_thinking": True, "other": 1}
+
+
+# --------------------------------------------------------------------------- security
+
+
+def test_trust_remote_code_is_off_unless_set(cfg):
+    assert load(cfg).processors["llm"].server_args["trust_remote_code"] is False
+    cfg["processors"][0]["server_args"]["trust_remote_code"] = True  # MMIRAGE configs that set it keep working
+    assert load(cfg).processors["llm"].server_args["trust_remote_code"] is True
+
+
+def test_redact_covers_url_passwords_and_api_key_flags():
+    from mirageflow.redact import redact, redact_text
+
+    argv = ["python", "-m", "sglang.launch_server", "--api-key", "sk-1", "--api-key=sk-2", "--hf-token", "hf_3", "--port", "30000"]
+    assert redact(argv) == ["python", "-m", "sglang.launch_server", "--api-key", "***", "--api-key=***", "--hf-token", "***", "--port", "30000"]
+    info = {"base_url": "http://user:pa:ss@node:30000/v1", "api_key": "sk-1", "engine_args": {"hf_token": "x", "tp_size": 2}}
+    assert redact(info) == {"base_url": "http://user:***@node:30000/v1", "api_key": "***", "engine_args": {"hf_token": "***", "tp_size": 2}}
+    text = "POST https://u:secret@h/v1/chat/completions failed; server: sglang --api-key abc --api-key=def; Authorization: Bearer sk-9"
+    red = redact_text(text)
+    assert not any(s in red for s in ("secret", "abc", "def", "sk-9")), red
+    assert "https://u:***@h/v1/chat/completions" in red
+    # nothing else changes
+    plain = "a $5 price at http://host:8/v1 with --max-tokens 5 --tokenizer-path t max_new_tokens"
+    assert redact_text(plain) == plain
+    assert redact({"max_new_tokens": 5, "api_key_env": None}) == {"max_new_tokens": 5, "api_key_env": None}
+
+
+# --------------------------------------------------------------------------- sandbox, JSON fields, paths
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("{{ question | shout }}", "unknown filter 'shout'"),
+        ("{{ question | uper }}", "unknown filter 'uper' (did you mean 'upper'?)"),
+        ("{% if question is loud %}x{% endif %}", "unknown test 'loud'"),
+        ("{% include 'other.j2' %}", "{% include %} is not available"),
+        ("{% extends 'base.j2' %}", "{% extends %} is not available"),
+        ("{% import 'm.j2' as m %}{{ question }}", "{% import %} is not available"),
+        ("{% from 'm.j2' import x %}{{ question }}", "{% from ... import %} is not available"),
+        ("{{ question.__class__.__mro__ }}", "attribute '__class__' is blocked by the sandbox"),
+        ("{{ question['__class__'] }}", "attribute '__class__' is blocked by the sandbox"),
+        ("{{ question | attr('__init__') }}", "attribute '__init__' is blocked by the sandbox"),
+    ],
+)
+def test_templates_the_sandbox_cannot_run(cfg, prompt, expected):
+    cfg["processing_params"]["outputs"][0]["prompt"] = prompt
+    found = problems_of(cfg)
+    assert all(p.startswith("processing_params.outputs[0].prompt: ") for p in found), found
+    assert any(expected in p for p in found), found
+
+
+def test_underscore_keys_and_builtin_filters_are_fine(cfg):
+    cfg["processing_params"]["outputs"][0]["prompt"] = "{{ question._id | default('x') | upper }}{% if question is string %}!{% endif %}"
+    load(cfg)
+
+
+def test_json_output_fields_must_be_declared(cfg):
+    json_output(cfg, {"subject": "str", "category": "str"})
+    out = cfg["processing_params"]["outputs"][0]
+    out["name"] = "card"
+    add_output(cfg, name="more", prompt="{{ card.subject }} {{ card['category'] }} {{ card.items() | list }} {{ card.subjct }}")
+    cfg["processing_params"]["output_schema"] = {"s": "{{ card.subject }}", "c": ["{{ card.categroy }}"]}
+    assert problems_of(cfg) == [
+        "processing_params.outputs[1].prompt: 'card.subjct': output 'card' has no field 'subjct' in its output_schema "
+        "(fields: subject, category) (did you mean 'subject'?)",
+        "processing_params.output_schema.c[0]: 'card.categroy': output 'card' has no field 'categroy' in its output_schema "
+        "(fields: subject, category) (did you mean 'category'?)",
+    ]
+
+
+def test_json_output_without_schema_allows_any_field(cfg):
+    cfg["processing_params"]["outputs"][0]["output_type"] = "JSON"
+    cfg["processing_params"]["output_schema"] = {"x": "{{ answer.whatever }}"}
+    load(cfg)
+
+
+@pytest.mark.parametrize("value", ["", "  ", "${EMPTY}", "${UNSET:-}"])
+def test_empty_state_dir_is_an_error(cfg, value):
+    cfg["loading_params"]["state_dir"] = value
+    assert only_problem(cfg, EMPTY="").startswith("loading_params.state_dir: empty (a ${VAR} that expands to nothing?)")
+
+
+def test_empty_output_dir_is_an_error(cfg):
+    cfg["loading_params"]["datasets"][0]["output_dir"] = ""
+    assert only_problem(cfg).startswith("loading_params.datasets[0].output_dir: empty")
+
+
+def test_state_dir_under_a_regular_file(cfg, jsonl):
+    cfg["loading_params"]["state_dir"] = str(jsonl / "state")
+    assert only_problem(cfg) == f"loading_params.state_dir: '{jsonl}' is a file, not a directory, so '{jsonl / 'state'}' cannot be created under it"
+    assert load_config(cfg, environ={}, check_paths=False).state_dir == str(jsonl / "state")  # status/stats still read it
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_state_dir_not_writable(cfg, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    cfg["loading_params"]["state_dir"] = str(ro / "state")
+    assert "is not writable" in only_problem(cfg)
+
+
+def test_output_dir_equal_to_input_file_or_inside_input_dir(cfg, jsonl, tmp_path):
+    ds = cfg["loading_params"]["datasets"][0]
+    ds["output_dir"] = str(jsonl)
+    assert f"loading_params.datasets[0].output_dir: '{jsonl}' is the input file '{jsonl}' itself (datasets[0].path)" in problems_of(cfg)
+    (tmp_path / "pq").mkdir()
+    ds.update(path=str(tmp_path / "pq"), type="parquet", output_dir=str(tmp_path / "pq" / "out"))
+    assert only_problem(cfg).startswith(f"loading_params.datasets[0].output_dir: '{tmp_path / 'pq' / 'out'}' is inside input dataset directory")
+
+
+def test_default_state_dir_is_per_pipeline(cfg, tmp_path):
+    a = load(cfg).state_dir
+    cfg["loading_params"]["datasets"][0]["output_dir"] = str(tmp_path / "other")
+    assert load(cfg).state_dir == str(tmp_path / "other" / ".mirageflow-state") != a

@@ -39,16 +39,30 @@ class ConfigError(ValueError):
 _ENV_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 # MMIRAGE's per-process shard selector is meaningless here and usually "$SLURM_ARRAY_TASK_ID".
 _NOT_EXPANDED = {("loading_params", "shard_id")}
+# Templates and what shapes the records are text for the model, not settings: "$5 price" or
+# "$SECRET" in a prompt stays as written (never the environment's value, which would be sent
+# to the endpoint and written into the records). Key paths, whole subtrees.
+_TEMPLATE_KEYS = re.compile(
+    r"processing_params\.output_schema|processing_params\.outputs\[\d+\]\.(prompt|system|response_prefix)"
+)
+
+
+def not_expanded(path: str) -> bool:
+    """Whether ``$VAR`` expansion skips the value at this key path (templates; loading_params.shard_id)."""
+    return path == "loading_params.shard_id" or _TEMPLATE_KEYS.fullmatch(path) is not None
 
 
 def expand_env(value: Any, environ: Mapping[str, str], path: str, problems: list[str]) -> Any:
     """Expand $VAR, ${VAR}, ${VAR:-default} in every string; $$ is a literal $.
 
-    Values stay strings here; ``coerce_scalars`` types them by the schema.
+    Not inside templates (outputs' prompt, system and response_prefix, and the record
+    templates of processing_params.output_schema) nor loading_params.shard_id: those stay exactly as
+    written, ``$$`` included. Values stay strings here; ``coerce_scalars`` types them by
+    the schema.
     """
     if isinstance(value, dict):
         return {
-            k: v if (path, k) in _NOT_EXPANDED else expand_env(v, environ, _join(path, k), problems)
+            k: v if not_expanded(_join(path, k)) else expand_env(v, environ, _join(path, k), problems)
             for k, v in value.items()
         }
     if isinstance(value, list):
@@ -105,10 +119,15 @@ def _join(path: str, key: Any) -> str:
 # --------------------------------------------------------------------------- schema
 
 
+# libyaml's loader when PyYAML has it: the schema parses in ~20 ms instead of ~300 ms, at the
+# start of every job and of every `snakemake` / `mmirage` command.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 @functools.cache
 def schema() -> dict:
-    with resources.files("mirageflow").joinpath("config.schema.yaml").open() as f:
-        return yaml.safe_load(f)
+    with resources.files("mirageflow").joinpath("config.schema.yaml").open(encoding="utf-8") as f:
+        return yaml.load(f, Loader=_YAML_LOADER)
 
 
 def _with_defaults(validator_class):
@@ -174,6 +193,7 @@ class InputVar:
     key: str
     has_default: bool
     default: Any
+    optional: bool = False  # the key may be missing from the first rows (no preflight data check)
 
 
 @dataclass(frozen=True)
@@ -255,13 +275,7 @@ def load_config(
     label = None
     if not isinstance(source, Mapping):
         label = str(source)
-        try:
-            with open(source) as f:
-                source = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError([f"cannot read config: {e}"], label) from None
-        if not isinstance(source, Mapping):
-            raise ConfigError(["the file must hold a YAML mapping"], label)
+        source = read_config_file(source)
     problems: list[str] = []
     cfg = expand_env(copy.deepcopy(dict(source)), os.environ if environ is None else environ, "", problems)
     cfg = coerce_scalars(cfg, schema(), schema())
@@ -272,6 +286,93 @@ def load_config(
     if problems:
         raise ConfigError(problems, label)
     return view
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The YAML mapping in a config file; ConfigError (naming the file) when it cannot be read."""
+    label = str(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError([f"config file '{label}' does not exist (No such file or directory)"], label) from None
+    except IsADirectoryError:
+        raise ConfigError([f"'{label}' is a directory, not a config file"], label) from None
+    except OSError as e:
+        raise ConfigError([f"cannot read config file '{label}': {e.strerror or e}"], label) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            [f"config file '{label}' is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, line {line}); save it as UTF-8"],
+            label,
+        ) from None
+    try:
+        loaded = yaml.load(text, Loader=_YAML_LOADER)
+    except yaml.YAMLError as e:
+        raise ConfigError([f"cannot parse config file '{label}' as YAML: {e}"], label) from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, Mapping):
+        raise ConfigError([f"config file '{label}' must hold a YAML mapping (it holds a {type(loaded).__name__})"], label)
+    return dict(loaded)
+
+
+def default_state_dir(output_dir: str) -> str:
+    """The state_dir of a config without one: ``<first dataset's output_dir>/.mirageflow-state``.
+
+    Per pipeline (an output_dir belongs to one pipeline, see pipeline_state's owner
+    marker), the same for the driver, every job and ``mmirage status`` (no config file
+    name needed), and hidden from readers of the output directory (pyarrow, datasets).
+    """
+    return os.path.join(output_dir, DEFAULT_STATE_SUBDIR)
+
+
+DEFAULT_STATE_SUBDIR = ".mirageflow-state"
+MAX_SHARDS = 1_000_000  # the schema's maximum of loading_params.num_shards
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or below it (real paths)."""
+    p, r = os.path.realpath(path), os.path.realpath(root)
+    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
+
+
+def _unusable_dir(path: str) -> str | None:
+    """Why the workflow could not create or write directory ``path``, or None (cheap: stats only)."""
+    probe = os.path.abspath(path)
+    while True:
+        if os.path.exists(probe):
+            break
+        if os.path.lexists(probe):  # a dangling symlink
+            return f"'{probe}' is a broken symbolic link"
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"'{probe}' is a file, not a directory" + ("" if probe == os.path.abspath(path) else f", so '{path}' cannot be created under it")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"'{probe}' is not writable" + ("" if probe == os.path.abspath(path) else f", so '{path}' cannot be created")
+    return None
+
+
+def _input_overlap(out_dir: str, ds: DatasetConfig) -> str | None:
+    """Why ``out_dir`` may not be written for input dataset ``ds`` (equal to it, or inside it)."""
+    path = ds.path
+    if any(c in path for c in "*?[") and not os.path.exists(path):  # a Parquet glob
+        base = path
+        while any(c in base for c in "*?["):
+            base = os.path.dirname(base)
+        if "**" in path and _inside(out_dir, base or "."):
+            return f"is inside the directory the recursive glob '{path}' reads: its own output would become input"
+        return None
+    if ds.type != "jsonl" and os.path.isdir(path) and _inside(out_dir, path):
+        return f"is inside input dataset directory '{path}': its own output would become input"
+    if os.path.exists(path) and os.path.realpath(out_dir) == os.path.realpath(path):
+        return f"is the input file '{path}' itself"
+    return None
 
 
 def _dataset_problems(ds: dict, where: str) -> list[str]:
@@ -324,8 +425,15 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
 
     datasets = []
     for i, ds in enumerate(lp["datasets"]):
-        if check_paths:
-            problems += _dataset_problems(ds, f"loading_params.datasets[{i}]")
+        where = f"loading_params.datasets[{i}]"
+        if not ds["path"].strip():
+            problems.append(f"{where}.path: empty (a ${{VAR}} that expands to nothing?)")
+        elif check_paths:
+            problems += _dataset_problems(ds, where)
+        if not ds["output_dir"].strip():
+            problems.append(
+                f"{where}.output_dir: empty (a ${{VAR}} that expands to nothing?); outputs would be written to the working directory's root"
+            )
         if ds.get("image_base_path"):
             problems.append(f"loading_params.datasets[{i}].image_base_path: image inputs are not supported yet")
         datasets.append(
@@ -343,7 +451,32 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         if d in out_dirs[:i]:
             problems.append(f"loading_params.datasets[{i}].output_dir: '{d}' is already used by another dataset")
 
+    state_dir = os.path.expanduser(lp["state_dir"]) if "state_dir" in lp else default_state_dir(datasets[0].output_dir)
+    if not state_dir.strip():
+        problems.append(
+            "loading_params.state_dir: empty (a ${VAR} that expands to nothing?); the workflow's targets would be "
+            "put at the filesystem root. Set a directory, or leave the key out for the default "
+            f"<first output_dir>/{DEFAULT_STATE_SUBDIR}"
+        )
+    if check_paths:
+        for i, d in enumerate(out_dirs):
+            if not d.strip():
+                continue
+            why = _unusable_dir(d)
+            if why:
+                problems.append(f"loading_params.datasets[{i}].output_dir: {why}")
+            for ds in datasets:
+                if ds.path.strip():
+                    why = _input_overlap(d, ds)
+                    if why:
+                        problems.append(f"loading_params.datasets[{i}].output_dir: '{d}' {why} (datasets[{ds.index}].path)")
+        if state_dir.strip():
+            why = _unusable_dir(state_dir)
+            if why:
+                problems.append(f"loading_params.state_dir: {why}")
+
     known: list[str] = []
+    json_fields: dict[str, list[str]] = {}  # JSON outputs with declared fields: name -> fields
     inputs = []
     for i, var in enumerate(pp["inputs"]):
         where = f"processing_params.inputs[{i}]"
@@ -354,7 +487,7 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             prompts.compile_jmespath(var["key"])
         except ValueError as e:
             problems.append(f"{where}.key: {e}")
-        inputs.append(InputVar(var["name"], var["key"], "default" in var, var.get("default")))
+        inputs.append(InputVar(var["name"], var["key"], "default" in var, var.get("default"), bool(var.get("optional", False))))
 
     outputs = []
     for i, out in enumerate(pp["outputs"]):
@@ -365,7 +498,7 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             problems.append(f"{where}.type: no '{out['type']}' processor is defined in processors")
         for key in ("prompt", "system"):
             if out.get(key):
-                problems += prompts.template_problems(out[key], known, f"{where}.{key}")
+                problems += prompts.template_problems(out[key], known, f"{where}.{key}", json_fields)
         is_json = out["output_type"].lower() == "json"
         schema = None
         if "output_schema" in out:
@@ -379,6 +512,9 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         elif is_json:
             schema = json_output.OutputSchema.parse([], f"{where}.output_schema")
         known.append(out["name"])
+        json_fields.pop(out["name"], None)
+        if schema is not None and schema.fields:
+            json_fields[out["name"]] = [f.name for f in schema.fields]
         outputs.append(
             OutputVar(
                 out["name"], out["type"], out["prompt"], out["system"], out["response_prefix"], is_json, schema,
@@ -386,13 +522,13 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             )
         )
 
-    problems += prompts.record_template_problems(pp["output_schema"], known, "processing_params.output_schema")
+    problems += prompts.record_template_problems(pp["output_schema"], known, "processing_params.output_schema", json_fields)
     problems += cluster.execution_problems(cfg["execution_params"])
 
     return PipelineConfig(
         raw=cfg,
         stats=cfg["stats"],
-        state_dir=os.path.expanduser(lp["state_dir"]),
+        state_dir=state_dir,
         num_shards=lp["num_shards"],
         batch_size=lp["batch_size"],
         datasets=datasets,

@@ -52,29 +52,104 @@ def compile_jmespath(expr: str):
         raise ValueError(f"invalid JMESPath expression {expr!r}: {e}") from None
 
 
-def template_problems(source: str, known: Iterable[str], where: str) -> list[str]:
-    """Syntax errors and variables that are neither inputs nor earlier outputs."""
+_LOADERS = (nodes.Include, nodes.Extends, nodes.Import, nodes.FromImport)
+_TAG = {nodes.Include: "include", nodes.Extends: "extends", nodes.Import: "import", nodes.FromImport: "from ... import"}
+
+
+def _hint(name: str, choices: Iterable[str]) -> str:
+    found = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean '{found[0]}'?)" if found else ""
+
+
+def sandbox_problems(ast, where: str) -> list[str]:
+    """What the sandbox refuses or cannot do, found in the parsed template instead of on every row.
+
+    Templates are self-contained strings: there is no loader, so ``{% include %}``,
+    ``{% extends %}`` and ``{% import %}`` cannot work; filters and tests must be Jinja2's
+    built-in ones; dunder attributes (``__class__``, ``x['__globals__']``, ``x|attr('__init__')``)
+    are blocked by the sandbox (an escape attempt, or a failure on every row). A key that
+    merely starts with one ``_`` (``row._id``) is an ordinary dict key and stays allowed.
+    """
+    problems = []
+    for node in ast.find_all(_LOADERS):
+        problems.append(f"{where}: {{% {_TAG[type(node)]} %}} is not available: templates are self-contained strings (no template files are loaded)")
+    for node in ast.find_all(nodes.Filter):
+        if node.name not in _ENV.filters:
+            problems.append(f"{where}: unknown filter '{node.name}'" + _hint(node.name, _ENV.filters))
+        elif node.name == "attr" and node.args and isinstance(node.args[0], nodes.Const) and str(node.args[0].value).startswith("__"):
+            problems.append(f"{where}: attribute '{node.args[0].value}' is blocked by the sandbox (dunder attributes are not accessible)")
+    for node in ast.find_all(nodes.Test):
+        if node.name not in _ENV.tests:
+            problems.append(f"{where}: unknown test '{node.name}'" + _hint(node.name, _ENV.tests))
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
+        if isinstance(node, nodes.Getattr):
+            name = node.attr
+        elif isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
+            name = node.arg.value
+        else:
+            continue
+        if name.startswith("__"):
+            problems.append(f"{where}: attribute '{name}' is blocked by the sandbox (dunder attributes are not accessible)")
+    return problems
+
+
+def _field_problems(ast, json_fields: Mapping[str, list[str]], roots: set[str], where: str) -> list[str]:
+    """``{{ card.subjct }}`` where output ``card`` is JSON with declared fields that lack ``subjct``."""
+    problems = []
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
+        base = node.node
+        if not (isinstance(base, nodes.Name) and base.ctx == "load" and base.name in json_fields and base.name in roots):
+            continue
+        if isinstance(node, nodes.Getattr):
+            name = node.attr
+            if name in _DICT_ATTRS:  # card.items(), card.get('x'): dict methods, as Jinja2 finds them
+                continue
+        elif isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
+            name = node.arg.value
+        else:
+            continue
+        fields = json_fields[base.name]
+        if name not in fields and not name.startswith("_"):
+            problems.append(
+                f"{where}: '{base.name}.{name}': output '{base.name}' has no field '{name}' in its output_schema "
+                f"(fields: {', '.join(fields)})" + _hint(name, fields)
+            )
+    return problems
+
+
+def template_problems(source: str, known: Iterable[str], where: str, json_fields: Mapping[str, list[str]] | None = None) -> list[str]:
+    """Syntax errors, variables that are neither inputs nor earlier outputs, fields a JSON
+    output's schema does not declare (``json_fields``: output name -> field names, for JSON
+    outputs with a declared schema), and what the sandbox cannot run (``sandbox_problems``)."""
     try:
         ast = _ENV.parse(source)
     except jinja2.TemplateSyntaxError as e:
         return [f"{where}: template syntax error on line {e.lineno}: {e.message}"]
     known = list(known)
-    problems = []
-    for name in sorted(meta.find_undeclared_variables(ast)):
+    problems = sandbox_problems(ast, where)
+    if problems:  # the compiler (find_undeclared_variables) would raise on an unknown filter or test
+        return problems
+    try:
+        undeclared = meta.find_undeclared_variables(ast)
+        _ENV.compile(ast)
+    except jinja2.TemplateError as e:  # anything else the compiler refuses
+        return [f"{where}: template error: {getattr(e, 'message', None) or e}"]
+    for name in sorted(undeclared):
         if name not in known:
-            hint = difflib.get_close_matches(name, known, n=1)
-            problems.append(f"{where}: unknown variable '{name}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+            problems.append(f"{where}: unknown variable '{name}'" + _hint(name, known))
+    if json_fields:
+        problems += _field_problems(ast, json_fields, undeclared, where)
     return problems
 
 
-def record_template_problems(shape: Any, known: Iterable[str], where: str) -> list[str]:
+def record_template_problems(shape: Any, known: Iterable[str], where: str, json_fields: Mapping[str, list[str]] | None = None) -> list[str]:
     known = list(known)
     if isinstance(shape, dict):
-        return [p for k, v in shape.items() for p in record_template_problems(v, known, f"{where}.{k}")]
+        return [p for k, v in shape.items() for p in record_template_problems(v, known, f"{where}.{k}", json_fields)]
     if isinstance(shape, list):
-        return [p for i, v in enumerate(shape) for p in record_template_problems(v, known, f"{where}[{i}]")]
+        return [p for i, v in enumerate(shape) for p in record_template_problems(v, known, f"{where}[{i}]", json_fields)]
     if isinstance(shape, str):
-        return template_problems(shape, known, where)
+        return template_problems(shape, known, where, json_fields)
     return []
 
 

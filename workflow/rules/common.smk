@@ -12,10 +12,13 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
 from mirageflow import cluster, pipeline_state
-from mirageflow.config import ConfigError, load_config
+from mirageflow.config import ConfigError
+from mirageflow.preflight import validate
 
+# The driver (and `mmirage check`) also runs the checks that read the data and model
+# files (mirageflow/preflight.py); a cluster job re-parsing this file validates the config only.
 try:
-    PIPELINE = load_config(config)
+    PIPELINE = validate(config, preflight=workflow.is_main_process)
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
 
@@ -35,8 +38,10 @@ if workflow.is_main_process:
     try:
         for note in pipeline_state.prepare(config, PIPELINE, workflow.configfiles):
             logger.info(note)
-    except pipeline_state.OwnershipError as e:
-        raise WorkflowError(str(e)) from None
+    except (pipeline_state.OwnershipError, OSError) as e:
+        raise WorkflowError(
+            f"mirageflow: cannot write the pipeline's state files: {e}"
+        ) from None
 
 SHARD_IDS = list(range(PIPELINE.num_shards))
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]

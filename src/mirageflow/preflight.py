@@ -1,0 +1,413 @@
+"""Checks that read the pipeline's files, run where the user starts a run: before any job.
+
+``load_config`` (mirageflow.config) checks the config itself and is run by every job too,
+so it touches no data or model file beyond a few ``stat`` calls. The checks here read a
+little of each dataset and each model directory, once, in the Snakemake driver
+(workflow/rules/common.smk, under ``workflow.is_main_process``: a cluster job re-parsing
+the Snakefile skips them) and in ``mmirage check``. Both call ``validate``, so both refuse
+the same configs with the same ``key.path: message`` lines:
+
+- each dataset's format, from its first bytes (``PAR1`` vs text): a Parquet file declared
+  JSONL, a JSONL (or gzip, or JSON array) file declared Parquet;
+- each input's JMESPath key against the first ``SAMPLE_ROWS`` rows of each dataset: a key
+  that matches none of them is refused (with a row that lacks it), unless the input has a
+  ``default`` or ``optional: true``;
+- each local model: the directory exists and holds a config.json; a Hugging Face id
+  (``org/name``) must already be in the local cache (no hub is reachable, nothing is
+  downloaded); ``max_new_tokens`` must be below the model's context;
+- ``api_key_env`` names a variable set in this environment (the jobs inherit it);
+- ``num_shards`` is at most the largest dataset's row count when it is cheap to know
+  (Parquet footers, a JSONL file up to ``COUNT_JSONL_MAX_BYTES``, an existing index);
+- no output_dir belongs to another pipeline (the owner marker, read only).
+
+Every check that cannot decide (a file it cannot read, a format it does not know) stays
+silent: the job that reads the data reports the real error, naming the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from mirageflow.config import ConfigError, PipelineConfig, load_config
+
+SAMPLE_ROWS = 20
+COUNT_JSONL_MAX_BYTES = 64 << 20  # newline count of a JSONL file up to this size (~20 ms)
+MAX_FILES_SNIFFED = 200
+PARQUET_MAGIC = b"PAR1"
+GZIP_MAGIC = b"\x1f\x8b"
+# Model directories the workflow builds itself (workflow/rules/models.smk): not there before the first run.
+WORKFLOW_BUILT_MODELS = ("resources/models/SmolLM2-135M-Instruct",)
+CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length")
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, used by every backend (schema: sampling_params)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def validate(
+    source: Mapping | str | os.PathLike,
+    *,
+    environ: Mapping[str, str] | None = None,
+    preflight: bool = True,
+    built_models: tuple[str, ...] = WORKFLOW_BUILT_MODELS,
+) -> PipelineConfig:
+    """``load_config`` plus, with ``preflight``, the checks that read data and model files.
+
+    The one validation of ``snakemake`` (the driver) and ``mmirage check``. Raises
+    ConfigError listing every problem with its key path.
+    """
+    label = None if isinstance(source, Mapping) else str(source)
+    cfg = load_config(source, environ=environ)
+    if preflight:
+        problems = preflight_problems(cfg, environ=environ, built_models=built_models)
+        if problems:
+            raise ConfigError(problems, label)
+    return cfg
+
+
+def preflight_problems(
+    cfg: PipelineConfig, *, environ: Mapping[str, str] | None = None, built_models: tuple[str, ...] = WORKFLOW_BUILT_MODELS
+) -> list[str]:
+    environ = os.environ if environ is None else environ
+    problems: list[str] = []
+    rows_known: list[int | None] = []
+    for ds in cfg.datasets:
+        where = f"loading_params.datasets[{ds.index}]"
+        found, sample, rows = _inspect_dataset(ds, where)
+        problems += found
+        if not found and sample:
+            problems += _key_problems(cfg, ds, sample)
+        indexed = _indexed_rows(cfg, ds)
+        rows_known.append(indexed if indexed is not None else rows)
+    if rows_known and None not in rows_known and cfg.num_shards > max(rows_known):
+        most = max(rows_known)
+        counts = ", ".join(f"datasets[{i}]: {'at most ' if r is not None else ''}{r}" for i, r in enumerate(rows_known))
+        problems.append(
+            f"loading_params.num_shards: {cfg.num_shards} shards, but no dataset has more than {most} rows ({counts}); "
+            f"shards beyond {max(most, 1)} would have no rows to process: use num_shards <= {max(most, 1)}"
+        )
+    for i, proc in enumerate(cfg.raw["processors"]):
+        problems += _processor_problems(cfg, i, proc, environ, built_models)
+    problems += _owner_problems(cfg)
+    return problems
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _head(path: str, n: int = 4) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return None
+
+
+def _inspect_dataset(ds, where: str) -> tuple[list[str], list[dict], int | None]:
+    """(problems, first rows, row count or an upper bound, None when unknown)."""
+    try:
+        if ds.type == "jsonl":
+            return _inspect_jsonl(ds.path, where)
+        if ds.type == "parquet":
+            return _inspect_parquet(ds.path, where)
+        return _inspect_loadable(ds, where)
+    except Exception:  # noqa: BLE001 - undecided: the index job reports the real error
+        return [], [], None
+
+
+def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | None]:
+    head = _head(path, 4)
+    if head is None:
+        return [], [], None
+    if head.startswith(PARQUET_MAGIC):
+        return [f"{where}.type: '{path}' is a Parquet file (it starts with PAR1), not JSONL: set type: Parquet"], [], None
+    if head.startswith(GZIP_MAGIC):
+        return [f"{where}.path: '{path}' is gzip-compressed; JSONL datasets must be uncompressed text: decompress it"], [], None
+    rows: list[dict] = []
+    seen = 0
+    first = None
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            seen += 1
+            first = first if first is not None else line
+            try:
+                value = json.loads(line)
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                rows.append(value)
+            if seen >= SAMPLE_ROWS:
+                break
+    if seen and not rows:
+        text = first.decode("utf-8", "replace").strip()
+        what = "a JSON array or pretty-printed JSON, not one object per line" if text[:1] in "[{" else "not JSON Lines"
+        return [
+            f"{where}.path: none of the first {seen} non-empty lines of '{path}' is a JSON object: {what} "
+            f"(first line: {text[:80]!r})"
+        ], [], None
+    size = os.path.getsize(path)
+    count = None
+    if size <= COUNT_JSONL_MAX_BYTES:  # newlines (+1 for a last line without one): at least the rows
+        with open(path, "rb") as f:
+            data = f.read()
+        count = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    return [], rows, count
+
+
+def _parquet_paths(path: str) -> list[str]:
+    from mirageflow.data.readers import _parquet_files
+
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        return _parquet_files(path)
+    return sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+
+
+def _inspect_parquet(path: str, where: str) -> tuple[list[str], list[dict], int | None]:
+    files = _parquet_paths(path)
+    if not files and os.path.isdir(path):
+        jsonl = sorted(glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
+        if jsonl:
+            return [f"{where}.type: directory '{path}' has no .parquet files but JSONL files ({jsonl[0]}, ...): set type: JSONL with one file each"], [], None
+        return [f"{where}.path: directory '{path}' holds no .parquet files"], [], None
+    problems = []
+    for f in files[:MAX_FILES_SNIFFED]:
+        head = _head(f, 4)
+        if head is None or head.startswith(PARQUET_MAGIC) or not head:
+            continue
+        if head.startswith(GZIP_MAGIC):
+            why = "is gzip-compressed, not Parquet"
+        elif head.lstrip()[:1] in (b"{", b"["):
+            why = "is JSON text, not Parquet (it does not start with PAR1): set type: JSONL"
+        else:
+            why = f"is not a Parquet file (it starts with {head!r}, not PAR1)"
+        problems.append(f"{where}.type: '{f}' {why}")
+        break
+    if problems or not files:
+        return problems, [], None
+    import pyarrow.parquet as pq
+
+    from mirageflow.data.readers import _arrow_rows
+
+    pf = pq.ParquetFile(files[0])
+    rows = []
+    for batch in pf.iter_batches(batch_size=SAMPLE_ROWS):
+        import pyarrow as pa
+
+        rows = [r for r in _arrow_rows(pa.Table.from_batches([batch]), files[0], 0) if isinstance(r, dict)]
+        break
+    count = None
+    if len(files) <= MAX_FILES_SNIFFED:
+        count = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    return [], rows, count
+
+
+def _inspect_loadable(ds, where: str) -> tuple[list[str], list[dict], int | None]:
+    """A save_to_disk directory, read with pyarrow (no `datasets` import: it costs seconds)."""
+    root = Path(ds.path)
+    split_dir = root
+    if (root / "dataset_dict.json").exists():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        if ds.split is None and len(splits) != 1:
+            return [f"{where}.split: '{ds.path}' holds splits {splits}; set one"], [], None
+        if ds.split is not None and ds.split not in splits:
+            return [f"{where}.split: '{ds.path}' has no split '{ds.split}' (has {splits})"], [], None
+        split_dir = root / (ds.split if ds.split is not None else splits[0])
+    state = json.loads((split_dir / "state.json").read_text())
+    files = [split_dir / f["filename"] for f in state.get("_data_files", [])]
+    if not files or len(files) > MAX_FILES_SNIFFED:
+        return [], [], None
+    import pyarrow as pa
+
+    rows: list[dict] = []
+    count = 0
+    for f in files:
+        with pa.memory_map(str(f)) as source:
+            reader = pa.ipc.open_stream(source)
+            for batch in reader:
+                if len(rows) < SAMPLE_ROWS:
+                    rows += batch.slice(0, SAMPLE_ROWS - len(rows)).to_pylist()
+                count += batch.num_rows
+    if state.get("_indices_data_files"):  # a filtered/shuffled view: rows differ from the files'
+        return [], [], None
+    return [], rows, count
+
+
+def _indexed_rows(cfg: PipelineConfig, ds) -> int | None:
+    """The row count from this dataset's index, when it exists for this path (built by the index rule)."""
+    try:
+        header = json.loads((Path(cfg.state_dir) / "datasets" / f"dataset_{ds.index}.index.json").read_text())
+        if header.get("path") == ds.path and isinstance(header.get("rows"), int):
+            return header["rows"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def _key_paths(value: Any, prefix: str = "", depth: int = 3) -> list[str]:
+    out = []
+    if isinstance(value, dict) and depth:
+        for k, v in value.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            out.append(path)
+            out += _key_paths(v, path, depth - 1)
+    return out
+
+
+def _key_problems(cfg: PipelineConfig, ds, sample: list[dict]) -> list[str]:
+    from mirageflow.prompts import compile_jmespath
+
+    problems = []
+    for j, var in enumerate(cfg.inputs):
+        if var.has_default or var.optional:
+            continue
+        try:
+            expr = compile_jmespath(var.key)
+        except ValueError:
+            continue  # load_config reported it
+        errors = []
+        for row in sample:
+            try:
+                if expr.search(row) is not None:
+                    break
+            except Exception as e:  # noqa: BLE001 - a JMESPath function on the wrong type
+                errors.append(f"{type(e).__name__}: {e}")
+        else:
+            shown = json.dumps(sample[0], ensure_ascii=False, default=str)
+            shown = shown if len(shown) <= 300 else shown[:300] + "..."
+            keys = _key_paths(sample[0])
+            hint = difflib.get_close_matches(var.key, keys, n=1)
+            problems.append(
+                f"processing_params.inputs[{j}].key: '{var.key}' (input '{var.name}') matches nothing in the first "
+                f"{len(sample)} rows of loading_params.datasets[{ds.index}] ('{ds.path}')"
+                + (f": {errors[0]}" if errors else "")
+                + (f" (did you mean '{hint[0]}'?)" if hint else "")
+                + f"; row 0 is {shown}. Fix the key, or set default: (a value for rows without it) or optional: true"
+            )
+    return problems
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _hub_cache(cfg: PipelineConfig, environ: Mapping[str, str]) -> Path:
+    hf_home = cfg.raw["execution_params"].get("hf_home")
+    if hf_home:
+        return Path(os.path.expanduser(hf_home)) / "hub"
+    if environ.get("HF_HUB_CACHE"):
+        return Path(environ["HF_HUB_CACHE"])
+    return Path(os.path.expanduser(environ.get("HF_HOME") or "~/.cache/huggingface")) / "hub"
+
+
+def _cached_model(cache: Path, model_id: str) -> Path | None:
+    """The newest snapshot of ``org/name`` in the Hugging Face cache that has a config.json."""
+    snaps = sorted(
+        (cache / f"models--{model_id.replace('/', '--')}" / "snapshots").glob("*/config.json"),
+        key=lambda p: p.stat().st_mtime,
+    )
+    return snaps[-1].parent if snaps else None
+
+
+def model_context(model_dir: Path) -> tuple[int, str] | None:
+    """(context length, where it was read) from a model directory's config.json, or None."""
+    try:
+        data = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for scope in (data, data.get("text_config") or {}, data.get("llm_config") or {}):
+        if not isinstance(scope, dict):
+            continue
+        for key in CONTEXT_KEYS:
+            value = scope.get(key)
+            if isinstance(value, int) and value > 0:
+                return value, f"{key} in {model_dir / 'config.json'}"
+    return None
+
+
+def _processor_problems(cfg, i: int, proc: dict, environ: Mapping[str, str], built_models: tuple[str, ...]) -> list[str]:
+    where = f"processors[{i}]"
+    problems = []
+    if proc["backend"] == "openai":
+        name = proc.get("api_key_env")
+        if name and not environ.get(name):
+            problems.append(
+                f"{where}.api_key_env: environment variable ${name} is not set (or empty) here; the jobs inherit this "
+                f"environment: export {name}=... before starting the run"
+            )
+        return problems  # model_path is a name the server knows, not a local directory
+    args = proc["server_args"]
+    path = os.path.expanduser(args["model_path"])
+    model_dir: Path | None = None
+    if os.path.normpath(path) in {os.path.normpath(m) for m in built_models}:
+        model_dir = Path(path) if (Path(path) / "config.json").is_file() else None  # built by a rule otherwise
+    elif os.path.isdir(path):
+        if not (Path(path) / "config.json").is_file():
+            problems.append(
+                f"{where}.server_args.model_path: directory '{path}' holds no model (no config.json); "
+                "point it at a Hugging Face model directory (config.json, tokenizer and weights)"
+            )
+        else:
+            model_dir = Path(path)
+    elif os.path.exists(path):
+        problems.append(f"{where}.server_args.model_path: '{path}' is a file, not a model directory")
+    elif _HUB_ID.match(args["model_path"]) and not args["model_path"].startswith("."):
+        cache = _hub_cache(cfg, environ)
+        model_dir = _cached_model(cache, args["model_path"])
+        if model_dir is None:
+            problems.append(
+                f"{where}.server_args.model_path: '{args['model_path']}' is not a directory, and this Hugging Face model "
+                f"id is not in the local cache ({cache}). No hub is reachable from the jobs and nothing is downloaded "
+                "(the schema: models are local): download it where a hub is reachable (huggingface-cli download "
+                f"{args['model_path']} --local-dir DIR), then set model_path to DIR"
+            )
+    else:
+        problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
+    problems += _context_problems(cfg, i, proc, model_dir)
+    return problems
+
+
+def _context_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[str]:
+    args = proc["server_args"]
+    given = (args.get("extra_engine_args") or {}).get("context_length") or args.get("context_length")
+    if isinstance(given, int) and given > 0:
+        context, source = given, f"processors[{i}].server_args.extra_engine_args.context_length"
+    else:
+        found = model_context(model_dir) if model_dir is not None else None
+        if found is None:
+            return []
+        context, source = found
+    default = proc["default_sampling_params"].get("max_new_tokens")
+    checks = [(f"processors[{i}].default_sampling_params.max_new_tokens", default if default is not None else DEFAULT_MAX_NEW_TOKENS, default is None)]
+    for j, out in enumerate(cfg.raw["processing_params"]["outputs"]):
+        value = (out.get("sampling_params") or {}).get("max_new_tokens")
+        if value is not None and out.get("type", "llm") == proc["type"]:
+            checks.append((f"processing_params.outputs[{j}].sampling_params.max_new_tokens", value, False))
+    problems = []
+    for where, value, implicit in checks:
+        if value >= context:
+            problems.append(
+                f"{where}: {value}{' (the default)' if implicit else ''} is not below the model's context of {context} "
+                f"tokens ({source}): no room is left for the prompt, every row would fail; use at most {context - 1} "
+                "minus the longest prompt"
+            )
+    return problems
+
+
+# --------------------------------------------------------------------------- output_dir owners
+
+
+def _owner_problems(cfg: PipelineConfig) -> list[str]:
+    from mirageflow import pipeline_state
+
+    try:
+        pipeline_state.check_output_owners(cfg)
+    except pipeline_state.OwnershipError as e:
+        return str(e).splitlines()
+    return []
