@@ -149,3 +149,15 @@ def test_stats_add_up_over_attempts(tmp_path):
     assert st["rows_processed"] + st["rows_failed"] == 8
     assert st["tokens_per_sec"] is not None
     assert st["output_tokens_per_row_hist"]["rows"] == st["rows_computed"]
+
+
+def test_secrets_in_an_engine_error_are_not_written_to_failure_json(tmp_path):
+    cfg = _setup(tmp_path, [{"q": "r0"}], PLAIN)
+
+    def answer(prompt):
+        raise ConnectionError("cannot reach http://user:hunter2@node:30000/v1 (--api-key=sk-secret)")
+
+    with pytest.raises(ShardFailed):
+        run_shard(cfg, 0, engine_factory=_engine(answer))
+    text = (cfg.shard_dir(0) / "failure.json").read_text() + (cfg.shard_dir(0) / "checkpoint.json").read_text()
+    assert "hunter2" not in text and "sk-secret" not in text and "user:***@node" in text

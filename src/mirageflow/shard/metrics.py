@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mirageflow import gpu, stats
 from mirageflow.data.writers import atomic_write_json
+from mirageflow.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class ShardMetrics:
             "started_at": self.started_at,
             "finished_at": None if outcome == "running" else stats.utc_now(),
             "outcome": outcome,
-            "error": error,
+            "error": redact_text(error),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),

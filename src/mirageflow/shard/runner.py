@@ -40,6 +40,7 @@ from mirageflow.data.writers import atomic_write_json
 from mirageflow.engines.base import Engine, create_engine
 from mirageflow.progress import ProgressReporter
 from mirageflow.prompts import Extractor, RecordRenderer, RowError
+from mirageflow.redact import redact_text
 from mirageflow.shard.accounting import check_accounting
 from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
@@ -371,9 +372,9 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
             **base,
             "status": "failed",
             "finished_at": stats.utc_now(),
-            "error": f"{type(e).__name__}: {e}",
+            "error": redact_text(f"{type(e).__name__}: {e}"),
             "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
-            "traceback": traceback.format_exc(),
+            "traceback": redact_text(traceback.format_exc()),
             "hardware": runner.metrics.hardware(),
             "stats": runner.stats(),
         }
