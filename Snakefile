@@ -22,6 +22,24 @@ include: "workflow/rules/shards.smk"
 include: "workflow/rules/report.smk"
 
 
+# What the driver prints: live progress while shards run, a summary when the run ends
+# (mirageflow/terminal.py). Snakemake runs these hooks in the driver only, never in a dry
+# run; each calls one function.
+from mirageflow import terminal
+
+
+onstart:
+    terminal.on_start(PIPELINE, workflow)
+
+
+onsuccess:
+    terminal.on_success(PIPELINE, workflow)
+
+
+onerror:
+    terminal.on_error(PIPELINE, workflow)
+
+
 rule all:
     default_target: True
     input:

@@ -271,3 +271,82 @@ def test_console_script_is_declared():
     assert scripts == {"mmirage": "mirageflow.cli:main"}
     help_text = subprocess.run([sys.executable, "-m", "mirageflow.cli", "--help"], capture_output=True, text=True).stdout
     assert "exit codes:" in help_text and "3  incomplete" in help_text
+
+
+# --------------------------------------------------------------------------- what status and retry say (issue 15)
+
+
+def test_status_of_a_cpu_run_shows_no_gpu_hours(finished):
+    root, _ = finished
+    out = mmirage(root, "status", "--config", "pipeline.yaml").stdout
+    assert "GPU-hours" not in out and "(CPU run)" in out
+    assert f"state_dir {(root / 'state').resolve()}: 1 shards" in out
+
+
+def test_status_of_a_gpu_run_shows_gpu_hours(half):
+    out = mmirage(half, "status", "--config", "pipeline.yaml").stdout
+    assert "GPU-hours remaining 0.46" in out and "CPU run" not in out
+
+
+def test_status_from_another_directory_says_the_state_dir_does_not_exist(half, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for command in ("status", "stats"):
+        proc = mmirage(elsewhere, command, "--config", str(half / "pipeline.yaml"))
+        assert proc.returncode == cli.EXIT_USAGE, proc.stdout + proc.stderr
+        assert f"state_dir {elsewhere / 'state'} does not exist" in proc.stderr
+        assert "relative to the directory mmirage runs in" in proc.stderr and "pending" not in proc.stdout + proc.stderr
+
+
+def test_status_prints_whole_errors_and_does_not_suggest_a_retry_that_would_fail_the_same_way(half):
+    long_path = "state/" + "x" * 300 + "/errors.jsonl"
+    atomic_write_json(half / "state/shard_1/failure.json", {
+        "shard_id": 1, "status": "failed", "attempt": 1, "signal": None,
+        "error": f"ShardFailed: every row of shard 1: 2 of 2 rows failed (template_error: 2); see {long_path}",
+        "stats": {"rows_processed": 0, "rows_failed": 2, "rows_failed_by_class": {"template_error": 2}},
+    })  # fmt: skip
+    proc = mmirage(half, "status", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_FAILED
+    out = proc.stdout
+    assert long_path in out  # not cut off
+    assert "shard 1: every failed row failed with template_error" in out and "a retry would fail the same way" in out
+    assert "mmirage retry" not in out
+    summary = json.loads(mmirage(half, "status", "--config", "pipeline.yaml", "--json").stdout)
+    assert summary["failures_repeat"] == {"1": "template_error"} and summary["shards"][1]["repeats_identically"] == "template_error"
+    # a failure a retry can fix still gets the suggestion
+    atomic_write_json(half / "state/shard_3/failure.json", {"shard_id": 3, "status": "failed", "error": "EngineFailed: lost the server", "signal": None})
+    out = mmirage(half, "status", "--config", "pipeline.yaml").stdout
+    assert "retry the failed shards (the others) with: mmirage retry --config pipeline.yaml" in out
+
+
+def test_retry_exits_non_zero_when_shards_are_still_failed(half, monkeypatch, capsys):
+    monkeypatch.chdir(half)
+    ran = []
+    monkeypatch.setattr(cli, "_run", lambda cmd: ran.append(cmd) or cli.EXIT_OK)  # Snakemake "succeeded" but left shard 1 failed
+    assert cli.main(["retry", "--config", "pipeline.yaml"]) == cli.EXIT_FAILED
+    assert "shard(s) [1] still failed after the retry" in capsys.readouterr().err
+    assert cli.main(["retry", "--config", "pipeline.yaml", "--", "--dry-run"]) == cli.EXIT_OK  # a dry run changes nothing
+    (half / "state/shard_1/failure.json").unlink()
+    assert cli.main(["retry", "--config", "pipeline.yaml"]) == cli.EXIT_OK
+    assert len(ran) == 3
+
+
+def test_retry_warns_when_a_failure_will_repeat(half, monkeypatch, capsys):
+    monkeypatch.chdir(half)
+    monkeypatch.setattr(cli, "_run", lambda cmd: cli.EXIT_OK)
+    atomic_write_json(half / "state/shard_1/failure.json", {
+        "shard_id": 1, "status": "failed", "signal": None, "error": "ShardFailed: every row of shard 1: 2 of 2 rows failed (missing_variable: 2)",
+        "stats": {"rows_processed": 0, "rows_failed": 2, "rows_failed_by_class": {"missing_variable": 2}},
+    })  # fmt: skip
+    cli.main(["retry", "--config", "pipeline.yaml"])
+    assert "shard 1: every failed row failed with missing_variable" in capsys.readouterr().err
+
+
+def test_a_snakemake_flag_without_the_separator_gets_a_hint(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_run", lambda cmd: pytest.fail("nothing may run"))
+    assert cli.main(["run", "--config", "my.yaml", "--dry-run", "-p"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --dry-run -p" in err and "mmirage run --config my.yaml -- --dry-run -p" in err
+    assert cli.main(["status", "--config", "my.yaml", "--bogus"]) == cli.EXIT_USAGE
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -173,3 +173,38 @@ def test_runner_marks_progress_failed(tmp_path):
     with pytest.raises(ShardFailed):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "not json"))
     assert json.loads((cfg.shard_dir(0) / "progress.json").read_text())["phase"] == "failed"
+
+
+# --------------------------------------------------------------------------- history (report.html's throughput over time)
+
+
+def test_history_keeps_the_whole_attempt_in_a_bounded_number_of_samples():
+    from mirageflow.progress import History
+
+    h = History(limit=20)
+    for i in range(5000):
+        h.add(i * 5.0, i, 10 * i)
+        assert len(h.samples) <= 21
+    t = [s[0] for s in h.samples]
+    assert t[0] == 0.0 and t[-1] == 4999 * 5.0  # from the start to the newest write
+    assert t == sorted(t) and len(set(t)) == len(t)
+    assert len(h.samples) >= 10
+    gaps = [b - a for a, b in zip(t, t[1:-1])]
+    assert max(gaps) == min(gaps)  # evenly thinned (the newest sample aside)
+    assert all(s[1] * 10 == s[2] for s in h.samples)
+
+
+def test_progress_json_has_a_history_of_rows_and_tokens(tmp_path):
+    clock = Clock()
+    snap = {"rows_done": 0, "output_tokens": 0}
+    rep = ProgressReporter(tmp_path / "progress.json", 0, 100, lambda: dict(snap), clock=clock)
+    rep.set_phase("generating")
+    for i in range(1, 4):
+        clock.now = 5.0 * i
+        snap.update(rows_done=10 * i, output_tokens=100 * i)
+        rep.write()
+    state, why = read_progress(tmp_path / "progress.json")
+    assert why is None
+    assert state["history"][-3:] == [[5.0, 10, 100], [10.0, 20, 200], [15.0, 30, 300]]
+    assert check_progress({**state, "history": [[1, 2]]}) == "history is not a list of [seconds, rows, tokens] samples"
+    assert check_progress({**state, "history": "x"}) is not None

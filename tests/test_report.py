@@ -239,3 +239,110 @@ def test_report_files_follow_the_umask(tmp_path):
         os.umask(old)
     for name in ("metrics.json", "summary.md", "report.html"):
         assert stat.S_IMODE((state / name).stat().st_mode) == 0o644, name
+
+
+# --------------------------------------------------------------------------- issue 15: histogram, throughput, examples, table
+
+
+def test_tokens_per_row_bins_have_one_width_and_keep_every_row():
+    from mirageflow.report_html import equal_width_bins
+
+    hist = stats.TokenHistogram()
+    rng = random.Random(3)
+    values = [int(rng.lognormvariate(4.5, 0.8)) for _ in range(3000)] + [0, 1, 7, 15, 16, 17]
+    for v in values:
+        hist.add(v)
+    h = hist.to_json()
+    width, bins = equal_width_bins(h)
+    assert {hi - lo for lo, hi, _ in bins} == {width} and width & (width - 1) == 0  # one width, a power of two
+    assert all(b[1] == c[0] for b, c in zip(bins, bins[1:]))  # contiguous
+    assert sum(n for _, _, n in bins) == len(values)
+    for lo, hi, n in bins:  # exact: every value counted in the bin that holds it
+        assert n == sum(1 for v in values if lo <= v < hi)
+    assert len(bins) <= 64
+    small = stats.TokenHistogram()
+    for v in (3, 3, 5, 9):
+        small.add(v)
+    assert equal_width_bins(small.to_json()) == (1, [(3, 4, 2), (4, 5, 0), (5, 6, 1), (6, 7, 0), (7, 8, 0), (8, 9, 0), (9, 10, 1)])
+
+
+def test_row_token_limit_from_the_records_identity(tmp_path):
+    from mirageflow.report_html import load_identity, row_token_limit
+
+    identity = {
+        "processors": [{"default_sampling_params": {"max_new_tokens": 256}}],
+        "processing_params": {"outputs": [{"name": "a", "sampling_params": {}}, {"name": "b", "sampling_params": {"max_new_tokens": 64}}]},
+    }
+    atomic_write_json(tmp_path / "records.fingerprint", {"sha256": "x", "identity": identity})
+    assert row_token_limit(load_identity(tmp_path)) == 256 + 64
+    assert row_token_limit(None) is None and load_identity(tmp_path / "nowhere") is None
+
+
+def _with_progress_and_records(state: Path, num_shards: int = 6) -> None:
+    for shard in range(num_shards - 1):
+        history = [[5.0 * i, 4 * i if i != 6 else 20, 400 * i if i != 6 else 2000] for i in range(12)]  # a stall at i=6
+        atomic_write_json(state / f"shard_{shard}" / "progress.json", {
+            "shard_id": shard, "phase": "done", "started_at": f"2025-03-01T10:{shard:02d}:00+00:00", "history": history,
+        })  # fmt: skip
+    out = state.parent / "out" / "shard_0"
+    out.mkdir(parents=True)
+    (out / "part-00000.jsonl").write_text("".join(json.dumps({"q": f"question {i}", "a": f"answer <{i}>", "source_index": i}) + "\n" for i in range(5)))
+    atomic_write_json(state / "shard_0" / "checkpoint.json", {
+        "format": 2, "datasets": {"0": {"out_dir": str(out), "fmt": "jsonl", "parts": [{"name": "part-00000.jsonl"}]}},
+    })  # fmt: skip
+    (state / "shard_2" / "errors.jsonl").write_text(
+        "".join(json.dumps({"dataset": 0, "source_index": 40 + i, "stage": "output", "error": "json_parse",
+                            "message": f"output 'card': answer is not valid JSON #{i}", "raw": "{oops"}) + "\n" for i in range(8))
+    )  # fmt: skip
+    atomic_write_json(state / "records.fingerprint", {"identity": {"processors": [{"default_sampling_params": {"max_new_tokens": 512}}],
+                                                                  "processing_params": {"outputs": [{"name": "card"}]}}})  # fmt: skip
+
+
+def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
+    state = make_state(tmp_path)
+    _with_progress_and_records(state)
+    report.write_report(state, 6)
+    page = (state / "report.html").read_text()
+    assert len(_images(page)) == 5  # + throughput over time
+    assert 'alt="rows/s and tokens/s per shard over time"' in page
+    assert "<h2>Example records</h2>" in page and "answer &lt;0&gt;" in page and "answer &lt;2&gt;" in page
+    assert "answer &lt;3&gt;" not in page  # a few, not all
+    assert "<h2>Failed rows (examples)</h2>" in page and "answer is not valid JSON #0" in page and "JSON #4" in page and "JSON #5" not in page
+    assert "{oops" in page
+
+
+def test_throughput_series_are_rates_between_samples_on_a_common_clock():
+    from mirageflow.report_html import throughput_series
+
+    series = throughput_series([
+        {"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": [[0, 0, 0], [10, 20, 1000], [20, 20, 1000]]},
+        {"shard_id": 1, "started_at": "2025-03-01T10:01:00+00:00", "history": [[0, 0, 0], [30, 30, 600]]},
+    ])  # fmt: skip
+    (s0, x0, r0, k0), (s1, x1, r1, k1) = series
+    assert (s0, x0, r0, k0) == (0, [0, 10 / 60, 10 / 60, 20 / 60], [2.0, 2.0, 0.0, 0.0], [100.0, 100.0, 0.0, 0.0])
+    assert (s1, x1, r1, k1) == (1, [1.0, 1.5], [1.0, 1.0], [20.0, 20.0])
+
+
+def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
+    from mirageflow.report_html import metrics_table_rows
+
+    state = make_state(tmp_path)
+    metrics = report.write_report(state, 6)
+    agg = metrics["aggregate"]
+    assert "wall_clock_runtime_human" in agg and "total_rows_processed" in agg  # metrics.json keeps the seed's keys
+    rows = {key: (label, value) for label, key, value in metrics_table_rows(agg)}
+    assert not any(k.endswith("_human") for k in rows)
+    assert rows["wall_clock_runtime_seconds"][1] == f"{report._fmt(agg['wall_clock_runtime_seconds'])} s ({agg['wall_clock_runtime_human']})"
+    assert rows["total_rows_processed"][0] == "rows ok (completed shards)"
+    assert rows["total_rows_failed"][0].startswith("rows failed")
+    page = (state / "report.html").read_text()
+    assert "<code>wall_clock_runtime_human</code>" not in page and "rows ok (completed shards)" in page
+    assert "rows processed" not in page
+    summary = (state / "summary.md").read_text()
+    assert "`wall_clock_runtime_human`" not in summary and "| `total_rows_processed` | 2,500 | rows ok |" in summary
+
+
+def test_a_cpu_runs_remaining_gpu_hours_are_unknown_not_zero():
+    statuses = [{"shard_id": 0, "stats": {"num_gpus": 0, "runtime_seconds": 60.0}}]
+    assert report.gpu_hours_remaining(statuses, [], 2) is None
+    assert report.gpu_hours_remaining(statuses, [], 1) == 0.0  # nothing left

@@ -125,6 +125,8 @@ def retry_plan(cfg, failed_rows: bool) -> dict:
 
 
 def cmd_retry(args) -> int:
+    from mirageflow.report import shard_states
+
     cfg = _load(args.config)
     plan = retry_plan(cfg, args.failed_rows)
     if plan["running"]:
@@ -149,17 +151,40 @@ def cmd_retry(args) -> int:
         + (f" and the failed rows of {len(plan['with_failed_rows'])} done shard(s) {plan['with_failed_rows'][:20]}" if args.failed_rows else ""),
         file=sys.stderr,
     )  # fmt: skip
+    from mirageflow.terminal import repeats_identically
+
+    for s in shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds):
+        cls = s["state"] == "failed" and repeats_identically((s.get("failure") or {}).get("stats"), str(s.get("error") or ""))
+        if cls and not args.failed_rows:
+            print(
+                f"mmirage: WARNING: shard {s['shard_id']}: every failed row failed with {cls}, which depends on the config, "
+                "prompt or data: this retry will fail the same way unless the config changed",
+                file=sys.stderr,
+            )
     profile = (Path(args.profile) if args.profile else workflow_dir() / "profiles" / "slurm") if args.submit else None
     cores = None if args.submit else args.cores
-    return _run(
+    rc = _run(
         snakemake_command(args.config, stats=args.stats, cores=cores, profile=profile, config_values=values, flags=flags, extra=args.extra)
     )
+    if rc == EXIT_OK and not _dry_run(args.extra):
+        still = [s["shard_id"] for s in shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds) if s["state"] == "failed"]
+        if still:
+            print(f"mmirage retry: shard(s) {still[:20]}{' ...' if len(still) > 20 else ''} still failed after the retry", file=sys.stderr)
+            return EXIT_FAILED
+    return rc
+
+
+def _dry_run(extra: list[str]) -> bool:
+    return any(a in ("-n", "--dry-run", "--dryrun") or (a.startswith("-") and not a.startswith("--") and "n" in a[1:] and a[1:].isalpha()) for a in extra)
 
 
 def cmd_stats(args) -> int:
     from mirageflow.report import compute_metrics
 
     cfg = _load(args.config, check_paths=False)
+    missing = _missing_state_dir(cfg, args.config)
+    if missing:
+        raise UsageError(missing)
     metrics = compute_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
     if args.html:
         from mirageflow.data.writers import atomic_write_text
@@ -207,8 +232,22 @@ def status_summary(cfg) -> dict:
         parallel = max(1, counts["running"])
         eta = (sum(running_left) + todo * (mean_runtime or 0)) / parallel
     statuses = [s["status"] for s in states if s["state"] == "done"]
+    from mirageflow.terminal import repeats_identically
+
+    repeats = {
+        s["shard_id"]: cls
+        for s in states
+        if s["state"] == "failed" and (cls := repeats_identically((s.get("failure") or {}).get("stats"), str(s.get("error") or "")))
+    }
+    gpus = [s["status"]["stats"].get("num_gpus") for s in states if s["state"] == "done"]
+    gpus += [(s.get("progress") or {}).get("num_gpus") for s in states if s["state"] != "done"]
+    known_gpus = [g for g in gpus if isinstance(g, (int, float))]
     return {
         "state_dir": cfg.state_dir,
+        "state_dir_abs": str(Path(cfg.state_dir).resolve()),
+        "state_dir_exists": Path(cfg.state_dir).is_dir(),
+        "cpu_only": bool(known_gpus) and not any(known_gpus),
+        "failures_repeat": repeats,
         "total_shards": cfg.num_shards,
         **counts,
         "eta_seconds": eta,
@@ -217,6 +256,7 @@ def status_summary(cfg) -> dict:
         "shards": [
             {k: v for k, v in s.items() if k not in ("status", "failure")}
             | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"]} if s["state"] == "done" else {})
+            | ({"repeats_identically": repeats[s["shard_id"]]} if s["shard_id"] in repeats else {})
             for s in states
         ],
     }
@@ -236,7 +276,7 @@ def _status_line(s: dict) -> str:
         )
     elif s["state"] == "failed":
         first = next(iter(str(s.get("error") or "no error recorded").splitlines()), "")
-        detail = first[:240] + (f" [{s['signal']}]" if s.get("signal") else "")
+        detail = first + (f" [{s['signal']}]" if s.get("signal") else "")  # whole: it ends with the paths to look at
     elif s["state"] == "done":
         detail = f"{_fmt(s.get('runtime_seconds'))} s"
     where = " ".join(x for x in (s.get("host") or p.get("hostname") or "", f"job {s['slurm_job_id']}" if s.get("slurm_job_id") else "") if x)
@@ -252,27 +292,52 @@ def _warn_damaged(shards: list[dict]) -> None:
             print(f"mmirage: WARNING: {damaged_note(x['path'], x['reason'])}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}", file=sys.stderr)
 
 
+def _missing_state_dir(cfg, config: str) -> str | None:
+    """Why there is nothing to read: the state_dir does not exist (a relative one is relative to the current directory)."""
+    path = Path(cfg.state_dir)
+    if path.is_dir():
+        return None
+    where = f"state_dir {path.resolve()} does not exist"
+    if not path.is_absolute():
+        where += (
+            f" (the config's state_dir '{cfg.state_dir}' is relative to the directory mmirage runs in, {Path.cwd()}; "
+            "run mmirage from the directory the pipeline was started in)"
+        )
+    return where + f"; nothing has run yet for {config}, or it ran elsewhere"
+
+
 def cmd_status(args) -> int:
     cfg = _load(args.config, check_paths=False)
+    missing = _missing_state_dir(cfg, args.config)
+    if missing:
+        raise UsageError(missing)
     summary = status_summary(cfg)
     _warn_damaged(summary["shards"])
     if args.json:
         json.dump(summary, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
-        print(f"state_dir {summary['state_dir']}: {summary['total_shards']} shards")
+        print(f"state_dir {summary['state_dir_abs']}: {summary['total_shards']} shards")
         hours = summary["gpu_hours_remaining_estimate"]
+        gpu_hours = "" if summary["cpu_only"] else f"; GPU-hours remaining {'n/a' if hours is None else f'{hours:.2f}'}"
         print(
             f"done {summary['done']}, running {summary['running']}, failed {summary['failed']}, pending {summary['pending']}; "
-            f"ETA {summary['eta_human'] or 'n/a'} (rough); GPU-hours remaining {'n/a' if hours is None else f'{hours:.2f}'}"
+            f"ETA {summary['eta_human'] or 'n/a'} (rough){gpu_hours}" + (" (CPU run)" if summary["cpu_only"] else "")
         )
         shown = [s for s in summary["shards"] if args.all or s["state"] != "done"]
         if shown:
             print(f"{'shard':>6}  {'state':<8} {'rows':>13}  detail")
             for s in shown:
                 print(_status_line(s))
-        if summary["failed"]:
-            print("retry the failed shards with: mmirage retry --config " + shlex.quote(args.config))
+        repeats = summary["failures_repeat"]
+        for shard_id, cls in repeats.items():
+            print(
+                f"shard {shard_id}: every failed row failed with {cls}, which depends on the config, prompt or data: a retry "
+                "would fail the same way; fix the config or prompt (try it with mmirage preview) and run again"
+            )
+        if summary["failed"] > len(repeats):
+            others = "" if not repeats else " (the others)"
+            print(f"retry the failed shards{others} with: mmirage retry --config " + shlex.quote(args.config))
     if summary["failed"]:
         return EXIT_FAILED
     if summary["done"] < summary["total_shards"]:
@@ -296,8 +361,37 @@ def cmd_merge(args) -> int:
     return _run(snakemake_command(args.config, cores="1", targets=targets, flags=flags, extra=args.extra))
 
 
-def cmd_check(args) -> int:
+def cmd_preview(args) -> int:
+    """The first rows of each dataset through the pipeline: variables, prompts, records (and answers with --generate)."""
+    from mirageflow.preview import preview, print_preview
+
     cfg = _load(args.config)
+    if args.rows < 1:
+        raise UsageError("--rows must be at least 1")
+    try:
+        result = preview(cfg, rows=args.rows, generate=args.generate)
+    except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or engine that cannot load
+        print(f"mmirage preview: cannot load the engine: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, ensure_ascii=False, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_preview(result)
+    failed = any(r["error"] for ds in result["datasets"] for r in ds["rows"]) or any(ds["error"] for ds in result["datasets"])
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_check(args) -> int:
+    """The driver's validation (mirageflow.preflight.validate, as `snakemake -n` runs it): the
+    config, then the data and model files; exit 2 with every problem's key path."""
+    from mirageflow.config import ConfigError
+    from mirageflow.preflight import validate
+
+    try:
+        cfg = validate(args.config)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
     print(f"{args.config}: valid ({len(cfg.datasets)} dataset(s), {cfg.num_shards} shard(s), state_dir {cfg.state_dir})")
     return EXIT_OK
 
@@ -344,8 +438,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("merge", "merge every dataset's shard outputs (Snakemake's merge rule; needs every shard done)", cmd_merge)
 
+    p = command("preview", "try the prompts on the first rows of each dataset (variables, prompts, records; answers with --generate)", cmd_preview)
+    p.add_argument("--rows", type=int, default=3, metavar="N", help="rows per dataset (default 3)")
+    p.add_argument("--generate", action="store_true", help="load the configured engine and generate those rows (scratch dir; the pipeline's state and outputs are untouched)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
     command("check", "validate the config and exit", cmd_check)
     return parser
+
+
+SNAKEMAKE_COMMANDS = ("run", "submit", "retry", "merge")  # the commands that run Snakemake
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,11 +456,22 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [a for a in unknown if a.startswith("-")]
+        hint = ""
+        if flags and args.command in SNAKEMAKE_COMMANDS:
+            hint = (
+                f"; Snakemake options go after `--`: mmirage {args.command} --config {args.config or 'C'} -- "
+                + " ".join(shlex.quote(a) for a in unknown)
+            )
+        print(f"mmirage {args.command}: unrecognized arguments: {' '.join(unknown)}{hint}", file=sys.stderr)
+        return EXIT_USAGE
     args.extra = extra
     if not logging.getLogger().handlers:  # the report's warnings (damaged state files), one line each
         logging.basicConfig(level=logging.WARNING, format="mmirage: %(levelname)s: %(message)s")
-    if extra and args.command in ("stats", "status", "check"):
+    if extra and args.command in ("stats", "status", "check", "preview"):
         print(f"mmirage {args.command}: takes no Snakemake arguments (got {' '.join(extra)})", file=sys.stderr)
         return EXIT_USAGE
     try:

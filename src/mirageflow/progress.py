@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WINDOW = 180.0  # seconds of history behind the rates
+MAX_HISTORY = 240  # (t, rows, tokens) samples kept in progress.json; thinned by half when full
 
 
 # progress.json fields its readers (`mmirage status`, the report) compute with or print
@@ -56,7 +57,60 @@ def check_progress(state: dict) -> str | None:
             return f"{k} is {json.dumps(v, default=str)[:40]}, not a string"
     if state.get("slurm_job_id") is not None and not isinstance(state["slurm_job_id"], (str, int)):
         return "slurm_job_id is not a string"
+    history = state.get("history")
+    if history is not None and not (
+        isinstance(history, list)
+        and all(isinstance(h, list) and len(h) == 3 and all(_finite(x) for x in h) for h in history)
+    ):
+        return "history is not a list of [seconds, rows, tokens] samples"
     return None
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class History:
+    """A bounded record of (seconds since the start, rows done, output tokens) over the whole attempt.
+
+    One sample per progress write (every 5 s); when ``limit`` samples are held, every other
+    one is dropped (the first and the newest stay) and from then on only every other
+    write is kept, and so on: the samples always span the whole attempt, at most ``limit``
+    of them.
+    """
+
+    def __init__(self, limit: int = MAX_HISTORY):
+        self.limit = max(4, limit)
+        self.samples: list[list] = []  # kept samples (every stride-th write), then maybe the newest
+        self._stride = 1
+        self._n = 0
+        self._newest_only = False  # the last sample is there only as the newest one
+
+    def add(self, t: float, rows: int | None, tokens: int | None) -> None:
+        sample = [round(t, 1), int(rows or 0), int(tokens or 0)]
+        if self._newest_only:
+            self.samples.pop()
+        self._newest_only = self._n % self._stride != 0
+        self.samples.append(sample)
+        self._n += 1
+        kept = len(self.samples) - self._newest_only
+        if kept > self.limit:  # keep the writes at multiples of twice the stride
+            newest = self.samples[-1] if self._newest_only else None
+            self.samples = self.samples[:kept:2]
+            self._stride *= 2
+            if (self._n - 1) % self._stride != 0:  # the newest write is no longer a kept one
+                last = sample
+                if self.samples and self.samples[-1] is not last:
+                    self.samples.append(last)
+                    self._newest_only = True
+                else:
+                    self._newest_only = False
+            elif newest is not None:
+                self.samples.append(newest)
+
+    def to_json(self) -> list[list]:
+        return [list(s) for s in self.samples]
+
 
 
 def read_progress(path: str | os.PathLike) -> tuple[dict | None, str | None]:
@@ -123,6 +177,7 @@ class ProgressReporter:
         self.num_gpus = num_gpus
         self.clock = clock
         self.rates = RateWindow(window)
+        self.history = History()
         self.phase = "starting"
         self.started_at = stats.utc_now()
         self.t0 = clock()
@@ -174,6 +229,9 @@ class ProgressReporter:
                 self.rates.add(now, snap.get("rows_done", 0), snap.get("output_tokens") or 0)
             rows_per_sec, tokens_per_sec, covered = self.rates.rates()
             phase, phase_since = self.phase, self._phase_since
+            if snap is not None:
+                self.history.add(now - self.t0, snap.get("rows_done"), snap.get("output_tokens"))
+            history = self.history.to_json()
         snap = snap or {}
         done = snap.get("rows_done")
         total = self.rows_total
@@ -207,6 +265,8 @@ class ProgressReporter:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "attempt": self.attempt,
             "num_gpus": self.num_gpus,
+            # [seconds since started_at, rows done, output tokens]: the attempt's throughput over time (report.html)
+            "history": history,
         }
 
     def write(self) -> None:

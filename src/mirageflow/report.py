@@ -357,6 +357,8 @@ def gpu_hours_remaining(statuses: list[dict], states: list[dict] | None, num_sha
         if not guesses:
             return None
         mean = sum(guesses) / len(guesses)
+    if mean == 0:  # no shard holds a GPU (a CPU run): there are no GPU-hours to project
+        return None
     remaining = 0.0
     for shard_id in unfinished:
         st = by_id.get(shard_id, {})
@@ -493,6 +495,14 @@ _NOT_IN_TABLE = {
 }  # fmt: skip
 
 
+# the row counts' meaning, beside their keys (summary.md; report.html has its own labels)
+ROW_LABELS = {
+    "total_rows_processed": "rows ok",
+    "total_rows_failed": "rows failed",
+    "rows_processed_failed_shards": "rows ok in failed shards",
+}
+
+
 def scope_sentence(agg: dict) -> str:
     """Which shards the figures cover, in one sentence (summary.md and report.html)."""
     failed = agg.get("failed_shards") or []
@@ -526,8 +536,13 @@ def summary_markdown(metrics: dict) -> str:
         lines += ["## Damaged state files", ""]
         lines += [f"- {_cell(damaged_note(x['path'], x['reason']))}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}" for x in agg["damaged_state_files"]]
         lines.append("")
-    lines += ["| metric | value |", "|---|---|"]
-    lines += [f"| `{k}` | {_fmt(v)} |" for k, v in agg.items() if k not in _NOT_IN_TABLE]
+    lines += ["| metric | value | what |", "|---|---|---|"]
+    for k, v in agg.items():
+        if k in _NOT_IN_TABLE or (k.endswith("_human") and k[: -len("_human")] + "_seconds" in agg):
+            continue  # a *_human figure is shown beside its *_seconds twin
+        twin = k[: -len("_seconds")] + "_human" if k.endswith("_seconds") else None
+        shown = f"{_fmt(v)} s ({agg[twin]})" if twin in agg and _is_num(v) else _fmt(v)
+        lines.append(f"| `{k}` | {shown} | {ROW_LABELS.get(k, '')} |")
     if agg.get("rows_failed_by_class"):
         lines += ["", "Failed rows by error class (completed and failed shards): "
                   + ", ".join(f"{_cell(k)} {v:,}" for k, v in sorted(agg["rows_failed_by_class"].items(), key=lambda kv: -kv[1]))]  # fmt: skip

@@ -212,26 +212,230 @@ def plot_gpu_util(samples: list[dict]) -> str | None:
     return _png(fig)
 
 
-def plot_tokens_per_row(hist: dict | None) -> str | None:
+def load_identity(state_dir: str | Path) -> dict | None:
+    """What the run's records depend on (``<state_dir>/records.fingerprint``'s identity): model, sampling, outputs, datasets."""
+    data, why = read_state_file(Path(state_dir) / "records.fingerprint")
+    identity = (data or {}).get("identity")
+    return identity if isinstance(identity, dict) else None
+
+
+DEFAULT_MAX_NEW_TOKENS = 128  # the engines' default (SGLang's)
+
+
+def row_token_limit(identity: dict | None) -> int | None:
+    """The most output tokens a row can have: each LLM output's max_new_tokens, summed (None when unknown)."""
+    if not identity:
+        return None
+    try:
+        processors = identity.get("processors") or []
+        outputs = (identity.get("processing_params") or {}).get("outputs") or []
+        defaults = [(p.get("default_sampling_params") or {}).get("max_new_tokens") for p in processors]
+        total = 0
+        for o in outputs:
+            if o.get("type", "llm") != "llm":
+                continue
+            limit = (o.get("sampling_params") or {}).get("max_new_tokens")
+            if limit is None:
+                known = {d for d in defaults if d is not None}
+                limit = known.pop() if len(known) == 1 and len(defaults) == 1 else DEFAULT_MAX_NEW_TOKENS if not known else max(known)
+            total += int(limit)
+        return total or None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def equal_width_bins(hist: dict, max_bins: int = 64) -> tuple[int, list[tuple[int, int, int]]]:
+    """The histogram's buckets (exact below 16, then 8 per power of two) regrouped into bins of one width.
+
+    The width is a power of two at least as wide as the widest bucket, so every bucket
+    falls into exactly one bin: the counts stay exact. Returns (width, [(low, high, rows)]).
+    """
+    buckets = [(int(lo), int(hi), int(n)) for lo, hi, n in hist["buckets"] if n]
+    if not buckets:
+        return 1, []
+    top = max(hi for _, hi, _ in buckets)
+    width = 1
+    while width < max(hi - lo for lo, hi, _ in buckets) or top / width > max_bins:
+        width *= 2
+    counts: dict[int, int] = {}
+    for lo, _hi, n in buckets:
+        start = lo // width * width
+        counts[start] = counts.get(start, 0) + n
+    first, last = min(counts), max(counts)
+    return width, [(lo, lo + width, counts.get(lo, 0)) for lo in range(first, last + 1, width)]
+
+
+def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | None:
+    """Output tokens per row in equal-width bins, with the row's max_new_tokens marked."""
     if not hist or not hist.get("rows"):
         return None
+    width, bins = equal_width_bins(hist)
     fig = _figure(5.4, 3.4)
     ax = fig.subplots()
-    for low, high, n in hist["buckets"]:
-        ax.bar(low, n, width=high - low, align="edge", color="#3b6fb6", edgecolor="white", linewidth=0.5)
+    ax.bar([lo for lo, _, _ in bins], [n for _, _, n in bins], width=width, align="edge", color="#3b6fb6", edgecolor="white", linewidth=0.5)
     from matplotlib.ticker import MaxNLocator
 
-    if hist["max"] and hist["max"] > 64:
-        ax.set_xscale("symlog", linthresh=16)
-    else:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlim(max(0, (hist["min"] or 0) - 2), (hist["max"] or 0) + 3)
+    right = bins[-1][1] if bins else 1
+    if limit:
+        ax.axvline(limit, color="#b42318", ls="--", lw=1.2)
+        ax.text(limit, 0.98, f" max_new_tokens {limit:,}", color="#b42318", fontsize=8, va="top", ha="right" if limit >= right * 0.7 else "left",
+                transform=ax.get_xaxis_transform())  # fmt: skip
+        right = max(right, limit)
+    ax.set_xlim(0, right * 1.04 + 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("output tokens per row (all outputs of the row)")
+    ax.set_xlabel(f"output tokens per row (all outputs of the row; bins of {width})")
     ax.set_ylabel("rows")
     ax.set_title(f"tokens per row: {hist['rows']:,} rows, mean {hist['mean']:.1f}, max {hist['max']}")
     ax.grid(axis="y", alpha=0.3)
     return _png(fig)
+
+
+# --------------------------------------------------------------------------- throughput over time
+
+
+def load_histories(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
+    """Each shard's progress samples (progress.json ``history``: [seconds, rows, tokens]) with its start time."""
+    from mirageflow.progress import check_progress
+
+    out = []
+    for shard_id in shard_ids:
+        data, _why = read_state_file(Path(state_dir) / f"shard_{shard_id}" / "progress.json", check_progress)
+        if data and len(data.get("history") or []) >= 2:
+            out.append({"shard_id": shard_id, "started_at": data.get("started_at"), "history": data["history"]})
+    return out
+
+
+def throughput_series(histories: list[dict]) -> list[tuple[int, list[float], list[float], list[float]]]:
+    """(shard, minutes, rows/s, tokens/s) per shard, on a common clock (minutes since the first shard started);
+    each rate holds between two samples and is drawn as a step."""
+    starts = {}
+    for h in histories:
+        try:
+            starts[h["shard_id"]] = stats.parse_time(h["started_at"])
+        except (KeyError, TypeError, ValueError):
+            starts[h["shard_id"]] = None
+    known = [t for t in starts.values() if t is not None]
+    origin = min(known) if known else None
+    out = []
+    for h in histories:
+        offset = (starts[h["shard_id"]] - origin).total_seconds() if origin and starts[h["shard_id"]] else 0.0
+        xs, rows, tokens = [], [], []
+        for (t0, r0, k0), (t1, r1, k1) in zip(h["history"], h["history"][1:]):
+            if t1 <= t0:
+                continue
+            xs += [(offset + t0) / 60, (offset + t1) / 60]
+            rows += [max(0.0, (r1 - r0) / (t1 - t0))] * 2
+            tokens += [max(0.0, (k1 - k0) / (t1 - t0))] * 2
+        if xs:
+            out.append((h["shard_id"], xs, rows, tokens))
+    return out
+
+
+def plot_throughput(histories: list[dict]) -> str | None:
+    """Rows/s and output tokens/s over time, one line per shard (from the shards' progress samples)."""
+    series = throughput_series(histories)
+    if not series:
+        return None
+    fig = _figure(11, 3.4)
+    ax1, ax2 = fig.subplots(1, 2, sharex=True)
+    many = len(series) > 10
+    for shard_id, xs, rows, tokens in series:
+        kw = {"lw": 0.8 if many else 1.3, "alpha": 0.6 if many else 1.0, "label": None if many else f"shard {shard_id}"}
+        ax1.plot(xs, rows, **kw)
+        ax2.plot(xs, tokens, **kw)
+    ax1.set_title("rows/s per shard over time")
+    ax2.set_title("output tokens/s per shard over time" + (f" ({len(series)} shards)" if many else ""))
+    ax1.set_ylabel("rows/s")
+    ax2.set_ylabel("tokens/s")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("minutes since the first shard started")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    if not many:
+        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _png(fig)
+
+
+# --------------------------------------------------------------------------- examples
+
+
+MAX_CELL = 400  # characters of a value shown in the example tables
+
+
+def _short(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 3] + "..."
+
+
+def example_records(state_dir: str | Path, shard_ids: list[int], n: int = 3) -> list[dict]:
+    """The first records of the first shards that have any, read from their committed parts (checkpoint.json)."""
+    out: list[dict] = []
+    for shard_id in shard_ids[:50]:
+        data, _why = read_state_file(Path(state_dir) / f"shard_{shard_id}" / "checkpoint.json")
+        for entry in ((data or {}).get("datasets") or {}).values():
+            if not isinstance(entry, dict):
+                continue
+            for part in entry.get("parts") or []:
+                if len(out) >= n:
+                    return out
+                try:
+                    path = Path(entry["out_dir"]) / part["name"]
+                    out += _read_records(path, entry.get("fmt"), n - len(out))
+                except Exception as e:  # an example must never cost the report
+                    log.debug("cannot read example records: %s", e)
+    return out[:n]
+
+
+def _read_records(path: Path, fmt: str | None, n: int) -> list[dict]:
+    if fmt == "jsonl" or path.suffix == ".jsonl":
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if len(rows) >= n:
+                    break
+                if line.strip():
+                    rows.append(json.loads(line))
+        return rows
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if pf.num_row_groups == 0:
+        return []
+    table = pf.read_row_group(0).slice(0, n)
+    json_columns = {f.name for f in table.schema if (f.metadata or {}).get(b"mirageflow.encoding") == b"json"}
+    rows = table.to_pylist()
+    for row in rows:
+        for k in json_columns & row.keys():
+            if isinstance(row[k], str):
+                try:
+                    row[k] = json.loads(row[k])
+                except ValueError:
+                    pass
+    return rows
+
+
+def example_failed_rows(state_dir: str | Path, num_shards: int, n: int = 5, max_shards: int = 2000) -> list[dict]:
+    """The first row errors (errors.jsonl) of the first shards that have any, with their shard."""
+    out: list[dict] = []
+    for shard_id in range(min(num_shards, max_shards)):
+        path = Path(state_dir) / f"shard_{shard_id}" / "errors.jsonl"
+        try:
+            if path.stat().st_size == 0:
+                continue
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if len(out) >= n:
+                        return out
+                    try:
+                        entry = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(entry, dict):
+                        out.append({"shard_id": shard_id, **entry})
+        except OSError:
+            continue
+    return out
 
 
 def plot_errors(by_class: dict) -> str | None:
@@ -256,6 +460,87 @@ def plot_errors(by_class: dict) -> str | None:
 # --------------------------------------------------------------------------- page
 
 
+def _examples_html(state_dir, done_ids: list[int], num_shards: int) -> list[str]:
+    out = ["<h2>Example records</h2>"]
+    try:
+        records = example_records(state_dir, done_ids)
+    except Exception:
+        log.exception("reading example records failed")
+        records = []
+    if records:
+        columns = list(dict.fromkeys(k for r in records for k in r))
+        out.append('<p class="note">The first records of the first completed shards (from their committed parts).</p>')
+        out.append("<table>" + "<tr>" + "".join(f"<th>{_esc(c)}</th>" for c in columns) + "</tr>")
+        for r in records:
+            out.append("<tr>" + "".join(f"<td>{_esc(_short(r.get(c, '')))}</td>" for c in columns) + "</tr>")
+        out.append("</table>")
+    else:
+        out.append('<p class="note">No records to show.</p>')
+    out.append("<h2>Failed rows (examples)</h2>")
+    try:
+        errors = example_failed_rows(state_dir, num_shards)
+    except Exception:
+        log.exception("reading failed rows failed")
+        errors = []
+    if errors:
+        out.append('<p class="note">The first failed rows of the first shards with any (<code>&lt;state_dir&gt;/shard_&lt;id&gt;/errors.jsonl</code>).</p>')
+        out.append("<table><tr><th>shard</th><th>dataset</th><th>source index</th><th>stage</th><th>error class</th><th>message</th><th>model text</th></tr>")
+        for e in errors:
+            out.append(
+                f"<tr><td class=n>{_esc(e.get('shard_id'))}</td><td class=n>{_esc(e.get('dataset', ''))}</td>"
+                f"<td class=n>{_esc(e.get('source_index', ''))}</td><td>{_esc(e.get('stage', ''))}</td>"
+                f"<td class=bad>{_esc(e.get('error', ''))}</td><td>{_esc(_short(e.get('message', '')))}</td>"
+                f"<td>{_esc(_short(e['raw'])) if e.get('raw') is not None else ''}</td></tr>"
+            )
+        out.append("</table>")
+    else:
+        out.append('<p class="note">No row errors in the shards\' errors.jsonl.</p>')
+    return out
+
+
+# what the metrics table calls a key (the rest show their key)
+LABELS = {
+    "total_rows_processed": "rows ok (completed shards)",
+    "total_rows_failed": "rows failed (completed and failed shards)",
+    "rows_failed_completed_shards": "rows failed in completed shards",
+    "rows_failed_failed_shards": "rows failed in failed shards",
+    "rows_processed_failed_shards": "rows ok in failed shards",
+    "completed_shards": "shards completed",
+    "total_shards": "shards",
+    "missing_shards": "shards not done",
+    "running_shards": "shards running",
+    "pending_shards": "shards pending",
+    "overall_throughput_rows_per_sec": "rows (ok) per second, wall clock",
+    "tokens_per_sec": "output tokens/s (generation time)",
+    "tokens_per_sec_per_gpu": "output tokens/s per GPU",
+    "gpu_days_per_billion_tokens": "GPU-days per billion output tokens",
+}
+_TABLE_SKIP = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files", "rows_failed_by_class"}
+
+
+def metrics_table_rows(agg: dict) -> list[tuple[str, str, object]]:
+    """(label, key, value) rows of the metrics table: a ``*_seconds`` figure and its ``*_human``
+    twin are one row ("600.0 s (00:10:00)"); metrics.json keeps both keys."""
+    rows = []
+    for key, value in agg.items():
+        if key in _TABLE_SKIP:
+            continue
+        if key.endswith("_human") and key[: -len("_human")] + "_seconds" in agg:
+            continue  # shown with its _seconds twin
+        if key == "stragglers":
+            value = ", ".join(f"shard {s['shard_id']} ({s['x_median']:.1f}x median)" for s in value) or "none"
+        twin = key[: -len("_seconds")] + "_human" if key.endswith("_seconds") else None
+        if twin in agg and isinstance(value, (int, float)):
+            value = f"{_fmt(value)} s ({agg[twin]})"
+        label = LABELS.get(key) or key.replace("_", " ")
+        rows.append((label, key, value))
+    by_class = agg.get("rows_failed_by_class")
+    if by_class:
+        text = ", ".join(f"{k} {v:,}" for k, v in sorted(by_class.items(), key=lambda kv: -kv[1]))
+        rows.append(("rows failed by error class", "rows_failed_by_class", text))
+    return rows
+
+
 def _img(png: str | None, alt: str, missing: str) -> str:
     """The plot, or the note saying why there is none (``missing`` is trusted HTML)."""
     if png is None:
@@ -273,11 +558,15 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     stragglers = {s["shard_id"] for s in agg.get("stragglers") or []}
     damaged = list(agg.get("damaged_state_files") or [])
     samples = load_gpu_samples(state_dir, [s["shard_id"] for s in per_shard], damaged)
+    failed_ids = [f["shard_id"] for f in agg.get("failed_shards") or []]
+    done_ids = [s["shard_id"] for s in per_shard]
+    identity = load_identity(state_dir)
     plots = {}
     for name, fn in (
         ("shards", lambda: plot_shards(per_shard, stragglers)),
+        ("throughput", lambda: plot_throughput(load_histories(state_dir, sorted(done_ids + failed_ids)[:200]))),
         ("gpu", lambda: plot_gpu_util(samples)),
-        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"))),
+        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"), row_token_limit(identity))),
         ("errors", lambda: plot_errors(agg.get("rows_failed_by_class") or {})),
     ):
         try:
@@ -345,6 +634,15 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
 
     out.append("<h2>Shards</h2>")
     out.append(_img(plots["shards"], "per-shard throughput and runtime", "No completed shard yet."))
+    out.append("<h2>Throughput over time</h2>")
+    out.append(
+        _img(
+            plots["throughput"], "rows/s and tokens/s per shard over time",
+            "No progress samples (progress.json of the shards has no history: an older run, or no shard ran long enough).",
+        )
+    )  # fmt: skip
+    out.append('<p class="note">From each shard\'s progress samples (every 5 s, thinned to at most 240 per attempt; '
+               "the last attempt of each shard): flat stretches at zero are stalls or the engine loading.</p>")  # fmt: skip
     out.append("<h2>GPU utilisation</h2>")
     out.append(
         _img(
@@ -363,15 +661,12 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         out.append(_img(plots["errors"], "failed rows by error class", "No failed rows."))
     out.append("</div></div>")
 
-    out.append("<h2>Metrics</h2><table><tr><th>metric</th><th>value</th></tr>")
-    skip = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files"}
-    for key, value in agg.items():
-        if key in skip:
-            continue
-        if key == "stragglers":
-            value = ", ".join(f"shard {s['shard_id']} ({s['x_median']:.1f}x median)" for s in value) or "none"
+    out += _examples_html(state_dir, done_ids, agg.get("total_shards") or 0)
+
+    out.append("<h2>Metrics</h2><table><tr><th>metric</th><th>key in metrics.json</th><th>value</th></tr>")
+    for label, key, value in metrics_table_rows(agg):
         cls = "n" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
-        out.append(f"<tr><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value))}</td></tr>")
+        out.append(f"<tr><td>{_esc(label)}</td><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value) if not isinstance(value, str) else value)}</td></tr>")
     out.append("</table>")
     out.append("<table><tr><th>the figures of</th><th>cover</th></tr>")
     out += [f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in (agg.get("figure_scope") or {}).items()]

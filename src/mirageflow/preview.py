@@ -1,0 +1,238 @@
+"""``mmirage preview``: try a pipeline's prompts on the first rows of each dataset.
+
+For the first ``rows`` rows of every dataset it shows what the shard runner would do with
+them, through the runner's own pieces (``prompts.Extractor``, ``shard.steps.OutputStep``,
+``prompts.RecordRenderer``): the extracted variables, each prompt exactly as the engine
+receives it (the model's chat template applied through the engine's ``chat_prompt``) and
+the rendered record. Without ``--generate`` no model is loaded: a transformers, sglang or
+sglang_server processor loads only its tokenizer (for the chat template); an openai one
+sends chat messages and the server applies its own template, so the messages are shown.
+An output's answer is then a placeholder, so later prompts and the record show where it
+goes.
+
+With ``generate=True`` the configured engine is loaded and the rows are generated; the
+answers, the parsed JSON and each row's error are shown. Engine logs go to a temporary
+directory; the pipeline's state_dir and output_dirs are never read or written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+from mirageflow.engines.base import Engine, EngineInfo, create_engine, resolve_backend
+from mirageflow.prompts import Extractor, RecordRenderer, RowError
+from mirageflow.shard.steps import OutputStep
+
+DEFAULT_ROWS = 3
+
+
+class NotGenerated:
+    """Stands for an output's answer in a preview without generation: any attribute or
+    item of it is another placeholder, and it prints as ``<name: not generated>``."""
+
+    def __init__(self, label: str):
+        self._label = label
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return NotGenerated(f"{self._label}.{name}")
+
+    def __getitem__(self, key):
+        return NotGenerated(f"{self._label}[{key!r}]")
+
+    def __str__(self) -> str:
+        return f"<{self._label}: not generated>"
+
+    __repr__ = __str__
+
+
+class TemplateOnlyEngine(Engine):
+    """The engine's chat template without its model: the tokenizer only (or nothing for an
+    OpenAI-compatible server, which templates the messages itself)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.backend = resolve_backend(processor.backend)
+        self.templates_server_side = self.backend == "openai"
+        self.tokenizer = None
+        self.info = EngineInfo(backend=self.backend, model_path=str(processor.server_args.get("model_path")))
+
+    def load(self) -> None:
+        if self.templates_server_side or not self.processor.apply_chat_template:
+            return
+        from transformers import AutoTokenizer
+
+        args = self.processor.server_args
+        self.tokenizer = AutoTokenizer.from_pretrained(args["model_path"], trust_remote_code=bool(args.get("trust_remote_code", False)))
+
+    async def generate_one(self, request):  # pragma: no cover - never called
+        raise RuntimeError("a template-only engine does not generate")
+
+
+def first_rows(ds, n: int) -> list:
+    """The dataset's first ``n`` rows as SourceRow (a dict, or a RowError for an unreadable row)."""
+    from mirageflow.data import readers
+
+    if n <= 0:
+        return []
+    if ds.type == "jsonl":
+        piece = readers.ShardSlice(0, sys.maxsize, 0, 1)
+        return list(itertools.islice(readers.read_shard(ds, piece), n))
+    if ds.type == "parquet":
+        import pyarrow.parquet as pq
+
+        files, total = [], 0
+        for path in readers.dataset_files(ds):
+            rows = pq.ParquetFile(path).metadata.num_rows
+            files.append({"path": path, "rows": rows})
+            total += rows
+            if total >= n:
+                break
+        return list(readers.read_shard(ds, readers.ShardSlice(0, min(n, total), files=files)))
+    total = len(readers._load_hf(ds))  # memory-mapped: the length costs nothing
+    return list(readers.read_shard(ds, readers.ShardSlice(0, min(n, total))))
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able copy (placeholders as their text)."""
+    if isinstance(value, NotGenerated):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def _error(e: RowError) -> dict:
+    out = {"stage": e.stage, "error": e.kind, "message": str(e)}
+    if e.raw is not None:
+        out["raw"] = e.raw
+    return out
+
+
+async def _preview_row(row, extract, steps: list[OutputStep], render, generate: bool) -> dict:
+    out: dict[str, Any] = {"source_index": row.index, "variables": None, "outputs": [], "record": None, "error": None}
+    try:
+        if isinstance(row.value, RowError):
+            raise row.value
+        variables = extract(row.value)
+        out["variables"] = _plain(variables)
+        for step in steps:
+            entry: dict[str, Any] = {"name": step.output.name, "processor": step.output.processor, "json": step.output.is_json}
+            out["outputs"].append(entry)
+            request = step.request(row.index, variables)
+            entry["messages"] = request.messages
+            entry["prompt"] = request.prompt  # None: the server applies its chat template to the messages
+            entry["sampling_params"] = request.sampling_params
+            if not generate:
+                variables[step.output.name] = NotGenerated(step.output.name)
+                continue
+            completion = await step.engine.generate_one(request)
+            entry.update(
+                answer=completion.text, finish_reason=completion.finish_reason,
+                prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
+            )  # fmt: skip
+            value = step.value(completion)
+            entry["value"] = _plain(value)
+            variables[step.output.name] = value
+        out["record"] = _plain(render(row.index, row.value, variables))
+    except RowError as e:
+        out["error"] = _error(e)
+    return out
+
+
+def preview(cfg, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None) -> dict:
+    """{"datasets": [{index, path, rows: [...]}], "generated": bool, "engines": {...}}: what the runner would do
+    with the first ``rows`` rows of each dataset (and, with ``generate``, what the engine answered)."""
+    extract = Extractor(cfg.inputs)
+    render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs])
+    engines: dict[str, Engine] = {}
+    scratch = None
+    if generate and log_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="mmirage-preview-")
+        log_dir = scratch.name
+    try:
+        for name in dict.fromkeys(o.processor for o in cfg.outputs):
+            processor = cfg.processors[name]
+            engine = create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
+            engines[name] = engine
+            engine.load()
+        steps = [OutputStep(o, cfg.processors[o.processor], engines[o.processor]) for o in cfg.outputs]
+        result = {"generated": generate, "engines": {n: e.info.backend for n, e in engines.items()}, "datasets": []}
+        for ds in cfg.datasets:
+            entry: dict[str, Any] = {"index": ds.index, "path": ds.path, "rows": [], "error": None}
+            try:
+                source = first_rows(ds, rows)
+            except Exception as e:  # the data cannot be read: say so, go on with the next dataset
+                entry["error"] = f"cannot read {ds.path}: {type(e).__name__}: {e}"
+                source = []
+
+            async def run(source=source):
+                return await asyncio.gather(*(_preview_row(r, extract, steps, render, generate) for r in source))
+
+            entry["rows"] = list(asyncio.run(run())) if source else []
+            result["datasets"].append(entry)
+        return result
+    finally:
+        for engine in engines.values():
+            try:
+                engine.close()
+            except Exception:
+                pass
+        if scratch is not None:
+            scratch.cleanup()
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _indent(text: str, prefix: str = "    | ") -> str:
+    return "\n".join(prefix + line for line in str(text).split("\n"))
+
+
+def _dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=2, default=str)
+
+
+def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
+    w = out.write
+    for ds in result["datasets"]:
+        w(f"=== dataset {ds['index']}: {ds['path']} (first {len(ds['rows'])} row(s)) ===\n")
+        if ds.get("error"):
+            w(f"ERROR: {ds['error']}\n\n")
+        for row in ds["rows"]:
+            w(f"\n--- row {row['source_index']} ---\n")
+            if row["variables"] is not None:
+                w("variables:\n" + _indent(_dump(row["variables"]), "    ") + "\n")
+            for o in row["outputs"]:
+                kind = "JSON output" if o["json"] else "output"
+                if o["prompt"] is not None:
+                    w(f"{kind} '{o['name']}' (processor {o['processor']}): prompt as the engine receives it:\n")
+                    w(_indent(o["prompt"]) + "\n")
+                else:
+                    w(f"{kind} '{o['name']}' (processor {o['processor']}): chat messages (the server applies its chat template):\n")
+                    w(_indent(_dump(o["messages"])) + "\n")
+                if "answer" in o:
+                    w(f"  answer ({o['completion_tokens']} tokens, finish_reason {o['finish_reason']}):\n" + _indent(o["answer"]) + "\n")
+                if "value" in o and o["json"]:
+                    w("  parsed JSON:\n" + _indent(_dump(o["value"]), "    ") + "\n")
+            if row["error"]:
+                e = row["error"]
+                w(f"ROW ERROR ({e['stage']}, {e['error']}): {e['message']}\n")
+                if e.get("raw") is not None:
+                    w("  model text:\n" + _indent(e["raw"]) + "\n")
+            if row["record"] is not None:
+                w("record:\n" + _indent(_dump(row["record"]), "    ") + "\n")
+        w("\n")
+    if not result["generated"]:
+        w("(no model was loaded; run with --generate to see the answers)\n")

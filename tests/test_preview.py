@@ -1,0 +1,154 @@
+"""`mmirage preview`: variables, prompts as the engine receives them and records for the first rows,
+answers with --generate; never the pipeline's state_dir or outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mirageflow import cli, preview
+from mirageflow.config import load_config
+
+
+def _config(model, outputs=None, rows=None) -> dict:
+    return {
+        "processors": [{
+            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
+            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 5},
+        }],
+        "loading_params": {"state_dir": "state", "datasets": [{"path": "in.jsonl", "type": "JSONL", "output_dir": "out"}], "num_shards": 2, "batch_size": 4},
+        "processing_params": {
+            "inputs": [{"name": "q", "key": "q"}, {"name": "level", "key": "meta.level"}],
+            "outputs": outputs or [
+                {"name": "a", "prompt": "Answer briefly: {{ q }}", "system": "You are terse (level {{ level }})."},
+                {"name": "b", "prompt": "Rephrase: {{ a }}"},
+            ],
+            "remove_columns": True, "output_schema": {"question": "{{ q }}", "answer": "{{ a }}", "again": "{{ b }}"},
+        },
+    }  # fmt: skip
+
+
+def _workdir(root: Path, cfg: dict) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [{"q": f"question {i}", "meta": {"level": i}} for i in range(5)]
+    rows[1] = {"q": "no meta here"}  # missing_variable
+    (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "pipeline.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return root
+
+
+def mmirage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "mirageflow.cli", *args], cwd=cwd, capture_output=True, text=True, env=env)
+
+
+def test_preview_shows_variables_prompts_with_the_chat_template_and_records(tmp_path, tiny_model, monkeypatch):
+    root = _workdir(tmp_path / "p", _config(tiny_model))
+    monkeypatch.chdir(root)
+    import transformers
+
+    def no_model(*a, **kw):
+        raise AssertionError("preview without --generate must not load the model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    cfg = load_config("pipeline.yaml")
+    result = preview.preview(cfg, rows=3)
+    rows = result["datasets"][0]["rows"]
+    assert [r["source_index"] for r in rows] == [0, 1, 2] and result["generated"] is False
+    assert rows[0]["variables"] == {"q": "question 0", "level": 0}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_model))
+    messages = [{"role": "system", "content": "You are terse (level 0)."}, {"role": "user", "content": "Answer briefly: question 0"}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    a, b = rows[0]["outputs"]
+    assert a["prompt"] == expected and a["messages"] == messages  # exactly what the engine receives
+    assert "<|im_start|>" in a["prompt"]
+    assert "Rephrase: <a: not generated>" in b["prompt"]  # a later prompt shows where the answer goes
+    assert rows[0]["record"] == {"question": "question 0", "answer": "<a: not generated>", "again": "<b: not generated>", "source_index": 0}
+    assert rows[1]["error"]["error"] == "missing_variable" and "meta.level" in rows[1]["error"]["message"] and rows[1]["record"] is None
+    assert not (root / "state").exists() and not (root / "out").exists()
+
+
+def test_preview_command_prints_and_never_touches_the_pipelines_state_or_outputs(tmp_path, tiny_model):
+    root = _workdir(tmp_path / "p", _config(tiny_model))
+    (root / "state/shard_0").mkdir(parents=True)
+    (root / "state/shard_0/status.json").write_text('{"status": "success"}')
+    (root / "out").mkdir()
+
+    def snapshot():
+        return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*") if "state" in p.parts or "out" in p.parts)
+
+    before = snapshot()
+    proc = mmirage(root, "preview", "--config", "pipeline.yaml", "--rows", "2")
+    assert proc.returncode == cli.EXIT_FAILED, proc.stderr  # row 1 has no meta.level
+    out = proc.stdout
+    assert "=== dataset 0: in.jsonl (first 2 row(s)) ===" in out and "--- row 0 ---" in out
+    assert "prompt as the engine receives it:" in out and "| <|im_start|>system" in out
+    assert "ROW ERROR (extract, missing_variable)" in out and "record:" in out and "--generate" in out
+    proc = mmirage(root, "preview", "--config", "pipeline.yaml", "--rows", "3", "--generate", "--json")
+    result = json.loads(proc.stdout)
+    rows = result["datasets"][0]["rows"]
+    assert result["generated"] is True and len(rows) == 3
+    first = rows[0]
+    assert first["outputs"][0]["completion_tokens"] > 0 and isinstance(first["outputs"][0]["answer"], str)
+    assert first["record"]["answer"] == first["outputs"][0]["value"] == first["outputs"][0]["answer"]
+    assert first["record"]["again"] == first["outputs"][1]["answer"] and "Rephrase: " + first["outputs"][0]["answer"] in first["outputs"][1]["prompt"]
+    assert rows[1]["error"]["error"] == "missing_variable"
+    assert snapshot() == before  # state_dir and output_dir exactly as they were
+    assert sorted(p.name for p in root.iterdir()) == ["in.jsonl", "out", "pipeline.yaml", "state"]
+
+
+def test_preview_generate_shows_parsed_json_and_row_errors(tmp_path, tiny_model):
+    outputs = [{
+        "name": "card", "prompt": "Describe {{ q }} as JSON", "output_type": "JSON",
+        "output_schema": {"title": "string"},
+    }]  # fmt: skip
+    cfg = _config(tiny_model, outputs=outputs)
+    cfg["processing_params"]["output_schema"] = {"q": "{{ q }}", "card": "{{ card }}"}
+    root = _workdir(tmp_path / "j", cfg)
+    proc = mmirage(root, "preview", "--config", "pipeline.yaml", "--rows", "1", "--generate")
+    # the tiny random model writes no JSON: the row's error is shown, with the model's text
+    assert proc.returncode == cli.EXIT_FAILED, proc.stderr
+    assert "answer (" in proc.stdout and "ROW ERROR (output, json_" in proc.stdout and "model text:" in proc.stdout
+
+
+def test_preview_of_a_json_output_without_generating_keeps_later_templates_working(tmp_path, tiny_model, monkeypatch):
+    outputs = [
+        {"name": "card", "prompt": "Describe {{ q }}", "output_type": "JSON",
+         "output_schema": {"title": "string"}},
+        {"name": "b", "prompt": "Title: {{ card.title }}"},
+    ]  # fmt: skip
+    cfg = _config(tiny_model, outputs=outputs)
+    cfg["processing_params"]["output_schema"] = {"title": "{{ card.title }}", "b": "{{ b }}"}
+    root = _workdir(tmp_path / "k", cfg)
+    monkeypatch.chdir(root)
+    result = preview.preview(load_config("pipeline.yaml"), rows=1)
+    row = result["datasets"][0]["rows"][0]
+    assert row["error"] is None
+    assert "Title: <card.title: not generated>" in row["outputs"][1]["prompt"]
+    assert row["record"]["title"] == "<card.title: not generated>"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "loadable"])
+def test_first_rows_of_parquet_and_loadable_datasets(tmp_path, fmt):
+    import datasets
+    import pandas as pd
+
+    frame = pd.DataFrame({"q": [f"r{i}" for i in range(10)]})
+    if fmt == "parquet":
+        path = tmp_path / "d.parquet"
+        frame.to_parquet(path)
+    else:
+        path = tmp_path / "hf"
+        datasets.Dataset.from_pandas(frame).save_to_disk(str(path))
+    from types import SimpleNamespace
+
+    ds = SimpleNamespace(path=str(path), type=fmt, split=None, index=0)
+    rows = preview.first_rows(ds, 3)
+    assert [(r.index, r.value["q"]) for r in rows] == [(0, "r0"), (1, "r1"), (2, "r2")]
+    assert len(preview.first_rows(ds, 50)) == 10

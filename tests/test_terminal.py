@@ -1,0 +1,237 @@
+"""What the driver prints: live progress lines from progress.json, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import run_workflow
+
+from mirageflow import terminal
+from mirageflow.data.writers import atomic_write_json
+
+
+def _progress(**kw) -> dict:
+    base = {"phase": "generating", "rows_done": 0, "rows_total": 10, "rows_per_sec": None, "tokens_per_sec": None,
+            "phase_seconds": 3.0, "updated_at_unix": time.time()}  # fmt: skip
+    return base | kw
+
+
+def _status(rows_ok: int, rows_failed: int = 0, num_gpus: int = 0) -> dict:
+    return {
+        "status": "success", "started_at": "2025-01-01T10:00:00+00:00", "finished_at": "2025-01-01T10:01:00+00:00",
+        "stats": {"runtime_seconds": 60.0, "inference_runtime_seconds": 50.0, "output_tokens": 500, "num_gpus": num_gpus,
+                  "rows_processed": rows_ok, "rows_failed": rows_failed,
+                  "rows_failed_by_class": {"json_parse": rows_failed} if rows_failed else {}},
+    }  # fmt: skip
+
+
+def _state(tmp_path: Path, rows: int = 40) -> Path:
+    state = tmp_path / "state"
+    atomic_write_json(state / "datasets/dataset_0.index.json", {"rows": rows, "num_shards": 4})
+    return state
+
+
+# --------------------------------------------------------------------------- live progress
+
+
+def test_progress_line_sums_the_running_shards(tmp_path):
+    state = _state(tmp_path)
+    atomic_write_json(state / "shard_0/status.json", _status(9, 1))
+    atomic_write_json(state / "shard_1/progress.json", _progress(rows_done=4, rows_per_sec=2.0, tokens_per_sec=100.0))
+    atomic_write_json(state / "shard_2/progress.json", _progress(rows_done=2, rows_per_sec=1.0, tokens_per_sec=50.0))
+    live = terminal.LiveProgress(state, 4, 1.0, lambda s: None)
+    line = live.line()
+    assert line.startswith("mirageflow: shards 1/4 done, 2 running")
+    assert "rows 16/40 (40%)" in line  # 10 of the done shard, 4 + 2 running
+    assert "3.00 rows/s, 150 tok/s" in line
+    assert "ETA 00:00:08" in line  # 24 rows left at 3 rows/s
+
+
+def test_progress_line_names_the_phase_of_a_single_shard_and_says_nothing_when_none_runs(tmp_path):
+    state = _state(tmp_path)
+    live = terminal.LiveProgress(state, 4, 1.0, lambda s: None)
+    assert live.line() is None  # nothing runs: no line
+    atomic_write_json(state / "shard_3/progress.json", _progress(phase="loading", phase_seconds=42.0))
+    line = live.line()
+    assert "1 running (loading 42 s)" in line and "ETA n/a" in line
+    # a progress.json that stopped updating is no running shard
+    old = time.time() - 3600
+    os.utime(state / "shard_3/progress.json", (old, old))
+    assert live.line() is None
+
+
+def test_progress_thread_prints_at_most_every_interval_and_never_repeats_a_line(tmp_path):
+    state = _state(tmp_path)
+    atomic_write_json(state / "shard_1/progress.json", _progress(rows_done=4, rows_per_sec=2.0))
+    lines: list[str] = []
+    live = terminal.LiveProgress(state, 4, 0.05, lines.append)
+    live.start()
+    time.sleep(0.4)
+    atomic_write_json(state / "shard_1/progress.json", _progress(rows_done=6, rows_per_sec=2.0))
+    time.sleep(0.3)
+    live.stop()
+    assert len(lines) == 2, lines  # the same line is not printed twice
+    assert "rows 4/40" in lines[0] and "rows 6/40" in lines[1]
+
+
+def test_progress_interval_is_short_on_a_terminal_long_in_a_log_and_can_be_set():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert terminal.progress_interval(Tty(), environ={}) == terminal.TTY_INTERVAL
+    assert terminal.progress_interval(io.StringIO(), environ={}) == terminal.LOG_INTERVAL == 60.0
+    assert terminal.progress_interval(io.StringIO(), environ={terminal.ENV_INTERVAL: "5"}) == 5.0
+    assert terminal.progress_interval(io.StringIO(), environ={terminal.ENV_INTERVAL: "0"}) == 0.0
+
+
+def test_hooks_do_nothing_outside_the_driver(tmp_path, monkeypatch):
+    """A cluster job re-parsing the Snakefile is not the main process: no thread, no summary."""
+    printed = []
+    monkeypatch.setattr(terminal, "_emit", lambda text, error=False: printed.append(text))
+    monkeypatch.setenv(terminal.ENV_INTERVAL, "1")
+    pipeline = SimpleNamespace(state_dir=str(tmp_path), num_shards=1, datasets=[], merge=True, shard=SimpleNamespace(lease_timeout_seconds=300))
+    job = SimpleNamespace(is_main_process=False, configfiles=["p.yaml"])
+    terminal.on_start(pipeline, job)
+    assert terminal._LIVE is None
+    terminal.on_error(pipeline, job)
+    terminal.on_success(pipeline, job)
+    assert printed == []
+    driver = SimpleNamespace(is_main_process=True, configfiles=["p.yaml"])
+    terminal.on_start(pipeline, driver)
+    assert terminal._LIVE is not None and terminal._LIVE._thread.is_alive()
+    thread = terminal._LIVE._thread
+    terminal.on_error(pipeline, driver)
+    assert terminal._LIVE is None and not thread.is_alive()
+    assert printed and printed[0].startswith("mirageflow: run FAILED")
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize(
+    "by_class, error, expected",
+    [
+        ({"template_error": 13}, "ShardFailed: every row of shard 0: 13 of 13 rows failed (template_error: 13)", "template_error"),
+        ({"missing_variable": 3, "json_schema": 1}, "ShardFailed: error budget exceeded in shard 0: 4 of 10 rows failed", "missing_variable, json_schema"),
+        ({"template_error": 3, "empty_output": 1}, "ShardFailed: error budget exceeded ... rows failed", None),  # empty_output: chance
+        ({"template_error": 3}, "EngineFailed: engine 'llm' failed on row 4: ConnectError", None),  # not the rows' fault
+        ({}, "OSError: no model at /x", None),
+    ],
+)
+def test_repeats_identically_only_for_deterministic_row_errors(by_class, error, expected):
+    assert terminal.repeats_identically({"rows_failed_by_class": by_class}, error) == expected
+
+
+def _failed_shard(state: Path, shard: int, by_class: dict, error: str, signal=None) -> None:
+    atomic_write_json(state / f"shard_{shard}/failure.json", {
+        "shard_id": shard, "status": "failed", "attempt": 1, "error": error, "signal": signal,
+        "traceback": "Traceback (most recent call last):\n  File x\nShardFailed: boom",
+        "stats": {"rows_processed": 0, "rows_failed": sum(by_class.values()), "rows_failed_by_class": by_class},
+    })  # fmt: skip
+
+
+def test_failure_paragraph_says_a_deterministic_failure_repeats_and_never_shows_the_traceback(tmp_path):
+    state = _state(tmp_path)
+    _failed_shard(state, 0, {"template_error": 3}, "ShardFailed: every row of shard 0: 3 of 3 rows failed (template_error: 3); see x")
+    (state / "shard_0/errors.jsonl").write_text(
+        json.dumps({"dataset": 0, "source_index": 7, "stage": "render", "error": "template_error", "message": "outputs.a.prompt: UndefinedError: 'str object' has no attribute 'nope'"}) + "\n"
+    )  # fmt: skip
+    _failed_shard(state, 1, {"empty_output": 5}, "ShardFailed: every row of shard 1: 5 of 5 rows failed (empty_output: 5)")
+    _failed_shard(state, 2, {}, "ShardInterrupted: interrupted by SIGINT; 3 rows committed, rerun to resume", signal="SIGINT")
+    from mirageflow.report import shard_states
+
+    states = {s["shard_id"]: s for s in shard_states(state, 4)}
+    text = terminal.failure_paragraph(states[0], state, retry_hint="Rerun it with `mmirage retry --config p.yaml`.")
+    assert text.startswith("shard 0 failed: every row of shard 0")
+    assert "source index 7" in text and "no attribute 'nope'" in text and "fail the same way" in text
+    assert "mmirage retry" not in text and "Traceback" not in text
+    assert f"Log: {state / 'logs/shard_0.log'}" in text and str(state / "shard_0/errors.jsonl") in text
+    text = terminal.failure_paragraph(states[1], state, retry_hint="Rerun it with `mmirage retry --config p.yaml`.")
+    assert "mmirage retry --config p.yaml" in text and "same way" not in text
+    text = terminal.failure_paragraph(states[2], state, retry_hint="Rerun it with `mmirage retry`.")
+    assert "interrupted by SIGINT" in text and "resume" in text
+
+
+def test_run_summary_counts_shards_and_rows_and_says_where_things_are(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = _state(tmp_path)
+    atomic_write_json(state / "shard_0/status.json", _status(9, 1))
+    atomic_write_json(state / "shard_1/status.json", _status(10, 0))
+    (state / "shard_0/errors.jsonl").write_text('{"error": "json_parse"}\n')
+    (state / "shard_1/errors.jsonl").write_text("")
+    (state / "report.html").write_text("<html>")
+    (tmp_path / "out/merged").mkdir(parents=True)
+    pipeline = SimpleNamespace(
+        state_dir="state", num_shards=2, merge=True, shard=SimpleNamespace(lease_timeout_seconds=300),
+        datasets=[SimpleNamespace(output_dir="out")],
+    )  # fmt: skip
+    text = terminal.run_summary(pipeline, ok=True, config_hint="p.yaml")
+    assert text.startswith("mirageflow: run finished (state_dir state)")
+    assert "shards: 2 of 2 done" in text and "rows: 19 ok, 1 failed (json_parse 1)" in text
+    assert "merged output: out/merged/" in text and "report: state/report.html" in text
+    assert "errors.jsonl (shards 0)" in text  # shard 1's errors.jsonl is empty
+    assert "output tokens: 1,000" in text
+
+    _failed_shard(state, 1, {"template_error": 4}, "ShardFailed: every row of shard 1: 4 of 4 rows failed (template_error: 4)")
+    (state / "shard_1/status.json").unlink()
+    text = terminal.run_summary(pipeline, ok=False, config_hint="p.yaml")
+    assert text.startswith("mirageflow: run FAILED") and "shards: 1 of 2 done, 1 failed" in text
+    assert "shard 1 failed: every row of shard 1" in text and "fail the same way" in text and "Traceback" not in text
+
+
+# --------------------------------------------------------------------------- through Snakemake
+
+
+def _pipeline(model, prompt: str, rows: int = 6) -> dict:
+    return {
+        "processors": [{
+            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
+            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
+        }],
+        "loading_params": {"state_dir": "state", "datasets": [{"path": "in.jsonl", "type": "JSONL", "output_dir": "out"}], "num_shards": 2, "batch_size": 4},
+        "processing_params": {
+            "inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": prompt}],
+            "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"},
+        },
+    }  # fmt: skip
+
+
+def _data(root: Path, rows: int = 6) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "in.jsonl").write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(rows)))
+
+
+def test_snakemake_prints_progress_and_a_summary_at_the_end(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv(terminal.ENV_INTERVAL, "0.5")
+    _data(tmp_path)
+    proc = run_workflow(tmp_path, _pipeline(tiny_model, "Answer: {{ q }}"))
+    err = proc.stderr
+    assert "mirageflow: shards 0/2 done, 1 running" in err  # live progress while the first shard ran
+    summary = err[err.index("mirageflow: run finished") :]
+    assert "shards: 2 of 2 done" in summary and "rows: 6 ok, 0 failed" in summary
+    assert "merged output: out/merged/" in summary and "report: state/report.html" in summary
+
+
+def test_an_expected_failure_is_one_paragraph_not_a_traceback(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv(terminal.ENV_INTERVAL, "0")
+    _data(tmp_path)
+    proc = run_workflow(tmp_path, _pipeline(tiny_model, "Answer: {{ q.nope }}"), "--keep-going", check=False)
+    assert proc.returncode != 0
+    err = proc.stderr
+    summary = err[err.index("mirageflow: run FAILED") :]
+    assert "shards: 0 of 2 done, 2 failed" in summary and "rows: 0 ok, 6 failed (template_error 6)" in summary
+    for shard in (0, 1):
+        assert f"shard {shard} failed: every row of shard {shard}" in summary
+        assert f"Log: state/logs/shard_{shard}.log" in summary
+    assert summary.count("a retry would fail the same way") == 2 and "mmirage retry" not in summary
+    assert "Traceback" not in err and "Traceback" in (tmp_path / "state/logs/shard_0.log").read_text()
+    # nothing of this happens in a dry run
+    proc = run_workflow(tmp_path, _pipeline(tiny_model, "Answer: {{ q.nope }}"), "--dry-run", check=False)
+    assert "mirageflow: run" not in proc.stderr
