@@ -336,6 +336,16 @@ def write_rows(path: Path, n: int) -> Path:
     return path
 
 
+def openai_pipeline(config: dict, base_url: str, **shard_params) -> dict:
+    """``config`` with its processor switched to the ``openai`` backend at ``base_url``
+    (tests/fakes/fake_http.py's server: a cheap engine whose speed the test sets)."""
+    proc = config["processors"][0]
+    proc.update(backend="openai", base_url=base_url, server_args={"model_path": "fake-model"})
+    if shard_params:
+        config["shard_params"] = shard_params
+    return config
+
+
 def pipeline_config(model: Path, data: Path, num_shards: int, **execution_params) -> dict:
     return {
         "processors": [
@@ -412,16 +422,55 @@ class Run:
             cancel_named(m.group(1))
 
     def sbatch_calls(self) -> list[str]:
-        return re.findall(r"^sbatch call: (sbatch .*)$", self.output, re.MULTILINE) + re.findall(
-            r"^Submitting array job with sbatch call: (sbatch .*)$", self.output, re.MULTILINE
-        )
+        """The sbatch command lines the plugin ran (--verbose), in order.
+
+        An array whose command line is too long for --wrap is logged twice (the plugin
+        retries it through /dev/stdin); ``submissions()`` counts what SLURM accepted.
+        """
+        calls = re.findall(r"^(?:Submitting array job with )?sbatch call: (sbatch .*)$", self.output, re.MULTILINE)
+        return [c for i, c in enumerate(calls) if not (c.endswith(" /dev/stdin") and i and "--array=" in calls[i - 1]
+                and calls[i - 1].split(" --wrap=")[0] == c[: -len(" /dev/stdin")])]  # fmt: skip
+
+    def submissions(self) -> list[str]:
+        """The SLURM job id of every successful sbatch submission (a plain job or a whole array)."""
+        found = re.findall(
+            r"^(?:Job \d+ has been submitted with SLURM jobid (\d+) |Submitted array job with Snakemake IDs \S+ and SLURM job ID (\d+)\.)",
+            self.output, re.MULTILINE,
+        )  # fmt: skip
+        return [plain or array for plain, array in found]
+
+    def submitted_jobs(self) -> dict[int, list[str]]:
+        """Shard -> the SLURM jobs that ran it, oldest first: plain job ids and array tasks (``<array>_<task>``).
+
+        Read from the driver's --verbose output (each job's block names its Snakemake jobid
+        and wildcards; the plugin logs which SLURM job or array task got each jobid): every
+        task of an array carries the first shard's --comment, so the comment cannot tell.
+        """
+        shard_of: dict[str, int] = {}
+        jobid = None
+        for line in self.output.splitlines():
+            if line.startswith("rule ") or line.startswith("localrule "):
+                jobid = None if line != "rule shard:" else ""
+            elif jobid is not None and line.startswith("    jobid: "):
+                jobid = line.split(": ", 1)[1].strip()
+            elif jobid and line.startswith("    wildcards: shard="):
+                shard_of[jobid] = int(line.split("=", 1)[1])
+        found: dict[int, list[str]] = {}
+        for m in re.finditer(
+            r"^(?:Job (\d+) has been submitted with SLURM jobid (\d+) |Registered array job task: external_jobid=(\S+), snakemake_jobid=(\d+))",
+            self.output, re.MULTILINE,
+        ):  # fmt: skip
+            snakemake_id, slurm_id = (m[1], m[2]) if m[1] else (m[4], m[3])
+            if snakemake_id in shard_of:
+                found.setdefault(shard_of[snakemake_id], []).append(slurm_id)
+        return found
 
     def jobs(self) -> list[dict]:
         return jobs_named(self.run_id())
 
     def shard_jobs(self, shard: int) -> list[dict]:
-        """The SLURM jobs that ran shard ``shard``, oldest first."""
-        return [j for j in self.jobs() if j.get("Comment") == f"rule_shard_wildcards_{shard}"]
+        """The SLURM jobs (or array tasks) that ran shard ``shard``, oldest first, as ``scontrol`` shows them."""
+        return [job(j) for j in self.submitted_jobs().get(shard, [])]
 
 
 def wait_for(path: Path, timeout: float, run: Run) -> str:
@@ -433,6 +482,18 @@ def wait_for(path: Path, timeout: float, run: Run) -> str:
             break
         time.sleep(0.5)
     raise AssertionError(f"{path} did not appear within {timeout:.0f}s:\n{run.output[-4000:]}")
+
+
+def wait_for_any(paths: list[Path], timeout: float, run: Run) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in paths:
+            if path.exists():
+                return path
+        if run.proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"none of {[str(p) for p in paths]} appeared within {timeout:.0f}s:\n{run.output[-4000:]}")
 
 
 # --------------------------------------------------------------------------- CLI

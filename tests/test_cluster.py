@@ -109,7 +109,8 @@ def test_every_problem_is_reported_at_once(cfg):
 def test_shard_resources_defaults(cfg):
     res = resources(cfg)
     runtime = res.pop("runtime")
-    assert res == {"gpu": 4, "cpus_per_task": 32}  # tp_size x dp_size GPUs, 8 CPUs each
+    # tp_size x dp_size GPUs, 8 CPUs each; SIGTERM 5 minutes before the 12 h limit
+    assert res == {"gpu": 4, "cpus_per_task": 32, "slurm_extra": "--signal=TERM@300"}
     assert [runtime(wildcards=None, attempt=a) for a in (1, 2, 3)] == [720, 1440, 2160]
 
 
@@ -121,9 +122,31 @@ def test_shard_resources_from_every_key(cfg):
     runtime = res.pop("runtime")
     assert res == {
         "slurm_account": "a1", "slurm_partition": "gpu", "qos": "high", "gpu": 1, "cpus_per_task": 6,
-        "mem_mb": 65536, "constraint": "h100", "slurm_extra": "--reservation=r --exclusive",
+        "mem_mb": 65536, "constraint": "h100", "slurm_extra": "--reservation=r --exclusive --signal=TERM@300",
     }  # fmt: skip
     assert [runtime(None, a) for a in (1, 2, 3)] == [60, 120, 150]
+
+
+@pytest.mark.parametrize("limit, seconds", [("00:01:00", 6), ("00:00:30", 6), ("00:10:00", 60), ("00:30:00", 180), ("00:50:00", 300), ("11:59:59", 300), ("2-00:00:00", 300)])
+def test_shards_get_sigterm_before_their_time_limit(cfg, limit, seconds):
+    """A tenth of the (first attempt's) limit, 5 s to 5 min: enough to commit and write failure.json."""
+    assert resources(cfg, time_limit=limit)["slurm_extra"] == f"--signal=TERM@{seconds}"
+    assert cluster.term_signal_seconds(0) == cluster.TERM_MIN_SECONDS
+
+
+@pytest.mark.parametrize("extra", ["--signal=B:USR1@600", "--exclusive --signal TERM@30", "--signal=TERM"])
+def test_the_users_own_signal_wins(cfg, extra):
+    assert resources(cfg, slurm_extra=extra)["slurm_extra"] == extra
+
+
+def test_no_signal_for_index_jobs(cfg):
+    assert "slurm_extra" not in resources(cfg, "index")
+
+
+def test_signal_is_allowed_by_the_slurm_plugin(cfg):
+    validation = pytest.importorskip("snakemake_executor_plugin_slurm.validation")
+    extra = resources(cfg, time_limit="00:10:00")["slurm_extra"]
+    assert not [p for p in validation.get_forbidden_slurm_options() if __import__("re").search(p, extra)]
 
 
 def test_gres_replaces_gpus_and_counts_them_for_cpus(cfg):
@@ -133,7 +156,7 @@ def test_gres_replaces_gpus_and_counts_them_for_cpus(cfg):
 
 def test_cpu_only_job(cfg):
     res = resources(cfg, gpus=0)
-    assert "gpu" not in res and res["cpus_per_task"] == 1
+    assert "gpu" not in res and res["cpus_per_task"] == 1 and res["slurm_extra"] == "--signal=TERM@300"
 
 
 def test_index_jobs_are_light(cfg):

@@ -1,14 +1,20 @@
-"""The workflow on a real SLURM: `python -m snakemake --profile profiles/slurm`, tiny model.
+"""The workflow on a real SLURM: `python -m snakemake --profile profiles/slurm`.
 
 A one-node SLURM with fake GPUs (tests/slurm_cluster.py) is started when absent; without
-root or the slurm-wlm/munge packages these tests skip and say why. Two workflows run side
-by side to keep the suite short (the second mostly waits on a time limit):
+root or the slurm-wlm/munge packages these tests skip and say why. Three workflows run side
+by side to keep the suite short:
 
-- run "ok": 3 shards, every SLURM option set from execution_params; shard 2's first
-  attempt fails, the profile's retry resubmits it with twice the time limit.
-- run "faults" (`--retries 0`): shard 0's job is cancelled with scancel while it runs,
-  shard 1 hangs past its 1-minute time limit. The driver reports both failed; a rerun
-  (as a job array) completes them.
+- run "ok" (tiny model): 3 shards, every SLURM option set from execution_params, submitted
+  as one job array (the profile's default); shard 2's first attempt fails, the profile's
+  retry resubmits it alone with twice the time limit.
+- run "faults" (`--retries 0`, the `openai` backend against a slow fake server): shard 0's
+  array task is cancelled with scancel while it runs; shards 1 and 2 are too slow for their
+  1-minute time limit and get SIGTERM before it (`--signal`), commit what they finished and
+  write failure.json. The driver reports all failed; a rerun (again one array) completes
+  them, resuming from the checkpoints: every row exactly once, none computed twice.
+- run "many" (`openai`, fast): 6 shards with the array chunk and the submission rate cut
+  to 2, the setting that hangs plugin 2.8 when they differ: 3 array submissions, all done.
+  It and "ok" start once the slow shards have committed a row (2 CPUs here).
 
 Faults are injected from outside the project (see slurm_cluster.fault_env).
 """
@@ -16,12 +22,14 @@ Faults are injected from outside the project (see slurm_cluster.fault_env).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
 import pytest
 
 import slurm_cluster
+from fakes.fake_http import Behaviour, FakeServer
 from slurm_cluster import Run
 
 pytestmark = pytest.mark.slurm
@@ -37,6 +45,8 @@ OK_EXEC = {
     "constraint": slurm_cluster.FEATURE,
     "slurm_extra": "--nice=7",
 }  # gpus unset: tp_size 2 x dp_size 1 = 2 GPUs per shard
+SLOW_ROWS, SLOW_LATENCY = 90, 2.5  # 3 shards, 30 rows each x 2.5 s, one at a time: past a 1-minute limit
+MANY_SHARDS, CHUNK = 6, 2
 
 
 @pytest.fixture(scope="module")
@@ -52,34 +62,58 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def runs(cluster, tiny_model, tmp_path_factory):
-    ok_dir, faults_dir = tmp_path_factory.mktemp("slurm_ok"), tmp_path_factory.mktemp("slurm_faults")
+def servers():
+    """Fake OpenAI-compatible engines in this process (the jobs run on this machine)."""
+    slow, fast = FakeServer(Behaviour(latency=SLOW_LATENCY)).start(), FakeServer().start()
+    yield {"slow": slow, "fast": fast}
+    slow.stop(), fast.stop()
 
+
+@pytest.fixture(scope="module")
+def runs(cluster, tiny_model, servers, tmp_path_factory):
+    ok_dir, faults_dir, many_dir = (tmp_path_factory.mktemp(f"slurm_{n}") for n in ("ok", "faults", "many"))
     ok_cfg = slurm_cluster.pipeline_config(tiny_model, slurm_cluster.write_rows(ok_dir / "in.jsonl", 9), 3, **OK_EXEC)
     ok_cfg["processors"][0]["server_args"]["tp_size"] = 2
-    ok = Run(ok_dir, ok_cfg, env=slurm_cluster.fault_env(ok_dir, {"2": {"1": "fail"}}))
-
-    faults_cfg = slurm_cluster.pipeline_config(
-        tiny_model, slurm_cluster.write_rows(faults_dir / "in.jsonl", 6), 2,
-        partition="gpu", gpus=1, cpus_per_task=1, time_limit="00:01:00",
+    faults_cfg = slurm_cluster.openai_pipeline(
+        slurm_cluster.pipeline_config(
+            tiny_model, slurm_cluster.write_rows(faults_dir / "in.jsonl", SLOW_ROWS), 3,
+            partition="gpu", gpus=1, cpus_per_task=1, time_limit="00:01:00",
+        ),
+        servers["slow"].url + "/v1", max_inflight=1, checkpoint_rows=1, checkpoint_min_seconds=0,
     )  # fmt: skip
     faults = Run(
-        faults_dir, faults_cfg, "--retries", "0",
-        env=slurm_cluster.fault_env(faults_dir, {"0": {"1": "hang"}, "1": {"1": "hang"}}),
-    )  # fmt: skip
+        faults_dir, faults_cfg, "--retries", "0", env=slurm_cluster.fault_env(faults_dir, {"0": {"1": "hang"}})
+    )
+    many_cfg = slurm_cluster.openai_pipeline(
+        slurm_cluster.pipeline_config(
+            tiny_model, slurm_cluster.write_rows(many_dir / "in.jsonl", MANY_SHARDS), MANY_SHARDS, gpus=0, mem="300M"
+        ),
+        servers["fast"].url + "/v1",
+    )
+    many = ok = None
     try:
-        # Shard 0's job is running its shard step: cancel it mid-run.
-        jobid = slurm_cluster.wait_for(faults_dir / "faults" / "shard0.attempt1.hang", 300, faults)
-        subprocess.run(["scancel", jobid], check=True)
+        # Shard 0's array task is running its shard step: cancel it mid-run (an array task
+        # by <array id>_<task>: SLURM 22.05 refuses the task's own job id).
+        slurm_cluster.wait_for(faults_dir / "faults" / "shard0.attempt1.hang", 300, faults)
+        subprocess.run(["scancel", faults.submitted_jobs()[0][-1]], check=True)
+        # The others start once the slow shards run, so that their starts do not eat the
+        # slow shards' minute (2 CPUs here).
+        slurm_cluster.wait_for_any([faults_dir / "state" / f"shard_{i}" / "checkpoint.json" for i in (1, 2)], 300, faults)
+        many = Run(many_dir, many_cfg, "--slurm-array-limit", str(CHUNK), "--max-jobs-per-timespan", f"{CHUNK}/1s")
+        ok = Run(ok_dir, ok_cfg, env=slurm_cluster.fault_env(ok_dir, {"2": {"1": "fail"}}))
         ok.wait(600)
         faults.wait(600)
+        many.wait(600)
         # What the failed run left, before the rerun test changes it.
         faults.left = sorted(str(f.relative_to(faults_dir)) for f in (faults_dir / "state").rglob("*.json"))
-        yield {"ok": ok, "faults": faults}
+        faults.requests_before_rerun = len(servers["slow"].records)
+        yield {"ok": ok, "faults": faults, "many": many}
     finally:
-        for run in (ok, faults):
-            run.stop()
-        print(f"\nSLURM runs side by side: ok {ok.seconds or 0:.0f}s, faults {faults.seconds or 0:.0f}s")
+        for run in (faults, many, ok):
+            if run is not None:
+                run.stop()
+        seconds = [f"{name} {run.seconds or 0:.0f}s" for name, run in (("faults", faults), ("many", many), ("ok", ok)) if run]
+        print(f"\nSLURM runs (many and ok start once the slow shards run): {', '.join(seconds)}")
 
 
 def _metrics(workdir) -> dict:
@@ -104,9 +138,13 @@ def test_all_shards_complete_through_sbatch(runs):
 def test_sbatch_requests_come_from_execution_params(runs):
     ok = runs["ok"]
     shard_calls = [c for c in ok.sbatch_calls() if "--comment rule_shard_" in c]
-    assert len(shard_calls) == 4, ok.sbatch_calls()  # 3 shards + 1 retry
+    assert len(shard_calls) == 2, ok.sbatch_calls()  # 3 shards in one array + 1 retry
+    assert "--array=1-3" in shard_calls[0] and "--array" not in shard_calls[1]
     for call in shard_calls:
-        for flag in ("-A mf-acct", "-p gpu", "--qos=normal", "-C fakegpu", "--mem 1024", "--gpus=2", "--cpus-per-task=2", "--nice=7"):
+        for flag in (
+            "-A mf-acct", "-p gpu", "--qos=normal", "-C fakegpu", "--mem 1024", "--gpus=2", "--cpus-per-task=2",
+            "--nice=7", "--signal=TERM@30",  # SIGTERM 30 s (a tenth) before the 5-minute limit
+        ):  # fmt: skip
             assert f" {flag} " in f" {call} ", (flag, call)
         assert "--job-name mirageflow_" in call
     for shard in range(3):
@@ -115,10 +153,30 @@ def test_sbatch_requests_come_from_execution_params(runs):
             assert j["TresPerJob"] == "gres:gpu:2" and j["NumCPUs"] == "2" and j["MinMemoryNode"] == "1G"
     first = [ok.shard_jobs(s)[0]["TimeLimit"] for s in range(3)]
     assert first == [TIME_LIMIT] * 3
-    # The index job is light: 1 CPU, no GPU, same account and partition.
+    # The index job is light: 1 CPU, no GPU, same account and partition, no early SIGTERM.
     (index_call,) = [c for c in ok.sbatch_calls() if "--comment rule_index_dataset_" in c]
     assert " -A mf-acct " in index_call and " -p gpu " in index_call and "--cpus-per-task=1" in index_call
-    assert "--gpus" not in index_call and "--gres" not in index_call
+    assert "--gpus" not in index_call and "--gres" not in index_call and "--signal" not in index_call
+
+
+def test_shards_go_out_as_job_arrays_in_fewer_sbatch_calls(runs):
+    """The profile's arrays: 6 shards, chunk 2 -> 3 array submissions (plus the index job), all complete.
+
+    The submission rate equals the chunk (as in the profile: 1000 and 1000/1s), so the first
+    batch (2 shards while 4 more wait) goes out instead of being held back forever.
+    """
+    many = runs["many"]
+    assert many.proc.returncode == 0, many.output[-6000:]
+    submitted = many.submissions()
+    arrays = [c for c in many.sbatch_calls() if "--comment rule_shard_" in c]
+    assert len(submitted) == 4 and len(arrays) == 3, many.sbatch_calls()  # index + 3 arrays for 6 shards
+    assert sorted(c.split("--array=")[1].split()[0] for c in arrays) == ["1-2", "1-2", "1-2"]
+    assert "waiting for more jobs" not in many.output
+    tasks = many.submitted_jobs()
+    assert sorted(tasks) == list(range(MANY_SHARDS)) and all(len(t) == 1 and "_" in t[0] for t in tasks.values())
+    assert {j["JobState"] for s in range(MANY_SHARDS) for j in many.shard_jobs(s)} == {"COMPLETED"}
+    agg = _metrics(many.workdir)
+    assert agg["completed_shards"] == MANY_SHARDS and agg["total_rows_processed"] == MANY_SHARDS
 
 
 def test_failed_attempt_is_retried_with_a_longer_time_limit(runs):
@@ -132,33 +190,68 @@ def test_failed_attempt_is_retried_with_a_longer_time_limit(runs):
     assert [len(ok.shard_jobs(s)) for s in (0, 1)] == [1, 1]
 
 
-def test_cancelled_and_timed_out_shards_are_reported_failed(runs):
+def test_cancelled_shard_is_reported_failed(runs):
     faults = runs["faults"]
     assert faults.proc.returncode != 0
-    (cancelled,), (timed_out,) = faults.shard_jobs(0), faults.shard_jobs(1)
-    assert cancelled["JobState"] == "CANCELLED"
-    assert timed_out["JobState"] == "TIMEOUT" and timed_out["TimeLimit"] == "00:01:00"
-    out = faults.output
-    assert f"SLURM-job '{cancelled['JobId']}' failed, SLURM status is: 'CANCELLED'" in out
-    assert f"SLURM-job '{timed_out['JobId']}' failed, SLURM status is: 'TIMEOUT'" in out
+    (cancelled,) = faults.shard_jobs(0)
+    assert cancelled["JobState"] == "CANCELLED" and cancelled["ArrayTaskId"] in ("1", "2", "3")
+    assert f"SLURM-job '{faults.submitted_jobs()[0][0]}' failed, SLURM status is: 'CANCELLED'" in faults.output
     assert not [f for f in faults.left if f.endswith(("status.json", "metrics.json"))], faults.left
 
 
-def test_rerun_completes_the_failed_shards_as_a_job_array(runs):
+def test_shards_at_their_time_limit_get_sigterm_commit_and_record_it(runs):
+    """`--signal=TERM@6` (a tenth of 1 minute): the shards stop themselves before SLURM kills them.
+
+    The plugin runs the first task of an array outside any job step, where `--signal` does
+    not reach: mirageflow.time_limit (called by the shard job) covers it. Until the job
+    entry point calls it, that task runs into the limit (TIMEOUT) and is only reported.
+    """
+    faults = runs["faults"]
+    wired = "arm_time_limit_signal" in (slurm_cluster.REPO / "src" / "mirageflow" / "jobs.py").read_text()
+    checked = []
+    for shard in (1, 2):
+        (slow,) = faults.shard_jobs(shard)
+        assert slow["TimeLimit"] == "00:01:00", slow
+        first_task = slow.get("ArrayTaskId") == "1"
+        if first_task and not wired:
+            print(f"\nshard {shard}: first array task, no job step, time_limit.arm_time_limit_signal not called: {slow['JobState']}")
+            continue
+        assert slow["JobState"] == "FAILED", slow  # not TIMEOUT: it stopped first
+        failure = json.loads((faults.workdir / "state" / f"shard_{shard}" / "failure.json").read_text())
+        assert failure["signal"] == "SIGTERM" and failure["slurm_job_id"] == slow["JobId"], failure
+        assert 0 < _committed(failure) < SLOW_ROWS // 3, failure["error"]
+        checked.append(shard)
+    assert checked, "no slow shard ran in a job step"
+    assert "failed, SLURM status is: 'FAILED'" in faults.output
+
+
+def test_rerun_resumes_the_failed_shards_as_a_job_array(runs, servers):
     faults = runs["faults"]
     assert faults.proc.returncode is not None
+    committed = sum(
+        _committed(json.loads(f.read_text())) for f in (faults.workdir / "state").glob("shard_*/failure.json")
+    )
+    servers["slow"].behaviour.latency = 0.0
     t0 = time.monotonic()
-    rerun = Run(faults.workdir, _config_of(faults), "--slurm-array-jobs", "shard", name="rerun")
+    rerun = Run(faults.workdir, _config_of(faults), name="rerun")  # arrays: the profile's default
     assert rerun.wait(600) == 0, rerun.output[-6000:]
     print(f"\nSLURM rerun: {time.monotonic() - t0:.0f}s")
     calls = rerun.sbatch_calls()
-    assert len(calls) == 1 and "--array=1-2" in calls[0], calls  # no index job: it is done
+    assert len(calls) == 1 and "--array=1-3" in calls[0], calls  # no index job: it is done
     assert "--mem" not in calls[0]  # profile: no 1 MB "memory fudge" when mem is unset
     jobs = rerun.jobs()
-    assert len(jobs) == 2 and {j["JobState"] for j in jobs} == {"COMPLETED"}
-    assert len({j["ArrayJobId"] for j in jobs}) == 1 and {j["ArrayTaskId"] for j in jobs} == {"1", "2"}
+    assert len(jobs) == 3 and {j["JobState"] for j in jobs} == {"COMPLETED"}
+    assert len({j["ArrayJobId"] for j in jobs}) == 1 and {j["ArrayTaskId"] for j in jobs} == {"1", "2", "3"}
     agg = _metrics(faults.workdir)
-    assert agg["completed_shards"] == 2 and agg["total_rows_processed"] == 6
+    assert agg["completed_shards"] == 3 and agg["total_rows_processed"] == SLOW_ROWS
+    # The slow shards resumed: the rerun asked the engine once for each row not committed
+    # before (shard 0's, and the rest of shards 1 and 2), never for a committed one.
+    asked = [re.findall(r"Passage (\d+) ", json.dumps(r["body"])) for r in servers["slow"].records[faults.requests_before_rerun :]]
+    assert all(len(a) == 1 for a in asked) and len({a[0] for a in asked}) == len(asked) == SLOW_ROWS - committed
+    import pandas as pd
+
+    merged = pd.read_parquet(faults.workdir / "out" / "merged")
+    assert sorted(merged["text"]) == sorted(f"Passage {i} about the sea and the wind." for i in range(SLOW_ROWS))
 
 
 def test_invalid_config_fails_on_the_login_node_before_any_submission(cluster, tiny_model, tmp_path):
@@ -171,10 +264,29 @@ def test_invalid_config_fails_on_the_login_node_before_any_submission(cluster, t
     assert "sbatch call" not in run.output and not (tmp_path / ".snakemake" / "slurm_logs").exists()
 
 
+def _committed(failure: dict) -> int:
+    """Rows a failed attempt committed, from failure.json's message."""
+    if "nothing was committed" in failure["error"]:  # stopped before the shard runner started
+        return 0
+    m = re.search(r"(\d+) rows? committed", failure["error"])
+    assert m, failure["error"]
+    return int(m.group(1))
+
+
 def _config_of(run: Run) -> dict:
     import yaml
 
     return yaml.safe_load((run.workdir / "pipeline.yaml").read_text())
+
+
+def test_profile_submits_shards_as_arrays_without_the_plugin_hang():
+    """No cluster needed: arrays on; no job cap; submission rate = array chunk (docs/cluster.md)."""
+    import yaml
+
+    profile = yaml.safe_load((slurm_cluster.REPO / "profiles" / "slurm" / "profile.yaml").read_text())
+    assert profile["slurm-array-jobs"] == "shard" and profile["jobs"] == "unlimited"
+    assert profile["max-jobs-per-timespan"] == f"{profile['slurm-array-limit']}/1s"
+    assert profile["slurm-array-limit"] <= 1000  # SLURM's default MaxArraySize 1001, minus 1
 
 
 def test_every_profile_entry_is_commented():

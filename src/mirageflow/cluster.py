@@ -4,7 +4,10 @@
 memory, gres, a forbidden ``slurm_extra`` flag or ``max_time_limit < time_limit`` is a
 ConfigError naming the key path, in ``mmirage check`` as in ``snakemake -n``.
 ``cluster_resources`` turns a validated config into the Snakemake resources of a shard or
-index job (workflow/rules/*.smk; the mapping is in docs/cluster.md). Local runs ignore them:
+index job (workflow/rules/*.smk; the mapping is in docs/cluster.md). Shard jobs also get
+``--signal=TERM@<seconds>`` (``term_signal_seconds``): SLURM sends SIGTERM that long before
+the time limit, so the shard commits its finished rows and writes failure.json instead of
+being killed mid-commit, and the retry resumes it. Local runs ignore them:
 Snakemake only limits the resources given with --cores/--resources, so a ``gpu`` request
 never blocks a run on a machine without one.
 
@@ -24,6 +27,11 @@ _MEM_RE = re.compile(r"(\d+)([KMGT]?)")
 _MEM_SCALE_MB = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}
 _GRES_GPUS_RE = re.compile(r"gpu(?::[^:]+)?:(\d+)")
 INDEX_MAX_MINUTES = 60  # index jobs only read the dataset once
+# SIGTERM before the time limit: a tenth of the limit, at least TERM_MIN_SECONDS, at most
+# TERM_MAX_SECONDS (SLURM may send it up to a minute earlier than asked: it checks limits
+# periodically). The shard runner needs seconds to commit and write failure.json.
+TERM_MIN_SECONDS, TERM_MAX_SECONDS = 5, 300
+_SIGNAL_RE = re.compile(r"(?:^|\s)--signal[=\s]")
 
 # The sbatch options snakemake-executor-plugin-slurm sets itself and refuses in slurm_extra
 # (snakemake_executor_plugin_slurm.validation.get_forbidden_slurm_options, plugin 2.8.0, as
@@ -84,6 +92,25 @@ def forbidden_slurm_option(extra: str) -> str | None:
     return None
 
 
+def term_signal_seconds(limit_minutes: int) -> int:
+    """Seconds before a ``limit_minutes`` time limit at which the shard job gets SIGTERM.
+
+    A tenth of the limit, between TERM_MIN_SECONDS and TERM_MAX_SECONDS: 6 s for a 1-minute
+    limit, 60 s for 10 minutes, 5 minutes from 50 minutes on.
+    """
+    return max(TERM_MIN_SECONDS, min(TERM_MAX_SECONDS, limit_minutes * 6))
+
+
+def term_signal_option(limit_minutes: int) -> str:
+    """The sbatch option that sends SIGTERM to the job's steps before the time limit.
+
+    No ``B:``: that would signal only the batch shell, which does not pass it on; without
+    it SLURM signals every job step, and the shard runs in one (the plugin's ``srun``), except
+    in the first task of a job array, which mirageflow.time_limit covers.
+    """
+    return f"--signal=TERM@{term_signal_seconds(limit_minutes)}"
+
+
 def execution_problems(ep: dict, where: str = "execution_params") -> list[str]:
     """The SLURM keys' mistakes a schema pattern cannot catch, each ``key.path: message``."""
     problems = []
@@ -126,6 +153,11 @@ def _gpus(ep: dict, processors: dict) -> int:
         counted = _GRES_GPUS_RE.fullmatch(ep["gres"])
         gpus = int(counted.group(1)) if counted else gpus
     return gpus
+
+
+def shard_gpus(pipeline: Any) -> int:
+    """GPUs a shard job asks for: execution_params.gpus (or the gres count), else tp_size x dp_size."""
+    return _gpus(pipeline.raw["execution_params"], pipeline.processors)
 
 
 def runtime(base: int, cap: float) -> Callable:
@@ -173,6 +205,8 @@ def cluster_resources(pipeline: Any, job: str) -> dict:
             res["constraint"] = ep["constraint"]
         if ep.get("slurm_extra"):
             extra.append(ep["slurm_extra"])
+        if not _SIGNAL_RE.search(ep.get("slurm_extra") or ""):  # the user's own --signal wins
+            extra.append(term_signal_option(base))
     if extra:
         res["slurm_extra"] = " ".join(extra)
     return res

@@ -191,6 +191,11 @@ def index_dataset(config: str, ds_index: int, output: str) -> None:
 def run_shard(config: str, shard: int, attempt: int) -> None:
     cfg = _config(config)
     _EARLY["failure"] = str(cfg.shard_dir(shard) / "failure.json")  # the config's own state_dir
+    from mirageflow.gpu_claim import claim_for_shard
+    from mirageflow.time_limit import arm_time_limit_signal
+
+    claim_for_shard(cfg)  # before any engine is imported: CUDA_VISIBLE_DEVICES names this shard's GPUs
+    arm_time_limit_signal()  # an array's first task runs outside a job step, where --signal does not reach
     from mirageflow import pipeline_state
 
     # Whatever the aggregate and merge rules built from earlier shards is stale from now on.
