@@ -419,3 +419,23 @@ def test_a_lease_whose_slurm_job_has_ended_is_taken_over(tmp_path, monkeypatch):
     atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": time.time()})
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert status["status"] == "success"
+
+
+def test_a_lease_of_an_earlier_run_of_this_requeued_slurm_job_is_taken_over(tmp_path, monkeypatch):
+    """A preempted job requeued by SLURM keeps its job id; squeue says RUNNING (it is us)."""
+    import os
+    import time
+
+    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "squeue").write_text("#!/bin/sh\necho RUNNING\n")
+    (fake_bin / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    cfg.shard_dir(0).mkdir(parents=True)
+    atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": time.time()})
+    monkeypatch.setenv("SLURM_JOB_ID", "43")  # another job: the holder is alive
+    with pytest.raises(Exception, match="being run by host node7"):
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
+    monkeypatch.setenv("SLURM_JOB_ID", "42")  # the same job, requeued
+    assert run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))["status"] == "success"

@@ -31,7 +31,7 @@ exit codes:
 
 Anything after `--` goes to Snakemake unchanged, e.g.
   mmirage run --config my.yaml -- --dry-run
-  mmirage submit --config my.yaml -- --jobs 500
+  mmirage submit --config my.yaml -- --retries 0
 """
 
 
