@@ -3,7 +3,12 @@
 # transformers engine on CUDA, with stats: true (NVML sampling), then status.json printed.
 # Expected on a GPU node: engines.llm.device is the GPU's name, num_gpus 1, non-null
 # gpu_util_* samples, the GPU name/driver under hardware, and energy figures.
-# Needs the Python environment of requirements.txt with a CUDA build of torch.
+# Needs the Python environment of requirements.txt with a CUDA build of torch. In the GPU
+# environment (requirements-gpu.txt: sglang installed, driver >= 580) it then runs the same
+# pipeline on the `sglang` and `sglang_server` backends too and prints their status.json
+# engines and stats: one BOS per prompt (engines.llm.details.prompt_input), the backend
+# choice, the SGLang version, tokens/s; each must end with a status.json (a crash fails it
+# with failure.json naming the cause).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="${1:-$(mktemp -d /tmp/mirageflow-gpu-check.XXXXXX)}"
@@ -40,3 +45,30 @@ PY
 python -m snakemake --snakefile "$repo/Snakefile" --directory "$work" --configfile "$work/pipeline.json" --cores 1 --quiet
 cat "$work/state/shard_0/status.json"
 python -c "import json,sys; a=json.load(open(sys.argv[1]))['aggregate']; print(json.dumps({k: a.get(k) for k in ('num_gpus','mean_gpu_util_pct','tokens_per_sec_per_gpu','gpu_days_per_billion_tokens','roofline_fraction')}, indent=2))" "$work/state/metrics.json"
+
+# The SGLang backends, when this environment has sglang and torch sees a GPU.
+if python -c 'import importlib.util, sys, torch; sys.exit(0 if importlib.util.find_spec("sglang") and torch.cuda.is_available() else 1)'; then
+    for backend in sglang sglang_server; do
+        python - "$work" "$backend" <<'PY'
+import json, sys
+work, backend = sys.argv[1], sys.argv[2]
+cfg = json.load(open(f"{work}/pipeline.json"))
+cfg["processors"][0]["backend"] = backend
+# a 1.5 MB model: a small KV pool, no CUDA graphs (faster start); flags are ServerArgs fields
+cfg["processors"][0]["server_args"].update(tp_size=1, dp_size=1, extra_engine_args={
+    "mem_fraction_static": 0.3, "disable_cuda_graph": True, "context_length": 512, "max_running_requests": 64})
+cfg["loading_params"]["state_dir"] = f"{work}/state-{backend}"
+for ds in cfg["loading_params"]["datasets"]:
+    ds["output_dir"] = f"{work}/out-{backend}"
+json.dump(cfg, open(f"{work}/pipeline-{backend}.json", "w"))
+PY
+        echo "== backend $backend"
+        if ! python -m snakemake --snakefile "$repo/Snakefile" --directory "$work" --configfile "$work/pipeline-$backend.json" --cores 1 --quiet; then
+            cat "$work/state-$backend/shard_0/failure.json" 2>/dev/null || echo "no failure.json for $backend" >&2
+            exit 1
+        fi
+        python -c "import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({'engines': s.get('engines'), 'tokens_per_sec': (s.get('stats') or {}).get('tokens_per_sec')}, indent=2, default=str))" "$work/state-$backend/shard_0/status.json"
+    done
+else
+    echo "NOTE: sglang not installed or no GPU usable by torch: sglang/sglang_server not checked (pip install -r requirements-gpu.txt)"
+fi

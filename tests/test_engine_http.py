@@ -4,6 +4,7 @@ process (tests/fakes/fake_sglang_server.py), and ``openai`` against a fake serve
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -18,7 +19,7 @@ from mirageflow.engines.base import Request
 from mirageflow.engines.http import EngineError, backoff_delay, parse_prometheus, redact
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.sglang_server import SGLangServerEngine, ServerDied, server_flags
-from mirageflow.engines.transformers_engine import EngineStopped
+from mirageflow.engines.base import EngineStopped
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 CHAT_TEMPLATE = (
@@ -68,6 +69,24 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer_dir(tmp_path_factory) -> Path:
+    """A tokenizer that adds a BOS (like Llama's) and a chat template that starts with it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    out = tmp_path_factory.mktemp("bos_tok")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate("hello world user assistant".split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(out / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %} {{ m['role'] }} {{ m['content'] }}{% endfor %} assistant"
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "chat_template": template}  # fmt: skip
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
@@ -191,6 +210,43 @@ def test_retries_and_row_errors_on_generate(fast, monkeypatch, tmp_path):
     assert ok.error_kind is None and ok.completion_tokens > 0
     assert (too_long.finish_reason, too_long.error_kind) == ("abort", "context_length")
     assert "HTTP 400" in too_long.error
+
+
+def test_grammar_length_and_parameter_failures_are_row_errors_without_retries(fast, tmp_path):
+    import httpx2
+
+    prompts = ["GRAMMAR_FAIL", "SCHED_TOO_LONG", "fine"]
+    with SGLangServerEngine(processor(max_retries=3), log_dir=tmp_path) as engine:
+        out = engine.generate([req(i, p, SCHEMA) for i, p in enumerate(prompts)])
+        (bad_param,) = engine.generate([req(3, "fine", bogus_param=1)])
+        sent = httpx2.get(f"{engine.base_url}/server_info").json()["generate_requests"]
+    assert [c.error_kind for c in out] == ["grammar_error", "context_length", None]
+    assert "HTTP 500" in out[0].error and "Grammar accept_token failed" in out[0].error
+    assert bad_param.error_kind == "invalid_request" and "unknown field `bogus_param`" in bad_param.error
+    assert sent == 4  # the 500 of a grammar failure is the request's answer: not retried
+
+
+def test_one_bos_in_the_token_ids_sent(fast, tmp_path, bos_tokenizer_dir):
+    import httpx2
+
+    with SGLangServerEngine(processor(model=str(bos_tokenizer_dir), apply_chat_template=True), log_dir=tmp_path) as engine:
+        prompt = engine.chat_prompt([{"role": "user", "content": "hello world"}], {})
+        assert prompt.startswith("<s>")
+        bos = engine.tokenizer.bos_token_id
+        assert engine.tokenizer(prompt)["input_ids"][:2] == [bos, bos]  # what SGLang would do with the text
+        (c,) = engine.generate([req(0, prompt)])
+        (ids,) = httpx2.get(f"{engine.base_url}/server_info").json()["input_ids"]
+    assert ids[0] == bos and ids.count(bos) == 1 and c.prompt_tokens == len(ids)
+
+
+def test_the_stand_in_takes_sglangs_own_flags(tmp_path):
+    """The stand-in's parser is SGLang 0.5.23's flag list: flags SGLang has pass, others fail."""
+    import subprocess
+
+    env = {**os.environ, "FAKE_SGLANG_EXIT_AT_START": "5"}  # exit once the flags parsed
+    base = [*stand_in_command(), "--model-path", "m", "--port", "0"]
+    for flags, rc in ((["--schedule-policy", "lpm", "--random-seed", "1", "--enable-metrics"], 5), (["--no-such-flag"], 2)):
+        assert subprocess.run([*base, *flags], capture_output=True, env=env).returncode == rc
 
 
 def test_sigterm_ignored_means_sigkill(fast, monkeypatch, tmp_path):
@@ -372,3 +428,26 @@ def test_config_keys_and_openai_needs_base_url(tmp_path):
     proc = load_config(cfg).processors["llm"]
     assert (proc.base_url, proc.api_key_env, proc.max_retries, proc.server_command) == ("http://h:1/v1", "KEY", 2, ["x", "y"])
     assert (proc.server_start_timeout, proc.request_timeout, proc.model) == (900, 600, None)
+
+
+def test_a_password_in_base_url_and_an_api_key_flag_are_never_shown():
+    from mirageflow.engines.http import redact
+
+    assert redact(["python", "-m", "sglang.launch_server", "--api-key=sk-1", "--api-key", "sk-2"]) == [
+        "python", "-m", "sglang.launch_server", "--api-key=***", "--api-key", "***",
+    ]  # fmt: skip
+    from mirageflow.engines.openai_engine import OpenAIEngine
+    from mirageflow.config import load_config
+
+    cfg = load_config({
+        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://me:hunter2@127.0.0.1:9/v1", "server_args": {"model_path": "m"}}],
+        "loading_params": {"datasets": [{"path": "x.jsonl", "type": "JSONL", "output_dir": "o"}], "state_dir": "s"},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}]},
+    }, check_paths=False)  # fmt: skip
+    engine = OpenAIEngine(cfg.processors["llm"], 1)
+    engine.load()  # opens a client; nothing is sent
+    try:
+        shown = json.dumps(vars(engine.info), default=str)
+        assert "hunter2" not in shown and "me:***@127.0.0.1" in shown
+    finally:
+        engine.close()

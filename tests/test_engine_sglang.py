@@ -13,9 +13,10 @@ import pytest
 
 from fakes import FAKES, drive
 from mirageflow.config import ProcessorConfig
-from mirageflow.engines.base import BACKENDS, Request, create_engine
-from mirageflow.engines.sglang_engine import SGLangEngine, engine_kwargs, resolve_parallelism
-from mirageflow.engines.transformers_engine import EngineStopped
+from mirageflow.engines.base import BACKENDS, EngineError, Request, create_engine
+from mirageflow.engines.sglang_common import engine_kwargs, resolve_parallelism
+from mirageflow.engines.sglang_engine import SGLangCrashed, SGLangEngine
+from mirageflow.engines.base import EngineStopped
 
 SCHEMA = json.dumps({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})
 
@@ -50,11 +51,14 @@ def test_engine_args_are_forwarded_with_extra_args_verbatim(fake_sglang):
     engine.load()
     try:
         (fake,) = fake_sglang.ENGINES
+        handler = fake.server_args.pop("custom_sigquit_handler")
+        assert handler == engine._on_sigquit  # a crash of SGLang's scheduler must not kill the shard
         assert fake.server_args == {
             "model_path": "org/model", "tp_size": 2, "dp_size": 1, "trust_remote_code": True,
             "disable_custom_all_reduce": False, "max_running_requests": 8, "mem_fraction_static": 0.8,
             "chunked_prefill_size": 4096, "grammar_backend": "xgrammar", "log_level": "error",
         }  # fmt: skip
+        json.dumps(engine.info.details)  # status.json material: no handler object in it
         assert engine.max_inflight == 16  # 2 x max_running_requests
         assert engine.info.backend == "sglang"
         assert engine.info.versions["sglang"] == "0.5.23+fake"
@@ -91,10 +95,12 @@ def test_generation_json_schema_chat_template_and_tokens(fake_sglang):
     calls = fake.tokenizer_manager.tokenizer.calls
     assert len(calls) == 10  # once per request
     assert all(c["kwargs"] == {"enable_thinking": False} and c["add_generation_prompt"] and not c["tokenize"] for c in calls)
-    sent = {c["prompt"]: c["sampling_params"] for c in fake.calls}
+    tok = fake.tokenizer_manager.tokenizer
+    sent = {tok.decode(c["input_ids"]): c["sampling_params"] for c in fake.calls}
+    assert all(c["prompt"] is None for c in fake.calls)  # token ids, not text
     assert len(sent) == 10 and all(p.endswith("<|no_think|><|assistant|>") for p in sent)
     for r in requests:
-        params = sent[r.prompt]
+        params = sent[" ".join(tok.decode(tok(r.prompt, add_special_tokens=False)["input_ids"]).split())]
         if r.json_schema:
             assert isinstance(params["json_schema"], str) and params["json_schema"] == SCHEMA
         else:
@@ -103,7 +109,7 @@ def test_generation_json_schema_chat_template_and_tokens(fake_sglang):
     assert [c.id for c in completions] == list(range(10))
     assert all(c.text == '{"answer": "fake"}' for c in completions if c.id % 2)
     assert all(c.finish_reason in ("stop", "length") and c.error_kind is None for c in completions)
-    assert all(c.completion_tokens > 0 and c.prompt_tokens == len(requests[c.id].prompt.split()) for c in completions)
+    assert all(c.completion_tokens > 0 and c.prompt_tokens == len(tok(requests[c.id].prompt, add_special_tokens=False)["input_ids"]) for c in completions)
     assert fake.shutdown_calls == 1
 
 
@@ -132,13 +138,51 @@ def test_aborts_and_rejections_become_failed_completions(fake_sglang):
     assert ok.error_kind is None
 
 
-def test_engine_errors_propagate_and_shutdown_still_happens(fake_sglang):
-    with pytest.raises(RuntimeError, match="scheduler process died"):
-        with SGLangEngine(processor()) as engine:
-            engine.generate([req(0), req(1, "CRASH now")])
+def test_one_bos_where_sglang_would_add_a_second(fake_sglang):
+    """The template starts with <s>; SGLang tokenizes text with add_special_tokens=True."""
+    with SGLangEngine(processor()) as engine:
+        (fake,) = fake_sglang.ENGINES
+        tok = fake.tokenizer_manager.tokenizer
+        prompt = engine.chat_prompt([{"role": "user", "content": "hi"}], {})
+        assert prompt.startswith("<s>")
+        assert tok(prompt)["input_ids"][:2] == [1, 1]  # what sending the text would do
+        engine.generate([Request(0, None, prompt, {}), Request(1, None, "a raw prompt", {})])
+    templated, raw = (c["input_ids"] for c in fake.calls)
+    assert templated[0] == 1 and templated[1] != 1 and templated.count(1) == 1
+    assert raw[0] == 1 and raw.count(1) == 1  # a raw prompt gets the tokenizer's one BOS
+
+
+def test_grammar_and_length_failures_are_row_errors(fake_sglang):
+    prompts = ["GRAMMAR_FAIL here", "SCHED_TOO_LONG", "KV_BUDGET", "TOO_LONG", "fine"]
+    with SGLangEngine(processor()) as engine:
+        out = engine.generate([req(i, p, schema=SCHEMA) for i, p in enumerate(prompts)])
+    assert [c.error_kind for c in out] == ["grammar_error", "context_length", "context_length", "context_length", None]
+    assert "Grammar accept_token failed" in out[0].error and "status 500" in out[0].error
+    assert all(c.finish_reason == "abort" for c in out[:4])
+
+
+def test_a_scheduler_crash_fails_the_shard_with_its_cause(fake_sglang):
+    """SGLang's scheduler signals SIGQUIT and never answers: every request fails at once."""
+    t0 = time.monotonic()
+    with pytest.raises(SGLangCrashed, match="SGLang engine crashed; an SGLang subprocess failed and signalled SIGQUIT"):
+        with SGLangEngine(processor(extra={"max_running_requests": 2})) as engine:
+            drive(engine, [req(i) for i in range(5)] + [req(5, "CRASH now")] + [req(i) for i in range(6, 30)])
+    assert time.monotonic() - t0 < 5
     (fake,) = fake_sglang.ENGINES
     assert fake.shutdown_calls == 1
     assert engine.queue_depth() == 0
+    with pytest.raises(SGLangCrashed):  # and later requests too
+        engine.generate([req(99)])
+    import signal
+
+    assert signal.getsignal(signal.SIGQUIT) != engine._on_sigquit  # handler restored on close
+
+
+def test_a_crash_while_starting_is_a_load_error(fake_sglang):
+    engine = SGLangEngine(processor(model="crash-at-load"))
+    with pytest.raises(EngineError, match=r"SGLang failed to start: RuntimeError: Rank 0 scheduler died.*SIGQUIT"):
+        engine.load()
+    engine.close()
 
 
 def test_shutdown_when_load_fails_after_the_engine_started(fake_sglang):
@@ -191,7 +235,7 @@ def test_stop_fails_outstanding_and_later_requests(fake_sglang, monkeypatch):
 
 def test_missing_sglang_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)
-    with pytest.raises(RuntimeError, match=r'pip install "\.\[sglang\]"'):
+    with pytest.raises(EngineError, match=r"pip install -r requirements-gpu.txt"):
         SGLangEngine(processor()).load()
 
 

@@ -80,3 +80,45 @@ def test_chat_template_kwargs_reach_the_template(engine):
 def test_engine_info_records_versions(engine):
     assert engine.info.backend == "transformers" and engine.info.device == "cpu"
     assert {"transformers", "torch"} <= set(engine.info.versions)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_model, tmp_path_factory):
+    """The tiny Llama with a tokenizer that adds a BOS (<|endoftext|>, as Llama's adds <s>)
+    and a chat template that starts with it: the builder's output, edited in a copy."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("bos") / "tiny-llama-bos"
+    shutil.copytree(tiny_model, out)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|endoftext|>", pad_token="<|im_end|>")
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    template = out / "chat_template.jinja"
+    template.write_text("{{ bos_token }}" + template.read_text())
+    return out
+
+
+def test_exactly_one_bos_for_templates_and_raw_prompts(bos_model):
+    eng = TransformersEngine({"model_path": str(bos_model)}, batch_size=2, torch_threads=1)
+    eng.load()
+    try:
+        tok = eng.tokenizer
+        templated = eng.chat_prompt([{"role": "user", "content": "hi"}], {})
+        assert templated.startswith("<|endoftext|>") and tok(templated)["input_ids"][:2] == [0, 0]
+        assert tok("hello")["input_ids"][0] == 0  # the tokenizer adds a BOS
+        assert eng._prompt_ids(templated).count(0) == 1 and eng._prompt_ids("hello")[0] == 0
+        params = {"temperature": 0.0, "max_new_tokens": 3}
+        a, b = eng.generate([Request(0, None, templated, params), Request(1, None, "hello", params)])
+    finally:
+        eng.close()
+    assert a.prompt_tokens == len(tok(templated, add_special_tokens=False)["input_ids"])  # one BOS, from the template
+    assert b.prompt_tokens == len(tok("hello")["input_ids"])  # one BOS, the tokenizer's

@@ -13,6 +13,14 @@ answer); ``crash_after`` (script mode only: the process exits with ``crash_code`
 next generation request after that many were answered). A prompt containing ``TOO_LONG``
 gets SGLang's 400 context-length error.
 
+``/generate`` follows sglang 0.5.23 (srt/entrypoints/http_server.py ``generate_request``):
+a body outside the API contract (an unknown sampling parameter, a json_schema that is not
+a string) is a 400 ``{"error": "<contract message>"}`` (api_contract.py); a ValueError is a
+400 ``{"error": {"message"}}``; the HTTPException of a scheduler abort keeps its status
+with FastAPI's ``{"detail"}`` (``GRAMMAR_FAIL`` in the text: 500 "Grammar accept_token
+failed"); ``input_ids`` may replace ``text``. ``/server_info`` (``/get_server_info`` is
+deprecated) reports the version.
+
 Used in a thread by tests (``FakeServer(...).start()``) and as the core of
 ``fake_sglang_server.py``.
 """
@@ -26,6 +34,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+_FACTS = json.loads(Path(__file__).with_name("sglang_facts.json").read_text())
 
 CONTEXT_ERROR = "The input (5000 tokens) is longer than the model's context length (2048 tokens)."
 
@@ -132,8 +143,11 @@ def _handler(server: FakeServer):
                     self._send(200, server.metrics_text(), "text/plain; version=0.0.4")
                 else:
                     self._send(404, {"detail": "Not Found"})
-            elif self.path == "/get_server_info":
-                self._send(200, {"version": "0.5.23+fake", "peak_in_flight": server.peak_in_flight, "answered": server.answered})
+            elif self.path in ("/server_info", "/get_server_info"):
+                with server.lock:  # what tests of a stand-in process need to see
+                    generates = [r["body"] for r in server.records if r["path"] == "/generate"]
+                self._send(200, {"version": "0.5.23+fake", "peak_in_flight": server.peak_in_flight, "answered": server.answered,
+                                 "generate_requests": len(generates), "input_ids": [b.get("input_ids") for b in generates]})
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -179,17 +193,32 @@ def _handler(server: FakeServer):
                 server.generation_tokens += completion
 
         def _generate(self, body: dict):
-            text, params = body.get("text"), body.get("sampling_params") or {}
-            if not isinstance(text, str):
-                return 400, {"error": {"message": "text must be a string"}}
+            text, ids, params = body.get("text"), body.get("input_ids"), body.get("sampling_params") or {}
+            unknown = sorted(set(params) - set(_FACTS["generate_sampling_params"]))
+            if unknown:  # api_contract.generate_contract_error
+                return 400, {"error": _FACTS["generate_unknown_sampling_error"].format(name=unknown[0])}
             if "json_schema" in params and not isinstance(params["json_schema"], str):
-                return 400, {"error": {"message": "json_schema must be a JSON string"}}
+                return 400, {"error": "invalid type: map, expected a string"}
+            if (text is None) == (ids is None):
+                return 400, {"error": {"message": "Either text or input_ids should be provided."}}
+            if ids is not None:
+                if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+                    return 400, {"error": "invalid type: expected a sequence of integers"}
+                text = " ".join(f"t{i}" for i in ids)
+                p = len(ids)
+            elif not isinstance(text, str):
+                return 400, {"error": {"message": "text must be a string"}}
+            else:
+                p = len(text.split())
+            if "SCHED_TOO_LONG" in text:  # scheduler abort with status 400 -> ValueError -> 400
+                return 400, {"error": {"message": "Input length (5000 tokens) exceeds the maximum allowed length (4096 tokens). Use a shorter input or enable --allow-auto-truncate."}}
             if "TOO_LONG" in text:
                 return 400, {"error": {"message": CONTEXT_ERROR}}
+            if "GRAMMAR_FAIL" in text:  # HTTPException(500) -> FastAPI's {"detail"}
+                return 500, {"detail": "Grammar accept_token failed: token 1234 is not accepted by the grammar"}
             limit = int(params.get("max_new_tokens", 128))
             n = min(limit, 1 + sum(map(ord, text)) % 7)
             out = '{"answer": "yes"}' if "json_schema" in params else _words(n)
-            p = len(text.split())
             self._count(p, n)
             reason = {"type": "length", "length": n} if n >= limit else {"type": "stop", "matched": 2}
             return 200, {"text": out, "meta_info": {"id": "x", "finish_reason": reason, "prompt_tokens": p, "completion_tokens": n}}

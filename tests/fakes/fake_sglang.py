@@ -1,26 +1,43 @@
 """A stand-in for the ``sglang`` package, injected as ``sys.modules["sglang"]`` by tests.
 
-It honours the real offline-engine API (checked against SGLang's
-``python/sglang/srt/entrypoints/engine.py``):
+It behaves as sglang 0.5.23 does where our engine can tell (paths are under
+``python/sglang/srt/``; tests/test_real_sglang.py checks the same points against the
+installed package):
 
-- ``Engine(**server_args)``; ``engine.tokenizer_manager.tokenizer``; ``shutdown()``; a
-  context manager.
-- ``generate``/``async_generate(prompt=None, sampling_params=None, input_ids=None,
-  image_data=None, ..., stream=False, rid=None)``: one prompt -> one dict, a list -> a
-  list; ``{"text", "output_ids", "meta_info"}`` with ``meta_info`` = ``id``,
-  ``finish_reason`` ({"type": "stop"|"length"|"abort", ...}), ``prompt_tokens``,
+- ``Engine(**server_args)`` (entrypoints/engine.py): ``log_level`` defaults to "error";
+  ``custom_sigquit_handler`` is installed for SIGQUIT when given, else a handler that kills
+  the whole process tree including this process (``_set_envs_and_config`` ->
+  ``kill_process_tree(os.getpid())``); neither outside the main thread (a warning only).
+- ``generate``/``async_generate(prompt=None, sampling_params=None, input_ids=None, ...)``:
+  one prompt -> one dict; ``{"text", "output_ids", "meta_info"}`` with ``id``,
+  ``finish_reason`` (FINISH_*.to_json(): {"type": "stop", "matched"}, {"type": "length",
+  "length"}, {"type": "abort", "message", "status_code", "err_type"}), ``prompt_tokens``,
   ``completion_tokens``, ``cached_tokens``, ``e2e_latency``.
-- Sampling params are checked like ``SamplingParams(**params)`` (unknown names raise
-  TypeError); ``json_schema`` must be a string, and at most one of json_schema/regex/ebnf.
-- The tokenizer manager binds its receive loop to the first event loop that generates;
-  real SGLang then hangs on any other loop, this fake raises.
-- Too-long input raises ValueError with SGLang's message.
+- A text prompt is tokenized with ``add_special_tokens=True`` (tokenizer_manager.py
+  ``_tokenize_texts`` calls ``self.tokenizer(texts)``): the fake tokenizer adds a BOS like
+  Llama's, so a template that starts with ``<s>`` gets two. ``input_ids`` are used as given.
+- Sampling params: ``SamplingParams(**params)`` is a msgspec Struct: an unknown name raises
+  TypeError ("Unexpected keyword argument"); names from tests/fakes/sglang_facts.json.
+- Errors out of ``async_generate`` (tokenizer_manager.py ``_handle_abort_finish_reason``):
+  ValueError for validation, a too-long input and scheduler aborts with status 400;
+  ``HTTPException`` (fastapi's: ``status_code``, ``detail``) for aborts with another
+  status, e.g. 500 "Grammar accept_token failed" (scheduler_components/
+  batch_result_processor.py).
+- A scheduler crash (scheduler.py ``run_scheduler_process``: ``parent_process.send_signal(
+  SIGQUIT)``): SIGQUIT to this process, and the request never answers.
+- The tokenizer manager binds its receive loop to the first event loop that generates
+  (``auto_create_handle_loop``); real SGLang then hangs on any other loop, this fake
+  raises. From the main thread it also installs the running-phase SIGQUIT handler that
+  kills the process tree (``SignalHandler.running_phase_sigquit_handler``).
 
 Simulation: at most ``max_running_requests`` (default 4) requests run at once, the rest
 queue; a request takes ``TOKEN_SECONDS`` per output token; output lengths vary with the
-prompt. Magic words in a prompt: ``TOO_LONG`` (ValueError), ``ABORT`` (finish_reason
-abort), ``CRASH`` (RuntimeError, as when the scheduler dies). ``model_path`` "fail-load"
-fails the constructor; "no-tokenizer" leaves ``tokenizer_manager`` None.
+prompt. Magic words in a prompt (text or decoded ids): ``TOO_LONG`` (the tokenizer
+manager's ValueError), ``SCHED_TOO_LONG`` and ``KV_BUDGET`` (the scheduler's length aborts,
+status 400 -> ValueError), ``GRAMMAR_FAIL`` (HTTPException 500), ``ABORT`` (finish_reason
+abort, no status), ``CRASH`` (SIGQUIT, no answer). ``model_path`` "fail-load" fails the
+constructor; "crash-at-load" signals SIGQUIT, then fails as the real one does when its
+scheduler died; "no-tokenizer" leaves ``tokenizer_manager`` None.
 
 Everything is recorded on the module (``ENGINES``) and each engine (``calls``,
 ``peak_in_flight``, ``peak_running``, ``shutdown_calls``).
@@ -30,26 +47,67 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import os
+import signal
+import threading
 import time
+from pathlib import Path
 
 __version__ = "0.5.23+fake"
 
 TOKEN_SECONDS = 0.0005
 ENGINES: list["Engine"] = []
-_SAMPLING_NAMES = {
-    "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "n", "json_schema", "regex", "ebnf", "structural_tag",
-    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
-}  # fmt: skip
+_FACTS = json.loads((Path(__file__).with_name("sglang_facts.json")).read_text())
+_SAMPLING_NAMES = set(_FACTS["sampling_params"])
 _ids = itertools.count()
 
 
+class HTTPException(Exception):
+    """fastapi.HTTPException's shape (``status_code``, ``detail``, ``headers``)."""
+
+    def __init__(self, status_code: int, detail=None, headers=None):
+        super().__init__(status_code, detail)
+        self.status_code, self.detail, self.headers = status_code, detail, headers
+
+
+def kill_process_tree(parent_pid, include_parent: bool = True, skip_pid=None):
+    """SGLang's utils.kill_process_tree, for this process: children are not simulated."""
+    if include_parent and parent_pid == os.getpid():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FakeTokenizer:
-    """Hugging Face's apply_chat_template signature; records every call."""
+    """A Llama-like tokenizer: BOS ``<s>`` (id 1) added by ``__call__`` unless
+    ``add_special_tokens=False``; a chat template that starts with ``<s>`` (as Llama 3,
+    Gemma, Mistral); Hugging Face's apply_chat_template signature; records every call."""
+
+    bos_token, bos_token_id, eos_token, eos_token_id = "<s>", 1, "</s>", 2
 
     def __init__(self):
         self.calls: list[dict] = []
+        self.vocab = {"<s>": 1, "</s>": 2}
+        self.words = {1: "<s>", 2: "</s>"}
+
+    def _ids(self, text: str) -> list[int]:
+        ids = []
+        for word in text.replace("<s>", " <s> ").split():
+            if word not in self.vocab:
+                self.vocab[word] = len(self.vocab) + 1
+                self.words[self.vocab[word]] = word
+            ids.append(self.vocab[word])
+        return ids
+
+    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
+        texts = [text] if isinstance(text, str) else list(text)
+        out = [([self.bos_token_id] if add_special_tokens else []) + self._ids(t) for t in texts]
+        return {"input_ids": out[0] if isinstance(text, str) else out}
+
+    def encode(self, text, add_special_tokens: bool = True):
+        return self(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return " ".join(self.words.get(i, "?") for i in ids)
 
     def apply_chat_template(
         self,
@@ -74,7 +132,7 @@ class FakeTokenizer:
         )
         if tokenize:
             return [ord(c) % 256 for c in str(conversation)]
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in conversation)
+        text = "<s>" + "".join(f"<|{m['role']}|>{m['content']}\n" for m in conversation)
         if kwargs.get("enable_thinking") is False:
             text += "<|no_think|>"
         return text + ("<|assistant|>" if add_generation_prompt else "")
@@ -93,6 +151,9 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         if self.event_loop is None:
             self.event_loop = loop
+            if threading.current_thread() is threading.main_thread():
+                # SignalHandler.running_phase_sigquit_handler: kill_process_tree(os.getpid())
+                loop.add_signal_handler(signal.SIGQUIT, kill_process_tree, os.getpid())
         elif self.event_loop is not loop:
             raise RuntimeError(
                 "fake sglang: the tokenizer manager's handle loop is bound to another event loop "
@@ -113,8 +174,27 @@ class Engine:
         self.shutdown_calls = 0
         self._slots: asyncio.Semaphore | None = None
         ENGINES.append(self)
+        # entrypoints/engine.py _set_envs_and_config: the SIGQUIT handler, main thread only
+        self.sigquit_handler = None
+        if threading.current_thread() is threading.main_thread():
+            handler = kwargs.get("custom_sigquit_handler")
+            if handler is None:
+                def handler(signum, frame):  # launch_phase_sigquit_handler
+                    kill_process_tree(os.getpid())
+            signal.signal(signal.SIGQUIT, handler)
+            self.sigquit_handler = handler
         if kwargs["model_path"] == "fail-load":
             raise RuntimeError("fake sglang: failed to load the model")
+        if kwargs["model_path"] == "crash-at-load":
+            # the scheduler logs its traceback, signals its parent and exits; the parent's
+            # _wait_for_scheduler_ready then notices the dead process
+            print("fake sglang scheduler: torch.OutOfMemoryError: CUDA out of memory while allocating the KV cache", file=__import__("sys").stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGQUIT)
+            time.sleep(0.05)
+            raise RuntimeError(
+                "Rank 0 scheduler died during initialization (exit code: 1). If exit code is -9 (SIGKILL), "
+                "a common cause is the OS OOM killer. Run `dmesg -T | grep -i oom` to check."
+            )
         self.tokenizer_manager = None if kwargs["model_path"] == "no-tokenizer" else TokenizerManager()
         try:
             self.loop = asyncio.get_running_loop()
@@ -174,32 +254,49 @@ class Engine:
         self.tokenizer_manager.auto_create_handle_loop()
         if stream:
             raise NotImplementedError("fake sglang: streaming is not simulated")
-        if prompt is None:
-            raise ValueError("fake sglang: text (prompt) or input_ids is required")
-        single = isinstance(prompt, str)
-        prompts = [prompt] if single else list(prompt)
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("Either text or input_ids should be provided.")
+        tokenizer = self.tokenizer_manager.tokenizer
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            ids = tokenizer(prompt)["input_ids"]  # add_special_tokens=True, as SGLang does
+            ids = [ids] if single else ids
+        else:
+            single = not input_ids or isinstance(input_ids[0], int)
+            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
         if isinstance(sampling_params, list):
             params = sampling_params
         else:
-            params = [dict(sampling_params or {}) for _ in prompts]
-        self.calls.append({"prompt": prompt, "sampling_params": sampling_params})
-        outs = await asyncio.gather(*(self._one(p, sp) for p, sp in zip(prompts, params)))
+            params = [dict(sampling_params or {}) for _ in ids]
+        self.calls.append({"prompt": prompt, "input_ids": ids[0] if single else ids, "sampling_params": sampling_params})
+        outs = await asyncio.gather(*(self._one(tokenizer.decode(x), len(x), sp) for x, sp in zip(ids, params)))
         return outs[0] if single else list(outs)
 
-    async def _one(self, prompt: str, params: dict) -> dict:
+    async def _one(self, prompt: str, n_prompt: int, params: dict) -> dict:
         unknown = set(params) - _SAMPLING_NAMES
         if unknown:
-            raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument '{sorted(unknown)[0]}'")
+            raise TypeError(f"Unexpected keyword argument '{sorted(unknown)[0]}'")
         grammars = [k for k in ("json_schema", "regex", "ebnf") if params.get(k) is not None]
         if len(grammars) > 1:
             raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
         if "json_schema" in params and not isinstance(params["json_schema"], str):
             raise TypeError(f"json_schema must be a JSON string, got {type(params['json_schema']).__name__}")
-        n_prompt = len(prompt.split())
+        if "SCHED_TOO_LONG" in prompt:  # the scheduler's abort (status 400) -> ValueError
+            raise ValueError(
+                "Input length (5000 tokens) exceeds the maximum allowed length (4096 tokens). "
+                "Use a shorter input or enable --allow-auto-truncate."
+            )
         if "TOO_LONG" in prompt:
             raise ValueError("The input (5000 tokens) is longer than the model's context length (2048 tokens).")
+        if "KV_BUDGET" in prompt:
+            raise ValueError("Request prompt exceeds the KV memory budget: input_len=5000.")
+        if "GRAMMAR_FAIL" in prompt:
+            raise HTTPException(500, "Grammar accept_token failed: token 1234 is not accepted by the grammar")
         if "CRASH" in prompt:
-            raise RuntimeError("fake sglang: the scheduler process died")
+            # the scheduler dies: it logs, signals its parent, and this request never answers
+            print("fake sglang scheduler: Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access", file=__import__("sys").stderr, flush=True)
+            threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGQUIT)).start()
+            await asyncio.get_running_loop().create_future()
         start = time.monotonic()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.capacity)
@@ -226,7 +323,8 @@ class Engine:
             "e2e_latency": time.monotonic() - start,
         }
         if "ABORT" in prompt:
-            meta.update(completion_tokens=0, finish_reason={"type": "abort", "message": "fake abort: request was aborted"})
+            reason = {"type": "abort", "message": "fake abort: request was aborted", "status_code": None, "err_type": None}
+            meta.update(completion_tokens=0, finish_reason=reason)
             return {"text": "", "output_ids": [], "meta_info": meta}
         if "json_schema" in params:
             text = '{"answer": "fake"}'

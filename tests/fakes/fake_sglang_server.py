@@ -2,10 +2,14 @@
 
     python tests/fakes/fake_sglang_server.py --model-path M --port P [--host H] [--tp-size N] ...
 
-Unknown flags are an error (exit 2), as with the real launcher. Trouble comes from the
-environment (the engine's child inherits it):
+The flags are sglang 0.5.23's own (tests/fakes/sglang_facts.json, from
+``ServerArgs.add_cli_args``; argparse with its defaults, so an unambiguous prefix such as
+``--tp`` for ``--tp-size`` is accepted as by the real parser); any other flag is an error
+(exit 2). ``/health_generate`` answers 503 until the warm-up ends, as SGLang's does
+(http_server.py: 503 until the warm-up request finished), 0.3 s by default. Trouble comes
+from the environment (the engine's child inherits it):
 
-- FAKE_SGLANG_UNHEALTHY_FOR=seconds   /health_generate answers 503 this long
+- FAKE_SGLANG_UNHEALTHY_FOR=seconds   /health_generate answers 503 this long (the warm-up)
 - FAKE_SGLANG_NEVER_HEALTHY=1         ...forever
 - FAKE_SGLANG_EXIT_AT_START=code      exit before serving
 - FAKE_SGLANG_CRASH_AFTER=n           exit (code 7) on the generation request after n answers
@@ -25,33 +29,32 @@ import signal
 import subprocess
 import sys
 
-from fake_http import Behaviour, FakeServer
+from fake_http import _FACTS, Behaviour, FakeServer
+
+_TYPED = {"port": int, "tp_size": int, "dp_size": int}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sglang.launch_server (fake)")
-    p.add_argument("--model-path", "--model", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=1)
-    p.add_argument("--data-parallel-size", "--dp-size", "--dp", dest="dp_size", type=int, default=1)
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--disable-custom-all-reduce", action="store_true")
-    p.add_argument("--enable-metrics", action="store_true")
-    p.add_argument("--max-running-requests", type=int)
-    p.add_argument("--mem-fraction-static", type=float)
-    p.add_argument("--chunked-prefill-size", type=int)
-    p.add_argument("--context-length", type=int)
-    p.add_argument("--grammar-backend")
-    p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    for flag in _FACTS["server_flags"]:
+        if flag["nargs"] == 0:  # store_true, BooleanOptionalAction, ...
+            p.add_argument(*flag["flags"], dest=flag["dest"], action="store_true")
+        else:
+            p.add_argument(*flag["flags"], dest=flag["dest"], nargs=flag["nargs"], type=_TYPED.get(flag["dest"], str))
+    args = p.parse_args(argv)
+    if not args.model_path:
+        p.error("the following arguments are required: --model-path")
+    args.host = args.host or "127.0.0.1"
+    args.port = 30000 if args.port is None else args.port
+    args.tp_size, args.dp_size = args.tp_size or 1, args.dp_size or 1
+    return args
 
 
 def main() -> None:
     args = parse(sys.argv[1:])
     env = os.environ
     print(f"fake sglang argv: {json.dumps(sys.argv[1:])}", flush=True)
-    print(f"fake sglang: server_args={vars(args)}", flush=True)
+    print(f"fake sglang: server_args={ {k: v for k, v in vars(args).items() if v not in (None, False)} }", flush=True)
     if env.get("FAKE_SGLANG_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, lambda *a: print("fake sglang: ignoring SIGTERM", flush=True))
     if env.get("FAKE_SGLANG_SPAWN_CHILD"):
@@ -65,7 +68,7 @@ def main() -> None:
     behaviour = Behaviour(
         latency=float(env.get("FAKE_SGLANG_LATENCY", "0")),
         hold_until=int(env.get("FAKE_SGLANG_HOLD_UNTIL", "0")),
-        unhealthy_for=float(env.get("FAKE_SGLANG_UNHEALTHY_FOR", "0")),
+        unhealthy_for=float(env.get("FAKE_SGLANG_UNHEALTHY_FOR", "0.3")),
         never_healthy=bool(env.get("FAKE_SGLANG_NEVER_HEALTHY")),
         plan=plan,
         crash_after=int(env["FAKE_SGLANG_CRASH_AFTER"]) if env.get("FAKE_SGLANG_CRASH_AFTER") else None,

@@ -148,8 +148,21 @@ class ChatTemplate:
 class Engine(abc.ABC):
     """Load once, apply the model's chat template, generate request by request, close."""
 
-    info: EngineInfo
     max_inflight: int = 64  # rows the runner keeps in flight; engines set it from their capacity
+    # how create_engine chose this backend ({"requested", "chosen", "reason"}); shown in
+    # info.details["backend_selection"] (status.json -> engines)
+    backend_selection: dict | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        info = self.__dict__["_info"]
+        if self.backend_selection and "backend_selection" not in info.details:
+            info.details["backend_selection"] = dict(self.backend_selection)
+        return info
+
+    @info.setter
+    def info(self, value: EngineInfo) -> None:
+        self.__dict__["_info"] = value
 
     @abc.abstractmethod
     def load(self) -> None: ...
@@ -200,63 +213,169 @@ class Engine(abc.ABC):
         self.close()
 
 
-def cuda_available() -> bool:
+
+# --------------------------------------------------------------------------- errors
+
+
+class EngineError(RuntimeError):
+    """The engine cannot go on (it crashed, the server died, the endpoint is unusable): the
+    shard fails with this message. Row-level problems are Completions with ``error_kind``."""
+
+
+class EngineStopped(EngineError):
+    """``stop()`` was called (SIGTERM/SIGINT): outstanding and later requests fail with it."""
+
+
+# --------------------------------------------------------------------------- prompt tokens
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer(text)`` (add_special_tokens=True, what SGLang does with a text
+    prompt) puts the BOS token in front."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    try:
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    except Exception:  # noqa: BLE001 - a tokenizer without the call: assume not
+        return False
+    return bool(ids) and ids[0] == bos
+
+
+def prompt_token_ids(tokenizer, text: str, bos: int | None) -> list[int]:
+    """The model input's token ids, with exactly one BOS when ``bos`` is the id the
+    tokenizer adds (``adds_bos``), and none added otherwise.
+
+    A rendered chat template usually starts with the BOS already (Llama 3, Gemma, Mistral,
+    DeepSeek); SGLang tokenizes text prompts with ``add_special_tokens=True``, which adds
+    a second one. Engines therefore tokenize here with ``add_special_tokens=False``, put
+    one BOS in front when the text has none (a raw prompt, ``apply_chat_template:
+    false``), drop repeats of it, and send the ids.
+    """
+    return _one_bos(list(tokenizer(text, add_special_tokens=False)["input_ids"]), bos)
+
+
+def _one_bos(ids: list[int], bos: int | None) -> list[int]:
+    if bos is None:
+        return ids
+    start = 0
+    while start < len(ids) and ids[start] == bos:
+        start += 1
+    return [bos, *ids[start:]]
+
+
+class PromptTokenizer:
+    """``prompt_token_ids`` with the tokenizer's BOS behaviour read once."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
+
+    def __call__(self, text: str) -> list[int]:
+        return prompt_token_ids(self.tokenizer, text, self.bos)
+
+    def batch(self, texts: list[str]) -> list[list[int]]:
+        """Several prompts in one tokenizer call."""
+        return [_one_bos(list(ids), self.bos) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+# --------------------------------------------------------------------------- backends
+
+# Backend name -> "module:Class", imported only when chosen. A class takes
+# (processor, batch_size, log_dir=None); log_dir is where it may write logs of its own (the
+# sglang_server's server log; None = a temporary directory). A new backend is one module
+# and one line here.
+BACKENDS = {
+    "transformers": "mirageflow.engines.transformers_engine:TransformersEngine",
+    "sglang": "mirageflow.engines.sglang_engine:SGLangEngine",
+    "sglang_server": "mirageflow.engines.sglang_server:SGLangServerEngine",
+    "openai": "mirageflow.engines.openai_engine:OpenAIEngine",
+}
+
+SGLANG_INSTALL = "pip install -r requirements-gpu.txt (see the README's GPU section)"
+
+
+def engine_class(backend: str) -> type[Engine]:
+    import importlib
+
+    try:
+        target = BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"unknown backend '{backend}' (available: {', '.join(sorted(BACKENDS))})") from None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _nvidia_gpus() -> tuple[int, str | None]:
+    """(GPUs the NVIDIA driver sees, driver version), through NVML; (0, None) without a driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            return pynvml.nvmlDeviceGetCount(), driver.decode() if isinstance(driver, bytes) else str(driver)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library
+        return 0, None
+
+
+def _torch_cuda() -> tuple[bool, str]:
+    """(torch can use CUDA, a description of the torch build)."""
     try:
         import torch
     except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return False, "torch is not installed"
+    cuda = getattr(torch.version, "cuda", None)
+    build = f"torch {torch.__version__} ({'CUDA ' + cuda if cuda else 'CPU-only build'})"
+    try:
+        return bool(torch.cuda.is_available()), build
+    except Exception as e:  # noqa: BLE001
+        return False, f"{build}: {type(e).__name__}: {e}"
+
+
+def cuda_available() -> bool:
+    return _torch_cuda()[0]
+
+
+def select_backend(backend: str, environ=None) -> tuple[str, str]:
+    """(backend, why). ``auto`` -> sglang when the sglang package is installed and torch can
+    use a GPU, else transformers; the reason says which check failed."""
+    import importlib.util
+    import os
+
+    if backend != "auto":
+        return backend, "configured"
+    environ = os.environ if environ is None else environ
+    if environ.get("CUDA_VISIBLE_DEVICES") is not None and not environ["CUDA_VISIBLE_DEVICES"].strip():
+        return "transformers", "no GPU allocated to this job (CUDA_VISIBLE_DEVICES is empty)"
+    gpus, driver = _nvidia_gpus()
+    has_sglang = importlib.util.find_spec("sglang") is not None
+    usable, build = _torch_cuda()
+    if has_sglang and usable:
+        return "sglang", f"a CUDA GPU and the sglang package are present ({build})"
+    if gpus == 0 and not usable:
+        return "transformers", "no NVIDIA GPU found (NVML sees none)"
+    if not usable:
+        return "transformers", (
+            f"the NVIDIA driver {driver} sees {gpus} GPU(s) but {build} cannot use them "
+            "(a CPU-only torch, or a driver older than the torch build needs: sglang 0.5.23's "
+            "torch 2.14.1 is built for CUDA 13 and needs driver >= 580)"
+        )
+    return "transformers", f"a GPU is usable but the sglang package is not installed ({SGLANG_INSTALL})"
 
 
 def resolve_backend(backend: str) -> str:
-    """`auto` -> sglang when a CUDA GPU and the sglang package are present, else transformers."""
-    if backend != "auto":
-        return backend
-    if importlib.util.find_spec("sglang") is not None and cuda_available():
-        return "sglang"
-    return "transformers"
-
-
-def _transformers(processor, batch_size: int, log_dir=None) -> Engine:
-    from mirageflow.engines.transformers_engine import TransformersEngine
-
-    return TransformersEngine(processor.server_args, batch_size=batch_size, torch_threads=processor.torch_threads)
-
-
-def _sglang(processor, batch_size: int, log_dir=None) -> Engine:
-    from mirageflow.engines.sglang_engine import SGLangEngine
-
-    return SGLangEngine(processor, batch_size, log_dir=log_dir)
-
-
-def _sglang_server(processor, batch_size: int, log_dir=None) -> Engine:
-    from mirageflow.engines.sglang_server import SGLangServerEngine
-
-    return SGLangServerEngine(processor, batch_size, log_dir=log_dir)
-
-
-def _openai(processor, batch_size: int, log_dir=None) -> Engine:
-    from mirageflow.engines.openai_engine import OpenAIEngine
-
-    return OpenAIEngine(processor, batch_size, log_dir=log_dir)
-
-
-# backend name -> factory(processor, batch_size, log_dir=None); engines import their heavy
-# libraries lazily inside. log_dir: where an engine may write logs of its own (the
-# sglang_server's server log); None = a temporary directory.
-BACKENDS = {
-    "transformers": _transformers,
-    "sglang": _sglang,
-    "sglang_server": _sglang_server,
-    "openai": _openai,
-}
+    return select_backend(backend)[0]
 
 
 def create_engine(processor, batch_size: int, log_dir=None) -> Engine:
-    backend = resolve_backend(processor.backend)
-    if backend not in BACKENDS and processor.backend == "auto":
-        log.warning("backend auto: %s is not available in this version; using transformers", backend)
-        backend = "transformers"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend '{backend}' (available: {', '.join(sorted(BACKENDS))})")
-    return BACKENDS[backend](processor, batch_size, log_dir=log_dir)
+    backend, why = select_backend(processor.backend)
+    cls = engine_class(backend)
+    if processor.backend == "auto":
+        gpu_wasted = backend != "sglang" and not why.startswith(("no NVIDIA GPU", "no GPU allocated"))
+        (log.warning if gpu_wasted else log.info)("backend auto -> %s: %s", backend, why)
+    engine = cls(processor, batch_size, log_dir=log_dir)
+    engine.backend_selection = {"requested": processor.backend, "chosen": backend, "reason": why}
+    return engine

@@ -1,4 +1,5 @@
-"""Shared machinery for the engines that run their own event loop (SGLang, HTTP servers).
+"""Shared machinery (not an engine): the private event loop of the engines that run one
+(SGLang, HTTP servers), HTTP helpers, and how engine error messages are classified.
 
 ``LoopEngine`` runs a private asyncio loop in a daemon thread and bridges each
 ``generate_one`` call into it. The engine's clients (an httpx2 connection pool, SGLang's
@@ -23,21 +24,28 @@ import socket
 import threading
 from typing import Any, Awaitable, Callable
 
-from mirageflow.engines.base import Engine
-from mirageflow.engines.transformers_engine import EngineStopped
+from mirageflow.engines.base import Completion, Engine, EngineError, EngineStopped
+from mirageflow.redact import redact, redact_text  # noqa: F401 - the engines import them from here
+# EngineError and EngineStopped live in base (imported here for the engines' convenience).
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # worth another try
 FATAL_STATUS = {401, 403, 404}  # wrong key, URL or model: every request would fail
+# Messages that say the prompt does not fit, from SGLang (tokenizer manager: "The input (N
+# tokens) is longer than the model's context length"; scheduler, srt/managers/utils.py
+# validate_input_length: "Input length (N tokens) exceeds the maximum allowed length";
+# scheduler.py init_req_max_new_tokens: "Request prompt exceeds the KV memory budget";
+# disaggregation: "exceeds the maximum number of tokens"), vLLM and OpenAI.
 _CONTEXT_MARKERS = (
     "context length", "context window", "maximum context", "longer than the model",
     "requested token count exceeds", "too many tokens", "context_length_exceeded",
+    "exceeds the maximum allowed length", "kv memory budget", "exceeds the maximum number of tokens",
 )  # fmt: skip
-
-
-class EngineError(RuntimeError):
-    """The engine cannot go on (server died, endpoint unreachable): the shard fails with it."""
+# Constrained decoding that failed for this request (SGLang: "Grammar accept_token failed:
+# ..." with status 500, scheduler_components/batch_result_processor.py; "Failed to compile
+# json grammar: ..." for a schema the grammar backend rejects, constrained/grammar_manager.py).
+_GRAMMAR_MARKERS = ("grammar",)
 
 
 class LoopEngine(Engine):
@@ -164,20 +172,6 @@ class LoopEngine(Engine):
 # --------------------------------------------------------------------------- HTTP helpers
 
 
-_SECRET = re.compile(r"(key|token|secret|password)$", re.IGNORECASE)  # api_key, --hf-token, ...
-
-
-def redact(value):
-    """A copy of engine arguments (a mapping, or an argv list) fit for logs and status files."""
-    if isinstance(value, dict):
-        return {k: "***" if _SECRET.search(str(k)) and v not in (None, False) else v for k, v in value.items()}
-    out, hide = [], False
-    for item in value:
-        out.append("***" if hide else item)
-        hide = isinstance(item, str) and item.startswith("--") and bool(_SECRET.search(item))
-    return out
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -187,6 +181,47 @@ def free_port(host: str = "127.0.0.1") -> int:
 def is_context_length_error(message: str) -> bool:
     low = message.lower()
     return any(m in low for m in _CONTEXT_MARKERS)
+
+
+def error_kind(message: str, default: str = "invalid_request") -> str:
+    """The row-error class of an engine's message about one request."""
+    if is_context_length_error(message):
+        return "context_length"
+    low = message.lower()
+    if any(m in low for m in _GRAMMAR_MARKERS):
+        return "grammar_error"
+    return default
+
+
+def rejected(rid: int, message: str, default: str = "invalid_request") -> Completion:
+    """A request the engine refused or aborted (no tokens were generated): a row error."""
+    return Completion(rid, "", 0, 0, "abort", error_kind(message, default), message)
+
+
+def stderr_tail(lines: int = 30) -> str | None:
+    """The last lines of this process's stderr when it is a regular file (a job log), else None.
+
+    In-process engines (SGLang's scheduler is a child sharing our stderr) log their
+    tracebacks there; a crash message quotes them.
+    """
+    import os
+    import stat
+
+    try:
+        path = os.readlink("/proc/self/fd/2")
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    from collections import deque
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 256 * 1024))
+            tail = deque(f, maxlen=lines)
+    except OSError:
+        return None
+    return b"".join(tail).decode("utf-8", "replace").rstrip() or None
 
 
 def error_message(body: bytes | str, limit: int = 500) -> str:
@@ -230,12 +265,14 @@ async def post_with_retries(
     max_delay: float,
     what: str,
     on_transport_error: Callable[[], Awaitable[None]] | None = None,
+    final: Callable[[Any], bool] | None = None,
 ):
     """POST JSON; retry connection errors, timeouts, 429 and 5xx with backoff.
 
     Returns the final response (2xx or a non-retryable status). Raises EngineError once
     ``max_retries`` retries are spent. ``on_transport_error`` may raise instead of retrying
-    (e.g. when the server process is gone).
+    (e.g. when the server process is gone). ``final(response)`` true: a retryable status
+    that is this request's own answer (SGLang's 500 for a grammar failure) is returned as is.
     """
     import httpx2
 
@@ -252,7 +289,7 @@ async def post_with_retries(
             if on_transport_error is not None:
                 await on_transport_error()
         else:
-            if response.status_code not in RETRY_STATUS:
+            if response.status_code not in RETRY_STATUS or (final is not None and final(response)):
                 return response
             last = f"HTTP {response.status_code}: {error_message(response.content, 200)}"
             retry_after = response.headers.get("retry-after")

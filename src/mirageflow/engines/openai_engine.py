@@ -15,6 +15,8 @@ prompt goes to ``POST {base_url}/completions`` as is.
   carries ``continue_final_message: true, add_generation_prompt: false``.
 - JSON outputs: ``response_format: {"type": "json_schema", "json_schema": {"name": "output",
   "schema": ...}}``.
+- BOS: the server applies the template and tokenizes it without special tokens (SGLang
+  and vLLM do, as ``apply_chat_template(tokenize=True)``), so a template's BOS is not doubled.
 - Tokens from ``usage``; finish reasons stop/length pass through, content_filter and abort
   become ``abort``, anything else (tool_calls, ...) ``stop``.
 - Connection errors, timeouts (``request_timeout`` per attempt), 429 and 5xx are retried
@@ -32,8 +34,7 @@ import logging
 import os
 
 from mirageflow.engines.base import Completion, EngineInfo, Request
-from mirageflow.engines.http import FATAL_STATUS, EngineError, LoopEngine, error_message, post_with_retries
-from mirageflow.engines.sglang_engine import rejected
+from mirageflow.engines.http import FATAL_STATUS, EngineError, LoopEngine, error_message, post_with_retries, redact_text, rejected
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class OpenAIEngine(LoopEngine):
             versions={"httpx2": httpx2.__version__},
             device="remote",
             details={
-                "base_url": self.base_url,
+                "base_url": redact_text(self.base_url),
                 "api_key_env": name,
                 "max_inflight": self.max_inflight,
                 "max_retries": self.processor.max_retries,
@@ -147,13 +148,13 @@ class OpenAIEngine(LoopEngine):
                 timeout=float(self.processor.request_timeout),
                 base_delay=self.retry_base_delay,
                 max_delay=self.retry_max_delay,
-                what=f"POST {self.base_url}{path}",
+                what=f"POST {redact_text(self.base_url)}{path}",
             )
         if not 200 <= response.status_code < 300:
-            message = f"{self.base_url}{path} answered HTTP {response.status_code}: {error_message(response.content)}"
+            message = f"{redact_text(self.base_url)}{path} answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return rejected(request.id, message)
+            return rejected(request.id, message, "aborted" if response.status_code >= 500 else "invalid_request")
         data = response.json()
         choice = (data.get("choices") or [{}])[0]
         if path == "/chat/completions":
@@ -163,7 +164,7 @@ class OpenAIEngine(LoopEngine):
         usage = data.get("usage") or {}
         if not usage and not self._warned_usage:
             self._warned_usage = True
-            log.warning("%s reports no usage; token counts will be 0", self.base_url)
+            log.warning("%s reports no usage; token counts will be 0", redact_text(self.base_url))
         completion = Completion(
             request.id,
             text or "",

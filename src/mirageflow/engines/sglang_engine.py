@@ -1,7 +1,7 @@
 """SGLang's in-process engine (``backend: sglang``): ``sglang.Engine(**server_args)``.
 
-Each request is one ``engine.async_generate(prompt=..., sampling_params=...)`` call; SGLang
-batches whatever is in flight (continuous batching), so the runner's window of
+Each request is one ``engine.async_generate(input_ids=..., sampling_params=...)`` call;
+SGLang batches whatever is in flight (continuous batching), so the runner's window of
 ``max_inflight`` requests is all the batching there is. The calls run on a private event
 loop (see ``LoopEngine``): SGLang's tokenizer manager binds its receive loop to the first
 event loop that generates and would hang on any other.
@@ -10,11 +10,22 @@ event loop that generates and would hang on any other.
   disable_custom_all_reduce) plus ``extra_engine_args`` verbatim (they win on a clash).
   ``tp_size: null`` means the job's GPUs (CUDA_VISIBLE_DEVICES) divided by ``dp_size``.
 - ``max_inflight``: 2 x ``extra_engine_args.max_running_requests`` when given, else 512.
+- Prompts go as token ids, with exactly one BOS (``base.prompt_token_ids``): SGLang
+  tokenizes a text prompt with ``add_special_tokens=True``, which would put a second BOS
+  before a chat template that starts with one.
 - JSON outputs: the request's JSON schema (a string) goes to ``sampling_params["json_schema"]``.
 - Chat template: the tokenizer the engine loaded (``tokenizer_manager.tokenizer``).
-- Tokens and finish reasons come from ``meta_info``; an abort becomes a Completion with
-  ``finish_reason="abort"`` (error_kind ``context_length`` or ``aborted``), as does a request
-  SGLang rejects with a ValueError (too long for the context, invalid parameters).
+- Row errors (Completions with ``error_kind``, never a shard halt): aborts in ``meta_info``,
+  ValueErrors (validation, too long) and the HTTPException SGLang raises for other aborts
+  (a grammar failure is a 500): ``context_length``, ``grammar_error``, ``invalid_request``
+  or ``aborted`` by message (``sglang_common.request_error``).
+- Crashes: a failing SGLang subprocess (scheduler exception, KV-cache or CUDA-graph OOM, a
+  watchdog timeout) sends SIGQUIT to this process, and SGLang's own handler then kills the
+  whole process tree, this shard included, leaving no failure record. The engine installs
+  its own handler instead (``ServerArgs.custom_sigquit_handler``, from the main thread):
+  every outstanding and later request, or ``load()``, fails at once with an EngineError
+  naming the cause and the tail of this process's stderr (the job log, where SGLang's
+  children write their tracebacks).
 - SGLang starts its scheduler with multiprocessing "spawn": the entry script needs an
   ``if __name__ == "__main__":`` guard. ``close()`` always calls ``shutdown()``, which kills
   every child process of this process.
@@ -23,73 +34,29 @@ event loop that generates and would hang on any other.
 from __future__ import annotations
 
 import logging
-import os
+import signal
 import sys
-from typing import Any, Mapping
+import threading
+import time
 
 from mirageflow import stats
-from mirageflow.engines.base import Completion, EngineInfo, Request
-from mirageflow.engines.http import LoopEngine, is_context_length_error, redact
+from mirageflow.engines.base import Completion, EngineError, EngineInfo, PromptTokenizer, Request, SGLANG_INSTALL
+from mirageflow.engines.http import LoopEngine, redact, stderr_tail
+from mirageflow.engines.sglang_common import (
+    completion_from_output,
+    default_max_inflight,
+    engine_kwargs,
+    request_error,
+    sampling_params,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_INFLIGHT = 512  # without max_running_requests: enough to keep a GPU busy
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+LOG_TAIL_LINES = 30
 
 
-def resolve_parallelism(server_args: Mapping, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """(tp_size, dp_size): configured values; tp_size null -> the job's GPUs / dp_size (at least 1)."""
-    dp = server_args.get("dp_size") or 1
-    tp = server_args.get("tp_size")
-    if tp is None:
-        gpus = stats.allocated_gpus(environ)
-        tp = max(1, gpus // dp) if gpus else 1
-    return int(tp), int(dp)
-
-
-def default_max_inflight(server_args: Mapping) -> int:
-    running = (server_args.get("extra_engine_args") or {}).get("max_running_requests")
-    return 2 * int(running) if running else DEFAULT_MAX_INFLIGHT
-
-
-def engine_kwargs(server_args: Mapping, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """Keyword arguments for ``sglang.Engine``: server_args, resolved parallelism, extra args verbatim."""
-    args = dict(server_args)
-    extra = dict(args.pop("extra_engine_args", None) or {})
-    tp, dp = resolve_parallelism(args, environ)
-    kwargs = {k: v for k, v in args.items() if v is not None}
-    kwargs.update(tp_size=tp, dp_size=dp)
-    kwargs.update(extra)
-    return kwargs
-
-
-def sampling_params(request: Request) -> dict:
-    params = dict(request.sampling_params)
-    if request.json_schema is not None:
-        params["json_schema"] = request.json_schema  # SGLang wants the schema as a JSON string
-    return params
-
-
-def completion_from_output(rid: int, out: Mapping) -> Completion:
-    """A Completion from SGLang's ``{"text", "meta_info"}`` (offline engine and /generate alike)."""
-    meta = out.get("meta_info") or {}
-    reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, Mapping) else reason
-    finish = _FINISH.get(kind, "stop") if kind is not None else "stop"
-    completion = Completion(
-        rid, out.get("text") or "", int(meta.get("prompt_tokens") or 0), int(meta.get("completion_tokens") or 0), finish
-    )
-    if finish == "abort":
-        message = str(reason.get("message") or "") if isinstance(reason, Mapping) else ""
-        completion.error_kind = "context_length" if is_context_length_error(message) else "aborted"
-        completion.error = "the engine aborted the request" + (f": {message}" if message else "")
-    return completion
-
-
-def rejected(rid: int, message: str) -> Completion:
-    """A request the engine refused before running it (no tokens were generated)."""
-    kind = "context_length" if is_context_length_error(message) else "invalid_request"
-    return Completion(rid, "", 0, 0, "abort", kind, message)
+class SGLangCrashed(EngineError):
+    """An SGLang subprocess failed (it signalled SIGQUIT): the engine is gone."""
 
 
 class SGLangEngine(LoopEngine):
@@ -100,22 +67,42 @@ class SGLangEngine(LoopEngine):
         self.max_inflight = default_max_inflight(self.server_args)
         self.engine = None  # the sglang.Engine
         self.tokenizer = None
+        self._prompt_ids: PromptTokenizer | None = None
         self._shut_down = False
+        self._crash: str | None = None  # why SGLang signalled SIGQUIT, once it did
+        self._previous_sigquit = None
         self.info = EngineInfo(backend="sglang", model_path=self.server_args["model_path"])
 
     def load(self) -> None:
         try:
             import sglang
         except ImportError as e:
-            raise RuntimeError(
-                'backend sglang needs the sglang package (GPU only): pip install ".[sglang]"; '
-                f"or use backend transformers ({e})"
-            ) from e
+            raise EngineError(f"backend sglang needs the sglang package (GPU only): {SGLANG_INSTALL}; or use backend transformers ({e})") from e
         kwargs = engine_kwargs(self.server_args)
-        log.info("starting sglang.Engine(%s)", ", ".join(f"{k}={v!r}" for k, v in redact(kwargs).items()))
-        self.engine = sglang.Engine(**kwargs)
+        shown = redact(kwargs)
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigquit = signal.getsignal(signal.SIGQUIT)
+            kwargs["custom_sigquit_handler"] = self._on_sigquit
+            handler = "mirageflow (a crash fails the shard with its cause)"
+        else:  # SGLang then installs none either: a crash leaves requests hanging until stop()
+            handler = "none (load() was not called from the main thread)"
+            log.warning("sglang: load() outside the main thread; a crash of SGLang's scheduler will not be noticed")
+        log.info("starting sglang.Engine(%s)", ", ".join(f"{k}={v!r}" for k, v in shown.items()))
+        children = _children()
+        started = time.monotonic()
         try:
-            self.tokenizer = self.engine.tokenizer_manager.tokenizer
+            self.engine = sglang.Engine(**kwargs)
+        except BaseException as e:
+            _kill_new_children(children)  # what SGLang's own SIGQUIT handler would have killed
+            self._restore_sigquit()
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            raise EngineError(self._failure_message(f"SGLang failed to start: {type(e).__name__}: {e}")) from e
+        try:
+            manager = self.engine.tokenizer_manager
+            self.tokenizer = manager.tokenizer
+            if self.tokenizer is not None:
+                self._prompt_ids = PromptTokenizer(self.tokenizer)
             self._start_loop("sglang-engine")
             versions = {"sglang": str(getattr(sglang, "__version__", "unknown"))}
             for name in ("torch", "transformers"):  # already imported by SGLang; never import them here
@@ -128,22 +115,70 @@ class SGLangEngine(LoopEngine):
                 versions=versions,
                 device=_device_name(),
                 details={
-                    "engine_args": redact(kwargs),
+                    "engine_args": shown,
                     "max_inflight": self.max_inflight,
                     "gpus_allocated": stats.allocated_gpus(),
+                    "sigquit_handler": handler,
+                    "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
+                    "start_seconds": round(time.monotonic() - started, 3),
                 },
             )
+            if self._crash:  # SIGQUIT arrived while SGLang finished starting
+                raise SGLangCrashed(self._crash)
         except BaseException:
             self.close()
             raise
 
+    # ------------------------------------------------------------------ crashes
+
+    def _failure_message(self, what: str) -> str:
+        message = what
+        if self._crash:
+            message += f"; {self._crash}"
+        tail = stderr_tail(LOG_TAIL_LINES)
+        if tail:
+            message += f"\nlast {LOG_TAIL_LINES} lines of this job's log (SGLang writes there):\n{tail}"
+        return message
+
+    def _on_sigquit(self, signum=None, frame=None) -> None:
+        """SGLang's ``custom_sigquit_handler``: runs in the main thread when a child failed."""
+        if self._crash:
+            return
+        self._crash = "an SGLang subprocess failed and signalled SIGQUIT (scheduler exception, out of memory, watchdog timeout)"
+        if self.engine is None:  # still starting: load() reports it with the constructor's error
+            log.error("sglang: %s while starting", self._crash)
+            return
+        error = SGLangCrashed(self._failure_message("the SGLang engine crashed"))
+        log.error("%s", error)
+        self._fail_all(error)
+
+    def _restore_sigquit(self) -> None:
+        if self._previous_sigquit is not None and threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGQUIT) == self._on_sigquit:
+                    signal.signal(signal.SIGQUIT, self._previous_sigquit)
+            except (ValueError, TypeError):
+                pass
+            self._previous_sigquit = None
+
+    # ------------------------------------------------------------------ requests
+
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:
             raise ValueError("the sglang engine needs a formatted prompt (it templates client-side)")
+        params = sampling_params(request)
         try:
-            out = await self.engine.async_generate(prompt=request.prompt, sampling_params=sampling_params(request))
-        except ValueError as e:  # SGLang's request validation: too long, bad parameters
-            return rejected(request.id, str(e))
+            if self._prompt_ids is not None:
+                out = await self.engine.async_generate(input_ids=self._prompt_ids(request.prompt), sampling_params=params)
+            else:  # skip_tokenizer_init: SGLang has no tokenizer; neither has this engine
+                out = await self.engine.async_generate(prompt=request.prompt, sampling_params=params)
+        except Exception as e:  # noqa: BLE001 - a row error, or re-raised
+            if self._failure is not None:
+                raise self._failure_error() from None
+            completion = request_error(request.id, e)
+            if completion is None:
+                raise
+            return completion
         if isinstance(out, list):
             out = out[0]
         return completion_from_output(request.id, out)
@@ -152,6 +187,7 @@ class SGLangEngine(LoopEngine):
         super().stop()  # fail every outstanding request now
         manager = getattr(self.engine, "tokenizer_manager", None)
         if manager is not None and self._loop is not None:
+
             def abort_all():  # and free the GPU from them (best effort; the API varies by version)
                 try:
                     manager.abort_request(abort_all=True)
@@ -167,9 +203,36 @@ class SGLangEngine(LoopEngine):
         try:
             self._stop_loop()
         finally:
-            if self.engine is not None and not self._shut_down:
-                self._shut_down = True
-                self.engine.shutdown()
+            try:
+                if self.engine is not None and not self._shut_down:
+                    self._shut_down = True
+                    self.engine.shutdown()
+            finally:
+                self._restore_sigquit()
+
+
+def _children() -> set[int]:
+    try:
+        import psutil
+
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except Exception:  # noqa: BLE001 - psutil missing: nothing to compare
+        return set()
+
+
+def _kill_new_children(before: set[int]) -> None:
+    """Kill the processes SGLang started during a failed start (its scheduler, detokenizer)."""
+    try:
+        import psutil
+
+        for p in psutil.Process().children(recursive=True):
+            if p.pid not in before:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+    except Exception:  # noqa: BLE001 - best effort
+        log.debug("could not kill SGLang's children", exc_info=True)
 
 
 def _device_name() -> str:

@@ -3,11 +3,19 @@
 The shard job starts ``python -m sglang.launch_server --model-path M --host 127.0.0.1
 --port P --tp-size N --dp-size D [server args as flags]`` in its own process group on a
 free port, waits for ``GET /health_generate`` to answer 200, then posts each request to the
-native ``POST /generate`` (``{"text", "sampling_params"}`` -> ``{"text", "meta_info"}``),
+native ``POST /generate`` (``{"input_ids", "sampling_params"}`` -> ``{"text", "meta_info"}``),
 up to ``max_inflight`` at once over a pooled httpx2 client.
 
+- Prompts: with ``apply_chat_template`` the rendered template goes as token ids with
+  exactly one BOS (``base.prompt_token_ids``; SGLang would add a second one to a text
+  prompt that starts with it); a raw prompt goes as text (SGLang adds the tokenizer's BOS).
+- Row errors: 400 answers (validation, too long, an unknown sampling parameter), and a 500
+  whose message is a grammar or length failure (SGLang's HTTPException for a scheduler
+  abort, e.g. "Grammar accept_token failed") are not retried: they fail their row, classed
+  ``context_length``, ``grammar_error``, ``invalid_request`` or ``aborted``.
+
 - Flags: every ``server_args``/``extra_engine_args`` key ``foo_bar: v`` becomes
-  ``--foo-bar v`` (true -> bare ``--foo-bar``, false/null -> omitted, lists -> several
+  ``--foo-bar v`` (SGLang's flag names are the ServerArgs fields: ``--tp-size``, not ``--tp``) (true -> bare ``--foo-bar``, false/null -> omitted, lists -> several
   values, mappings -> JSON). ``server_command`` replaces the launcher (tests use a stand-in).
 - Log: the server's stdout and stderr are appended to ``<log_dir>/sglang_server.log``;
   ``log_dir`` comes from the runner (default: a new temporary directory, kept).
@@ -42,21 +50,22 @@ from collections import deque
 from importlib import metadata
 from pathlib import Path
 
-from mirageflow.engines.base import Completion, EngineInfo, Request
+from mirageflow.engines.base import Completion, EngineInfo, PromptTokenizer, Request
 from mirageflow.engines.http import (
     FATAL_STATUS,
     EngineError,
     LoopEngine,
+    error_kind,
     error_message,
     free_port,
     parse_prometheus,
     post_with_retries,
     redact,
+    rejected,
 )
-from mirageflow.engines.sglang_engine import (
+from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
-    rejected,
     resolve_parallelism,
     sampling_params,
 )
@@ -120,6 +129,7 @@ class SGLangServerEngine(LoopEngine):
         self.log_path: Path | None = None
         self.command: list[str] = []
         self.tokenizer = None
+        self._prompt_ids: PromptTokenizer | None = None
         self._log_offset = 0
         self._client = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -167,6 +177,7 @@ class SGLangServerEngine(LoopEngine):
         try:
             if self.processor.apply_chat_template:
                 self.tokenizer = _load_tokenizer(self.server_args)  # while the server boots
+                self._prompt_ids = PromptTokenizer(self.tokenizer)
             self._wait_healthy()
             self._start_loop("sglang-server-client")
             self._call(self._open_client())
@@ -182,6 +193,7 @@ class SGLangServerEngine(LoopEngine):
                     "server_pid": self.process.pid,
                     "server_start_seconds": round(time.monotonic() - started, 3),
                     "max_inflight": self.max_inflight,
+                    "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
                 },
             )
             if self.enable_metrics:
@@ -232,12 +244,14 @@ class SGLangServerEngine(LoopEngine):
         import httpx2
 
         versions = {"httpx2": httpx2.__version__}
-        try:
-            info = httpx2.get(f"{self.base_url}/get_server_info", timeout=10, trust_env=False).json()
+        for path in ("/server_info", "/get_server_info"):  # the second is deprecated in 0.5.23
+            try:
+                info = httpx2.get(f"{self.base_url}{path}", timeout=10, trust_env=False).json()
+            except Exception:  # noqa: BLE001 - informational only
+                continue
             if isinstance(info, dict) and info.get("version"):
                 versions["sglang"] = str(info["version"])
-        except Exception:  # noqa: BLE001 - informational only
-            pass
+                break
         if "sglang" not in versions:
             try:
                 versions["sglang"] = metadata.version("sglang")
@@ -260,7 +274,11 @@ class SGLangServerEngine(LoopEngine):
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:
             raise ValueError("the sglang_server engine needs a formatted prompt (it templates client-side)")
-        body = {"text": request.prompt, "sampling_params": sampling_params(request)}
+        body: dict = {"sampling_params": sampling_params(request)}
+        if self._prompt_ids is not None:
+            body["input_ids"] = self._prompt_ids(request.prompt)
+        else:
+            body["text"] = request.prompt
         async with self._semaphore:
             response = await post_with_retries(
                 self._client,
@@ -272,12 +290,13 @@ class SGLangServerEngine(LoopEngine):
                 max_delay=self.retry_max_delay,
                 what=f"SGLang server {self.base_url}/generate",
                 on_transport_error=self._check_alive,
+                final=_request_failure,
             )
         if response.status_code != 200:
             message = f"SGLang server answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return rejected(request.id, message)
+            return rejected(request.id, message, "aborted" if response.status_code >= 500 else "invalid_request")
         out = response.json()
         if isinstance(out, list):
             out = out[0]
@@ -356,10 +375,17 @@ class SGLangServerEngine(LoopEngine):
             log.error("processes of the SGLang server survived SIGKILL: %s", [p.pid for p in left])
 
 
+def _request_failure(response) -> bool:
+    """A 5xx that is this request's own failure, not the server's: SGLang answers a scheduler
+    abort with its status (a grammar accept failure is a 500) and the message; retrying
+    gives the same answer."""
+    return response.status_code == 500 and error_kind(error_message(response.content), "") in ("grammar_error", "context_length")
+
+
 def _load_tokenizer(server_args: dict):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(server_args["model_path"], trust_remote_code=server_args.get("trust_remote_code", True))
+    return AutoTokenizer.from_pretrained(server_args["model_path"], trust_remote_code=server_args.get("trust_remote_code", False))
 
 
 def _process_tree(pid: int) -> list:

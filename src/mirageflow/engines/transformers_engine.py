@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 
-from mirageflow.engines.base import Completion, Engine, EngineInfo, Request
+from mirageflow.engines.base import Completion, Engine, EngineInfo, EngineStopped, PromptTokenizer, Request
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,6 @@ _SUPPORTED = {
 _ENGINE_ARGS = {"dtype", "attn_implementation"}
 _LINGER_SECONDS = 0.005  # a short batch waits this long after each arrival for more requests
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
-
-
-class EngineStopped(RuntimeError):
-    pass
 
 
 def default_threads(requested: int | None) -> int:
@@ -52,7 +48,13 @@ def _batch_key(params: dict) -> str:
 
 
 class TransformersEngine(Engine):
-    def __init__(self, server_args: dict, batch_size: int = 32, torch_threads: int | None = None):
+    def __init__(self, processor, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
+        """``processor``: a ProcessorConfig (what create_engine passes), or its server_args dict."""
+        if hasattr(processor, "server_args"):
+            server_args = processor.server_args
+            torch_threads = torch_threads or processor.torch_threads
+        else:
+            server_args = processor
         self.server_args = server_args
         self.batch_size = batch_size
         self.max_inflight = 2 * batch_size
@@ -81,11 +83,12 @@ class TransformersEngine(Engine):
         # bf16 on GPU; float32 on CPU, where bf16 matmuls are slow without AMX.
         dtype = extra.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
         path = self.server_args["model_path"]
-        trust = self.server_args.get("trust_remote_code", True)
+        trust = self.server_args.get("trust_remote_code", False)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self._prompt_ids = PromptTokenizer(self.tokenizer)  # exactly one BOS when the tokenizer adds one
         kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust}
         if "attn_implementation" in extra:
             kwargs["attn_implementation"] = extra["attn_implementation"]
@@ -180,12 +183,15 @@ class TransformersEngine(Engine):
             finally:
                 self._running = 0
             for (_, future, loop, _), result in zip(batch, results):
-                loop.call_soon_threadsafe(_resolve, future, result)
+                try:
+                    loop.call_soon_threadsafe(_resolve, future, result)
+                except RuntimeError:  # the caller's loop is closed (the shard stopped): nobody waits
+                    pass
 
     def _run(self, batch: list) -> list:
         requests = [item[0] for item in batch]
         # tokenized once: these ids are checked against the context and padded for generate()
-        ids = self.tokenizer([r.prompt for r in requests], add_special_tokens=False)["input_ids"]
+        ids = self._prompt_ids.batch([r.prompt for r in requests])
         results: list = [None] * len(requests)
         runnable = []
         for i, (r, prompt_ids) in enumerate(zip(requests, ids)):

@@ -1,0 +1,90 @@
+"""What the two SGLang backends share (not an engine): engine arguments, parallelism,
+sampling parameters, and SGLang's answers and errors mapped to Completions.
+
+Checked against sglang 0.5.23 (tests/test_real_sglang.py runs these against the package).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from mirageflow import stats
+from mirageflow.engines.base import Completion, Request
+from mirageflow.engines.http import error_kind, rejected
+
+DEFAULT_MAX_INFLIGHT = 512  # without max_running_requests: enough to keep a GPU busy
+# FINISH_MATCHED_TOKEN/FINISH_MATCHED_STR/FINISHED_MATCHED_REGEX -> "stop", FINISH_LENGTH ->
+# "length", FINISH_ABORT -> "abort" (srt/managers/schedule_batch.py, to_json()["type"])
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def resolve_parallelism(server_args: Mapping, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(tp_size, dp_size): configured values; tp_size null -> the job's GPUs / dp_size (at least 1)."""
+    dp = server_args.get("dp_size") or 1
+    tp = server_args.get("tp_size")
+    if tp is None:
+        gpus = stats.allocated_gpus(environ)
+        tp = max(1, gpus // dp) if gpus else 1
+    return int(tp), int(dp)
+
+
+def default_max_inflight(server_args: Mapping) -> int:
+    running = (server_args.get("extra_engine_args") or {}).get("max_running_requests")
+    return 2 * int(running) if running else DEFAULT_MAX_INFLIGHT
+
+
+def engine_kwargs(server_args: Mapping, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Keyword arguments for ``sglang.Engine`` (= ``ServerArgs`` fields): server_args,
+    resolved parallelism, extra args verbatim (they win on a clash)."""
+    args = dict(server_args)
+    extra = dict(args.pop("extra_engine_args", None) or {})
+    tp, dp = resolve_parallelism(args, environ)
+    kwargs = {k: v for k, v in args.items() if v is not None}
+    kwargs.update(tp_size=tp, dp_size=dp)
+    kwargs.update(extra)
+    return kwargs
+
+
+def sampling_params(request: Request) -> dict:
+    params = dict(request.sampling_params)
+    if request.json_schema is not None:
+        params["json_schema"] = request.json_schema  # SGLang wants the schema as a JSON string
+    return params
+
+
+def completion_from_output(rid: int, out: Mapping) -> Completion:
+    """A Completion from SGLang's ``{"text", "meta_info"}`` (offline engine and /generate alike).
+
+    An abort (``{"type": "abort", "message", "status_code", "err_type"}``) is a row error
+    classed by its message: context_length, grammar_error, else aborted.
+    """
+    meta = out.get("meta_info") or {}
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    finish = _FINISH.get(kind, "stop") if kind is not None else "stop"
+    completion = Completion(
+        rid, out.get("text") or "", int(meta.get("prompt_tokens") or 0), int(meta.get("completion_tokens") or 0), finish
+    )
+    if finish == "abort":
+        message = str(reason.get("message") or "") if isinstance(reason, Mapping) else ""
+        completion.error_kind = error_kind(message, "aborted")
+        completion.error = "the engine aborted the request" + (f": {message}" if message else "")
+    return completion
+
+
+def request_error(rid: int, error: Exception) -> Completion | None:
+    """The row error for an exception out of ``Engine.async_generate``, or None when it is
+    not about this request (the caller re-raises: the shard fails).
+
+    SGLang raises (srt/managers/tokenizer_manager.py): ValueError for request validation,
+    a too-long input and scheduler aborts with status 400; ``fastapi.HTTPException``
+    (``status_code``, ``detail``) for scheduler aborts with another status, e.g. 500 for
+    "Grammar accept_token failed". Matched by attributes: fastapi is never imported here.
+    """
+    if isinstance(error, ValueError):
+        return rejected(rid, str(error))
+    status, detail = getattr(error, "status_code", None), getattr(error, "detail", None)
+    if isinstance(status, int) and detail is not None:
+        return rejected(rid, f"SGLang aborted the request (status {status}): {detail}", "aborted")
+    return None

@@ -1,0 +1,81 @@
+"""Our SGLang code against the real sglang 0.5.23 package (not the fakes), on the CPU.
+
+The package lives in its own environment (build/venv-sglang, made by
+``python tests/real_sglang_env.py build``; .ci/run does it): sglang without its GPU
+dependencies, on our CPU torch. The checks run in that interpreter
+(tests/real_sglang_checks.py) and report here. Without the environment the tests skip and
+say why; with ``MIRAGEFLOW_REQUIRE_REAL_SGLANG=1`` (CI) they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import real_sglang_env  # noqa: E402
+
+pytestmark = pytest.mark.real_sglang
+
+
+def _need_env() -> None:
+    error = real_sglang_env.check()
+    if error is None:
+        return
+    message = f"REAL SGLANG TESTS NOT RUN: {error}"
+    if os.environ.get("MIRAGEFLOW_REQUIRE_REAL_SGLANG") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(real_sglang_env.PYTHON), str(HERE / "real_sglang_checks.py"), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=HERE,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    _need_env()
+    proc = _run()
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"the real-sglang checks did not run (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+CHECKS = [
+    "engine_kwargs_build_a_real_server_args",
+    "server_command_parses_back_to_the_same_values",
+    "finish_reasons_from_the_real_finish_classes",
+    "errors_raised_by_the_real_abort_path",
+    "one_bos_through_the_real_tokenization_path",
+    "generate_body_passes_the_contract_gate",
+    "scraped_metric_names_exist",
+    "the_fakes_facts_match_the_package",
+]
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_against_the_real_package(results, name):
+    result = results[name]
+    assert result["ok"], f"{name}:\n{result['detail']}"
+
+
+def test_our_sigquit_handler_keeps_the_shard_alive_with_a_clear_error(tmp_path):
+    """SGLang installs our handler (custom_sigquit_handler); its own would kill the process."""
+    _need_env()
+    ours = _run("sigquit", "ours")
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    outcome = json.loads(ours.stdout.strip().splitlines()[-1])
+    assert outcome["error"].startswith("SGLangCrashed: the SGLang engine crashed; an SGLang subprocess failed and signalled SIGQUIT")
+    theirs = _run("sigquit", "sglang")
+    assert theirs.returncode == -9, (theirs.returncode, theirs.stderr[-3000:])  # what the old code got
+    assert "Received sigquit from a child process" in theirs.stderr
