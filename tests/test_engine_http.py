@@ -332,6 +332,26 @@ def test_openai_response_prefix_continues_the_assistant_message(fast, server):
     assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
 
 
+def test_openai_reasoning_content_is_kept_apart_from_the_answer(fast, server):
+    """A server's reasoning parser answers message.reasoning_content beside the content:
+    the Completion carries it as reasoning, never in text (the answer parsed as JSON)."""
+    s = server(reasoning='thinking: {"answer": "no"}?')
+    engine = openai(s)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        (c,) = engine.generate([Request(0, messages, None, {}, json.dumps(SCHEMA))])
+    finally:
+        engine.close()
+    assert c.text == '{"answer": "yes"}' and c.reasoning == 'thinking: {"answer": "no"}?'
+    plain = server()
+    engine = openai(plain)
+    try:
+        (c,) = engine.generate([Request(0, messages, None, {})])
+    finally:
+        engine.close()
+    assert c.reasoning is None
+
+
 def test_openai_missing_api_key_fails_at_load(fast, server, monkeypatch):
     monkeypatch.delenv("MIRAGEFLOW_TEST_KEY", raising=False)
     s = server()

@@ -122,3 +122,79 @@ def test_exactly_one_bos_for_templates_and_raw_prompts(bos_model):
         eng.close()
     assert a.prompt_tokens == len(tok(templated, add_special_tokens=False)["input_ids"])  # one BOS, from the template
     assert b.prompt_tokens == len(tok("hello")["input_ids"])  # one BOS, the tokenizer's
+
+
+_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+    },
+    "required": ["label", "score"],
+    "additionalProperties": False,
+}
+
+
+def _valid(text: str) -> bool:
+    import json
+
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), _SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def test_json_schema_constrains_every_row(engine):
+    """The random tiny model never writes valid JSON on its own; with the schema every row does."""
+    import json
+
+    texts = [f"Question {i}: is water wet? Answer in JSON." for i in range(8)]
+    free = engine.generate(_requests(engine, texts, max_new_tokens=40))
+    assert not any(_valid(c.text) for c in free)
+    reqs = _requests(engine, texts, max_new_tokens=40)
+    for r in reqs:
+        r.json_schema = json.dumps(_SCHEMA)
+    out = engine.generate(reqs)
+    assert all(_valid(c.text) for c in out), [c.text for c in out]
+    assert all(c.finish_reason == "stop" and c.error_kind is None for c in out)
+    assert "xgrammar" in engine.info.versions
+
+
+def test_rows_with_and_without_a_schema_share_a_batch(engine):
+    import json
+
+    reqs = _requests(engine, ["alpha", "beta", "gamma"], max_new_tokens=40)
+    reqs[1].json_schema = json.dumps(_SCHEMA)
+    reqs[2].json_schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False})
+    alone = engine.generate(_requests(engine, ["alpha"], max_new_tokens=40))[0]
+    a, b, c = engine.generate(reqs)
+    assert a.text == alone.text  # the unconstrained row is untouched by its neighbours' grammars
+    assert _valid(b.text)
+    assert isinstance(json.loads(c.text)["ok"], bool) and set(json.loads(c.text)) == {"ok"}
+
+
+def test_xgrammar_is_imported_only_for_json_requests():
+    import subprocess
+    import sys
+
+    code = "import sys, mirageflow.engines.transformers_engine; assert 'xgrammar' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_response_prefix_starts_the_json_the_grammar_completes(engine):
+    """The prefix is in the prompt (a last assistant message the prompt ends with): the
+    grammar continues it, so prefix + answer is the valid JSON."""
+    import json
+
+    prefix = '{"label": "'
+    reqs = []
+    for i, t in enumerate(["one", "two", "three"]):
+        user = [{"role": "user", "content": t}]
+        prompt = engine.chat_prompt(user, {}) + prefix
+        reqs.append(Request(i, [*user, {"role": "assistant", "content": prefix}], prompt,
+                            {"temperature": 0.0, "max_new_tokens": 40}, json.dumps(_SCHEMA)))  # fmt: skip
+    out = engine.generate(reqs)
+    assert all(_valid(prefix + c.text) for c in out), [c.text for c in out]

@@ -161,3 +161,57 @@ def test_secrets_in_an_engine_error_are_not_written_to_failure_json(tmp_path):
         run_shard(cfg, 0, engine_factory=_engine(answer))
     text = (cfg.shard_dir(0) / "failure.json").read_text() + (cfg.shard_dir(0) / "checkpoint.json").read_text()
     assert "hunter2" not in text and "sk-secret" not in text and "user:***@node" in text
+
+
+THINK_JSON = {"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": {"n": {"type": "int", "min": 0, "max": 9}}}
+
+
+def _thinking(answers: dict):
+    """Answers keyed by the row's q; a (text, finish_reason, reasoning) tuple for details."""
+
+    def answer(prompt):
+        got = answers[prompt.split(":", 1)[1]]
+        if isinstance(got, tuple):
+            text, finish, reasoning = got
+            return Completion(0, text, 5, 9, finish, reasoning=reasoning)
+        return got
+
+    return lambda p, b, **kw: ScriptedEngine(answer)
+
+
+def test_reasoning_is_never_the_answer_and_a_cut_while_thinking_is_its_own_class(tmp_path):
+    answers = {
+        "think": '<think>\nmaybe {"n": 7}? no: 3\n</think>\n\n{"n": 3}',
+        "plain": '{"n": 4}',
+        "server": ('{"n": 5}', "stop", 'thinking about {"n": 8}'),
+        "cut": ('<think>\nlet me think about {"n": 1', "length", None),
+        "server_cut": ("", "length", "still thinking"),
+        "only": "<think>hmm</think>\n",
+    }
+    cfg = _setup(tmp_path, [{"q": q} for q in answers], [THINK_JSON])
+    status = run_shard(cfg, 0, engine_factory=_thinking(answers))
+    records = read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist()
+    assert [(r["q"], r["a"]) for r in records] == [("think", {"n": 3}), ("plain", {"n": 4}), ("server", {"n": 5})]
+    errors = {e["source_index"]: e["error"] for e in _errors(cfg)}
+    assert errors == {3: "reasoning_truncated", 4: "reasoning_truncated", 5: "empty_output"}
+    assert status["stats"]["rows_failed_by_class"] == {"reasoning_truncated": 2, "empty_output": 1}
+
+
+def test_keep_reasoning_sets_the_reasoning_variable(tmp_path):
+    answers = {
+        "think": "<think>\n because \n</think>\nyes",
+        "server": ("no", "stop", "a server's reasoning"),
+        "plain": "maybe",
+    }
+    outputs = [{"name": "a", "prompt": "{{ q }}", "keep_reasoning": True}]
+    cfg = _setup(tmp_path, [{"q": q} for q in answers], outputs, {"q": "{{ q }}", "a": "{{ a }}", "why": "{{ a_reasoning }}"})
+    run_shard(cfg, 0, engine_factory=_thinking(answers))
+    records = read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist()
+    assert [(r["a"], r["why"]) for r in records] == [("yes", "because"), ("no", "a server's reasoning"), ("maybe", None)]
+
+
+def test_the_reasoning_variable_exists_only_with_keep_reasoning(tmp_path):
+    from mirageflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown variable 'a_reasoning'"):
+        _setup(tmp_path, [{"q": "x"}], PLAIN, {"a": "{{ a }}", "why": "{{ a_reasoning }}"})

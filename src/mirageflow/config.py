@@ -207,6 +207,7 @@ class OutputVar:
     schema: json_output.OutputSchema | None
     sampling_params: dict
     allow_empty_output: bool = False
+    keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
 
 
 @dataclass(frozen=True)
@@ -512,13 +513,19 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         elif is_json:
             schema = json_output.OutputSchema.parse([], f"{where}.output_schema")
         known.append(out["name"])
+        if out.get("keep_reasoning"):
+            reasoning_name = f"{out['name']}_reasoning"
+            if reasoning_name in known:
+                problems.append(f"{where}.keep_reasoning: variable '{reasoning_name}' is already defined")
+            known.append(reasoning_name)
+            json_fields.pop(reasoning_name, None)
         json_fields.pop(out["name"], None)
         if schema is not None and schema.fields:
             json_fields[out["name"]] = [f.name for f in schema.fields]
         outputs.append(
             OutputVar(
                 out["name"], out["type"], out["prompt"], out["system"], out["response_prefix"], is_json, schema,
-                out["sampling_params"], out["allow_empty_output"],
+                out["sampling_params"], out["allow_empty_output"], bool(out.get("keep_reasoning", False)),
             )
         )
 

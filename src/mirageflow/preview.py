@@ -142,9 +142,8 @@ async def _preview_row(row, extract, steps: list[OutputStep], render, generate: 
                 answer=completion.text, finish_reason=completion.finish_reason,
                 prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
             )  # fmt: skip
-            value = step.value(completion)
-            entry["value"] = _plain(value)
-            variables[step.output.name] = value
+            step.assign(variables, completion)
+            entry["value"] = _plain(variables[step.output.name])
         out["record"] = _plain(render(row.index, row.value, variables))
     except RowError as e:
         out["error"] = _error(e)

@@ -42,7 +42,8 @@ FRESH_SECONDS = 120.0  # a progress.json older than this belongs to no running s
 # Row error classes a retry reproduces exactly: they depend on the config, the prompt or
 # the data, not on chance (json_schema: a greedy model answers the same again).
 DETERMINISTIC_CLASSES = frozenset(
-    {"template_error", "missing_variable", "extract_error", "json_schema", "chat_template", "bad_row", "context_length"}
+    {"template_error", "missing_variable", "extract_error", "json_schema", "chat_template", "bad_row", "context_length",
+     "invalid_unicode", "reasoning_truncated"}
 )
 
 

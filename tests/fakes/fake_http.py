@@ -53,6 +53,9 @@ class Behaviour:
     model: str = "fake-model"
     allow_exit: bool = False  # only a stand-in process may exit
     hold_until: int = 0  # hold generation requests until this many were in flight at once (max 5 s)
+    # chat answers carry this as message.reasoning_content, as SGLang does when launched with
+    # --reasoning-parser (sglang/srt/entrypoints/openai/protocol.py: ChatMessage.reasoning_content)
+    reasoning: str | None = None
 
 
 class FakeServer:
@@ -238,6 +241,8 @@ def _handler(server: FakeServer):
             choice = {"index": 0, "finish_reason": finish}
             if chat:
                 choice["message"] = {"role": "assistant", "content": out}
+                if server.behaviour.reasoning is not None:
+                    choice["message"]["reasoning_content"] = server.behaviour.reasoning
             else:
                 choice["text"] = out
             usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}

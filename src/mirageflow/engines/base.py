@@ -38,6 +38,7 @@ class Completion:
     finish_reason: str  # stop | length | abort
     error_kind: str | None = None  # set when the request could not run (e.g. context_length)
     error: str | None = None
+    reasoning: str | None = None  # a server's reasoning_content, kept apart from text (the answer)
 
 
 @dataclass

@@ -17,6 +17,8 @@ prompt goes to ``POST {base_url}/completions`` as is.
   "schema": ...}}``.
 - BOS: the server applies the template and tokenizes it without special tokens (SGLang
   and vLLM do, as ``apply_chat_template(tokenize=True)``), so a template's BOS is not doubled.
+- ``message.reasoning_content`` (a server's reasoning parser) becomes
+  ``Completion.reasoning``, never part of the answer.
 - Tokens from ``usage``; finish reasons stop/length pass through, content_filter and abort
   become ``abort``, anything else (tool_calls, ...) ``stop``.
 - Connection errors, timeouts (``request_timeout`` per attempt), 429 and 5xx are retried
@@ -157,8 +159,12 @@ class OpenAIEngine(LoopEngine):
             return rejected(request.id, message, "aborted" if response.status_code >= 500 else "invalid_request")
         data = response.json()
         choice = (data.get("choices") or [{}])[0]
+        reasoning = None
         if path == "/chat/completions":
-            text = (choice.get("message") or {}).get("content")
+            message = choice.get("message") or {}
+            text = message.get("content")
+            # a server's reasoning parser (SGLang --reasoning-parser, vLLM) puts thinking here
+            reasoning = message.get("reasoning_content") or None
         else:
             text = choice.get("text")
         usage = data.get("usage") or {}
@@ -171,6 +177,7 @@ class OpenAIEngine(LoopEngine):
             int(usage.get("prompt_tokens") or 0),
             int(usage.get("completion_tokens") or 0),
             finish_reason(choice.get("finish_reason")),
+            reasoning=reasoning,
         )
         if completion.finish_reason == "abort":
             completion.error_kind = "aborted"

@@ -7,6 +7,13 @@ window refills the queue, so the next batch is full as soon as the model is free
 full batch starts at once (only a short one waits a few ms for more requests).
 Requests with different ``max_new_tokens`` share a batch: a per-row stopping criterion
 ends each at its own limit.
+
+JSON outputs (``Request.json_schema``) are constrained as SGLang constrains them: with an
+xgrammar grammar compiled from the schema, applied as a per-row token bitmask on the
+logits, so rows with different schemas (or none) share a batch. xgrammar is imported only
+when the first such request arrives. Whitespace is not free: the JSON is laid out as
+``json.dumps`` does (xgrammar's ``any_whitespace=False``), since small models otherwise
+loop on whitespace until the length limit.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ class TransformersEngine(Engine):
         self._worker: threading.Thread | None = None
         self._stopped = threading.Event()
         self._running = 0
+        self._grammar_compiler = None  # xgrammar, built at the first JSON request
         self.info = EngineInfo(backend="transformers", model_path=server_args["model_path"])
 
     # ------------------------------------------------------------------ setup
@@ -257,6 +265,8 @@ class TransformersEngine(Engine):
         kw = self._generation_kwargs(params, limits)
         enc = self._left_padded(ids)
         prompt_len = enc["input_ids"].shape[1]
+        if any(r.json_schema is not None for r in batch):
+            kw["logits_processor"] = [self._grammar_processor(batch)]
         with torch.inference_mode():
             out = self.model.generate(
                 **enc,
@@ -289,6 +299,96 @@ class TransformersEngine(Engine):
                 text, finish = text[: min(cuts)], "stop"
             results.append(Completion(req.id, text, int(n_prompt), n, finish))
         return results
+
+
+    def _grammar_processor(self, batch: list[Request]):
+        """A logits processor constraining each row with a schema to JSON valid against it.
+
+        A response prefix (the answer's start, put in the prompt: a last assistant message
+        that the prompt ends with) is part of the JSON: the grammar starts after it."""
+        if self._grammar_compiler is None:
+            import xgrammar
+
+            vocab = self.model.get_output_embeddings().weight.shape[0]  # may exceed len(tokenizer) (padding)
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=vocab, stop_token_ids=sorted(self.eos_ids) or None
+            )
+            self._grammar_compiler = xgrammar.GrammarCompiler(info, max_threads=1)  # caches compiled schemas
+            self.info.versions["xgrammar"] = _version("xgrammar")
+        compile_schema = self._grammar_compiler.compile_json_schema
+        grammars = [None if r.json_schema is None else compile_schema(r.json_schema, any_whitespace=False) for r in batch]
+        return _grammar_logits_processor(grammars, [_response_prefix(r) for r in batch])
+
+
+def _response_prefix(request: Request) -> str:
+    """The answer's start already in the prompt: a last assistant message the prompt ends with."""
+    last = request.messages[-1] if request.messages else None
+    if last and last.get("role") == "assistant" and request.prompt and request.prompt.endswith(last.get("content") or "\0"):
+        return last["content"]
+    return ""
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_WARNED_PREFIXES: set[str] = set()
+
+
+def _grammar_logits_processor(grammars: list, prefixes: list[str]):
+    """Per-row xgrammar masking for one generate() call (rows without a grammar are free).
+
+    As xgrammar.contrib.hf.LogitsProcessor, but rows may differ in grammar or have none,
+    and a row that has ended (its limit, a stop string: generate feeds it padding) or whose
+    grammar has terminated is left unmasked instead of failing an assertion.
+    """
+    import torch
+    import xgrammar
+    from transformers import LogitsProcessor
+
+    class GrammarMasks(LogitsProcessor):
+        def __init__(self):
+            self.matchers = [None if g is None else xgrammar.GrammarMatcher(g) for g in grammars]
+            for i, prefix in enumerate(prefixes):
+                m = self.matchers[i]
+                if m is not None and prefix and not m.accept_string(prefix):
+                    # a prefix no answer valid against the schema starts with: unconstrained
+                    # (the row then fails its schema, as before)
+                    if prefix not in _WARNED_PREFIXES:
+                        _WARNED_PREFIXES.add(prefix)
+                        log.warning("response prefix %r does not start a JSON value of the schema; rows with it are not constrained", prefix)
+                    self.matchers[i] = None
+            self.vocab = next(g for g in grammars if g is not None).tokenizer_info.vocab_size
+            self.bitmask = xgrammar.allocate_token_bitmask(len(grammars), self.vocab)
+            self.started = False
+
+        def __call__(self, input_ids, scores):
+            if self.started:  # accept the token each constrained row sampled last step
+                last = input_ids[:, -1].tolist()
+                for i, m in enumerate(self.matchers):
+                    if m is not None and not m.is_terminated() and not m.accept_token(last[i]):
+                        self.matchers[i] = None  # the row has ended (padding): no longer constrained
+            self.started = True
+            rows = []
+            for i, m in enumerate(self.matchers):
+                if m is not None and not m.is_terminated():
+                    m.fill_next_token_bitmask(self.bitmask, i)
+                    rows.append(i)
+            if not rows:
+                return scores
+            device = scores.device
+            masked = scores if device.type in ("cpu", "cuda") else scores.to("cpu")
+            if masked.dtype != torch.float32 and device.type == "cpu":
+                masked = masked.float()
+            xgrammar.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device), vocab_size=self.vocab, indices=rows)
+            return masked.to(device=device, dtype=scores.dtype)
+
+    return GrammarMasks()
 
 
 def _row_limits(limits: list[int], prompt_len: int, stopped: threading.Event):

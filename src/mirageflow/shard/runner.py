@@ -145,7 +145,7 @@ class ShardRunner:
                 m.input_tokens += completion.prompt_tokens
                 m.output_tokens += completion.completion_tokens
                 row_tokens = (row_tokens or 0) + completion.completion_tokens
-                variables[step.output.name] = step.value(completion)
+                step.assign(variables, completion)
         finally:
             if row_tokens is not None:
                 m.tokens_per_row.add(row_tokens)

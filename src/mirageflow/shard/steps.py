@@ -1,5 +1,13 @@
 """One output variable of the pipeline, fixed for the whole shard: how a row's variables
-become a request, and how the engine's completion becomes the variable's value."""
+become a request, and how the engine's completion becomes the variable's value.
+
+Reasoning is never the answer: a leading ``<think>...</think>`` block (Qwen3, DeepSeek-R1)
+is cut from the text, and a server's ``reasoning_content`` (``Completion.reasoning``) is
+kept apart by the engine. With ``keep_reasoning: true`` on the output, the reasoning is the
+row variable ``<name>_reasoning`` (None when the model gave none). An answer cut by the
+length limit while still reasoning (an unclosed ``<think>``, or reasoning and no answer) is
+the row error ``reasoning_truncated``.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,22 @@ from mirageflow import json_output
 from mirageflow.data.readers import lone_surrogate_at
 from mirageflow.engines.base import Completion, Engine, Request
 from mirageflow.prompts import PromptBuilder, RowError
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(text: str) -> tuple[str | None, str, bool]:
+    """(reasoning, answer, closed) of a model's text: a leading ``<think>...</think>`` block
+    (after whitespace) is the reasoning and the rest, without leading whitespace, the
+    answer. Without the closing tag the whole text is reasoning (closed False)."""
+    stripped = text.lstrip()
+    if not stripped.startswith(THINK_OPEN):
+        return None, text, True
+    body = stripped[len(THINK_OPEN) :]
+    end = body.find(THINK_CLOSE)
+    if end < 0:
+        return body.strip(), "", False
+    return body[:end].strip(), body[end + len(THINK_CLOSE) :].lstrip(), True
 
 
 class OutputStep:
@@ -20,6 +44,8 @@ class OutputStep:
         self.validator = output.schema.validator() if output.is_json else None
         # OpenAI-compatible servers apply the chat template themselves.
         self.server_templates = getattr(engine, "templates_server_side", False)
+        self.keep_reasoning = getattr(output, "keep_reasoning", False)
+        self.reasoning_name = f"{output.name}_reasoning"
 
     def request(self, rid: int, variables: dict) -> Request:
         messages = self.builder.messages(variables)
@@ -35,31 +61,53 @@ class OutputStep:
                 prompt = self.engine.chat_prompt(messages, self.processor.chat_template_kwargs) + prefix
             except Exception as e:  # a template that rejects this row's messages
                 raise RowError("render", "chat_template", f"chat template failed: {type(e).__name__}: {e}") from None
+            if prefix and self.schema_json is not None:
+                # the prompt ends with the prefix; an engine constraining the answer to the
+                # schema starts its grammar after it (transformers_engine)
+                messages.append({"role": "assistant", "content": prefix})
         return Request(rid, messages, prompt, self.sampling, self.schema_json)
 
+    def assign(self, variables: dict, c: Completion) -> None:
+        """Set the row's variable from the completion (and ``<name>_reasoning`` with keep_reasoning)."""
+        value, reasoning = self.value(c)
+        variables[self.output.name] = value
+        if self.keep_reasoning:
+            variables[self.reasoning_name] = reasoning
+
     def value(self, c: Completion):
+        """(the output's value, the model's reasoning or None); RowError when there is no usable answer."""
         name = self.output.name
         if c.error_kind:
             raise RowError("generate", c.error_kind, c.error or c.error_kind)
         if c.finish_reason == "abort":
             raise RowError("generate", "aborted", "the engine aborted the request", raw=c.text)
-        if (not c.text or c.text.isspace()) and not self.output.allow_empty_output:
+        thought, answer, closed = split_reasoning(c.text or "")
+        reasoning = "\n\n".join(r for r in (c.reasoning, thought) if r) or None
+        if c.finish_reason == "length" and reasoning is not None and (not closed or not answer.strip()):
+            raise RowError(
+                "output", "reasoning_truncated",
+                f"output '{name}': the length limit (max_new_tokens) cut the answer while the model "
+                "was still reasoning; raise max_new_tokens or turn thinking off (chat_template_kwargs)",
+                raw=c.text,
+            )  # fmt: skip
+        if (not answer or answer.isspace()) and not self.output.allow_empty_output:
             # a reasoning-only answer, or one cut by the length limit before any text
             raise RowError(
                 "output", "empty_output",
-                f"output '{name}': the engine returned no text (finish_reason {c.finish_reason!r}); "
-                "set allow_empty_output: true on this output to keep empty answers",
+                f"output '{name}': the engine returned no text (finish_reason {c.finish_reason!r})"
+                + (" besides its reasoning" if reasoning is not None else "")
+                + "; set allow_empty_output: true on this output to keep empty answers",
                 raw=c.text,
             )  # fmt: skip
-        text = self.output.response_prefix + c.text
+        text = self.output.response_prefix + answer
         if lone_surrogate_at(text):
             raise RowError("output", "invalid_unicode", f"output '{name}': the answer holds a lone surrogate (invalid Unicode)")
         if not self.output.is_json:
-            return text
+            return text, reasoning
         try:
             value = json_output.parse_answer(text, self.validator, truncated=c.finish_reason == "length")
         except json_output.OutputError as e:
             raise RowError("output", e.kind, f"output '{name}': {e}", raw=text) from None
         if "\\u" in text and lone_surrogate_at(value):  # JSON escapes can spell a lone surrogate
             raise RowError("output", "invalid_unicode", f"output '{name}': the JSON answer holds a lone surrogate (\\ud800-\\udfff)", raw=text)
-        return value
+        return value, reasoning
