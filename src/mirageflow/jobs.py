@@ -22,9 +22,15 @@ imported.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sys
+from datetime import datetime, timezone
+
+# json, socket and datetime come before the handlers: a signal landing in the middle of
+# their import would leave the handler a half-initialised module to write failure.json with.
 
 # --------------------------------------------------------------------------- early stop
 # Installed first (see the end of this block), before the heavy imports below.
@@ -52,10 +58,6 @@ def _early_argv(argv: list[str]) -> dict:
 
 
 def _write_early_failure(path: str, signum: int) -> None:
-    import json
-    import socket
-    from datetime import datetime, timezone
-
     name = signal.Signals(signum).name
     failure = {
         "shard_id": _EARLY["shard"],
@@ -73,10 +75,13 @@ def _write_early_failure(path: str, signum: int) -> None:
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(failure, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(failure, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _on_early_signal(signum, frame) -> None:
@@ -123,7 +128,6 @@ if __name__ == "__main__":
 # --------------------------------------------------------------------------- the jobs
 
 import argparse  # noqa: E402 - after the early signal handlers, on purpose
-import json  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
