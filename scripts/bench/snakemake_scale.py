@@ -345,7 +345,7 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
         f"load average {load[0]:.2f} at start, {load[1]:.2f} at end (shared machine: wall times include waiting "
         "for the CPU, CPU times do not).",
         "",
-        f"Workflow: `{SNAKEFILE}`. Config: one JSONL dataset of {args.rows:,} rows, the tiny test model, one plain "
+        f"Workflow: `{os.path.relpath(SNAKEFILE, REPO)}`. Config: one JSONL dataset of {args.rows:,} rows, the tiny test model, one plain "
         f"output, merge on. Medians of {args.repeats} interleaved repeats.",
         "",
         probe_text,
