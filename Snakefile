@@ -19,7 +19,9 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/shards.smk"
+include: "workflow/rules/engines.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/dedup.smk"
 
 
 # What the driver prints: live progress while shards run, a summary when the run ends

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+FAKES = Path(__file__).resolve().parent / "fakes"
 
 # One torch thread: small models on 2-core machines run ~10x slower with two.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -54,3 +56,13 @@ def run_workflow(workdir: Path, config: dict, *extra: str, check: bool = True) -
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """A fresh fake sglang module as sys.modules['sglang'] (recorded state starts empty)."""
+    spec = importlib.util.spec_from_file_location("sglang", FAKES / "fake_sglang.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    return module

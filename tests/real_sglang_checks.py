@@ -189,6 +189,48 @@ def run_all() -> None:
         return params
 
     @check
+    def json_after_a_response_prefix_through_the_real_grammar_backend():
+        """The continuation grammar we send for a JSON output with a prefix passes SGLang's
+        request checks, compiles in its xgrammar backend (the key the grammar manager makes
+        of ``ebnf``), accepts the rest of the JSON and rejects a restarted object, which
+        the schema's own grammar (what a prefix got before) would demand."""
+        from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar, XGrammarGrammarBackend
+        from sglang.srt.entrypoints.api_contract import generate_contract_error
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        from mirageflow.engines.base import Request
+        from mirageflow.engines.sglang_common import sampling_params
+        from mirageflow.model_prep import _train_tiny_tokenizer
+
+        tok = _train_tiny_tokenizer()  # the tiny model's byte-level BPE
+        schema = json.dumps({"type": "object", "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}},
+                             "required": ["answer", "score"], "additionalProperties": False})  # fmt: skip
+        prefix, rest = '{"answer": ', '"yes", "score": 3}'
+        params = sampling_params(Request(0, None, "x " + prefix, {"max_new_tokens": 32}, schema, response_prefix=prefix))
+        assert "json_schema" not in params, params
+        assert generate_contract_error({"input_ids": [1, 5, 6], "sampling_params": params}) is None
+        SamplingParams(**params).verify(len(tok))
+        backend = XGrammarGrammarBackend(tok, vocab_size=len(tok), model_eos_token_ids=[tok.eos_token_id])
+
+        def run(key, text):
+            grammar = backend._init_value_dispatch(key, False)
+            assert isinstance(grammar, XGrammarGrammar), grammar
+            try:
+                for t in tok(text, add_special_tokens=False)["input_ids"]:
+                    grammar.accept_token(t)
+                grammar.accept_token(tok.eos_token_id)
+            except ValueError:
+                return "rejected"
+            return "terminated" if grammar.is_terminated() else "open"
+
+        ebnf, json_key = ("ebnf", params["ebnf"]), ("json", schema)
+        got = {"continuation": run(ebnf, rest), "restart": run(ebnf, prefix + rest),
+               "schema_grammar_continuation": run(json_key, rest), "schema_grammar_restart": run(json_key, prefix + rest)}  # fmt: skip
+        assert got == {"continuation": "terminated", "restart": "rejected",
+                       "schema_grammar_continuation": "rejected", "schema_grammar_restart": "terminated"}, got  # fmt: skip
+        return got
+
+    @check
     def scraped_metric_names_exist():
         import inspect
 

@@ -13,7 +13,10 @@ The node is fake but SLURM is real: 16 CPUs (SlurmdParameters=config_overrides l
 (``gres gpu:fake:8`` backed by plain files: SLURM schedules and accounts them but sets no
 CUDA_VISIBLE_DEVICES), feature ``fakegpu``, partitions ``cpu`` (default) and ``gpu``.
 There is no slurmdbd: job states come from ``squeue``/``scontrol`` (MinJobAge=600 keeps
-finished jobs visible for 10 minutes), and accounts and QOS are accepted unchecked.
+finished jobs visible for 10 minutes), and accounts and QOS are accepted unchecked. SLURM's
+job completion log (jobcomp/filetxt) is on, so ``sacct --completion`` (the report's cluster
+accounting) has each finished job's state, times and CPUs, not its CPU time or memory.
+Jobs run at the nice value of whoever submitted them (PropagatePrioProcess=1).
 
     python tests/slurm_cluster.py start     # installs nothing; starts munged, slurmctld, slurmd
     python tests/slurm_cluster.py status
@@ -118,8 +121,8 @@ def running() -> bool:
     """True when our controller answers and the node takes jobs."""
     if not CONF.exists() or not ours() or _which("sinfo") is None:
         return False
-    try:
-        proc = _run("sinfo", "--noheader", "--format=%T", "--nodes", _host(), check=False, timeout=10)
+    try:  # generous: on a loaded 2-core machine sinfo can take seconds
+        proc = _run("sinfo", "--noheader", "--format=%T", "--nodes", _host(), check=False, timeout=60)
     except subprocess.TimeoutExpired:
         return False
     states = proc.stdout.split()
@@ -163,8 +166,15 @@ MinJobAge=600
 KillWait=2
 InactiveLimit=0
 MaxArraySize=1001
+# Jobs run at the nice value of the process that submitted them: `nice -n 10` on a driver
+# (a benchmark) makes its shard jobs yield the CPUs too.
+PropagatePrioProcess=1
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
+# Job completion records (state, times, CPUs) for `sacct --completion`: accounting without
+# slurmdbd. They carry no CPU time or memory use (those need slurmdbd).
+JobCompType=jobcomp/filetxt
+JobCompLoc={ROOT}/log/jobcomp.txt
 GresTypes=gpu
 NodeName={host} CPUs={NUM_CPUS} RealMemory={_mem_mb()} Gres=gpu:fake:{NUM_GPUS} Feature={FEATURE} State=UNKNOWN
 PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
@@ -208,16 +218,24 @@ def _pid(name: str) -> int | None:
         return None
 
 
-def start(timeout: float = 60) -> None:
+def start(timeout: float = 60) -> bool:
     """Start munged, slurmctld and slurmd (each unless running); wait until the node is idle.
 
-    A cluster started from an older version of this configuration is restarted.
+    A cluster started from an older version of this configuration is restarted. True when
+    this call started the daemons, False when they were running already (whoever started
+    them stops them): judged by their pid files, not by sinfo, which can time out under load
+    and must not make a caller stop or restart a cluster that others' jobs run on.
     """
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(reason)
-    if running() and CONF.read_text() == config_text():
-        return
+    if _pid("slurmctld") and _pid("slurmd") and CONF.exists() and CONF.read_text() == config_text():
+        deadline = time.monotonic() + timeout
+        while not running():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SLURM test cluster runs but its node is not up within {timeout:.0f}s; see {ROOT}/log/")
+            time.sleep(0.5)
+        return False
     stop()
     write_config()
     _start_munge()
@@ -228,7 +246,7 @@ def start(timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if running():
-            return
+            return True
         time.sleep(0.5)
         # A node marked down (e.g. after an unclean stop) comes back only when told to.
         _run("scontrol", "update", f"nodename={_host()}", "state=resume", check=False)
@@ -248,6 +266,30 @@ def stop() -> None:
             except OSError:
                 break
             time.sleep(0.1)
+
+
+def node_cpu_seconds() -> float | None:
+    """CPU seconds used by slurmd and every job it started since it was moved into our cgroup.
+
+    The first call moves the running slurmd into a cpuacct cgroup (v1, or v2's cpu.stat);
+    everything it forks after that (slurmstepd, the jobs) is counted there, whoever's child
+    it becomes. The benchmarks take the difference of two calls: the compute node's CPU
+    cost of a run, apart from the driver and from whatever else the machine runs. None
+    where no such cgroup can be made (not root, no cgroup filesystem).
+    """
+    pid = _pid("slurmd")
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    group = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpuacct") / "mirageflow-slurmd"
+    try:
+        group.mkdir(exist_ok=True)
+        if pid is not None and str(pid) not in (group / "cgroup.procs").read_text().split():
+            (group / "cgroup.procs").write_text(str(pid))
+        if v2:
+            usage = next(line for line in (group / "cpu.stat").read_text().splitlines() if line.startswith("usage_usec"))
+            return int(usage.split()[1]) / 1e6
+        return int((group / "cpuacct.usage").read_text()) / 1e9
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 # --------------------------------------------------------------------------- jobs

@@ -79,7 +79,7 @@ def test_stats_prints_the_metrics_json(finished, tmp_path):
     proc = mmirage(root, "stats", "--config", "pipeline.yaml", "--html", str(tmp_path / "r.html"))
     assert proc.returncode == 0, proc.stderr
     metrics = json.loads(proc.stdout)
-    assert set(metrics) == {"per_shard", "aggregate"}
+    assert {"per_shard", "aggregate", "cluster_accounting"} <= set(metrics)
     agg = metrics["aggregate"]
     assert (agg["completed_shards"], agg["total_rows_processed"], agg["total_rows_failed"]) == (1, 6, 1)
     assert agg["gpu_hours_remaining_estimate"] == 0.0 and agg["failed_shards"] == []

@@ -182,7 +182,8 @@ def test_wrong_type_names_key_path(cfg):
 
 def test_missing_required_key(cfg):
     del cfg["processing_params"]["outputs"][0]["prompt"]
-    assert only_problem(cfg) == "processing_params.outputs[0].prompt: required key is missing"
+    # an LLM output needs a prompt unless it sends a row's conversation (test_chat_inputs.py)
+    assert only_problem(cfg) == "processing_params.outputs[0].prompt: required key is missing (or set conversation to send a row's chat messages)"
 
 
 def test_missing_required_section(cfg):
@@ -369,10 +370,6 @@ def test_two_datasets_with_one_output_dir(cfg):
     [
         (lambda c: c["processors"][0].update(chat_template="qwen2-vl"), "processors[0].chat_template: "),
         (lambda c: c["processors"].append(dict(c["processors"][0])), "processors[1].type: a second 'llm' processor"),
-        (
-            lambda c: c["loading_params"]["datasets"][0].update(image_base_path="/img"),
-            "loading_params.datasets[0].image_base_path: ",
-        ),
     ],
 )
 def test_unsupported_features_are_errors(cfg, edit, expected):
@@ -589,3 +586,18 @@ def test_default_state_dir_is_per_pipeline(cfg, tmp_path):
     a = load(cfg).state_dir
     cfg["loading_params"]["datasets"][0]["output_dir"] = str(tmp_path / "other")
     assert load(cfg).state_dir == str(tmp_path / "other" / ".mirageflow-state") != a
+
+
+def test_a_json_response_prefix_must_start_json_of_the_schema(cfg):
+    """Engines constrain only the continuation of the prefix: a prefix no valid answer
+    starts with is an error at DAG build (the driver's preflight: compiling the grammar
+    imports xgrammar, which cluster jobs re-parsing the config must not pay), naming the key."""
+    from mirageflow.preflight import _json_prefix_problems
+
+    json_output(cfg, {"answer": "str", "score": "int"})
+    out = cfg["processing_params"]["outputs"][0]
+    out["response_prefix"] = '{"answer": '
+    assert _json_prefix_problems(load(cfg)) == []
+    out["response_prefix"] = '{"score": '  # the schema's fields come in order: answer first
+    [problem] = _json_prefix_problems(load(cfg))
+    assert problem.startswith("processing_params.outputs[0].response_prefix: the response prefix '{\"score\": '"), problem

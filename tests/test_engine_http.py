@@ -226,6 +226,19 @@ def test_grammar_length_and_parameter_failures_are_row_errors_without_retries(fa
     assert sent == 4  # the 500 of a grammar failure is the request's answer: not retried
 
 
+def test_sglang_server_constrains_json_after_a_response_prefix(fast, tmp_path):
+    """A prefix that opens the JSON object: the server gets the continuation's grammar
+    (ebnf; the stand-in compiles it with xgrammar), so prefix + answer is the JSON."""
+    prefix = '{"answer": '
+    with SGLangServerEngine(processor(), log_dir=tmp_path) as engine:
+        plain, prefixed = engine.generate([
+            req(0, schema=SCHEMA),
+            Request(1, None, "prompt " + prefix, {}, json.dumps(SCHEMA), response_prefix=prefix),
+        ])  # fmt: skip
+    assert plain.text == '{"answer": "yes"}'  # the schema's grammar starts a whole object
+    assert prefixed.error_kind is None and json.loads(prefix + prefixed.text) == {"answer": "yes"}
+
+
 def test_one_bos_in_the_token_ids_sent(fast, tmp_path, bos_tokenizer_dir):
     import httpx2
 
@@ -330,6 +343,23 @@ def test_openai_response_prefix_continues_the_assistant_message(fast, server):
     body = s.records[0]["body"]
     assert body["messages"] == messages
     assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+
+
+def test_openai_sends_the_response_prefix_as_the_message_to_continue(fast, server):
+    """Request.response_prefix (here one that opens a JSON object) is the last assistant
+    message, continued by the server; the request's own messages are left as they were."""
+    s = server()
+    engine = openai(s)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        engine.generate([Request(0, messages, None, {}, json.dumps(SCHEMA), response_prefix='{"answer": ')])
+    finally:
+        engine.close()
+    body = s.records[0]["body"]
+    assert body["messages"] == [*messages, {"role": "assistant", "content": '{"answer": '}]
+    assert messages == [{"role": "user", "content": "hi"}]
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+    assert body["response_format"]["json_schema"]["schema"] == SCHEMA
 
 
 def test_openai_reasoning_content_is_kept_apart_from_the_answer(fast, server):

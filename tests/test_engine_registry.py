@@ -13,7 +13,7 @@ from mirageflow.engines import base
 from mirageflow.engines.base import BACKENDS, EngineInfo, create_engine, engine_class, select_backend
 
 ENGINES = Path(base.__file__).parent
-SHARED = {"base", "http", "sglang_common"}  # modules that are not engines
+SHARED = {"base", "http", "sglang_common", "json_prefix"}  # modules that are not engines
 
 
 def engine_imports(path: Path) -> set[str]:

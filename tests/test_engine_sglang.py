@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import sys
 import threading
@@ -11,7 +10,7 @@ import time
 
 import pytest
 
-from fakes import FAKES, drive
+from fakes import drive
 from mirageflow.config import ProcessorConfig
 from mirageflow.engines.base import BACKENDS, EngineError, Request, create_engine
 from mirageflow.engines.sglang_common import engine_kwargs, resolve_parallelism
@@ -19,16 +18,6 @@ from mirageflow.engines.sglang_engine import SGLangCrashed, SGLangEngine
 from mirageflow.engines.base import EngineStopped
 
 SCHEMA = json.dumps({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})
-
-
-@pytest.fixture
-def fake_sglang(monkeypatch):
-    """A fresh fake sglang module as sys.modules['sglang'] (recorded state starts empty)."""
-    spec = importlib.util.spec_from_file_location("sglang", FAKES / "fake_sglang.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setitem(sys.modules, "sglang", module)
-    return module
 
 
 def processor(model="org/model", extra=None, **server_args) -> ProcessorConfig:
@@ -43,6 +32,51 @@ def processor(model="org/model", extra=None, **server_args) -> ProcessorConfig:
 
 def req(i, prompt=None, schema=None, **params) -> Request:
     return Request(i, [{"role": "user", "content": f"q{i}"}], prompt or f"prompt number {i}", params, schema)
+
+
+def test_json_after_a_response_prefix_is_constrained_from_the_prefix_on(fake_sglang):
+    """The prompt ends with a prefix that opens the JSON object: SGLang gets the grammar of
+    the continuation (ebnf), not the schema, whose grammar would restart the object."""
+    with create_engine(processor(), 32) as engine:
+        (fake,) = fake_sglang.ENGINES
+        prefix = '{"answer": '
+        plain, prefixed = engine.generate([
+            req(0, schema=SCHEMA, max_new_tokens=16),
+            Request(1, [{"role": "user", "content": "q"}], "prompt " + prefix, {"max_new_tokens": 16}, SCHEMA, response_prefix=prefix),
+        ])  # fmt: skip
+    sent = [c["sampling_params"] for c in fake.calls]
+    assert sent[0]["json_schema"] == SCHEMA and "ebnf" not in sent[0]
+    assert "json_schema" not in sent[1] and sent[1]["ebnf"].startswith("root ::= ")
+    assert plain.text == '{"answer": "fake"}'
+    assert prefixed.text == '"fake"}' and json.loads(prefix + prefixed.text) == {"answer": "fake"}
+
+
+def test_a_shard_with_a_prefixed_json_output_on_sglang_keeps_every_row(fake_sglang, tmp_path):
+    """Through the shard runner: the output's prefix opens the object, the engine constrains
+    the continuation, and prefix + answer is each row's valid JSON value."""
+    from mirageflow.config import load_config
+    from mirageflow.shard import index_datasets, run_shard
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(6)))
+    cfg = load_config({
+        "processors": [{"type": "llm", "backend": "sglang", "server_args": {"model_path": "org/model", "tp_size": 1}}],
+        "loading_params": {"state_dir": str(tmp_path / "state"), "num_shards": 1,
+                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}]},
+        "processing_params": {
+            "inputs": [{"name": "q", "key": "q"}],
+            "outputs": [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": {"answer": "str"},
+                         "response_prefix": '{"answer": '}],
+            "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"},
+        },
+    })  # fmt: skip
+    index_datasets(cfg)
+    status = run_shard(cfg, 0)
+    records = [json.loads(line) for p in sorted((tmp_path / "out" / "shard_0").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    assert status["stats"]["rows_failed"] == 0 and len(records) == 6
+    assert all(r["a"] == {"answer": "fake"} for r in records), records
+    (fake,) = fake_sglang.ENGINES
+    assert all("ebnf" in c["sampling_params"] and "json_schema" not in c["sampling_params"] for c in fake.calls)
 
 
 def test_engine_args_are_forwarded_with_extra_args_verbatim(fake_sglang):
@@ -240,7 +274,7 @@ def test_missing_sglang_is_a_clear_error(monkeypatch):
 
 
 def test_every_backend_is_registered():
-    assert set(BACKENDS) == {"transformers", "sglang", "sglang_server", "openai"}
+    assert set(BACKENDS) == {"transformers", "sglang", "sglang_server", "openai", "shared"}
     for name, cls in (("sglang_server", "SGLangServerEngine"), ("openai", "OpenAIEngine")):
         proc = processor()
         proc = ProcessorConfig(**{**vars(proc), "backend": name, "base_url": "http://127.0.0.1:1/v1"})

@@ -185,8 +185,8 @@ def test_xgrammar_is_imported_only_for_json_requests():
 
 
 def test_a_response_prefix_starts_the_json_the_grammar_completes(engine):
-    """The prefix is in the prompt (a last assistant message the prompt ends with): the
-    grammar continues it, so prefix + answer is the valid JSON."""
+    """The prompt ends with the prefix (Request.response_prefix): the grammar continues it,
+    so prefix + answer is the valid JSON."""
     import json
 
     prefix = '{"label": "'
@@ -194,7 +194,7 @@ def test_a_response_prefix_starts_the_json_the_grammar_completes(engine):
     for i, t in enumerate(["one", "two", "three"]):
         user = [{"role": "user", "content": t}]
         prompt = engine.chat_prompt(user, {}) + prefix
-        reqs.append(Request(i, [*user, {"role": "assistant", "content": prefix}], prompt,
-                            {"temperature": 0.0, "max_new_tokens": 40}, json.dumps(_SCHEMA)))  # fmt: skip
+        reqs.append(Request(i, user, prompt, {"temperature": 0.0, "max_new_tokens": 40}, json.dumps(_SCHEMA),
+                            response_prefix=prefix))  # fmt: skip
     out = engine.generate(reqs)
     assert all(_valid(prefix + c.text) for c in out), [c.text for c in out]

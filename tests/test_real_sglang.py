@@ -58,6 +58,7 @@ CHECKS = [
     "errors_raised_by_the_real_abort_path",
     "one_bos_through_the_real_tokenization_path",
     "generate_body_passes_the_contract_gate",
+    "json_after_a_response_prefix_through_the_real_grammar_backend",
     "scraped_metric_names_exist",
     "the_fakes_facts_match_the_package",
 ]

@@ -49,7 +49,7 @@ def test_a_reader_that_silently_drops_rows_fails_the_accounting(tmp_path, monkey
         return (r for r in real(ds, piece, skip) if r.index not in (3, 4, 7))
 
     monkeypatch.setattr("mirageflow.shard.runner.read_shard", dropping)
-    with pytest.raises(ShardFailed, match=r"should be 10 records \+ row errors, found 7 \+ 0; rows neither written nor recorded: \[\[3, 5\], \[7, 8\]\]"):
+    with pytest.raises(ShardFailed, match=r"should be 10 records \+ row errors \+ filtered rows, found 7 \+ 0 \+ 0; rows neither written nor recorded: \[\[3, 5\], \[7, 8\]\]"):
         run_shard(cfg, 0, engine_factory=_engine())
     assert not (cfg.shard_dir(0) / "status.json").exists()
 

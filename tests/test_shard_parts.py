@@ -64,7 +64,7 @@ class FakeCheckpoint:
     def __init__(self, fail=False):
         self.commits, self.saves, self.fail = [], 0, fail
 
-    def commit(self, ds, records, errors):
+    def commit(self, ds, records, errors, filtered=()):
         if self.fail:
             raise OSError(28, "No space left on device")
         self.commits.append((ds, list(records), list(errors)))

@@ -215,7 +215,8 @@ def test_write_report(tmp_path):
 
     on_disk = json.loads((state / "metrics.json").read_text())
     assert on_disk == json.loads(json.dumps(metrics))
-    assert set(on_disk) == {"per_shard", "aggregate"}
+    assert {"per_shard", "aggregate", "cluster_accounting"} <= set(on_disk)
+    assert on_disk["cluster_accounting"] == {"available": False, "reason": "no shard recorded a SLURM job (not a SLURM run)"}
     assert [s["shard_id"] for s in on_disk["per_shard"]] == [0, 1]
     assert on_disk["per_shard"][1]["hostname"] == "node1"
     assert on_disk["per_shard"][1]["started_at"] == "2025-01-01T11:55:00+02:00"

@@ -71,6 +71,16 @@ def machine(*packages: str) -> dict:
     }
 
 
+def shard_answers(root: Path) -> dict[int, str]:
+    """Row id ("i") -> "answer" of the records that shard 0 wrote under <root>/out/shard_0."""
+    rows = {}
+    for part in sorted((root / "out" / "shard_0").glob("*.jsonl")):
+        for line in part.read_text().splitlines():
+            rec = json.loads(line)
+            rows[int(rec["i"])] = rec["answer"]
+    return rows
+
+
 def git_rev() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()

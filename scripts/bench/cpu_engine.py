@@ -16,13 +16,20 @@ decoding, the same max_new_tokens and batch size, left padding and one torch thr
 
 Runs alternate (ours, bare, bare, ours, ...) and each figure is the median over
 ``--repeats``; the ratio is ours/bare (target >= 0.9). The outputs of both sides are
-compared row by row (greedy: they must be the same text). Figures are printed last, one
-per line, ``name: value``; the ``cpu_engine`` section of BENCHMARKS.md is regenerated.
+compared row by row (greedy: they must be the same text).
+
+The cost of JSON outputs (``--json-prompts``, tiny model; 0 skips it): the same prompts
+through one TransformersEngine with and without ``Request.json_schema`` (the xgrammar
+token mask on every decoding step), alternating, medians over ``--repeats``: rows/s and
+tokens/s of ``engine.generate`` on all prompts, and the ratio json/plain of each.
+
+Figures are printed last, one per line, ``name: value`` (the JSON tokens/s ratio last);
+the ``cpu_engine`` section of BENCHMARKS.md is regenerated.
 """
 
 from __future__ import annotations
 
-from _common import git_rev, machine, transformers_processor, write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, shard_answers, transformers_processor, write_section  # noqa: E402 - sibling module of this script
 
 import os
 
@@ -145,11 +152,7 @@ def run_ours(model: Path, texts: list[str], root: Path, batch_size: int, new_tok
     status = run_shard(cfg, 0)
     wall = time.perf_counter() - t0
     st = status["stats"]
-    rows = {}
-    for part in sorted((root / "out" / "shard_0").glob("*.jsonl")):
-        for line in part.read_text().splitlines():
-            rec = json.loads(line)
-            rows[int(rec["i"])] = rec["answer"]
+    rows = shard_answers(root)
     window = st["inference_runtime_seconds"]
     return {
         "tokens": st["output_tokens"],
@@ -256,10 +259,86 @@ def bench_model(name: str, model: Path, n: int, batch_size: int, new_tokens: int
     }
 
 
+# --------------------------------------------------------------------------- JSON grammar cost
+
+JSON_FIELDS = {"subject": "str", "category": "str"}
+
+
+def bench_json_grammar(model: Path, n: int, batch_size: int, new_tokens: int, repeats: int) -> dict:
+    """Plain vs JSON-constrained generation of the same prompts by one TransformersEngine."""
+    from mirageflow import json_output
+    from mirageflow.engines.base import Request
+    from mirageflow.engines.transformers_engine import TransformersEngine
+
+    schema = json_output.OutputSchema.parse(JSON_FIELDS, "bench")
+    schema_json, validator = json.dumps(schema.json_schema()), schema.validator()
+    suffix = ' Reply in JSON with keys "subject" and "category".'
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens}
+    with TransformersEngine(transformers_processor(model, new_tokens)["server_args"], batch_size, torch_threads=1) as engine:
+        prompts = [engine.chat_prompt([{"role": "user", "content": t + suffix}], {}) for t in make_texts(n, seed=1)]
+
+        def run(json_on: bool) -> dict:
+            requests = [Request(i, None, p, params, schema_json if json_on else None) for i, p in enumerate(prompts)]
+            t0 = time.perf_counter()
+            out = engine.generate(requests)
+            seconds = time.perf_counter() - t0
+            tokens = sum(c.completion_tokens for c in out)
+            valid = 0
+            if json_on:
+                for c in out:
+                    try:
+                        json_output.parse_answer(c.text, validator, truncated=c.finish_reason == "length")
+                        valid += 1
+                    except json_output.OutputError:
+                        pass
+            return {"rows_s": n / seconds, "tok_s": tokens / seconds, "tokens": tokens, "valid": valid}
+
+        run(True), run(False)  # warm-up: the schema's compilation and first-call allocations, not timed
+        runs: dict[str, list] = {"plain": [], "json": []}
+        for r in range(repeats):
+            for side in ("plain", "json") if r % 2 == 0 else ("json", "plain"):
+                runs[side].append(run(side == "json"))
+            print(f"[json grammar] repeat {r + 1}/{repeats}: plain {runs['plain'][-1]['tok_s']:.1f} tok/s, "
+                  f"json {runs['json'][-1]['tok_s']:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    med = {side: {k: statistics.median(x[k] for x in rs) for k in ("rows_s", "tok_s", "tokens")} for side, rs in runs.items()}
+    return {
+        "prompts": n,
+        "plain": med["plain"],
+        "json": med["json"],
+        "valid_json": runs["json"][0]["valid"],
+        "rows_ratio": med["json"]["rows_s"] / med["plain"]["rows_s"],
+        "tok_ratio": med["json"]["tok_s"] / med["plain"]["tok_s"],
+        "all_plain": [round(x["tok_s"], 1) for x in runs["plain"]],
+        "all_json": [round(x["tok_s"], 1) for x in runs["json"]],
+    }
+
+
+def json_section_lines(j: dict) -> list[str]:
+    p, q = j["plain"], j["json"]
+    return [
+        "",
+        "### The cost of JSON outputs (the xgrammar mask), tiny model",
+        "",
+        f"The same {j['prompts']} prompts (each asking for JSON with keys {', '.join(JSON_FIELDS)}) through one "
+        "TransformersEngine, `engine.generate` on all of them, with and without `Request.json_schema` "
+        f"(schema: {', '.join(f'{k}: {v}' for k, v in JSON_FIELDS.items())}; greedy; same batch size and max_new_tokens); "
+        f"alternating, medians of the repeats. Tokens differ between the two sides (the grammar changes the text), so "
+        "tokens/s is the per-token cost and rows/s the per-row one.",
+        "",
+        "| side | rows/s | tokens/s | tokens generated | valid JSON rows |",
+        "|---|---|---|---|---|",
+        f"| plain | {p['rows_s']:.1f} | {p['tok_s']:.1f} | {p['tokens']:.0f} | - |",
+        f"| JSON grammar | {q['rows_s']:.1f} | {q['tok_s']:.1f} | {q['tokens']:.0f} | {j['valid_json']}/{j['prompts']} |",
+        f"| **json/plain** | **{j['rows_ratio']:.3f}** | **{j['tok_ratio']:.3f}** | | |",
+        "",
+        f"Every repeat (tok/s): plain {j['all_plain']}, JSON {j['all_json']}",
+    ]
+
+
 # --------------------------------------------------------------------------- BENCHMARKS.md
 
 
-def section(cmd: str, info: dict, args, results: dict, load: tuple) -> str:
+def section(cmd: str, info: dict, args, results: dict, load: tuple, json_cost: dict | None) -> str:
     lines = [
         "## CPU engine: shard runner + TransformersEngine vs a bare `model.generate` loop",
         "",
@@ -288,17 +367,27 @@ def section(cmd: str, info: dict, args, results: dict, load: tuple) -> str:
     lines += ["", "Every repeat (tok/s):", ""]
     for name, r in results.items():
         lines.append(f"- {name}: ours {r['all_ours']}, bare {r['all_bare']}")
-    lines += ["", "Figures (the script's last lines):", "", "```"] + [f"{k}: {v}" for k, v in figures(results).items()] + ["```"]
+    if json_cost:
+        lines += json_section_lines(json_cost)
+    lines += ["", "Figures (the script's last lines):", "", "```"] + [f"{k}: {v}" for k, v in figures(results, json_cost).items()] + ["```"]
     return "\n".join(lines)
 
 
-def figures(results: dict) -> dict:
+def figures(results: dict, json_cost: dict | None = None) -> dict:
     out = {}
     for name, r in results.items():
         out[f"{name}_ours_tok_s"] = round(r["ours_tok_s"], 1)
         out[f"{name}_bare_tok_s"] = round(r["bare_tok_s"], 1)
         out[f"{name}_ratio"] = round(r["ratio"], 3)
         out[f"{name}_identical_texts"] = f"{r['same_text']}/{r['prompts']}"
+    if json_cost:
+        out["json_grammar_plain_rows_per_s"] = round(json_cost["plain"]["rows_s"], 1)
+        out["json_grammar_json_rows_per_s"] = round(json_cost["json"]["rows_s"], 1)
+        out["json_grammar_plain_tokens_per_s"] = round(json_cost["plain"]["tok_s"], 1)
+        out["json_grammar_json_tokens_per_s"] = round(json_cost["json"]["tok_s"], 1)
+        out["json_grammar_valid_json"] = f"{json_cost['valid_json']}/{json_cost['prompts']}"
+        out["json_grammar_rows_per_s_ratio"] = round(json_cost["rows_ratio"], 3)
+        out["json_grammar_tokens_per_s_ratio"] = round(json_cost["tok_ratio"], 3)
     return out
 
 
@@ -310,6 +399,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json-prompts", type=int, default=128, help="prompts of the JSON-grammar comparison (tiny model; 0: skip it)")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     args = ap.parse_args()
@@ -332,10 +422,14 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown model {name!r} (tiny, smollm2)")
             results[name] = bench_model(name, model, n, args.batch_size, args.new_tokens, args.repeats, work, batches)
+        json_cost = None
+        if args.json_prompts:
+            json_cost = bench_json_grammar(tiny_model(work), args.json_prompts, args.batch_size, args.new_tokens, args.repeats)
     load1 = os.getloadavg()[0]
     if not args.no_write:
-        write_section(SECTION, section(cmd, machine("torch", "transformers"), args, results, (load0, load1)))
-    for k, v in figures(results).items():
+        info = machine("torch", "transformers", "xgrammar")
+        write_section(SECTION, section(cmd, info, args, results, (load0, load1), json_cost))
+    for k, v in figures(results, json_cost).items():
         print(f"{k}: {v}")
 
 

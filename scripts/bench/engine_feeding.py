@@ -11,6 +11,10 @@ both feeders ask for exactly the same work.
 
 - ours: the real ``ShardRunner`` (``run_shard``) over a JSONL of the requests, with the
   engine's own in-flight window (2 x C) and the tiny model's chat template;
+- ours + Python step: the same, with a custom step (mirageflow.python_steps: a Python
+  function per row in ``--python-step-workers`` worker processes, each call also sleeping
+  ``--python-step-ms``) in the row path before the LLM output, whose prompt uses its value: the
+  engine can only be fed as fast as the step delivers;
 - baseline: MMIRAGE's pattern, one blocking call per batch of 64 (render 64 prompts,
   submit them, wait for all 64, then the next batch), on the first ``--baseline-requests``
   of the same requests (it is ~20x slower; a rate needs no more).
@@ -59,13 +63,31 @@ def lengths_for(n: int, median: float, sigma: float, cap: int, seed: int) -> dic
     return {i: max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma)))) for i in range(n)}
 
 
-def config(data: Path, work: Path, tokenizer: str, cap: int) -> dict:
+# The Python step of "ours + Python step": a little string work, and --python-step-ms of waiting
+# (an I/O call, a lookup) that the worker processes overlap.
+STEP_SCRIPT = """import time
+
+def passage(v):
+    time.sleep({seconds})
+    return " ".join(v["text"].split())
+"""
+
+
+def config(data: Path, work: Path, tokenizer: str, cap: int, step: tuple[float, int] | None = None) -> dict:
+    """``step``: (seconds, workers) of a custom step before the LLM output, else none."""
+    processors = [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.7, "max_new_tokens": cap}}]
+    outputs = [{"name": "answer", "prompt": "Answer the question about this passage: {{ text }}"}]
+    if step is not None:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "step.py").write_text(STEP_SCRIPT.format(seconds=step[0]))
+        processors.append({"type": "custom", "script_path": str(work / "step.py"), "function_name": "passage", "max_workers": step[1]})
+        outputs = [{"name": "clean", "type": "custom"}, {"name": "answer", "prompt": "Answer the question about this passage: {{ clean }}"}]
     return {
-        "processors": [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.7, "max_new_tokens": cap}}],
+        "processors": processors,
         "loading_params": {"state_dir": str(work / "state"), "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(work / "out")}], "num_shards": 1},
         "processing_params": {
             "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [{"name": "answer", "prompt": "Answer the question about this passage: {{ text }}"}],
+            "outputs": outputs,
             "remove_columns": True,
             "output_schema": {"answer": "{{ answer }}"},
         },
@@ -91,12 +113,15 @@ def summarise(engine: TimedEngine, capacity: int, step: float) -> dict:
     }
 
 
-def run_ours(rows, lengths, args, tokenizer, work: Path) -> dict:
+def run_ours(rows, lengths, args, tokenizer, work: Path, python_step: bool = False) -> dict:
     from mirageflow.config import load_config
     from mirageflow.shard import index_datasets, run_shard
 
     data = C.write_jsonl(work / "data.jsonl", rows)
-    cfg = load_config(config(data, work, tokenizer, args.max_new_tokens))
+    if python_step:
+        work = work / "python_step"
+    step = (args.python_step_ms / 1000, args.python_step_workers) if python_step else None
+    cfg = load_config(config(data, work, tokenizer, args.max_new_tokens, step))
     index_datasets(cfg)
     engine = TimedEngine(lengths, capacity=args.capacity, step_seconds=args.step_ms / 1000, tokenizer_path=tokenizer, chat="fast")
     status = run_shard(cfg, 0, engine_factory=lambda *a, **k: engine)
@@ -142,6 +167,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--python-step-ms", type=float, default=1.0, help="what each call of the Python step waits (ours + Python step)")
+    ap.add_argument("--python-step-workers", type=int, default=4, help="the Python step's worker processes (max_workers)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -156,6 +183,8 @@ def main() -> None:
         t0 = time.monotonic()
         ours = run_ours(rows, lengths, args, tokenizer, work)
         print(f"ours: {json.dumps(ours)}", file=sys.stderr, flush=True)
+        stepped = run_ours(rows, lengths, args, tokenizer, work, python_step=True)
+        print(f"ours + Python step: {json.dumps(stepped)}", file=sys.stderr, flush=True)
         nb = min(args.baseline_requests, args.requests)
         base = run_baseline(rows[:nb], lengths, args, tokenizer, work)
         print(f"baseline: {json.dumps(base)}", file=sys.stderr, flush=True)
@@ -170,6 +199,8 @@ def main() -> None:
         "ours_step_occupancy": ours["step_occupancy"],
         "baseline_step_occupancy": base["step_occupancy"],
         "ours_occupancy_while_fed": ours["occupancy_while_fed"],
+        "ours_python_step_fraction_of_ideal": stepped["fraction_of_ideal"],
+        "ours_python_step_occupancy_while_fed": stepped["occupancy_while_fed"],
         "baseline_occupancy_while_fed": base["occupancy_while_fed"],
         "ours_tokens_per_sec": ours["tokens_per_sec"],
         "baseline_tokens_per_sec": base["tokens_per_sec"],
@@ -179,7 +210,11 @@ def main() -> None:
         cmd = "python scripts/bench/engine_feeding.py" + "".join(f" {a}" for a in sys.argv[1:])
         rows_md = [
             [name, r["requests"], f"{r['tokens']:,}", f"{r['window_s']:.2f}", r["steps"], f"{r['ideal_steps']:.0f}", r["drain_steps"], f"{r['tokens_per_sec']:,.0f}", f"{r['fraction_of_ideal']:.3f}", f"{r['step_occupancy']:.3f}", f"{r['occupancy_while_fed']:.3f}"]
-            for name, r in (("ours (ShardRunner, window 2 x C)", ours), ("baseline (blocking batches of 64)", base))
+            for name, r in (
+                ("ours (ShardRunner, window 2 x C)", ours),
+                (f"ours + Python step ({args.python_step_workers} workers, {args.python_step_ms:g} ms wait a call)", stepped),
+                ("baseline (blocking batches of 64)", base),
+            )
         ]
         body = f"""## Engine feeding efficiency (`scripts/bench/engine_feeding.py`)
 
@@ -188,6 +223,10 @@ step for all running sequences; output lengths lognormal, median {args.median_to
 capped at {args.max_new_tokens}: mean {sum(lens) / len(lens):.0f}, p99 {lens[int(0.99 * len(lens))]}, {sum(1 for x in lens if x == args.max_new_tokens)} rows at the cap) fed by
 our `ShardRunner` over {args.requests:,} requests and by a batch-barrier baseline (one blocking
 call per batch of {args.batch}, as MMIRAGE does) over the first {min(args.baseline_requests, args.requests):,} of the same requests.
+"ours + Python step" is our runner with a custom step in the row path before the LLM output
+(a Python function per row in {args.python_step_workers} worker processes, each call also waiting {args.python_step_ms:g} ms; the
+prompt uses its value), so every request waits for it: whether the engine stays fed while
+Python steps run.
 Ideal = the engine always full = {figures['ideal_tokens_per_sec']:,.0f} tokens/s. Fraction of ideal =
 tokens * step / (C * window from first request to last completion); step occupancy =
 tokens / (steps run * C). The end of a run, when the last long sequences finish alone

@@ -19,6 +19,12 @@ validation (JSON variant), writing the records (Parquet part files, checkpoints)
   ``map only`` leaves out its JSON->Arrow load and save_to_disk.
 
 Both run pinned to one CPU, interleaved, ``--repeats`` times; medians are reported.
+
+Two more variants of ours measure the steps that are not LLM calls (mirageflow.python_steps),
+each added to ``plain``: ``plain_filter`` (a filter step whose predicate, on the LLM output,
+keeps every row, so the same records are written) and ``plain_custom`` (a custom step: a
+Python function per row in one worker process, which shares the pinned CPU). Their cost
+per row is reported as microseconds over ``plain``.
 """
 
 from __future__ import annotations
@@ -48,12 +54,25 @@ TARGET_ROWS_PER_SEC = 20_000  # plain output, one core
 TARGET_SPEEDUP = 10.0
 
 
+# The custom step's function (plain_custom): a little real work on the variables.
+STEP_SCRIPT = "def words(v):\n    return len(v['summary'].split()) + len(v['title'])\n"
+
+
 def pipeline_config(data: Path, out: Path, state: Path, kind: str, tokenizer: str) -> dict:
-    """One MMIRAGE-format config, valid for both systems."""
+    """One MMIRAGE-format config, valid for both systems (plain_filter, plain_custom: ours only)."""
     inputs = [{"name": "id", "key": "id"}, {"name": "title", "key": "title"}, {"name": "text", "key": "text"}]
-    if kind == "plain":
+    processors = [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 64}}]
+    if kind.startswith("plain"):
         outputs = [{"name": "summary", "type": "llm", "output_type": "plain", "prompt": "Summarise in one sentence: {{ text }}"}]
         shape = {"id": "{{ id }}", "title": "{{ title }}", "summary": "{{ summary }}"}
+        if kind == "plain_filter":  # true for every row: the same records as plain
+            outputs.append({"name": "long_enough", "type": "filter", "predicate": "summary | length > 10"})
+        elif kind == "plain_custom":
+            script = out.parent / "bench_step.py"
+            script.write_text(STEP_SCRIPT)
+            processors.append({"type": "custom", "script_path": str(script), "function_name": "words"})
+            outputs.append({"name": "n_words", "type": "custom"})
+            shape["n_words"] = "{{ n_words }}"
     else:
         outputs = [{
             "name": "qa", "type": "llm", "output_type": "JSON", "output_schema": ["question", "answer"],
@@ -64,7 +83,7 @@ def pipeline_config(data: Path, out: Path, state: Path, kind: str, tokenizer: st
             "conversations": [{"role": "user", "content": "{{ qa.question }}"}, {"role": "assistant", "content": "{{ qa.answer }}"}],
         }
     return {
-        "processors": [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 64}}],
+        "processors": processors,
         "loading_params": {
             "state_dir": str(state),
             "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(out)}],
@@ -89,7 +108,7 @@ def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> d
         shutil.rmtree(ds["output_dir"], ignore_errors=True)
     cfg = load_config(cfg_dict)
     index_datasets(cfg)
-    completion = PLAIN_COMPLETION if kind == "plain" else JSON_COMPLETION
+    completion = PLAIN_COMPLETION if kind.startswith("plain") else JSON_COMPLETION
 
     engines = []
 
@@ -97,14 +116,19 @@ def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> d
         engines.append(InstantEngine(tokenizer, completion, COMPLETION_TOKENS, chat=chat))
         return engines[-1]
 
-    cpu0 = time.process_time()
+    cpu0, children0 = time.process_time(), os.times()
     status = run_shard(cfg, 0, engine_factory=factory)
     cpu = time.process_time() - cpu0 - sum(e.load_cpu_seconds for e in engines)
+    children1 = os.times()  # a custom step's workers, stopped and reaped by run_shard (their start included)
+    child_cpu = children1.children_user + children1.children_system - children0.children_user - children0.children_system
     st = status["stats"]
     seconds = st["runtime_seconds"] - st["model_load_seconds"]
     rows = st["rows_processed"]
-    assert st["rows_failed"] == 0, st
-    return {"rows": rows, "seconds": seconds, "rows_per_sec": rows / seconds, "cpu_seconds": cpu, "cpu_rows_per_sec": rows / cpu}
+    assert st["rows_failed"] == 0 and not st.get("rows_filtered"), st
+    return {
+        "rows": rows, "seconds": seconds, "rows_per_sec": rows / seconds, "cpu_seconds": cpu, "cpu_rows_per_sec": rows / cpu,
+        "child_cpu_seconds": child_cpu,
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------- MMIRAGE
@@ -225,6 +249,9 @@ def main() -> None:
             variants.append((f"ours_{kind}", lambda c=ours_cfg, k=kind: run_ours(c, tokenizer, k)))
             if kind == "plain":  # our pipeline with transformers' apply_chat_template on every row
                 variants.append((f"ours_{kind}_hf_chat", lambda c=ours_cfg, k=kind: run_ours(c, tokenizer, k, chat="transformers")))
+                for step in ("plain_filter", "plain_custom"):  # plain + a filter step / a Python step
+                    step_cfg = pipeline_config(data, work / f"ours_out_{step}", work / f"ours_state_{step}", step, tokenizer)
+                    variants.append((f"ours_{step}", lambda c=step_cfg, k=step: run_ours(c, tokenizer, k)))
             if mm_python:
                 mm_cfg = pipeline_config(mm_data, work / f"mm_out_{kind}", work / f"mm_state_{kind}", kind, tokenizer)
                 variants.append((f"mmirage_{kind}", lambda c=mm_cfg, k=kind: run_mmirage(mm_python, c, k, work)))
@@ -255,6 +282,14 @@ def main() -> None:
             figures[f"{kind}_speedup_vs_mmirage_map_only"] = med[f"ours_{kind}"] / figures[f"mmirage_{kind}_map_only_rows_per_sec"]
     figures["ours_plain_hf_chat_rows_per_sec"] = med["ours_plain_hf_chat"]
     figures["ours_plain_hf_chat_rows_per_cpu_sec"] = cpu["ours_plain_hf_chat"]
+    for step in ("filter", "custom"):  # what the step adds per row over plain
+        figures[f"ours_plain_{step}_rows_per_sec"] = med[f"ours_plain_{step}"]
+        figures[f"ours_plain_{step}_rows_per_cpu_sec"] = cpu[f"ours_plain_{step}"]
+        figures[f"{step}_step_wall_us_per_row"] = 1e6 / med[f"ours_plain_{step}"] - 1e6 / med["ours_plain"]
+        # CPU of the shard process: the steadier figure (for custom: what the event loop's process pays)
+        figures[f"{step}_step_cpu_us_per_row"] = 1e6 / cpu[f"ours_plain_{step}"] - 1e6 / cpu["ours_plain"]
+    worker = C.median([r["child_cpu_seconds"] / r["rows"] for r in results["ours_plain_custom"]])
+    figures["custom_step_worker_cpu_us_per_row"] = 1e6 * worker  # the worker process's CPU, its start included
 
     verdicts = [
         f"- ours_plain >= {TARGET_ROWS_PER_SEC:,} rows/s on one core: **{'met' if med['ours_plain'] >= TARGET_ROWS_PER_SEC else 'NOT met'}** "
@@ -291,8 +326,16 @@ only the CPU the process got, which is the steadier figure on a shared machine.
 Variants: `ours_plain` (one plain output, short template), `ours_json` (one JSON output with
 a 2-field schema, nested record), `ours_plain_hf_chat` (as `ours_plain` but the engine calls
 `tokenizer.apply_chat_template` per row instead of the compiled template of
-`mirageflow.engines.base.ChatTemplate`), `mmirage_*` (MMIRAGE {MMIRAGE_VERSION} on the same
-rows and config).
+`mirageflow.engines.base.ChatTemplate`), `ours_plain_filter` (as `ours_plain` plus a filter
+step `summary | length > 10`, true for every row), `ours_plain_custom` (as `ours_plain` plus a
+custom step: a Python function per row in one worker process, on the same pinned CPU; its
+rows per CPU-second leave out the worker's CPU), `mmirage_*` (MMIRAGE {MMIRAGE_VERSION} on the
+same rows and config). What a step adds per row: `*_step_wall_us_per_row` from the median
+rows/s (1e6 / step variant - 1e6 / ours_plain; noisy on a shared machine),
+`*_step_cpu_us_per_row` from the rows per CPU-second of the shard process (for the custom
+step: the process that feeds the engine; the function runs elsewhere), and
+`custom_step_worker_cpu_us_per_row`: the worker process's CPU per row, its start (spawn,
+imports, ~0.3 s) included.
 
 {C.table(["variant", "rows", "median rows/s", "all repeats (rows/s)", "median rows per CPU-second"], rows)}
 
@@ -303,7 +346,7 @@ Targets:
 Figures:
 
 ```
-{chr(10).join(f"{k}: {v:.1f}" if v >= 10 else f"{k}: {v:.3g}" for k, v in figures.items())}
+{chr(10).join(f"{k}: {v:.1f}" if abs(v) >= 10 else f"{k}: {v:.3g}" for k, v in figures.items())}
 ```
 """
         C.write_section("pipeline_overhead", body)

@@ -2,6 +2,17 @@
 
     python scripts/bench/roofline.py            # prints the figures, writes the roofline section of BENCHMARKS.md
     python scripts/bench/roofline.py --no-write
+    python scripts/bench/roofline.py --status STATE/shard_0/status.json   # a measured run's fraction
+
+With ``--status`` (a shard's status.json from a GPU run): the measured decode tokens/s per
+GPU (status ``tokens_per_sec_per_gpu``: output tokens over the generation window) over the
+memory-bound ceiling of that run's model on the GPU found (NVML name in ``hardware``, HBM
+bandwidth from ``mirageflow.stats.GPU_HBM_BANDWIDTH``), at the run's B (``roofline_batch``:
+sequences in flight per GPU, capped at max_running_requests) and mean context (input
+tokens per request + half the output tokens per request), with the weight and KV bytes of
+the model directory (``mirageflow.stats.model_memory_facts``). Fails naming what is missing
+(no GPU name, a GPU without a bandwidth entry, a model without config.json). Printed last
+``roofline_fraction`` and, beside it, the runner's own figure from status.json.
 
 Formula (docs/shared reference "mmirage-format.md", the same as
 ``mirageflow.stats.decode_roofline_tokens_per_sec`` behind the report's roofline_fraction):
@@ -217,10 +228,57 @@ def section(cmd: str) -> str:
     return "\n".join(lines)
 
 
+def measured(status_path: Path) -> dict:
+    """The roofline fraction of a measured run (``--status``); SystemExit naming what is missing."""
+    import json
+
+    sys.path.insert(0, str(REPO / "src"))
+    from mirageflow.stats import hbm_bandwidth, model_memory_facts
+
+    status = json.loads(status_path.read_text())
+    st, hardware = status.get("stats") or {}, status.get("hardware") or {}
+    gpu = hardware.get("gpu_name")
+    if not gpu:
+        raise SystemExit(f"{status_path}: no GPU name under hardware (NVML: {hardware.get('nvml_unavailable_reason') or 'no GPU'}); "
+                         "run with stats: true on a GPU")  # fmt: skip
+    bandwidth = hbm_bandwidth(gpu)
+    if bandwidth is None:
+        raise SystemExit(f"{status_path}: no HBM bandwidth known for GPU {gpu!r} (mirageflow.stats.GPU_HBM_BANDWIDTH)")
+    engines = list((status.get("engines") or {}).values())
+    if len(engines) != 1:
+        raise SystemExit(f"{status_path}: expected one engine, found {len(engines)}")
+    model = model_memory_facts(engines[0]["model_path"])
+    if not model or not model.get("weight_bytes") or not model.get("kv_bytes_per_token"):
+        raise SystemExit(f"{status_path}: weight/KV bytes unknown for model {engines[0]['model_path']!r}: {model}")
+    tok_s, requests = st.get("tokens_per_sec_per_gpu"), st.get("requests")
+    batch = st.get("roofline_batch") or st.get("peak_inflight")
+    if not tok_s or not requests or not batch:
+        raise SystemExit(f"{status_path}: no tokens_per_sec_per_gpu / requests / batch in stats")
+    ctx = st["input_tokens"] / requests + st["output_tokens"] / requests / 2
+    ceiling = roofline(batch, ctx, bandwidth, model["weight_bytes"], model["kv_bytes_per_token"])
+    return {
+        "gpu": gpu,
+        "hbm_bandwidth_tb_s": bandwidth / 1e12,
+        "model_weight_bytes": model["weight_bytes"],
+        "model_kv_bytes_per_token": model["kv_bytes_per_token"],
+        "batch": round(batch, 1),
+        "mean_context": round(ctx, 1),
+        "measured_tokens_per_s_per_gpu": round(tok_s, 1),
+        "roofline_tokens_per_s_per_gpu": round(ceiling, 1),
+        "status_roofline_fraction": None if st.get("roofline_fraction") is None else round(st["roofline_fraction"], 4),
+        "roofline_fraction": round(tok_s / ceiling, 4),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
+    ap.add_argument("--status", type=Path, help="a GPU run's status.json: print its roofline fraction (writes nothing)")
     args = ap.parse_args()
+    if args.status:
+        for k, v in measured(args.status).items():
+            print(f"{k}: {v}")
+        return
     cmd = "python scripts/bench/roofline.py" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     if not args.no_write:
         write_section(SECTION, section(cmd))

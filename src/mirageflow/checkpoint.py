@@ -24,8 +24,12 @@ Manifest format 2 (``MANIFEST_VERSION``)::
      "datasets": {"0": {"out_dir": "out/shard_0", "fmt": "parquet",
                         "parts": [{"name": "part-00000.parquet", "bytes": 48213,
                                    "sha256": "5be1...", "rows": [[0, 500]]}],
-                        "done": [[0, 500]], "failed": [[731, 732]]}},
+                        "done": [[0, 500]], "failed": [[731, 732]], "filtered": [[500, 731]]}},
      "attempts": [{"attempt": 1, "...": "..."}]}
+
+``filtered`` (absent in manifests written before filter steps existed): rows a filter step
+dropped; the manifest is their only record (no part file, no error line), and a rerun skips
+them as it skips done and failed rows.
 
 A format-1 manifest (``parts`` a list of names; before per-part checksums) is verified by
 reading each part: a part that reads back is kept and its rows are the ``source_index``
@@ -60,6 +64,7 @@ from pathlib import Path
 
 from mirageflow.config import records_identity
 from mirageflow.data.writers import atomic_write_json, atomic_write_text, write_part
+from mirageflow.samples import record_unit
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +189,7 @@ class DatasetProgress:
     parts: list[str] = field(default_factory=list)  # names of the committed part files, in commit order
     done: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
+    filtered: set[int] = field(default_factory=set)  # rows a filter step dropped: no record, no error
     # name -> {"bytes", "sha256", "rows"} of each committed part (what restore() verifies)
     part_info: dict[str, dict] = field(default_factory=dict, repr=False)
     next_part: int = 0  # number of the next part file (never one of a kept part)
@@ -221,7 +227,8 @@ class DatasetProgress:
         return (
             f'{{"out_dir":{_json_dumps(str(self.out_dir))},"fmt":{_json_dumps(self.fmt)},'
             f'"parts":[{",".join(self._part_json)}],'
-            f'"done":{_json_dumps(self.ranges("done"))},"failed":{_json_dumps(self.ranges("failed"))}}}'
+            f'"done":{_json_dumps(self.ranges("done"))},"failed":{_json_dumps(self.ranges("failed"))},'
+            f'"filtered":{_json_dumps(self.ranges("filtered"))}}}'
         )
 
 
@@ -244,8 +251,11 @@ class Checkpoint:
     it with ``begin_attempt``/``update_attempt``; every commit and ``save()`` persist it.
     """
 
-    def __init__(self, shard_dir: Path, fingerprint: str, outputs: dict[int, tuple[Path, str]]):
+    def __init__(self, shard_dir: Path, fingerprint: str, outputs: dict[int, tuple[Path, str]], samples: int = 1):
+        """``samples``: records per row (n_samples); above 1 every index here is a unit,
+        ``source_index * samples + sample_index`` (mirageflow/samples.py)."""
         self.shard_dir = Path(shard_dir)
+        self.samples = samples
         self.path = self.shard_dir / "checkpoint.json"
         self.errors_path = self.shard_dir / "errors.jsonl"
         self.fingerprint = fingerprint
@@ -288,7 +298,7 @@ class Checkpoint:
             prog.out_dir.mkdir(parents=True, exist_ok=True)
             entry = saved["datasets"].get(str(key)) if saved is not None else None
             prog.parts, prog.part_info, prog._part_json, prog.next_part = [], {}, [], 0
-            prog.done, prog.failed = set(), set()
+            prog.done, prog.failed, prog.filtered = set(), set(), set()
             if entry is not None:
                 self._restore_dataset(key, prog, entry, retry_failed)
             self._set_aside_unlisted(key, prog, discard)
@@ -317,6 +327,8 @@ class Checkpoint:
             )  # fmt: skip
         if not retry_failed:
             prog.failed = from_ranges(entry["failed"]) - prog.done
+        # filtered rows have no file to verify; retry_failed_rows does not redo them (not failures)
+        prog.filtered = from_ranges(entry.get("filtered", [])) - prog.done - prog.failed
 
     def _verify_part(self, key: int, prog: DatasetProgress, part: dict) -> dict | None:
         """The part's entry when its file is intact; else None (moved aside, WARNING)."""
@@ -450,8 +462,8 @@ class Checkpoint:
                 return f"unknown dataset {key!r}"
             if not isinstance(d, dict) or not isinstance(d.get("parts"), list):
                 return f"dataset {key}: no 'parts' list"
-            for name in ("done", "failed"):
-                if _bad_ranges(d.get(name)):
+            for name in ("done", "failed", "filtered"):
+                if _bad_ranges(d.get(name, [] if name == "filtered" else None)):  # manifests before filters have none
                     return f"dataset {key}: '{name}' is not a list of [start, stop) ranges"
             for part in d["parts"]:
                 if version == 1:
@@ -486,6 +498,7 @@ class Checkpoint:
                 ok = (
                     isinstance(entry, dict) and _is_int(entry.get("dataset")) and entry["dataset"] in self.datasets
                     and _is_int(entry.get("source_index")) and isinstance(entry.get("error"), str)
+                    and (self.samples == 1 or _is_int(entry.get("sample_index")) and 0 <= entry["sample_index"] < self.samples)
                 )  # fmt: skip
             except (UnicodeDecodeError, json.JSONDecodeError):
                 ok = False
@@ -500,7 +513,7 @@ class Checkpoint:
         kept: list[str] = []
         seen: dict[int, set[int]] = {k: set() for k in self.datasets}
         for _, text, entry in self._read_error_lines():
-            ds, index = entry["dataset"], entry["source_index"]
+            ds, index = entry["dataset"], record_unit(entry, self.samples)
             if index in self.datasets[ds].failed and index not in seen[ds]:
                 seen[ds].add(index)
                 kept.append(text)
@@ -515,7 +528,7 @@ class Checkpoint:
         self._write_errors(kept, mode="w")
 
     def resumed_rows(self) -> int:
-        return sum(len(p.done) + len(p.failed) for p in self.datasets.values())
+        return sum(len(p.done) + len(p.failed) + len(p.filtered) for p in self.datasets.values())
 
     def committed_before(self, dataset: int):
         """``skip(index)``: whether the row was committed when this was called (at resume).
@@ -523,7 +536,7 @@ class Checkpoint:
         A snapshot, as compact ranges: the writer thread adds to the live sets meanwhile.
         """
         prog = self.datasets[dataset]
-        ranges = merge_ranges(prog.ranges("done"), prog.ranges("failed"))
+        ranges = merge_ranges(merge_ranges(prog.ranges("done"), prog.ranges("failed")), prog.ranges("filtered"))
         if not ranges:
             return lambda index: False
         starts = [a for a, _ in ranges]
@@ -555,21 +568,29 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ commit
 
-    def commit(self, dataset: int, records: list[dict], errors: list[dict]) -> None:
-        """Make these finished rows durable: part file, then error lines, then the manifest."""
+    def commit(self, dataset: int, records: list[dict], errors: list[dict], filtered=()) -> None:
+        """Make these finished rows durable: part file, then error lines, then the manifest
+        (which alone records the ``filtered`` source indices: rows a filter step dropped)."""
         prog = self.datasets[dataset]
+        n = self.samples
         if records:
-            records.sort(key=lambda r: r["source_index"])
+            if n == 1:
+                records.sort(key=lambda r: r["source_index"])
+                indices = [r["source_index"] for r in records]
+            else:  # x x x y y y: by row, then sample
+                records.sort(key=lambda r: record_unit(r, n))
+                indices = [record_unit(r, n) for r in records]
             name = f"part-{prog.next_part:05d}.{prog.fmt}"
             path = prog.out_dir / name
             write_part(path, records, prog.fmt)
             digest, size = _sha256_and_size(path)  # read back from the page cache
-            indices = [r["source_index"] for r in records]
             prog.add_part(name, size, digest, _runs(indices))
             prog.add("done", indices)
         if errors:
             self._write_errors([_error_line(e) for e in errors], mode="a")
-            prog.add("failed", (e["source_index"] for e in errors))
+            prog.add("failed", (record_unit(e, n) for e in errors))
+        if filtered:
+            prog.add("filtered", filtered)
         self._save()
 
     def _write_errors(self, lines: list[str], mode: str) -> None:

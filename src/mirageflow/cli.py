@@ -179,13 +179,13 @@ def _dry_run(extra: list[str]) -> bool:
 
 
 def cmd_stats(args) -> int:
-    from mirageflow.report import compute_metrics
+    from mirageflow.report import full_metrics
 
     cfg = _load(args.config, check_paths=False)
     missing = _missing_state_dir(cfg, args.config)
     if missing:
         raise UsageError(missing)
-    metrics = compute_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)  # as in metrics.json
     if args.html:
         from mirageflow.data.writers import atomic_write_text
         from mirageflow.report_html import render_html
@@ -357,7 +357,11 @@ def cmd_merge(args) -> int:
         print(f"mmirage: cannot merge yet, not every shard is done ({what})", file=sys.stderr)
         return EXIT_FAILED if not_done["failed"] else EXIT_INCOMPLETE
     targets = [f"{cfg.state_dir}/merged/dataset_{ds.index}.json" for ds in cfg.datasets]
-    flags = ["--allowed-rules", "merge", "--rerun-triggers", "mtime"]
+    rules = ["merge"]
+    if cfg.dedup is not None:  # deduplication_params.enabled: deduplicate the merged output too
+        targets += [f"{cfg.state_dir}/dedup/dataset_{ds.index}.json" for ds in cfg.datasets]
+        rules.append("dedup")
+    flags = ["--allowed-rules", *rules, "--rerun-triggers", "mtime"]
     return _run(snakemake_command(args.config, cores="1", targets=targets, flags=flags, extra=args.extra))
 
 

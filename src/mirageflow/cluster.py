@@ -170,14 +170,19 @@ def runtime(base: int, cap: float) -> Callable:
 
 
 def cluster_resources(pipeline: Any, job: str) -> dict:
-    """SLURM resources of a shard job (job="shard") or of an index job (job="index").
+    """SLURM resources of a shard job (job="shard"), an index job (job="index") or an
+    engine service (job="engine", execution_params.shards_per_engine > 1).
 
     ``pipeline`` is a validated PipelineConfig (load_config already refused malformed
     values). Index jobs are light: 1 CPU, no GPU, at most INDEX_MAX_MINUTES per attempt.
     """
-    if job not in ("shard", "index"):
-        raise ValueError(f"job must be 'shard' or 'index', not {job!r}")
+    if job not in ("shard", "index", "engine"):
+        raise ValueError(f"job must be 'shard', 'index' or 'engine', not {job!r}")
     ep = pipeline.raw["execution_params"]
+    # With shards_per_engine > 1 the engine job (engine_service.py) holds the GPUs, CPUs
+    # and memory; its shards, in the same group job, are light clients. Snakemake sums
+    # the resources of a service and its consumers.
+    shared = ep.get("shards_per_engine", 1) > 1
     base = minutes(ep["time_limit"])
     cap = minutes(ep["max_time_limit"]) if ep.get("max_time_limit") else math.inf
     if job == "index":
@@ -190,7 +195,7 @@ def cluster_resources(pipeline: Any, job: str) -> dict:
     if ep.get("qos"):
         res["qos"] = ep["qos"]
     extra = [f"--reservation={ep['reservation']}"] if ep.get("reservation") else []
-    if job == "index":
+    if job == "index" or (job == "shard" and shared):  # light: 1 CPU, no GPU, the default memory
         res["cpus_per_task"] = 1
     else:
         gpus = _gpus(ep, pipeline.processors)
@@ -203,6 +208,7 @@ def cluster_resources(pipeline: Any, job: str) -> dict:
             res["mem_mb"] = mem_mb(ep["mem"])
         if ep.get("constraint"):
             res["constraint"] = ep["constraint"]
+    if job != "index":
         if ep.get("slurm_extra"):
             extra.append(ep["slurm_extra"])
         if not _SIGNAL_RE.search(ep.get("slurm_extra") or ""):  # the user's own --signal wins

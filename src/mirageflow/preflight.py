@@ -11,11 +11,14 @@ the same configs with the same ``key.path: message`` lines:
   JSONL, a JSONL (or gzip, or JSON array) file declared Parquet;
 - each input's JMESPath key against the first ``SAMPLE_ROWS`` rows of each dataset: a key
   that matches none of them is refused (with a row that lacks it), unless the input has a
-  ``default`` or ``optional: true``;
+  ``default`` or ``optional: true``; likewise a ``preserve_columns`` name (with
+  ``remove_columns: true``) that is a column of none of them;
 - each local model: the directory exists and holds a config.json; a Hugging Face id
   (``org/name``) must already be in the local cache (no hub is reachable, nothing is
   downloaded); ``max_new_tokens`` must be below the model's context;
+- image inputs go to a model whose config.json declares a vision tower;
 - ``api_key_env`` names a variable set in this environment (the jobs inherit it);
+- a custom processor's script imports and defines its ``function_name`` (the driver imports it);
 - ``num_shards`` is at most the largest dataset's row count when it is cheap to know
   (Parquet footers, a JSONL file up to ``COUNT_JSONL_MAX_BYTES``, an existing index);
 - no output_dir belongs to another pipeline (the owner marker, read only).
@@ -34,7 +37,9 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from mirageflow import python_steps
 from mirageflow.config import ConfigError, PipelineConfig, load_config
+from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 
 SAMPLE_ROWS = 20
 COUNT_JSONL_MAX_BYTES = 64 << 20  # newline count of a JSONL file up to this size (~20 ms)
@@ -81,6 +86,7 @@ def preflight_problems(
         problems += found
         if not found and sample:
             problems += _key_problems(cfg, ds, sample)
+            problems += text_field_sample_problems(cfg, ds, sample)
         indexed = _indexed_rows(cfg, ds)
         rows_known.append(indexed if indexed is not None else rows)
     if rows_known and None not in rows_known and cfg.num_shards > max(rows_known):
@@ -91,8 +97,36 @@ def preflight_problems(
             f"shards beyond {max(most, 1)} would have no rows to process: use num_shards <= {max(most, 1)}"
         )
     for i, proc in enumerate(cfg.raw["processors"]):
-        problems += _processor_problems(cfg, i, proc, environ, built_models)
+        if proc["type"] == "custom":
+            problems += _custom_problems(i, proc)
+        else:
+            problems += _processor_problems(cfg, i, proc, environ, built_models)
     problems += _owner_problems(cfg)
+    problems += _json_prefix_problems(cfg)
+    problems += dedup_problems(cfg)
+    return problems
+
+
+def _json_prefix_problems(cfg: PipelineConfig) -> list[str]:
+    """A JSON output's response_prefix must start JSON valid against its schema: engines
+    constrain only the continuation (engines/json_prefix.py). Here, in the driver only,
+    because compiling the grammar imports xgrammar (~3 s with torch), which every cluster
+    job re-parsing the workflow would pay."""
+    import json
+
+    problems = []
+    for i, out in enumerate(cfg.outputs):
+        if not (out.is_json and out.response_prefix and out.schema is not None):
+            continue
+        from mirageflow.engines.json_prefix import continuation_grammar
+
+        try:
+            continuation_grammar(json.dumps(out.schema.json_schema()), out.response_prefix)
+        except ValueError as e:
+            problems.append(
+                f"processing_params.outputs[{i}].response_prefix: {e} "
+                "(the answer is prefix + the model's continuation, constrained to the schema)"
+            )
     return problems
 
 
@@ -291,6 +325,13 @@ def _key_problems(cfg: PipelineConfig, ds, sample: list[dict]) -> list[str]:
                 + (f" (did you mean '{hint[0]}'?)" if hint else "")
                 + f"; row 0 is {shown}. Fix the key, or set default: (a value for rows without it) or optional: true"
             )
+    for name in cfg.preserve_columns if cfg.remove_columns else ():  # a misspelt column would be null in every record
+        if sample and not any(isinstance(row, dict) and name in row for row in sample):
+            hint = difflib.get_close_matches(name, [str(k) for k in sample[0]] if isinstance(sample[0], dict) else [], n=1)
+            problems.append(
+                f"processing_params.preserve_columns: '{name}' is a column of none of the first {len(sample)} rows of "
+                f"loading_params.datasets[{ds.index}] ('{ds.path}')" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+            )
     return problems
 
 
@@ -370,7 +411,39 @@ def _processor_problems(cfg, i: int, proc: dict, environ: Mapping[str, str], bui
     else:
         problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
     problems += _context_problems(cfg, i, proc, model_dir)
+    problems += _vision_problems(cfg, i, proc, model_dir)
     return problems
+
+
+def _custom_problems(i: int, proc: dict) -> list[str]:
+    """A custom processor's script imports and defines its function (the import runs the
+    script's top level here, once, as every worker will)."""
+    path = os.path.expanduser(proc.get("script_path") or "")
+    if not proc.get("function_name") or not os.path.isfile(path):
+        return []  # load_config reported it
+    try:
+        python_steps.load_function(path, proc["function_name"])
+    except (AttributeError, TypeError) as e:
+        return [f"processors[{i}].function_name: {e}"]
+    except (Exception, SystemExit) as e:  # the user's script: a SyntaxError, an ImportError, a sys.exit at import
+        return [f"processors[{i}].script_path: cannot import '{path}': {type(e).__name__}: {e}"]
+    return []
+
+
+def _vision_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[str]:
+    """Image inputs sent to a model whose config.json declares no vision tower (a text-only model)."""
+    from mirageflow.images import is_vision_model
+
+    images = [(j, v) for j, v in enumerate(cfg.inputs) if v.type == "image"]
+    served = any(o.processor == proc["type"] for o in cfg.outputs)
+    if not images or not served or model_dir is None or is_vision_model(model_dir) is not False:
+        return []
+    return [
+        f"processing_params.inputs[{j}].type: image input '{v.name}', but processors[{i}].server_args.model_path "
+        f"'{proc['server_args']['model_path']}' is a text-only model (its config.json declares no vision tower): "
+        "use a vision-language model, or drop the image input"
+        for j, v in images
+    ]
 
 
 def _context_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[str]:

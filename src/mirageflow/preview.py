@@ -25,7 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
+from mirageflow import python_steps
 from mirageflow.engines.base import Engine, EngineInfo, create_engine, resolve_backend
+from mirageflow.images import RowImages
 from mirageflow.prompts import Extractor, RecordRenderer, RowError
 from mirageflow.shard.steps import OutputStep
 
@@ -120,18 +122,33 @@ def _error(e: RowError) -> dict:
     return out
 
 
-async def _preview_row(row, extract, steps: list[OutputStep], render, generate: bool) -> dict:
+async def _preview_row(row, extract, steps: list[OutputStep], render, generate: bool, images=None) -> dict:
+    """``images``: variables -> the row's loaded image inputs (mirageflow.images), when the config has any."""
     out: dict[str, Any] = {"source_index": row.index, "variables": None, "outputs": [], "record": None, "error": None}
     try:
         if isinstance(row.value, RowError):
             raise row.value
         variables = extract(row.value)
         out["variables"] = _plain(variables)
+        row_images = images(variables) if images else None
         for step in steps:
             entry: dict[str, Any] = {"name": step.output.name, "processor": step.output.processor, "json": step.output.is_json}
             out["outputs"].append(entry)
-            request = step.request(row.index, variables)
+            if step.engine is None:  # a filter or Python step: run only with generate (earlier values are placeholders)
+                if not generate:
+                    if step.output.kind == "custom":
+                        variables[step.output.name] = NotGenerated(step.output.name)
+                    continue
+                kept = await step.run(variables)
+                entry["value"] = _plain(variables[step.output.name]) if step.output.kind == "custom" else kept
+                if not kept:
+                    out["filtered"] = True  # the runner writes no record for this row
+                    return out
+                continue
+            request = step.request(row.index, variables, images=row_images)
             entry["messages"] = request.messages
+            if request.images:  # in placeholder order
+                entry["images"] = [{"source": im.source, "width": im.width, "height": im.height, "sha256": im.sha256} for im in request.images]
             entry["prompt"] = request.prompt  # None: the server applies its chat template to the messages
             entry["sampling_params"] = request.sampling_params
             if not generate:
@@ -154,19 +171,25 @@ def preview(cfg, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str 
     """{"datasets": [{index, path, rows: [...]}], "generated": bool, "engines": {...}}: what the runner would do
     with the first ``rows`` rows of each dataset (and, with ``generate``, what the engine answered)."""
     extract = Extractor(cfg.inputs)
-    render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs])
+    row_images = RowImages.from_config(cfg)
+    render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"])
     engines: dict[str, Engine] = {}
+    pools: dict[str, python_steps.FunctionPool] = {}
     scratch = None
     if generate and log_dir is None:
         scratch = tempfile.TemporaryDirectory(prefix="mmirage-preview-")
         log_dir = scratch.name
     try:
-        for name in dict.fromkeys(o.processor for o in cfg.outputs):
+        if generate:
+            pools = python_steps.start_pools(cfg.custom_processors, cfg.outputs)
+        else:  # not started: the steps are shown, not run
+            pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
+        for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
             processor = cfg.processors[name]
             engine = create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
             engines[name] = engine
             engine.load()
-        steps = [OutputStep(o, cfg.processors[o.processor], engines[o.processor]) for o in cfg.outputs]
+        steps = [python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], engines[o.processor]), pools) for o in cfg.outputs]
         result = {"generated": generate, "engines": {n: e.info.backend for n, e in engines.items()}, "datasets": []}
         for ds in cfg.datasets:
             entry: dict[str, Any] = {"index": ds.index, "path": ds.path, "rows": [], "error": None}
@@ -177,12 +200,14 @@ def preview(cfg, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str 
                 source = []
 
             async def run(source=source):
-                return await asyncio.gather(*(_preview_row(r, extract, steps, render, generate) for r in source))
+                load = (lambda v, i=ds.index: row_images(v, i)) if row_images else None
+                return await asyncio.gather(*(_preview_row(r, extract, steps, render, generate, load) for r in source))
 
             entry["rows"] = list(asyncio.run(run())) if source else []
             result["datasets"].append(entry)
         return result
     finally:
+        python_steps.close_pools(pools)
         for engine in engines.values():
             try:
                 engine.close()
@@ -215,6 +240,10 @@ def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
                 w("variables:\n" + _indent(_dump(row["variables"]), "    ") + "\n")
             for o in row["outputs"]:
                 kind = "JSON output" if o["json"] else "output"
+                if o["processor"] in ("filter", "custom"):
+                    shown = _dump(o["value"]) if "value" in o else "(not run without --generate)"
+                    w(f"{o['processor']} step '{o['name']}': {shown}\n")
+                    continue
                 if o["prompt"] is not None:
                     w(f"{kind} '{o['name']}' (processor {o['processor']}): prompt as the engine receives it:\n")
                     w(_indent(o["prompt"]) + "\n")
@@ -225,6 +254,8 @@ def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
                     w(f"  answer ({o['completion_tokens']} tokens, finish_reason {o['finish_reason']}):\n" + _indent(o["answer"]) + "\n")
                 if "value" in o and o["json"]:
                     w("  parsed JSON:\n" + _indent(_dump(o["value"]), "    ") + "\n")
+            if row.get("filtered"):
+                w("FILTERED: a filter step dropped this row (no record)\n")
             if row["error"]:
                 e = row["error"]
                 w(f"ROW ERROR ({e['stage']}, {e['error']}): {e['message']}\n")

@@ -358,33 +358,107 @@ def _compile_value(shape: Any, where: str) -> Callable[[Mapping[str, Any]], Any]
 class RecordRenderer:
     """Builds the saved record of a row from processing_params.output_schema."""
 
-    def __init__(self, output_schema: dict, remove_columns: bool, output_names: list[str]):
+    def __init__(self, output_schema: dict, remove_columns: bool, output_names: list[str], preserve_columns=()):
         self._shape = _compile_value(output_schema, "processing_params.output_schema") if output_schema else None
         self._remove_columns = remove_columns
         self._output_names = output_names
+        # columns kept in spite of remove_columns (null where a row lacks one: one schema for all parts)
+        self._preserve = tuple(preserve_columns) if remove_columns else ()
 
-    def __call__(self, source_index: int, row: Mapping[str, Any], variables: Mapping[str, Any]) -> dict:
+    def __call__(self, source_index: int, row: Mapping[str, Any], variables: Mapping[str, Any], sample_index: int | None = None) -> dict:
         if self._shape is not None:
             rendered = self._shape(variables)
         else:
             rendered = {name: variables[name] for name in self._output_names}
-        record = dict(rendered) if self._remove_columns else {**row, **rendered}
+        if not self._remove_columns:
+            record = {**row, **rendered}
+        elif self._preserve:
+            record = {**{c: row.get(c) for c in self._preserve}, **rendered}
+        else:
+            record = dict(rendered)
         record["source_index"] = source_index
+        if sample_index is not None:  # n_samples > 1 (mirageflow/samples.py)
+            record["sample_index"] = sample_index
         return record
 
 
+# ShareGPT's speaker names (``from``) -> chat roles; OpenAI-style rows use the roles themselves.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _conversation_error(name: str, message: str) -> RowError:
+    return RowError("render", "bad_conversation", f"input '{name}': {message}")
+
+
+def conversation_messages(value: Any, name: str, prompt_follows: bool) -> list[dict[str, str]]:
+    """A row's conversation as chat messages ``[{role, content}]``.
+
+    Accepts OpenAI style ``[{role: system|user|assistant, content: str}]`` and ShareGPT
+    style ``[{from: human|gpt|system (or user|assistant), value: str}]``; other keys of a
+    message (``name``, ``weight``, ...) are ignored. A system message may only come first.
+    Without a prompt after it (``prompt_follows``) the conversation must end with a user
+    turn, the one the model answers. Anything else is the row's ``bad_conversation``
+    error naming the variable ``name`` and the message.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise _conversation_error(name, f"is a {type(value).__name__}, not a list of chat messages")
+    if not value:
+        raise _conversation_error(name, "is an empty list of chat messages")
+    msgs = []
+    for i, m in enumerate(value):
+        if not isinstance(m, _abc.Mapping):
+            raise _conversation_error(name, f"message {i} is a {type(m).__name__}, not an object with role and content")
+        if "role" in m and "from" not in m:
+            role, content, key = m["role"], m.get("content"), "content"
+            if role not in CHAT_ROLES:
+                raise _conversation_error(name, f"message {i} has unknown role {role!r} (known: {', '.join(CHAT_ROLES)})")
+        elif "from" in m and "role" not in m:
+            speaker, content, key = m["from"], m.get("value"), "value"
+            role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
+            if role is None:
+                raise _conversation_error(name, f"message {i} has unknown speaker 'from': {speaker!r} (known: {', '.join(SHAREGPT_ROLES)})")
+        else:
+            raise _conversation_error(
+                name, f"message {i} needs either 'role' and 'content' (OpenAI) or 'from' and 'value' (ShareGPT), it has keys {sorted(map(str, m))}"
+            )
+        if not isinstance(content, str):
+            raise _conversation_error(name, f"message {i} ({role}): '{key}' is {'missing' if content is None else 'a ' + type(content).__name__}, not text")
+        if role == "system" and i:
+            raise _conversation_error(name, f"message {i}: a system message may only be the first message")
+        msgs.append({"role": role, "content": content})
+    if not prompt_follows and msgs[-1]["role"] != "user":
+        raise _conversation_error(
+            name, f"ends with a{'n' if msgs[-1]['role'] == 'assistant' else ''} {msgs[-1]['role']} turn: nothing for the model to answer "
+            "(the last message must be the user's, or set the output's prompt to add a last user turn)"
+        )
+    return msgs
+
+
 class PromptBuilder:
-    """Chat messages for one output: an optional system prompt, then the user prompt."""
+    """Chat messages for one output: an optional system prompt, then the user prompt.
+
+    With ``conversation`` (the name of a variable holding a list of chat messages), the
+    messages are that conversation, then the output's prompt (when it has one) as a last
+    user turn; the output's ``system`` replaces the conversation's own system message.
+    """
 
     def __init__(self, output):
         self.output = output
         where = f"outputs.{output.name}"
-        self._user = Template(output.prompt, f"{where}.prompt")
+        self._user = Template(output.prompt, f"{where}.prompt") if output.prompt else None
         self._system = Template(output.system, f"{where}.system") if output.system else None
+        self._conversation = getattr(output, "conversation", None)
 
     def messages(self, variables: Mapping[str, Any]) -> list[dict[str, str]]:
         msgs = []
         if self._system is not None:
             msgs.append({"role": "system", "content": self._system.render(variables)})
-        msgs.append({"role": "user", "content": self._user.render(variables)})
+        if self._conversation is not None:
+            turns = conversation_messages(variables.get(self._conversation), self._conversation, self._user is not None)
+            if msgs and turns[0]["role"] == "system":
+                turns = turns[1:]  # the output's system prompt takes its place
+            msgs += turns
+        if self._user is not None:
+            msgs.append({"role": "user", "content": self._user.render(variables)})
         return msgs

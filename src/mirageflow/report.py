@@ -85,7 +85,7 @@ def _check_hist(h) -> bool:
 # stats keys the report does arithmetic on: each a number or null when present
 STATS_NUMBERS = (
     "runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus", "rows_processed", "rows_failed",
-    "input_tokens", "model_load_seconds", "warmup_seconds", "generation_seconds", "write_seconds",
+    "rows_filtered", "input_tokens", "model_load_seconds", "warmup_seconds", "generation_seconds", "write_seconds",
     "engine_idle_seconds", "gpu_util_mean", "gpu_sampled_seconds", "gpu_energy_joules", "roofline_tokens_per_sec_per_gpu",
 )  # fmt: skip
 # ... and those a successful shard's figures cannot do without
@@ -423,6 +423,7 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
         "failed_shards": failed,
         "total_rows_processed": rows,
         "total_rows_failed": rows_failed_done + rows_failed_failed,
+        "total_rows_filtered": int(_sum(statuses, "rows_filtered")),  # dropped by filter steps (completed shards)
         "rows_failed_by_class": failed_by_class,
         "rows_failed_completed_shards": rows_failed_done,
         "rows_failed_failed_shards": rows_failed_failed,
@@ -499,6 +500,7 @@ _NOT_IN_TABLE = {
 ROW_LABELS = {
     "total_rows_processed": "rows ok",
     "total_rows_failed": "rows failed",
+    "total_rows_filtered": "rows filtered (a filter step's predicate was false; not errors)",
     "rows_processed_failed_shards": "rows ok in failed shards",
 }
 
@@ -557,13 +559,25 @@ def summary_markdown(metrics: dict) -> str:
     if agg.get("stragglers"):
         lines += ["", f"Stragglers (> {STRAGGLER_FACTOR} x median runtime): "
                   + ", ".join(f"shard {s['shard_id']} ({s['x_median']:.1f}x)" for s in agg["stragglers"])]  # fmt: skip
+    if metrics.get("deduplication"):
+        lines += ["", "## Deduplication (after merge)", "",
+                  "| dataset | text field | rows in | exact duplicates removed | near duplicates removed | rows out | rows without text |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for d in metrics["deduplication"]:
+            if "error" in d:
+                lines.append(f"| {_cell(d['error'])} | | | | | | |")
+                continue
+            lines.append(
+                f"| {_cell(d.get('dataset'))} | `{_cell(d.get('text_field'))}` | {_fmt(d.get('rows_in'))} | {_fmt(d.get('exact_duplicates_removed'))} | "
+                f"{_fmt(d.get('near_duplicates_removed'))} | {_fmt(d.get('rows_out'))} | {_fmt(d.get('rows_without_text'))} |"
+            )
     lines += [
         "", "## Shards (completed; each row covers all attempts of the shard)", "",
-        "| shard | attempts | rows ok | rows failed | runtime s | load s | generate s | output tokens | tok/s | GPU util % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shard | attempts | rows ok | rows failed | rows filtered | runtime s | load s | generate s | output tokens | tok/s | GPU util % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     cells = [
-        "rows_processed", "rows_failed", "runtime_seconds", "model_load_seconds", "inference_runtime_seconds",
+        "rows_processed", "rows_failed", "rows_filtered", "runtime_seconds", "model_load_seconds", "inference_runtime_seconds",
         "output_tokens", "tokens_per_sec", "gpu_util_mean",
     ]  # fmt: skip
     for s in metrics["per_shard"]:
@@ -590,11 +604,31 @@ def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float
             "started_at": s["started_at"],
             "finished_at": s["finished_at"],
             "gpu_name": (s.get("hardware") or {}).get("gpu_name"),
+            "slurm_job_id": s.get("slurm_job_id"),
             "stats": s["stats"],
         }
         for s in statuses
     ]
-    return {"per_shard": per_shard, "aggregate": aggregate(statuses, num_shards, missing, states)}
+    agg = aggregate(statuses, num_shards, missing, states)
+    from mirageflow.engine_service import shared_engine_summary  # shards_per_engine > 1: count each load once
+
+    agg["shared_engines"] = shared_engine_summary(state_dir, statuses)
+    if agg["shared_engines"]:
+        agg["sum_model_load_seconds"] = agg["shared_engines"]["sum_model_load_seconds_attributed"]
+    return {"per_shard": per_shard, "aggregate": agg}
+
+
+def full_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
+    """What metrics.json holds (the aggregate and `mmirage stats`): compute_metrics, plus
+    the SLURM accounting and the dedup counts. Only here, not in compute_metrics: `mmirage
+    status` must not wait on sacct."""
+    from mirageflow.data.dedup import read_dedup_counts
+    from mirageflow.slurm_accounting import cluster_accounting
+
+    metrics = compute_metrics(state_dir, num_shards, lease_timeout)
+    metrics["cluster_accounting"] = cluster_accounting(metrics)
+    metrics["deduplication"] = read_dedup_counts(state_dir)  # [] unless deduplication_params.enabled
+    return metrics
 
 
 def write_report(state_dir: str | Path, num_shards: int, html: bool = True, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
@@ -603,7 +637,7 @@ def write_report(state_dir: str | Path, num_shards: int, html: bool = True, leas
     Raises DamagedStateError after writing them when a shard's status.json is damaged: the
     file exists, so Snakemake took the shard for done, but it is not; the aggregate rule fails.
     """
-    metrics = compute_metrics(state_dir, num_shards, lease_timeout)
+    metrics = full_metrics(state_dir, num_shards, lease_timeout)
     atomic_write_json(Path(state_dir) / "metrics.json", metrics)
     atomic_write_text(Path(state_dir) / "summary.md", summary_markdown(metrics))
     if html:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mirageflow import stats
 from mirageflow.report import DAMAGED_CONSEQUENCE, _is_num, damaged_note, read_state_file, scope_sentence
+from mirageflow.slurm_accounting import html_section
 
 log = logging.getLogger(__name__)
 
@@ -504,6 +505,7 @@ LABELS = {
     "total_rows_failed": "rows failed (completed and failed shards)",
     "rows_failed_completed_shards": "rows failed in completed shards",
     "rows_failed_failed_shards": "rows failed in failed shards",
+    "total_rows_filtered": "rows filtered (dropped by a filter step; not errors)",
     "rows_processed_failed_shards": "rows ok in failed shards",
     "completed_shards": "shards completed",
     "total_shards": "shards",
@@ -583,6 +585,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         ("wall clock", agg.get("wall_clock_runtime_human") or "n/a"),
         ("rows ok (completed shards)", _fmt(agg.get("total_rows_processed"))),
         ("rows failed (completed + failed shards)", _fmt(agg.get("total_rows_failed"))),
+        ("rows filtered", _fmt(agg.get("total_rows_filtered"))),
         ("output tokens/s", _fmt(agg.get("tokens_per_sec"))),
         ("output tokens/s per GPU", _fmt(agg.get("tokens_per_sec_per_gpu"))),
         ("GPU-days per billion tokens", _fmt(agg.get("gpu_days_per_billion_tokens"))),
@@ -652,6 +655,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
             "<code>--config stats=true</code> or <code>mmirage run --stats</code>).",
         )
     )  # fmt: skip
+    out += html_section(metrics.get("cluster_accounting"))  # beside the GPU figures
     out.append('<div class="cols"><div><h2>Tokens per row</h2>')
     out.append(_img(plots["tokens"], "output tokens per row", "No rows generated."))
     out.append("</div><div><h2>Errors</h2>")
@@ -673,7 +677,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     out.append("</table>")
 
     columns = [
-        ("rows ok", "rows_processed"), ("failed", "rows_failed"), ("runtime s", "runtime_seconds"),
+        ("rows ok", "rows_processed"), ("failed", "rows_failed"), ("filtered", "rows_filtered"), ("runtime s", "runtime_seconds"),
         ("load s", "model_load_seconds"), ("generation s", "inference_runtime_seconds"), ("idle s", "engine_idle_seconds"),
         ("output tokens", "output_tokens"), ("tok/s", "tokens_per_sec"), ("tok/s/GPU", "tokens_per_sec_per_gpu"),
         ("GPUs", "num_gpus"), ("GPU util %", "gpu_util_mean"), ("energy J", "gpu_energy_joules"),

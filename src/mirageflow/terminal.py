@@ -43,7 +43,7 @@ FRESH_SECONDS = 120.0  # a progress.json older than this belongs to no running s
 # the data, not on chance (json_schema: a greedy model answers the same again).
 DETERMINISTIC_CLASSES = frozenset(
     {"template_error", "missing_variable", "extract_error", "json_schema", "chat_template", "bad_row", "context_length",
-     "invalid_unicode", "reasoning_truncated"}
+     "invalid_unicode", "reasoning_truncated", "bad_conversation"}
 )
 
 
@@ -197,7 +197,7 @@ class LiveProgress:
             return False
         st = status.get("stats") or {}
         try:
-            self._done_rows[shard_id] = int((st.get("rows_processed") or 0) + (st.get("rows_failed") or 0))
+            self._done_rows[shard_id] = int((st.get("rows_processed") or 0) + (st.get("rows_failed") or 0) + (st.get("rows_filtered") or 0))
         except (TypeError, ValueError):
             self._done_rows[shard_id] = 0
         return True
@@ -318,6 +318,8 @@ def run_summary(pipeline, ok: bool, config_hint: str | None = None) -> str:
     rows = f"rows: {ok_rows:,} ok, {failed_rows:,} failed"
     if by_class:
         rows += " (" + ", ".join(f"{k} {v:,}" for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])) + ")"
+    if agg.get("total_rows_filtered"):
+        rows += f", {agg['total_rows_filtered']:,} filtered"
     lines.append("  " + rows)
     if agg.get("total_output_tokens"):
         tps = agg.get("tokens_per_sec")

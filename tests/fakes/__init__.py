@@ -8,6 +8,7 @@
   failures.
 - ``fake_sglang_server.py``: a launch script taking SGLang's flags, used via
   ``server_command``.
+- ``fake_grammar.py``: how both SGLang fakes answer ``json_schema`` and ``ebnf`` requests.
 """
 
 from __future__ import annotations

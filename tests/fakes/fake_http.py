@@ -11,14 +11,17 @@ flight at once, to observe a client's window deterministically); ``unhealthy_for
 HTTP status such as "429"/"503"/"400"/"401", or "drop" to close the connection without an
 answer); ``crash_after`` (script mode only: the process exits with ``crash_code`` on the
 next generation request after that many were answered). A prompt containing ``TOO_LONG``
-gets SGLang's 400 context-length error.
+gets SGLang's 400 context-length error. ``/generate`` with ``image_data`` needs one
+``<image>`` in the text per image (data URIs), each adding 15 prompt tokens; chat content
+parts must be OpenAI's (text, image_url), else 400.
 
 ``/generate`` follows sglang 0.5.23 (srt/entrypoints/http_server.py ``generate_request``):
 a body outside the API contract (an unknown sampling parameter, a json_schema that is not
 a string) is a 400 ``{"error": "<contract message>"}`` (api_contract.py); a ValueError is a
 400 ``{"error": {"message"}}``; the HTTPException of a scheduler abort keeps its status
 with FastAPI's ``{"detail"}`` (``GRAMMAR_FAIL`` in the text: 500 "Grammar accept_token
-failed"); ``input_ids`` may replace ``text``. ``/server_info`` (``/get_server_info`` is
+failed"); ``input_ids`` may replace ``text``. ``json_schema`` and ``ebnf`` are answered as
+fake_grammar.py says (``{"answer": "yes"}``, or the tail of it an ebnf grammar accepts). ``/server_info`` (``/get_server_info`` is
 deprecated) reports the version.
 
 Used in a thread by tests (``FakeServer(...).start()``) and as the core of
@@ -35,6 +38,11 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+try:
+    from fakes.fake_grammar import GrammarFailure, constrained_answer
+except ImportError:  # run as a script from tests/fakes (fake_sglang_server.py)
+    from fake_grammar import GrammarFailure, constrained_answer
 
 _FACTS = json.loads(Path(__file__).with_name("sglang_facts.json").read_text())
 
@@ -112,6 +120,20 @@ class FakeServer:
         return "\n".join(lines) + "\n"
 
 
+IMAGE_TOKEN = "<image>"
+TOKENS_PER_IMAGE = 16
+
+
+def _valid_part(part) -> bool:
+    """An OpenAI chat content part: text, or an image_url whose url is a data: or http(s) URL."""
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "text":
+        return isinstance(part.get("text"), str)
+    url = (part.get("image_url") or {}).get("url") if part.get("type") == "image_url" else None
+    return isinstance(url, str) and url.startswith(("data:image/", "http://", "https://"))
+
+
 def _words(n: int) -> str:
     return " ".join(f"w{i}" for i in range(n))
 
@@ -150,7 +172,8 @@ def _handler(server: FakeServer):
                 with server.lock:  # what tests of a stand-in process need to see
                     generates = [r["body"] for r in server.records if r["path"] == "/generate"]
                 self._send(200, {"version": "0.5.23+fake", "peak_in_flight": server.peak_in_flight, "answered": server.answered,
-                                 "generate_requests": len(generates), "input_ids": [b.get("input_ids") for b in generates]})
+                                 "generate_requests": len(generates), "input_ids": [b.get("input_ids") for b in generates],
+                                 "texts": [b.get("text") for b in generates], "image_data": [b.get("image_data") for b in generates]})
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -213,6 +236,12 @@ def _handler(server: FakeServer):
                 return 400, {"error": {"message": "text must be a string"}}
             else:
                 p = len(text.split())
+            images = body.get("image_data")
+            if images is not None:  # SGLang's native VLM request: placeholders match images one to one
+                images = [images] if isinstance(images, str) else images
+                if text.count(IMAGE_TOKEN) != len(images) or not all(str(i).startswith("data:image/") for i in images):
+                    return 400, {"error": {"message": f"fake: {text.count(IMAGE_TOKEN)} placeholders for {len(images)} image_data items"}}
+                p += len(images) * (TOKENS_PER_IMAGE - 1)
             if "SCHED_TOO_LONG" in text:  # scheduler abort with status 400 -> ValueError -> 400
                 return 400, {"error": {"message": "Input length (5000 tokens) exceeds the maximum allowed length (4096 tokens). Use a shorter input or enable --allow-auto-truncate."}}
             if "TOO_LONG" in text:
@@ -221,13 +250,21 @@ def _handler(server: FakeServer):
                 return 500, {"detail": "Grammar accept_token failed: token 1234 is not accepted by the grammar"}
             limit = int(params.get("max_new_tokens", 128))
             n = min(limit, 1 + sum(map(ord, text)) % 7)
-            out = '{"answer": "yes"}' if "json_schema" in params else _words(n)
+            try:
+                out = constrained_answer(params, '{"answer": "yes"}') if "json_schema" in params or "ebnf" in params else _words(n)
+            except ValueError as e:  # an EBNF that does not compile
+                return 400, {"error": {"message": str(e)}}
+            except GrammarFailure as e:
+                return 500, {"detail": str(e)}
             self._count(p, n)
             reason = {"type": "length", "length": n} if n >= limit else {"type": "stop", "matched": 2}
             return 200, {"text": out, "meta_info": {"id": "x", "finish_reason": reason, "prompt_tokens": p, "completion_tokens": n}}
 
         def _openai(self, body: dict):
             chat = self.path == "/v1/chat/completions"
+            for message in body.get("messages") or [] if chat else []:
+                if isinstance(message.get("content"), list) and not all(_valid_part(p) for p in message["content"]):
+                    return 400, {"object": "error", "message": f"invalid content part in {message['content']}", "type": "BadRequestError", "code": 400}
             source = json.dumps(body.get("messages")) if chat else body.get("prompt", "")
             if "TOO_LONG" in source:
                 return 400, {"object": "error", "message": CONTEXT_ERROR, "type": "BadRequestError", "code": 400}

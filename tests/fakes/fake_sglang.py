@@ -16,8 +16,15 @@ installed package):
 - A text prompt is tokenized with ``add_special_tokens=True`` (tokenizer_manager.py
   ``_tokenize_texts`` calls ``self.tokenizer(texts)``): the fake tokenizer adds a BOS like
   Llama's, so a template that starts with ``<s>`` gets two. ``input_ids`` are used as given.
+- ``image_data`` (a data URI or a list of them) with a text prompt: the placeholders
+  ``<image>`` in the text must match the images one to one (see ``_check_images``); each
+  image adds ``TOKENS_PER_IMAGE - 1`` to ``prompt_tokens`` (the placeholder expanded). The
+  fake tokenizer's chat template writes ``<image>`` for each ``{"type": "image"}`` part.
 - Sampling params: ``SamplingParams(**params)`` is a msgspec Struct: an unknown name raises
   TypeError ("Unexpected keyword argument"); names from tests/fakes/sglang_facts.json.
+- Constrained output (fake_grammar.py): ``json_schema`` answers ``{"answer": "fake"}`` from
+  its start, whatever the prompt ends with; ``ebnf`` is compiled by the real xgrammar and
+  answered with the tail of that JSON the grammar accepts.
 - Errors out of ``async_generate`` (tokenizer_manager.py ``_handle_abort_finish_reason``):
   ValueError for validation, a too-long input and scheduler aborts with status 400;
   ``HTTPException`` (fastapi's: ``status_code``, ``detail``) for aborts with another
@@ -54,9 +61,13 @@ import threading
 import time
 from pathlib import Path
 
+from fakes.fake_grammar import GrammarFailure, constrained_answer
+
 __version__ = "0.5.23+fake"
 
 TOKEN_SECONDS = 0.0005
+IMAGE_TOKEN = "<image>"  # the fake model's placeholder (a LLaVA's)
+TOKENS_PER_IMAGE = 16  # what each placeholder expands to (counted in prompt_tokens)
 ENGINES: list["Engine"] = []
 _FACTS = json.loads((Path(__file__).with_name("sglang_facts.json")).read_text())
 _SAMPLING_NAMES = set(_FACTS["sampling_params"])
@@ -132,10 +143,38 @@ class FakeTokenizer:
         )
         if tokenize:
             return [ord(c) % 256 for c in str(conversation)]
-        text = "<s>" + "".join(f"<|{m['role']}|>{m['content']}\n" for m in conversation)
+        # content parts (a VLM's template): one IMAGE_TOKEN per image part, where it stands
+        text = "<s>" + "".join(f"<|{m['role']}|>{_content(m['content'])}\n" for m in conversation)
         if kwargs.get("enable_thinking") is False:
             text += "<|no_think|>"
         return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+def _content(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(IMAGE_TOKEN if p["type"] == "image" else p["text"] for p in content)
+
+
+def _check_images(prompt: str, image_data) -> int:
+    """The images of one request; SGLang's multimodal processor (srt/multimodal/processors/
+    base_processor.py ``load_mm_data``) counts the placeholders in the text and, when they
+    differ from len(image_data), silently takes its legacy path instead of aligning them one
+    to one: the fake refuses that instead, so a misalignment fails the tests. Each item
+    must be something ``load_image`` (srt/utils/common.py) reads; the fake accepts data URIs."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    images = [image_data] if isinstance(image_data, str) else list(image_data or [])
+    found = prompt.count(IMAGE_TOKEN)
+    if found != len(images):
+        raise AssertionError(f"fake sglang: {found} image placeholders for {len(images)} image_data items")
+    for item in images:
+        assert isinstance(item, str) and item.startswith("data:image/"), f"fake sglang: image_data item is not a data URI: {str(item)[:40]}"
+        Image.open(io.BytesIO(base64.b64decode(item.split(",", 1)[1]))).verify()
+    return len(images)
 
 
 class TokenizerManager:
@@ -268,8 +307,14 @@ class Engine:
             params = sampling_params
         else:
             params = [dict(sampling_params or {}) for _ in ids]
-        self.calls.append({"prompt": prompt, "input_ids": ids[0] if single else ids, "sampling_params": sampling_params})
-        outs = await asyncio.gather(*(self._one(tokenizer.decode(x), len(x), sp) for x, sp in zip(ids, params)))
+        n_images = 0
+        if image_data is not None:
+            if not single:
+                raise NotImplementedError("fake sglang: image_data with a batch of prompts is not simulated")
+            n_images = _check_images(tokenizer.decode(ids[0]), image_data)
+        self.calls.append({"prompt": prompt, "input_ids": ids[0] if single else ids, "sampling_params": sampling_params, "image_data": image_data})
+        extra = n_images * (TOKENS_PER_IMAGE - 1)
+        outs = await asyncio.gather(*(self._one(tokenizer.decode(x), len(x) + extra, sp) for x, sp in zip(ids, params)))
         return outs[0] if single else list(outs)
 
     async def _one(self, prompt: str, n_prompt: int, params: dict) -> dict:
@@ -326,8 +371,11 @@ class Engine:
             reason = {"type": "abort", "message": "fake abort: request was aborted", "status_code": None, "err_type": None}
             meta.update(completion_tokens=0, finish_reason=reason)
             return {"text": "", "output_ids": [], "meta_info": meta}
-        if "json_schema" in params:
-            text = '{"answer": "fake"}'
+        if "json_schema" in params or "ebnf" in params:
+            try:
+                text = constrained_answer(params, '{"answer": "fake"}')
+            except GrammarFailure as e:
+                raise HTTPException(500, str(e)) from None
         else:
             text = " ".join(f"w{i}" for i in range(n))
         meta["finish_reason"] = {"type": "length", "length": n} if n >= limit else {"type": "stop", "matched": 2}

@@ -38,17 +38,40 @@ if workflow.is_main_process:
     try:
         for note in pipeline_state.prepare(config, PIPELINE, workflow.configfiles):
             logger.info(note)
+        from mirageflow.data.dedup import remove_stale_dedup_outputs
+
+        for note in remove_stale_dedup_outputs(PIPELINE):
+            logger.info(note)
     except (pipeline_state.OwnershipError, OSError) as e:
         raise WorkflowError(
             f"mirageflow: cannot write the pipeline's state files: {e}"
         ) from None
 
 SHARD_IDS = list(range(PIPELINE.num_shards))
+# Engine groups (execution_params.shards_per_engine = K > 1, workflow/rules/engines.smk):
+# shard i is served by the engine service of group i // K.
+SHARDS_PER_ENGINE = PIPELINE.raw["execution_params"].get("shards_per_engine", 1)
+# A service runs together with all its consumers: locally that is K + 1 jobs of 1 core at
+# once, which Snakemake refuses with a message that names no key.
+if (
+    SHARDS_PER_ENGINE > 1
+    and workflow.is_main_process
+    and workflow.local_exec
+    and not workflow.dryrun
+    and (workflow.resource_settings.cores or 0)
+    < min(SHARDS_PER_ENGINE, PIPELINE.num_shards) + 1
+):
+    raise WorkflowError(
+        f"mirageflow: execution_params.shards_per_engine is {SHARDS_PER_ENGINE}: an engine and its "
+        f"{min(SHARDS_PER_ENGINE, PIPELINE.num_shards)} shards run at once, so a local run needs "
+        f"--cores {min(SHARDS_PER_ENGINE, PIPELINE.num_shards) + 1} or more (it has {workflow.resource_settings.cores})"
+    )
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]
 
 
 wildcard_constraints:
     shard=r"\d+",
+    group=r"\d+",
     ds=r"\d+",
 
 
@@ -87,15 +110,42 @@ def _status_files(wildcards):
     return [f"{STATE_DIR}/shard_{i}/status.json" for i in SHARD_IDS]
 
 
+def engine_endpoint(wildcards):
+    """The endpoint file of the shard's engine service (a Snakemake service output), or none.
+
+    Always the same for a shard, finished or not: a shard's set of inputs is a rerun
+    trigger. So when a group has shards left, its finished shards run with them again;
+    they resume from their complete checkpoints and compute nothing.
+    """
+    from mirageflow.engine_service import group_of
+
+    group = group_of(PIPELINE, int(wildcards.shard))
+    return [] if group is None else [f"{STATE_DIR}/engines/engine_{group}.json"]
+
+
+def engine_argument(wildcards):
+    """The shard command's --engine: the endpoint of its engine service, or none."""
+    return (engine_endpoint(wildcards) or ["none"])[0]
+
+
 def default_targets():
     targets = [f"{STATE_DIR}/metrics.json", f"{STATE_DIR}/summary.md"]
     if PIPELINE.merge:
         targets += expand(f"{STATE_DIR}/merged/dataset_{{ds}}.json", ds=DATASET_IDS)
+    targets += dedup_count_files()
     return targets
 
 
+def dedup_count_files():
+    """Each dataset's dedup counts when deduplication_params.enabled (rule dedup), else none."""
+    if PIPELINE.dedup is None:
+        return []
+    return [f"{STATE_DIR}/dedup/dataset_{k}.json" for k in DATASET_IDS]
+
+
 def cluster_resources(job):
-    """SLURM resources of a shard job (job="shard") or of an index job (job="index").
+    """SLURM resources of a shard job (job="shard"), an index job (job="index") or an
+    engine service (job="engine").
 
     From execution_params (mirageflow/cluster.py, validated by load_config; docs/cluster.md
     has the mapping). Local runs ignore them.

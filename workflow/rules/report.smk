@@ -5,6 +5,8 @@
 rule aggregate:
     input:
         status_files(),
+        # the dedup counts go into the report (none unless deduplication_params.enabled)
+        dedup_count_files(),
     output:
         metrics=report(
             f"{STATE_DIR}/metrics.json",

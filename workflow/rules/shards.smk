@@ -9,6 +9,10 @@ rule shard:
         # Rewritten when a prompt, schema, model, sampling or dataset changes: reruns the
         # shards under every rerun trigger, mtime included (mirageflow/pipeline_state.py).
         fingerprint=RECORDS_FINGERPRINT,
+        # With shards_per_engine > 1: the endpoint of the engine service that serves this
+        # shard; Snakemake runs the service with its shards and stops it after them
+        # (workflow/rules/engines.smk).
+        engine=engine_endpoint,
     output:
         f"{STATE_DIR}/shard_{{shard}}/status.json",
     log:
@@ -23,5 +27,7 @@ rule shard:
         **cluster_resources("shard"),
         attempt=lambda wildcards, attempt: attempt,
         job_config=JOB_CONFIG,
+        # the same endpoint on the command line ("none": the shard loads its own engine)
+        engine=engine_argument,
     shell:
-        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} shard {wildcards.shard} --attempt {resources.attempt}"
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} shard {wildcards.shard} --attempt {resources.attempt} --engine {resources.engine:q}"

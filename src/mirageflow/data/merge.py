@@ -1,4 +1,5 @@
-"""Merge a dataset's shard outputs into <output_dir>/merged/, in source order."""
+"""Merge a dataset's shard outputs into <output_dir>/merged/, in source order (with
+n_samples > 1: by source_index, then sample_index: x x x y y y)."""
 
 from __future__ import annotations
 
@@ -73,8 +74,13 @@ def _parquet_tables(parts: dict[int, list[Path]], cfg, schema, out_dir: Path, ex
         if not tables:
             continue
         # Parts hold rows in completion order; a shard's rows are sorted here.
-        table = pa.concat_tables(tables).sort_by("source_index")
-        idx = table.column("source_index").to_pylist()
+        n = getattr(cfg, "n_samples", 1)
+        if n == 1:
+            table = pa.concat_tables(tables).sort_by("source_index")
+            idx = table.column("source_index").to_pylist()
+        else:
+            table = pa.concat_tables(tables).sort_by([("source_index", "ascending"), ("sample_index", "ascending")])
+            idx = [i * n + k for i, k in zip(table.column("source_index").to_pylist(), table.column("sample_index").to_pylist())]
         _check_order(out_dir / f"shard_{shard_id}", idx, last)
         last = idx[-1]
         yield table
@@ -102,9 +108,27 @@ def _source_index(line: bytes, where: str) -> int:
     return index
 
 
+def _sample_unit(n: int):
+    """A record line's unit, source_index * n + sample_index (n_samples > 1)."""
+
+    def key(line: bytes, where: str) -> int:
+        try:
+            value = json.loads(line)
+            index, sample = value["source_index"], value["sample_index"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise PartUnreadable(f"{where}: not a JSON record with a source_index and a sample_index ({type(e).__name__}: {e})") from None
+        if type(index) is not int or type(sample) is not int or not 0 <= sample < n:
+            raise PartUnreadable(f"{where}: source_index {index!r}, sample_index {sample!r}: not integers, or a sample beyond n_samples {n}")
+        return index * n + sample
+
+    return key
+
+
 def _jsonl_line_lists(parts: dict[int, list[Path]], cfg, out_dir: Path, expected: dict[int, int]):
     """Each shard's record lines, byte for byte as the parts hold them, in source order."""
     last = -1
+    n = getattr(cfg, "n_samples", 1)
+    key = _source_index if n == 1 else _sample_unit(n)
     for shard_id, paths in parts.items():
         keyed = []
         for p in paths:
@@ -115,7 +139,7 @@ def _jsonl_line_lists(parts: dict[int, list[Path]], cfg, out_dir: Path, expected
                             continue
                         if not line.endswith(b"\n"):
                             line += b"\n"
-                        keyed.append((_source_index(line, f"{p}:{lineno}"), line))
+                        keyed.append((key(line, f"{p}:{lineno}"), line))
             except PartUnreadable as e:
                 raise _damaged(e, shard_id, cfg) from None
             except OSError as e:

@@ -27,6 +27,13 @@ class Request:
     prompt: str | None  # or fully formatted model input
     sampling_params: dict[str, Any]
     json_schema: str | None = None  # for engines with constrained decoding
+    # The answer's start (output response_prefix). A ``prompt`` already ends with it; with
+    # ``messages`` only, the engine sends it as a last assistant message to continue. Only
+    # the continuation is generated, so a JSON grammar starts after it.
+    response_prefix: str = ""
+    seed: int | None = None  # this request's sampling seed (mirageflow/samples.py); None: the engine's own randomness
+    # mirageflow.images.CanonicalImage, one per {"type": "image"} part of the messages, in order
+    images: list | None = None
 
 
 @dataclass
@@ -39,6 +46,7 @@ class Completion:
     error_kind: str | None = None  # set when the request could not run (e.g. context_length)
     error: str | None = None
     reasoning: str | None = None  # a server's reasoning_content, kept apart from text (the answer)
+    image_tokens: int | None = None  # prompt tokens the images became, when the engine can tell
 
 
 @dataclass
@@ -132,11 +140,33 @@ class ChatTemplate:
             from mirageflow.prompts import fast_renderer
 
             self._template = _CHAT_ENV.from_string(source)
+            self._source = source
             self._render = fast_renderer(self._template)
             self._reserved = frozenset(inspect.signature(cls.apply_chat_template).parameters) | {"messages"}
             self._base = {**tokenizer.special_tokens_map, "tools": None, "documents": None, "add_generation_prompt": True}
         except Exception:  # no transformers, no template, a template that does not compile: the slow path
             self._template = None
+
+    def spec(self) -> dict | None:
+        """What renders the same text in another process (engines/shared.py); None without the fast path."""
+        if self._template is None:
+            return None
+        return {"source": self._source, "base": self._base, "reserved": sorted(self._reserved)}
+
+    @classmethod
+    def from_spec(cls, spec: dict, tokenizer) -> "ChatTemplate":
+        """The template of ``spec()``; ``tokenizer`` only needs ``apply_chat_template`` (the slow path)."""
+        global _CHAT_ENV
+        from mirageflow.prompts import fast_renderer
+
+        if _CHAT_ENV is None:
+            _CHAT_ENV = _chat_template_env()
+        self = cls.__new__(cls)
+        self.tokenizer, self._source = tokenizer, spec["source"]
+        self._template = _CHAT_ENV.from_string(spec["source"])
+        self._render = fast_renderer(self._template)
+        self._reserved, self._base = frozenset(spec["reserved"]), dict(spec["base"])
+        return self
 
     def __call__(self, messages: list[dict[str, str]], kwargs: dict | None = None) -> str:
         if self._template is None or not messages or (kwargs and not self._reserved.isdisjoint(kwargs)):
@@ -291,6 +321,8 @@ BACKENDS = {
     "sglang": "mirageflow.engines.sglang_engine:SGLangEngine",
     "sglang_server": "mirageflow.engines.sglang_server:SGLangServerEngine",
     "openai": "mirageflow.engines.openai_engine:OpenAIEngine",
+    # not a config backend: the client of an engine service (execution_params.shards_per_engine)
+    "shared": "mirageflow.engines.shared:SharedEngine",
 }
 
 SGLANG_INSTALL = "pip install -r requirements-gpu.txt (see the README's GPU section)"

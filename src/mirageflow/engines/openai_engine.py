@@ -11,8 +11,11 @@ prompt goes to ``POST {base_url}/completions`` as is.
 - Sampling params keep SGLang's names except ``max_new_tokens`` -> ``max_tokens`` and
   ``min_new_tokens`` -> ``min_tokens``; the others (top_k, min_p, repetition_penalty,
   ignore_eos, ...) are passed as the extra fields SGLang and vLLM accept.
-- A last message from the assistant is a response prefix to continue: the body then
-  carries ``continue_final_message: true, add_generation_prompt: false``.
+- A response prefix (``Request.response_prefix``) is sent as a last assistant message to
+  continue: the body then carries ``continue_final_message: true, add_generation_prompt:
+  false`` (so does a last assistant message of the prompt itself).
+- Image inputs: the user turn's content parts, each image as ``{"type": "image_url",
+  "image_url": {"url": "data:image/png;base64,..."}}`` where the prompt placed it.
 - JSON outputs: ``response_format: {"type": "json_schema", "json_schema": {"name": "output",
   "schema": ...}}``.
 - BOS: the server applies the template and tokenizes it without special tokens (SGLang
@@ -36,6 +39,7 @@ import logging
 import os
 
 from mirageflow.engines.base import Completion, EngineInfo, Request
+from mirageflow.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, LoopEngine, error_message, post_with_retries, redact_text, rejected
 
 log = logging.getLogger(__name__)
@@ -119,12 +123,17 @@ class OpenAIEngine(LoopEngine):
 
     def request_body(self, request: Request) -> tuple[str, dict]:
         body = {"model": self.model, **openai_params(request.sampling_params)}
+        if request.seed is not None:  # OpenAI's per-request seed (vLLM and SGLang honour it)
+            body["seed"] = request.seed
         if self.processor.apply_chat_template:
             if request.messages is None:
                 raise ValueError("the openai engine needs chat messages (the server applies the chat template)")
             path = "/chat/completions"
-            body["messages"] = request.messages
-            if request.messages and request.messages[-1].get("role") == "assistant":
+            # image parts travel as {"type": "image_url", "image_url": {"url": "data:..."}}
+            body["messages"] = openai_messages(request.messages, request.images) if request.images else request.messages
+            if request.response_prefix:
+                body["messages"] = [*body["messages"], {"role": "assistant", "content": request.response_prefix}]
+            if body["messages"] and body["messages"][-1].get("role") == "assistant":
                 # a response prefix: the model continues that message (vLLM/SGLang extension)
                 body.update(continue_final_message=True, add_generation_prompt=False)
             if self.processor.chat_template_kwargs:

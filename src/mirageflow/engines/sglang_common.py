@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from mirageflow import stats
 from mirageflow.engines.base import Completion, Request
 from mirageflow.engines.http import error_kind, rejected
+from mirageflow.engines.json_prefix import continuation_grammar
 
 DEFAULT_MAX_INFLIGHT = 512  # without max_running_requests: enough to keep a GPU busy
 # FINISH_MATCHED_TOKEN/FINISH_MATCHED_STR/FINISHED_MATCHED_REGEX -> "stop", FINISH_LENGTH ->
@@ -48,7 +49,14 @@ def engine_kwargs(server_args: Mapping, environ: Mapping[str, str] = os.environ)
 
 def sampling_params(request: Request) -> dict:
     params = dict(request.sampling_params)
-    if request.json_schema is not None:
+    if request.seed is not None:  # applied by SGLang's sampler with enable_deterministic_inference
+        params["sampling_seed"] = request.seed
+    if request.json_schema is not None and request.response_prefix:
+        # the prompt ends with the prefix; a json_schema grammar would restart the JSON after
+        # it, so SGLang gets the grammar of the continuation (ValueError: no valid JSON
+        # starts with the prefix)
+        params["ebnf"] = continuation_grammar(request.json_schema, request.response_prefix)
+    elif request.json_schema is not None:
         params["json_schema"] = request.json_schema  # SGLang wants the schema as a JSON string
     return params
 
@@ -88,3 +96,34 @@ def request_error(rid: int, error: Exception) -> Completion | None:
     if isinstance(status, int) and detail is not None:
         return rejected(rid, f"SGLang aborted the request (status {status}): {detail}", "aborted")
     return None
+
+
+def image_inputs(request: Request, prompt_ids, image_token: str | None) -> tuple[str, list[str], int | None] | Completion:
+    """For a request with images: (text prompt, image_data, its text tokens), or a row error.
+
+    SGLang gets the rendered prompt as text, holding the model's placeholder once per image
+    where the chat template put it (inside the user turn), and ``image_data`` as data URIs
+    in the same order; its multimodal processor expands each placeholder into the image's
+    tokens. That processor tokenizes the text with the BOS added, so a leading BOS is cut
+    from the text (one BOS, as with ``input_ids``). The text tokens (placeholders not
+    counted) let ``image_tokens`` be told from SGLang's ``prompt_tokens``.
+    """
+    from mirageflow.images import placeholder_error
+
+    problem = placeholder_error(request.prompt, image_token, len(request.images))
+    if problem:
+        return rejected(request.id, problem, "image_placeholders")
+    text, text_tokens = request.prompt, None
+    if prompt_ids is not None:
+        bos = prompt_ids.tokenizer.bos_token if prompt_ids.bos is not None else None
+        while bos and text.startswith(bos):
+            text = text[len(bos) :]
+        text_tokens = len(prompt_ids(text)) - (text.count(image_token) if image_token else 0)
+    return text, [image.data_uri() for image in request.images], text_tokens
+
+
+def with_image_tokens(completion: Completion, text_tokens: int | None) -> Completion:
+    """Set ``image_tokens``: SGLang's prompt tokens beyond the prompt's text tokens."""
+    if text_tokens is not None and completion.prompt_tokens:
+        completion.image_tokens = max(0, completion.prompt_tokens - text_tokens)
+    return completion

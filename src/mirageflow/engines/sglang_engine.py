@@ -13,7 +13,13 @@ event loop that generates and would hang on any other.
 - Prompts go as token ids, with exactly one BOS (``base.prompt_token_ids``): SGLang
   tokenizes a text prompt with ``add_special_tokens=True``, which would put a second BOS
   before a chat template that starts with one.
-- JSON outputs: the request's JSON schema (a string) goes to ``sampling_params["json_schema"]``.
+- Image inputs: the prompt goes as text (without its BOS) with one model placeholder per
+  image, inside the user turn, and ``image_data`` as data URIs in the same order
+  (``sglang_common.image_inputs``); a prompt whose placeholder count differs from its
+  images fails its row (``image_placeholders``).
+- JSON outputs: the request's JSON schema (a string) goes to ``sampling_params["json_schema"]``;
+  with a response prefix (the prompt ends with it) the grammar of its continuation goes to
+  ``sampling_params["ebnf"]`` instead (``sglang_common.sampling_params``, engines/json_prefix.py).
 - Chat template: the tokenizer the engine loaded (``tokenizer_manager.tokenizer``).
 - Row errors (Completions with ``error_kind``, never a shard halt): aborts in ``meta_info``,
   ValueErrors (validation, too long) and the HTTPException SGLang raises for other aborts
@@ -46,9 +52,12 @@ from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
     engine_kwargs,
+    image_inputs,
     request_error,
     sampling_params,
+    with_image_tokens,
 )
+from mirageflow.images import image_token
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,7 @@ class SGLangEngine(LoopEngine):
         self._shut_down = False
         self._crash: str | None = None  # why SGLang signalled SIGQUIT, once it did
         self._previous_sigquit = None
+        self.image_token = image_token(self.server_args["model_path"])  # the placeholder checked per image request
         self.info = EngineInfo(backend="sglang", model_path=self.server_args["model_path"])
 
     def load(self) -> None:
@@ -167,8 +177,15 @@ class SGLangEngine(LoopEngine):
         if request.prompt is None:
             raise ValueError("the sglang engine needs a formatted prompt (it templates client-side)")
         params = sampling_params(request)
+        text_tokens = None
         try:
-            if self._prompt_ids is not None:
+            if request.images:
+                found = image_inputs(request, self._prompt_ids, self.image_token)
+                if isinstance(found, Completion):
+                    return found
+                text, image_data, text_tokens = found
+                out = await self.engine.async_generate(prompt=text, image_data=image_data, sampling_params=params)
+            elif self._prompt_ids is not None:
                 out = await self.engine.async_generate(input_ids=self._prompt_ids(request.prompt), sampling_params=params)
             else:  # skip_tokenizer_init: SGLang has no tokenizer; neither has this engine
                 out = await self.engine.async_generate(prompt=request.prompt, sampling_params=params)
@@ -181,7 +198,7 @@ class SGLangEngine(LoopEngine):
             return completion
         if isinstance(out, list):
             out = out[0]
-        return completion_from_output(request.id, out)
+        return with_image_tokens(completion_from_output(request.id, out), text_tokens)
 
     def stop(self) -> None:
         super().stop()  # fail every outstanding request now

@@ -9,6 +9,12 @@ up to ``max_inflight`` at once over a pooled httpx2 client.
 - Prompts: with ``apply_chat_template`` the rendered template goes as token ids with
   exactly one BOS (``base.prompt_token_ids``; SGLang would add a second one to a text
   prompt that starts with it); a raw prompt goes as text (SGLang adds the tokenizer's BOS).
+- Image inputs: ``{"text", "image_data"}`` on ``/generate`` (SGLang's native VLM request):
+  the client-rendered prompt without its BOS, holding one model placeholder per image
+  inside the user turn, and the images as data URIs in placeholder order
+  (``sglang_common.image_inputs``), so both SGLang backends send the same prompt.
+- JSON outputs: ``sampling_params.json_schema``; after a response prefix, the ``ebnf``
+  grammar of its continuation (``sglang_common.sampling_params``), as the sglang backend.
 - Row errors: 400 answers (validation, too long, an unknown sampling parameter), and a 500
   whose message is a grammar or length failure (SGLang's HTTPException for a scheduler
   abort, e.g. "Grammar accept_token failed") are not retried: they fail their row, classed
@@ -66,9 +72,12 @@ from mirageflow.engines.http import (
 from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
+    image_inputs,
     resolve_parallelism,
     sampling_params,
+    with_image_tokens,
 )
+from mirageflow.images import image_token
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +145,7 @@ class SGLangServerEngine(LoopEngine):
         self._closing = False
         self._killed = False
         self._metrics: dict = {}
+        self.image_token = image_token(self.server_args["model_path"])  # the placeholder checked per image request
         self.info = EngineInfo(backend="sglang_server", model_path=self.server_args["model_path"])
 
     # ------------------------------------------------------------------ start
@@ -275,7 +285,13 @@ class SGLangServerEngine(LoopEngine):
         if request.prompt is None:
             raise ValueError("the sglang_server engine needs a formatted prompt (it templates client-side)")
         body: dict = {"sampling_params": sampling_params(request)}
-        if self._prompt_ids is not None:
+        text_tokens = None
+        if request.images:
+            found = image_inputs(request, self._prompt_ids, self.image_token)
+            if isinstance(found, Completion):
+                return found
+            body["text"], body["image_data"], text_tokens = found
+        elif self._prompt_ids is not None:
             body["input_ids"] = self._prompt_ids(request.prompt)
         else:
             body["text"] = request.prompt
@@ -300,7 +316,7 @@ class SGLangServerEngine(LoopEngine):
         out = response.json()
         if isinstance(out, list):
             out = out[0]
-        return completion_from_output(request.id, out)
+        return with_image_tokens(completion_from_output(request.id, out), text_tokens)
 
     async def _check_alive(self) -> None:
         """After a connection error: fail with the server's exit, if that is what it was."""

@@ -6,7 +6,9 @@ runs a left-padded batch, and resolves each request's future. While a batch runs
 window refills the queue, so the next batch is full as soon as the model is free, and a
 full batch starts at once (only a short one waits a few ms for more requests).
 Requests with different ``max_new_tokens`` share a batch: a per-row stopping criterion
-ends each at its own limit.
+ends each at its own limit. A request with a seed (``Request.seed``: n_samples, or
+``sampling_params.seed``) samples from its own generator, so a rerun gives the same text
+whatever else shares its batch.
 
 JSON outputs (``Request.json_schema``) are constrained as SGLang constrains them: with an
 xgrammar grammar compiled from the schema, applied as a per-row token bitmask on the
@@ -92,7 +94,10 @@ class TransformersEngine(Engine):
         dtype = extra.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
         path = self.server_args["model_path"]
         trust = self.server_args.get("trust_remote_code", False)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+        # a vision-language model: its processor (images -> pixels, placeholders expanded)
+        # and its image-text-to-text class; text-only requests use the same model
+        self.processor = _vision_processor(path, trust)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust) if self.processor is None else self.processor.tokenizer
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -100,9 +105,11 @@ class TransformersEngine(Engine):
         kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust}
         if "attn_implementation" in extra:
             kwargs["attn_implementation"] = extra["attn_implementation"]
-        self.model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+        model_class = AutoModelForCausalLM if self.processor is None else transformers.AutoModelForImageTextToText
+        self.model = model_class.from_pretrained(path, **kwargs).to(device).eval()
         self.device = device
-        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        config = self.model.config
+        self.max_context = getattr(config, "max_position_embeddings", None) or getattr(getattr(config, "text_config", None), "max_position_embeddings", None)
         self.eos_ids = self._eos_ids()
         self.info = EngineInfo(
             backend="transformers",
@@ -128,7 +135,8 @@ class TransformersEngine(Engine):
             raise EngineStopped("engine was stopped")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((request, future, loop, _batch_key(request.sampling_params)))
+        key = _batch_key(request.sampling_params) + ("\0images" if request.images else "")  # image rows batch apart
+        self._queue.put((request, future, loop, key))
         return await future
 
     def queue_depth(self) -> int:
@@ -198,6 +206,8 @@ class TransformersEngine(Engine):
 
     def _run(self, batch: list) -> list:
         requests = [item[0] for item in batch]
+        if requests[0].images:
+            return _run_images(self, requests)
         # tokenized once: these ids are checked against the context and padded for generate()
         ids = self._prompt_ids.batch([r.prompt for r in requests])
         results: list = [None] * len(requests)
@@ -257,16 +267,21 @@ class TransformersEngine(Engine):
                 mask[row, width - len(seq) :] = 1
         return {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
 
-    def _generate_batch(self, batch: list[Request], ids: list[list[int]]) -> list[Completion]:
+    def _generate_batch(self, batch: list[Request], ids: list[list[int]], enc: dict | None = None) -> list[Completion]:
         import torch
 
         params = batch[0].sampling_params
         limits = [r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS) for r in batch]
         kw = self._generation_kwargs(params, limits)
-        enc = self._left_padded(ids)
+        enc = self._left_padded(ids) if enc is None else enc
         prompt_len = enc["input_ids"].shape[1]
+        processors = []
         if any(r.json_schema is not None for r in batch):
-            kw["logits_processor"] = [self._grammar_processor(batch)]
+            processors.append(self._grammar_processor(batch))
+        if kw["do_sample"] and any(r.seed is not None for r in batch):
+            processors.append(_seeded_sampler(kw, [r.seed for r in batch]))  # after the grammar's mask
+        if processors:
+            kw["logits_processor"] = processors
         with torch.inference_mode():
             out = self.model.generate(
                 **enc,
@@ -304,8 +319,8 @@ class TransformersEngine(Engine):
     def _grammar_processor(self, batch: list[Request]):
         """A logits processor constraining each row with a schema to JSON valid against it.
 
-        A response prefix (the answer's start, put in the prompt: a last assistant message
-        that the prompt ends with) is part of the JSON: the grammar starts after it."""
+        A response prefix (``Request.response_prefix``, which the prompt ends with) is part
+        of the JSON: the grammar starts after it."""
         if self._grammar_compiler is None:
             import xgrammar
 
@@ -317,15 +332,83 @@ class TransformersEngine(Engine):
             self.info.versions["xgrammar"] = _version("xgrammar")
         compile_schema = self._grammar_compiler.compile_json_schema
         grammars = [None if r.json_schema is None else compile_schema(r.json_schema, any_whitespace=False) for r in batch]
-        return _grammar_logits_processor(grammars, [_response_prefix(r) for r in batch])
+        return _grammar_logits_processor(grammars, [r.response_prefix for r in batch])
 
 
-def _response_prefix(request: Request) -> str:
-    """The answer's start already in the prompt: a last assistant message the prompt ends with."""
-    last = request.messages[-1] if request.messages else None
-    if last and last.get("role") == "assistant" and request.prompt and request.prompt.endswith(last.get("content") or "\0"):
-        return last["content"]
-    return ""
+def _vision_processor(path: str, trust: bool):
+    """The processor of a local vision-language model (config.json declares a vision tower), else None."""
+    from mirageflow.images import is_vision_model
+
+    if not is_vision_model(path):
+        return None
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust)
+    if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:
+        raise ValueError(f"{path}: a vision model, but its processor ({type(processor).__name__}) has no tokenizer and image processor")
+    return processor
+
+
+def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
+    """One batch of requests with images, through the model's processor: each prompt holds the
+    model's placeholder once per image (else the row fails, ``image_placeholders``), the
+    processor expands them into the image tokens and makes the pixel values, and the
+    image-text-to-text model generates. ``image_tokens``: the placeholder tokens per row."""
+    from mirageflow.images import placeholder_error
+
+    processor = engine.processor
+    if processor is None:
+        return [
+            Completion(r.id, "", 0, 0, "abort", "image_unsupported", f"{engine.server_args['model_path']} is not a vision-language model (no vision tower in its config.json)")
+            for r in requests
+        ]
+    token = getattr(processor, "image_token", None)
+    token_id = getattr(processor, "image_token_id", None)
+    bos = engine.tokenizer.bos_token if engine._prompt_ids.bos is not None else None
+    results: list = [None] * len(requests)
+    texts = {}
+    for i, r in enumerate(requests):
+        problem = placeholder_error(r.prompt, token, len(r.images))
+        if problem:
+            results[i] = Completion(r.id, "", 0, 0, "abort", "image_placeholders", problem)
+            continue
+        text = r.prompt
+        while bos and text.startswith(bos):  # the processor's tokenizer adds it: one BOS
+            text = text[len(bos) :]
+        texts[i] = text
+
+    def encode(rows):
+        return processor(
+            text=[texts[i] for i in rows], images=[[im.pil() for im in requests[i].images] for i in rows],
+            return_tensors="pt", padding=True,
+        )  # fmt: skip
+
+    rows = list(texts)
+    if rows:
+        enc = encode(rows)
+        lengths = enc["attention_mask"].sum(dim=1).tolist()
+        too_long = set()
+        for i, n in zip(rows, lengths):
+            max_new = requests[i].sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+            if engine.max_context and n + max_new > engine.max_context:
+                too_long.add(i)
+                results[i] = Completion(
+                    requests[i].id, "", int(n), 0, "abort", "context_length",
+                    f"prompt has {n} tokens with its images; with max_new_tokens {max_new} it exceeds the model's context of {engine.max_context}",
+                )  # fmt: skip
+        if too_long:
+            rows = [i for i in rows if i not in too_long]
+            enc = encode(rows) if rows else None
+    if rows:
+        mask = enc["attention_mask"].bool()
+        ids = [seq[m].tolist() for seq, m in zip(enc["input_ids"], mask)]
+        enc = {k: v.to(engine.device) for k, v in enc.items()}
+        if "pixel_values" in enc:
+            enc["pixel_values"] = enc["pixel_values"].to(engine.model.dtype)
+        for i, seq, c in zip(rows, ids, engine._generate_batch([requests[i] for i in rows], ids, enc)):
+            c.image_tokens = sum(1 for t in seq if t == token_id) if token_id is not None else None
+            results[i] = c
+    return results
 
 
 def _version(package: str) -> str:
@@ -389,6 +472,56 @@ def _grammar_logits_processor(grammars: list, prefixes: list[str]):
             return masked.to(device=device, dtype=scores.dtype)
 
     return GrammarMasks()
+
+
+def _seeded_sampler(kw: dict, seeds: list[int | None]):
+    """Sampling with one torch.Generator per row, seeded with the request's seed, so that a
+    row samples the same tokens whatever else shares its batch (Request.seed).
+
+    generate() samples every row from the global RNG; instead it decodes greedily here and
+    this processor, last in the list, applies the warpers generate() would (transformers'
+    own classes, in its order), draws each row's token from its own generator and leaves
+    only that token possible. ``kw`` is switched to greedy decoding. A row without a seed
+    gets a generator seeded from the global RNG (random, as without seeds).
+    """
+    import torch
+    from transformers import LogitsProcessor
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    temperature, top_k, top_p, min_p = (kw.pop(k, None) for k in ("temperature", "top_k", "top_p", "min_p"))
+    kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    warpers = []
+    if temperature is not None and temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(MinPLogitsWarper(min_p))
+    seeds = [int(torch.randint(0, 2**31, ())) if s is None else s for s in seeds]
+
+    class SeededSampling(LogitsProcessor):
+        def __init__(self):
+            self.generators = None
+
+        def __call__(self, input_ids, scores):
+            if self.generators is None:  # on the logits' device
+                self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in seeds]
+            for w in warpers:
+                scores = w(input_ids, scores)
+            probs = torch.softmax(scores.float(), dim=-1)
+            chosen = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
+            out = torch.full_like(scores, float("-inf"))
+            out[torch.arange(len(seeds), device=scores.device), chosen] = 0.0
+            return out
+
+    return SeededSampling()
 
 
 def _row_limits(limits: list[int], prompt_len: int, stopped: threading.Event):

@@ -1,8 +1,12 @@
-"""The proof behind a success: every row of the shard's range is a record or a row error, once."""
+"""The proof behind a success: every row of the shard's range is a record, a row error or a
+row a filter step dropped, once. With n_samples > 1 the same holds for every sample: the
+checkpoint counts units, ``source_index * n + sample_index`` (mirageflow/samples.py), and a
+shard's range of units is its row range times n."""
 
 from __future__ import annotations
 
 from mirageflow.checkpoint import merge_ranges, to_ranges
+from mirageflow.samples import describe
 from mirageflow.shard.failures import ShardFailed
 
 
@@ -10,21 +14,28 @@ def check_accounting(cfg, checkpoint, slices, shard_id: int) -> list[dict]:
     """Per dataset: committed records + row errors must be exactly the shard's row range, each
     source index once; else ShardFailed naming the gap. Returns status.json's ``datasets``."""
     per_dataset = []
+    n = getattr(cfg, "n_samples", 1)
     for ds, piece in zip(cfg.datasets, slices):
         prog = checkpoint.datasets[ds.index]
-        covered = merge_ranges(prog.ranges("done"), prog.ranges("failed"))
-        expected = [[piece.start, piece.stop]] if piece.stop > piece.start else []
-        if covered != expected or len(prog.done) + len(prog.failed) != piece.stop - piece.start:
-            rows = set(range(piece.start, piece.stop))
-            missing = to_ranges(rows - prog.done - prog.failed)
-            extra = to_ranges((prog.done & prog.failed) | ((prog.done | prog.failed) - rows))
+        start, stop = piece.start * n, piece.stop * n  # units (= rows when n is 1)
+        covered = merge_ranges(merge_ranges(prog.ranges("done"), prog.ranges("failed")), prog.ranges("filtered"))
+        expected = [[start, stop]] if stop > start else []
+        if covered != expected or len(prog.done) + len(prog.failed) + len(prog.filtered) != stop - start:
+            rows = set(range(start, stop))
+            missing = to_ranges(rows - prog.done - prog.failed - prog.filtered)
+            both = (prog.done & prog.failed) | (prog.filtered & (prog.done | prog.failed))
+            extra = to_ranges(both | ((prog.done | prog.failed | prog.filtered) - rows))
+            what = "" if n == 1 else f" x {n} samples"
             raise ShardFailed(
-                f"shard {shard_id}, dataset {ds.index} ({ds.path}): rows [{piece.start}, {piece.stop}) should be "
-                f"{piece.stop - piece.start} records + row errors, found {len(prog.done)} + {len(prog.failed)}; "
-                f"rows neither written nor recorded: {missing[:10]}; rows in both or outside the range: {extra[:10]}"
+                f"shard {shard_id}, dataset {ds.index} ({ds.path}): rows [{piece.start}, {piece.stop}){what} should be "
+                f"{stop - start} records + row errors + filtered rows, found {len(prog.done)} + {len(prog.failed)} "
+                f"+ {len(prog.filtered)}; "
+                f"rows neither written nor recorded: {describe(missing[:10], n)}; "
+                f"rows in both or outside the range: {describe(extra[:10], n)}"
             )
         per_dataset.append({
             "path": ds.path, "output_dir": str(prog.out_dir), "row_range": [piece.start, piece.stop],
-            "rows_processed": len(prog.done), "rows_failed": len(prog.failed), "parts": prog.parts,
+            "rows_processed": len(prog.done), "rows_failed": len(prog.failed), "rows_filtered": len(prog.filtered),
+            "parts": prog.parts,
         })  # fmt: skip
     return per_dataset

@@ -24,7 +24,7 @@ class CommitQueue:
         self.checkpoint, self.lease, self.params, self.timer = checkpoint, lease, params, timer
         self.shard_id = shard_id
         self.before_write = before_write
-        self._pending: dict[int, tuple[list, list]] = {}
+        self._pending: dict[int, tuple[list, list, list]] = {}  # dataset -> (records, error entries, filtered indices)
         self.pending_rows = 0
         self._last_commit = time.monotonic()
         self._writer: ThreadPoolExecutor | None = None
@@ -36,11 +36,19 @@ class CommitQueue:
 
     def add(self, ds_index: int, record: dict | None, error: dict | None) -> None:
         """One finished row: its record or its error entry. Hands a batch to the writer when due."""
-        records, errors = self._pending.setdefault(ds_index, ([], []))
+        records, errors, _ = self._pending.setdefault(ds_index, ([], [], []))
         if error is None:
             records.append(record)
         else:
             errors.append(error)
+        self._added()
+
+    def add_filtered(self, ds_index: int, source_index: int) -> None:
+        """One row a filter step dropped: only its index is committed (to the manifest)."""
+        self._pending.setdefault(ds_index, ([], [], []))[2].append(source_index)
+        self._added()
+
+    def _added(self) -> None:
         self.pending_rows += 1
         if self._writer is not None and self.pending_rows >= self.params.checkpoint_rows and self._allowed():
             self.commit_soon()
@@ -48,9 +56,9 @@ class CommitQueue:
     def _allowed(self) -> bool:
         return time.monotonic() - self._last_commit >= self.params.checkpoint_min_seconds
 
-    def _take(self) -> dict[int, tuple[list, list]]:
+    def _take(self) -> dict[int, tuple[list, list, list]]:
         self.before_write()
-        batch = {k: v for k, v in self._pending.items() if v[0] or v[1]}
+        batch = {k: v for k, v in self._pending.items() if v[0] or v[1] or v[2]}
         self._pending = {}
         self.pending_rows = 0
         self._last_commit = time.monotonic()
@@ -58,14 +66,14 @@ class CommitQueue:
 
     # ------------------------------------------------------------------ writing
 
-    def _write(self, batch: dict[int, tuple[list, list]]) -> None:
+    def _write(self, batch: dict[int, tuple[list, list, list]]) -> None:
         """Make a batch durable (one thread at a time). The lease is checked first: a shard
         taken over by another job must not write next to it."""
         self.lease.check()
         with self.timer.phase("write"):
             try:
-                for ds_index, (records, errors) in batch.items():
-                    self.checkpoint.commit(ds_index, records, errors)
+                for ds_index, (records, errors, filtered) in batch.items():
+                    self.checkpoint.commit(ds_index, records, errors, filtered)
                 if not batch:
                     self.checkpoint.save()  # the attempt's counters, with no new rows
             except OSError as e:  # disk full, quota, read-only output

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 SUMMED = (
     "runtime_seconds", "model_load_seconds", "warmup_seconds", "generation_seconds", "inference_runtime_seconds",
     "write_seconds", "engine_busy_seconds", "engine_idle_seconds", "engine_idle_gaps", "rows_computed", "requests",
-    "input_tokens", "output_tokens", "gpu_seconds_allocated",
+    "input_tokens", "output_tokens", "gpu_seconds_allocated", "images", "image_tokens",
 )  # fmt: skip
 
 
@@ -37,11 +37,23 @@ class ShardMetrics:
         self.timer = stats.PhaseTimer()
         self.tracker = stats.InflightTracker()
         self.input_tokens = self.output_tokens = self.requests = 0
+        # images sent (one per placeholder, counted per request) and the prompt tokens they
+        # became where the engine tells (transformers, SGLang); part of input_tokens
+        self.images = self.image_tokens = 0
         self.tokens_per_row = stats.TokenHistogram()
         self.sampler = gpu.GpuSampler(cfg.shard.gpu_sample_interval_seconds, sample=cfg.stats)
         self.num_gpus = stats.allocated_gpus()
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
+
+    def book(self, request, completion) -> None:
+        """Count one answered request: its tokens, and the images it sent."""
+        self.requests += 1
+        self.input_tokens += completion.prompt_tokens
+        self.output_tokens += completion.completion_tokens
+        if request.images:
+            self.images += len(request.images)
+            self.image_tokens += completion.image_tokens or 0
 
     def runtime(self) -> float:
         return time.monotonic() - self.t0
@@ -76,6 +88,8 @@ class ShardMetrics:
             "requests": self.requests,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
+            "images": self.images,
+            "image_tokens": self.image_tokens,
             "num_gpus": self.num_gpus,
             "gpu_seconds_allocated": self.num_gpus * runtime,
             "output_tokens_per_row_hist": self.tokens_per_row.to_json(),
@@ -113,6 +127,7 @@ class ShardMetrics:
             "peak_inflight": max((a.get("peak_inflight") or 0 for a in attempts), default=0),
             "rows_processed": done,
             "rows_failed": failed,
+            "rows_filtered": budget.filtered,  # dropped by a filter step: neither ok nor failed
             "rows_failed_by_class": dict(budget.failed_classes()),
             "rows_resumed": resumed,
             "throughput_rows_per_sec": total["rows_computed"] / runtime if runtime > 0 else None,

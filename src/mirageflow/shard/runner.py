@@ -20,6 +20,7 @@ attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoint`` and ``Lease`` (state
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -32,13 +33,14 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from mirageflow import stats
+from mirageflow import python_steps, samples, stats
 from mirageflow.checkpoint import Checkpoint, Lease, fingerprint
 from mirageflow.config import PipelineConfig
 from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
 from mirageflow.data.writers import atomic_write_json
 from mirageflow.engines.base import Engine, create_engine
 from mirageflow.progress import ProgressReporter
+from mirageflow.images import RowImages
 from mirageflow.prompts import Extractor, RecordRenderer, RowError
 from mirageflow.redact import redact_text
 from mirageflow.shard.accounting import check_accounting
@@ -63,6 +65,10 @@ def index_datasets(cfg: PipelineConfig) -> None:
         write_index(ds, cfg.num_shards, index_path(cfg.state_dir, ds.index))
 
 
+# Rows in flight when no output is an LLM's (custom and filter steps only).
+NO_ENGINE_WINDOW = 64
+
+
 class EngineFailed(ShardFailed):
     """The engine raised instead of answering: the shard cannot go on."""
 
@@ -72,8 +78,14 @@ class ShardRunner:
         self.cfg, self.shard_id, self.params = cfg, shard_id, cfg.shard
         self.engine_factory = engine_factory
         self.extract = Extractor(cfg.inputs)
-        self.render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs])
+        self.images = RowImages.from_config(cfg)  # image inputs (VLMs); false without any
+        self.render = RecordRenderer(
+            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
+        )  # fmt: skip
+        self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/samples.py)
+        self._seeded = False  # whether requests carry per-sample seeds (set with the steps)
         self.engines: dict[str, Engine] = {}
+        self.pools: dict[str, python_steps.FunctionPool] = {}  # custom processors' worker processes
         self.shard_dir = cfg.shard_dir(shard_id)
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = Path(cfg.state_dir) / "logs" / f"shard_{shard_id}"  # engine server logs
@@ -94,11 +106,13 @@ class ShardRunner:
     def _restore(self, slices: list[ShardSlice]) -> None:
         ranges = {ds.index: (piece.start, piece.stop) for ds, piece in zip(self.cfg.datasets, slices)}
         outputs = {ds.index: (Path(ds.output_dir) / f"shard_{self.shard_id}", ds.output_format) for ds in self.cfg.datasets}
-        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges), outputs)
+        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges), outputs, self.n)
         cp.restore(retry_failed=self.cfg.retry_failed_rows)
         self.metrics.begin_attempt(cp)
         self.resumed = cp.resumed_rows()
-        self.budget.resume(sum(len(p.done) for p in cp.datasets.values()), cp.failed_classes())
+        self.budget.resume(
+            sum(len(p.done) for p in cp.datasets.values()), cp.failed_classes(), sum(len(p.filtered) for p in cp.datasets.values())
+        )  # fmt: skip
         self.commits = CommitQueue(cp, self.lease, self.params, self.metrics.timer, self.shard_id, lambda: self.metrics.save_attempt(self.budget.computed))
         self.commits.on_failure = self._halt
         if self.resumed:
@@ -107,13 +121,19 @@ class ShardRunner:
     def _load_engines(self) -> None:
         self.live.set_phase("loading")
         with self.metrics.timer.phase("load"):
-            for name in {o.processor for o in self.cfg.outputs}:
+            self.pools = python_steps.start_pools(self.cfg.custom_processors, self.cfg.outputs)
+            for name in {o.processor for o in self.cfg.outputs if o.kind == "llm"}:
                 engine = self.engine_factory(self.cfg.processors[name], self.cfg.batch_size, log_dir=self.log_dir)
                 if self.params.max_inflight:  # engines size their pools at load
                     engine.max_inflight = self.params.max_inflight
                 self.engines[name] = engine
                 engine.load()
             gc.collect()  # what loading left behind, once (counted as load: ~0.3 s with transformers)
+        shares = {
+            e.info.details["shared_engine"]["group"]: e.gpu_share for e in self.engines.values() if hasattr(e, "gpu_share")
+        }  # fmt: skip
+        if shares:  # served by an engine service: the GPUs are its, this shard counts its share
+            self.metrics.num_gpus = sum(shares.values())
         warmups = [e.warmup for e in self.engines.values() if callable(getattr(e, "warmup", None))]
         if warmups:  # engines that warm up (compile, capture graphs) before serving
             self.live.set_phase("warmup")
@@ -123,17 +143,27 @@ class ShardRunner:
 
     # ------------------------------------------------------------------ one row
 
-    async def _row(self, row: SourceRow, steps: list[OutputStep]) -> dict:
-        """The row's record; raises RowError for a row that cannot be completed, EngineFailed
-        when the engine raised."""
+    async def _row(self, row: SourceRow, steps: list[OutputStep], ds_index: int = 0, sample: int | None = None) -> dict:
+        """The row's record (of sample ``sample`` with n_samples > 1); raises RowError for a
+        row that cannot be completed, EngineFailed when the engine raised."""
         if row.value.__class__ is RowError:
             raise row.value
         variables = self.extract(row.value)
+        # decoded off the event loop (Pillow releases the GIL), once for all outputs
+        images = await asyncio.to_thread(self.images, variables, ds_index) if self.images else None
         m = self.metrics
         row_tokens = None
         try:
             for step in steps:
-                request = step.request(row.index, variables)
+                if step.engine is None:  # a filter or a Python step (python_steps)
+                    if not await step.run(variables):
+                        return python_steps.FILTERED
+                    continue
+                if self._seeded:
+                    seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
+                    request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
+                else:
+                    request = step.request(row.index, variables, images=images)
                 m.tracker.submitted()
                 try:
                     completion = await step.engine.generate_one(request)
@@ -141,15 +171,13 @@ class ShardRunner:
                     raise EngineFailed(f"engine '{step.output.processor}' failed on row {row.index}: {type(e).__name__}: {e}") from e
                 finally:
                     m.tracker.completed()
-                m.requests += 1
-                m.input_tokens += completion.prompt_tokens
-                m.output_tokens += completion.completion_tokens
+                m.book(request, completion)
                 row_tokens = (row_tokens or 0) + completion.completion_tokens
                 step.assign(variables, completion)
         finally:
             if row_tokens is not None:
                 m.tokens_per_row.add(row_tokens)
-        return self.render(row.index, row.value, variables)
+        return self.render(row.index, row.value, variables) if sample is None else self.render(row.index, row.value, variables, sample)
 
     def _internal_error(self, row: SourceRow, e: Exception) -> RowError:
         """An unexpected exception on this row's Python path: the row's error, with the trace in the log once per type."""
@@ -158,13 +186,18 @@ class ShardRunner:
             log.warning("row %d: unexpected %s (recorded as internal_error):\n%s", row.index, type(e).__name__, traceback.format_exc())
         return RowError("row", "internal_error", f"{type(e).__name__}: {e}")
 
-    def _finished(self, ds_index: int, row: SourceRow, record: dict | None, exc: RowError | None) -> None:
-        """Book one finished row (its record, or its RowError) with the budget and the commit queue."""
-        if exc is None:
+    def _finished(self, ds_index: int, row: SourceRow, record: dict | None, exc: RowError | None, sample: int | None = None) -> None:
+        """Book one finished row (its record, FILTERED, or its RowError) with the budget and the commit queue."""
+        if record is python_steps.FILTERED:
+            verdict = self.budget.record_filtered()
+            self.commits.add_filtered(ds_index, row.index if sample is None else row.index * self.n + sample)
+        elif exc is None:
             verdict = self.budget.record_ok()
             self.commits.add(ds_index, record, None)
         else:
             entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": str(exc)}
+            if sample is not None:
+                entry["sample_index"] = sample
             if exc.raw is not None:
                 entry["raw"] = exc.raw
             verdict = self.budget.record_failure(exc.kind)
@@ -183,31 +216,32 @@ class ShardRunner:
     # ------------------------------------------------------------------ feeding
 
     def _rows(self, slices: list[ShardSlice]):
-        """(dataset index, row) for every row still to do, dataset after dataset, in source order."""
+        """(dataset index, row, sample) for every row (sample) still to do, dataset after
+        dataset, in source order; sample None unless n_samples > 1."""
         for ds, piece in zip(self.cfg.datasets, slices):
             try:
-                for row in read_shard(ds, piece, skip=self.checkpoint.committed_before(ds.index)):
-                    yield ds.index, row
+                read = functools.partial(read_shard, ds, piece)
+                yield from samples.pending(ds.index, read, self.checkpoint.committed_before(ds.index), self.n)
             except Exception as e:  # a row that could be isolated is a RowError value, not an exception
                 raise ShardFailed(f"cannot read dataset {ds.index} ({ds.path}), shard {self.shard_id}: {type(e).__name__}: {e}") from e
 
     async def _worker(self, rows, steps) -> None:
         """Take the next row, run it through every output, book it; until no row is left."""
         try:
-            for ds_index, row in rows:
+            for ds_index, row, sample in rows:
                 if self.abort or self._stopping.is_set():
                     return
                 try:
-                    record = await self._row(row, steps)
+                    record = await self._row(row, steps, ds_index, sample)
                 except RowError as e:
-                    self._finished(ds_index, row, None, e)
-                except EngineFailed as e:  # engine crash, lost connection: the shard cannot go on
+                    self._finished(ds_index, row, None, e, sample)
+                except ShardFailed as e:  # engine crash, lost connection, a Python step's worker killed by a signal: the shard cannot go on
                     self._halt(e)
                     return
                 except Exception as e:
-                    self._finished(ds_index, row, None, self._internal_error(row, e))
+                    self._finished(ds_index, row, None, self._internal_error(row, e), sample)
                 else:
-                    self._finished(ds_index, row, record, None)
+                    self._finished(ds_index, row, record, None, sample)
         except Exception as e:  # reading the dataset failed
             self._halt(e)
 
@@ -217,7 +251,7 @@ class ShardRunner:
         self.signals.attach(asyncio.get_running_loop(), lambda: (main.cancel(), self._halt()))
         self.commits.start()
         ticker = asyncio.create_task(self.commits.ticker())
-        window = self.params.max_inflight or min(e.max_inflight for e in self.engines.values())
+        window = self.params.max_inflight or min((e.max_inflight for e in self.engines.values()), default=NO_ENGINE_WINDOW)
         rows = self._rows(slices)
         try:
             workers = asyncio.gather(*(self._worker(rows, steps) for _ in range(window)))
@@ -258,10 +292,14 @@ class ShardRunner:
         return check_accounting(self.cfg, self.checkpoint, slices, self.shard_id)
 
     def _run(self, slices: list[ShardSlice]) -> None:
-        self._start_progress(sum(piece.stop - piece.start for piece in slices))
+        self._start_progress(self.n * sum(piece.stop - piece.start for piece in slices))  # units
         self._restore(slices)
         self._load_engines()
-        steps = [OutputStep(o, self.cfg.processors[o.processor], self.engines[o.processor]) for o in self.cfg.outputs]
+        steps = [
+            python_steps.make_step(o, lambda o: OutputStep(o, self.cfg.processors[o.processor], self.engines[o.processor]), self.pools)
+            for o in self.cfg.outputs
+        ]  # fmt: skip
+        self._seeded = self.n > 1 or any(getattr(step, "base_seed", None) is not None for step in steps)
         self.live.set_phase("generating")
         self.metrics.sampler.start()
         self._bar = tqdm(
@@ -327,6 +365,7 @@ class ShardRunner:
             self.live = None
 
     def close(self) -> None:
+        python_steps.close_pools(self.pools)
         for engine in self.engines.values():
             try:
                 engine.close()

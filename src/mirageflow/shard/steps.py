@@ -7,12 +7,18 @@ kept apart by the engine. With ``keep_reasoning: true`` on the output, the reaso
 row variable ``<name>_reasoning`` (None when the model gave none). An answer cut by the
 length limit while still reasoning (an unclosed ``<think>``, or reasoning and no answer) is
 the row error ``reasoning_truncated``.
+
+The row path (``ShardRunner._row``) runs three kinds of step, each with ``output`` and
+``engine``: this LLM step (request, then the engine, then ``assign``: inline in ``_row``,
+the hot path), and ``python_steps.FilterStep`` / ``CustomStep`` (``engine`` None; ``await
+step.run(variables)`` sets their variable and says whether the row goes on).
 """
 
 from __future__ import annotations
 
 import json
 
+from mirageflow import images as image_inputs
 from mirageflow import json_output
 from mirageflow.data.readers import lone_surrogate_at
 from mirageflow.engines.base import Completion, Engine, Request
@@ -40,6 +46,8 @@ class OutputStep:
         self.output, self.processor, self.engine = output, processor, engine
         self.builder = PromptBuilder(output)
         self.sampling = {**processor.sampling_params, **output.sampling_params}
+        # the base of per-request seeds, never sent as is (mirageflow/samples.py)
+        self.base_seed = self.sampling.pop("seed", None)
         self.schema_json = json.dumps(output.schema.json_schema()) if output.is_json else None
         self.validator = output.schema.validator() if output.is_json else None
         # OpenAI-compatible servers apply the chat template themselves.
@@ -47,25 +55,25 @@ class OutputStep:
         self.keep_reasoning = getattr(output, "keep_reasoning", False)
         self.reasoning_name = f"{output.name}_reasoning"
 
-    def request(self, rid: int, variables: dict) -> Request:
-        messages = self.builder.messages(variables)
+    def request(self, rid: int, variables: dict, seed: int | None = None, images: dict | None = None) -> Request:
+        """``images``: the row's loaded image inputs (name -> list), put into the user turn."""
+        if images:
+            messages = self.builder.messages(image_inputs.marked(variables, images))
+            placed = image_inputs.attach(messages, images, images)
+        else:
+            messages, placed = self.builder.messages(variables), None
         prefix = self.output.response_prefix
         if not self.processor.apply_chat_template:
             prompt = messages[-1]["content"] + prefix
         elif self.server_templates:  # the engine sends the messages; the server continues the prefix
             prompt = None
-            if prefix:
-                messages.append({"role": "assistant", "content": prefix})
         else:
             try:
                 prompt = self.engine.chat_prompt(messages, self.processor.chat_template_kwargs) + prefix
             except Exception as e:  # a template that rejects this row's messages
                 raise RowError("render", "chat_template", f"chat template failed: {type(e).__name__}: {e}") from None
-            if prefix and self.schema_json is not None:
-                # the prompt ends with the prefix; an engine constraining the answer to the
-                # schema starts its grammar after it (transformers_engine)
-                messages.append({"role": "assistant", "content": prefix})
-        return Request(rid, messages, prompt, self.sampling, self.schema_json)
+        # engines constrain JSON after the prefix (Request.response_prefix)
+        return Request(rid, messages, prompt, self.sampling, self.schema_json, seed=seed, response_prefix=prefix, images=placed)
 
     def assign(self, variables: dict, c: Completion) -> None:
         """Set the row's variable from the completion (and ``<name>_reasoning`` with keep_reasoning)."""

@@ -1,0 +1,232 @@
+"""A shard's client of an engine served by the ``engine`` rule (``shards_per_engine`` > 1).
+
+The engine service (mirageflow/engine_service.py) loads the model once for the K shards of
+its group; each shard uses this engine instead of loading its own. ``load`` only waits:
+for the endpoint file to name a port, then for ``/health`` to say ready (the service
+loads and warms up meanwhile). It then reads ``/info``: the served engine's EngineInfo
+(kept in status.json with ``details.shared_engine`` naming the endpoint and stats
+files, so the report counts the load once per engine, not per shard), its
+``max_inflight`` and its chat template, rendered here with the same compiled-template
+fast path (``ChatTemplate.from_spec``) so no shard loads a tokenizer; a template without
+that path is rendered by the service (``/chat_prompt``).
+
+``generate_one`` posts the Request's fields and rebuilds the Completion, so token ids,
+BOS handling, JSON grammar and reasoning are the served engine's own. A service that
+failed to load, died or stopped answering fails the shard with an EngineError naming
+the endpoint file and the service's log, never a hang: a connection error fails every
+outstanding request, and a heartbeat every few seconds notices a dead service between
+requests (it also keeps the service's idle watchdog quiet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import socket
+from pathlib import Path
+
+from mirageflow.engines.base import ChatTemplate, Completion, EngineError, EngineInfo, Request
+from mirageflow.engines.http import LoopEngine
+
+WAIT_SECONDS = 3600.0  # for the service to load (a large model on a slow filesystem); $MIRAGEFLOW_ENGINE_WAIT
+HEARTBEAT_SECONDS = 5.0
+
+
+class _RemoteTemplate:
+    """The ``apply_chat_template`` the template's slow path calls: the service renders."""
+
+    def __init__(self, engine: "SharedEngine"):
+        self.engine = engine
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+        return self.engine._call(self.engine._chat_prompt(messages, kwargs), timeout=60)
+
+
+class SharedEngine(LoopEngine):
+    """Requests to the engine service of this shard's group; ``endpoint`` is its endpoint file."""
+
+    def __init__(self, processor, batch_size: int, log_dir=None, endpoint: str | Path | None = None):
+        super().__init__()
+        if endpoint is None:
+            raise ValueError("the shared engine needs the endpoint file of its engine service")
+        self.processor, self.name, self.endpoint = processor, processor.type, Path(endpoint)
+        self.max_inflight = 2 * batch_size  # until /info gives the served engine's
+        self.wait_seconds = float(os.environ.get("MIRAGEFLOW_ENGINE_WAIT", WAIT_SECONDS))
+        self.info = EngineInfo(backend="shared", model_path=processor.server_args.get("model_path", ""))
+        self._client = None
+        self._heartbeat: asyncio.Task | None = None
+        self._service: dict = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def _where(self) -> str:
+        log = self._service.get("log")
+        return f"engine service {self.endpoint}" + (f" (its log: {log})" if log else "")
+
+    def _read_endpoint(self) -> dict | None:
+        try:
+            return json.loads(self.endpoint.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # being replaced (atomic, but an NFS client may see it half-way)
+            return None
+
+    def load(self) -> None:
+        self._start_loop("shared-engine")
+        try:
+            self._call(self._connect())
+        except BaseException:
+            self._close_client_and_loop()
+            raise
+
+    async def _connect(self) -> None:
+        import httpx2
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_seconds
+        pause, dead_since = 0.02, None
+        while True:
+            ep = self._read_endpoint()
+            if ep is not None:
+                self._service = ep
+                if ep.get("state") == "failed":
+                    raise EngineError(f"the {self._where()} failed to load: {ep.get('error')}")
+                # a process gone for 5 s (not a stale file about to be replaced) will not answer
+                if ep.get("hostname") == socket.gethostname() and not _alive(ep.get("pid")):
+                    dead_since = dead_since if dead_since is not None else loop.time()
+                    if loop.time() - dead_since > 5:
+                        raise EngineError(f"the {self._where()} exited before it was ready (process {ep['pid']} is gone)")
+                else:
+                    dead_since = None
+                if ep.get("hostname") not in (None, socket.gethostname()):
+                    raise EngineError(
+                        f"the {self._where()} runs on {ep['hostname']}, this shard on {socket.gethostname()}: "
+                        "a shard and its engine must share a node (one group job)"
+                    )
+                if ep.get("port") and self._client is None:
+                    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+                    self._client = httpx2.AsyncClient(
+                        base_url=f"http://{ep['host']}:{ep['port']}", limits=limits, timeout=httpx2.Timeout(None, connect=30.0)
+                    )
+                if self._client is not None:
+                    try:
+                        r = await self._client.get("/health")
+                    except httpx2.TransportError:
+                        pass  # not listening yet, or gone (above)
+                    else:
+                        if r.status_code == 200:
+                            break
+                        if r.status_code != 503:
+                            raise EngineError(f"the {self._where()} failed to load: {r.json().get('error')}")
+            if loop.time() > deadline:
+                raise EngineError(f"the {self._where()} was not ready after {self.wait_seconds:.0f} s (state: {(ep or {}).get('state', 'no endpoint file')})")
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 1.0)
+        served = (await self._client.get("/info")).json()
+        engine = served["engines"].get(self.name)
+        if engine is None:
+            raise EngineError(f"the {self._where()} does not serve processor '{self.name}' (it serves {sorted(served['engines'])})")
+        details = dict(engine["info"].get("details") or {})
+        details["shared_engine"] = {
+            "endpoint": str(self.endpoint), "group": served["group"], "stats_file": served["stats_file"],
+            "hostname": self._service.get("hostname"), "pid": self._service.get("pid"),
+        }  # fmt: skip
+        self.info = EngineInfo(**{**engine["info"], "details": details})
+        self.max_inflight = engine["max_inflight"]
+        # this shard's share of the service's GPUs: K shards run at once on them, so each
+        # counts 1/K and the report's GPU-hours count the engine's GPUs once, not K times
+        self.gpu_share = served.get("num_gpus", 0) / max(served.get("shards", 1), 1)
+        if engine["chat_template"] is not None:
+            self._chat_template = ChatTemplate.from_spec(engine["chat_template"], _RemoteTemplate(self))
+        else:
+            self._chat_template = _RemoteTemplateOnly(_RemoteTemplate(self))
+        self._heartbeat = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        import httpx2
+
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            try:
+                r = await self._client.get("/health")
+                ok = r.status_code == 200
+                why = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx2.TransportError as e:
+                ok, why = False, f"{type(e).__name__}: {e}"
+            if not ok:
+                self._fail_all(EngineError(f"the {self._where()} stopped answering ({why})"))
+                return
+
+    # ------------------------------------------------------------------ requests
+
+    async def _chat_prompt(self, messages, kwargs) -> str:
+        r = await self._post("/chat_prompt", {"processor": self.name, "messages": messages, "kwargs": kwargs})
+        if r.status_code == 422:
+            raise ValueError(r.json()["error"])  # the template refused the messages: the row's error
+        self._check(r)
+        return r.json()["prompt"]
+
+    async def _post(self, path: str, body: dict):
+        import httpx2
+
+        try:
+            return await self._client.post(path, content=json.dumps(body, ensure_ascii=False).encode())
+        except httpx2.TransportError as e:
+            error = EngineError(f"the {self._where()} stopped answering ({type(e).__name__}: {e})")
+            self._fail_all(error)
+            raise error from None
+
+    def _check(self, r) -> None:
+        if r.status_code != 200:
+            try:
+                why = r.json().get("error")
+            except ValueError:
+                why = r.text[:500]
+            raise EngineError(f"the {self._where()} failed (HTTP {r.status_code}): {why}")
+
+    async def _generate(self, request: Request) -> Completion:
+        r = await self._post("/generate", {"processor": self.name, "request": _request_json(request)})
+        self._check(r)
+        return Completion(**r.json()["completion"])
+
+    def close(self) -> None:
+        if self._heartbeat is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._heartbeat.cancel)
+        self._close_client_and_loop()
+
+
+class _RemoteTemplateOnly:
+    """A template without the portable fast path: every prompt is rendered by the service."""
+
+    def __init__(self, remote: _RemoteTemplate):
+        self.remote = remote
+
+    def __call__(self, messages, kwargs=None) -> str:
+        return self.remote.apply_chat_template(messages, **(kwargs or {}))
+
+
+def _request_json(request: Request) -> dict:
+    body = dataclasses.asdict(request) if not request.images else {**vars(request), "images": [_image_json(i) for i in request.images]}
+    return body
+
+
+def _image_json(image) -> dict:
+    """A mirageflow.images.CanonicalImage as JSON: its bytes in base64, without the decoded copy."""
+    d = {f.name: getattr(image, f.name) for f in dataclasses.fields(image) if f.name != "image"}
+    d["data"] = base64.b64encode(d["data"]).decode("ascii")
+    return d
+
+
+def _alive(pid) -> bool:
+    if not pid:
+        return True  # not known yet: keep waiting
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,67 @@
+"""Several samples per row (``processing_params.n_samples``): units, seeds, order.
+
+With n samples per row the unit of work, of the checkpoint and of the accounting is a
+sample, numbered ``unit = source_index * n + sample_index``. With n = 1 a unit is the
+source index itself, so records, checkpoints and errors are exactly as without samples.
+
+- Order: units sort as the records must appear, x x x y y y (row, then sample).
+- Resume: the checkpoint's done/failed sets, part row ranges and error lines are unit
+  numbers. A sample is finished when it is committed (in a part file, or as an error line);
+  a rerun skips committed units, so a killed run redoes no finished sample and duplicates
+  none; a row is read again only while one of its samples is not committed. Changing
+  n_samples changes the records' fingerprint: the shard starts over.
+- Records carry ``source_index`` and ``sample_index``; error lines too (``sample_index``
+  only with n > 1).
+- Seeds: each (dataset, row, sample) has its own seed, a hash of the base seed
+  (``sampling_params.seed``, else ``DEFAULT_BASE_SEED``), the dataset's position in the
+  config, the source index and the sample index: the same on every rerun and for any
+  num_shards. Requests are seeded when n > 1 or when ``sampling_params.seed`` is set.
+- Every sample is its own chain of requests (n requests per output, not one request with
+  SGLang's or OpenAI's ``n``): each sample keeps its own seed, and a later output's prompt
+  uses the earlier outputs of the same sample. SGLang's radix cache shares the prompt's
+  prefill between the n requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+DEFAULT_BASE_SEED = 0
+SEED_MODULUS = 2**31  # fits every backend's seed (SGLang, OpenAI-compatible servers, torch)
+
+
+def sample_seed(base: int | None, dataset: int, source_index: int, sample_index: int) -> int:
+    """The seed of one sample: stable across reruns, shard counts and machines."""
+    material = f"{DEFAULT_BASE_SEED if base is None else base}:{dataset}:{source_index}:{sample_index}".encode()
+    return int.from_bytes(hashlib.sha256(material).digest()[:8], "big") % SEED_MODULUS
+
+
+def unit(source_index: int, sample_index: int | None, n: int) -> int:
+    return source_index if n == 1 else source_index * n + sample_index
+
+
+def record_unit(record: dict, n: int) -> int:
+    """The unit of a record or an error entry (``source_index``, ``sample_index``)."""
+    return record["source_index"] if n == 1 else record["source_index"] * n + record["sample_index"]
+
+
+def describe(units: list[list[int]], n: int) -> str:
+    """Unit ranges as the rows and samples they are, for messages."""
+    if n == 1:
+        return str(units)
+    return str([f"row {a // n} sample {a % n}" + ("" if b == a + 1 else f" .. row {(b - 1) // n} sample {(b - 1) % n}") for a, b in units])
+
+
+def pending(ds_index: int, read, done, n: int):
+    """(dataset index, row, sample) for every unit of one dataset not committed yet, in
+    source order; sample None when n == 1. ``read(skip=...)`` reads the shard's rows, skipping
+    source indexes for which ``skip`` is true; ``done(unit)`` says a unit is committed. With
+    n > 1 a row is read while any of its samples is not committed."""
+    if n == 1:
+        for row in read(skip=done):
+            yield ds_index, row, None
+        return
+    for row in read(skip=lambda i: all(done(i * n + k) for k in range(n))):
+        for k in range(n):
+            if not done(row.index * n + k):
+                yield ds_index, row, k

@@ -1,0 +1,345 @@
+"""Deduplication after merge (deduplication_params, mirageflow/data/dedup.py).
+
+Units of the exact and MinHash/LSH passes, the deduplicated copy of a merged JSONL (line
+bytes kept) and Parquet (schema and field metadata kept) output, hostile records (no text
+field, null, a number, a JSON-encoded column), the accounting checks, the config checks at
+load, and one run through `snakemake` (openai backend against the fake server) with the
+counts in the report and a parameter change that reruns only the dedup rule.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fakes.fake_http import FakeServer
+from test_reruns import no_proxy, shard_jobs, snakemake  # noqa: F401 - a fixture, and the snakemake runner
+
+from mirageflow.config import ConfigError, load_config
+from mirageflow.data.dedup import (
+    DedupError,
+    Deduplicator,
+    DedupParams,
+    dedup_dataset,
+    normalize,
+    read_dedup_counts,
+    remove_stale_dedup_outputs,
+    shingles,
+)
+from mirageflow.data.writers import is_json_field, records_table, write_merged
+
+BASE = "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence near the barn."
+NEAR = BASE.replace("farmer", "farmers")  # one character more: Jaccard of 5-shingles ~0.95
+OTHER = "Completely unrelated sentence about databases, indexes and the cost of random reads on spinning disks."
+
+
+def params(**kw) -> DedupParams:
+    base = dict(enabled=True, exact=True, fuzzy=True, text_field="text", threshold=0.85, num_perm=128, shingle_size=5)
+    return DedupParams(**{**base, **kw})
+
+
+def run(texts: list, **kw) -> list:
+    d = Deduplicator(params(**kw))
+    return [d.check(i, t) for i, t in enumerate(texts)]
+
+
+# --------------------------------------------------------------------------- the passes
+
+
+def test_normalisation_and_shingles():
+    assert normalize("  Hello\t\nWORLD  again ") == "hello world again"
+    assert shingles("abcdef", 5) == {b"abcde", b"bcdef"}
+    assert shingles("abc", 5) == {b"abc"}  # shorter than a shingle: one shingle
+    assert shingles("é" * 5, 5) == {"ééééé".encode()}
+
+
+def test_exact_duplicates_keep_the_first_and_name_it():
+    out = run([BASE, OTHER, "  " + BASE.upper() + "\n", BASE], fuzzy=False)
+    assert out == [None, None, ("exact", 0, None), ("exact", 0, None)]
+
+
+def test_near_duplicates_are_found_by_minhash_and_keep_the_first():
+    out = run([OTHER, BASE, NEAR, NEAR + "!"])
+    assert out[:2] == [None, None]
+    assert out[2][:2] == ("near", 1) and 0.85 <= out[2][2] < 1  # true Jaccard 0.915
+    # NEAR was removed, so never indexed: NEAR + "!" (0.93 to NEAR, 0.91 to BASE) names BASE
+    assert out[3][:2] == ("near", 1)
+
+
+def test_exact_pass_comes_first_and_fuzzy_alone_also_catches_exact_copies():
+    assert run([BASE, BASE])[1] == ("exact", 0, None)
+    fuzzy_only = run([BASE, BASE], exact=False)[1]
+    assert fuzzy_only[:2] == ("near", 0) and fuzzy_only[2] == 1.0
+
+
+def test_threshold_one_keeps_near_duplicates_and_a_low_threshold_removes_them():
+    assert run([BASE, NEAR], threshold=1.0, exact=False) == [None, None]
+    assert run([BASE, BASE.upper()], threshold=1.0, exact=False)[1] == ("near", 0, 1.0)  # equal signatures
+    assert run([BASE, NEAR], threshold=0.5)[1][0] == "near"
+    assert run([BASE, OTHER], threshold=0.5) == [None, None]  # unrelated texts are not LSH matches
+
+
+def test_the_result_is_deterministic():
+    texts = [BASE, NEAR, OTHER, OTHER.lower(), NEAR + "!", "short", "shorts"] * 3
+    assert run(texts) == run(texts)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def dataset(tmp_path: Path, fmt: str):
+    cfg = SimpleNamespace(state_dir=str(tmp_path / "state"))
+    ds = SimpleNamespace(index=0, path="in.jsonl", output_dir=str(tmp_path / "out"), output_format=fmt)
+    return cfg, ds
+
+
+def write_manifest(cfg, rows: int) -> None:
+    p = Path(cfg.state_dir) / "merged" / "dataset_0.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"rows": rows}))
+
+
+def test_jsonl_keeps_line_bytes_order_and_rows_without_text(tmp_path):
+    cfg, ds = dataset(tmp_path, "jsonl")
+    lines = [
+        '{"text": "' + BASE + '", "n": 1, "source_index": 0}\n',
+        '{"n":2,   "text": "' + BASE.upper() + '","source_index": 1}\n',  # odd spacing: kept as is when kept
+        '{"text": "caf\\u00e9 \u00e9t\u00e9", "source_index": 2}\n',
+        '{"n": 3, "source_index": 3}\n',  # no text field
+        '{"text": null, "source_index": 4}\n',
+        '{"text": 12345, "source_index": 5}\n',
+        '{"text": 12345, "source_index": 6}\n',  # not text: never compared, so kept too
+        '{"text": "' + NEAR + '", "source_index": 7}\n',
+        '{"text": "' + OTHER + '", "source_index": 8}\n',
+    ]
+    write_merged([[ln.encode() for ln in lines[:4]], [ln.encode() for ln in lines[4:]]], Path(ds.output_dir) / "merged", "jsonl")
+    write_manifest(cfg, len(lines))
+    counts = dedup_dataset(cfg, ds, params(), tmp_path / "state/dedup/dataset_0.json", tmp_path / "state/dedup/dataset_0.removed.jsonl")
+
+    out = sorted((Path(ds.output_dir) / "deduplicated").glob("part-*.jsonl"))
+    assert [p.name for p in out] == ["part-00000.jsonl", "part-00001.jsonl"]
+    kept = b"".join(p.read_bytes() for p in out)
+    assert kept == "".join(lines[i] for i in (0, 2, 3, 4, 5, 6, 8)).encode()
+    assert {k: counts[k] for k in ("rows_in", "exact_duplicates_removed", "near_duplicates_removed", "rows_out", "rows_without_text")} == {
+        "rows_in": 9, "exact_duplicates_removed": 1, "near_duplicates_removed": 1, "rows_out": 7, "rows_without_text": 4,
+    }  # fmt: skip
+    removed = [json.loads(x) for x in (tmp_path / "state/dedup/dataset_0.removed.jsonl").read_text().splitlines()]
+    assert removed[0] == {"row": 1, "source_index": 1, "kind": "exact", "duplicate_of_row": 0, "duplicate_of": 0}
+    assert {k: removed[1][k] for k in ("row", "source_index", "kind", "duplicate_of_row", "duplicate_of")} == {
+        "row": 7, "source_index": 7, "kind": "near", "duplicate_of_row": 0, "duplicate_of": 0,
+    }  # fmt: skip
+    assert 0.85 <= removed[1]["similarity"] < 1
+    assert json.loads((tmp_path / "state/dedup/dataset_0.json").read_text()) == counts
+    assert read_dedup_counts(cfg.state_dir) == [{"counts_file": str(tmp_path / "state/dedup/dataset_0.json"), **counts}]
+
+
+def test_parquet_keeps_schema_field_metadata_and_json_encoded_text(tmp_path):
+    cfg, ds = dataset(tmp_path, "parquet")
+    # "mixed" holds a string and a number: stored as JSON text (mirageflow.encoding: json)
+    records = [
+        {"text": BASE, "mixed": "a", "source_index": 0},
+        {"text": NEAR, "mixed": 2, "source_index": 1},
+        {"text": OTHER, "mixed": "c", "source_index": 2},
+    ]
+    tables = [records_table(records[:2]), records_table(records[2:])]
+    write_merged(tables, Path(ds.output_dir) / "merged", "parquet")
+    write_manifest(cfg, 3)
+    dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
+    merged_schema = pq.read_schema(sorted((Path(ds.output_dir) / "merged").glob("*.parquet"))[0])
+    parts = sorted((Path(ds.output_dir) / "deduplicated").glob("*.parquet"))
+    assert [pq.read_schema(p) for p in parts][0].equals(merged_schema, check_metadata=True)
+    assert is_json_field(pq.read_schema(parts[0]).field("mixed"))
+    table = pa.concat_tables([pq.read_table(p) for p in parts])
+    assert table.column("source_index").to_pylist() == [0, 2]
+
+    # the text field itself JSON-encoded: values are compared as what they decode to
+    cfg, ds = dataset(tmp_path / "b", "parquet")
+    records = [{"text": BASE, "source_index": 0}, {"text": 7, "source_index": 1}, {"text": BASE, "source_index": 2}]
+    table = records_table(records)
+    assert is_json_field(table.schema.field("text"))
+    write_merged([table], Path(ds.output_dir) / "merged", "parquet")
+    write_manifest(cfg, 3)
+    counts = dedup_dataset(cfg, ds, params(), tmp_path / "b/c.json", tmp_path / "b/r.jsonl")
+    assert (counts["exact_duplicates_removed"], counts["rows_without_text"], counts["rows_out"]) == (1, 1, 2)
+
+
+def test_samples_of_one_row_are_named_by_their_sample_index(tmp_path):
+    cfg, ds = dataset(tmp_path, "jsonl")
+    lines = [json.dumps({"text": t, "source_index": 0, "sample_index": k}).encode() + b"\n" for k, t in enumerate([BASE, OTHER, BASE])]
+    write_merged([lines], Path(ds.output_dir) / "merged", "jsonl")
+    write_manifest(cfg, 3)
+    dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
+    [removed] = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert removed == {"row": 2, "source_index": 0, "kind": "exact", "duplicate_of_row": 0, "duplicate_of": 0, "sample_index": 2, "duplicate_of_sample": 0}
+
+
+def test_a_missing_text_column_keeps_every_row(tmp_path):
+    cfg, ds = dataset(tmp_path, "parquet")
+    write_merged([pa.Table.from_pylist([{"a": 1, "source_index": 0}, {"a": 1, "source_index": 1}])], Path(ds.output_dir) / "merged", "parquet")
+    write_manifest(cfg, 2)
+    counts = dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
+    assert (counts["rows_out"], counts["rows_without_text"]) == (2, 2)
+
+
+def test_a_merged_output_that_does_not_match_its_manifest_is_refused_and_nothing_written(tmp_path):
+    cfg, ds = dataset(tmp_path, "jsonl")
+    write_merged([[b'{"text": "a", "source_index": 0}\n']], Path(ds.output_dir) / "merged", "jsonl")
+    write_manifest(cfg, 2)
+    with pytest.raises(DedupError, match=r"holds 1 records, its merge manifest .*dataset_0.json counts 2"):
+        dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
+    assert not (Path(ds.output_dir) / "deduplicated").exists() and not (tmp_path / "c.json").exists()
+
+
+def test_damaged_inputs_name_the_file(tmp_path):
+    cfg, ds = dataset(tmp_path, "jsonl")
+    with pytest.raises(DedupError, match="cannot read the merge manifest"):
+        dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
+    write_manifest(cfg, 1)
+    with pytest.raises(DedupError, match="no merged output"):
+        dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
+    write_merged([[b"{not json\n"]], Path(ds.output_dir) / "merged", "jsonl")
+    with pytest.raises(DedupError, match=r"part-00000.jsonl:1: not a JSON record"):
+        dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
+
+
+# --------------------------------------------------------------------------- config
+
+
+def pipeline_dict(dedup: dict, merge: bool = True, remove_columns: bool = True) -> dict:
+    return {
+        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://h:1/v1", "server_args": {"model_path": "m"}}],
+        "loading_params": {"datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out"}]},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "answer", "prompt": "{{ q }}"}],
+                              "remove_columns": remove_columns, "output_schema": {"question": "{{ q }}", "answer": "{{ answer }}"}},
+        "execution_params": {"merge": merge},
+        "deduplication_params": dedup,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dedup, kw, expected",
+    [
+        ({"enabled": True, "text_field": "answer"}, {"merge": False}, "deduplication_params.enabled: needs execution_params.merge: true"),
+        ({"enabled": True}, {}, "deduplication_params.text_field: required when enabled"),
+        ({"enabled": True, "text_field": "anwser"}, {}, "deduplication_params.text_field: 'anwser' is not a field of the records (remove_columns is true; fields: question, answer) (did you mean 'answer'?)"),
+        ({"enabled": True, "text_field": "answer", "threshold": 0}, {}, "deduplication_params.threshold: 0 is less than or equal to the minimum of 0"),
+        ({"enabled": True, "text_field": "answer", "threshold": 1.01}, {}, "deduplication_params.threshold: 1.01 is greater than the maximum of 1"),
+        ({"enabled": True, "text_field": "answer", "num_perm": 1}, {}, "deduplication_params.num_perm: 1 is less than the minimum of 2"),
+        ({"enabled": True, "text_field": "answer", "shingle_size": 0}, {}, "deduplication_params.shingle_size: 0 is less than the minimum of 1"),
+        ({"enabled": True, "text_field": "answer", "exact": False, "fuzzy": False}, {}, "deduplication_params: exact and fuzzy are both false"),
+        ({"enabled": True, "text_field": "answer", "treshold": 0.9}, {}, "deduplication_params.treshold: unknown key (did you mean 'threshold'?)"),
+    ],
+)  # fmt: skip
+def test_config_mistakes_are_caught_at_load_with_the_key(dedup, kw, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(pipeline_dict(dedup, **kw), check_paths=False)
+    assert any(expected in p for p in e.value.problems), e.value.problems
+
+
+def test_valid_configs():
+    assert load_config(pipeline_dict({}), check_paths=False).dedup is None  # off by default
+    cfg = load_config(pipeline_dict({"enabled": True, "text_field": "answer", "threshold": 1}), check_paths=False)
+    assert cfg.dedup == params(text_field="answer", threshold=1)
+    # remove_columns false: a source column may be meant
+    assert load_config(pipeline_dict({"enabled": True, "text_field": "body"}, remove_columns=False), check_paths=False).dedup
+
+
+def test_changed_parameters_remove_the_old_outputs(tmp_path):
+    cfg = load_config(pipeline_dict({"enabled": True, "text_field": "answer"}) | {"loading_params": {"state_dir": str(tmp_path / "s"), "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": str(tmp_path / "o")}]}}, check_paths=False)
+    counts = tmp_path / "s/dedup/dataset_0.json"
+    counts.parent.mkdir(parents=True)
+    (tmp_path / "o/deduplicated").mkdir(parents=True)
+    same = {k: getattr(cfg.dedup, k) for k in ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle_size")}
+    counts.write_text(json.dumps(same))
+    assert remove_stale_dedup_outputs(cfg) == [] and counts.exists()
+    counts.write_text(json.dumps({**same, "threshold": 0.5}))
+    assert remove_stale_dedup_outputs(cfg) and not counts.exists() and not (tmp_path / "o/deduplicated").exists()
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = FakeServer().start()
+    yield s
+    s.stop()
+
+
+def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, server):
+    texts = [BASE, OTHER, BASE.upper(), NEAR, "A third text, different from the others in every way.", OTHER + "  ", BASE]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    cfg = {
+        "processors": [{"type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
+                        "default_sampling_params": {"max_new_tokens": 3}, "max_retries": 0}],
+        "loading_params": {"state_dir": "state", "num_shards": 1,
+                           "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out", "output_format": "parquet"}]},
+        "processing_params": {
+            "inputs": [{"name": "text", "key": "text"}, {"name": "id", "key": "id"}],
+            "outputs": [{"name": "answer", "prompt": "Summarise: {{ text }}"}],
+            "remove_columns": True,
+            "output_schema": {"id": "{{ id }}", "text": "{{ text }}", "answer": "{{ answer }}"},
+        },
+        "deduplication_params": {"enabled": True, "text_field": "text"},
+    }  # fmt: skip
+    snakemake(tmp_path, cfg)
+    kept = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/deduplicated").glob("*.parquet"))])
+    assert kept.column("id").to_pylist() == [0, 1, 4]
+    merged = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/merged").glob("*.parquet"))])
+    assert merged.num_rows == 7 and kept.schema.equals(merged.schema, check_metadata=True)
+    counts = json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())
+    assert (counts["rows_in"], counts["exact_duplicates_removed"], counts["near_duplicates_removed"], counts["rows_out"]) == (7, 3, 1, 3)
+    removed = [json.loads(x) for x in (tmp_path / "state/dedup/dataset_0.removed.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["source_index"], r["kind"], r["duplicate_of"]) for r in removed] == [
+        (2, 2, "exact", 0), (3, 3, "near", 0), (5, 5, "exact", 1), (6, 6, "exact", 0),
+    ]  # fmt: skip
+    metrics = json.loads((tmp_path / "state/metrics.json").read_text())
+    assert metrics["deduplication"][0]["rows_out"] == 3
+    assert "## Deduplication (after merge)" in (tmp_path / "state/summary.md").read_text()
+
+    # a parameter change reruns the dedup rule only (not the shards), whatever the rerun triggers
+    cfg["deduplication_params"]["fuzzy"] = False
+    proc = snakemake(tmp_path, cfg, "--rerun-triggers", "mtime")
+    assert shard_jobs(proc) == 0 and "rule dedup:" in proc.text
+    counts = json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())
+    assert (counts["near_duplicates_removed"], counts["rows_out"]) == (0, 4)
+    assert json.loads((tmp_path / "state/metrics.json").read_text())["deduplication"][0]["rows_out"] == 4
+
+    # `mmirage merge` deduplicates too when enabled (and still never starts a shard)
+    for path in (tmp_path / "state/dedup").iterdir():
+        path.unlink()
+    proc = subprocess.run([sys.executable, "-m", "mirageflow.cli", "merge", "--config", "pipeline.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--allowed-rules merge dedup" in proc.stderr and "rule shard:" not in proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())["rows_out"] == 4
+
+
+def test_a_threshold_datasketch_cannot_band_is_refused_by_the_driver():
+    from mirageflow.data.dedup import dedup_problems
+
+    cfg = load_config(pipeline_dict({"enabled": True, "text_field": "answer", "threshold": 0.995}), check_paths=False)
+    [problem] = dedup_problems(cfg)
+    assert problem.startswith("deduplication_params.threshold: 0.995 with num_perm 128 cannot be indexed") and "raise num_perm" in problem
+    for ok in ({"threshold": 0.995, "fuzzy": False}, {"threshold": 1}, {"threshold": 0.99}):
+        assert dedup_problems(load_config(pipeline_dict({"enabled": True, "text_field": "answer", **ok}), check_paths=False)) == []
+
+
+def test_a_text_field_that_is_no_column_of_the_data_is_refused_by_the_driver(tmp_path):
+    from mirageflow.preflight import preflight_problems
+
+    (tmp_path / "in.jsonl").write_text(json.dumps({"q": "x", "body": "text"}) + "\n")
+    raw = pipeline_dict({"enabled": True, "text_field": "bdy"}, remove_columns=False)
+    raw["loading_params"]["datasets"][0].update(path=str(tmp_path / "in.jsonl"), output_dir=str(tmp_path / "out"))
+    problems = [p for p in preflight_problems(load_config(raw)) if p.startswith("deduplication_params")]
+    assert problems == [
+        "deduplication_params.text_field: 'bdy' is neither a field the config produces (question, answer) nor a column "
+        f"of the first 1 rows of loading_params.datasets[0] ('{tmp_path / 'in.jsonl'}'; columns: body, q)"
+    ]
+    raw["deduplication_params"]["text_field"] = "body"
+    assert [p for p in preflight_problems(load_config(raw)) if p.startswith("deduplication_params")] == []

@@ -1,0 +1,244 @@
+"""One engine serving several shards (execution_params.shards_per_engine): the engine
+service and its client over real HTTP with the real tiny model, the workflow end to end
+under `snakemake --cores N`, an engine killed mid-run, the config checks and the
+resources."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_workflow
+
+from mirageflow import cluster
+from mirageflow.config import ConfigError, load_config
+from mirageflow.engines.base import EngineError, Request, create_engine
+from mirageflow.engines.shared import SharedEngine
+
+
+def _pipeline(tmp_path: Path, model: Path, rows: int, shards: int, k: int, new_tokens: int = 4) -> dict:
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"title": f"Title number {i}"}) + "\n" for i in range(rows)))
+    return {
+        "processors": [
+            {
+                "type": "llm",
+                "backend": "transformers",
+                "server_args": {"model_path": str(model)},
+                "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens},
+                "torch_threads": 1,
+            }
+        ],
+        "loading_params": {
+            "state_dir": "state",
+            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": "out", "output_format": "jsonl"}],
+            "num_shards": shards,
+            "batch_size": 4,
+        },
+        "processing_params": {
+            "inputs": [{"name": "title", "key": "title"}],
+            "outputs": [{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
+        },
+        "execution_params": {"shards_per_engine": k, "merge": False},
+    }
+
+
+def _records(workdir: Path) -> dict[int, str]:
+    out = {}
+    for f in (workdir / "out").glob("shard_*/*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            out[r["title"]] = r["headline"]
+    return out
+
+
+def _loads(workdir: Path, group: int = 0) -> list[dict]:
+    return json.loads((workdir / "state" / "engines" / f"engine_{group}.stats.json").read_text())["loads"]
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def _start_engine(tmp_path: Path, cfg: dict, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """The engine job as the rule runs it: python -m mirageflow.jobs ... engine 0 ENDPOINT."""
+    cfg["loading_params"]["state_dir"] = str(tmp_path / "state")
+    cfg["loading_params"]["datasets"][0]["output_dir"] = str(tmp_path / "out")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    endpoint = tmp_path / "state" / "engines" / "engine_0.json"
+    cmd = [sys.executable, "-m", "mirageflow.jobs", "--config", str(path), "--log", str(tmp_path / "engine.log"), "engine", "0", str(endpoint)]
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+    return proc, endpoint
+
+
+def test_protocol_round_trip_matches_the_in_process_engine(tmp_path, tiny_model):
+    cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2, new_tokens=6)
+    proc, endpoint = _start_engine(tmp_path, cfg)
+    try:
+        pipeline = load_config(yaml.safe_load((tmp_path / "pipeline.yaml").read_text()), environ={})
+        processor = pipeline.processors["llm"]
+        client = SharedEngine(processor, 4, endpoint=endpoint)
+        client.load()
+        assert json.loads(endpoint.read_text())["state"] == "ready"
+        messages = [[{"role": "user", "content": f"Say something about {w}."}] for w in ("cats", "boats", "rain")]
+        requests = [
+            Request(i, m, client.chat_prompt(m, {}), {"temperature": 0.0, "max_new_tokens": 6}) for i, m in enumerate(messages)
+        ]  # fmt: skip
+        requests.append(Request(9, None, "a raw prompt", {"temperature": 0.0, "max_new_tokens": 3}))
+        shared = client.generate(requests)
+        info = client.info
+        client.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0  # SIGTERM from Snakemake is the normal end
+    with create_engine(processor, 4) as local:
+        # the shard's template renders here as the engine would (no tokenizer in the shard)
+        assert [local.chat_prompt(m, {}) for m in messages] == [r.prompt for r in requests[:3]]
+        expected = local.generate(requests)
+    assert [vars(c) for c in shared] == [vars(c) for c in expected]
+    assert info.backend == "transformers" and info.details["shared_engine"]["endpoint"] == str(endpoint)
+    (load,) = _loads(tmp_path)
+    assert load["state"] == "stopped" and load["requests"] == 4 and load["model_load_seconds"] > 0
+    assert load["output_tokens"] == sum(c.completion_tokens for c in shared)
+
+
+def test_client_names_the_endpoint_when_the_engine_cannot_load(tmp_path, tiny_model):
+    cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2)
+    cfg["processors"][0]["server_args"]["model_path"] = str(tmp_path / "no-model-here")
+    proc, endpoint = _start_engine(tmp_path, cfg)
+    try:
+        pipeline = load_config(yaml.safe_load((tmp_path / "pipeline.yaml").read_text()), environ={}, check_paths=False)
+        client = SharedEngine(pipeline.processors["llm"], 4, endpoint=endpoint)
+        with pytest.raises(EngineError, match=r"engine service .*engine_0\.json \(its log: .*engine\..*\.log\) failed to load: OSError"):
+            client.load()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0
+
+
+# --------------------------------------------------------------------------- workflow
+
+
+def test_shards_share_one_load_and_keep_their_own_state(tmp_path, tiny_model, monkeypatch):
+    cfg = _pipeline(tmp_path, tiny_model, rows=9, shards=3, k=3)
+    # the allocation's one GPU (torch sees none here, so the model stays on the CPU): the
+    # engine holds it, and each of the 3 shards counts a third of it, not all of it
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    run_workflow(tmp_path, cfg, "--cores", "4")
+    (load,) = _loads(tmp_path)  # one engine, loaded once, for three shards
+    assert load["state"] == "stopped" and load["requests"] == 9
+    runtimes = []
+    for shard in range(3):
+        d = tmp_path / "state" / f"shard_{shard}"
+        status = json.loads((d / "status.json").read_text())
+        assert (d / "checkpoint.json").exists() and not (d / "failure.json").exists()
+        assert status["engines"]["llm"]["details"]["shared_engine"]["group"] == 0
+        assert status["stats"]["rows_processed"] == 3
+        assert status["stats"]["num_gpus"] == pytest.approx(1 / 3)
+        runtimes.append(status["stats"]["runtime_seconds"])
+    assert len(_records(tmp_path)) == 9
+    agg = json.loads((tmp_path / "state" / "metrics.json").read_text())["aggregate"]
+    assert agg["gpu_hours_allocated"] == pytest.approx(sum(runtimes) / 3 / 3600)
+    assert agg["shared_engines"]["engine_loads"] == 1 and agg["shared_engines"]["shards_served"] == 3
+    assert agg["sum_model_load_seconds"] == pytest.approx(load["model_load_seconds"])  # counted once, not per shard
+    assert not (tmp_path / "state" / "engines" / "engine_0.json").exists()  # Snakemake removes a service's output
+
+    # A rerun with nothing left starts no engine (the killed-engine test below reruns a group).
+    proc = run_workflow(tmp_path, cfg, "--cores", "4")
+    assert "Nothing to be done" in proc.stdout + proc.stderr and len(_loads(tmp_path)) == 1
+
+
+def test_an_engine_killed_mid_run_fails_its_shards_clearly_and_a_rerun_completes(tmp_path, tiny_model):
+    cfg = _pipeline(tmp_path, tiny_model, rows=200, shards=2, k=2, new_tokens=24)
+    killed = {}
+
+    def kill_when_generating():
+        endpoint = tmp_path / "state" / "engines" / "engine_0.json"
+        deadline, ready = time.time() + 240, None
+        while time.time() < deadline:
+            try:
+                ep = json.loads(endpoint.read_text())
+                progress = json.loads((tmp_path / "state" / "shard_0" / "progress.json").read_text())
+            except (OSError, ValueError):
+                ep = progress = None
+            if ep and ep.get("state") == "ready":
+                ready = ready or time.time()
+            # in the middle of generation: shards start generating within moments of "ready"
+            if ready and ((progress and progress.get("rows_done", 0) > 0) or time.time() - ready > 0.5):
+                os.kill(ep["pid"], signal.SIGKILL)
+                killed["pid"] = ep["pid"]
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=kill_when_generating)
+    watcher.start()
+    proc = run_workflow(tmp_path, cfg, "--cores", "3", check=False)
+    watcher.join()
+    assert killed and proc.returncode != 0
+    failures = [json.loads(f.read_text()) for f in (tmp_path / "state").glob("shard_*/failure.json")]
+    assert failures, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # "stopped answering" mid-run, or "exited before it was ready" for a shard still waiting
+    assert any("engine service state/engines/engine_0.json (its log: " in f["error"] for f in failures), failures
+    assert all("EngineFailed" in f["error"] or "EngineError" in f["error"] for f in failures)
+
+    run_workflow(tmp_path, cfg, "--cores", "3")
+    assert len(_records(tmp_path)) == 200  # every row, once: resumed from the checkpoints
+    assert [entry["state"] for entry in _loads(tmp_path)] == ["ready", "stopped"]  # the killed load never wrote its end
+
+
+# --------------------------------------------------------------------------- config, resources
+
+
+def _cfg(tmp_path: Path, **ep) -> dict:
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"q": "x"}\n')
+    return {
+        "processors": [{"type": "llm", "server_args": {"model_path": "org/model"}}],
+        "loading_params": {"datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(tmp_path / "out")}], "num_shards": 16},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}]},
+        "execution_params": ep,
+    }
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "two"])
+def test_bad_shards_per_engine_is_refused_naming_the_key(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"execution_params\.shards_per_engine"):
+        load_config(_cfg(tmp_path, shards_per_engine=value), environ={})
+
+
+def test_shards_per_engine_needs_a_model_to_share(tmp_path):
+    cfg = _cfg(tmp_path, shards_per_engine=4)
+    cfg["processors"][0].update(backend="openai", base_url="http://127.0.0.1:1/v1")
+    with pytest.raises(ConfigError, match=r"execution_params\.shards_per_engine: .*backend openai"):
+        load_config(cfg, environ={})
+
+
+def test_local_run_with_too_few_cores_is_refused_at_dag_build(tmp_path, tiny_model):
+    proc = run_workflow(tmp_path, _pipeline(tmp_path, tiny_model, rows=4, shards=4, k=4), check=False)  # --cores 1
+    assert proc.returncode != 0
+    assert "execution_params.shards_per_engine is 4" in proc.stderr and "--cores 5" in proc.stderr
+    assert not (tmp_path / "state" / "engines").exists()
+
+
+def test_the_engine_gets_the_heavy_resources_and_the_shards_one_cpu(tmp_path):
+    ep = {"account": "a1", "gpus": 2, "mem": "100G", "constraint": "h100", "time_limit": "01:00:00"}
+    unshared = cluster.cluster_resources(load_config(_cfg(tmp_path, **ep), environ={}), "shard")
+    pipeline = load_config(_cfg(tmp_path, shards_per_engine=8, **ep), environ={})
+    engine, shard = cluster.cluster_resources(pipeline, "engine"), cluster.cluster_resources(pipeline, "shard")
+    assert unshared["gpu"] == engine["gpu"] == 2 and engine["mem_mb"] == 102400 and engine["cpus_per_task"] == 16
+    assert "gpu" not in shard and "mem_mb" not in shard and "constraint" not in shard and shard["cpus_per_task"] == 1
+    assert shard["slurm_account"] == engine["slurm_account"] == "a1"
+    assert "--signal=TERM@" in shard["slurm_extra"] and "--signal=TERM@" in engine["slurm_extra"]
+    assert shard["runtime"](None, 2) == engine["runtime"](None, 2) == 120
+    assert {k: v for k, v in unshared.items() if k != "runtime"} == {
+        k: v for k, v in cluster.cluster_resources(load_config(_cfg(tmp_path, shards_per_engine=1, **ep), environ={}), "shard").items() if k != "runtime"
+    }  # fmt: skip

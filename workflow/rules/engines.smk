@@ -1,0 +1,24 @@
+# One engine for several shards (execution_params.shards_per_engine > 1): a Snakemake
+# service whose consumers are the shards of its group (common.smk: engine_endpoint).
+# Snakemake starts it with them, in one group job on a cluster, and terminates it once
+# they are done; a rerun starts engines only for groups with shards left to run.
+
+
+rule engine:
+    input:
+        model=model_inputs(),
+    output:
+        # The endpoint file, written at once; the job then loads the model and serves it
+        # (mirageflow/engine_service.py).
+        service(f"{STATE_DIR}/engines/engine_{{group}}.json"),
+    log:
+        f"{STATE_DIR}/logs/engine_{{group}}.log",
+    conda:
+        "../../environment.yaml"
+    threads: 1
+    resources:
+        # The GPUs, CPUs and memory of execution_params (the shards ask for 1 CPU).
+        **cluster_resources("engine"),
+        job_config=JOB_CONFIG,
+    shell:
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} engine {wildcards.group} {output:q}"
