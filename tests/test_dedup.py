@@ -302,6 +302,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
     metrics = json.loads((tmp_path / "state/metrics.json").read_text())
     assert metrics["deduplication"][0]["rows_out"] == 3
     assert "## Deduplication (after merge)" in (tmp_path / "state/summary.md").read_text()
+    assert "<h2>Deduplication (after merge)</h2>" in (tmp_path / "state/report.html").read_text()
 
     # a parameter change reruns the dedup rule only (not the shards), whatever the rerun triggers
     cfg["deduplication_params"]["fuzzy"] = False

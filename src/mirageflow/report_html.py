@@ -554,6 +554,22 @@ def _card(key: str, value: str) -> str:
     return f'<div class="card"><div class="v">{_esc(value)}</div><div class="k">{_esc(key)}</div></div>'
 
 
+def _dedup_html(dedup: list[dict] | None) -> list[str]:
+    """The dedup rule's counts per dataset (deduplication_params; none when it is off)."""
+    if not dedup:
+        return []
+    cols = [("text field", "text_field"), ("rows in", "rows_in"), ("exact duplicates removed", "exact_duplicates_removed"),
+            ("near duplicates removed", "near_duplicates_removed"), ("rows out", "rows_out"), ("rows without text", "rows_without_text")]  # fmt: skip
+    out = ["<h2>Deduplication (after merge)</h2>", "<table><tr><th>dataset</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in cols) + "</tr>"]
+    for d in dedup:
+        if "error" in d:
+            out.append(f"<tr class=bad><td colspan={len(cols) + 1}>{_esc(d['error'])}</td></tr>")
+            continue
+        out.append(f"<tr><td class=n>{_esc(_fmt(d.get('dataset')))}</td>" + "".join(f"<td class=n>{_esc(_fmt(d.get(k)))}</td>" for _, k in cols) + "</tr>")
+    out.append("</table>")
+    return out
+
+
 def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow run report") -> str:
     agg = metrics["aggregate"]
     per_shard = metrics["per_shard"]
@@ -672,6 +688,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         cls = "n" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
         out.append(f"<tr><td>{_esc(label)}</td><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value) if not isinstance(value, str) else value)}</td></tr>")
     out.append("</table>")
+    out += _dedup_html(metrics.get("deduplication"))
     out.append("<table><tr><th>the figures of</th><th>cover</th></tr>")
     out += [f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in (agg.get("figure_scope") or {}).items()]
     out.append("</table>")
