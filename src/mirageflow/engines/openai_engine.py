@@ -17,7 +17,12 @@ prompt goes to ``POST {base_url}/completions`` as is.
 - Image inputs: the user turn's content parts, each image as ``{"type": "image_url",
   "image_url": {"url": "data:image/png;base64,..."}}`` where the prompt placed it.
 - JSON outputs: ``response_format: {"type": "json_schema", "json_schema": {"name": "output",
-  "schema": ...}}``.
+  "schema": ...}}``; not with a response prefix: a server applies that grammar from the
+  start of what it generates, so the continuation of ``{"answer": `` would have to be a
+  whole object again and every answer would fail. After a prefix the answer is unconstrained
+  and checked against the schema like any other (the SGLang backends send the grammar of
+  the continuation instead: engines/json_prefix.py; the OpenAI API has no portable field
+  for it).
 - BOS: the server applies the template and tokenizes it without special tokens (SGLang
   and vLLM do, as ``apply_chat_template(tokenize=True)``), so a template's BOS is not doubled.
 - ``message.reasoning_content`` (a server's reasoning parser) becomes
@@ -141,7 +146,7 @@ class OpenAIEngine(LoopEngine):
         else:
             path = "/completions"
             body["prompt"] = request.prompt if request.prompt is not None else request.messages[-1]["content"]
-        if request.json_schema is not None:
+        if request.json_schema is not None and not request.response_prefix:
             body["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {"name": "output", "schema": json.loads(request.json_schema)},
