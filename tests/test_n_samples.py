@@ -108,20 +108,28 @@ def test_preflight_refuses_a_preserved_column_no_row_has(tmp_path):
 def test_seeds_differ_per_sample_and_row_and_are_stable():
     seeds = {(d, i, k): sample_seed(None, d, i, k) for d in range(2) for i in range(50) for k in range(4)}
     assert len(set(seeds.values())) == len(seeds)
-    assert all(0 <= s < 2**31 for s in seeds.values())
+    assert all(0 <= s < 2**31 + 4 for s in seeds.values())
     assert sample_seed(None, 0, 7, 1) == sample_seed(0, 0, 7, 1) != sample_seed(1, 0, 7, 1)
-    assert sample_seed(None, 0, 7, 1) == 976352366  # fixed forever: a change reseeds every rerun
+    # fixed forever (a change reseeds every rerun); a row's samples have consecutive seeds,
+    # so one request with n and seed s is the same draw as n requests on vLLM (seed + i)
+    assert sample_seed(None, 0, 7, 0) == 409108701 and sample_seed(None, 0, 7, 2) == 409108703
 
 
 # --------------------------------------------------------------------------- shard runs (fake server across HTTP)
 
 
+def _covered(bodies) -> list[int]:
+    """The sample seeds a list of request bodies asked for (a request with n covers seed .. seed + n - 1)."""
+    return sorted(b["seed"] + i for b in bodies for i in range(b.get("n", 1)))
+
+
 def test_order_sample_index_seeds_per_sample_errors_and_merge(tmp_path):
-    server = FakeServer(Behaviour(plan=["ok", "400", "ok"])).start()  # row 0's sample 1 is refused
+    server = FakeServer(Behaviour(reject_seeds=frozenset({sample_seed(None, 0, 0, 1)}))).start()  # row 0's sample 1 is refused
     try:
         rows = [{"q": "a", "id": "A"}, {"q": "b", "id": "B"}, {"no_q": 1}]  # row 2 lacks the input: all its samples fail
         raw = _raw(tmp_path, rows, _openai(server), remove_columns=True, preserve_columns=["id"], output_schema={"answer": "{{ a }}"})
-        raw["shard_params"]["max_inflight"] = 1  # requests in unit order: the plan hits row 0's sample 1
+        raw["processors"][0]["native_n"] = False  # one request per sample
+        raw["shard_params"]["max_inflight"] = 1
         cfg = load_config(raw)
         index_datasets(cfg)
         status = run_shard(cfg, 0)
@@ -139,7 +147,8 @@ def test_order_sample_index_seeds_per_sample_errors_and_merge(tmp_path):
     ds = status["datasets"][0]
     assert (ds["rows_processed"], ds["rows_failed"]) == (5, 4)
     # one request per sample (row 2 sends none), each with its own seed
-    assert [b["seed"] for b in bodies] == [sample_seed(None, 0, i, k) for i in range(2) for k in range(3)]
+    assert sorted(b["seed"] for b in bodies) == sorted(sample_seed(None, 0, i, k) for i in range(2) for k in range(3))
+    assert not any("n" in b for b in bodies)
     merged = merge_dataset(cfg, cfg.datasets[0])
     assert _keys(_jsonl(Path(merged["merged_dir"]))) == [(0, 0), (0, 2), (1, 0), (1, 1), (1, 2)]  # x x y y y: by row, then sample
 
@@ -191,17 +200,102 @@ def test_kill_and_resume_redo_no_finished_sample_and_duplicate_none(tmp_path):
         committed = from_ranges(json.loads(manifest.read_text())["datasets"]["0"]["done"])  # as the kill left it
         before = len(server.records)
         status = run_shard(cfg, 0)
-        resent = [r["body"]["seed"] for r in server.records[before:]]
+        resent = [r["body"] for r in server.records[before:]]
     finally:
         server.stop()
-    # the rerun asked only for the samples not committed, each once
+    # the rerun asked only for the samples not committed, each once (a row's pending
+    # samples in one request with n: the openai backend's native n)
     todo = sorted(set(range(rows * n)) - committed)
-    assert sorted(resent) == sorted(sample_seed(None, 0, u // n, u % n) for u in todo)
+    assert _covered(resent) == sorted(sample_seed(None, 0, u // n, u % n) for u in todo)
+    assert len(resent) == len({u // n for u in todo})
     keys = _keys(_records(tmp_path))
     assert sorted(keys) == [(i, k) for i in range(rows) for k in range(n)]  # none missing, none twice
     assert status["datasets"][0]["rows_processed"] == rows * n
     assert status["stats"]["rows_resumed"] == len(committed)
     merge_dataset(cfg, cfg.datasets[0])
+
+
+# --------------------------------------------------------------------------- native n (one request per row)
+
+
+def _native_run(root: Path, rows: int, n: int, **processor) -> tuple[list[dict], list[dict], dict, FakeServer]:
+    server = FakeServer(Behaviour(seed_in_text=True)).start()
+    try:
+        raw = _raw(root, [{"q": f"row {i} " + "w " * i} for i in range(rows)], {**_openai(server), **processor}, n=n)
+        cfg = load_config(raw)
+        index_datasets(cfg)
+        status = run_shard(cfg, 0)
+    finally:
+        server.stop()
+    records = sorted(_records(root), key=lambda r: (r["source_index"], r["sample_index"]))
+    return records, [r["body"] for r in server.records], status, server
+
+
+def test_native_n_one_request_per_row_is_the_same_draw_as_one_per_sample(tmp_path):
+    (tmp_path / "native").mkdir()
+    (tmp_path / "split").mkdir()
+    records, bodies, status, server = _native_run(tmp_path / "native", rows=3, n=3)
+    # one request per row, with n and the seed of the row's first sample
+    assert sorted((b["seed"], b["n"]) for b in bodies) == sorted((sample_seed(None, 0, i, 0), 3) for i in range(3))
+    assert _keys(records) == [(i, k) for i in range(3) for k in range(3)]
+    # choice k is sample k, drawn with seed + k (as vLLM seeds a request's choices)
+    assert [r["a"].rsplit(" s=", 1)[1] for r in records] == [str(sample_seed(None, 0, i, k)) for i in range(3) for k in range(3)]
+    st = status["stats"]
+    # the prompt was read once per request; the choices' tokens add up to the server's
+    assert (st["requests"], st["input_tokens"], st["output_tokens"]) == (3, server.prompt_tokens, server.generation_tokens)
+    assert st["rows_processed"] == 9
+
+    split, split_bodies, split_status, split_server = _native_run(tmp_path / "split", rows=3, n=3, native_n=False)
+    assert len(split_bodies) == 9 and not any("n" in b for b in split_bodies)
+    assert [r["a"] for r in split] == [r["a"] for r in records]  # the same records either way
+    assert split_status["stats"]["requests"] == 9 and split_status["stats"]["output_tokens"] == st["output_tokens"]
+    assert split_status["stats"]["input_tokens"] == split_server.prompt_tokens == 3 * server.prompt_tokens
+
+
+def test_native_n_asks_for_each_run_of_pending_samples(tmp_path):
+    n = 4
+    failing = frozenset(sample_seed(None, 0, 0, k) for k in (0, 1, 3))
+    server = FakeServer(Behaviour(reject_seeds=failing)).start()
+    try:
+        raw = _raw(tmp_path, [{"q": "a"}, {"q": "b"}], {**_openai(server), "native_n": False}, n=n)
+        cfg = load_config(raw)
+        index_datasets(cfg)
+        run_shard(cfg, 0)
+    finally:
+        server.stop()
+    assert sorted(_keys(_records(tmp_path))) == [(0, 2)] + [(1, k) for k in range(n)]
+    server = FakeServer().start()  # retry the failed samples 0, 1 and 3 of row 0, with native n
+    try:
+        raw["processors"][0].update(base_url=server.url + "/v1", native_n=None)
+        raw["retry_failed_rows"] = True
+        status = run_shard(load_config(raw), 0)
+        bodies = sorted((r["body"] for r in server.records), key=lambda b: b["seed"])
+    finally:
+        server.stop()
+    # samples 0-1 in one request with n=2, sample 3 alone: each seed as one request per sample would have
+    assert [(b["seed"], b.get("n")) for b in bodies] == [(sample_seed(None, 0, 0, 0), 2), (sample_seed(None, 0, 0, 3), None)]
+    assert sorted(_keys(_records(tmp_path))) == [(i, k) for i in range(2) for k in range(n)]
+    assert status["datasets"][0]["rows_processed"] == 2 * n
+
+
+def test_native_n_on_a_server_without_n_fails_the_shard_naming_the_key(tmp_path):
+    server = FakeServer(Behaviour(ignore_n=True)).start()
+    try:
+        cfg = load_config(_raw(tmp_path, [{"q": "a"}], _openai(server), n=2))
+        index_datasets(cfg)
+        with pytest.raises(ShardFailed, match=r"n=2 with choices \[0\], not 0..1: the server does not support n; set processors\[\]\.native_n: false"):
+            run_shard(cfg, 0)
+    finally:
+        server.stop()
+    assert not _records(tmp_path)
+
+
+def test_native_n_is_refused_on_a_backend_without_it(tmp_path):
+    raw = _raw(tmp_path, [{"q": "a"}], {"backend": "transformers", "server_args": {"model_path": "m"}, "native_n": True})
+    with pytest.raises(ConfigError, match=r"processors\[0\]\.native_n: only the openai backend sends one request with n; backend 'transformers'"):
+        load_config(raw, check_paths=False)
+    raw["processors"][0]["native_n"] = False
+    load_config(raw, check_paths=False)
 
 
 def test_accounting_refuses_a_missing_sample(tmp_path):

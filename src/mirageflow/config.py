@@ -237,6 +237,7 @@ class ProcessorConfig:
     server_start_timeout: float = 900.0
     request_timeout: float = 600.0
     max_retries: int = 5
+    native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
 
 
 @dataclass(frozen=True)
@@ -423,6 +424,7 @@ def _processor(p: dict) -> ProcessorConfig:
         server_start_timeout=p["server_start_timeout"],
         request_timeout=p["request_timeout"],
         max_retries=p["max_retries"],
+        native_n=p["native_n"],
     )
 
 
@@ -536,6 +538,11 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             problems.append(f"processors[{i}].chat_template: named chat templates are not supported; the model's own template is used")
         if p["backend"] == "openai" and not p["base_url"]:
             problems.append(f"processors[{i}].base_url: required by backend openai (e.g. http://node:30000/v1)")
+        if p["native_n"] and p["backend"] != "openai":
+            problems.append(
+                f"processors[{i}].native_n: only the openai backend sends one request with n; backend "
+                f"'{p['backend']}' sends one request per sample (see the key's description)"
+            )
         processors[p["type"]] = _processor(p)
 
     datasets = []
@@ -747,6 +754,8 @@ RECORDS_IDENTITY_VERSION = 1
 # How the workflow reaches or runs an engine, not what it generates: an edit here reruns nothing.
 _PROCESSOR_OPERATIONAL_KEYS = (
     "base_url", "api_key_env", "server_start_timeout", "request_timeout", "max_retries", "torch_threads",
+    # one request with n or n requests: the same draw on servers that seed choice i with seed + i
+    "native_n",
     # custom processors' (python_steps): how the function is run, or accepted and unused
     "max_workers", "start_method", "timeout_ms", "max_timeouts", "max_errors", "fallback_value",
 )  # fmt: skip

@@ -13,7 +13,10 @@ answer); ``crash_after`` (script mode only: the process exits with ``crash_code`
 next generation request after that many were answered). A prompt containing ``TOO_LONG``
 gets SGLang's 400 context-length error. ``/generate`` with ``image_data`` needs one
 ``<image>`` in the text per image (data URIs), each adding 15 prompt tokens; chat content
-parts must be OpenAI's (text, image_url), else 400.
+parts must be OpenAI's (text, image_url), else 400. OpenAI answers honour ``n`` (choices
+0..n-1, usage for all of them; ``ignore_n``: one choice, a server without it), refuse the
+seeds in ``reject_seeds`` with a 400, and with ``seed_in_text`` end each choice with the seed
+that drew it, choice i of a request with seed s drawing with s + i as vLLM does.
 
 ``/generate`` follows sglang 0.5.23 (srt/entrypoints/http_server.py ``generate_request``):
 a body outside the API contract (an unknown sampling parameter, a json_schema that is not
@@ -64,6 +67,12 @@ class Behaviour:
     # chat answers carry this as message.reasoning_content, as SGLang does when launched with
     # --reasoning-parser (sglang/srt/entrypoints/openai/protocol.py: ChatMessage.reasoning_content)
     reasoning: str | None = None
+    # OpenAI answers whose body "seed" is in this set are HTTP 400 (a per-sample failure)
+    reject_seeds: frozenset = frozenset()
+    # OpenAI answers say which seed drew them (" s=<seed>"), choice i of a request with n and
+    # seed s drawing with s + i as vLLM does (vllm/v1/engine/parallel_sampling.py)
+    seed_in_text: bool = False
+    ignore_n: bool = False  # one choice whatever the request's n (a server without n)
 
 
 class FakeServer:
@@ -268,22 +277,29 @@ def _handler(server: FakeServer):
             source = json.dumps(body.get("messages")) if chat else body.get("prompt", "")
             if "TOO_LONG" in source:
                 return 400, {"object": "error", "message": CONTEXT_ERROR, "type": "BadRequestError", "code": 400}
+            if body.get("seed") in server.behaviour.reject_seeds:
+                return 400, {"object": "error", "message": f"fake: seed {body['seed']} refused", "type": "BadRequestError", "code": 400}
             limit = body.get("max_tokens") or 128
             json_mode = (body.get("response_format") or {}).get("type") == "json_schema"
-            n = min(limit, 3 if json_mode else 1 + len(source) % 7)
-            out = '{"answer": "yes"}' if json_mode else _words(n)
             p = len(source.split())
-            self._count(p, n)
-            finish = "length" if n >= limit else "stop"
-            choice = {"index": 0, "finish_reason": finish}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": out}
-                if server.behaviour.reasoning is not None:
-                    choice["message"]["reasoning_content"] = server.behaviour.reasoning
-            else:
-                choice["text"] = out
-            usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
-            return 200, {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"), "choices": [choice], "usage": usage}
+            choices, generated = [], 0
+            for i in range(1 if server.behaviour.ignore_n else int(body.get("n") or 1)):  # the API's n: choices 0..n-1, usage for all
+                n = min(limit, 3 if json_mode else 1 + len(source) % 7)
+                out = '{"answer": "yes"}' if json_mode else _words(n)
+                if server.behaviour.seed_in_text and not json_mode:
+                    out += f" s={body['seed'] + i}" if body.get("seed") is not None else f" draw={os.urandom(4).hex()}"
+                generated += n
+                choice = {"index": i, "finish_reason": "length" if n >= limit else "stop"}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": out}
+                    if server.behaviour.reasoning is not None:
+                        choice["message"]["reasoning_content"] = server.behaviour.reasoning
+                else:
+                    choice["text"] = out
+                choices.append(choice)
+            self._count(p, generated)
+            usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
+            return 200, {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"), "choices": choices, "usage": usage}
 
     return Handler
 

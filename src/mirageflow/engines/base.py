@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -217,6 +218,21 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def generate_one(self, request: Request) -> Completion:
         """Generate one request; called concurrently, up to max_inflight at a time."""
+
+    async def generate_samples(self, request: Request, n: int) -> list[Completion]:
+        """``n`` samples of one request (n_samples: consecutive samples of one row), sample k
+        with id ``request.id + k`` and seed ``request.seed + k``. Here: n requests at once.
+        Engines with native ``n`` (one request, n choices) override this."""
+        if n == 1:
+            return [await self.generate_one(request)]
+        return list(
+            await asyncio.gather(
+                *(
+                    self.generate_one(dataclasses.replace(request, id=request.id + k, seed=None if request.seed is None else request.seed + k))
+                    for k in range(n)
+                )
+            )
+        )
 
     def queue_depth(self) -> int | None:
         """Requests waiting or running inside the engine, when it can tell."""

@@ -123,25 +123,29 @@ class LoopEngine(Engine):
         return error
 
     async def generate_one(self, request):
+        return await self._in_engine_loop(self._generate, request)
+
+    async def _in_engine_loop(self, fn, *args) -> Any:
+        """``await fn(*args)`` in the engine's loop, from the caller's loop."""
         if self._failure is not None:
             raise self._failure_error()
         if self._loop is None:
             raise RuntimeError(f"{type(self).__name__}: load() was not called, or the engine is closed")
-        future = asyncio.run_coroutine_threadsafe(self._tracked(request), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._tracked(fn, *args), self._loop)
         ok, value = await asyncio.wrap_future(future)
         if not ok:
             raise value
         return value
 
-    async def _tracked(self, request) -> tuple[bool, Any]:
-        """(True, completion) or (False, exception): an error never stays unretrieved in the
+    async def _tracked(self, fn, *args) -> tuple[bool, Any]:
+        """(True, result) or (False, exception): an error never stays unretrieved in the
         engine loop when its caller has gone (e.g. cancelled after a sibling failed)."""
         task = asyncio.current_task()
         self._tasks.add(task)
         try:
             if self._failure is not None:
                 return False, self._failure_error()
-            return True, await self._generate(request)
+            return True, await fn(*args)
         except asyncio.CancelledError:
             if self._failure is not None:
                 return False, self._failure_error()

@@ -27,6 +27,11 @@ prompt goes to ``POST {base_url}/completions`` as is.
   and vLLM do, as ``apply_chat_template(tokenize=True)``), so a template's BOS is not doubled.
 - ``message.reasoning_content`` (a server's reasoning parser) becomes
   ``Completion.reasoning``, never part of the answer.
+- Several samples of a row (n_samples, ``native_n``): one request with ``n`` and the first
+  sample's seed; choice i is sample i. Prompt tokens are booked once (the server read the
+  prompt once), the completion tokens of ``usage`` shared out over the choices by the
+  length of their text (exact in total, estimated per sample: the API gives no per-choice
+  count). A server that answers with other than n choices fails the shard (it has no ``n``).
 - Tokens from ``usage``; finish reasons stop/length pass through, content_filter and abort
   become ``abort``, anything else (tool_calls, ...) ``stop``.
 - Connection errors, timeouts (``request_timeout`` per attempt), 429 and 5xx are retried
@@ -56,6 +61,20 @@ _FINISH = {"stop": "stop", "length": "length", "content_filter": "abort", "abort
 
 def openai_params(params: dict) -> dict:
     return {_RENAMED.get(k, k): v for k, v in params.items()}
+
+
+def split_tokens(total: int, weights: list[int]) -> list[int]:
+    """``total`` in parts proportional to ``weights`` (largest remainder): the parts add up to it."""
+    if len(weights) == 1:
+        return [total]
+    weight = sum(weights)
+    if weight == 0:
+        weights, weight = [1] * len(weights), len(weights)
+    parts = [total * w // weight for w in weights]
+    by_remainder = sorted(range(len(weights)), key=lambda i: -(total * weights[i] % weight))
+    for i in by_remainder[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
 
 
 def finish_reason(value) -> str:
@@ -153,8 +172,24 @@ class OpenAIEngine(LoopEngine):
             }
         return path, body
 
+    @property
+    def native_samples(self) -> bool:
+        """One request with ``n`` for a row's samples (processors[].native_n; on unless false)."""
+        return self.processor.native_n is not False
+
+    async def generate_samples(self, request: Request, n: int) -> list[Completion]:
+        if n == 1 or not self.native_samples:
+            return await super().generate_samples(request, n)
+        return await self._in_engine_loop(self._generate_n, request, n)
+
     async def _generate(self, request: Request) -> Completion:
+        return (await self._generate_n(request, 1))[0]
+
+    async def _generate_n(self, request: Request, n: int) -> list[Completion]:
+        """The request's n choices as Completions with ids request.id .. request.id + n - 1."""
         path, body = self.request_body(request)
+        if n > 1:
+            body["n"] = n
         async with self._semaphore:
             response = await post_with_retries(
                 self._client,
@@ -170,33 +205,42 @@ class OpenAIEngine(LoopEngine):
             message = f"{redact_text(self.base_url)}{path} answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return rejected(request.id, message, "aborted" if response.status_code >= 500 else "invalid_request")
+            return [rejected(request.id + k, message, "aborted" if response.status_code >= 500 else "invalid_request") for k in range(n)]
         data = response.json()
-        choice = (data.get("choices") or [{}])[0]
-        reasoning = None
-        if path == "/chat/completions":
-            message = choice.get("message") or {}
-            text = message.get("content")
-            # a server's reasoning parser (SGLang --reasoning-parser, vLLM) puts thinking here
-            reasoning = message.get("reasoning_content") or None
-        else:
-            text = choice.get("text")
+        choices = sorted(data.get("choices") or [{}], key=lambda c: c.get("index") or 0)
+        if n > 1 and [c.get("index") for c in choices] != list(range(n)):
+            raise EngineError(
+                f"{redact_text(self.base_url)}{path} answered a request with n={n} with choices "
+                f"{[c.get('index') for c in choices]}, not 0..{n - 1}: the server does not support n; "
+                "set processors[].native_n: false"
+            )
+        answers = [self._answer(choice, path) for choice in choices[:n]]
         usage = data.get("usage") or {}
         if not usage and not self._warned_usage:
             self._warned_usage = True
             log.warning("%s reports no usage; token counts will be 0", redact_text(self.base_url))
-        completion = Completion(
-            request.id,
-            text or "",
-            int(usage.get("prompt_tokens") or 0),
-            int(usage.get("completion_tokens") or 0),
-            finish_reason(choice.get("finish_reason")),
-            reasoning=reasoning,
-        )
-        if completion.finish_reason == "abort":
-            completion.error_kind = "aborted"
-            completion.error = f"the server ended the request with finish_reason {choice.get('finish_reason')!r}"
-        return completion
+        # usage covers the request: the prompt was read once, and the choices' tokens are
+        # shared out by the length of their text (exact in total, estimated per sample)
+        generated = split_tokens(int(usage.get("completion_tokens") or 0), [len(text) + len(reasoning or "") for text, reasoning, _ in answers])
+        completions = []
+        for k, ((text, reasoning, reason), tokens) in enumerate(zip(answers, generated)):
+            completion = Completion(
+                request.id + k, text, int(usage.get("prompt_tokens") or 0) if k == 0 else 0, tokens, finish_reason(reason), reasoning=reasoning
+            )  # fmt: skip
+            if completion.finish_reason == "abort":
+                completion.error_kind = "aborted"
+                completion.error = f"the server ended the request with finish_reason {reason!r}"
+            completions.append(completion)
+        return completions
+
+    @staticmethod
+    def _answer(choice: dict, path: str) -> tuple[str, str | None, str | None]:
+        """(text, reasoning, finish_reason) of one choice."""
+        if path == "/chat/completions":
+            message = choice.get("message") or {}
+            # a server's reasoning parser (SGLang --reasoning-parser, vLLM) puts thinking here
+            return message.get("content") or "", message.get("reasoning_content") or None, choice.get("finish_reason")
+        return choice.get("text") or "", None, choice.get("finish_reason")
 
     def close(self) -> None:
         self._close_client_and_loop()

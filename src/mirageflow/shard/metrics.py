@@ -46,13 +46,16 @@ class ShardMetrics:
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
 
-    def book(self, request, completion) -> None:
-        """Count one answered request: its tokens, and the images it sent."""
-        self.requests += 1
+    def book(self, request, completion, sent: bool = True) -> None:
+        """Count one answer: its tokens, and the request and its images when ``sent`` (the
+        second and later choices of one request with n were not sent again)."""
         self.input_tokens += completion.prompt_tokens
         self.output_tokens += completion.completion_tokens
+        if sent:
+            self.requests += 1
+            if request.images:
+                self.images += len(request.images)
         if request.images:
-            self.images += len(request.images)
             self.image_tokens += completion.image_tokens or 0
 
     def runtime(self) -> float:

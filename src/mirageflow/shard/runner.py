@@ -1,10 +1,11 @@
 """The shard job: rows -> variables -> prompts -> engine -> records -> writer, observed by stats.
 
 ``run_shard`` processes shard ``shard_id`` of every dataset in the config. ``ShardRunner``
-keeps setup, the per-row path and feeding; its collaborators each own one concern:
-``ErrorBudget`` (row outcomes, when the shard fails), ``CommitQueue`` (pending batches,
-the writer thread, the ticker), ``ShardMetrics`` (phases, tokens, GPUs, sums over
-attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoint`` and ``Lease`` (state on disk).
+keeps setup and feeding; its collaborators each own one concern: ``RowPath`` (a row, or a
+row's samples, through the steps), ``ErrorBudget`` (row outcomes, when the shard fails),
+``CommitQueue`` (pending batches, the writer thread, the ticker), ``ShardMetrics`` (phases,
+tokens, GPUs, sums over attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoint`` and
+``Lease`` (state on disk).
 
 - Feeding: ``window`` worker coroutines share one row iterator, so up to ``max_inflight``
   rows are in flight and the engine always has work queued; no barrier between rows.
@@ -48,6 +49,7 @@ from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
 from mirageflow.shard.metrics import ShardMetrics
+from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
 from mirageflow.shard.steps import OutputStep
 
@@ -69,27 +71,22 @@ def index_datasets(cfg: PipelineConfig) -> None:
 NO_ENGINE_WINDOW = 64
 
 
-class EngineFailed(ShardFailed):
-    """The engine raised instead of answering: the shard cannot go on."""
-
-
 class ShardRunner:
     def __init__(self, cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine):
         self.cfg, self.shard_id, self.params = cfg, shard_id, cfg.shard
         self.engine_factory = engine_factory
-        self.extract = Extractor(cfg.inputs)
-        self.images = RowImages.from_config(cfg)  # image inputs (VLMs); false without any
-        self.render = RecordRenderer(
-            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
-        )  # fmt: skip
-        self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/samples.py)
-        self._seeded = False  # whether requests carry per-sample seeds (set with the steps)
         self.engines: dict[str, Engine] = {}
         self.pools: dict[str, python_steps.FunctionPool] = {}  # custom processors' worker processes
         self.shard_dir = cfg.shard_dir(shard_id)
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = Path(cfg.state_dir) / "logs" / f"shard_{shard_id}"  # engine server logs
         self.metrics = ShardMetrics(cfg, attempt)
+        self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/samples.py)
+        render = RecordRenderer(
+            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
+        )  # fmt: skip
+        # image inputs (VLMs): RowImages is false without any
+        self.rows = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, self.metrics, self.n)
         self.budget = ErrorBudget(self.params, shard_id, self.shard_dir / "errors.jsonl")
         self.checkpoint: Checkpoint | None = None
         self.commits: CommitQueue | None = None
@@ -99,7 +96,6 @@ class ShardRunner:
         self.abort: BaseException | None = None  # why feeding stopped early (first reason wins)
         self._stopping: asyncio.Event | None = None
         self._bar = None
-        self._internal_logged: set = set()
 
     # ------------------------------------------------------------------ setup
 
@@ -141,51 +137,6 @@ class ShardRunner:
                 for warmup in warmups:
                     warmup()
 
-    # ------------------------------------------------------------------ one row
-
-    async def _row(self, row: SourceRow, steps: list[OutputStep], ds_index: int = 0, sample: int | None = None) -> dict:
-        """The row's record (of sample ``sample`` with n_samples > 1); raises RowError for a
-        row that cannot be completed, EngineFailed when the engine raised."""
-        if row.value.__class__ is RowError:
-            raise row.value
-        variables = self.extract(row.value)
-        # decoded off the event loop (Pillow releases the GIL), once for all outputs
-        images = await asyncio.to_thread(self.images, variables, ds_index) if self.images else None
-        m = self.metrics
-        row_tokens = None
-        try:
-            for step in steps:
-                if step.engine is None:  # a filter or a Python step (python_steps)
-                    if not await step.run(variables):
-                        return python_steps.FILTERED
-                    continue
-                if self._seeded:
-                    seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
-                    request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
-                else:
-                    request = step.request(row.index, variables, images=images)
-                m.tracker.submitted()
-                try:
-                    completion = await step.engine.generate_one(request)
-                except Exception as e:
-                    raise EngineFailed(f"engine '{step.output.processor}' failed on row {row.index}: {type(e).__name__}: {e}") from e
-                finally:
-                    m.tracker.completed()
-                m.book(request, completion)
-                row_tokens = (row_tokens or 0) + completion.completion_tokens
-                step.assign(variables, completion)
-        finally:
-            if row_tokens is not None:
-                m.tokens_per_row.add(row_tokens)
-        return self.render(row.index, row.value, variables) if sample is None else self.render(row.index, row.value, variables, sample)
-
-    def _internal_error(self, row: SourceRow, e: Exception) -> RowError:
-        """An unexpected exception on this row's Python path: the row's error, with the trace in the log once per type."""
-        if type(e) not in self._internal_logged:
-            self._internal_logged.add(type(e))
-            log.warning("row %d: unexpected %s (recorded as internal_error):\n%s", row.index, type(e).__name__, traceback.format_exc())
-        return RowError("row", "internal_error", f"{type(e).__name__}: {e}")
-
     def _finished(self, ds_index: int, row: SourceRow, record: dict | None, exc: RowError | None, sample: int | None = None) -> None:
         """Book one finished row (its record, FILTERED, or its RowError) with the budget and the commit queue."""
         if record is python_steps.FILTERED:
@@ -221,27 +172,27 @@ class ShardRunner:
         for ds, piece in zip(self.cfg.datasets, slices):
             try:
                 read = functools.partial(read_shard, ds, piece)
-                yield from samples.pending(ds.index, read, self.checkpoint.committed_before(ds.index), self.n)
+                yield from samples.pending(ds.index, read, self.checkpoint.committed_before(ds.index), self.n, self.rows.grouped is not None)
             except Exception as e:  # a row that could be isolated is a RowError value, not an exception
                 raise ShardFailed(f"cannot read dataset {ds.index} ({ds.path}), shard {self.shard_id}: {type(e).__name__}: {e}") from e
 
     async def _worker(self, rows, steps) -> None:
-        """Take the next row, run it through every output, book it; until no row is left."""
+        """Take the next row (or a row's pending samples), run it through every output, book
+        it; until no row is left."""
         try:
             for ds_index, row, sample in rows:
                 if self.abort or self._stopping.is_set():
                     return
                 try:
-                    record = await self._row(row, steps, ds_index, sample)
-                except RowError as e:
-                    self._finished(ds_index, row, None, e, sample)
+                    if sample.__class__ is list:
+                        results = await self.rows.row_samples(row, steps, ds_index, sample)
+                    else:
+                        results = (await self.rows.one(row, steps, ds_index, sample),)
                 except ShardFailed as e:  # engine crash, lost connection, a Python step's worker killed by a signal: the shard cannot go on
                     self._halt(e)
                     return
-                except Exception as e:
-                    self._finished(ds_index, row, None, self._internal_error(row, e), sample)
-                else:
-                    self._finished(ds_index, row, record, None, sample)
+                for k, record, exc in results:
+                    self._finished(ds_index, row, record, exc, k)
         except Exception as e:  # reading the dataset failed
             self._halt(e)
 
@@ -252,6 +203,8 @@ class ShardRunner:
         self.commits.start()
         ticker = asyncio.create_task(self.commits.ticker())
         window = self.params.max_inflight or min((e.max_inflight for e in self.engines.values()), default=NO_ENGINE_WINDOW)
+        if self.rows.grouped is not None:  # a worker holds a row's n samples
+            window = max(1, window // self.n)
         rows = self._rows(slices)
         try:
             workers = asyncio.gather(*(self._worker(rows, steps) for _ in range(window)))
@@ -299,7 +252,7 @@ class ShardRunner:
             python_steps.make_step(o, lambda o: OutputStep(o, self.cfg.processors[o.processor], self.engines[o.processor]), self.pools)
             for o in self.cfg.outputs
         ]  # fmt: skip
-        self._seeded = self.n > 1 or any(getattr(step, "base_seed", None) is not None for step in steps)
+        self.rows.set_steps(steps)
         self.live.set_phase("generating")
         self.metrics.sampler.start()
         self._bar = tqdm(

@@ -8,8 +8,8 @@ row variable ``<name>_reasoning`` (None when the model gave none). An answer cut
 length limit while still reasoning (an unclosed ``<think>``, or reasoning and no answer) is
 the row error ``reasoning_truncated``.
 
-The row path (``ShardRunner._row``) runs three kinds of step, each with ``output`` and
-``engine``: this LLM step (request, then the engine, then ``assign``: inline in ``_row``,
+The row path (``shard/rows.py``: ``RowPath``) runs three kinds of step, each with ``output`` and
+``engine``: this LLM step (request, then the engine, then ``assign``: inline in ``_steps``,
 the hot path), and ``python_steps.FilterStep`` / ``CustomStep`` (``engine`` None; ``await
 step.run(variables)`` sets their variable and says whether the row goes on).
 """

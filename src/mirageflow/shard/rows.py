@@ -1,0 +1,173 @@
+"""One row through the pipeline's steps: rows -> variables -> prompts -> engine -> records.
+
+``RowPath`` holds what the shard's row path needs (extractor, image loader, record renderer,
+metrics) and runs one unit of work: a row (``one``), or with n_samples > 1 every pending
+sample of a row (``row_samples``, when ``grouped_step`` allows it). Each returns (sample,
+record or ``python_steps.FILTERED`` or None, RowError or None); an exception on the row path
+that is not the engine's becomes the row error ``internal_error``; the engine raising is
+``EngineFailed`` (the shard cannot go on). Booking the outcome is the runner's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import traceback
+
+from mirageflow import python_steps, samples
+from mirageflow.data.readers import SourceRow
+from mirageflow.prompts import RowError
+from mirageflow.shard.failures import ShardFailed
+from mirageflow.shard.steps import OutputStep
+
+log = logging.getLogger(__name__)
+
+
+def grouped_step(steps: list, n: int) -> int | None:
+    """With n_samples > 1: the index of the first LLM step when only filters come before it
+    (every sample of a row then sends it the same request, but for the seed), else None."""
+    if n == 1:
+        return None
+    for i, step in enumerate(steps):
+        if step.engine is not None:
+            return i
+        if not isinstance(step, python_steps.FilterStep):  # a Python step may differ per sample
+            return None
+    return None
+
+
+class EngineFailed(ShardFailed):
+    """The engine raised instead of answering: the shard cannot go on."""
+
+
+class RowPath:
+    def __init__(self, extract, images, render, metrics, n: int):
+        self.extract, self.images, self.render, self.metrics, self.n = extract, images, render, metrics, n
+        self.seeded = False  # whether requests carry per-sample seeds (set with the steps)
+        self.grouped: int | None = None  # the step asked once per row for all its samples (grouped_step)
+        self.internal_logged: set = set()
+
+    def set_steps(self, steps: list) -> None:
+        self.seeded = self.n > 1 or any(getattr(step, "base_seed", None) is not None for step in steps)
+        self.grouped = grouped_step(steps, self.n)
+
+    async def row(self, row: SourceRow, steps: list[OutputStep], ds_index: int = 0, sample: int | None = None) -> dict:
+        """The row's record (of sample ``sample`` with n_samples > 1); raises RowError for a
+        row that cannot be completed, EngineFailed when the engine raised."""
+        variables, images = await self._start(row, ds_index)
+        return await self._steps(row, steps, variables, images, ds_index, sample)
+
+    async def _start(self, row: SourceRow, ds_index: int) -> tuple[dict, dict | None]:
+        """The row's variables and its loaded images (None without image inputs)."""
+        if row.value.__class__ is RowError:
+            raise row.value
+        variables = self.extract(row.value)
+        # decoded off the event loop (Pillow releases the GIL), once for all outputs
+        images = await asyncio.to_thread(self.images, variables, ds_index) if self.images else None
+        return variables, images
+
+    async def _steps(self, row, steps, variables: dict, images, ds_index: int, sample: int | None, answered=None) -> dict:
+        """Run ``steps`` on the row's variables and render the record. ``answered``: (request,
+        completion, whether the request was sent for this sample) of the first step, already
+        generated (``_row_samples``)."""
+        m = self.metrics
+        row_tokens = None
+        try:
+            for step in steps:
+                if step.engine is None:  # a filter or a Python step (python_steps)
+                    if not await step.run(variables):
+                        return python_steps.FILTERED
+                    continue
+                sent = True
+                if answered is not None:
+                    (request, completion, sent), answered = answered, None
+                else:
+                    if self.seeded:
+                        seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
+                        request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
+                    else:
+                        request = step.request(row.index, variables, images=images)
+                    m.tracker.submitted()
+                    try:
+                        completion = await step.engine.generate_one(request)
+                    except Exception as e:
+                        raise EngineFailed(f"engine '{step.output.processor}' failed on row {row.index}: {type(e).__name__}: {e}") from e
+                    finally:
+                        m.tracker.completed()
+                m.book(request, completion, sent)
+                row_tokens = (row_tokens or 0) + completion.completion_tokens
+                step.assign(variables, completion)
+        finally:
+            if row_tokens is not None:
+                m.tokens_per_row.add(row_tokens)
+        return self.render(row.index, row.value, variables) if sample is None else self.render(row.index, row.value, variables, sample)
+
+    async def one(self, row: SourceRow, steps, ds_index: int, sample: int | None) -> tuple:
+        """(sample, record or FILTERED or None, RowError or None) of one unit; EngineFailed raises."""
+        return await self._outcome(row, sample, self.row(row, steps, ds_index, sample))
+
+    async def _outcome(self, row: SourceRow, sample: int | None, work) -> tuple:
+        """``one``'s tuple from ``work``, a coroutine giving the record."""
+        try:
+            return sample, await work, None
+        except RowError as e:
+            return sample, None, e
+        except ShardFailed:
+            raise
+        except Exception as e:
+            return sample, None, self.internal_error(row, e)
+
+    async def row_samples(self, row: SourceRow, steps, ds_index: int, todo: list[int]) -> list[tuple]:
+        """The pending samples ``todo`` of one row, as ``_one`` gives each: the filters before
+        the first LLM step (``self.grouped``) once, that step as one ``generate_samples`` per
+        run of consecutive samples (one request with n on engines that have it), the rest
+        of the steps per sample."""
+        at = self.grouped
+        try:
+            variables, images = await self._start(row, ds_index)
+            for step in steps[:at]:
+                if not await step.run(variables):
+                    return [(k, python_steps.FILTERED, None) for k in todo]
+            step = steps[at]
+            asked = []
+            for run in samples.runs(todo):
+                seed = samples.sample_seed(step.base_seed, ds_index, row.index, run[0])
+                asked.append((run, step.request(row.index * self.n + run[0], variables, seed, images=images)))
+            answers = await asyncio.gather(*(self._generate_samples(step, request, len(run), row) for run, request in asked))
+        except RowError as e:
+            return [(k, None, e) for k in todo]
+        except ShardFailed:
+            raise
+        except Exception as e:
+            error = self.internal_error(row, e)
+            return [(k, None, error) for k in todo]
+        tails, native = steps[at:], getattr(step.engine, "native_samples", False)
+        return await asyncio.gather(
+            *(
+                self._outcome(row, k, self._steps(row, tails, dict(variables), images, ds_index, k, (request, completion, k == run[0] or not native)))
+                for (run, request), completions in zip(asked, answers)
+                for k, completion in zip(run, completions)
+            )
+        )
+
+    async def _generate_samples(self, step: OutputStep, request, n: int, row: SourceRow) -> list:
+        m = self.metrics
+        for _ in range(n):
+            m.tracker.submitted()
+        try:
+            completions = await step.engine.generate_samples(request, n)
+        except Exception as e:
+            raise EngineFailed(f"engine '{step.output.processor}' failed on row {row.index}: {type(e).__name__}: {e}") from e
+        finally:
+            for _ in range(n):
+                m.tracker.completed()
+        if len(completions) != n:  # an engine's bug, not a row's
+            raise EngineFailed(f"engine '{step.output.processor}' returned {len(completions)} completions for {n} samples of row {row.index}")
+        return completions
+
+    def internal_error(self, row: SourceRow, e: Exception) -> RowError:
+        """An unexpected exception on this row's Python path: the row's error, with the trace in the log once per type."""
+        if type(e) not in self.internal_logged:
+            self.internal_logged.add(type(e))
+            log.warning("row %d: unexpected %s (recorded as internal_error):\n%s", row.index, type(e).__name__, traceback.format_exc())
+        return RowError("row", "internal_error", f"{type(e).__name__}: {e}")
