@@ -476,7 +476,8 @@ class Run:
     def submissions(self) -> list[str]:
         """The SLURM job id of every successful sbatch submission (a plain job or a whole array)."""
         found = re.findall(
-            r"^(?:Job \d+ has been submitted with SLURM jobid (\d+) |Submitted array job with Snakemake IDs \S+ and SLURM job ID (\d+)\.)",
+            # a group job's Snakemake id is a UUID
+            r"^(?:Job \S+ has been submitted with SLURM jobid (\d+) |Submitted array job with Snakemake IDs \S+ and SLURM job ID (\d+)\.)",
             self.output, re.MULTILINE,
         )  # fmt: skip
         return [plain or array for plain, array in found]

@@ -1,6 +1,6 @@
 """One engine serving several shards (execution_params.shards_per_engine): the engine
 service and its client over real HTTP with the real tiny model, the workflow end to end
-under `snakemake --cores N`, an engine killed mid-run, the config checks and the
+under `snakemake --cores 1`, an engine killed mid-run, the config checks and the
 resources."""
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def test_shards_share_one_load_and_keep_their_own_state(tmp_path, tiny_model, mo
     # the allocation's one GPU (torch sees none here, so the model stays on the CPU): the
     # engine holds it, and each of the 3 shards counts a third of it, not all of it
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    run_workflow(tmp_path, cfg, "--cores", "4")
+    # one core is enough: a served shard holds none in Snakemake's count (shard_threads)
+    run_workflow(tmp_path, cfg, "--cores", "1")
     (load,) = _loads(tmp_path)  # one engine, loaded once, for three shards
     assert load["state"] == "stopped" and load["requests"] == 9
     runtimes = []
@@ -153,7 +154,7 @@ def test_shards_share_one_load_and_keep_their_own_state(tmp_path, tiny_model, mo
     assert not (tmp_path / "state" / "engines" / "engine_0.json").exists()  # Snakemake removes a service's output
 
     # A rerun with nothing left starts no engine (the killed-engine test below reruns a group).
-    proc = run_workflow(tmp_path, cfg, "--cores", "4")
+    proc = run_workflow(tmp_path, cfg, "--cores", "1")
     assert "Nothing to be done" in proc.stdout + proc.stderr and len(_loads(tmp_path)) == 1
 
 
@@ -220,13 +221,6 @@ def test_shards_per_engine_needs_a_model_to_share(tmp_path):
     cfg["processors"][0].update(backend="openai", base_url="http://127.0.0.1:1/v1")
     with pytest.raises(ConfigError, match=r"execution_params\.shards_per_engine: .*backend openai"):
         load_config(cfg, environ={})
-
-
-def test_local_run_with_too_few_cores_is_refused_at_dag_build(tmp_path, tiny_model):
-    proc = run_workflow(tmp_path, _pipeline(tmp_path, tiny_model, rows=4, shards=4, k=4), check=False)  # --cores 1
-    assert proc.returncode != 0
-    assert "execution_params.shards_per_engine is 4" in proc.stderr and "--cores 5" in proc.stderr
-    assert not (tmp_path / "state" / "engines").exists()
 
 
 def test_the_engine_gets_the_heavy_resources_and_the_shards_one_cpu(tmp_path):

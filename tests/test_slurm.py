@@ -16,6 +16,9 @@ by side to keep the suite short:
   to 2, the setting that hangs plugin 2.8 when they differ: 3 array submissions, all done.
   It and "ok" start once the slow shards have committed a row (2 CPUs here).
 
+A fourth run on its own: 2 shards sharing one engine service (shards_per_engine: 2), one
+group job that loads the tiny model once.
+
 Faults are injected from outside the project (see slurm_cluster.fault_env).
 """
 
@@ -146,7 +149,7 @@ def test_report_has_sacct_accounting_of_the_shard_jobs(runs):
         assert (j["state"], j["alloc_cpus"], j["cpu_efficiency"]) == ("COMPLETED", OK_EXEC["cpus_per_task"], None), j
         assert j["elapsed_seconds"] >= 0
     assert block["totals"]["states"] == {"COMPLETED": 3}
-    assert "3 shard jobs (COMPLETED 3)" in (ok.workdir / "state" / "report.html").read_text()
+    assert "3 SLURM jobs for 3 shards (COMPLETED 3)" in (ok.workdir / "state" / "report.html").read_text()
 
 
 def test_sbatch_requests_come_from_execution_params(runs):
@@ -276,6 +279,34 @@ def test_invalid_config_fails_on_the_login_node_before_any_submission(cluster, t
     assert run.wait(120) != 0
     assert "execution_params.slurm_extra: sets the generic resources (GRES)" in run.output
     assert "sbatch call" not in run.output and not (tmp_path / ".snakemake" / "slurm_logs").exists()
+
+
+def test_a_shared_engine_and_its_shards_are_one_group_job_that_loads_the_model_once(cluster, tiny_model, tmp_path):
+    """execution_params.shards_per_engine: 2 shards and their engine service go out as one
+    sbatch (a Snakemake group job, not an array) with the engine's GPU and memory and a CPU
+    per job; the model is loaded once and each shard keeps its own status.json."""
+    cfg = slurm_cluster.pipeline_config(
+        tiny_model, slurm_cluster.write_rows(tmp_path / "in.jsonl", 4), 2,
+        partition="gpu", gpus=1, cpus_per_task=1, mem="1G", time_limit="00:15:00", shards_per_engine=2,
+    )  # fmt: skip
+    # Inside the job Snakemake runs the engine and both shards at once with `--cores all`:
+    # 2 on this machine, which binds no CPUs to jobs; a served shard counts 0 of them.
+    run = Run(tmp_path, cfg)
+    assert run.wait(900) == 0, run.output[-6000:]
+    groups = [c for c in run.sbatch_calls() if "'engine:group=0'" in c]
+    assert len(groups) == 1 and "--array" not in groups[0], run.sbatch_calls()
+    assert "'shard:shard=0'" in groups[0] and "'shard:shard=1'" in groups[0]
+    assert re.search(r" --gpus=1\b", groups[0]) and " --cpus-per-task=3 " in groups[0] and " --mem 1024 " in groups[0]
+    assert len(run.submissions()) == 2  # the index job and the group
+    statuses = [json.loads((tmp_path / "state" / f"shard_{i}" / "status.json").read_text()) for i in range(2)]
+    assert statuses[0]["slurm_job_id"] == statuses[1]["slurm_job_id"] == run.submissions()[1]
+    assert all(s["engines"]["llm"]["details"]["shared_engine"]["group"] == 0 for s in statuses)
+    metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())
+    shared = metrics["aggregate"]["shared_engines"]
+    assert (shared["engine_loads"], shared["shards_served"]) == (1, 2)
+    assert metrics["aggregate"]["total_rows_processed"] == 4
+    acct = metrics["cluster_accounting"]
+    assert acct["available"] and (acct["totals"]["jobs"], acct["totals"]["shards"]) == (1, 2)  # one allocation
 
 
 def _committed(failure: dict) -> int:

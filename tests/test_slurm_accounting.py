@@ -145,6 +145,17 @@ def test_efficiencies_from_the_accounting_database(tmp_path, monkeypatch):
     assert t["memory_efficiency_mean"] == pytest.approx((0.5 + 1.0 + 1.0) / 3)
 
 
+def test_a_group_job_serving_several_shards_counts_once_in_the_totals(tmp_path, monkeypatch):
+    # execution_params.shards_per_engine: shards 0 and 1 ran in one group job (501), shard 2 alone
+    _fake_sacct(tmp_path, monkeypatch, f"cat {_out(tmp_path, 'dbd.txt', SLURMDBD)}")
+    block = sa.cluster_accounting(_metrics({0: "501", 1: "501", 2: "502"}))
+    assert [(j["shard_id"], j["job_id"]) for j in block["jobs"]] == [(0, "501"), (1, "501"), (2, "502")]
+    t = block["totals"]
+    assert (t["jobs"], t["shards"], t["states"]) == (2, 3, {"COMPLETED": 1, "OUT_OF_MEMORY": 1})
+    assert t["elapsed_seconds"] == 100 + 60 and t["allocated_cpu_seconds"] == 100 * 2 + 60
+    assert t["cpu_efficiency"] == pytest.approx((80 + 30) / (200 + 60))
+
+
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
@@ -186,5 +197,5 @@ def test_report_writes_the_block_and_the_table(tmp_path, monkeypatch):
     block = json.loads((state / "metrics.json").read_text())["cluster_accounting"]
     assert [(j["shard_id"], j["state"], j["alloc_cpus"]) for j in block["jobs"]] == [(0, "COMPLETED", 2), (1, "FAILED", 1)]
     page = (state / "report.html").read_text()
-    assert "<h2>Cluster accounting (SLURM)</h2>" in page and "2 shard jobs (COMPLETED 1, FAILED 1)" in page
+    assert "<h2>Cluster accounting (SLURM)</h2>" in page and "2 SLURM jobs for 2 shards (COMPLETED 1, FAILED 1)" in page
     assert "<td class=bad>FAILED</td>" in page and "job completion log" in page

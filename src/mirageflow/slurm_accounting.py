@@ -2,9 +2,10 @@
 
 Each shard records the SLURM job it ran in (``slurm_job_id`` in status.json or failure.json).
 The aggregate asks ``sacct`` once for all of them (``--parsable2``, with a timeout) and keeps,
-per job: state, elapsed, allocated CPUs and, where SLURM measured them, CPU efficiency
+per shard: its job's state, elapsed, allocated CPUs and, where SLURM measured them, CPU efficiency
 ``TotalCPU / (Elapsed x AllocCPUS)`` and memory efficiency ``MaxRSS / allocated memory`` (the
-figures of SLURM's ``seff``; MaxRSS is the largest of the job's steps). Two sources, in order:
+figures of SLURM's ``seff``; MaxRSS is the largest of the job's steps). The totals count each SLURM job once (the shards
+of a group job share one). Two sources, in order:
 
 - the accounting database (slurmdbd; ``source: "slurmdbd"``): everything above;
 - without one, the job completion log (``sacct --completion``, ``JobCompType=jobcomp/filetxt``;
@@ -239,7 +240,12 @@ def cluster_accounting(metrics: dict, timeout: float = SACCT_TIMEOUT) -> dict:
 
 
 def totals(jobs: list[dict]) -> dict:
-    """Sums over the jobs; an efficiency total covers only the jobs that have the figure."""
+    """Sums over the jobs; an efficiency total covers only the jobs that have the figure.
+
+    ``jobs`` has one entry per shard; a group job (execution_params.shards_per_engine) is
+    one SLURM job, one allocation, for its engine and K shards, so each SLURM job counts once."""
+    shards = len(jobs)
+    jobs = list({j["job_id"]: j for j in jobs}.values())
     states: dict[str, int] = {}
     for j in jobs:
         states[j["state"] or "unknown"] = states.get(j["state"] or "unknown", 0) + 1
@@ -250,6 +256,7 @@ def totals(jobs: list[dict]) -> dict:
     rss = [j["max_rss_mb"] for j in jobs if j["max_rss_mb"] is not None]
     return {
         "jobs": len(jobs),
+        "shards": shards,
         "states": dict(sorted(states.items())),
         "elapsed_seconds": sum(j["elapsed_seconds"] or 0 for j in jobs),
         "allocated_cpu_seconds": sum((j["elapsed_seconds"] or 0) * (j["alloc_cpus"] or 0) for j in jobs),
@@ -286,7 +293,7 @@ def html_section(block: dict | None) -> list[str]:
     states = ", ".join(f"{k} {v}" for k, v in t["states"].items()) or "none"
     out.append(
         f"<p>From <code>sacct</code> ({e('accounting database' if block['source'] == 'slurmdbd' else 'job completion log')}): "
-        f"{t['jobs']} shard jobs ({e(states)}); {e(_f(t['elapsed_seconds']))} s elapsed, "
+        f"{t['jobs']} SLURM jobs for {t.get('shards', t['jobs'])} shards ({e(states)}); {e(_f(t['elapsed_seconds']))} s elapsed, "
         f"{e(_f(t['allocated_cpu_seconds']))} CPU-seconds allocated; CPU efficiency {e(_pct(t['cpu_efficiency']))}; "
         f"memory efficiency mean {e(_pct(t['memory_efficiency_mean']))}, max {e(_pct(t['memory_efficiency_max']))}; "
         f"max RSS {e(_f(t['max_rss_mb']))} MB.</p>"

@@ -48,24 +48,6 @@ if workflow.is_main_process:
         ) from None
 
 SHARD_IDS = list(range(PIPELINE.num_shards))
-# Engine groups (execution_params.shards_per_engine = K > 1, workflow/rules/engines.smk):
-# shard i is served by the engine service of group i // K.
-SHARDS_PER_ENGINE = PIPELINE.raw["execution_params"].get("shards_per_engine", 1)
-# A service runs together with all its consumers: locally that is K + 1 jobs of 1 core at
-# once, which Snakemake refuses with a message that names no key.
-if (
-    SHARDS_PER_ENGINE > 1
-    and workflow.is_main_process
-    and workflow.local_exec
-    and not workflow.dryrun
-    and (workflow.resource_settings.cores or 0)
-    < min(SHARDS_PER_ENGINE, PIPELINE.num_shards) + 1
-):
-    raise WorkflowError(
-        f"mirageflow: execution_params.shards_per_engine is {SHARDS_PER_ENGINE}: an engine and its "
-        f"{min(SHARDS_PER_ENGINE, PIPELINE.num_shards)} shards run at once, so a local run needs "
-        f"--cores {min(SHARDS_PER_ENGINE, PIPELINE.num_shards) + 1} or more (it has {workflow.resource_settings.cores})"
-    )
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]
 
 
@@ -121,6 +103,18 @@ def engine_endpoint(wildcards):
 
     group = group_of(PIPELINE, int(wildcards.shard))
     return [] if group is None else [f"{STATE_DIR}/engines/engine_{group}.json"]
+
+
+def shard_threads(wildcards):
+    """Cores a shard holds in Snakemake's count: 1, or 0 when an engine service serves it.
+
+    A served shard is the service's HTTP client and waits on it; counting it as a core
+    would make an engine and its K shards need K + 1 cores at once: `--cores K+1` locally,
+    and inside a SLURM group job `--cores all`, the CPUs the job may use, which can be
+    fewer where SLURM binds none (a small node). So `--cores N` runs N engines at a time.
+    On SLURM the group still asks one CPU per shard (cluster_resources).
+    """
+    return 0 if engine_endpoint(wildcards) else 1
 
 
 def engine_argument(wildcards):

@@ -19,7 +19,7 @@ rule shard:
         f"{STATE_DIR}/logs/shard_{{shard}}.log",
     conda:
         "../../environment.yaml"
-    threads: 1
+    threads: shard_threads
     resources:
         # SLURM resources from execution_params (docs/cluster.md), the attempt number
         # for the job (the time limit grows with it) and the config file of its command
