@@ -4,6 +4,7 @@ and one run of the whole workflow with the tiny transformers model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -283,11 +284,46 @@ def test_native_n_on_a_server_without_n_fails_the_shard_naming_the_key(tmp_path)
     try:
         cfg = load_config(_raw(tmp_path, [{"q": "a"}], _openai(server), n=2))
         index_datasets(cfg)
-        with pytest.raises(ShardFailed, match=r"n=2 with choices \[0\], not 0..1: the server does not support n; set processors\[\]\.native_n: false"):
+        with pytest.raises(ShardFailed, match=r"n=2 with choice indexes \[0\], not 0..1 once each: the server does not support n; set processors\[\]\.native_n: false"):
             run_shard(cfg, 0)
     finally:
         server.stop()
     assert not _records(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "choices",
+    [
+        [{"index": 0}, {"index": 0}],  # a repeated index: sample 1 would be lost
+        [{"index": "0"}, {"index": 1}],  # an index of the wrong type
+        [{"index": 0}, "not a choice"],
+        [{"index": 1}, {"index": 2}],
+    ],
+)
+def test_native_n_refuses_choices_that_are_not_one_per_sample(tmp_path, monkeypatch, choices):
+    from mirageflow.engines import openai_engine
+    from mirageflow.engines.base import Request
+    from mirageflow.engines.http import EngineError
+
+    class Answer:
+        status_code = 200
+
+        def json(self):
+            return {"choices": choices, "usage": {"prompt_tokens": 3, "completion_tokens": 4}}
+
+    async def post(*args, **kwargs):
+        return Answer()
+
+    monkeypatch.setattr(openai_engine, "post_with_retries", post)
+    cfg = load_config(_raw(tmp_path, [{"q": "a"}], {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "server_args": {"model_path": "m"}}, n=2), check_paths=False)
+    engine = openai_engine.OpenAIEngine(cfg.processors["llm"])
+    engine.load()
+    try:
+        request = Request(0, [{"role": "user", "content": "q"}], None, {}, seed=5)
+        with pytest.raises(EngineError, match=r"not 0..1 once each: the server does not support n"):
+            asyncio.run(engine.generate_samples(request, 2))
+    finally:
+        engine.close()
 
 
 def test_native_n_is_refused_on_a_backend_without_it(tmp_path):

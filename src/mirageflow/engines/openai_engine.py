@@ -207,13 +207,16 @@ class OpenAIEngine(LoopEngine):
                 raise EngineError(message)
             return [rejected(request.id + k, message, "aborted" if response.status_code >= 500 else "invalid_request") for k in range(n)]
         data = response.json()
-        choices = sorted(data.get("choices") or [{}], key=lambda c: c.get("index") or 0)
-        if n > 1 and [c.get("index") for c in choices] != list(range(n)):
-            raise EngineError(
-                f"{redact_text(self.base_url)}{path} answered a request with n={n} with choices "
-                f"{[c.get('index') for c in choices]}, not 0..{n - 1}: the server does not support n; "
-                "set processors[].native_n: false"
-            )
+        choices = data.get("choices") or [{}]
+        if n > 1:  # choice i is sample i: exactly the indexes 0..n-1, each once
+            indexes = [c.get("index") if isinstance(c, dict) else None for c in choices]
+            if sorted(indexes, key=repr) != sorted(range(n), key=repr):
+                raise EngineError(
+                    f"{redact_text(self.base_url)}{path} answered a request with n={n} with choice indexes "
+                    f"{indexes[:20]}, not 0..{n - 1} once each: the server does not support n; "
+                    "set processors[].native_n: false"
+                )
+            choices = sorted(choices, key=lambda c: c["index"])
         answers = [self._answer(choice, path) for choice in choices[:n]]
         usage = data.get("usage") or {}
         if not usage and not self._warned_usage:

@@ -87,13 +87,7 @@ class RowPath:
                         request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
                     else:
                         request = step.request(row.index, variables, images=images)
-                    m.tracker.submitted()
-                    try:
-                        completion = await step.engine.generate_one(request)
-                    except Exception as e:
-                        raise EngineFailed(f"engine '{step.output.processor}' failed on row {row.index}: {type(e).__name__}: {e}") from e
-                    finally:
-                        m.tracker.completed()
+                    (completion,) = await self._generate_samples(step, request, 1, row)
                 m.book(request, completion, sent)
                 row_tokens = (row_tokens or 0) + completion.completion_tokens
                 step.assign(variables, completion)
@@ -151,11 +145,13 @@ class RowPath:
         )
 
     async def _generate_samples(self, step: OutputStep, request, n: int, row: SourceRow) -> list:
+        """The engine's n completions of ``request`` (n = 1: ``generate_one``), its in-flight
+        count observed; EngineFailed when the engine raised."""
         m = self.metrics
         for _ in range(n):
             m.tracker.submitted()
         try:
-            completions = await step.engine.generate_samples(request, n)
+            completions = [await step.engine.generate_one(request)] if n == 1 else await step.engine.generate_samples(request, n)
         except Exception as e:
             raise EngineFailed(f"engine '{step.output.processor}' failed on row {row.index}: {type(e).__name__}: {e}") from e
         finally:

@@ -9,7 +9,7 @@ length limit while still reasoning (an unclosed ``<think>``, or reasoning and no
 the row error ``reasoning_truncated``.
 
 The row path (``shard/rows.py``: ``RowPath``) runs three kinds of step, each with ``output`` and
-``engine``: this LLM step (request, then the engine, then ``assign``: inline in ``_steps``,
+``engine``: this LLM step (request, then the engine, then ``assign``: in ``RowPath._steps``,
 the hot path), and ``python_steps.FilterStep`` / ``CustomStep`` (``engine`` None; ``await
 step.run(variables)`` sets their variable and says whether the row goes on).
 """
