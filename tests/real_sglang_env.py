@@ -111,8 +111,9 @@ def build() -> None:
         print(f"real-sglang env: {VENV} is ready ({SGLANG})")
         return
     pip = [str(PYTHON), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    if not PYTHON.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    has_pip = PYTHON.exists() and subprocess.run([str(PYTHON), "-m", "pip", "--version"], capture_output=True).returncode == 0
+    if not has_pip:  # none yet, or one whose creation was killed half-way (no pip): start it over
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(VENV)], check=True)
     subprocess.run([*pip, "--no-deps", *NO_DEPS], check=True)
     subprocess.run([*pip, *WITH_DEPS], check=True)
     site = Path(subprocess.run([str(PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
