@@ -227,6 +227,37 @@ def test_a_rerun_resumes_from_the_last_commit_without_redoing_rows(tmp_path):
     assert not (cfg.shard_dir(0) / "failure.json").exists()
 
 
+def test_a_stopped_shard_logs_its_error_once_and_numbers_its_attempts(tmp_path, caplog):
+    """A shard that fails logs no asyncio "_GatheringFuture exception was never retrieved"
+    traceback (its cancelled workers' gather is read), and a shard resumed by new snakemake
+    runs (whose attempt counter starts at 1 each time) numbers its attempts 1, 2, 3."""
+    import asyncio
+    import gc
+
+    class Slow(ScriptedEngine):  # one request crashes while the others are still in flight
+        async def generate_one(self, r):
+            if not r.prompt.endswith(":r2"):
+                await asyncio.sleep(0.5)
+            return await super().generate_one(r)
+
+    def crash_on_r2(prompt):
+        if prompt.endswith(":r2"):
+            raise EngineCrash("engine died")
+        return "x"
+
+    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(9)], PLAIN)
+    with caplog.at_level("ERROR", logger="asyncio"):
+        for _ in range(2):
+            with pytest.raises(ShardFailed, match="EngineCrash"):
+                run_shard(cfg, 0, attempt=1, engine_factory=lambda p, b, **kw: Slow(crash_on_r2))
+            gc.collect()  # asyncio logs an unretrieved exception when the future is collected
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    status = run_shard(cfg, 0, attempt=1, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
+    attempts = status["stats"]["attempts"]
+    assert [(a["attempt"], a["snakemake_attempt"], a["outcome"]) for a in attempts] == [
+        (1, 1, "failed"), (2, 1, "failed"), (3, 1, "success")]  # fmt: skip
+
+
 def test_orphan_part_from_a_crash_between_rename_and_manifest_is_discarded(tmp_path):
     cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(4)], PLAIN)
     run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))

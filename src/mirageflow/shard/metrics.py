@@ -32,7 +32,8 @@ SUMMED = (
 class ShardMetrics:
     def __init__(self, cfg, attempt: int):
         self.cfg = cfg
-        self.attempt = attempt
+        self.attempt = attempt  # Snakemake's attempt (it starts at 1 again in every snakemake run)
+        self.number = 1  # this attempt's number among the shard's attempts (set by begin_attempt)
         self.started_at, self.t0 = stats.utc_now(), time.monotonic()
         self.timer = stats.PhaseTimer()
         self.tracker = stats.InflightTracker()
@@ -69,7 +70,8 @@ class ShardMetrics:
         runtime = self.runtime()
         occupancy = self.tracker.summary()
         return {
-            "attempt": self.attempt,
+            "attempt": self.number,
+            "snakemake_attempt": self.attempt,
             "started_at": self.started_at,
             "finished_at": None if outcome == "running" else stats.utc_now(),
             "outcome": outcome,
@@ -104,6 +106,9 @@ class ShardMetrics:
             if earlier.get("outcome") == "running":
                 earlier["outcome"] = "killed"
         self.checkpoint = checkpoint
+        # numbered by the shard's own list: a resumed shard's attempts are 1, 2, ... even
+        # when each came from a new snakemake run (whose own attempt counter is 1 each time)
+        self.number = len(checkpoint.attempts) + 1
         self.index = checkpoint.begin_attempt(self.attempt_entry(0))
 
     def save_attempt(self, rows_computed: int, outcome: str = "running", error: str | None = None) -> None:

@@ -215,6 +215,10 @@ class ShardRunner:
                 workers.cancel()
                 stopping.cancel()
                 await asyncio.wait([workers, stopping])
+                # a cancelled gather finishes with CancelledError as its exception, which
+                # asyncio logs as "never retrieved" (a traceback per stopped shard) unless read
+                if not workers.cancelled():
+                    workers.exception()
         except asyncio.CancelledError:
             if not self.signals.signum:
                 raise
