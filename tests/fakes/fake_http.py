@@ -67,6 +67,10 @@ class Behaviour:
     # chat answers carry this as message.reasoning_content, as SGLang does when launched with
     # --reasoning-parser (sglang/srt/entrypoints/openai/protocol.py: ChatMessage.reasoning_content)
     reasoning: str | None = None
+    # the field it comes in: SGLang's reasoning_content, or vLLM's reasoning (vLLM 0.32 sends
+    # only that one: vllm/entrypoints/openai/chat_completion/protocol.py ChatMessage)
+    reasoning_field: str = "reasoning_content"
+    reasoning_only: bool = False  # content null beside the reasoning: an answer cut while thinking
     # OpenAI answers whose body "seed" is in this set are HTTP 400 (a per-sample failure)
     reject_seeds: frozenset = frozenset()
     # OpenAI answers say which seed drew them (" s=<seed>"), choice i of a request with n and
@@ -291,9 +295,9 @@ def _handler(server: FakeServer):
                 generated += n
                 choice = {"index": i, "finish_reason": "length" if n >= limit else "stop"}
                 if chat:
-                    choice["message"] = {"role": "assistant", "content": out}
+                    choice["message"] = {"role": "assistant", "content": None if server.behaviour.reasoning_only else out}
                     if server.behaviour.reasoning is not None:
-                        choice["message"]["reasoning_content"] = server.behaviour.reasoning
+                        choice["message"][server.behaviour.reasoning_field] = server.behaviour.reasoning
                 else:
                     choice["text"] = out
                 choices.append(choice)

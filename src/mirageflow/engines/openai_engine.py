@@ -25,8 +25,8 @@ prompt goes to ``POST {base_url}/completions`` as is.
   for it).
 - BOS: the server applies the template and tokenizes it without special tokens (SGLang
   and vLLM do, as ``apply_chat_template(tokenize=True)``), so a template's BOS is not doubled.
-- ``message.reasoning_content`` (a server's reasoning parser) becomes
-  ``Completion.reasoning``, never part of the answer.
+- ``message.reasoning`` (vLLM) or ``message.reasoning_content`` (SGLang), a server's
+  reasoning parser's output, becomes ``Completion.reasoning``, never part of the answer.
 - Several samples of a row (n_samples, ``native_n``): one request with ``n`` and the first
   sample's seed; choice i is sample i. Prompt tokens are booked once (the server read the
   prompt once), the completion tokens of ``usage`` shared out over the choices by the
@@ -241,8 +241,10 @@ class OpenAIEngine(LoopEngine):
         """(text, reasoning, finish_reason) of one choice."""
         if path == "/chat/completions":
             message = choice.get("message") or {}
-            # a server's reasoning parser (SGLang --reasoning-parser, vLLM) puts thinking here
-            return message.get("content") or "", message.get("reasoning_content") or None, choice.get("finish_reason")
+            # a server's reasoning parser puts thinking here: `reasoning` (vLLM >= 0.10; the
+            # only field of vLLM 0.32) or `reasoning_content` (SGLang, older vLLM)
+            reasoning = message.get("reasoning") or message.get("reasoning_content") or None
+            return message.get("content") or "", reasoning, choice.get("finish_reason")
         return choice.get("text") or "", None, choice.get("finish_reason")
 
     def close(self) -> None:
