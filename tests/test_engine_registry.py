@@ -13,7 +13,7 @@ from mirageflow.engines import base
 from mirageflow.engines.base import BACKENDS, EngineInfo, create_engine, engine_class, select_backend
 
 ENGINES = Path(base.__file__).parent
-SHARED = {"base", "http", "sglang_common", "json_prefix"}  # modules that are not engines
+SHARED = {"base", "http", "sglang_common", "json_prefix", "server_process", "server_metrics"}  # modules that are not engines
 
 
 def engine_imports(path: Path) -> set[str]:
@@ -74,5 +74,21 @@ def test_auto_without_a_gpu_is_quiet_and_without_sglang_is_not(monkeypatch):
     monkeypatch.setattr(base, "_torch_cuda", lambda: (True, "torch 2.13.0 (CUDA 12.8)"))
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     backend, why = select_backend("auto")
-    assert backend == "transformers" and "sglang package is not installed" in why and "requirements-gpu.txt" in why
+    assert backend == "transformers" and "neither the sglang nor the vllm package is installed" in why and "requirements-gpu.txt" in why
     assert select_backend("sglang_server") == ("sglang_server", "configured")
+
+
+def test_auto_takes_a_launched_vllm_where_vllm_is_installed_and_sglang_is_not(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(base, "_nvidia_gpus", lambda: (1, "580.1"))
+    monkeypatch.setattr(base, "_torch_cuda", lambda: (True, "torch 2.13.0 (CUDA 12.8)"))
+    installed = {"vllm"}
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name in installed else None)
+    backend, why = select_backend("auto")
+    assert backend == "vllm_server" and why.startswith("a CUDA GPU and the vllm package are present, sglang is not")
+    installed.add("sglang")
+    assert select_backend("auto")[0] == "sglang"  # SGLang first where both are there
+    installed.clear()
+    monkeypatch.setattr(base, "_torch_cuda", lambda: (False, "torch 2.13.0+cpu (CPU-only build)"))
+    installed.add("vllm")
+    assert select_backend("auto")[0] == "transformers"  # no usable GPU: the CPU engine

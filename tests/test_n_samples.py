@@ -328,7 +328,7 @@ def test_native_n_refuses_choices_that_are_not_one_per_sample(tmp_path, monkeypa
 
 def test_native_n_is_refused_on_a_backend_without_it(tmp_path):
     raw = _raw(tmp_path, [{"q": "a"}], {"backend": "transformers", "server_args": {"model_path": "m"}, "native_n": True})
-    with pytest.raises(ConfigError, match=r"processors\[0\]\.native_n: only the openai backend sends one request with n; backend 'transformers'"):
+    with pytest.raises(ConfigError, match=r"processors\[0\]\.native_n: only the openai and vllm_server backends send one request with n; backend 'transformers'"):
         load_config(raw, check_paths=False)
     raw["processors"][0]["native_n"] = False
     load_config(raw, check_paths=False)

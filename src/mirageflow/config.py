@@ -229,11 +229,12 @@ class ProcessorConfig:
     chat_template_kwargs: dict
     apply_chat_template: bool
     torch_threads: int | None
-    # sglang_server / openai backends (see the schema for each)
+    # sglang_server / vllm_server / openai backends (see the schema for each)
     base_url: str | None = None
     api_key_env: str | None = None
     model: str | None = None
     server_command: list[str] | None = None
+    server_env: dict | None = None  # extra environment of a launched server (vllm_server, sglang_server)
     server_start_timeout: float = 900.0
     request_timeout: float = 600.0
     max_retries: int = 5
@@ -421,6 +422,7 @@ def _processor(p: dict) -> ProcessorConfig:
         api_key_env=p["api_key_env"],
         model=p["model"],
         server_command=p["server_command"],
+        server_env=p["server_env"],
         server_start_timeout=p["server_start_timeout"],
         request_timeout=p["request_timeout"],
         max_retries=p["max_retries"],
@@ -538,9 +540,9 @@ def _build(cfg: dict, problems: list[str], check_paths: bool) -> PipelineConfig:
             problems.append(f"processors[{i}].chat_template: named chat templates are not supported; the model's own template is used")
         if p["backend"] == "openai" and not p["base_url"]:
             problems.append(f"processors[{i}].base_url: required by backend openai (e.g. http://node:30000/v1)")
-        if p["native_n"] and p["backend"] != "openai":
+        if p["native_n"] and p["backend"] not in ("openai", "vllm_server"):
             problems.append(
-                f"processors[{i}].native_n: only the openai backend sends one request with n; backend "
+                f"processors[{i}].native_n: only the openai and vllm_server backends send one request with n; backend "
                 f"'{p['backend']}' sends one request per sample (see the key's description)"
             )
         processors[p["type"]] = _processor(p)
@@ -754,6 +756,8 @@ RECORDS_IDENTITY_VERSION = 1
 # How the workflow reaches or runs an engine, not what it generates: an edit here reruns nothing.
 _PROCESSOR_OPERATIONAL_KEYS = (
     "base_url", "api_key_env", "server_start_timeout", "request_timeout", "max_retries", "torch_threads",
+    # a launched server's environment (VLLM_CPU_KVCACHE_SPACE, LD_PRELOAD): where and how fast it runs
+    "server_env",
     # one request with n or n requests: the same draw on servers that seed choice i with seed + i
     "native_n",
     # custom processors' (python_steps): how the function is run, or accepted and unused

@@ -226,7 +226,9 @@ class EngineService:
                 "num_gpus": stats.allocated_gpus(), "shards": len(range(self.group * k, min((self.group + 1) * k, n))),
                 "model_load_seconds": self.load_seconds, "warmup_seconds": self.warmup_seconds,
                 "engines": {
-                    name: {"info": _jsonable(vars(e.info)), "max_inflight": e.max_inflight, "chat_template": self.templates[name]}
+                    name: {"info": _jsonable(vars(e.info)), "max_inflight": e.max_inflight, "chat_template": self.templates[name],
+                           # the served engine's server applies the chat template (vllm_server): shards send messages
+                           "templates_server_side": bool(getattr(e, "templates_server_side", False))}
                     for name, e in self.engines.items()
                 },
             }  # fmt: skip

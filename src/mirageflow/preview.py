@@ -5,8 +5,9 @@ them, through the runner's own pieces (``prompts.Extractor``, ``shard.steps.Outp
 ``prompts.RecordRenderer``): the extracted variables, each prompt exactly as the engine
 receives it (the model's chat template applied through the engine's ``chat_prompt``) and
 the rendered record. Without ``--generate`` no model is loaded: a transformers, sglang or
-sglang_server processor loads only its tokenizer (for the chat template); an openai one
-sends chat messages and the server applies its own template, so the messages are shown.
+sglang_server processor loads only its tokenizer (for the chat template); an openai or
+vllm_server one sends chat messages and the server applies its own template, so the
+messages are shown.
 An output's answer is then a placeholder, so later prompts and the record show where it
 goes.
 
@@ -62,7 +63,7 @@ class TemplateOnlyEngine(Engine):
     def __init__(self, processor):
         self.processor = processor
         self.backend = resolve_backend(processor.backend)
-        self.templates_server_side = self.backend == "openai"
+        self.templates_server_side = self.backend in ("openai", "vllm_server")
         self.tokenizer = None
         self.info = EngineInfo(backend=self.backend, model_path=str(processor.server_args.get("model_path")))
 

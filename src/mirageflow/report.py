@@ -571,6 +571,16 @@ def summary_markdown(metrics: dict) -> str:
                 f"| {_cell(d.get('dataset'))} | `{_cell(d.get('text_field'))}` | {_fmt(d.get('rows_in'))} | {_fmt(d.get('exact_duplicates_removed'))} | "
                 f"{_fmt(d.get('near_duplicates_removed'))} | {_fmt(d.get('rows_out'))} | {_fmt(d.get('rows_without_text'))} |"
             )
+    servers = agg.get("inference_servers")
+    if servers:
+        rate = servers.get("prefix_cache_hit_rate")
+        lines += ["", "## Inference servers' own figures (their /metrics)", "",
+                  f"- prefix-cache hit rate: {'n/a' if rate is None else f'{100 * rate:.1f} %'}; longest queue: "
+                  f"{_fmt(servers.get('queue_length_max'))}; preemptions: {_fmt(servers.get('preemptions'))}",
+                  f"- prompt / generated tokens by the servers' counters: {_fmt(servers.get('server_prompt_tokens'))} / "
+                  f"{_fmt(servers.get('server_generation_tokens'))}; our totals reconciled with them for "
+                  f"{servers['token_totals_reconciled']} of {servers['engines']} engines"]  # fmt: skip
+        lines += [f"- {_cell(note)}" for note in servers.get("token_notes") or []]
     lines += [
         "", "## Shards (completed; each row covers all attempts of the shard)", "",
         "| shard | attempts | rows ok | rows failed | rows filtered | runtime s | load s | generate s | output tokens | tok/s | GPU util % |",
@@ -584,6 +594,47 @@ def summary_markdown(metrics: dict) -> str:
         st = s["stats"]
         lines.append(f"| {s['shard_id']} | {_fmt(s.get('attempts'))} | " + " | ".join(_fmt(st.get(k)) for k in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def engines_ran(status: dict) -> dict[str, str]:
+    """processor -> the engine that ran it, e.g. ``vllm_server (vllm 0.32.0)``; a served
+    shard's engine is the service's."""
+    out = {}
+    for name, info in (status.get("engines") or {}).items():
+        info = info or {}
+        backend = str(info.get("backend") or "?")
+        version = next((f"{k} {v}" for k, v in (info.get("versions") or {}).items() if k in ("vllm", "sglang", "transformers")), None)
+        shared = " via engine service" if (info.get("details") or {}).get("shared_engine") else ""
+        out[name] = backend + (f" ({version})" if version else "") + shared
+    return out
+
+
+def server_aggregate(statuses: list[dict]) -> dict | None:
+    """The inference servers' own figures over the completed shards (each shard's last
+    attempt; status.json ``server_metrics``), None when no engine read them."""
+    figures = [f for s in statuses for f in (s.get("server_metrics") or {}).values() if isinstance(f, dict)]
+    if not figures:
+        return None
+
+    def total(key: str) -> int | None:
+        values = [f.get(key) for f in figures if f.get(key) is not None]
+        return sum(values) if values else None
+
+    queries, hits = total("prefix_cache_queries"), total("prefix_cache_hits")
+    queues = [f["queue_length_max"] for f in figures if f.get("queue_length_max") is not None]
+    tokens = [f.get("tokens") or {} for f in figures]
+    notes = list(dict.fromkeys(t["note"] for t in tokens if t.get("note")))
+    return {
+        "engines": len(figures),
+        "server_prompt_tokens": total("prompt_tokens"),
+        "server_generation_tokens": total("generation_tokens"),
+        "server_requests": total("requests"),
+        "prefix_cache_hit_rate": hits / queries if queries and hits is not None else None,
+        "queue_length_max": max(queues) if queues else None,
+        "preemptions": total("preemptions"),
+        "token_totals_reconciled": sum(1 for t in tokens if t.get("reconciled")),
+        "token_notes": notes[:5],
+    }
 
 
 def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
@@ -605,6 +656,8 @@ def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float
             "finished_at": s["finished_at"],
             "gpu_name": (s.get("hardware") or {}).get("gpu_name"),
             "slurm_job_id": s.get("slurm_job_id"),
+            "engines": engines_ran(s),
+            "server_metrics": s.get("server_metrics"),
             "stats": s["stats"],
         }
         for s in statuses
@@ -613,6 +666,7 @@ def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float
     from mirageflow.engine_service import shared_engine_summary  # shards_per_engine > 1: count each load once
 
     agg["shared_engines"] = shared_engine_summary(state_dir, statuses)
+    agg["inference_servers"] = server_aggregate(statuses)
     if agg["shared_engines"]:
         agg["sum_model_load_seconds"] = agg["shared_engines"]["sum_model_load_seconds_attributed"]
     return {"per_shard": per_shard, "aggregate": agg}

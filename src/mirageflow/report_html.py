@@ -517,7 +517,7 @@ LABELS = {
     "tokens_per_sec_per_gpu": "output tokens/s per GPU",
     "gpu_days_per_billion_tokens": "GPU-days per billion output tokens",
 }
-_TABLE_SKIP = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files", "rows_failed_by_class"}
+_TABLE_SKIP = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files", "rows_failed_by_class", "inference_servers"}
 
 
 def metrics_table_rows(agg: dict) -> list[tuple[str, str, object]]:
@@ -566,6 +566,42 @@ def _dedup_html(dedup: list[dict] | None) -> list[str]:
             out.append(f"<tr class=bad><td colspan={len(cols) + 1}>{_esc(d['error'])}</td></tr>")
             continue
         out.append(f"<tr><td class=n>{_esc(_fmt(d.get('dataset')))}</td>" + "".join(f"<td class=n>{_esc(_fmt(d.get(k)))}</td>" for _, k in cols) + "</tr>")
+    out.append("</table>")
+    return out
+
+
+def _servers_html(per_shard: list[dict], total: dict | None) -> list[str]:
+    """The inference servers' own figures (their /metrics: vllm_server, sglang_server with
+    enable_metrics) per shard and engine, beside our token counts."""
+    if not total:
+        return []
+
+    def rate(v):
+        return "n/a" if v is None else f"{100 * v:.1f} %"
+
+    out = [
+        "<h2>Inference servers' own figures</h2>",
+        f'<p class="note">From each launched server\'s <code>/metrics</code> over the shard\'s last attempt. '
+        f"Prefix-cache hit rate over all: {_esc(rate(total.get('prefix_cache_hit_rate')))}; longest queue "
+        f"{_esc(_fmt(total.get('queue_length_max')))}; preemptions {_esc(_fmt(total.get('preemptions')))}; token totals "
+        f"reconciled with the server's counters for {total['token_totals_reconciled']} of {total['engines']} engines.</p>",
+        "<table><tr><th>shard</th><th>processor</th><th>engine</th><th>input tokens (ours)</th><th>prompt tokens (server)</th>"
+        "<th>output tokens (ours)</th><th>generated tokens (server)</th><th>prefix-cache hit rate</th><th>queue max</th>"
+        "<th>queue mean</th><th>running max</th><th>preemptions</th><th>tokens</th></tr>",
+    ]
+    for s in per_shard:
+        for name, f in (s.get("server_metrics") or {}).items():
+            t = f.get("tokens") or {}
+            verdict = "agree" if t.get("reconciled") and not t.get("note") else (t.get("note") or "n/a")
+            cls = "" if t.get("reconciled") else " class=bad"
+            out.append(
+                f"<tr><td class=n>{s['shard_id']}</td><td>{_esc(name)}</td><td>{_esc(f.get('backend') or '')}</td>"
+                + "".join(f"<td class=n>{_esc(_fmt(v))}</td>" for v in (
+                    t.get("input_tokens"), f.get("prompt_tokens"), t.get("output_tokens"), f.get("generation_tokens")))
+                + f"<td class=n>{_esc(rate(f.get('prefix_cache_hit_rate')))}</td>"
+                + "".join(f"<td class=n>{_esc(_fmt(f.get(k)))}</td>" for k in ("queue_length_max", "queue_length_mean", "running_max", "preemptions"))
+                + f"<td{cls}>{_esc(verdict)}</td></tr>"
+            )  # fmt: skip
     out.append("</table>")
     return out
 
@@ -704,16 +740,18 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     if len(per_shard) > MAX_SHARD_ROWS:
         out.append(f'<p class="note">The first {MAX_SHARD_ROWS} of {len(per_shard)} shards; all are in metrics.json.</p>')
     out.append('<p class="note">Completed shards; each row covers all attempts of the shard.</p>')
-    out.append("<table><tr><th>shard</th><th>attempts</th><th>host</th><th>GPU</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns) + "</tr>")
+    out.append("<table><tr><th>shard</th><th>attempts</th><th>host</th><th>GPU</th><th>engine</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns) + "</tr>")
     for s in per_shard[:MAX_SHARD_ROWS]:
         st = s["stats"]
         mark = ' title="straggler"' if s["shard_id"] in stragglers else ""
         out.append(
             f"<tr{' class=bad' if mark else ''}><td class=n{mark}>{s['shard_id']}</td><td class=n>{_esc(_fmt(s.get('attempts')))}</td>"
             f"<td>{_esc(s.get('hostname') or '')}</td><td>{_esc(s.get('gpu_name') or '')}</td>"
+            f"<td>{_esc('; '.join(f'{k}: {v}' for k, v in (s.get('engines') or {}).items()))}</td>"
             + "".join(f"<td class=n>{_esc(_fmt(st.get(k)))}</td>" for _, k in columns)
             + "</tr>"
         )
     out.append("</table>")
+    out += _servers_html(per_shard[:MAX_SHARD_ROWS], agg.get("inference_servers"))
     out.append("</body></html>")
     return "\n".join(out) + "\n"

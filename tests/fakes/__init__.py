@@ -8,6 +8,8 @@
   failures.
 - ``fake_sglang_server.py``: a launch script taking SGLang's flags, used via
   ``server_command``.
+- ``fake_vllm_server.py``: the same for ``vllm_server`` (vLLM's ``/health``, ``/version`` and
+  metric names).
 - ``fake_grammar.py``: how both SGLang fakes answer ``json_schema`` and ``ebnf`` requests.
 """
 
@@ -49,4 +51,8 @@ def stand_in_command() -> list[str]:
     return [sys.executable, str(FAKES / "fake_sglang_server.py")]
 
 
-__all__ = ["FAKES", "alive", "drive", "stand_in_command"]
+def vllm_stand_in_command() -> list[str]:
+    return [sys.executable, str(FAKES / "fake_vllm_server.py")]
+
+
+__all__ = ["FAKES", "alive", "drive", "stand_in_command", "vllm_stand_in_command"]

@@ -77,6 +77,9 @@ class Behaviour:
     # seed s drawing with s + i as vLLM does (vllm/v1/engine/parallel_sampling.py)
     seed_in_text: bool = False
     ignore_n: bool = False  # one choice whatever the request's n (a server without n)
+    # "vllm": /health, /version and vLLM's metric names (vllm/v1/metrics/loggers.py), which
+    # count a request's prompt once per choice; "sglang": SGLang's
+    flavour: str = "sglang"
 
 
 class FakeServer:
@@ -90,6 +93,9 @@ class FakeServer:
         self.answered = 0
         self.in_flight = self.peak_in_flight = 0
         self.prompt_tokens = self.generation_tokens = 0
+        # as vLLM counts: a request's prompt once per choice; prompt tokens seen before (a prefix cache of whole prompts)
+        self.choice_prompt_tokens = self.cache_hits = self.answered_choices = 0
+        self.seen_prompts: set[str] = set()
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))
         self.httpd.daemon_threads = True
         self.thread: threading.Thread | None = None
@@ -117,11 +123,16 @@ class FakeServer:
         return not b.never_healthy and time.monotonic() - self.started >= b.unhealthy_for
 
     def metrics_text(self) -> str:
+        if self.behaviour.flavour == "vllm":
+            return self.vllm_metrics_text()
         m = self.behaviour.model
         lines = []
         for name, kind, value in (
             ("sglang:prompt_tokens_total", "counter", self.prompt_tokens),
             ("sglang:generation_tokens_total", "counter", self.generation_tokens),
+            ("sglang:num_requests_total", "counter", self.answered),
+            ("sglang:cached_tokens_total", "counter", 0),
+            ("sglang:num_retracted_requests_total", "counter", 0),
             ("sglang:num_running_reqs", "gauge", self.in_flight),
             ("sglang:num_queue_reqs", "gauge", 0),
         ):
@@ -130,6 +141,27 @@ class FakeServer:
             lines.append(f'{name}{{model_name="{m}",tp_rank="0"}} {float(value)}')
             lines.append(f'{name}{{model_name="{m}",tp_rank="1"}} 0.0')
         lines.append('sglang:gen_throughput{model_name="%s"} 1.0' % m)
+        return "\n".join(lines) + "\n"
+
+    def vllm_metrics_text(self) -> str:
+        m, lines = self.behaviour.model, []
+        for name, kind, value in (
+            ("vllm:prompt_tokens", "counter", self.choice_prompt_tokens),
+            ("vllm:generation_tokens", "counter", self.generation_tokens),
+            ("vllm:prefix_cache_queries", "counter", self.choice_prompt_tokens),
+            ("vllm:prefix_cache_hits", "counter", self.cache_hits),
+            ("vllm:num_preemptions", "counter", 0),
+            ("vllm:num_requests_running", "gauge", self.in_flight),
+            ("vllm:num_requests_waiting", "gauge", 0),
+        ):
+            lines += [f"# HELP {name} fake", f"# TYPE {name} {kind}"]
+            suffix = "_total" if kind == "counter" else ""
+            lines.append(f'{name}{suffix}{{engine="0",model_name="{m}"}} {float(value)}')
+            if kind == "counter":
+                lines.append(f'{name}_created{{engine="0",model_name="{m}"}} 1.7e9')
+        lines += ["# TYPE vllm:request_success counter"]  # one label set per finish reason
+        lines.append(f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{m}"}} {float(self.answered_choices)}')
+        lines.append(f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{m}"}} 0.0')
         return "\n".join(lines) + "\n"
 
 
@@ -172,7 +204,11 @@ def _handler(server: FakeServer):
                 self.close_connection = True
 
         def do_GET(self):
-            if self.path == "/health_generate":
+            if self.path == "/health" and server.behaviour.flavour == "vllm":
+                self._send(200 if server.healthy() else 503, "")
+            elif self.path == "/version":
+                self._send(200, {"version": "0.32.0+fake"})
+            elif self.path == "/health_generate":
                 status = 200 if server.healthy() else 503
                 server.health_statuses.append(status)
                 self._send(status, {} if status == 200 else {"error": "starting"})
@@ -302,6 +338,12 @@ def _handler(server: FakeServer):
                     choice["text"] = out
                 choices.append(choice)
             self._count(p, generated)
+            with server.lock:
+                choices_n = len(choices)
+                server.choice_prompt_tokens += p * choices_n
+                server.answered_choices += choices_n
+                server.cache_hits += p * (choices_n - 1) + (p if source in server.seen_prompts else 0)
+                server.seen_prompts.add(source)
             usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
             return 200, {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"), "choices": choices, "usage": usage}
 

@@ -336,6 +336,7 @@ BACKENDS = {
     "transformers": "mirageflow.engines.transformers_engine:TransformersEngine",
     "sglang": "mirageflow.engines.sglang_engine:SGLangEngine",
     "sglang_server": "mirageflow.engines.sglang_server:SGLangServerEngine",
+    "vllm_server": "mirageflow.engines.vllm_server:VLLMServerEngine",
     "openai": "mirageflow.engines.openai_engine:OpenAIEngine",
     # not a config backend: the client of an engine service (execution_params.shards_per_engine)
     "shared": "mirageflow.engines.shared:SharedEngine",
@@ -390,8 +391,8 @@ def cuda_available() -> bool:
 
 def select_backend(backend: str, environ=None) -> tuple[str, str]:
     """(backend, why). ``auto`` -> sglang when the sglang package is installed and torch can
-    use a GPU, else transformers; the reason says which check failed."""
-    import importlib.util
+    use a GPU; vllm_server when vllm is installed there instead; else transformers; the
+    reason says which check failed."""
     import os
 
     if backend != "auto":
@@ -412,7 +413,9 @@ def select_backend(backend: str, environ=None) -> tuple[str, str]:
             "(a CPU-only torch, or a driver older than the torch build needs: sglang 0.5.23's "
             "torch 2.14.1 is built for CUDA 13 and needs driver >= 580)"
         )
-    return "transformers", f"a GPU is usable but the sglang package is not installed ({SGLANG_INSTALL})"
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm_server", f"a CUDA GPU and the vllm package are present, sglang is not ({build})"
+    return "transformers", f"a GPU is usable but neither the sglang nor the vllm package is installed ({SGLANG_INSTALL})"
 
 
 def resolve_backend(backend: str) -> str:
@@ -423,7 +426,7 @@ def create_engine(processor, batch_size: int, log_dir=None) -> Engine:
     backend, why = select_backend(processor.backend)
     cls = engine_class(backend)
     if processor.backend == "auto":
-        gpu_wasted = backend != "sglang" and not why.startswith(("no NVIDIA GPU", "no GPU allocated"))
+        gpu_wasted = backend not in ("sglang", "vllm_server") and not why.startswith(("no NVIDIA GPU", "no GPU allocated"))
         (log.warning if gpu_wasted else log.info)("backend auto -> %s: %s", backend, why)
     engine = cls(processor, batch_size, log_dir=log_dir)
     engine.backend_selection = {"requested": processor.backend, "chosen": backend, "reason": why}

@@ -35,24 +35,18 @@ up to ``max_inflight`` at once over a pooled httpx2 client.
 - Shutdown: SIGTERM to the server's process group, SIGKILL after ``kill_grace`` seconds, on
   close(), on a failed load() and at interpreter exit.
 - ``extra_engine_args.enable_metrics: true`` starts the server with ``--enable-metrics``; the
-  engine scrapes ``/metrics`` after start and before shutdown into
-  ``info.details["server_metrics"] = {"start": {...}, "end": {...}}``.
+  engine scrapes ``/metrics`` after start, during the run and before shutdown
+  (engines/server_metrics.py) into ``info.details["server_metrics"]``: tokens, requests,
+  radix-cache hit rate, retractions and queue length as the server counted them.
+- Process: engines/server_process.py (start, health wait, log tail, SIGTERM then SIGKILL).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections import deque
 from importlib import metadata
 from pathlib import Path
 
@@ -64,11 +58,12 @@ from mirageflow.engines.http import (
     error_kind,
     error_message,
     free_port,
-    parse_prometheus,
     post_with_retries,
     redact,
     rejected,
 )
+from mirageflow.engines.server_metrics import SGLANG, ServerMetrics
+from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, log_tail, server_flags  # noqa: F401 - re-exported
 from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
@@ -81,41 +76,11 @@ from mirageflow.images import image_token
 
 log = logging.getLogger(__name__)
 
-METRICS = ["sglang:generation_tokens_total", "sglang:prompt_tokens_total", "sglang:num_running_reqs", "sglang:num_queue_reqs"]
-LOG_TAIL_LINES = 30
+METRICS = SGLANG.all  # what is scraped (tests/real_sglang_checks.py checks the names against the package)
 
 
 class ServerDied(EngineError):
     pass
-
-
-def server_flags(args: dict) -> list[str]:
-    """``{"foo_bar": v}`` -> SGLang command-line flags."""
-    flags: list[str] = []
-    for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            flags.append(flag)
-        elif isinstance(value, (list, tuple)):
-            flags += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-def log_tail(path: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            tail = deque(f, maxlen=lines)
-    except OSError as e:
-        return f"(log unreadable: {e})"
-    text = b"".join(tail).decode("utf-8", "replace").rstrip()
-    return text or "(the log is empty)"
 
 
 class SGLangServerEngine(LoopEngine):
@@ -133,18 +98,15 @@ class SGLangServerEngine(LoopEngine):
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
         self.enable_metrics = bool(self.extra.get("enable_metrics"))
-        self.process: subprocess.Popen | None = None
+        self.server: ServerProcess | None = None
         self.port: int | None = None
         self.log_path: Path | None = None
         self.command: list[str] = []
         self.tokenizer = None
         self._prompt_ids: PromptTokenizer | None = None
-        self._log_offset = 0
         self._client = None
         self._semaphore: asyncio.Semaphore | None = None
-        self._closing = False
-        self._killed = False
-        self._metrics: dict = {}
+        self._metrics: ServerMetrics | None = None
         self.image_token = image_token(self.server_args["model_path"])  # the placeholder checked per image request
         self.info = EngineInfo(backend="sglang_server", model_path=self.server_args["model_path"])
 
@@ -165,30 +127,25 @@ class SGLangServerEngine(LoopEngine):
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def process(self):
+        """The server's Popen (None before load)."""
+        return self.server.process if self.server is not None else None
+
     def load(self) -> None:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="mirageflow-sglang-server-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / "sglang_server.log"
         self.port = free_port(self.host)
         self.command = self.build_command(self.port)
-        with open(self.log_path, "ab") as logf:
-            self._log_offset = logf.tell()
-            shown = " ".join(redact(self.command))
-            logf.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S%z')} mirageflow starts: {shown}\n".encode())
-            logf.flush()
-            self._log_offset = logf.tell()
-            log.info("starting the SGLang server on port %d (log: %s)", self.port, self.log_path)
-            started = time.monotonic()
-            self.process = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        atexit.register(self._kill_server)
-        threading.Thread(target=self._watch, args=(self.process,), name="sglang-server-watch", daemon=True).start()
+        env = {str(k): str(v) for k, v in (self.processor.server_env or {}).items()}
+        self.server = ServerProcess("the SGLang server", self.command, self.log_path, env)
+        log.info("starting the SGLang server on port %d (log: %s)", self.port, self.log_path)
+        self.server.start(on_exit=self._on_exit)
         try:
             if self.processor.apply_chat_template:
                 self.tokenizer = _load_tokenizer(self.server_args)  # while the server boots
                 self._prompt_ids = PromptTokenizer(self.tokenizer)
-            self._wait_healthy()
+            started = self.server.wait_healthy(self.base_url, "/health_generate", float(self.processor.server_start_timeout), self.health_poll_interval)
             self._start_loop("sglang-server-client")
             self._call(self._open_client())
             self.info = EngineInfo(
@@ -200,47 +157,18 @@ class SGLangServerEngine(LoopEngine):
                     "command": redact(self.command),
                     "log": str(self.log_path),
                     "port": self.port,
-                    "server_pid": self.process.pid,
-                    "server_start_seconds": round(time.monotonic() - started, 3),
+                    "server_pid": self.server.pid,
+                    "server_start_seconds": round(started, 3),
                     "max_inflight": self.max_inflight,
                     "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
                 },
             )
             if self.enable_metrics:
-                self._metrics = {"start": self._scrape_metrics(), "end": None}
-                self.info.details["server_metrics"] = self._metrics
+                self._metrics = ServerMetrics(f"{self.base_url}/metrics", "sglang")
+                self._metrics.begin()
         except BaseException:
             self.close()
             raise
-
-    def _wait_healthy(self) -> None:
-        import httpx2
-
-        timeout = float(self.processor.server_start_timeout)
-        deadline = time.monotonic() + timeout
-        interval = self.health_poll_interval
-        with httpx2.Client(base_url=self.base_url, trust_env=False) as client:
-            while True:
-                rc = self.process.poll()
-                if rc is not None:
-                    raise EngineError(
-                        f"the SGLang server exited with code {rc} before it became healthy "
-                        f"({' '.join(redact(self.command))}); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._tail()}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise EngineError(
-                        f"the SGLang server did not become healthy within server_start_timeout={timeout:g} s "
-                        f"(GET /health_generate never answered 200); last {LOG_TAIL_LINES} lines of "
-                        f"{self.log_path}:\n{self._tail()}"
-                    )
-                try:
-                    if client.get("/health_generate", timeout=max(0.2, min(30.0, remaining))).status_code == 200:
-                        return
-                except httpx2.TransportError:
-                    pass
-                time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
-                interval = min(interval * 1.5, 2.0)
 
     async def _open_client(self) -> None:
         import httpx2
@@ -268,16 +196,6 @@ class SGLangServerEngine(LoopEngine):
             except metadata.PackageNotFoundError:
                 versions["sglang"] = "unknown"
         return versions
-
-    def _scrape_metrics(self) -> dict:
-        import httpx2
-
-        try:
-            r = httpx2.get(f"{self.base_url}/metrics", timeout=10, trust_env=False)
-            r.raise_for_status()
-        except Exception as e:  # noqa: BLE001 - metrics are informational
-            return {"error": f"{type(e).__name__}: {e}"}
-        return parse_prometheus(r.text, METRICS)
 
     # ------------------------------------------------------------------ requests
 
@@ -321,74 +239,34 @@ class SGLangServerEngine(LoopEngine):
     async def _check_alive(self) -> None:
         """After a connection error: fail with the server's exit, if that is what it was."""
         for _ in range(5):  # the socket may close a moment before the exit is seen
-            if self._failure is not None or self.process.poll() is not None:
+            if self._failure is not None or self.server.poll() is not None:
                 break
             await asyncio.sleep(0.05)
         if self._failure is not None:
             raise self._failure_error()
-        rc = self.process.poll()
+        rc = self.server.poll()
         if rc is not None:
-            raise self._died(rc)
+            raise ServerDied(self.server.died(rc))
 
-    def _died(self, rc: int) -> ServerDied:
-        return ServerDied(
-            f"the SGLang server (pid {self.process.pid}) exited with code {rc} during the run; "
-            f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._tail()}"
-        )
-
-    def _watch(self, process: subprocess.Popen) -> None:
-        rc = process.wait()
-        if self._closing:
-            return
-        error = self._died(rc)
+    def _on_exit(self, rc: int) -> None:
+        error = ServerDied(self.server.died(rc))
         log.error("%s", error)
         self._fail_all(error)
-
-    def _tail(self) -> str:
-        return log_tail(self.log_path, self._log_offset) if self.log_path else "(no log)"
 
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        self._closing = True
+        server = self.server
+        if server is not None:
+            server.closing = True
         try:
-            if self._metrics and self.process is not None and self.process.poll() is None:
-                self._metrics["end"] = self._scrape_metrics()
+            if self._metrics is not None:
+                self._metrics.end(alive=server is not None and server.poll() is None)
+                self.info.details["server_metrics"] = self._metrics.summary()
             self._close_client_and_loop()
         finally:
-            self._kill_server()
-            atexit.unregister(self._kill_server)
-
-    def _kill_server(self) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after the grace period."""
-        process = self.process
-        if process is None or self._killed:
-            return
-        self._killed = True
-        self._closing = True
-        members = _process_tree(process.pid)  # before the leader goes and its children scatter
-        deadline = time.monotonic() + self.kill_grace
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=self.kill_grace)
-        except subprocess.TimeoutExpired:
-            log.warning("the SGLang server ignored SIGTERM for %g s; killing it", self.kill_grace)
-        members = _wait_gone(members, max(0.0, deadline - time.monotonic()))
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # also members that outlived the leader
-        except ProcessLookupError:
-            pass
-        _kill(members)  # children that left the group
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            log.error("the SGLang server (pid %d) did not exit after SIGKILL", process.pid)
-        left = _wait_gone(members, 10)
-        if left:
-            log.error("processes of the SGLang server survived SIGKILL: %s", [p.pid for p in left])
+            if server is not None:
+                server.kill(self.kill_grace)
 
 
 def _request_failure(response) -> bool:
@@ -402,51 +280,3 @@ def _load_tokenizer(server_args: dict):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(server_args["model_path"], trust_remote_code=server_args.get("trust_remote_code", False))
-
-
-def _process_tree(pid: int) -> list:
-    """The server's descendants and its process group's members (psutil; [] without it)."""
-    try:
-        import psutil
-    except ImportError:
-        return []
-    found = {}
-    try:
-        for child in psutil.Process(pid).children(recursive=True):
-            found[child.pid] = child
-    except psutil.Error:
-        pass
-    for p in psutil.process_iter():
-        try:
-            if p.pid != pid and p.pid not in found and os.getpgid(p.pid) == pid:
-                found[p.pid] = p
-        except (OSError, psutil.Error):
-            pass
-    return list(found.values())
-
-
-def _running(p) -> bool:
-    import psutil
-
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _wait_gone(processes: list, timeout: float) -> list:
-    """Those of ``processes`` still running after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        processes = [p for p in processes if _running(p)]
-        if not processes or time.monotonic() >= deadline:
-            return processes
-        time.sleep(0.02)
-
-
-def _kill(processes: list) -> None:
-    for p in processes:
-        try:
-            p.kill()
-        except Exception:  # noqa: BLE001 - gone meanwhile
-            pass

