@@ -18,6 +18,12 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The real-vLLM tests run last: .ci/run builds their environment (~5-9 minutes) in the
+    background while the other tests run."""
+    items.sort(key=lambda item: item.get_closest_marker("real_vllm") is not None)  # stable: the others keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Llama with a ChatML template, built offline by the project's script."""

@@ -94,7 +94,7 @@ def test_launch_feed_scrape_and_stop(fast, monkeypatch, tmp_path):
         assert json.loads(re.search(r"fake vllm env: (.*)", log).group(1)) == {"VLLM_CPU_KVCACHE_SPACE": "2"}
         server_pid = engine.process.pid
         one = drive(engine, [Request(i, messages(i), None, {"max_new_tokens": 5}, json.dumps(SCHEMA) if i == 0 else None) for i in range(6)])
-        three = drive(engine, [Request(10, messages(10), None, {"max_new_tokens": 5}, seed=40)])  # warm the loop
+        three = drive(engine, [Request(10, messages(10), None, {"max_new_tokens": 5}, seed=40), Request(11, messages(0), None, {})])
         import asyncio
 
         samples = asyncio.run(engine.generate_samples(Request(20, messages(20), None, {"max_new_tokens": 9}, seed=70), 3))
@@ -112,7 +112,7 @@ def test_launch_feed_scrape_and_stop(fast, monkeypatch, tmp_path):
     assert figures["generation_tokens"] == sum(c.completion_tokens for c in one + three + samples)
     # vLLM counts the prompt of the request with n=3 once per choice; we count it once
     assert figures["prompt_tokens"] == ours_in + 2 * samples[0].prompt_tokens
-    assert figures["requests"] == 6 + 1 + 3 and figures["prefix_cache_hits"] == 2 * samples[0].prompt_tokens
+    assert figures["requests"] == 6 + 2 + 3 and figures["prefix_cache_hits"] == three[1].prompt_tokens > 0  # the prompt asked twice
     assert figures["prefix_cache_hit_rate"] == pytest.approx(figures["prefix_cache_hits"] / figures["prefix_cache_queries"])
 
 
@@ -232,3 +232,42 @@ def test_config_refuses_nothing_new_and_keeps_fingerprints(tmp_path):
     b = load_config(base, check_paths=False)
     assert records_identity(a) == records_identity(b) and b.processors["llm"].server_env == {"VLLM_CPU_KVCACHE_SPACE": 2}
     assert Path(vllm_stand_in_command()[1]).exists()
+
+
+def test_an_engine_service_serves_a_launched_vllm_to_its_shards(fast, tmp_path):
+    """shards_per_engine: the service launches one vLLM; its shards send chat messages
+    (the server templates them), not prompts rendered in the shard."""
+    import os
+    import subprocess
+
+    import yaml
+
+    from mirageflow.engines.shared import SharedEngine
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"q": "x"}) + "\n" + json.dumps({"q": "y"}) + "\n")
+    raw = {
+        "processors": [{"type": "llm", "backend": "vllm_server", "server_args": {"model_path": "m"},
+                        "server_command": vllm_stand_in_command(), "server_start_timeout": 30}],
+        "loading_params": {"state_dir": str(tmp_path / "state"), "num_shards": 2,
+                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}]},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}]},
+        "execution_params": {"shards_per_engine": 2, "merge": False},
+    }  # fmt: skip
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    endpoint = tmp_path / "state" / "engines" / "engine_0.json"
+    cmd = [sys.executable, "-m", "mirageflow.jobs", "--config", str(path), "--log", str(tmp_path / "engine.log"), "engine", "0", str(endpoint)]
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    try:
+        client = SharedEngine(load_config(raw, check_paths=False).processors["llm"], 4, endpoint=endpoint)
+        client.load()
+        assert client.templates_server_side and client.info.backend == "vllm_server"
+        (c,) = client.generate([Request(0, messages(0), None, {"max_new_tokens": 3})])
+        client.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    assert c.error_kind is None and c.text and c.prompt_tokens > 0
+    log = (tmp_path / "state" / "logs" / "engine_0" / "vllm_server.log").read_text()
+    assert "fake vllm argv" in log

@@ -470,3 +470,92 @@ def test_a_lease_of_an_earlier_run_of_this_requeued_slurm_job_is_taken_over(tmp_
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     monkeypatch.setenv("SLURM_JOB_ID", "42")  # the same job, requeued
     assert run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))["status"] == "success"
+
+
+# --------------------------------------------------------------------------- prefix-aware feeding
+
+
+DOCS = {"A": "alpha " * 20, "B": "beta " * 20, "C": "gamma " * 20}
+SHUFFLED = [f"{d}{q}" for q in range(4) for d in "CAB"]  # C0 A0 B0 C1 A1 B1 ...
+
+
+def _prefix_setup(tmp_path, mode: str, **shard):
+    rows = [{"doc": DOCS[key[0]], "q": f"question {key}"} for key in SHUFFLED]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config({
+        "processors": [{"type": "llm", "server_args": {"model_path": "unused"}}],
+        "loading_params": {"state_dir": str(tmp_path / "state"),
+                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}]},
+        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0, "max_inflight": 1,
+                         "prefix_order": mode, **shard},
+        "processing_params": {"inputs": [{"name": "doc", "key": "doc"}, {"name": "q", "key": "q"}],
+                              "outputs": [{"name": "a", "prompt": "{{ doc }}\nQ: {{ q }}"}],
+                              "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+    })  # fmt: skip
+    index_datasets(cfg)
+    return cfg
+
+
+def _asked(engine) -> list[str]:
+    return [p.rsplit("question ", 1)[1] for p in engine.prompts]
+
+
+@pytest.mark.parametrize("mode", ["shard", "window", "none"])
+def test_rows_sharing_a_prompt_prefix_are_fed_together_and_written_as_before(tmp_path, mode):
+    """One row in flight (a window of 1, blocks of 4 rows): ``shard`` asks each document's
+    rows one after another, ``window`` sorts each block of 4, ``none`` keeps the source
+    order; the records are the same, in source order, whatever the feeding order."""
+    cfg = _prefix_setup(tmp_path, mode)
+    engine = ScriptedEngine(lambda p: "answer to " + p.rsplit("question ", 1)[1])
+    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
+    asked = _asked(engine)
+    if mode == "shard":
+        assert asked == sorted(SHUFFLED)  # A0 A1 A2 A3 B0 ... : each document's prefix once in a row
+    elif mode == "window":
+        assert asked == [k for i in range(0, 12, 4) for k in sorted(SHUFFLED[i : i + 4])]
+    else:
+        assert asked == SHUFFLED
+    records = _records(tmp_path)
+    assert [r["source_index"] for r in records] == list(range(12))
+    assert [r["a"] for r in records] == [f"answer to {k}" for k in SHUFFLED]
+
+
+def test_a_shard_fed_by_prefix_resumes_exactly(tmp_path):
+    """A crash mid-run with rows fed out of source order: the rerun asks exactly the rows
+    not committed, and every row is written once."""
+    cfg = _prefix_setup(tmp_path, "shard")
+    calls = {"n": 0}
+
+    def crash_after_5(prompt):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise EngineCrash("engine died")
+        return "answer to " + prompt.rsplit("question ", 1)[1]
+
+    with pytest.raises(ShardFailed, match="EngineCrash"):
+        run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(crash_after_5))
+    committed = {r["q"].split()[1] for r in _records(tmp_path)}
+    assert committed and committed <= set(sorted(SHUFFLED)[:5])  # the first rows fed: document A's
+    engine = ScriptedEngine(lambda p: "answer to " + p.rsplit("question ", 1)[1])
+    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
+    assert sorted(_asked(engine)) == sorted(set(SHUFFLED) - committed)
+    records = _records(tmp_path)
+    assert [r["source_index"] for r in records] == list(range(12))
+    assert [r["a"] for r in records] == [f"answer to {k}" for k in SHUFFLED]
+
+
+def test_prefix_order_keeps_source_order_when_a_python_step_comes_first():
+    from mirageflow.shard import prefix_order
+
+    class Step:
+        def __init__(self, engine):
+            self.engine = engine
+
+    assert prefix_order.keyed_step([Step(None), Step(object())]) is None  # a custom step (not a filter) first
+    llm = Step(object())
+    assert prefix_order.keyed_step([llm]) is llm
+    units = [("b", 1), ("a", 2), ("b", 0), ("a", 1)]
+    assert list(prefix_order.ordered(units, lambda u: u[0], 2)) == [("a", 2), ("b", 1), ("a", 1), ("b", 0)]
+    assert list(prefix_order.ordered(units, lambda u: u[0], None)) == [("a", 2), ("a", 1), ("b", 1), ("b", 0)]
+    assert list(prefix_order.ordered([], lambda u: u, None)) == []

@@ -252,6 +252,7 @@ class ShardParams:
     max_inflight: int | None
     lease_timeout_seconds: float
     gpu_sample_interval_seconds: float = 0.5
+    prefix_order: str = "window"  # none | window | shard (shard/prefix_order.py)
 
 
 @dataclass(frozen=True)

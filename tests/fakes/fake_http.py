@@ -93,7 +93,8 @@ class FakeServer:
         self.answered = 0
         self.in_flight = self.peak_in_flight = 0
         self.prompt_tokens = self.generation_tokens = 0
-        # as vLLM counts: a request's prompt once per choice; prompt tokens seen before (a prefix cache of whole prompts)
+        # as vLLM counts: a request's prompt once per choice; a prompt asked before is a cache hit
+        # (whole prompts only; the choices of one request are computed together, no hit)
         self.choice_prompt_tokens = self.cache_hits = self.answered_choices = 0
         self.seen_prompts: set[str] = set()
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))
@@ -342,7 +343,7 @@ def _handler(server: FakeServer):
                 choices_n = len(choices)
                 server.choice_prompt_tokens += p * choices_n
                 server.answered_choices += choices_n
-                server.cache_hits += p * (choices_n - 1) + (p if source in server.seen_prompts else 0)
+                server.cache_hits += p * choices_n if source in server.seen_prompts else 0  # not among one request's choices
                 server.seen_prompts.add(source)
             usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
             return 200, {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"), "choices": choices, "usage": usage}

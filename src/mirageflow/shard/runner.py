@@ -48,6 +48,7 @@ from mirageflow.shard.accounting import check_accounting
 from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
+from mirageflow.shard import prefix_order
 from mirageflow.shard.metrics import ShardMetrics
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
@@ -205,7 +206,8 @@ class ShardRunner:
         window = self.params.max_inflight or min((e.max_inflight for e in self.engines.values()), default=NO_ENGINE_WINDOW)
         if self.rows.grouped is not None:  # a worker holds a row's n samples
             window = max(1, window // self.n)
-        rows = self._rows(slices)
+        # rows sharing a prompt prefix fed together, for the engine's prefix cache (records unchanged)
+        rows = prefix_order.feed_order(self.params.prefix_order, self._rows(slices), steps, self.rows.extract, window)
         try:
             workers = asyncio.gather(*(self._worker(rows, steps) for _ in range(window)))
             stopping = asyncio.create_task(self._stopping.wait())

@@ -1,0 +1,88 @@
+"""Prefix-aware feeding: rows whose prompts share a long prefix (a system prompt, a shared
+document, few-shot examples) reach the engine one after another, so its prefix cache (vLLM's
+automatic prefix caching, SGLang's radix cache) computes the shared part once and reuses it
+while it is still cached, instead of recomputing it for rows scattered over the shard.
+
+The order key of a unit of work (a row, or a row's pending samples) is its first LLM
+output's chat messages (roles and contents), rendered as for the request; sorting by it puts
+prompts with long common prefixes next to each other (their common prefix decides their
+order). ``shard_params.prefix_order``:
+
+- ``window`` (default): the pending units are read in blocks of ``block`` (a few in-flight
+  windows) and each block is fed sorted; memory holds one block.
+- ``shard``: the whole shard is read first and fed sorted: the best reuse, at the cost of
+  holding every pending row of the shard in memory.
+- ``none``: source order.
+
+What is written never depends on the order: the commit queue writes each batch sorted,
+merge sorts each shard's parts, resume skips committed rows by their index, and seeds come
+from the row and sample, not from when they were asked. Only the first LLM output is keyed,
+and only when the steps before it are filters (a Python step may change its prompt): else
+the order is the source order. A row whose key cannot be rendered (a template error, an
+unreadable row) gets the empty key here; its error is raised and recorded when it is run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Callable, Iterable, Iterator
+
+from mirageflow import python_steps
+from mirageflow.prompts import RowError
+
+log = logging.getLogger(__name__)
+
+MODES = ("none", "window", "shard")
+BLOCK_WINDOWS = 4  # a window-mode block: this many in-flight windows of units
+
+
+def ordered(units: Iterable, key: Callable, block: int | None) -> Iterator:
+    """``units`` sorted by ``key`` within consecutive blocks of ``block`` (None: all at once);
+    stable, so equal keys keep their source order."""
+    it = iter(units)
+    while True:
+        chunk = list(itertools.islice(it, block)) if block else list(it)
+        if not chunk:
+            return
+        chunk.sort(key=key)
+        yield from chunk
+        if not block:
+            return
+
+
+def prompt_key(extract, step) -> Callable:
+    """The order key of a unit ``(dataset, row, sample)``: its prompt's messages as one string."""
+
+    def key(unit) -> str:
+        row = unit[1]
+        if row.value.__class__ is RowError:
+            return ""
+        try:
+            messages = step.builder.messages(extract(row.value))
+        except Exception:  # noqa: BLE001 - only the order: the row raises again, and is recorded, when it runs
+            return ""
+        return "\x1e".join(f"{m.get('role')}\x1f{m.get('content')}" for m in messages)
+
+    return key
+
+
+def keyed_step(steps: list):
+    """The first LLM step, when only filters come before it; else None."""
+    for step in steps:
+        if step.engine is not None:
+            return step
+        if not isinstance(step, python_steps.FilterStep):
+            return None
+    return None
+
+
+def feed_order(mode: str, units: Iterable, steps: list, extract, window: int) -> Iterable:
+    """``units`` in the order ``mode`` asks for (see the module's docstring)."""
+    if mode == "none":
+        return units
+    step = keyed_step(steps)
+    if step is None:
+        log.info("prefix_order %s: a Python step comes before the first LLM output; rows go in source order", mode)
+        return units
+    return ordered(units, prompt_key(extract, step), None if mode == "shard" else max(1, BLOCK_WINDOWS * window))
