@@ -84,7 +84,7 @@ def test_stats_prints_the_metrics_json(finished, tmp_path):
     assert (agg["completed_shards"], agg["total_rows_processed"], agg["total_rows_failed"]) == (1, 6, 1)
     assert agg["gpu_hours_remaining_estimate"] == 0.0 and agg["failed_shards"] == []
     assert metrics == json.loads((root / "state/metrics.json").read_text())  # what the aggregate rule wrote
-    assert "data:image/png;base64," in (tmp_path / "r.html").read_text()
+    assert "data:image/svg+xml;base64," in (tmp_path / "r.html").read_text()
 
 
 def test_status_of_a_finished_run(finished):

@@ -72,7 +72,7 @@ def make_state(root: Path, num_shards: int = 6, gpu_samples: bool = True, seed: 
 
 
 def _images(page: str) -> list[bytes]:
-    return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"', page)]
 
 
 def test_report_html_embeds_plots_and_metrics(tmp_path):
@@ -81,7 +81,12 @@ def test_report_html_embeds_plots_and_metrics(tmp_path):
     page = (state / "report.html").read_text()
     images = _images(page)
     assert len(images) == 4  # shards, GPU utilisation, tokens per row, errors
-    assert all(img.startswith(b"\x89PNG\r\n\x1a\n") and len(img) > 2000 for img in images)
+    assert all(img.startswith(b'<svg xmlns="http://www.w3.org/2000/svg"') and img.endswith(b"</svg>") and len(img) > 1500 for img in images)
+    for img in images:  # well-formed XML, nothing fetched
+        import xml.etree.ElementTree as ET
+
+        ET.fromstring(img)
+        assert b"href" not in img and b"<script" not in img
     agg = metrics["aggregate"]
     for key in ("tokens_per_sec_per_gpu", "gpu_days_per_billion_tokens", "mean_gpu_util_pct", "p95_shard_runtime_seconds", "roofline_fraction"):
         assert f"<code>{key}</code>" in page

@@ -1,8 +1,8 @@
 """Prefix-aware feeding (shard_params.prefix_order) on a real vLLM: prefix-cache hit rate and
 tokens/s with rows fed in source order, by blocks (``window``) and sorted over the shard.
 
-    python scripts/bench/prefix_feeding.py                 # ~10 min on 2 cores (+ the server's start)
-    python scripts/bench/prefix_feeding.py --docs 20 --questions 4 --repeats 1
+    python scripts/bench/prefix_feeding.py                 # ~15 min on 2 cores (+ the server's start)
+    python scripts/bench/prefix_feeding.py --docs 8 --questions 4 --repeats 1
 
 The dataset is built for it: ``--docs`` documents of ``--words`` random words (each its own
 long prompt prefix, ~1.3 tokens a word), ``--questions`` short questions about each, the rows
@@ -88,12 +88,12 @@ def run(server, data: Path, root: Path, mode: str, inflight: int, new_tokens: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--docs", type=int, default=40)
-    ap.add_argument("--questions", type=int, default=5)
-    ap.add_argument("--words", type=int, default=500)
-    ap.add_argument("--inflight", type=int, default=8)
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--words", type=int, default=250)
+    ap.add_argument("--inflight", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=4)
-    ap.add_argument("--kv-blocks", type=int, default=96, help="KV cache blocks of 128 tokens (--num-gpu-blocks-override)")
+    ap.add_argument("--kv-blocks", type=int, default=28, help="KV cache blocks of 128 tokens (--num-gpu-blocks-override)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = ap.parse_args()
@@ -140,7 +140,7 @@ def main() -> None:
              for m in MODES],
         ),  # fmt: skip
         "",
-        "`window` sorts each block of 4 in-flight windows (here 32 rows) by prompt; `shard` sorts the whole shard "
+        f"`window` sorts each block of 4 in-flight windows (here {4 * args.inflight} rows) by prompt; `shard` sorts the whole shard "
         "(every pending row in memory). vLLM caches whole 128-token blocks, so only a document's full blocks are reused.",
     ]
     if not args.no_write:

@@ -1,19 +1,20 @@
 """report.html: the metrics and plots of a run in one self-contained page (opens offline).
 
-Plots are drawn with matplotlib's Agg backend (no display needed) and embedded as base64
-PNGs; there are no scripts, fonts or links to fetch.
+Plots are SVG drawn by report_svg.py (no plotting library to import: it was most of a small
+run's report time) and embedded as data URIs; there are no scripts, fonts or links to fetch.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import logging
+import math
 from pathlib import Path
 
 from mirageflow import stats
+from mirageflow.report_svg import PALETTE, Figure, Panel, viridis
 from mirageflow.report import DAMAGED_CONSEQUENCE, _is_num, damaged_note, read_state_file, scope_sentence
 from mirageflow.slurm_accounting import html_section
 
@@ -56,16 +57,9 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _figure(width: float, height: float):
-    from matplotlib.figure import Figure  # Agg canvas, no pyplot state, no display
-
-    return Figure(figsize=(width, height))
+def _svg(figure) -> str:
+    """A report_svg.Figure as the base64 of its SVG (embedded by ``_img``)."""
+    return base64.b64encode(figure.svg().encode()).decode()
 
 
 # --------------------------------------------------------------------------- plots
@@ -77,33 +71,28 @@ def plot_shards(per_shard: list[dict], stragglers: set[int]) -> str | None:
         return None
     ids = [s["shard_id"] for s in per_shard]
     st = [s["stats"] for s in per_shard]
-    fig = _figure(11, 3.6)
-    ax1, ax2 = fig.subplots(1, 2)
     x = list(range(len(ids)))
-    ax1.bar(x, [s.get("tokens_per_sec") or 0 for s in st], color="#3b6fb6")
-    ax1.set_title("output tokens/s per shard (generation time)")
-    ax1.set_ylabel("tokens/s")
+    left = [i - 0.4 for i in x]
+    rate = Panel("output tokens/s per shard (generation time)", "shard", "tokens/s")
+    rate.bars(left, [s.get("tokens_per_sec") or 0 for s in st], 0.8, color="#3b6fb6")
+    runtime = Panel("shard runtime (red outline: straggler, > 1.5 x median)" if stragglers else "shard runtime", "shard", "seconds")
     load = [s.get("model_load_seconds") or 0 for s in st]
     warm = [s.get("warmup_seconds") or 0 for s in st]
     gen = [s.get("generation_seconds") or s.get("inference_runtime_seconds") or 0 for s in st]
     other = [max(0.0, s["runtime_seconds"] - a - b - c) for s, a, b, c in zip(st, load, warm, gen)]
     bottom = [0.0] * len(x)
-    edges = ["#b42318" if i in stragglers else "none" for i in ids]
+    edges = ["#b42318" if i in stragglers else None for i in ids]
     for values, label, color in ((load, "engine load", "#9aa5b8"), (warm, "warm-up", "#f0b429"), (gen, "generation", "#3b6fb6"), (other, "other", "#d8dde6")):
         if any(values):
-            ax2.bar(x, values, bottom=bottom, label=label, color=color, edgecolor=edges, linewidth=1.5)
+            runtime.bars(left, values, 0.8, bottom, color, edges, label)
             bottom = [b + v for b, v in zip(bottom, values)]
-    ax2.set_title("shard runtime (red outline: straggler, > 1.5 x median)" if stragglers else "shard runtime")
-    ax2.set_ylabel("seconds")
-    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    for ax in (ax1, ax2):
-        ax.set_xlabel("shard")
-        if len(x) < 6:  # keep a few bars from filling the whole plot
-            ax.set_xlim(-0.5 - (6 - len(x)) / 2, len(x) - 0.5 + (6 - len(x)) / 2)
-        if len(x) <= 40:
-            ax.set_xticks(x, [str(i) for i in ids], fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
+    pad = max(0.0, (6 - len(x)) / 2)  # keep a few bars from filling the whole plot
+    step = max(1, math.ceil(len(ids) / 20))
+    for panel in (rate, runtime):
+        panel.xlim = (-0.5 - pad, len(x) - 0.5 + pad)
+        panel.xticks = [(i, str(ids[i])) for i in x[::step]]
+        panel.ygrid_only = True
+    return _svg(Figure(1100, 340, [rate, runtime], legend_width=90))
 
 
 def check_gpu_samples(data: dict) -> str | None:
@@ -172,45 +161,37 @@ def plot_gpu_util(samples: list[dict]) -> str | None:
     series = _gpu_series(samples)
     if not series:
         return None
+    title, xlabel = "GPU utilisation over time, per GPU (NVML)", "minutes since the first shard's generation started"
     if len(series) <= 4:
-        fig = _figure(11, 3.6)
-        ax = fig.subplots()
-        for label, t0, t1, util in series:
-            # each point holds its mean over [t0, t1): draw it as steps
+        panel = Panel(title, xlabel, "GPU utilisation %")
+        for k, (label, t0, t1, util) in enumerate(series):
+            # each point holds its mean over [t0, t1): drawn as steps
             xs = [x for a, b in zip(t0, t1) for x in (a, b)]
-            ys = [float("nan") if v is None else v for v in util for _ in (0, 1)]
-            ax.plot(xs, ys, lw=1.3, label=label)
-        ax.set_ylim(-2, 102)
-        ax.set_ylabel("GPU utilisation %")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        ax.grid(alpha=0.3)
-    else:
-        import bisect
+            ys = [v for v in util for _ in (0, 1)]
+            panel.line(xs, ys, PALETTE[k % len(PALETTE)], label=label)
+        panel.ylim = (-2, 102)
+        return _svg(Figure(1100, 340, [panel], legend_width=140))
+    import bisect
 
-        import numpy as np
-
-        end = max(t1[-1] for _, _, t1, _ in series)
-        cols = 600
-        centers = [(i + 0.5) * end / cols for i in range(cols)]
-        grid = np.full((len(series), cols), np.nan)
-        for row, (_, t0, t1, util) in enumerate(series):
-            for col, x in enumerate(centers):
-                k = bisect.bisect_right(t0, x) - 1
-                if k >= 0 and x < t1[k] and util[k] is not None:
-                    grid[row, col] = util[k]
-        height = min(9.0, 1.6 + 0.22 * len(series))
-        fig = _figure(11, height)
-        ax = fig.subplots()
-        cmap = __import__("matplotlib").colormaps["viridis"].with_extremes(bad="#f2f4f7")
-        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=100, extent=(0, end, len(series), 0))
-        if len(series) <= 40:
-            ax.set_yticks([i + 0.5 for i in range(len(series))], [label for label, *_ in series], fontsize=7)
-        else:
-            ax.set_ylabel(f"{len(series)} GPUs (by shard)")
-        fig.colorbar(image, ax=ax, label="GPU utilisation %", pad=0.01)
-    ax.set_xlabel("minutes since the first shard's generation started")
-    ax.set_title("GPU utilisation over time, per GPU (NVML)")
-    return _png(fig)
+    end = max(t1[-1] for _, _, t1, _ in series)
+    cols = 300
+    panel = Panel(title + " (colour: utilisation %, 0 dark to 100 yellow; grey: no sample)", xlabel,
+                  "" if len(series) <= 40 else f"{len(series)} GPUs (by shard)")  # fmt: skip
+    for row, (_, t0, t1, util) in enumerate(series):
+        colors = []
+        for col in range(cols):
+            x = (col + 0.5) * end / cols
+            k = bisect.bisect_right(t0, x) - 1
+            value = util[k] if k >= 0 and x < t1[k] else None
+            colors.append("#f2f4f7" if value is None else viridis(value))
+        start = 0
+        for col in range(1, cols + 1):  # one rectangle per run of one colour
+            if col == cols or colors[col] != colors[start]:
+                panel.cell(start * end / cols, len(series) - row - 1, col * end / cols, len(series) - row, colors[start])
+                start = col
+    panel.xlim, panel.ylim = (0, end), (0, len(series))
+    panel.yticks = [(len(series) - i - 0.5, label) for i, (label, *_) in enumerate(series)] if len(series) <= 40 else []
+    return _svg(Figure(1100, int(min(900, 160 + 22 * len(series))), [panel], margin_left=140 if len(series) <= 40 else 58))
 
 
 def load_identity(state_dir: str | Path) -> dict | None:
@@ -271,25 +252,16 @@ def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | No
     if not hist or not hist.get("rows"):
         return None
     width, bins = equal_width_bins(hist)
-    fig = _figure(5.4, 3.4)
-    ax = fig.subplots()
-    ax.bar([lo for lo, _, _ in bins], [n for _, _, n in bins], width=width, align="edge", color="#3b6fb6", edgecolor="white", linewidth=0.5)
-    from matplotlib.ticker import MaxNLocator
-
+    panel = Panel(f"tokens per row: {hist['rows']:,} rows, mean {hist['mean']:.1f}, max {hist['max']}",
+                  f"output tokens per row (all outputs of the row; bins of {width})", "rows")  # fmt: skip
+    panel.bars([lo for lo, _, _ in bins], [n for _, _, n in bins], width, color="#3b6fb6")
     right = bins[-1][1] if bins else 1
     if limit:
-        ax.axvline(limit, color="#b42318", ls="--", lw=1.2)
-        ax.text(limit, 0.98, f" max_new_tokens {limit:,}", color="#b42318", fontsize=8, va="top", ha="right" if limit >= right * 0.7 else "left",
-                transform=ax.get_xaxis_transform())  # fmt: skip
+        panel.vline(limit, "#b42318", f"max_new_tokens {limit:,}")
         right = max(right, limit)
-    ax.set_xlim(0, right * 1.04 + 1)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(f"output tokens per row (all outputs of the row; bins of {width})")
-    ax.set_ylabel("rows")
-    ax.set_title(f"tokens per row: {hist['rows']:,} rows, mean {hist['mean']:.1f}, max {hist['max']}")
-    ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
+    panel.xlim = (0, right * 1.04 + 1)
+    panel.integer_x = panel.integer_y = panel.ygrid_only = True
+    return _svg(Figure(540, 340, [panel]))
 
 
 # --------------------------------------------------------------------------- throughput over time
@@ -338,24 +310,19 @@ def plot_throughput(histories: list[dict]) -> str | None:
     series = throughput_series(histories)
     if not series:
         return None
-    fig = _figure(11, 3.4)
-    ax1, ax2 = fig.subplots(1, 2, sharex=True)
     many = len(series) > 10
-    for shard_id, xs, rows, tokens in series:
-        kw = {"lw": 0.8 if many else 1.3, "alpha": 0.6 if many else 1.0, "label": None if many else f"shard {shard_id}"}
-        ax1.plot(xs, rows, **kw)
-        ax2.plot(xs, tokens, **kw)
-    ax1.set_title("rows/s per shard over time")
-    ax2.set_title("output tokens/s per shard over time" + (f" ({len(series)} shards)" if many else ""))
-    ax1.set_ylabel("rows/s")
-    ax2.set_ylabel("tokens/s")
-    for ax in (ax1, ax2):
-        ax.set_xlabel("minutes since the first shard started")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    if not many:
-        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _png(fig)
+    xlabel = "minutes since the first shard started"
+    rows = Panel("rows/s per shard over time", xlabel, "rows/s")
+    tokens = Panel("output tokens/s per shard over time" + (f" ({len(series)} shards)" if many else ""), xlabel, "tokens/s")
+    for k, (shard_id, xs, row_rates, token_rates) in enumerate(series):
+        color = PALETTE[k % len(PALETTE)]
+        kw = {"width": 0.8 if many else 1.3, "opacity": 0.6 if many else 1.0}
+        rows.line(xs, row_rates, color, **kw)
+        tokens.line(xs, token_rates, color, label=None if many else f"shard {shard_id}", **kw)
+    for panel, values in ((rows, [y for _, _, r, _ in series for y in r]), (tokens, [y for _, _, _, t in series for y in t])):
+        top = max([y for y in values if y is not None] or [0.0])
+        panel.ylim = (0, top * 1.05 or 1.0)
+    return _svg(Figure(1100, 330, [rows, tokens], legend_width=0 if many else 80))
 
 
 # --------------------------------------------------------------------------- examples
@@ -443,19 +410,13 @@ def plot_errors(by_class: dict) -> str | None:
     if not by_class:
         return None
     items = sorted(by_class.items(), key=lambda kv: kv[1])
-    fig = _figure(5.4, max(1.6, 0.45 * len(items) + 1.0))
-    ax = fig.subplots()
-    ax.barh([k for k, _ in items], [v for _, v in items], color="#b42318")
-    for i, (_, v) in enumerate(items):
-        ax.text(v, i, f" {v:,}", va="center", fontsize=8)
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlim(0, max(v for _, v in items) * 1.12)  # room for the counts
-    ax.set_xlabel("rows")
-    ax.set_title("failed rows by error class (completed and failed shards)")
-    ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    panel = Panel("failed rows by error class (completed and failed shards)", "rows")
+    for i, (_, v) in enumerate(items):  # horizontal bars: rows along x, one class a line
+        panel.cell(0, i + 0.15, v, i + 0.85, "#b42318")
+    panel.xlim, panel.ylim = (0, max(v for _, v in items) * 1.12), (0, len(items))
+    panel.yticks = [(i + 0.5, f"{k} ({v:,})") for i, (k, v) in enumerate(items)]
+    panel.integer_x = True
+    return _svg(Figure(540, int(max(160, 44 * len(items) + 90)), [panel], margin_left=170))
 
 
 # --------------------------------------------------------------------------- page
@@ -543,11 +504,11 @@ def metrics_table_rows(agg: dict) -> list[tuple[str, str, object]]:
     return rows
 
 
-def _img(png: str | None, alt: str, missing: str) -> str:
+def _img(svg: str | None, alt: str, missing: str) -> str:
     """The plot, or the note saying why there is none (``missing`` is trusted HTML)."""
-    if png is None:
+    if svg is None:
         return f'<p class="note">{missing}</p>'
-    return f'<div class="plot"><img alt="{_esc(alt)}" src="data:image/png;base64,{png}"></div>'
+    return f'<div class="plot"><img alt="{_esc(alt)}" src="data:image/svg+xml;base64,{svg}"></div>'
 
 
 def _card(key: str, value: str) -> str:
