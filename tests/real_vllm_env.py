@@ -65,7 +65,8 @@ def wait(timeout: float = BUILD_WAIT_SECONDS) -> str | None:
     then ``check()``. None when ready, else why not (the build's failure and its log's tail)."""
     prefix = os.environ.get("MIRAGEFLOW_REAL_VLLM_BUILD")
     if prefix:
-        rc_file, log_file = Path(prefix + ".rc"), Path(prefix + ".log")
+        base = REPO / prefix  # relative to the repository (.ci/run's directory); an absolute path stays
+        rc_file, log_file = base.with_name(base.name + ".rc"), base.with_name(base.name + ".log")
         deadline = time.monotonic() + timeout
         while not rc_file.exists():
             if time.monotonic() > deadline:
@@ -75,6 +76,7 @@ def wait(timeout: float = BUILD_WAIT_SECONDS) -> str | None:
         if rc != "0":
             tail = log_file.read_text(errors="replace").splitlines()[-20:] if log_file.exists() else ["(no log)"]
             return f"the background build of {VENV} failed (exit {rc}); the end of {log_file}:\n" + "\n".join(tail)
+        return None  # the build ends with check() passed (importing vllm takes ~15 s: not twice)
     return check()
 
 
