@@ -210,6 +210,8 @@ def test_the_report_names_the_engine_and_shows_the_servers_figures(fast, tmp_pat
     metrics = write_report(tmp_path / "state", 1)
     shard = metrics["per_shard"][0]
     assert shard["engines"] == {"llm": "vllm_server (vllm 0.32.0+fake)"}
+    agg = metrics["aggregate"]
+    assert agg["total_input_tokens_each_choice"] == 2 * agg["total_input_tokens"] > 0  # both counts stated
     servers = metrics["aggregate"]["inference_servers"]
     assert servers["engines"] == 1 and servers["token_totals_reconciled"] == 1
     html = (tmp_path / "state" / "report.html").read_text()

@@ -209,6 +209,8 @@ def test_n_samples_with_native_n_on_and_off_and_seeds(server, tmp_path):
     assert (st["requests"], per_sample.status["stats"]["requests"]) == (len(rows), n)
     # vLLM counts a request's prompt once per choice; we count it once per request, and say so
     assert native_delta[VLLM.prompt_tokens] == st["input_tokens_each_choice"] == 3 * st["input_tokens"]
+    metrics = json.loads((tmp_path / "True-7" / "out" / ".mirageflow-state" / "metrics.json").read_text())
+    assert metrics["aggregate"]["total_input_tokens_each_choice"] == native_delta[VLLM.prompt_tokens]
     assert per_sample_delta[VLLM.prompt_tokens] == per_sample.status["stats"]["input_tokens"]
     assert native_delta[VLLM.generation_tokens] == st["output_tokens"]
 

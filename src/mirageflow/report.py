@@ -451,6 +451,9 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
         "gpu_names": sorted({str(h["gpu_name"]) for h in hardware if h.get("gpu_name")}),
         "driver_versions": sorted({str(h["driver_version"]) for h in hardware if h.get("driver_version")}),
         "total_input_tokens": int(_sum(statuses, "input_tokens")),
+        # a request's prompt counted once per choice, as vLLM's counters do (more than
+        # total_input_tokens only under native n); older status files: as input_tokens
+        "total_input_tokens_each_choice": int(sum(s["stats"].get("input_tokens_each_choice", s["stats"].get("input_tokens")) or 0 for s in statuses)),
         "total_output_tokens": out_tokens,
         "sum_model_load_seconds": _sum(statuses, "model_load_seconds"),
         "sum_warmup_seconds": _sum(statuses, "warmup_seconds"),

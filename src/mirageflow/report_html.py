@@ -477,6 +477,7 @@ LABELS = {
     "tokens_per_sec": "output tokens/s (generation time)",
     "tokens_per_sec_per_gpu": "output tokens/s per GPU",
     "gpu_days_per_billion_tokens": "GPU-days per billion output tokens",
+    "total_input_tokens_each_choice": "input tokens, a prompt counted once per choice (as vLLM counts under native n)",
 }
 _TABLE_SKIP = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files", "rows_failed_by_class", "inference_servers"}
 
