@@ -351,3 +351,21 @@ def test_a_cpu_runs_remaining_gpu_hours_are_unknown_not_zero():
     statuses = [{"shard_id": 0, "stats": {"num_gpus": 0, "runtime_seconds": 60.0}}]
     assert report.gpu_hours_remaining(statuses, [], 2) is None
     assert report.gpu_hours_remaining(statuses, [], 1) == 0.0  # nothing left
+
+
+def test_svg_plots_have_round_ticks_and_break_lines_at_missing_samples():
+    import xml.etree.ElementTree as ET
+
+    from mirageflow.report_svg import Figure, Panel, nice_ticks, viridis
+
+    assert nice_ticks(0, 1730) == [0, 500, 1000, 1500]
+    assert nice_ticks(0, 9, integer=True) == [0, 2, 4, 6, 8] and nice_ticks(0.0, 0.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert (viridis(0), viridis(100), viridis(-5)) == ("#440154", "#fde725", "#440154")
+    panel = Panel("t <&>", "x", "y")
+    panel.line([0, 1, 2, 3, 4], [1, 2, None, 4, float("nan")], "#000", label="series")
+    panel.bars([0, 1], [3, 5], 0.8, color="#123456", edges=["#b42318", None], label="bars")
+    svg = Figure(600, 300, [panel], legend_width=80).svg()
+    root = ET.fromstring(svg)  # well-formed, the title escaped
+    ns = "{http://www.w3.org/2000/svg}"
+    assert len(root.findall(f".//{ns}polyline")) == 1  # the run after None has one point: not drawn as a line
+    assert "t &lt;&amp;&gt;" in svg and svg.count('stroke="#b42318"') == 1

@@ -146,6 +146,8 @@ class Panel:
                 out.append(f'<rect x="{min(a, b):.2f}" y="{min(c, d):.2f}" width="{abs(b - a):.2f}" height="{abs(d - c):.2f}" fill="{fill}"{stroke}/>')
             elif m[0] == "line":
                 for run in _runs(m[1], m[2]):
+                    if len(run) < 2:  # a lone sample between gaps draws no line (as matplotlib)
+                        continue
                     points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
                     out.append(f'<polyline points="{points}" fill="none" stroke="{m[3]}" stroke-width="{m[4]}" stroke-opacity="{m[5]}"/>')
             elif m[0] == "vline":
