@@ -299,7 +299,8 @@ def test_retry_failed_rows_recomputes_only_the_failures(tmp_path):
 def test_error_budget_fails_the_shard_and_keeps_committed_rows(tmp_path):
     rows = [{"q": "ok"}, {"q": "ok"}, {"x": 1}, {"x": 2}, {"x": 3}, {"q": "ok"}]
     cfg = _setup(tmp_path, rows, PLAIN)
-    object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_errors": 2}))
+    # in source order (prefix-aware feeding would ask the failing rows last)
+    object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_errors": 2, "prefix_order": "none"}))
     with pytest.raises(ShardFailed, match=r"error budget exceeded in shard 0: 3 of 5 rows failed \(missing_variable: 3\)"):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert [e["source_index"] for e in _errors(cfg)] == [2, 3, 4]
@@ -559,3 +560,15 @@ def test_prefix_order_keeps_source_order_when_a_python_step_comes_first():
     assert list(prefix_order.ordered(units, lambda u: u[0], 2)) == [("a", 2), ("b", 1), ("a", 1), ("b", 0)]
     assert list(prefix_order.ordered(units, lambda u: u[0], None)) == [("a", 2), ("a", 1), ("b", 1), ("b", 0)]
     assert list(prefix_order.ordered([], lambda u: u, None)) == []
+
+
+def test_rows_that_will_fail_are_fed_last_in_their_block_not_first(tmp_path):
+    """Prefix-aware feeding must not move failures to the front, where the error budget's
+    mid-run check (after min_rows_for_error_rate rows) would see more of them than in source
+    order: 10 % failing rows, spread, pass a 12 % budget checked after 20 rows."""
+    rows = [{"x": i} if i % 10 == 5 else {"q": f"r{i}"} for i in range(100)]
+    cfg = _setup(tmp_path, rows, PLAIN)
+    shard = {**vars(cfg.shard), "max_error_rate": 0.12, "min_rows_for_error_rate": 20, "max_inflight": 8, "prefix_order": "window"}
+    object.__setattr__(cfg, "shard", type(cfg.shard)(**shard))
+    status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
+    assert (status["stats"]["rows_processed"], status["stats"]["rows_failed"]) == (90, 10)

@@ -206,7 +206,7 @@ def test_keep_reasoning_sets_the_reasoning_variable(tmp_path):
     outputs = [{"name": "a", "prompt": "{{ q }}", "keep_reasoning": True}]
     cfg = _setup(tmp_path, [{"q": q} for q in answers], outputs, {"q": "{{ q }}", "a": "{{ a }}", "why": "{{ a_reasoning }}"})
     run_shard(cfg, 0, engine_factory=_thinking(answers))
-    records = read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist()
+    records = sorted(read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist(), key=lambda r: r["source_index"])  # parts: in completion order
     assert [(r["a"], r["why"]) for r in records] == [("yes", "because"), ("no", "a server's reasoning"), ("maybe", None)]
 
 

@@ -19,7 +19,7 @@ merge sorts each shard's parts, resume skips committed rows by their index, and 
 from the row and sample, not from when they were asked. Only the first LLM output is keyed,
 and only when the steps before it are filters (a Python step may change its prompt): else
 the order is the source order. A row whose key cannot be rendered (a template error, an
-unreadable row) gets the empty key here; its error is raised and recorded when it is run.
+unreadable row) goes after the rows of its block; its error is raised and recorded when it runs.
 """
 
 from __future__ import annotations
@@ -51,18 +51,26 @@ def ordered(units: Iterable, key: Callable, block: int | None) -> Iterator:
             return
 
 
-def prompt_key(extract, step) -> Callable:
-    """The order key of a unit ``(dataset, row, sample)``: its prompt's messages as one string."""
+LAST = (1, "")  # the key of a row whose prompt cannot be rendered: after the others of its block
 
-    def key(unit) -> str:
+
+def prompt_key(extract, step) -> Callable:
+    """The order key of a unit ``(dataset, row, sample)``: its prompt's messages as one string.
+
+    A row that will fail (unreadable, a missing variable, a template error) sorts after the
+    rows of its block: failures are not fed first, where they would weigh on the error
+    budget's mid-run check (max_error_rate after min_rows_for_error_rate rows) more than
+    they do in source order."""
+
+    def key(unit) -> tuple[int, str]:
         row = unit[1]
         if row.value.__class__ is RowError:
-            return ""
+            return LAST
         try:
             messages = step.builder.messages(extract(row.value))
         except Exception:  # noqa: BLE001 - only the order: the row raises again, and is recorded, when it runs
-            return ""
-        return "\x1e".join(f"{m.get('role')}\x1f{m.get('content')}" for m in messages)
+            return LAST
+        return 0, "\x1e".join(f"{m.get('role')}\x1f{m.get('content')}" for m in messages)
 
     return key
 
