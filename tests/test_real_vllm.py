@@ -40,8 +40,9 @@ import real_vllm_env  # noqa: E402
 pytestmark = pytest.mark.real_vllm
 
 LAUNCHER = [str(real_vllm_env.PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
-# --enforce-eager: no torch.compile warm-up (minutes on 2 cores); 1 GiB of KV cache is plenty here
-SERVER_FLAGS = {"enforce_eager": True, "max_model_len": 2048}
+# --enforce-eager: no torch.compile warm-up (minutes on 2 cores); float32: these CPUs have no
+# AVX-512 BF16, and vLLM computed the bf16 model ~3x slower (docs/vllm.md); 1 GiB of KV cache is plenty
+SERVER_FLAGS = {"enforce_eager": True, "max_model_len": 2048, "dtype": "float32"}
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 START_TIMEOUT = 900.0
 
@@ -85,7 +86,7 @@ def server(smollm2_model, tmp_path_factory):
     # reasoning end, which granite's cannot detect in token ids: enable_in_reasoning makes
     # JSON outputs constrained from their first token (docs/vllm.md)
     command = [*LAUNCHER, "--model", str(smollm2_model), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-               "--max-model-len", "2048", "--reasoning-parser", "granite",
+               "--max-model-len", "2048", "--dtype", "float32", "--reasoning-parser", "granite",
                "--structured-outputs-config", json.dumps({"enable_in_reasoning": True})]  # fmt: skip
     env = {**SERVER_ENV, "LD_PRELOAD": iomp_preload(LAUNCHER) or ""}
     process = ServerProcess("the vLLM server", command, tmp_path_factory.mktemp("vllm") / "vllm_server.log", env)

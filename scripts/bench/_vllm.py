@@ -50,10 +50,11 @@ def check() -> str | None:
 
 @contextlib.contextmanager
 def serve(kv_cache_gib: int = 1, flags: list[str] | None = None, timeout: float = 900.0):
-    """A vLLM server on a free port for the ``with`` block (greedy seed, eager mode)."""
+    """A vLLM server on a free port for the ``with`` block (eager mode, float32)."""
     port = free_port()
+    # float32: CPUs without AVX-512 BF16 compute the bf16 model ~3x slower (docs/vllm.md)
     command = [*LAUNCHER, "--model", str(MODEL), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-               "--max-model-len", "2048", *(flags or [])]  # fmt: skip
+               "--max-model-len", "2048", "--dtype", "float32", *(flags or [])]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1", "LD_PRELOAD": iomp_preload(LAUNCHER) or ""}
     log = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "vllm_server.log"
     process = ServerProcess("the vLLM server", command, log, env)
