@@ -17,7 +17,7 @@ from fakes.fake_http import FakeServer
 from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.config import ConfigError, load_config
-from mirageflow.prompts import PromptBuilder, RowError, conversation_messages
+from mirageflow.prompts.templates import PromptBuilder, RowError, conversation_messages
 
 OPENAI = [
     {"role": "system", "content": "Be brief."},

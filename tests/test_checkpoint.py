@@ -12,16 +12,17 @@ import time
 
 import pytest
 
-from mirageflow import checkpoint
-from mirageflow.checkpoint import MANIFEST_VERSION, Checkpoint, Lease, ShardBusy, to_ranges
-from mirageflow.data.writers import atomic_write_json, read_parts, write_part
+from mirageflow.shard import checkpoint
+from mirageflow.shard.checkpoint import MANIFEST_VERSION, Checkpoint, Lease, ShardBusy, to_ranges
+from mirageflow.data.writers import read_parts, write_part
+from mirageflow.files import atomic_write_json
 
 FP = "fingerprint-1"
 
 
 @pytest.fixture(autouse=True)
 def _warnings(caplog):
-    caplog.set_level(logging.WARNING, logger="mirageflow.checkpoint")
+    caplog.set_level(logging.WARNING, logger="mirageflow.shard.checkpoint")
 
 
 def _ckpt(tmp_path, fmt="parquet", fp=FP) -> Checkpoint:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mirageflow import cli
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 

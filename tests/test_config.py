@@ -592,7 +592,7 @@ def test_a_json_response_prefix_must_start_json_of_the_schema(cfg):
     """Engines constrain only the continuation of the prefix: a prefix no valid answer
     starts with is an error at DAG build (the driver's preflight: compiling the grammar
     imports xgrammar, which cluster jobs re-parsing the config must not pay), naming the key."""
-    from mirageflow.preflight import _json_prefix_problems
+    from mirageflow.config.preflight import _json_prefix_problems
 
     json_output(cfg, {"answer": "str", "score": "int"})
     out = cfg["processing_params"]["outputs"][0]

@@ -15,8 +15,9 @@ from mirageflow.config import DatasetConfig, load_config
 from mirageflow.data.merge import MergeRefused, merge_dataset
 from mirageflow.data.readers import SHARD_START, load_shard, offsets_path, read_shard, write_index
 from mirageflow.data.sharding import shard_range
-from mirageflow.data.writers import atomic_write_json, read_parts, write_part
-from mirageflow.prompts import RowError
+from mirageflow.data.writers import read_parts, write_part
+from mirageflow.files import atomic_write_json
+from mirageflow.prompts.templates import RowError
 
 # --------------------------------------------------------------------------- helpers
 

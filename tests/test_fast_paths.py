@@ -18,8 +18,9 @@ import jmespath
 import jsonschema
 import pytest
 
-from mirageflow import json_output, prompts
-from mirageflow.checkpoint import DatasetProgress, merge_ranges, to_ranges
+from mirageflow.prompts import json_output
+from mirageflow.prompts import templates as prompts
+from mirageflow.shard.checkpoint import DatasetProgress, merge_ranges, to_ranges
 
 # --------------------------------------------------------------------------- chat templates
 

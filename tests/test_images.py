@@ -20,10 +20,10 @@ from PIL import Image
 from conftest import run_workflow
 from fakes import drive, stand_in_command
 from fakes.fake_http import Behaviour, FakeServer
-from mirageflow import images
+from mirageflow.prompts import images
 from mirageflow.config import ConfigError, ProcessorConfig, load_config
 from mirageflow.engines.base import Request
-from mirageflow.prompts import RowError
+from mirageflow.prompts.templates import RowError
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -365,7 +365,7 @@ def _vlm_config(model, data, check_paths=True, **input_fields) -> dict:
 
 
 def test_config_checks_name_the_key(tmp_path, tiny_model, tiny_vlm):
-    from mirageflow.preflight import validate
+    from mirageflow.config.preflight import validate
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"image": "a.png", "question": "q"}) + "\n" + json.dumps({"image": "b.png", "question": "r"}) + "\n")
@@ -433,7 +433,7 @@ def test_workflow_with_image_paths_and_an_hf_image_column(tmp_path, tiny_vlm):
 
 
 def test_preview_shows_where_the_images_go(tmp_path, tiny_vlm):
-    from mirageflow import preview
+    from mirageflow.shard import preview
 
     (tmp_path / "red.png").write_bytes(png(color=RED))
     data = tmp_path / "rows.jsonl"

@@ -17,10 +17,10 @@ import pytest
 from conftest import REPO, run_workflow
 from fakes.fake_http import Behaviour, FakeServer
 
-from mirageflow.checkpoint import from_ranges
+from mirageflow.shard.checkpoint import from_ranges
 from mirageflow.config import ConfigError, load_config, records_identity
 from mirageflow.data.merge import merge_dataset
-from mirageflow.samples import sample_seed
+from mirageflow.prompts.samples import sample_seed
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
 
@@ -93,7 +93,7 @@ def test_config_validation_names_the_key(tmp_path):
 
 
 def test_preflight_refuses_a_preserved_column_no_row_has(tmp_path):
-    from mirageflow.preflight import preflight_problems
+    from mirageflow.config.preflight import preflight_problems
 
     raw = _raw(tmp_path, [{"q": "x", "id": 1}], {"backend": "openai", "base_url": "http://h/v1", "server_args": {"model_path": "m"}},
                remove_columns=True, preserve_columns=["idd"], output_schema={"answer": "{{ a }}"})  # fmt: skip
@@ -335,7 +335,7 @@ def test_native_n_is_refused_on_a_backend_without_it(tmp_path):
 
 
 def test_accounting_refuses_a_missing_sample(tmp_path):
-    from mirageflow.checkpoint import Checkpoint
+    from mirageflow.shard.checkpoint import Checkpoint
     from mirageflow.shard.accounting import check_accounting
 
     cfg = load_config(_raw(tmp_path, [{"q": "a"}, {"q": "b"}], {"server_args": {"model_path": "m"}}, n=2), check_paths=False)

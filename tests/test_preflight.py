@@ -1,5 +1,5 @@
 """Mistakes caught before any job starts, by the one validation that `snakemake -n` (the
-driver) and `mmirage check` both run (mirageflow.preflight.validate)."""
+driver) and `mmirage check` both run (mirageflow.config.preflight.validate)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 
 from mirageflow import cli
 from mirageflow.config import ConfigError, load_config
-from mirageflow.preflight import validate
+from mirageflow.config.preflight import validate
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = [{"id": i, "text": f"passage {i}", "meta": {"topic": "t", "difficulty": i % 3}} for i in range(30)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mirageflow.progress import ProgressReporter, RateWindow, check_progress, read_progress
+from mirageflow.shard.progress import ProgressReporter, RateWindow, check_progress, read_progress
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_shard import PLAIN, ScriptedEngine, _setup  # noqa: E402
@@ -179,7 +179,7 @@ def test_runner_marks_progress_failed(tmp_path):
 
 
 def test_history_keeps_the_whole_attempt_in_a_bounded_number_of_samples():
-    from mirageflow.progress import History
+    from mirageflow.shard.progress import History
 
     h = History(limit=20)
     for i in range(5000):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mirageflow import report, stats
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.report import aggregate as report
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json
 
 GPU = "NVIDIA H100 80GB HBM3"
 
@@ -212,10 +213,10 @@ def test_attempts_per_shard_from_new_and_old_status_files(tmp_path):
 
 
 def test_report_files_go_through_the_atomic_writers(tmp_path, monkeypatch):
-    from mirageflow.data import writers
+    from mirageflow import files
 
     written = []
-    real = writers.atomic_write_bytes
+    real = files.atomic_write_bytes
 
     def spy(path, data, durable=True):
         written.append(Path(path).name)
@@ -223,14 +224,14 @@ def test_report_files_go_through_the_atomic_writers(tmp_path, monkeypatch):
 
     state = make_state(tmp_path, gpu_samples=False)
     before = {p for p in state.rglob("*")}
-    monkeypatch.setattr(writers, "atomic_write_bytes", spy)
+    monkeypatch.setattr(files, "atomic_write_bytes", spy)
     report.write_report(state, 6)
     assert sorted(written) == ["metrics.json", "report.html", "summary.md"]
     assert {p.name for p in state.rglob("*")} - {p.name for p in before} == {"metrics.json", "report.html", "summary.md"}
 
 
 def test_report_files_follow_the_umask(tmp_path):
-    """Written through data.writers, which create files as open() would (mode 0666 & ~umask), not mkstemp's 0600."""
+    """Written through mirageflow.files, which create files as open() would (mode 0666 & ~umask), not mkstemp's 0600."""
     state = make_state(tmp_path, gpu_samples=False)
     old = os.umask(0o022)
     try:
@@ -245,7 +246,7 @@ def test_report_files_follow_the_umask(tmp_path):
 
 
 def test_tokens_per_row_bins_have_one_width_and_keep_every_row():
-    from mirageflow.report_html import equal_width_bins
+    from mirageflow.report.html import equal_width_bins
 
     hist = stats.TokenHistogram()
     rng = random.Random(3)
@@ -267,7 +268,7 @@ def test_tokens_per_row_bins_have_one_width_and_keep_every_row():
 
 
 def test_row_token_limit_from_the_records_identity(tmp_path):
-    from mirageflow.report_html import load_identity, row_token_limit
+    from mirageflow.report.html import load_identity, row_token_limit
 
     identity = {
         "processors": [{"default_sampling_params": {"max_new_tokens": 256}}],
@@ -312,7 +313,7 @@ def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
 
 
 def test_throughput_series_are_rates_between_samples_on_a_common_clock():
-    from mirageflow.report_html import throughput_series
+    from mirageflow.report.html import throughput_series
 
     series = throughput_series([
         {"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": [[0, 0, 0], [10, 20, 1000], [20, 20, 1000]]},
@@ -324,7 +325,7 @@ def test_throughput_series_are_rates_between_samples_on_a_common_clock():
 
 
 def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
-    from mirageflow.report_html import metrics_table_rows
+    from mirageflow.report.html import metrics_table_rows
 
     state = make_state(tmp_path)
     metrics = report.write_report(state, 6)

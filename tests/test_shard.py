@@ -7,7 +7,8 @@ import json
 import pytest
 
 from mirageflow.config import load_config
-from mirageflow.data.writers import atomic_write_json, read_parts
+from mirageflow.data.writers import read_parts
+from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Completion, Engine, EngineInfo
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
@@ -278,7 +279,7 @@ def test_error_budget_fails_the_shard_and_keeps_committed_rows(tmp_path):
 def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
     import errno
 
-    from mirageflow import checkpoint
+    from mirageflow.shard import checkpoint
 
     cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
     real, calls = checkpoint.write_part, {"n": 0}
@@ -296,8 +297,8 @@ def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
 
 
 def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path, monkeypatch):
-    from mirageflow import checkpoint
-    from mirageflow.checkpoint import Lease, ShardBusy
+    from mirageflow.shard import checkpoint
+    from mirageflow.shard.checkpoint import Lease, ShardBusy
 
     monkeypatch.setattr(checkpoint.shutil, "which", lambda name: None)  # no squeue: job 42 may be alive
 

@@ -15,7 +15,7 @@ from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
 from mirageflow.shard.signals import StopSignals
-from mirageflow.stats import PhaseTimer
+from mirageflow.stats.formulas import PhaseTimer
 
 
 def _params(**kw):

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from conftest import REPO, run_workflow
 
-from mirageflow import cluster
+from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config
 from mirageflow.engines.base import EngineError, Request, create_engine
 from mirageflow.engines.shared import SharedEngine

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mirageflow import cli, report
-from mirageflow.data.writers import atomic_write_json
+from mirageflow import cli
+from mirageflow.report import aggregate as report
+from mirageflow.files import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_report import _images, make_state  # noqa: E402
@@ -230,7 +231,7 @@ def test_aggregate_job_fails_on_a_damaged_status_json(tmp_path):
     root = _finished(tmp_path)
     _damage(root / "state/shard_0/status.json", b"[]")
     code = (
-        "import sys; from mirageflow.report import write_report\n"
+        "import sys; from mirageflow.report.aggregate import write_report\n"
         "try:\n    write_report('state', 3)\n"
         "except Exception as e:\n    print(type(e).__name__, e, file=sys.stderr); sys.exit(1)\n"
     )

@@ -8,8 +8,9 @@ from datetime import timezone
 
 import pytest
 
-from mirageflow import report, stats
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.report import aggregate as report
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json
 
 # --------------------------------------------------------------------------- formulas
 

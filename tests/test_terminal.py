@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import run_workflow
 
-from mirageflow import terminal
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.report import terminal
+from mirageflow.files import atomic_write_json
 
 
 def _progress(**kw) -> dict:
@@ -145,7 +145,7 @@ def test_failure_paragraph_says_a_deterministic_failure_repeats_and_never_shows_
     )  # fmt: skip
     _failed_shard(state, 1, {"empty_output": 5}, "ShardFailed: every row of shard 1: 5 of 5 rows failed (empty_output: 5)")
     _failed_shard(state, 2, {}, "ShardInterrupted: interrupted by SIGINT; 3 rows committed, rerun to resume", signal="SIGINT")
-    from mirageflow.report import shard_states
+    from mirageflow.report.aggregate import shard_states
 
     states = {s["shard_id"]: s for s in shard_states(state, 4)}
     text = terminal.failure_paragraph(states[0], state, retry_hint="Rerun it with `mmirage retry --config p.yaml`.")

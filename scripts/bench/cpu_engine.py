@@ -266,7 +266,7 @@ JSON_FIELDS = {"subject": "str", "category": "str"}
 
 def bench_json_grammar(model: Path, n: int, batch_size: int, new_tokens: int, repeats: int) -> dict:
     """Plain vs JSON-constrained generation of the same prompts by one TransformersEngine."""
-    from mirageflow import json_output
+    from mirageflow.prompts import json_output
     from mirageflow.engines.base import Request
     from mirageflow.engines.transformers_engine import TransformersEngine
 

@@ -108,7 +108,7 @@ def cmd_submit(args) -> int:
 
 def retry_plan(cfg, failed_rows: bool) -> dict:
     """What `mmirage retry` reruns: unfinished shards always; with failed_rows, done shards with failed rows too."""
-    from mirageflow.report import shard_states
+    from mirageflow.report.aggregate import shard_states
 
     states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
     unfinished = [s["shard_id"] for s in states if s["state"] != "done"]
@@ -125,7 +125,7 @@ def retry_plan(cfg, failed_rows: bool) -> dict:
 
 
 def cmd_retry(args) -> int:
-    from mirageflow.report import shard_states
+    from mirageflow.report.aggregate import shard_states
 
     cfg = _load(args.config)
     plan = retry_plan(cfg, args.failed_rows)
@@ -151,7 +151,7 @@ def cmd_retry(args) -> int:
         + (f" and the failed rows of {len(plan['with_failed_rows'])} done shard(s) {plan['with_failed_rows'][:20]}" if args.failed_rows else ""),
         file=sys.stderr,
     )  # fmt: skip
-    from mirageflow.terminal import repeats_identically
+    from mirageflow.report.terminal import repeats_identically
 
     for s in shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds):
         cls = s["state"] == "failed" and repeats_identically((s.get("failure") or {}).get("stats"), str(s.get("error") or ""))
@@ -179,7 +179,7 @@ def _dry_run(extra: list[str]) -> bool:
 
 
 def cmd_stats(args) -> int:
-    from mirageflow.report import full_metrics
+    from mirageflow.report.aggregate import full_metrics
 
     cfg = _load(args.config, check_paths=False)
     missing = _missing_state_dir(cfg, args.config)
@@ -187,8 +187,8 @@ def cmd_stats(args) -> int:
         raise UsageError(missing)
     metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)  # as in metrics.json
     if args.html:
-        from mirageflow.data.writers import atomic_write_text
-        from mirageflow.report_html import render_html
+        from mirageflow.files import atomic_write_text
+        from mirageflow.report.html import render_html
 
         atomic_write_text(Path(args.html), render_html(metrics, cfg.state_dir))
         print(f"mmirage: wrote {args.html}", file=sys.stderr)
@@ -199,8 +199,8 @@ def cmd_stats(args) -> int:
 
 def status_summary(cfg) -> dict:
     """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
-    from mirageflow import stats
-    from mirageflow.report import gpu_hours_remaining, shard_states
+    from mirageflow.stats import formulas as stats
+    from mirageflow.report.aggregate import gpu_hours_remaining, shard_states
 
     states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
     counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "running", "failed", "pending")}
@@ -232,7 +232,7 @@ def status_summary(cfg) -> dict:
         parallel = max(1, counts["running"])
         eta = (sum(running_left) + todo * (mean_runtime or 0)) / parallel
     statuses = [s["status"] for s in states if s["state"] == "done"]
-    from mirageflow.terminal import repeats_identically
+    from mirageflow.report.terminal import repeats_identically
 
     repeats = {
         s["shard_id"]: cls
@@ -263,7 +263,7 @@ def status_summary(cfg) -> dict:
 
 
 def _status_line(s: dict) -> str:
-    from mirageflow.report import _fmt
+    from mirageflow.report.aggregate import _fmt
 
     p = s.get("progress") or {}
     rows = f"{p.get('rows_done')}/{p.get('rows_total')}" if p.get("rows_total") is not None else ""
@@ -285,7 +285,7 @@ def _status_line(s: dict) -> str:
 
 def _warn_damaged(shards: list[dict]) -> None:
     """One line on stderr per damaged state file."""
-    from mirageflow.report import DAMAGED_CONSEQUENCE, damaged_note
+    from mirageflow.report.aggregate import DAMAGED_CONSEQUENCE, damaged_note
 
     for s in shards:
         for x in s.get("damaged") or []:
@@ -347,7 +347,7 @@ def cmd_status(args) -> int:
 
 def cmd_merge(args) -> int:
     """Merge through Snakemake's merge rule only (never starts shards), once every shard is done."""
-    from mirageflow.report import shard_states
+    from mirageflow.report.aggregate import shard_states
 
     cfg = _load(args.config)
     states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
@@ -367,7 +367,7 @@ def cmd_merge(args) -> int:
 
 def cmd_preview(args) -> int:
     """The first rows of each dataset through the pipeline: variables, prompts, records (and answers with --generate)."""
-    from mirageflow.preview import preview, print_preview
+    from mirageflow.shard.preview import preview, print_preview
 
     cfg = _load(args.config)
     if args.rows < 1:
@@ -387,10 +387,10 @@ def cmd_preview(args) -> int:
 
 
 def cmd_check(args) -> int:
-    """The driver's validation (mirageflow.preflight.validate, as `snakemake -n` runs it): the
+    """The driver's validation (mirageflow.config.preflight.validate, as `snakemake -n` runs it): the
     config, then the data and model files; exit 2 with every problem's key path."""
     from mirageflow.config import ConfigError
-    from mirageflow.preflight import validate
+    from mirageflow.config.preflight import validate
 
     try:
         cfg = validate(args.config)

@@ -6,7 +6,7 @@ shards: 13.1 s CPU with ``shell:``, 14.9 s with ``script:``, one run each with
 scripts/bench/snakemake_scale.py --snakefile on a copy of the workflow), and a shell
 command can be rerun by hand as Snakemake prints it. The config travels as a file named on the command line: when the
 driver parses the Snakefile it stores the config it was given (after --configfile and
---config) as JSON in ``<state_dir>/configs/<sha256 prefix>.json`` (mirageflow.pipeline_state),
+--config) as JSON in ``<state_dir>/configs/<sha256 prefix>.json`` (mirageflow.state.pipeline),
 so the command Snakemake prints runs as is by hand. The job validates that config again,
 so a compute node runs exactly the pipeline the driver validated, with ``$VAR`` references
 expanded in the job's own environment. ``--config`` also takes a YAML pipeline file.
@@ -129,7 +129,7 @@ def _early_endpoint(argv: list[str]) -> None:
 
     Snakemake starts an engine's shards with it and gives the file only --latency-wait
     seconds to appear (then fails the group and leaves the service running); the port
-    follows once the server listens (mirageflow/engine_service.py).
+    follows once the server listens (mirageflow/cluster/engine_service.py).
     """
     positional, it = [], iter(argv)
     for arg in it:
@@ -159,7 +159,7 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 
 from mirageflow.config import PipelineConfig, load_config  # noqa: E402
-from mirageflow.data.writers import atomic_write_json  # noqa: E402
+from mirageflow.files import atomic_write_json  # noqa: E402
 
 ATTEMPTS_DIR = "attempts"
 _ATTEMPT_LOG: dict = {}  # this job's own log (the rule's log is a link Snakemake removes on rerun)
@@ -222,15 +222,15 @@ def index_dataset(config: str, ds_index: int, output: str) -> None:
 def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) -> None:
     cfg = _config(config)
     _EARLY["failure"] = str(cfg.shard_dir(shard) / "failure.json")  # the config's own state_dir
-    from mirageflow.engine_service import shared_engine_factory
-    from mirageflow.gpu_claim import claim_for_shard
-    from mirageflow.time_limit import arm_time_limit_signal
+    from mirageflow.cluster.engine_service import shared_engine_factory
+    from mirageflow.cluster.gpu_claim import claim_for_shard
+    from mirageflow.cluster.time_limit import arm_time_limit_signal
 
     factory = shared_engine_factory(cfg, engine) if engine else None  # None: the shard loads its own engine
     if factory is None:
         claim_for_shard(cfg)  # before any engine is imported: CUDA_VISIBLE_DEVICES names this shard's GPUs
     arm_time_limit_signal()  # an array's first task runs outside a job step, where --signal does not reach
-    from mirageflow import pipeline_state
+    from mirageflow.state import pipeline as pipeline_state
 
     # Whatever the aggregate and merge rules built from earlier shards is stale from now on.
     pipeline_state.remove_derived_outputs(cfg, f"shard {shard} starts")
@@ -254,15 +254,15 @@ def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) 
 def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
     """Serve engine group ``group`` to its shards until Snakemake stops it (engine_service.py)."""
     cfg = _config(config)
-    from mirageflow.gpu_claim import claim_for_shard
-    from mirageflow.time_limit import arm_time_limit_signal
+    from mirageflow.cluster.gpu_claim import claim_for_shard
+    from mirageflow.cluster.time_limit import arm_time_limit_signal
 
     claim_for_shard(cfg)  # the engine holds the GPUs its shards would have claimed
     arm_time_limit_signal()
     hf_home = cfg.raw["execution_params"].get("hf_home")
     if hf_home:
         os.environ["HF_HOME"] = os.path.expanduser(hf_home)
-    from mirageflow import engine_service
+    from mirageflow.cluster import engine_service
 
     engine_service.run(cfg, group, endpoint, log_path=log)
 
@@ -285,7 +285,7 @@ def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
 
 
 def aggregate(config: str) -> None:
-    from mirageflow.report import write_report
+    from mirageflow.report.aggregate import write_report
 
     cfg = _config(config, check_paths=False)
     write_report(cfg.state_dir, cfg.num_shards)

@@ -1,5 +1,5 @@
 # Config validation (when Snakemake parses the workflow, before any job starts), the
-# pipeline's state files (mirageflow/pipeline_state.py) and path helpers.
+# pipeline's state files (mirageflow/state/pipeline.py) and path helpers.
 import os
 import sys
 
@@ -11,12 +11,13 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
-from mirageflow import cluster, pipeline_state
+from mirageflow.cluster import resources as cluster
+from mirageflow.state import pipeline as pipeline_state
 from mirageflow.config import ConfigError
-from mirageflow.preflight import validate
+from mirageflow.config.preflight import validate
 
 # The driver (and `mmirage check`) also runs the checks that read the data and model
-# files (mirageflow/preflight.py); a cluster job re-parsing this file validates the config only.
+# files (mirageflow/config/preflight.py); a cluster job re-parsing this file validates the config only.
 try:
     PIPELINE = validate(config, preflight=workflow.is_main_process)
 except ConfigError as e:
@@ -99,7 +100,7 @@ def engine_endpoint(wildcards):
     trigger. So when a group has shards left, its finished shards run with them again;
     they resume from their complete checkpoints and compute nothing.
     """
-    from mirageflow.engine_service import group_of
+    from mirageflow.cluster.engine_service import group_of
 
     group = group_of(PIPELINE, int(wildcards.shard))
     return [] if group is None else [f"{STATE_DIR}/engines/engine_{group}.json"]
@@ -141,7 +142,7 @@ def cluster_resources(job):
     """SLURM resources of a shard job (job="shard"), an index job (job="index") or an
     engine service (job="engine").
 
-    From execution_params (mirageflow/cluster.py, validated by load_config; docs/cluster.md
+    From execution_params (mirageflow/cluster/resources.py, validated by load_config; docs/cluster.md
     has the mapping). Local runs ignore them.
     """
     return cluster.cluster_resources(PIPELINE, job)

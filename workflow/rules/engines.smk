@@ -9,7 +9,7 @@ rule engine:
         model=model_inputs(),
     output:
         # The endpoint file, written at once; the job then loads the model and serves it
-        # (mirageflow/engine_service.py).
+        # (mirageflow/cluster/engine_service.py).
         service(f"{STATE_DIR}/engines/engine_{{group}}.json"),
     log:
         f"{STATE_DIR}/logs/engine_{{group}}.log",

@@ -7,7 +7,7 @@ rule shard:
         indices=index_files(),
         model=model_inputs(),
         # Rewritten when a prompt, schema, model, sampling or dataset changes: reruns the
-        # shards under every rerun trigger, mtime included (mirageflow/pipeline_state.py).
+        # shards under every rerun trigger, mtime included (mirageflow/state/pipeline.py).
         fingerprint=RECORDS_FINGERPRINT,
         # With shards_per_engine > 1: the endpoint of the engine service that serves this
         # shard; Snakemake runs the service with its shards and stops it after them

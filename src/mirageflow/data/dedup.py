@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from mirageflow.data.writers import PartUnreadable, atomic_write_bytes, atomic_write_json, is_json_field, jsonl_line, write_merged
+from mirageflow.data.writers import PartUnreadable, is_json_field, jsonl_line, write_merged
+from mirageflow.files import atomic_write_bytes, atomic_write_json
 
 DEDUP_SUBDIR = "deduplicated"
 MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same records

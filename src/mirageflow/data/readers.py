@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 from mirageflow.data.sharding import shard_range
-from mirageflow.data.writers import atomic_write_bytes, atomic_write_json
-from mirageflow.prompts import RowError
+from mirageflow.files import atomic_write_bytes, atomic_write_json
+from mirageflow.prompts.templates import RowError
 
 INDEX_VERSION = 3
 # Per shard in the offsets file: byte offset of its first row, that row's 1-based line number.

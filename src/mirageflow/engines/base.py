@@ -32,8 +32,8 @@ class Request:
     # ``messages`` only, the engine sends it as a last assistant message to continue. Only
     # the continuation is generated, so a JSON grammar starts after it.
     response_prefix: str = ""
-    seed: int | None = None  # this request's sampling seed (mirageflow/samples.py); None: the engine's own randomness
-    # mirageflow.images.CanonicalImage, one per {"type": "image"} part of the messages, in order
+    seed: int | None = None  # this request's sampling seed (mirageflow/prompts/samples.py); None: the engine's own randomness
+    # mirageflow.prompts.images.CanonicalImage, one per {"type": "image"} part of the messages, in order
     images: list | None = None
 
 
@@ -138,7 +138,7 @@ class ChatTemplate:
                 return
             if _CHAT_ENV is None:
                 _CHAT_ENV = _chat_template_env()
-            from mirageflow.prompts import fast_renderer
+            from mirageflow.prompts.templates import fast_renderer
 
             self._template = _CHAT_ENV.from_string(source)
             self._source = source
@@ -158,7 +158,7 @@ class ChatTemplate:
     def from_spec(cls, spec: dict, tokenizer) -> "ChatTemplate":
         """The template of ``spec()``; ``tokenizer`` only needs ``apply_chat_template`` (the slow path)."""
         global _CHAT_ENV
-        from mirageflow.prompts import fast_renderer
+        from mirageflow.prompts.templates import fast_renderer
 
         if _CHAT_ENV is None:
             _CHAT_ENV = _chat_template_env()

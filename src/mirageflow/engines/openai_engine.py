@@ -49,7 +49,7 @@ import logging
 import os
 
 from mirageflow.engines.base import Completion, EngineInfo, Request
-from mirageflow.images import openai_messages
+from mirageflow.prompts.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, LoopEngine, error_message, post_with_retries, redact_text, rejected
 
 log = logging.getLogger(__name__)

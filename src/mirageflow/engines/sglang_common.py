@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from mirageflow import stats
+from mirageflow.stats import formulas as stats
 from mirageflow.engines.base import Completion, Request
 from mirageflow.engines.http import error_kind, rejected
 from mirageflow.engines.json_prefix import continuation_grammar
@@ -108,7 +108,7 @@ def image_inputs(request: Request, prompt_ids, image_token: str | None) -> tuple
     from the text (one BOS, as with ``input_ids``). The text tokens (placeholders not
     counted) let ``image_tokens`` be told from SGLang's ``prompt_tokens``.
     """
-    from mirageflow.images import placeholder_error
+    from mirageflow.prompts.images import placeholder_error
 
     problem = placeholder_error(request.prompt, image_token, len(request.images))
     if problem:

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 
-from mirageflow import stats
+from mirageflow.stats import formulas as stats
 from mirageflow.engines.base import Completion, EngineError, EngineInfo, PromptTokenizer, Request, SGLANG_INSTALL
 from mirageflow.engines.http import LoopEngine, redact, stderr_tail
 from mirageflow.engines.sglang_common import (
@@ -57,7 +57,7 @@ from mirageflow.engines.sglang_common import (
     sampling_params,
     with_image_tokens,
 )
-from mirageflow.images import image_token
+from mirageflow.prompts.images import image_token
 
 log = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ from mirageflow.engines.sglang_common import (
     sampling_params,
     with_image_tokens,
 )
-from mirageflow.images import image_token
+from mirageflow.prompts.images import image_token
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A shard's client of an engine served by the ``engine`` rule (``shards_per_engine`` > 1).
 
-The engine service (mirageflow/engine_service.py) loads the model once for the K shards of
+The engine service (mirageflow/cluster/engine_service.py) loads the model once for the K shards of
 its group; each shard uses this engine instead of loading its own. ``load`` only waits:
 for the endpoint file to name a port, then for ``/health`` to say ready (the service
 loads and warms up meanwhile). It then reads ``/info``: the served engine's EngineInfo
@@ -214,7 +214,7 @@ def _request_json(request: Request) -> dict:
 
 
 def _image_json(image) -> dict:
-    """A mirageflow.images.CanonicalImage as JSON: its bytes in base64, without the decoded copy."""
+    """A mirageflow.prompts.images.CanonicalImage as JSON: its bytes in base64, without the decoded copy."""
     d = {f.name: getattr(image, f.name) for f in dataclasses.fields(image) if f.name != "image"}
     d["data"] = base64.b64encode(d["data"]).decode("ascii")
     return d

@@ -337,7 +337,7 @@ class TransformersEngine(Engine):
 
 def _vision_processor(path: str, trust: bool):
     """The processor of a local vision-language model (config.json declares a vision tower), else None."""
-    from mirageflow.images import is_vision_model
+    from mirageflow.prompts.images import is_vision_model
 
     if not is_vision_model(path):
         return None
@@ -354,7 +354,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
     model's placeholder once per image (else the row fails, ``image_placeholders``), the
     processor expands them into the image tokens and makes the pixel values, and the
     image-text-to-text model generates. ``image_tokens``: the placeholder tokens per row."""
-    from mirageflow.images import placeholder_error
+    from mirageflow.prompts.images import placeholder_error
 
     processor = engine.processor
     if processor is None:

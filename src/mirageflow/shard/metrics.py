@@ -15,8 +15,9 @@ import socket
 import time
 from pathlib import Path
 
-from mirageflow import gpu, stats
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.stats import gpu
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json
 from mirageflow.redact import redact_text
 
 log = logging.getLogger(__name__)

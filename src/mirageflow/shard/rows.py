@@ -14,9 +14,10 @@ import asyncio
 import logging
 import traceback
 
-from mirageflow import python_steps, samples
+from mirageflow.prompts import python_steps
+from mirageflow.prompts import samples
 from mirageflow.data.readers import SourceRow
-from mirageflow.prompts import RowError
+from mirageflow.prompts.templates import RowError
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.shard.steps import OutputStep
 

@@ -34,15 +34,17 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from mirageflow import python_steps, samples, stats
-from mirageflow.checkpoint import Checkpoint, Lease, fingerprint
+from mirageflow.prompts import python_steps
+from mirageflow.prompts import samples
+from mirageflow.stats import formulas as stats
+from mirageflow.shard.checkpoint import Checkpoint, Lease, fingerprint
 from mirageflow.config import PipelineConfig
 from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine, create_engine
-from mirageflow.progress import ProgressReporter
-from mirageflow.images import RowImages
-from mirageflow.prompts import Extractor, RecordRenderer, RowError
+from mirageflow.shard.progress import ProgressReporter
+from mirageflow.prompts.images import RowImages
+from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
 from mirageflow.redact import redact_text
 from mirageflow.shard.accounting import check_accounting
 from mirageflow.shard.budget import ErrorBudget
@@ -81,7 +83,7 @@ class ShardRunner:
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = Path(cfg.state_dir) / "logs" / f"shard_{shard_id}"  # engine server logs
         self.metrics = ShardMetrics(cfg, attempt)
-        self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/samples.py)
+        self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/prompts/samples.py)
         render = RecordRenderer(
             cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
         )  # fmt: skip

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 
-from mirageflow import images as image_inputs
-from mirageflow import json_output
+from mirageflow.prompts import images as image_inputs
+from mirageflow.prompts import json_output
 from mirageflow.data.readers import lone_surrogate_at
 from mirageflow.engines.base import Completion, Engine, Request
-from mirageflow.prompts import PromptBuilder, RowError
+from mirageflow.prompts.templates import PromptBuilder, RowError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -46,7 +46,7 @@ class OutputStep:
         self.output, self.processor, self.engine = output, processor, engine
         self.builder = PromptBuilder(output)
         self.sampling = {**processor.sampling_params, **output.sampling_params}
-        # the base of per-request seeds, never sent as is (mirageflow/samples.py)
+        # the base of per-request seeds, never sent as is (mirageflow/prompts/samples.py)
         self.base_seed = self.sampling.pop("seed", None)
         self.schema_json = json.dumps(output.schema.json_schema()) if output.is_json else None
         self.validator = output.schema.validator() if output.is_json else None

@@ -23,7 +23,10 @@ from typing import Any, Mapping
 import jsonschema
 import yaml
 
-from mirageflow import cluster, json_output, prompts, python_steps
+from mirageflow.cluster import resources as cluster
+from mirageflow.prompts import json_output
+from mirageflow.prompts import templates as prompts
+from mirageflow.prompts import python_steps
 from mirageflow.data.dedup import DedupParams, produced_fields
 
 
@@ -128,7 +131,7 @@ _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 @functools.cache
 def schema() -> dict:
-    with resources.files("mirageflow").joinpath("config.schema.yaml").open(encoding="utf-8") as f:
+    with resources.files("mirageflow.config").joinpath("config.schema.yaml").open(encoding="utf-8") as f:
         return yaml.load(f, Loader=_YAML_LOADER)
 
 
@@ -197,7 +200,7 @@ class InputVar:
     has_default: bool
     default: Any
     optional: bool = False  # the key may be missing from the first rows (no preflight data check)
-    type: str = "text"  # text | image (mirageflow.images)
+    type: str = "text"  # text | image (mirageflow.prompts.images)
     max_side: int | None = None  # image inputs: longest side after canonicalisation
     max_pixels: int | None = None  # image inputs: None = images.DEFAULT_MAX_PIXELS
     max_bytes: int | None = None  # image inputs: None = images.DEFAULT_MAX_BYTES
@@ -216,7 +219,7 @@ class OutputVar:
     allow_empty_output: bool = False
     keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
     conversation: str | None = None  # an input variable holding the chat messages sent (prompts.PromptBuilder)
-    kind: str = "llm"  # llm | custom | filter (mirageflow.python_steps)
+    kind: str = "llm"  # llm | custom | filter (mirageflow.prompts.python_steps)
     predicate: str | None = None  # of a filter
 
 
@@ -269,7 +272,7 @@ class PipelineConfig:
     merge: bool
     shard: ShardParams
     retry_failed_rows: bool
-    n_samples: int = 1  # records per input row (mirageflow/samples.py)
+    n_samples: int = 1  # records per input row (mirageflow/prompts/samples.py)
     preserve_columns: tuple[str, ...] = ()
     # processors of type custom (Python functions; no engine), by type
     custom_processors: dict[str, python_steps.CustomProcessor] = field(default_factory=dict)
@@ -472,7 +475,7 @@ def _custom_processor(p: dict, i: int, custom: dict, problems: list[str], check_
 
 
 def _python_step_output(out: dict, where: str, custom: dict, known: list[str], json_fields: dict, problems: list[str]) -> OutputVar:
-    """An output of type filter or custom (mirageflow.python_steps); a custom one defines its variable."""
+    """An output of type filter or custom (mirageflow.prompts.python_steps); a custom one defines its variable."""
     kind = out["type"]
     for key in _LLM_ONLY_OUTPUT_KEYS:
         if out.get(key):
@@ -770,7 +773,7 @@ def records_identity(cfg: PipelineConfig) -> dict:
     output_schema, remove_columns) and each dataset's path, type, split, output format and
     output directory. Comments, execution_params, shard_params, stats, retry_failed_rows
     and the state_dir are not part of it. The workflow reruns shards when its hash changes
-    (``<state_dir>/records.fingerprint``, see mirageflow.pipeline_state).
+    (``<state_dir>/records.fingerprint``, see mirageflow.state.pipeline).
     """
     raw = cfg.raw
     identity = {

@@ -14,8 +14,8 @@ import math
 import time
 from pathlib import Path
 
-from mirageflow import stats
-from mirageflow.data.writers import atomic_write_json, atomic_write_text
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def shard_states(
     shard is failed with ``error`` "damaged state file <path>: <why>" (unless it runs now).
     ``failure`` holds a failed shard's failure.json (its ``stats`` count in the report).
     """
-    from mirageflow.progress import check_progress
+    from mirageflow.shard.progress import check_progress
 
     now = time.time() if now is None else now
     out = []
@@ -610,7 +610,7 @@ def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float
         for s in statuses
     ]
     agg = aggregate(statuses, num_shards, missing, states)
-    from mirageflow.engine_service import shared_engine_summary  # shards_per_engine > 1: count each load once
+    from mirageflow.cluster.engine_service import shared_engine_summary  # shards_per_engine > 1: count each load once
 
     agg["shared_engines"] = shared_engine_summary(state_dir, statuses)
     if agg["shared_engines"]:
@@ -623,7 +623,7 @@ def full_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float = 
     the SLURM accounting and the dedup counts. Only here, not in compute_metrics: `mmirage
     status` must not wait on sacct."""
     from mirageflow.data.dedup import read_dedup_counts
-    from mirageflow.slurm_accounting import cluster_accounting
+    from mirageflow.report.slurm_accounting import cluster_accounting
 
     metrics = compute_metrics(state_dir, num_shards, lease_timeout)
     metrics["cluster_accounting"] = cluster_accounting(metrics)
@@ -641,7 +641,7 @@ def write_report(state_dir: str | Path, num_shards: int, html: bool = True, leas
     atomic_write_json(Path(state_dir) / "metrics.json", metrics)
     atomic_write_text(Path(state_dir) / "summary.md", summary_markdown(metrics))
     if html:
-        from mirageflow.report_html import render_html
+        from mirageflow.report.html import render_html
 
         atomic_write_text(Path(state_dir) / "report.html", render_html(metrics, state_dir))
     bad = [x for x in metrics["aggregate"]["damaged_state_files"] if x["file"] == "status.json"]

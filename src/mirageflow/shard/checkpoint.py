@@ -63,8 +63,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mirageflow.config import records_identity
-from mirageflow.data.writers import atomic_write_json, atomic_write_text, write_part
-from mirageflow.samples import record_unit
+from mirageflow.data.writers import write_part
+from mirageflow.files import atomic_write_json, atomic_write_text
+from mirageflow.prompts.samples import record_unit
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ class Checkpoint:
 
     def __init__(self, shard_dir: Path, fingerprint: str, outputs: dict[int, tuple[Path, str]], samples: int = 1):
         """``samples``: records per row (n_samples); above 1 every index here is a unit,
-        ``source_index * samples + sample_index`` (mirageflow/samples.py)."""
+        ``source_index * samples + sample_index`` (mirageflow/prompts/samples.py)."""
         self.shard_dir = Path(shard_dir)
         self.samples = samples
         self.path = self.shard_dir / "checkpoint.json"

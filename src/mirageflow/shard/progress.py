@@ -20,8 +20,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from mirageflow import stats
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class History:
 
 def read_progress(path: str | os.PathLike) -> tuple[dict | None, str | None]:
     """(progress, None); (None, None) when there is no file; (None, why) when it is damaged."""
-    from mirageflow.report import read_state_file
+    from mirageflow.report.aggregate import read_state_file
 
     return read_state_file(path, check_progress)
 

@@ -1,6 +1,6 @@
 """SIGTERM before the time limit for shard jobs that sbatch ``--signal`` cannot reach.
 
-Shard jobs are submitted with ``--signal=TERM@<s>`` (mirageflow.cluster): SLURM signals
+Shard jobs are submitted with ``--signal=TERM@<s>`` (mirageflow.cluster.resources): SLURM signals
 the job's *steps* ``s`` seconds before the limit, and the shard, run by the SLURM plugin's
 ``srun``, commits and writes failure.json. But snakemake-executor-plugin-slurm 2.8 runs the
 first task of every job array without ``srun``, in the batch step, which ``--signal`` does
@@ -30,7 +30,7 @@ import time
 from datetime import datetime
 from typing import Callable, Mapping
 
-from mirageflow.cluster import minutes, term_signal_seconds
+from mirageflow.cluster.resources import minutes, term_signal_seconds
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from mirageflow import stats
+from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def _int(v) -> int:
 
 def run_summary(pipeline, ok: bool, config_hint: str | None = None) -> str:
     """The run's end in a few lines (and one paragraph per failed shard)."""
-    from mirageflow.report import compute_metrics, shard_states
+    from mirageflow.report.aggregate import compute_metrics, shard_states
 
     state_dir = Path(pipeline.state_dir)
     states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds)

@@ -44,7 +44,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from mirageflow.prompts import RowError
+from mirageflow.prompts.templates import RowError
 
 STAGE = "image"
 DEFAULT_MAX_PIXELS = 36_000_000  # 6000 x 6000; Pillow's own bomb check starts at ~89 M

@@ -106,7 +106,7 @@ def term_signal_option(limit_minutes: int) -> str:
 
     No ``B:``: that would signal only the batch shell, which does not pass it on; without
     it SLURM signals every job step, and the shard runs in one (the plugin's ``srun``), except
-    in the first task of a job array, which mirageflow.time_limit covers.
+    in the first task of a job array, which mirageflow.cluster.time_limit covers.
     """
     return f"--signal=TERM@{term_signal_seconds(limit_minutes)}"
 

@@ -46,7 +46,7 @@ import jinja2
 from jinja2.runtime import new_context as _new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mirageflow.prompts import RowError, template_problems
+from mirageflow.prompts.templates import RowError, template_problems
 
 log = logging.getLogger(__name__)
 

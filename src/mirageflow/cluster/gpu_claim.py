@@ -7,7 +7,7 @@ its engine is imported, a shard job that sees more GPUs than it needs (``executi
 else ``tp_size x dp_size``) claims that many: it takes an exclusive ``flock`` on
 ``<lock dir>/mirageflow-gpu-<GPU>.lock`` for the first free ones among the visible GPUs, in
 order, and sets ``CUDA_VISIBLE_DEVICES`` to them. The engine, ``stats.allocated_gpus``
-(num_gpus in the report) and the NVML sampler (mirageflow.gpu) then see only the claimed
+(num_gpus in the report) and the NVML sampler (mirageflow.stats.gpu) then see only the claimed
 GPUs. The locks belong to the process: the kernel releases them when it exits, however it
 exits (no stale claims after a crash or SIGKILL).
 
@@ -204,7 +204,7 @@ def visible_gpus(environ: MutableMapping[str, str], nvml=None) -> tuple[list[str
     NVML sees, named by UUID. Keys are NVML UUIDs where NVML resolves the entry, else the
     entry itself (prefixed ``slurm<job id>-`` inside a SLURM job).
     """
-    from mirageflow.gpu import visible_entries
+    from mirageflow.stats.gpu import visible_entries
 
     nvml = nvml or None  # False: do not ask NVML (tests)
     entries = visible_entries(environ)
@@ -278,6 +278,6 @@ def claim_for_job(
 
 def claim_for_shard(cfg, environ: MutableMapping[str, str] | None = None, **kwargs) -> GpuClaim | None:
     """``claim_for_job`` with the shard's GPU count (execution_params.gpus, else tp_size x dp_size)."""
-    from mirageflow.cluster import shard_gpus
+    from mirageflow.cluster.resources import shard_gpus
 
     return claim_for_job(shard_gpus(cfg), environ, **kwargs)

@@ -13,9 +13,9 @@ import json
 import logging
 from pathlib import Path
 
-from mirageflow import stats
-from mirageflow.report import DAMAGED_CONSEQUENCE, _is_num, damaged_note, read_state_file, scope_sentence
-from mirageflow.slurm_accounting import html_section
+from mirageflow.stats import formulas as stats
+from mirageflow.report.aggregate import DAMAGED_CONSEQUENCE, _is_num, damaged_note, read_state_file, scope_sentence
+from mirageflow.report.slurm_accounting import html_section
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | No
 
 def load_histories(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
     """Each shard's progress samples (progress.json ``history``: [seconds, rows, tokens]) with its start time."""
-    from mirageflow.progress import check_progress
+    from mirageflow.shard.progress import check_progress
 
     out = []
     for shard_id in shard_ids:

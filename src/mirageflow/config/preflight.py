@@ -37,7 +37,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from mirageflow import python_steps
+from mirageflow.prompts import python_steps
 from mirageflow.config import ConfigError, PipelineConfig, load_config
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 
@@ -296,7 +296,7 @@ def _key_paths(value: Any, prefix: str = "", depth: int = 3) -> list[str]:
 
 
 def _key_problems(cfg: PipelineConfig, ds, sample: list[dict]) -> list[str]:
-    from mirageflow.prompts import compile_jmespath
+    from mirageflow.prompts.templates import compile_jmespath
 
     problems = []
     for j, var in enumerate(cfg.inputs):
@@ -432,7 +432,7 @@ def _custom_problems(i: int, proc: dict) -> list[str]:
 
 def _vision_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[str]:
     """Image inputs sent to a model whose config.json declares no vision tower (a text-only model)."""
-    from mirageflow.images import is_vision_model
+    from mirageflow.prompts.images import is_vision_model
 
     images = [(j, v) for j, v in enumerate(cfg.inputs) if v.type == "image"]
     served = any(o.processor == proc["type"] for o in cfg.outputs)
@@ -477,7 +477,7 @@ def _context_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[s
 
 
 def _owner_problems(cfg: PipelineConfig) -> list[str]:
-    from mirageflow import pipeline_state
+    from mirageflow.state import pipeline as pipeline_state
 
     try:
         pipeline_state.check_output_owners(cfg)

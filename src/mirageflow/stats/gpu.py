@@ -209,7 +209,7 @@ class GpuSampler:
     # ------------------------------------------------------------------ sampling
 
     def start(self, background: bool = True) -> None:
-        from mirageflow.stats import utc_now
+        from mirageflow.stats.formulas import utc_now
 
         opened = self._open()
         if not (opened and self.sample_enabled and self.devices):

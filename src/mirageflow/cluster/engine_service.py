@@ -44,8 +44,8 @@ import time
 import traceback
 from pathlib import Path
 
-from mirageflow import stats
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Completion, Engine, Request, create_engine
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class EngineService:
                 return 422, {"error": f"{type(e).__name__}: {e}"}
         request = Request(**msg["request"])
         if request.images:  # sent as JSON by engines/shared.py: the bytes in base64
-            from mirageflow.images import CanonicalImage
+            from mirageflow.prompts.images import CanonicalImage
 
             request.images = [CanonicalImage(**{**i, "data": base64.b64decode(i["data"])}) for i in request.images]
         try:

@@ -33,7 +33,7 @@ import socket
 from pathlib import Path
 from typing import Iterable
 
-from mirageflow.data.writers import atomic_write_bytes
+from mirageflow.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

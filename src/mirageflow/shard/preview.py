@@ -25,10 +25,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from mirageflow import python_steps
+from mirageflow.prompts import python_steps
 from mirageflow.engines.base import Engine, EngineInfo, create_engine, resolve_backend
-from mirageflow.images import RowImages
-from mirageflow.prompts import Extractor, RecordRenderer, RowError
+from mirageflow.prompts.images import RowImages
+from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
 from mirageflow.shard.steps import OutputStep
 
 DEFAULT_ROWS = 3
@@ -123,7 +123,7 @@ def _error(e: RowError) -> dict:
 
 
 async def _preview_row(row, extract, steps: list[OutputStep], render, generate: bool, images=None) -> dict:
-    """``images``: variables -> the row's loaded image inputs (mirageflow.images), when the config has any."""
+    """``images``: variables -> the row's loaded image inputs (mirageflow.prompts.images), when the config has any."""
     out: dict[str, Any] = {"source_index": row.index, "variables": None, "outputs": [], "record": None, "error": None}
     try:
         if isinstance(row.value, RowError):
