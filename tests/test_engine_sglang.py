@@ -253,11 +253,18 @@ def test_stop_fails_outstanding_and_later_requests(fake_sglang, monkeypatch):
     engine = SGLangEngine(processor(extra={"max_running_requests": 2}))
     engine.load()
     try:
-        threading.Timer(0.1, engine.stop).start()
-        t0 = time.monotonic()
+        def stop_once_running():  # not on a timer: under load the timer fired before any request
+            deadline = time.monotonic() + 30
+            while not (fake_sglang.ENGINES and fake_sglang.ENGINES[0].running) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            stopped_at.append(time.monotonic())
+            engine.stop()
+
+        stopped_at = []
+        threading.Thread(target=stop_once_running, daemon=True).start()
         with pytest.raises(EngineStopped):
             drive(engine, [req(i) for i in range(20)])
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - stopped_at[0] < 2
         with pytest.raises(EngineStopped):
             engine.generate([req(99)])
     finally:
