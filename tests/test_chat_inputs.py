@@ -16,7 +16,7 @@ import pytest
 from fakes.fake_http import FakeServer
 from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
-from mirageflow.config import ConfigError, load_config
+from mirageflow.config import ConfigError, ServerArgs, load_config
 from mirageflow.prompts.templates import PromptBuilder, RowError, conversation_messages
 
 OPENAI = [
@@ -141,7 +141,7 @@ def test_transformers_renders_the_whole_conversation_through_the_chat_template(t
     from mirageflow.shard.steps import OutputStep
 
     cfg = load_config(pipeline_dict([{"name": "a", "conversation": "conv"}], {"backend": "transformers", "server_args": {"model_path": str(tiny_model)}}), check_paths=False)
-    engine = TransformersEngine({"model_path": str(tiny_model)}, batch_size=1, torch_threads=1)
+    engine = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=1, torch_threads=1)
     engine.load()
     try:
         step = OutputStep(cfg.outputs[0], cfg.processors["llm"], engine)

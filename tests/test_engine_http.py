@@ -14,8 +14,8 @@ import pytest
 
 from fakes import alive, drive, stand_in_command
 from fakes.fake_http import Behaviour, FakeServer
-from mirageflow.config import ConfigError, ProcessorConfig, load_config
-from mirageflow.engines.base import Request
+from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
+from mirageflow.engines.wire import Request
 from mirageflow.engines.http import EngineError, backoff_delay, parse_prometheus, redact
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.sglang_server import SGLangServerEngine, ServerDied, server_flags
@@ -34,7 +34,7 @@ def processor(backend="sglang_server", model="org/model", extra=None, apply_chat
                    "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
     server_args.update(fields.pop("server_args", {}))
     defaults = dict(
-        type="llm", backend=backend, server_args=server_args, sampling_params={}, chat_template_kwargs={},
+        type="llm", backend=backend, server_args=ServerArgs(**server_args), sampling_params={}, chat_template_kwargs={},
         apply_chat_template=apply_chat_template, torch_threads=None, server_command=stand_in_command(),
         server_start_timeout=10.0, request_timeout=10.0, max_retries=3,
     )  # fmt: skip

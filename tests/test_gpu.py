@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from mirageflow.config import ServerArgs
 from mirageflow.stats import gpu
 from mirageflow.stats import formulas as stats
 
@@ -330,9 +332,8 @@ def test_shard_records_gpu_stats_hardware_samples_and_roofline(tmp_path, nvml, m
     with open(model / "model.safetensors", "wb") as f:  # sparse: the size is what counts
         f.truncate(8_044_936_192)
     cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
-    cfg.raw["stats"] = True
     object.__setattr__(cfg, "stats", True)
-    object.__setattr__(cfg, "processors", {"llm": type(cfg.processors["llm"])(**{**vars(cfg.processors["llm"]), "server_args": {"model_path": str(model)}})})
+    object.__setattr__(cfg, "processors", {"llm": dataclasses.replace(cfg.processors["llm"], server_args=ServerArgs(str(model)))})
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "one two three"))
     st = status["stats"]
     assert st["num_gpus"] == 1

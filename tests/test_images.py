@@ -21,8 +21,8 @@ from conftest import run_workflow
 from fakes import drive, stand_in_command
 from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.prompts import images
-from mirageflow.config import ConfigError, ProcessorConfig, load_config
-from mirageflow.engines.base import Request
+from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
+from mirageflow.engines.wire import Request
 from mirageflow.prompts.templates import RowError
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
@@ -221,7 +221,7 @@ def test_openai_sends_content_parts_with_data_uris(monkeypatch):
     server = FakeServer(Behaviour()).start()
     a, b = _img(RED), _img(BLUE)
     try:
-        proc = ProcessorConfig(type="llm", backend="openai", server_args={"model_path": "m"}, sampling_params={},
+        proc = ProcessorConfig(type="llm", backend="openai", server_args=ServerArgs("m"), sampling_params={},
                                chat_template_kwargs={}, apply_chat_template=True, torch_threads=None,
                                base_url=server.url + "/v1", request_timeout=10.0, max_retries=0)  # fmt: skip
         engine = OpenAIEngine(proc)
@@ -248,7 +248,7 @@ def test_openai_sends_content_parts_with_data_uris(monkeypatch):
 
 def _sglang_processor(model, backend="sglang", **fields) -> ProcessorConfig:
     args = {"model_path": str(model), "tp_size": 1, "dp_size": 1, "trust_remote_code": False, "extra_engine_args": {}}
-    return ProcessorConfig(type="llm", backend=backend, server_args=args, sampling_params={}, chat_template_kwargs={},
+    return ProcessorConfig(type="llm", backend=backend, server_args=ServerArgs(**args), sampling_params={}, chat_template_kwargs={},
                            apply_chat_template=True, torch_threads=None, **fields)  # fmt: skip
 
 
@@ -320,7 +320,7 @@ def tiny_vlm(tmp_path_factory) -> Path:
 def test_tiny_vlm_generates_from_images_on_the_cpu(tiny_vlm):
     from mirageflow.engines.transformers_engine import TransformersEngine
 
-    engine = TransformersEngine({"model_path": str(tiny_vlm)}, batch_size=4)
+    engine = TransformersEngine(ServerArgs(str(tiny_vlm)), batch_size=4)
     engine.load()
     try:
         assert type(engine.model).__name__ == "LlavaForConditionalGeneration"

@@ -302,7 +302,7 @@ def test_native_n_on_a_server_without_n_fails_the_shard_naming_the_key(tmp_path)
 )
 def test_native_n_refuses_choices_that_are_not_one_per_sample(tmp_path, monkeypatch, choices):
     from mirageflow.engines import openai_engine
-    from mirageflow.engines.base import Request
+    from mirageflow.engines.wire import Request
     from mirageflow.engines.http import EngineError
 
     class Answer:

@@ -9,7 +9,8 @@ import pytest
 from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.files import atomic_write_json
-from mirageflow.engines.base import Completion, Engine, EngineInfo
+from mirageflow.engines.base import Engine
+from mirageflow.engines.wire import Completion, EngineInfo
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
 

@@ -20,7 +20,9 @@ from conftest import REPO, run_workflow
 
 from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config
-from mirageflow.engines.base import EngineError, Request, create_engine
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.registry import create_engine
+from mirageflow.engines.wire import Request
 from mirageflow.engines.shared import SharedEngine
 
 

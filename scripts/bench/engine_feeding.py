@@ -134,7 +134,7 @@ def run_ours(rows, lengths, args, tokenizer, work: Path, python_step: bool = Fal
 def run_baseline(rows, lengths, args, tokenizer, work: Path) -> dict:
     """One blocking call per batch of 64: the same prompts, the same engine."""
     from mirageflow.config import load_config
-    from mirageflow.engines.base import Request
+    from mirageflow.engines.wire import Request
     from mirageflow.prompts.templates import Extractor, PromptBuilder
 
     data = C.write_jsonl(work / "data_baseline.jsonl", rows)

@@ -238,7 +238,7 @@ def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) 
     from mirageflow.shard import ShardInterrupted
     from mirageflow.shard import run_shard as run
 
-    hf_home = cfg.raw["execution_params"].get("hf_home")
+    hf_home = cfg.execution.hf_home
     if hf_home:  # before transformers/sglang read it at import
         os.environ["HF_HOME"] = os.path.expanduser(hf_home)
     try:
@@ -259,7 +259,7 @@ def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
 
     claim_for_shard(cfg)  # the engine holds the GPUs its shards would have claimed
     arm_time_limit_signal()
-    hf_home = cfg.raw["execution_params"].get("hf_home")
+    hf_home = cfg.execution.hf_home
     if hf_home:
         os.environ["HF_HOME"] = os.path.expanduser(hf_home)
     from mirageflow.cluster import engine_service

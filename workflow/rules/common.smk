@@ -73,7 +73,7 @@ def model_inputs():
     """Local model directories the shards need; the demo model is built by a rule."""
     paths = []
     for proc in PIPELINE.processors.values():
-        path = proc.server_args["model_path"]
+        path = proc.server_args.model_path
         if os.path.normpath(path) == SMOLLM2_DIR or os.path.isdir(path):
             paths.append(path)
     return paths

@@ -17,7 +17,7 @@ no server dependency; the requests are ours, on loopback):
 - ``GET /info``: per processor its ``EngineInfo``, ``max_inflight`` and the chat template
   (``ChatTemplate.spec``, so shards render prompts without loading a tokenizer).
 - ``POST /generate`` ``{"processor", "request"}`` -> ``{"completion"}``: the fields of
-  engines.base.Request / Completion, so token ids, BOS handling, JSON grammar and
+  engines.wire.Request / Completion, so token ids, BOS handling, JSON grammar and
   reasoning stay the in-process engine's. An engine exception -> 500 ``{"error"}``.
 - ``POST /chat_prompt`` ``{"processor", "messages", "kwargs"}`` -> ``{"prompt"}`` (when
   the template has no portable fast path); 422 ``{"error"}`` when the template refuses.
@@ -44,9 +44,13 @@ import time
 import traceback
 from pathlib import Path
 
+from mirageflow.config.types import PipelineConfig, ProcessorConfig
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
-from mirageflow.engines.base import Completion, Engine, Request, create_engine
+from mirageflow.engines import registry
+from mirageflow.engines.base import Engine
+from mirageflow.engines.registry import create_engine
+from mirageflow.engines.wire import Completion, Request
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +66,16 @@ def stats_path(state_dir: str | Path, group: int) -> Path:
     return Path(state_dir) / "engines" / f"engine_{group}.stats.json"
 
 
-def served_processors(cfg) -> list[str]:
-    """Processors an engine service loads: those the outputs use, except API backends
-    (openai: the shard calls the remote server itself, nothing to load)."""
+def served_processors(cfg: PipelineConfig) -> list[str]:
+    """Processors an engine service loads: those the outputs use whose backend loads a model
+    (not a remote server's API, as openai: the shard calls it itself, nothing to load)."""
     used = sorted({o.processor for o in cfg.outputs if o.processor in cfg.processors})
-    return [name for name in used if cfg.processors[name].backend != "openai"]
+    return [name for name in used if registry.capabilities(cfg.processors[name].backend).loads_model]
 
 
-def group_of(cfg, shard_id: int) -> int | None:
+def group_of(cfg: PipelineConfig, shard_id: int) -> int | None:
     """The engine group of ``shard_id``, or None when its shards load their own engines."""
-    k = cfg.raw["execution_params"].get("shards_per_engine", 1)
+    k = cfg.execution.shards_per_engine
     if k <= 1 or not served_processors(cfg):
         return None
     return shard_id // k
@@ -110,24 +114,22 @@ def shared_engine_summary(state_dir: str | Path, statuses: list[dict]) -> dict |
     }
 
 
-def shared_engine_factory(cfg, endpoint: str | Path):
+def shared_engine_factory(cfg: PipelineConfig, endpoint: str | Path):
     """The shard runner's engine factory for a shard served by the engine service of
     ``endpoint``: engines/shared.py for the served processors, ``create_engine`` for the
     others (openai)."""
-    from mirageflow.engines.base import engine_class
-
     served = set(served_processors(cfg))
 
-    def factory(processor, batch_size, log_dir=None):
+    def factory(processor: ProcessorConfig, batch_size: int, log_dir=None) -> Engine:
         if processor.type not in served:
             return create_engine(processor, batch_size, log_dir=log_dir)
-        return engine_class("shared")(processor, batch_size, log_dir=log_dir, endpoint=endpoint)
+        return registry.engine_class(registry.SHARED)(processor, batch_size, log_dir=log_dir, endpoint=endpoint)
 
     return factory
 
 
 class EngineService:
-    def __init__(self, cfg, group: int, endpoint: Path, log_path: str | None = None):
+    def __init__(self, cfg: PipelineConfig, group: int, endpoint: Path, log_path: str | None = None):
         self.cfg, self.group, self.endpoint = cfg, group, Path(endpoint)
         self.stats_file = stats_path(cfg.state_dir, group)
         self.log_path = log_path
@@ -196,8 +198,7 @@ class EngineService:
         self.load_seconds = time.monotonic() - t0
         t0 = time.monotonic()
         for engine in self.engines.values():
-            if callable(getattr(engine, "warmup", None)):
-                engine.warmup()
+            engine.warmup()  # a no-op unless the engine warms_up
         self.warmup_seconds = time.monotonic() - t0
         for name, engine in self.engines.items():
             self.templates[name] = _template_spec(engine)
@@ -218,7 +219,7 @@ class EngineService:
         if self.state != "ready":
             return 503, {"state": self.state, "error": self.error}
         if path == "/info" and method == "GET":
-            k, n = self.cfg.raw["execution_params"].get("shards_per_engine", 1), self.cfg.num_shards
+            k, n = self.cfg.execution.shards_per_engine, self.cfg.num_shards
             return 200, {
                 "group": self.group, "stats_file": str(self.stats_file),
                 # the GPUs this service holds and the shards sharing them (the last group may
@@ -335,9 +336,9 @@ class EngineService:
 def _template_spec(engine: Engine) -> dict | None:
     """The chat template as ``ChatTemplate.spec`` gives it, when the engine templates with
     the default (tokenizer) path; None -> shards ask /chat_prompt."""
-    from mirageflow.engines.base import ChatTemplate
+    from mirageflow.engines.chat_template import ChatTemplate
 
-    if type(engine).chat_prompt is not Engine.chat_prompt or getattr(engine, "tokenizer", None) is None:
+    if type(engine).chat_prompt is not Engine.chat_prompt or engine.tokenizer is None:
         return None
     return ChatTemplate(engine.tokenizer).spec()
 
@@ -346,7 +347,7 @@ def _jsonable(value):
     return json.loads(json.dumps(value, default=str))
 
 
-def run(cfg, group: int, endpoint: str, log_path: str | None = None) -> None:
+def run(cfg: PipelineConfig, group: int, endpoint: str, log_path: str | None = None) -> None:
     """The engine job: serve group ``group`` until SIGTERM; raises when loading failed."""
     service = EngineService(cfg, group, Path(endpoint), log_path)
 

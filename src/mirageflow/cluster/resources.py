@@ -21,6 +21,8 @@ import math
 import re
 from typing import Any, Callable
 
+from mirageflow.config.types import ExecutionParams, PipelineConfig, ProcessorConfig
+
 # [D-]HH:MM:SS, as sbatch --time takes it (the schema has the same pattern).
 _TIME_RE = re.compile(r"(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})")
 _MEM_RE = re.compile(r"(\d+)([KMGT]?)")
@@ -142,22 +144,22 @@ def execution_problems(ep: dict, where: str = "execution_params") -> list[str]:
     return problems
 
 
-def _gpus(ep: dict, processors: dict) -> int:
-    gpus = ep.get("gpus")
+def _gpus(ep: ExecutionParams, processors: dict[str, ProcessorConfig]) -> int:
+    gpus = ep.gpus
     if gpus is None:  # tp_size null (= the GPUs the job holds) counts as 1 here
         gpus = max(
-            ((p.server_args.get("tp_size") or 1) * (p.server_args.get("dp_size") or 1) for p in processors.values()),
+            ((p.server_args.tp_size or 1) * (p.server_args.dp_size or 1) for p in processors.values()),
             default=1,
         )
-    if ep.get("gres"):
-        counted = _GRES_GPUS_RE.fullmatch(ep["gres"])
+    if ep.gres:
+        counted = _GRES_GPUS_RE.fullmatch(ep.gres)
         gpus = int(counted.group(1)) if counted else gpus
     return gpus
 
 
-def shard_gpus(pipeline: Any) -> int:
+def shard_gpus(pipeline: PipelineConfig) -> int:
     """GPUs a shard job asks for: execution_params.gpus (or the gres count), else tp_size x dp_size."""
-    return _gpus(pipeline.raw["execution_params"], pipeline.processors)
+    return _gpus(pipeline.execution, pipeline.processors)
 
 
 def runtime(base: int, cap: float) -> Callable:
@@ -169,7 +171,7 @@ def runtime(base: int, cap: float) -> Callable:
     return runtime
 
 
-def cluster_resources(pipeline: Any, job: str) -> dict:
+def cluster_resources(pipeline: PipelineConfig, job: str) -> dict:
     """SLURM resources of a shard job (job="shard"), an index job (job="index") or an
     engine service (job="engine", execution_params.shards_per_engine > 1).
 
@@ -178,40 +180,40 @@ def cluster_resources(pipeline: Any, job: str) -> dict:
     """
     if job not in ("shard", "index", "engine"):
         raise ValueError(f"job must be 'shard', 'index' or 'engine', not {job!r}")
-    ep = pipeline.raw["execution_params"]
+    ep = pipeline.execution
     # With shards_per_engine > 1 the engine job (engine_service.py) holds the GPUs, CPUs
     # and memory; its shards, in the same group job, are light clients. Snakemake sums
     # the resources of a service and its consumers.
-    shared = ep.get("shards_per_engine", 1) > 1
-    base = minutes(ep["time_limit"])
-    cap = minutes(ep["max_time_limit"]) if ep.get("max_time_limit") else math.inf
+    shared = ep.shards_per_engine > 1
+    base = minutes(ep.time_limit)
+    cap = minutes(ep.max_time_limit) if ep.max_time_limit else math.inf
     if job == "index":
         base = min(base, INDEX_MAX_MINUTES)
     res: dict[str, Any] = {"runtime": runtime(base, cap)}
-    if ep.get("account"):
-        res["slurm_account"] = ep["account"]
-    if ep.get("partition"):
-        res["slurm_partition"] = ep["partition"]
-    if ep.get("qos"):
-        res["qos"] = ep["qos"]
-    extra = [f"--reservation={ep['reservation']}"] if ep.get("reservation") else []
+    if ep.account:
+        res["slurm_account"] = ep.account
+    if ep.partition:
+        res["slurm_partition"] = ep.partition
+    if ep.qos:
+        res["qos"] = ep.qos
+    extra = [f"--reservation={ep.reservation}"] if ep.reservation else []
     if job == "index" or (job == "shard" and shared):  # light: 1 CPU, no GPU, the default memory
         res["cpus_per_task"] = 1
     else:
         gpus = _gpus(ep, pipeline.processors)
-        if ep.get("gres"):
-            res["gres"] = ep["gres"]
+        if ep.gres:
+            res["gres"] = ep.gres
         elif gpus:
             res["gpu"] = gpus
-        res["cpus_per_task"] = ep.get("cpus_per_task") or (8 * gpus if gpus else 1)
-        if ep.get("mem") is not None:
-            res["mem_mb"] = mem_mb(ep["mem"])
-        if ep.get("constraint"):
-            res["constraint"] = ep["constraint"]
+        res["cpus_per_task"] = ep.cpus_per_task or (8 * gpus if gpus else 1)
+        if ep.mem is not None:
+            res["mem_mb"] = mem_mb(ep.mem)
+        if ep.constraint:
+            res["constraint"] = ep.constraint
     if job != "index":
-        if ep.get("slurm_extra"):
-            extra.append(ep["slurm_extra"])
-        if not _SIGNAL_RE.search(ep.get("slurm_extra") or ""):  # the user's own --signal wins
+        if ep.slurm_extra:
+            extra.append(ep.slurm_extra)
+        if not _SIGNAL_RE.search(ep.slurm_extra or ""):  # the user's own --signal wins
             extra.append(term_signal_option(base))
     if extra:
         res["slurm_extra"] = " ".join(extra)

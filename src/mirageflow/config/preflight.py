@@ -37,9 +37,11 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from mirageflow.prompts import python_steps
-from mirageflow.config import ConfigError, PipelineConfig, load_config
+from mirageflow.config.loading import ConfigError, load_config
+from mirageflow.config.types import CustomProcessor, DatasetConfig, PipelineConfig, ProcessorConfig
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
+from mirageflow.engines import registry
+from mirageflow.prompts import python_steps
 
 SAMPLE_ROWS = 20
 COUNT_JSONL_MAX_BYTES = 64 << 20  # newline count of a JSONL file up to this size (~20 ms)
@@ -96,11 +98,12 @@ def preflight_problems(
             f"loading_params.num_shards: {cfg.num_shards} shards, but no dataset has more than {most} rows ({counts}); "
             f"shards beyond {max(most, 1)} would have no rows to process: use num_shards <= {max(most, 1)}"
         )
-    for i, proc in enumerate(cfg.raw["processors"]):
-        if proc["type"] == "custom":
-            problems += _custom_problems(i, proc)
+    processors = sorted([*cfg.processors.values(), *cfg.custom_processors.values()], key=lambda p: p.index)
+    for proc in processors:
+        if isinstance(proc, CustomProcessor):
+            problems += _custom_problems(proc)
         else:
-            problems += _processor_problems(cfg, i, proc, environ, built_models)
+            problems += _processor_problems(cfg, proc, environ, built_models)
     problems += _owner_problems(cfg)
     problems += _json_prefix_problems(cfg)
     problems += dedup_problems(cfg)
@@ -141,7 +144,7 @@ def _head(path: str, n: int = 4) -> bytes | None:
         return None
 
 
-def _inspect_dataset(ds, where: str) -> tuple[list[str], list[dict], int | None]:
+def _inspect_dataset(ds: DatasetConfig, where: str) -> tuple[list[str], list[dict], int | None]:
     """(problems, first rows, row count or an upper bound, None when unknown)."""
     try:
         if ds.type == "jsonl":
@@ -243,7 +246,7 @@ def _inspect_parquet(path: str, where: str) -> tuple[list[str], list[dict], int 
     return [], rows, count
 
 
-def _inspect_loadable(ds, where: str) -> tuple[list[str], list[dict], int | None]:
+def _inspect_loadable(ds: DatasetConfig, where: str) -> tuple[list[str], list[dict], int | None]:
     """A save_to_disk directory, read with pyarrow (no `datasets` import: it costs seconds)."""
     root = Path(ds.path)
     split_dir = root
@@ -274,7 +277,7 @@ def _inspect_loadable(ds, where: str) -> tuple[list[str], list[dict], int | None
     return [], rows, count
 
 
-def _indexed_rows(cfg: PipelineConfig, ds) -> int | None:
+def _indexed_rows(cfg: PipelineConfig, ds: DatasetConfig) -> int | None:
     """The row count from this dataset's index, when it exists for this path (built by the index rule)."""
     try:
         header = json.loads((Path(cfg.state_dir) / "datasets" / f"dataset_{ds.index}.index.json").read_text())
@@ -295,7 +298,7 @@ def _key_paths(value: Any, prefix: str = "", depth: int = 3) -> list[str]:
     return out
 
 
-def _key_problems(cfg: PipelineConfig, ds, sample: list[dict]) -> list[str]:
+def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) -> list[str]:
     from mirageflow.prompts.templates import compile_jmespath
 
     problems = []
@@ -339,7 +342,7 @@ def _key_problems(cfg: PipelineConfig, ds, sample: list[dict]) -> list[str]:
 
 
 def _hub_cache(cfg: PipelineConfig, environ: Mapping[str, str]) -> Path:
-    hf_home = cfg.raw["execution_params"].get("hf_home")
+    hf_home = cfg.execution.hf_home
     if hf_home:
         return Path(os.path.expanduser(hf_home)) / "hub"
     if environ.get("HF_HUB_CACHE"):
@@ -372,19 +375,19 @@ def model_context(model_dir: Path) -> tuple[int, str] | None:
     return None
 
 
-def _processor_problems(cfg, i: int, proc: dict, environ: Mapping[str, str], built_models: tuple[str, ...]) -> list[str]:
-    where = f"processors[{i}]"
+def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Mapping[str, str], built_models: tuple[str, ...]) -> list[str]:
+    where = f"processors[{proc.index}]"
     problems = []
-    if proc["backend"] == "openai":
-        name = proc.get("api_key_env")
+    if not registry.capabilities(proc.backend).loads_model:  # a remote server: its API key, no model files
+        name = proc.api_key_env
         if name and not environ.get(name):
             problems.append(
                 f"{where}.api_key_env: environment variable ${name} is not set (or empty) here; the jobs inherit this "
                 f"environment: export {name}=... before starting the run"
             )
         return problems  # model_path is a name the server knows, not a local directory
-    args = proc["server_args"]
-    path = os.path.expanduser(args["model_path"])
+    model_path = proc.server_args.model_path
+    path = os.path.expanduser(model_path)
     model_dir: Path | None = None
     if os.path.normpath(path) in {os.path.normpath(m) for m in built_models}:
         model_dir = Path(path) if (Path(path) / "config.json").is_file() else None  # built by a rule otherwise
@@ -398,57 +401,57 @@ def _processor_problems(cfg, i: int, proc: dict, environ: Mapping[str, str], bui
             model_dir = Path(path)
     elif os.path.exists(path):
         problems.append(f"{where}.server_args.model_path: '{path}' is a file, not a model directory")
-    elif _HUB_ID.match(args["model_path"]) and not args["model_path"].startswith("."):
+    elif _HUB_ID.match(model_path) and not model_path.startswith("."):
         cache = _hub_cache(cfg, environ)
-        model_dir = _cached_model(cache, args["model_path"])
+        model_dir = _cached_model(cache, model_path)
         if model_dir is None:
             problems.append(
-                f"{where}.server_args.model_path: '{args['model_path']}' is not a directory, and this Hugging Face model "
+                f"{where}.server_args.model_path: '{model_path}' is not a directory, and this Hugging Face model "
                 f"id is not in the local cache ({cache}). No hub is reachable from the jobs and nothing is downloaded "
                 "(the schema: models are local): download it where a hub is reachable (huggingface-cli download "
-                f"{args['model_path']} --local-dir DIR), then set model_path to DIR"
+                f"{model_path} --local-dir DIR), then set model_path to DIR"
             )
     else:
         problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
-    problems += _context_problems(cfg, i, proc, model_dir)
-    problems += _vision_problems(cfg, i, proc, model_dir)
+    problems += _context_problems(cfg, proc, model_dir)
+    problems += _vision_problems(cfg, proc, model_dir)
     return problems
 
 
-def _custom_problems(i: int, proc: dict) -> list[str]:
+def _custom_problems(proc: CustomProcessor) -> list[str]:
     """A custom processor's script imports and defines its function (the import runs the
     script's top level here, once, as every worker will)."""
-    path = os.path.expanduser(proc.get("script_path") or "")
-    if not proc.get("function_name") or not os.path.isfile(path):
+    path = proc.script_path  # expanded by load_config
+    if not proc.function_name or not os.path.isfile(path):
         return []  # load_config reported it
     try:
-        python_steps.load_function(path, proc["function_name"])
+        python_steps.load_function(path, proc.function_name)
     except (AttributeError, TypeError) as e:
-        return [f"processors[{i}].function_name: {e}"]
+        return [f"processors[{proc.index}].function_name: {e}"]
     except (Exception, SystemExit) as e:  # the user's script: a SyntaxError, an ImportError, a sys.exit at import
-        return [f"processors[{i}].script_path: cannot import '{path}': {type(e).__name__}: {e}"]
+        return [f"processors[{proc.index}].script_path: cannot import '{path}': {type(e).__name__}: {e}"]
     return []
 
 
-def _vision_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[str]:
+def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path | None) -> list[str]:
     """Image inputs sent to a model whose config.json declares no vision tower (a text-only model)."""
     from mirageflow.prompts.images import is_vision_model
 
     images = [(j, v) for j, v in enumerate(cfg.inputs) if v.type == "image"]
-    served = any(o.processor == proc["type"] for o in cfg.outputs)
+    served = any(o.processor == proc.type for o in cfg.outputs)
     if not images or not served or model_dir is None or is_vision_model(model_dir) is not False:
         return []
     return [
-        f"processing_params.inputs[{j}].type: image input '{v.name}', but processors[{i}].server_args.model_path "
-        f"'{proc['server_args']['model_path']}' is a text-only model (its config.json declares no vision tower): "
+        f"processing_params.inputs[{j}].type: image input '{v.name}', but processors[{proc.index}].server_args.model_path "
+        f"'{proc.server_args.model_path}' is a text-only model (its config.json declares no vision tower): "
         "use a vision-language model, or drop the image input"
         for j, v in images
     ]
 
 
-def _context_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[str]:
-    args = proc["server_args"]
-    given = (args.get("extra_engine_args") or {}).get("context_length") or args.get("context_length")
+def _context_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path | None) -> list[str]:
+    i = proc.index
+    given = proc.server_args.extra_engine_args.get("context_length")
     if isinstance(given, int) and given > 0:
         context, source = given, f"processors[{i}].server_args.extra_engine_args.context_length"
     else:
@@ -456,11 +459,11 @@ def _context_problems(cfg, i: int, proc: dict, model_dir: Path | None) -> list[s
         if found is None:
             return []
         context, source = found
-    default = proc["default_sampling_params"].get("max_new_tokens")
+    default = proc.sampling_params.get("max_new_tokens")
     checks = [(f"processors[{i}].default_sampling_params.max_new_tokens", default if default is not None else DEFAULT_MAX_NEW_TOKENS, default is None)]
-    for j, out in enumerate(cfg.raw["processing_params"]["outputs"]):
-        value = (out.get("sampling_params") or {}).get("max_new_tokens")
-        if value is not None and out.get("type", "llm") == proc["type"]:
+    for j, out in enumerate(cfg.outputs):
+        value = out.sampling_params.get("max_new_tokens")
+        if value is not None and out.processor == proc.type:
             checks.append((f"processing_params.outputs[{j}].sampling_params.max_new_tokens", value, False))
     problems = []
     for where, value, implicit in checks:

@@ -48,9 +48,11 @@ import json
 import logging
 import os
 
-from mirageflow.engines.base import Completion, EngineInfo, Request
+from mirageflow.config.types import ProcessorConfig
+from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.prompts.images import openai_messages
-from mirageflow.engines.http import FATAL_STATUS, EngineError, LoopEngine, error_message, post_with_retries, redact_text, rejected
+from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, redact_text, rejected
+from mirageflow.engines.loop import LoopEngine
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +85,17 @@ def finish_reason(value) -> str:
 
 class OpenAIEngine(LoopEngine):
     templates_server_side = True  # the runner sends Request.messages; chat_prompt is not used
+    native_n = True  # one request with n (native_samples: unless processors[].native_n is false)
+    loads_model = False  # the server at base_url has the model; model_path is its name
+    needs_base_url = True
     retry_base_delay = 0.5
     retry_max_delay = 30.0
 
-    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+    def __init__(self, processor: ProcessorConfig, batch_size: int = 32, log_dir=None):
         super().__init__()
         self.processor = processor
         self.base_url = (processor.base_url or "").rstrip("/")
-        self.model = processor.model or processor.server_args["model_path"]
+        self.model = processor.model or processor.server_args.model_path
         self.max_inflight = DEFAULT_MAX_INFLIGHT
         self._client = None
         self._semaphore: asyncio.Semaphore | None = None

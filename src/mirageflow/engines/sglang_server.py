@@ -56,11 +56,12 @@ from collections import deque
 from importlib import metadata
 from pathlib import Path
 
-from mirageflow.engines.base import Completion, EngineInfo, PromptTokenizer, Request
+from mirageflow.config.types import ProcessorConfig, ServerArgs
+from mirageflow.engines.tokens import PromptTokenizer
+from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.engines.http import (
     FATAL_STATUS,
     EngineError,
-    LoopEngine,
     error_kind,
     error_message,
     free_port,
@@ -69,6 +70,7 @@ from mirageflow.engines.http import (
     redact,
     rejected,
 )
+from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
@@ -125,11 +127,11 @@ class SGLangServerEngine(LoopEngine):
     retry_max_delay = 10.0
     host = "127.0.0.1"
 
-    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+    def __init__(self, processor: ProcessorConfig, batch_size: int = 32, log_dir=None):
         super().__init__()
         self.processor = processor
-        self.server_args = dict(processor.server_args)
-        self.extra = dict(self.server_args.get("extra_engine_args") or {})
+        self.server_args = processor.server_args
+        self.extra = dict(self.server_args.extra_engine_args)
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
         self.enable_metrics = bool(self.extra.get("enable_metrics"))
@@ -145,15 +147,15 @@ class SGLangServerEngine(LoopEngine):
         self._closing = False
         self._killed = False
         self._metrics: dict = {}
-        self.image_token = image_token(self.server_args["model_path"])  # the placeholder checked per image request
-        self.info = EngineInfo(backend="sglang_server", model_path=self.server_args["model_path"])
+        self.image_token = image_token(self.server_args.model_path)  # the placeholder checked per image request
+        self.info = EngineInfo(backend="sglang_server", model_path=self.server_args.model_path)
 
     # ------------------------------------------------------------------ start
 
     def build_command(self, port: int) -> list[str]:
         launcher = list(self.processor.server_command or [sys.executable, "-m", "sglang.launch_server"])
-        args = {k: v for k, v in self.server_args.items() if k != "extra_engine_args"}
-        args["tp_size"], args["dp_size"] = resolve_parallelism(args)
+        args = self.server_args.engine_args()
+        args["tp_size"], args["dp_size"] = resolve_parallelism(self.server_args)
         args.update(self.extra)
         model = args.pop("model_path")
         for owned in ("host", "port"):
@@ -193,7 +195,7 @@ class SGLangServerEngine(LoopEngine):
             self._call(self._open_client())
             self.info = EngineInfo(
                 backend="sglang_server",
-                model_path=self.server_args["model_path"],
+                model_path=self.server_args.model_path,
                 versions=self._versions(),
                 device="cuda",
                 details={
@@ -398,10 +400,10 @@ def _request_failure(response) -> bool:
     return response.status_code == 500 and error_kind(error_message(response.content), "") in ("grammar_error", "context_length")
 
 
-def _load_tokenizer(server_args: dict):
+def _load_tokenizer(server_args: ServerArgs):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(server_args["model_path"], trust_remote_code=server_args.get("trust_remote_code", False))
+    return AutoTokenizer.from_pretrained(server_args.model_path, trust_remote_code=server_args.trust_remote_code)
 
 
 def _process_tree(pid: int) -> list:

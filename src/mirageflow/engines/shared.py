@@ -28,8 +28,11 @@ import os
 import socket
 from pathlib import Path
 
-from mirageflow.engines.base import ChatTemplate, Completion, EngineError, EngineInfo, Request
-from mirageflow.engines.http import LoopEngine
+from mirageflow.config.types import ProcessorConfig
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.chat_template import ChatTemplate
+from mirageflow.engines.loop import LoopEngine
+from mirageflow.engines.wire import Completion, EngineInfo, Request
 
 WAIT_SECONDS = 3600.0  # for the service to load (a large model on a slow filesystem); $MIRAGEFLOW_ENGINE_WAIT
 HEARTBEAT_SECONDS = 5.0
@@ -48,14 +51,16 @@ class _RemoteTemplate:
 class SharedEngine(LoopEngine):
     """Requests to the engine service of this shard's group; ``endpoint`` is its endpoint file."""
 
-    def __init__(self, processor, batch_size: int, log_dir=None, endpoint: str | Path | None = None):
+    loads_model = False  # the engine service loaded it (gpu_share: this shard's part of its GPUs, set at load)
+
+    def __init__(self, processor: ProcessorConfig, batch_size: int, log_dir=None, endpoint: str | Path | None = None):
         super().__init__()
         if endpoint is None:
             raise ValueError("the shared engine needs the endpoint file of its engine service")
         self.processor, self.name, self.endpoint = processor, processor.type, Path(endpoint)
         self.max_inflight = 2 * batch_size  # until /info gives the served engine's
         self.wait_seconds = float(os.environ.get("MIRAGEFLOW_ENGINE_WAIT", WAIT_SECONDS))
-        self.info = EngineInfo(backend="shared", model_path=processor.server_args.get("model_path", ""))
+        self.info = EngineInfo(backend="shared", model_path=processor.server_args.model_path)
         self._client = None
         self._heartbeat: asyncio.Task | None = None
         self._service: dict = {}

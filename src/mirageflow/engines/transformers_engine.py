@@ -29,7 +29,10 @@ import threading
 import time
 from collections import deque
 
-from mirageflow.engines.base import Completion, Engine, EngineInfo, EngineStopped, PromptTokenizer, Request
+from mirageflow.config.types import ProcessorConfig, ServerArgs
+from mirageflow.engines.base import Engine, EngineStopped
+from mirageflow.engines.tokens import PromptTokenizer
+from mirageflow.engines.wire import Completion, EngineInfo, Request
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +60,9 @@ def _batch_key(params: dict) -> str:
 
 
 class TransformersEngine(Engine):
-    def __init__(self, processor, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
-        """``processor``: a ProcessorConfig (what create_engine passes), or its server_args dict."""
-        if hasattr(processor, "server_args"):
+    def __init__(self, processor: ProcessorConfig | ServerArgs, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
+        """``processor``: a ProcessorConfig (what create_engine passes), or its server_args."""
+        if isinstance(processor, ProcessorConfig):
             server_args = processor.server_args
             torch_threads = torch_threads or processor.torch_threads
         else:
@@ -75,7 +78,7 @@ class TransformersEngine(Engine):
         self._stopped = threading.Event()
         self._running = 0
         self._grammar_compiler = None  # xgrammar, built at the first JSON request
-        self.info = EngineInfo(backend="transformers", model_path=server_args["model_path"])
+        self.info = EngineInfo(backend="transformers", model_path=server_args.model_path)
 
     # ------------------------------------------------------------------ setup
 
@@ -85,15 +88,15 @@ class TransformersEngine(Engine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(self.threads)
-        extra = dict(self.server_args.get("extra_engine_args") or {})
+        extra = dict(self.server_args.extra_engine_args)
         ignored = sorted(set(extra) - _ENGINE_ARGS)
         if ignored:
             log.info("transformers engine ignores extra_engine_args %s (SGLang options)", ignored)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         # bf16 on GPU; float32 on CPU, where bf16 matmuls are slow without AMX.
         dtype = extra.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
-        path = self.server_args["model_path"]
-        trust = self.server_args.get("trust_remote_code", False)
+        path = self.server_args.model_path
+        trust = self.server_args.trust_remote_code
         # a vision-language model: its processor (images -> pixels, placeholders expanded)
         # and its image-text-to-text class; text-only requests use the same model
         self.processor = _vision_processor(path, trust)
@@ -359,7 +362,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
     processor = engine.processor
     if processor is None:
         return [
-            Completion(r.id, "", 0, 0, "abort", "image_unsupported", f"{engine.server_args['model_path']} is not a vision-language model (no vision tower in its config.json)")
+            Completion(r.id, "", 0, 0, "abort", "image_unsupported", f"{engine.server_args.model_path} is not a vision-language model (no vision tower in its config.json)")
             for r in requests
         ]
     token = getattr(processor, "image_token", None)

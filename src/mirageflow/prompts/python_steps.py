@@ -39,13 +39,12 @@ import logging
 import os
 import re
 import signal
-from dataclasses import dataclass
-from typing import Any
 
 import jinja2
 from jinja2.runtime import new_context as _new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mirageflow.config.types import CustomProcessor, OutputVar
 from mirageflow.prompts.templates import RowError, template_problems
 
 log = logging.getLogger(__name__)
@@ -77,24 +76,6 @@ def predicate_problems(predicate: str, known, where: str, json_fields=None) -> l
     if not expr.strip():
         return [f"{where}: empty predicate (a Jinja2 expression such as 'score > 33')"]
     return template_problems("{{ (" + expr + ") }}", known, where, json_fields)
-
-
-# --------------------------------------------------------------------------- config view
-
-
-@dataclass(frozen=True)
-class CustomProcessor:
-    """``processors[]`` entry of type custom (see the schema for each key)."""
-
-    type: str
-    script_path: str
-    function_name: str
-    max_workers: int = 1
-    start_method: str = "spawn"
-    timeout_ms: int | None = None
-    max_timeouts: int | None = None
-    max_errors: int | None = None
-    fallback_value: Any = None
 
 
 def load_function(script_path: str, function_name: str):
@@ -320,7 +301,7 @@ class FilterStep:
 
     engine = None  # not an LLM step (ShardRunner._row)
 
-    def __init__(self, output):
+    def __init__(self, output: OutputVar):
         self.output = output
         self.where = f"filter '{output.name}'" if output.name else "filter"
         self.predicate = predicate_expression(output.predicate).strip()
@@ -356,7 +337,7 @@ class CustomStep:
 
     engine = None  # not an LLM step (ShardRunner._row)
 
-    def __init__(self, output, pool: FunctionPool):
+    def __init__(self, output: OutputVar, pool: FunctionPool):
         self.output, self.pool = output, pool
         self.where = f"output '{output.name}': {pool.proc.function_name}() of {pool.proc.script_path}"
 
@@ -386,7 +367,7 @@ def close_pools(pools: dict[str, FunctionPool]) -> None:
             log.exception("closing the worker pool of processor '%s' failed", pool.proc.type)
 
 
-def make_step(output, steps_for_llm, pools: dict[str, FunctionPool]):
+def make_step(output: OutputVar, steps_for_llm, pools: dict[str, FunctionPool]):
     """The step of one output: a FilterStep, a CustomStep, or ``steps_for_llm(output)``."""
     if output.kind == "filter":
         return FilterStep(output)

@@ -15,6 +15,7 @@ import socket
 import time
 from pathlib import Path
 
+from mirageflow.config.types import PipelineConfig
 from mirageflow.stats import gpu
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
@@ -31,7 +32,7 @@ SUMMED = (
 
 
 class ShardMetrics:
-    def __init__(self, cfg, attempt: int):
+    def __init__(self, cfg: PipelineConfig, attempt: int):
         self.cfg = cfg
         self.attempt = attempt
         self.started_at, self.t0 = stats.utc_now(), time.monotonic()
@@ -149,12 +150,12 @@ class ShardMetrics:
         """Decode roofline of this attempt's model on its GPUs (one processor, one GPU model), else nulls."""
         names = {g["name"] for g in self.sampler.hardware()["gpus"]}
         procs = list(self.cfg.processors.values())
-        model = stats.model_memory_facts(procs[0].server_args.get("model_path")) if len(procs) == 1 else None
+        model = stats.model_memory_facts(procs[0].server_args.model_path) if len(procs) == 1 else None
         batch = None
         if procs and self.tracker.peak:
             args = procs[0].server_args
-            batch = self.tracker.peak / (args.get("dp_size") or 1)  # sequences per replica
-            cap = (args.get("extra_engine_args") or {}).get("max_running_requests")
+            batch = self.tracker.peak / (args.dp_size or 1)  # sequences per replica
+            cap = args.extra_engine_args.get("max_running_requests")
             batch = min(batch, cap) if cap else batch
         return stats.roofline_figures(
             model, names.pop() if len(names) == 1 else None, self.tracker.peak, self.input_tokens, self.output_tokens,
@@ -166,7 +167,7 @@ class ShardMetrics:
 
     def model_facts(self) -> dict:
         """Weight and KV-cache bytes of each processor's local model dir (for the roofline); null when unknown."""
-        return {name: stats.model_memory_facts(p.server_args.get("model_path")) for name, p in self.cfg.processors.items()}
+        return {name: stats.model_memory_facts(p.server_args.model_path) for name, p in self.cfg.processors.items()}
 
     def write_gpu_samples(self, shard_dir: Path, shard_id: int) -> None:
         timeline = self.sampler.timeline_json()

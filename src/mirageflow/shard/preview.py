@@ -25,8 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
+from mirageflow.config.types import DatasetConfig, PipelineConfig, ProcessorConfig
+from mirageflow.engines import registry
+from mirageflow.engines.base import Engine
+from mirageflow.engines.wire import EngineInfo
 from mirageflow.prompts import python_steps
-from mirageflow.engines.base import Engine, EngineInfo, create_engine, resolve_backend
 from mirageflow.prompts.images import RowImages
 from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
 from mirageflow.shard.steps import OutputStep
@@ -59,12 +62,11 @@ class TemplateOnlyEngine(Engine):
     """The engine's chat template without its model: the tokenizer only (or nothing for an
     OpenAI-compatible server, which templates the messages itself)."""
 
-    def __init__(self, processor):
+    def __init__(self, processor: ProcessorConfig):
         self.processor = processor
-        self.backend = resolve_backend(processor.backend)
-        self.templates_server_side = self.backend == "openai"
-        self.tokenizer = None
-        self.info = EngineInfo(backend=self.backend, model_path=str(processor.server_args.get("model_path")))
+        self.backend = registry.resolve_backend(processor.backend)
+        self.templates_server_side = registry.capabilities(self.backend).templates_server_side
+        self.info = EngineInfo(backend=self.backend, model_path=processor.server_args.model_path)
 
     def load(self) -> None:
         if self.templates_server_side or not self.processor.apply_chat_template:
@@ -72,13 +74,13 @@ class TemplateOnlyEngine(Engine):
         from transformers import AutoTokenizer
 
         args = self.processor.server_args
-        self.tokenizer = AutoTokenizer.from_pretrained(args["model_path"], trust_remote_code=bool(args.get("trust_remote_code", False)))
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model_path, trust_remote_code=args.trust_remote_code)
 
     async def generate_one(self, request):  # pragma: no cover - never called
         raise RuntimeError("a template-only engine does not generate")
 
 
-def first_rows(ds, n: int) -> list:
+def first_rows(ds: DatasetConfig, n: int) -> list:
     """The dataset's first ``n`` rows as SourceRow (a dict, or a RowError for an unreadable row)."""
     from mirageflow.data import readers
 
@@ -167,7 +169,7 @@ async def _preview_row(row, extract, steps: list[OutputStep], render, generate: 
     return out
 
 
-def preview(cfg, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None) -> dict:
+def preview(cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None) -> dict:
     """{"datasets": [{index, path, rows: [...]}], "generated": bool, "engines": {...}}: what the runner would do
     with the first ``rows`` rows of each dataset (and, with ``generate``, what the engine answered)."""
     extract = Extractor(cfg.inputs)
@@ -186,7 +188,7 @@ def preview(cfg, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str 
             pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
         for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
             processor = cfg.processors[name]
-            engine = create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
+            engine = registry.create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
             engines[name] = engine
             engine.load()
         steps = [python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], engines[o.processor]), pools) for o in cfg.outputs]

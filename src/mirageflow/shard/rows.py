@@ -136,7 +136,7 @@ class RowPath:
         except Exception as e:
             error = self.internal_error(row, e)
             return [(k, None, error) for k in todo]
-        tails, native = steps[at:], getattr(step.engine, "native_samples", False)
+        tails, native = steps[at:], step.engine.native_samples
         return await asyncio.gather(
             *(
                 self._outcome(row, k, self._steps(row, tails, dict(variables), images, ds_index, k, (request, completion, k == run[0] or not native)))

@@ -41,7 +41,8 @@ from mirageflow.shard.checkpoint import Checkpoint, Lease, fingerprint
 from mirageflow.config import PipelineConfig
 from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
 from mirageflow.files import atomic_write_json
-from mirageflow.engines.base import Engine, create_engine
+from mirageflow.engines.base import Engine
+from mirageflow.engines.registry import create_engine
 from mirageflow.shard.progress import ProgressReporter
 from mirageflow.prompts.images import RowImages
 from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
@@ -128,16 +129,16 @@ class ShardRunner:
                 engine.load()
             gc.collect()  # what loading left behind, once (counted as load: ~0.3 s with transformers)
         shares = {
-            e.info.details["shared_engine"]["group"]: e.gpu_share for e in self.engines.values() if hasattr(e, "gpu_share")
+            e.info.details["shared_engine"]["group"]: e.gpu_share for e in self.engines.values() if e.gpu_share is not None
         }  # fmt: skip
         if shares:  # served by an engine service: the GPUs are its, this shard counts its share
             self.metrics.num_gpus = sum(shares.values())
-        warmups = [e.warmup for e in self.engines.values() if callable(getattr(e, "warmup", None))]
-        if warmups:  # engines that warm up (compile, capture graphs) before serving
+        warming = [e for e in self.engines.values() if e.warms_up]
+        if warming:  # engines that warm up (compile, capture graphs) before serving
             self.live.set_phase("warmup")
             with self.metrics.timer.phase("warmup"):
-                for warmup in warmups:
-                    warmup()
+                for engine in warming:
+                    engine.warmup()
 
     def _finished(self, ds_index: int, row: SourceRow, record: dict | None, exc: RowError | None, sample: int | None = None) -> None:
         """Book one finished row (its record, FILTERED, or its RowError) with the budget and the commit queue."""

@@ -21,7 +21,9 @@ import json
 from mirageflow.prompts import images as image_inputs
 from mirageflow.prompts import json_output
 from mirageflow.data.readers import lone_surrogate_at
-from mirageflow.engines.base import Completion, Engine, Request
+from mirageflow.config.types import OutputVar, ProcessorConfig
+from mirageflow.engines.base import Engine
+from mirageflow.engines.wire import Completion, Request
 from mirageflow.prompts.templates import PromptBuilder, RowError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -42,7 +44,7 @@ def split_reasoning(text: str) -> tuple[str | None, str, bool]:
 
 
 class OutputStep:
-    def __init__(self, output, processor, engine: Engine):
+    def __init__(self, output: OutputVar, processor: ProcessorConfig, engine: Engine):
         self.output, self.processor, self.engine = output, processor, engine
         self.builder = PromptBuilder(output)
         self.sampling = {**processor.sampling_params, **output.sampling_params}
@@ -51,8 +53,8 @@ class OutputStep:
         self.schema_json = json.dumps(output.schema.json_schema()) if output.is_json else None
         self.validator = output.schema.validator() if output.is_json else None
         # OpenAI-compatible servers apply the chat template themselves.
-        self.server_templates = getattr(engine, "templates_server_side", False)
-        self.keep_reasoning = getattr(output, "keep_reasoning", False)
+        self.server_templates = engine.templates_server_side
+        self.keep_reasoning = output.keep_reasoning
         self.reasoning_name = f"{output.name}_reasoning"
 
     def request(self, rid: int, variables: dict, seed: int | None = None, images: dict | None = None) -> Request:
