@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mirageflow.config.types import PipelineConfig
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # Snakemake failed, or shards failed
 EXIT_USAGE = 2  # bad arguments or config
@@ -106,7 +108,7 @@ def cmd_submit(args) -> int:
     return _run(snakemake_command(args.config, stats=args.stats, profile=profile, extra=args.extra))
 
 
-def retry_plan(cfg, failed_rows: bool) -> dict:
+def retry_plan(cfg: PipelineConfig, failed_rows: bool) -> dict:
     """What `mmirage retry` reruns: unfinished shards always; with failed_rows, done shards with failed rows too."""
     from mirageflow.report.aggregate import shard_states
 
@@ -197,7 +199,7 @@ def cmd_stats(args) -> int:
     return EXIT_OK
 
 
-def status_summary(cfg) -> dict:
+def status_summary(cfg: PipelineConfig) -> dict:
     """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
     from mirageflow.stats import formulas as stats
     from mirageflow.report.aggregate import gpu_hours_remaining, shard_states
@@ -292,7 +294,7 @@ def _warn_damaged(shards: list[dict]) -> None:
             print(f"mmirage: WARNING: {damaged_note(x['path'], x['reason'])}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}", file=sys.stderr)
 
 
-def _missing_state_dir(cfg, config: str) -> str | None:
+def _missing_state_dir(cfg: PipelineConfig, config: str) -> str | None:
     """Why there is nothing to read: the state_dir does not exist (a relative one is relative to the current directory)."""
     path = Path(cfg.state_dir)
     if path.is_dir():

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Callable, MutableMapping, Sequence
 
+from mirageflow.config.types import PipelineConfig
+
 log = logging.getLogger(__name__)
 
 LOCK_DIR_ENV = "MIRAGEFLOW_GPU_LOCK_DIR"
@@ -276,7 +278,7 @@ def claim_for_job(
     return claim
 
 
-def claim_for_shard(cfg, environ: MutableMapping[str, str] | None = None, **kwargs) -> GpuClaim | None:
+def claim_for_shard(cfg: PipelineConfig, environ: MutableMapping[str, str] | None = None, **kwargs) -> GpuClaim | None:
     """``claim_for_job`` with the shard's GPU count (execution_params.gpus, else tp_size x dp_size)."""
     from mirageflow.cluster.resources import shard_gpus
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mirageflow.config.types import DatasetConfig, PipelineConfig
 from mirageflow.data.writers import (
     ColumnNeedsJson,
     PartUnreadable,
@@ -20,14 +21,14 @@ class MergeRefused(RuntimeError):
     pass
 
 
-def _damaged(e: Exception, shard_id: int, cfg) -> MergeRefused:
+def _damaged(e: Exception, shard_id: int, cfg: PipelineConfig) -> MergeRefused:
     return MergeRefused(
         f"{e}. The outputs of shard {shard_id} are damaged: delete {cfg.shard_dir(shard_id)} (its checkpoint) "
         f"and the shard's output directory, rerun the workflow so shard {shard_id} runs again, then merge"
     )
 
 
-def _parquet_plan(parts: dict[int, list[Path]], cfg):
+def _parquet_plan(parts: dict[int, list[Path]], cfg: PipelineConfig):
     """Every non-empty part's schema (from its footer), to plan one merged schema."""
     import pyarrow.parquet as pq
 
@@ -49,7 +50,7 @@ def _check_order(where, idx: list[int], last: int) -> None:
         raise MergeRefused(f"{where}: a source_index appears twice, or in the wrong shard; the shard outputs were mixed up")
 
 
-def _check_count(shard_id: int, found: int, expected: dict[int, int], cfg) -> None:
+def _check_count(shard_id: int, found: int, expected: dict[int, int], cfg: PipelineConfig) -> None:
     """A shard's parts must hold the records its status.json counted (nothing lost or added)."""
     if found != expected[shard_id]:
         raise _damaged(
@@ -57,7 +58,7 @@ def _check_count(shard_id: int, found: int, expected: dict[int, int], cfg) -> No
         )
 
 
-def _parquet_tables(parts: dict[int, list[Path]], cfg, schema, out_dir: Path, expected: dict[int, int]):
+def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig, schema, out_dir: Path, expected: dict[int, int]):
     import pyarrow as pa
 
     last = -1
@@ -124,7 +125,7 @@ def _sample_unit(n: int):
     return key
 
 
-def _jsonl_line_lists(parts: dict[int, list[Path]], cfg, out_dir: Path, expected: dict[int, int]):
+def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig, out_dir: Path, expected: dict[int, int]):
     """Each shard's record lines, byte for byte as the parts hold them, in source order."""
     last = -1
     n = getattr(cfg, "n_samples", 1)
@@ -154,7 +155,7 @@ def _jsonl_line_lists(parts: dict[int, list[Path]], cfg, out_dir: Path, expected
         yield [line for _, line in keyed]
 
 
-def merge_dataset(cfg, ds) -> dict:
+def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
     """Write merged/ for dataset ``ds``; refuse (nothing written) when any shard is not complete."""
     missing, damaged, expected, parts = [], [], {}, {}
     out_dir = Path(ds.output_dir)

@@ -31,6 +31,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
+from mirageflow.config.types import DatasetConfig
 from mirageflow.data.sharding import shard_range
 from mirageflow.files import atomic_write_bytes, atomic_write_json
 from mirageflow.prompts.templates import RowError
@@ -59,7 +60,7 @@ def _parquet_files(path: str) -> list[str]:
     return sorted(f for f in files if os.path.isfile(f))
 
 
-def dataset_files(ds) -> list[str]:
+def dataset_files(ds: DatasetConfig) -> list[str]:
     """The files dataset ``ds`` is read from (Snakemake's inputs of its index rule)."""
     if ds.type == "jsonl":
         return [ds.path]
@@ -79,7 +80,7 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def fingerprint(ds, hashed: bool = True) -> list[list]:
+def fingerprint(ds: DatasetConfig, hashed: bool = True) -> list[list]:
     """Identity of the dataset's files: [path, size, mtime_ns, sha256 or None (large files)]."""
     out = []
     for f in dataset_files(ds):
@@ -89,7 +90,7 @@ def fingerprint(ds, hashed: bool = True) -> list[list]:
     return out
 
 
-def unchanged_since_indexed(indexed: list[list], ds) -> bool:
+def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig) -> bool:
     """The files are those indexed: same paths, sizes and mtimes, or, where only an mtime
     moved, the same content (a file rewritten with identical bytes)."""
     now = fingerprint(ds, hashed=False)
@@ -369,7 +370,7 @@ def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[So
 # --------------------------------------------------------------------------- loadable
 
 
-def _load_hf(ds):
+def _load_hf(ds: DatasetConfig):
     import datasets
 
     obj = datasets.load_from_disk(ds.path)
@@ -384,7 +385,7 @@ def _load_hf(ds):
     return obj
 
 
-def _read_loadable(ds, start: int, stop: int, skip, chunk: int = 1024) -> Iterator[SourceRow]:
+def _read_loadable(ds: DatasetConfig, start: int, stop: int, skip, chunk: int = 1024) -> Iterator[SourceRow]:
     try:
         table = _load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
         rows = len(table)
@@ -434,7 +435,7 @@ def offsets_path(index_path: str | Path) -> Path:
     return index_path.with_name(index_path.name.removesuffix(".index.json") + ".offsets.bin")
 
 
-def write_index(ds, num_shards: int, path: str | Path) -> dict:
+def write_index(ds: DatasetConfig, num_shards: int, path: str | Path) -> dict:
     """Count the dataset's rows once; write the header to ``path`` and the shard table next to it.
 
     The table is empty for Parquet and Hugging Face datasets: a shard finds its rows from
@@ -463,7 +464,7 @@ def write_index(ds, num_shards: int, path: str | Path) -> dict:
     return header
 
 
-def load_shard(path: str | Path, ds, num_shards: int, shard_id: int) -> ShardSlice:
+def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: int) -> ShardSlice:
     """This shard's slice, from the index at ``path``: reads the header and 16 bytes of the table."""
     path = Path(path)
     header = json.loads(path.read_text())
@@ -487,7 +488,7 @@ def load_shard(path: str | Path, ds, num_shards: int, shard_id: int) -> ShardSli
     return ShardSlice(start, stop, offset, line)
 
 
-def read_shard(ds, shard: ShardSlice, skip=lambda i: False) -> Iterator[SourceRow]:
+def read_shard(ds: DatasetConfig, shard: ShardSlice, skip=lambda i: False) -> Iterator[SourceRow]:
     """Rows of one shard, in source order, each with its source_index; ``skip(i)`` rows are left out.
 
     Exactly one SourceRow per other index of [start, stop): a dict, or a RowError for a row

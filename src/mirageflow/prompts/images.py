@@ -44,6 +44,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from mirageflow.config.types import DatasetConfig, PipelineConfig
 from mirageflow.prompts.templates import RowError
 
 STAGE = "image"
@@ -213,7 +214,7 @@ def _read_file(path: str, shown: str, name: str, max_bytes: int) -> bytes:
 # --------------------------------------------------------------------------- a row's images
 
 
-def dataset_image_base(ds) -> str:
+def dataset_image_base(ds: DatasetConfig) -> str:
     """Where relative image paths of dataset ``ds`` start: image_base_path, else its folder."""
     base = getattr(ds, "image_base_path", None)
     if base:
@@ -242,7 +243,7 @@ class RowImages:
         self.bases = {ds.index: dataset_image_base(ds) for ds in datasets}
 
     @classmethod
-    def from_config(cls, cfg) -> "RowImages":
+    def from_config(cls, cfg: PipelineConfig) -> "RowImages":
         """The image inputs of a PipelineConfig (empty, and false, when it has none)."""
         specs = [
             ImageInput(v.name, v.max_side, v.max_pixels or DEFAULT_MAX_PIXELS, v.max_bytes or DEFAULT_MAX_BYTES)

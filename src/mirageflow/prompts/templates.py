@@ -30,6 +30,8 @@ from jinja2 import meta, nodes
 from jinja2.runtime import new_context as _new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mirageflow.config.types import OutputVar
+
 _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
 _LONE_EXPR = re.compile(r"^\s*\{\{(.*?)\}\}\s*$", re.S)
 
@@ -443,7 +445,7 @@ class PromptBuilder:
     user turn; the output's ``system`` replaces the conversation's own system message.
     """
 
-    def __init__(self, output):
+    def __init__(self, output: OutputVar):
         self.output = output
         where = f"outputs.{output.name}"
         self._user = Template(output.prompt, f"{where}.prompt") if output.prompt else None

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from mirageflow.config.types import PipelineConfig
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ def _int(v) -> int:
 # --------------------------------------------------------------------------- the summary
 
 
-def run_summary(pipeline, ok: bool, config_hint: str | None = None) -> str:
+def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = None) -> str:
     """The run's end in a few lines (and one paragraph per failed shard)."""
     from mirageflow.report.aggregate import compute_metrics, shard_states
 
@@ -381,7 +382,7 @@ def _config_hint(workflow) -> str | None:
     return str(files[-1]) if files else None
 
 
-def on_start(pipeline, workflow=None) -> None:
+def on_start(pipeline: PipelineConfig, workflow=None) -> None:
     """onstart: start the live progress thread (driver only)."""
     global _LIVE
     if not _is_driver(workflow):
@@ -398,7 +399,7 @@ def on_start(pipeline, workflow=None) -> None:
         log.debug("cannot start live progress", exc_info=True)
 
 
-def _end(pipeline, workflow, ok: bool) -> None:
+def _end(pipeline: PipelineConfig, workflow, ok: bool) -> None:
     global _LIVE
     if not _is_driver(workflow):
         return
@@ -413,12 +414,12 @@ def _end(pipeline, workflow, ok: bool) -> None:
     _emit(text, error=not ok)
 
 
-def on_success(pipeline, workflow=None) -> None:
+def on_success(pipeline: PipelineConfig, workflow=None) -> None:
     """onsuccess: stop the progress thread, print the summary."""
     _end(pipeline, workflow, ok=True)
 
 
-def on_error(pipeline, workflow=None) -> None:
+def on_error(pipeline: PipelineConfig, workflow=None) -> None:
     """onerror: stop the progress thread, print the summary with one paragraph per failed shard."""
     _end(pipeline, workflow, ok=False)
 

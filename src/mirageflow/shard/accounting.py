@@ -5,12 +5,13 @@ shard's range of units is its row range times n."""
 
 from __future__ import annotations
 
+from mirageflow.config.types import PipelineConfig
 from mirageflow.shard.checkpoint import merge_ranges, to_ranges
 from mirageflow.prompts.samples import describe
 from mirageflow.shard.failures import ShardFailed
 
 
-def check_accounting(cfg, checkpoint, slices, shard_id: int) -> list[dict]:
+def check_accounting(cfg: PipelineConfig, checkpoint, slices, shard_id: int) -> list[dict]:
     """Per dataset: committed records + row errors must be exactly the shard's row range, each
     source index once; else ShardFailed naming the gap. Returns status.json's ``datasets``."""
     per_dataset = []

@@ -62,6 +62,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mirageflow.config.types import PipelineConfig
 from mirageflow.config import records_identity
 from mirageflow.data.writers import write_part
 from mirageflow.files import atomic_write_json, atomic_write_text
@@ -90,7 +91,7 @@ class CheckpointError(RuntimeError):
     """The checkpoint cannot be used as it is; the message names the file and what to do."""
 
 
-def fingerprint(cfg, shard_ranges: dict[int, tuple[int, int]]) -> str:
+def fingerprint(cfg: PipelineConfig, shard_ranges: dict[int, tuple[int, int]]) -> str:
     """Hash of what determines this shard's records: the config's records identity (model,
     sampling, prompts, schemas, datasets; the same one that reruns shards through
     ``records.fingerprint``) and the shard's row range in each dataset."""

@@ -33,6 +33,7 @@ import socket
 from pathlib import Path
 from typing import Iterable
 
+from mirageflow.config.types import PipelineConfig
 from mirageflow.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def state_dir_of_config_file(path: str | os.PathLike) -> Path | None:
 # --------------------------------------------------------------------------- records fingerprint
 
 
-def records_fingerprint(cfg) -> dict:
+def records_fingerprint(cfg: PipelineConfig) -> dict:
     from mirageflow.config import records_identity
 
     identity = records_identity(cfg)
@@ -101,7 +102,7 @@ def fingerprint_path(state_dir: str | os.PathLike) -> Path:
     return Path(state_dir) / FINGERPRINT_FILE
 
 
-def write_records_fingerprint(cfg) -> bool:
+def write_records_fingerprint(cfg: PipelineConfig) -> bool:
     """Write ``<state_dir>/records.fingerprint`` when its content differs (only then: its mtime
     is what reruns the shards). Returns whether it was written."""
     path = fingerprint_path(cfg.state_dir)
@@ -126,7 +127,7 @@ def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
-def check_output_owners(cfg) -> None:
+def check_output_owners(cfg: PipelineConfig) -> None:
     """Raise OwnershipError when a dataset's output_dir belongs to a pipeline with another state_dir."""
     problems = []
     for ds in cfg.datasets:
@@ -154,7 +155,7 @@ def check_output_owners(cfg) -> None:
         raise OwnershipError("\n".join(problems))
 
 
-def claim_output_dirs(cfg, config_file: str | os.PathLike | None = None, configfiles: Iterable[str] = ()) -> list[Path]:
+def claim_output_dirs(cfg: PipelineConfig, config_file: str | os.PathLike | None = None, configfiles: Iterable[str] = ()) -> list[Path]:
     """Write each dataset's owner marker where there is none yet (after check_output_owners)."""
     written = []
     for ds in cfg.datasets:
@@ -178,7 +179,7 @@ def claim_output_dirs(cfg, config_file: str | os.PathLike | None = None, configf
 # --------------------------------------------------------------------------- derived outputs
 
 
-def derived_outputs(cfg) -> list[Path]:
+def derived_outputs(cfg: PipelineConfig) -> list[Path]:
     """What the aggregate and merge rules build from the shards (files and directories)."""
     state = Path(cfg.state_dir)
     out = [state / "metrics.json", state / "summary.md", state / "report.html"]
@@ -190,7 +191,7 @@ def derived_outputs(cfg) -> list[Path]:
     return out
 
 
-def remove_derived_outputs(cfg, why: str) -> list[Path]:
+def remove_derived_outputs(cfg: PipelineConfig, why: str) -> list[Path]:
     """Remove the metrics report and merged outputs, so none of them outlives the shards it
     summarised. Safe to call from many shard jobs at once. Returns what was removed."""
     removed = []
@@ -210,7 +211,7 @@ def remove_derived_outputs(cfg, why: str) -> list[Path]:
     return removed
 
 
-def remove_stale_derived_outputs(cfg) -> list[Path]:
+def remove_stale_derived_outputs(cfg: PipelineConfig) -> list[Path]:
     """Driver side, at DAG build: when a shard's status.json is missing (it failed, or a job
     died before it could clean up) but metrics or merged outputs exist, remove them, so the
     run rebuilds them and Snakemake reruns the missing shards they depend on."""
@@ -226,7 +227,7 @@ def remove_stale_derived_outputs(cfg) -> list[Path]:
 # --------------------------------------------------------------------------- at DAG build
 
 
-def prepare(config: dict, cfg, configfiles: Iterable[str] = ()) -> list[str]:
+def prepare(config: dict, cfg: PipelineConfig, configfiles: Iterable[str] = ()) -> list[str]:
     """What the driver does when Snakemake parses the workflow (common.smk), before the DAG:
     refuse an output_dir owned by another pipeline, store the config file, claim the
     output_dirs, update the records fingerprint, drop derived outputs that outlived a
