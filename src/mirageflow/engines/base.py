@@ -6,9 +6,8 @@ continuous-batching engine (SGLang, an HTTP server) takes each request as it com
 batched engine (transformers) groups whatever is waiting. ``generate`` is a synchronous
 convenience for tests and benchmarks.
 
-What a backend can do is said by class attributes with defaults here (as simonw/llm's
-``Model.can_stream``): callers read ``engine.templates_server_side``, never
-``getattr(engine, ..., default)``. The same static facts are in the backend's registry line
+What a backend can do is said by class attributes with defaults here: callers read
+``engine.templates_server_side``, never ``getattr(engine, ..., default)``. The same static facts are in the backend's registry line
 (engines/registry.py), where the config checks read them without importing the engine.
 
 Next to this module: the wire types (``wire``), the chat-template renderer
