@@ -1,6 +1,14 @@
-"""Hugging Face transformers engine: the CPU default (and a simple one-GPU CUDA path).
+"""Hugging Face transformers engine: the CPU default, and one CUDA GPU with continuous batching.
 
-Requests arrive one by one from the runner's in-flight window. A worker thread takes
+On CUDA (``extra_engine_args.continuous_batching``: ``auto``, the default) the requests it
+can serve go to transformers' own continuous-batching manager (paged KV cache; a finished
+row frees its slot at once): transformers_cb.py says which ones and why the others (JSON
+outputs, stop strings, seeded sampling, images, ...) stay on the static path below, and
+``engines.<name>.details.continuous_batching`` in status.json counts each. On the CPU the
+static path serves everything unless ``continuous_batching: true`` (BENCHMARKS.md section
+``transformers_cb`` measures both there).
+
+Static path: requests arrive one by one from the runner's in-flight window. A worker thread takes
 whatever is waiting (up to ``batch_size``, requests that can share one ``generate`` call),
 runs a left-padded batch, and resolves each request's future. While a batch runs the
 window refills the queue, so the next batch is full as soon as the model is free, and a
@@ -41,7 +49,7 @@ _SUPPORTED = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
 }  # fmt: skip
-_ENGINE_ARGS = {"dtype", "attn_implementation"}
+_ENGINE_ARGS = {"dtype", "attn_implementation", "continuous_batching", "max_running_requests"}
 _LINGER_SECONDS = 0.005  # a short batch waits this long after each arrival for more requests
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
@@ -78,9 +86,16 @@ class TransformersEngine(Engine):
         self._stopped = threading.Event()
         self._running = 0
         self._grammar_compiler = None  # xgrammar, built at the first JSON request
+        self._cb = None  # transformers_cb.ContinuousBatcher when continuous batching is on
+        self._static_reasons: dict[str, int] = {}  # requests the static path served, by why (continuous batching on)
+        self.default_params = dict(getattr(processor, "sampling_params", None) or {})
         self.info = EngineInfo(backend="transformers", model_path=server_args.model_path)
 
     # ------------------------------------------------------------------ setup
+
+    def warmup(self) -> None:
+        if self._cb is not None:
+            self._cb.warmup()
 
     def load(self) -> None:
         import torch
@@ -121,8 +136,33 @@ class TransformersEngine(Engine):
             device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
             details={"dtype": dtype, "torch_threads": self.threads, "batch_size": self.batch_size},
         )
+        self._start_continuous_batching(extra.get("continuous_batching", "auto"), extra.get("max_running_requests"))
         self._worker = threading.Thread(target=self._serve, name="transformers-batcher", daemon=True)
         self._worker.start()
+
+    def _start_continuous_batching(self, mode, running) -> None:
+        """Build the continuous-batching manager when ``mode`` (auto: on CUDA) asks for it."""
+        if mode not in ("auto", True, False):
+            raise ValueError(f"extra_engine_args.continuous_batching must be auto, true or false, not {mode!r}")
+        if running is not None and (isinstance(running, bool) or not isinstance(running, int) or running < 1):
+            raise ValueError(f"extra_engine_args.max_running_requests must be a positive integer, not {running!r}")
+        on = self.device == "cuda" if mode == "auto" else mode
+        if on and self.processor is not None:
+            if mode is True:
+                raise ValueError(f"{self.server_args.model_path}: continuous_batching needs a text-only model (this one has a vision tower)")
+            on = False  # image-text models: the static path (the manager feeds token ids only)
+        if not on:
+            self.info.details["continuous_batching"] = {"enabled": False, "reason": "off (cpu)" if mode == "auto" else "off (configured)"}
+            return
+        from mirageflow.engines.transformers_cb import DEFAULT_RUNNING_CUDA, ContinuousBatcher
+
+        running = running or (DEFAULT_RUNNING_CUDA if self.device == "cuda" else self.batch_size)
+        self._cb = ContinuousBatcher(
+            self.model, self.tokenizer, self.eos_ids, self.default_params, running, self.device, self.max_context
+        )
+        self.max_inflight = 2 * running  # as SGLang's: the manager always has the next requests queued
+        self.warms_up = True  # this instance does (CUDA graphs): the runner times warmup() as its phase
+        self.info.details["continuous_batching"] = self._cb.details()
 
     def _eos_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id
@@ -136,20 +176,59 @@ class TransformersEngine(Engine):
     async def generate_one(self, request: Request) -> Completion:
         if self._stopped.is_set():
             raise EngineStopped("engine was stopped")
+        if self._cb is not None:
+            from mirageflow.engines.transformers_cb import static_reason
+
+            params = request.sampling_params
+            reason = static_reason(request, {**params}, self._cb.sampler)
+            if reason is None:
+                return await self._generate_continuous(request, params)
+            self._static_reasons[reason] = self._static_reasons.get(reason, 0) + 1
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         key = _batch_key(request.sampling_params) + ("\0images" if request.images else "")  # image rows batch apart
         self._queue.put((request, future, loop, key))
         return await future
 
+    async def _generate_continuous(self, request: Request, params: dict) -> Completion:
+        for name in sorted(set(params) - _SUPPORTED - self._warned):
+            log.warning("sampling param %r is not supported by the transformers engine; ignored", name)
+            self._warned.add(name)
+        prompt_ids = self._prompt_ids(request.prompt)
+        limit = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        if self.max_context and len(prompt_ids) + limit > self.max_context:
+            return Completion(
+                request.id, "", len(prompt_ids), 0, "abort", "context_length",
+                f"prompt has {len(prompt_ids)} tokens; with max_new_tokens {limit} it exceeds "
+                f"the model's context of {self.max_context}",
+            )  # fmt: skip
+        return await self._cb.generate(request, prompt_ids, params, limit)
+
     def queue_depth(self) -> int:
-        return self._queue.qsize() + self._running
+        return self._queue.qsize() + self._running + (self._cb.depth() if self._cb is not None else 0)
+
+    @property
+    def info(self) -> EngineInfo:
+        info = Engine.info.fget(self)
+        if getattr(self, "_cb", None) is not None:  # the counts so far
+            info.details["continuous_batching"] = {**self._cb.details(), "static_path_requests": dict(self._static_reasons)}
+        return info
+
+    @info.setter
+    def info(self, value: EngineInfo) -> None:
+        Engine.info.fset(self, value)
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._cb is not None:
+            self._cb.fail_all(EngineStopped("engine was stopped"))
 
     def close(self) -> None:
         self._stopped.set()
+        if self._cb is not None:
+            self.info  # noqa: B018 - refreshes details with the final counts, kept after the manager is gone
+            self._cb.close()
+            self._cb = None
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=30)
