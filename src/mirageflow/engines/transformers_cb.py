@@ -79,11 +79,25 @@ def static_reason(request: Request, params: dict, manager_sampler: tuple) -> str
     return None
 
 
+def manager_config(running: int, device: str, max_context: int | None) -> dict:
+    """The ContinuousBatchingConfig fields we set (names common to transformers 5.17 and 5.19)."""
+    config = {"max_requests_per_batch": running}
+    if device == "cuda":
+        # the paged KV cache takes at most this share of the GPU memory free after the model load,
+        # leaving room for the static path's batches (JSON, stop strings, seeded rows)
+        config["max_memory_percent"] = 0.8
+    else:  # on a CPU transformers would size the cache from the machine's RAM: give it pages instead
+        page = 256  # transformers' default page (5.19) / block (5.17) size, in tokens
+        per_request = min(max_context or _CPU_TOKENS_PER_REQUEST, _CPU_TOKENS_PER_REQUEST)
+        config["num_blocks"] = running * math.ceil(per_request / page) + math.ceil((max_context or page) / page)
+        config["max_batch_tokens"] = max(256, running * 8)
+    return config
+
+
 class ContinuousBatcher:
     """One transformers ContinuousBatchingManager and the requests waiting on it."""
 
     def __init__(self, model, tokenizer, eos_ids: set[int], default_params: dict, running: int, device: str, max_context: int | None):
-        import torch
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -97,25 +111,14 @@ class ContinuousBatcher:
         else:
             temperature, top_p, top_k = self.sampler
             gen.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
-        cb = {"max_requests_per_batch": running}
-        if device == "cuda":
-            # the paged KV cache takes at most this share of the GPU memory free after the model load,
-            # leaving room for the static path's batches (JSON, stop strings, seeded rows)
-            cb["max_memory_percent"] = 0.8
-        else:  # on a CPU transformers would size the cache from the machine's RAM: give it pages instead
-            page = 256  # transformers' default page (5.19) / block (5.17) size, in tokens
-            per_request = min(max_context or _CPU_TOKENS_PER_REQUEST, _CPU_TOKENS_PER_REQUEST)
-            cb["num_blocks"] = running * math.ceil(per_request / page) + math.ceil((max_context or page) / page)
-            cb["max_batch_tokens"] = max(256, running * 8)
         # the manager's own modules, sharing every weight and buffer with `model` (see the docstring)
         shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
         cb_model = copy.deepcopy(model, shared)
         self.manager = cb_model.init_continuous_batching(
-            generation_config=GenerationConfig(**gen), continuous_batching_config=ContinuousBatchingConfig(**cb)
+            generation_config=GenerationConfig(**gen), continuous_batching_config=ContinuousBatchingConfig(**manager_config(running, device, max_context))
         )
         self.attn_implementation = cb_model.config._attn_implementation
         self.on_cuda = device == "cuda"
-        self._torch = torch
         self._pending: dict[str, tuple] = {}  # request id -> (Request, future, loop, prompt tokens, limit, skip)
         self._lock = threading.Lock()
         self._ids = itertools.count()
