@@ -166,7 +166,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
     ap.add_argument("--prompts-tiny", type=int, default=256)
-    ap.add_argument("--prompts-smollm2", type=int, default=64)
+    ap.add_argument("--prompts-smollm2", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
