@@ -37,6 +37,24 @@ Anything after `--` goes to Snakemake unchanged, e.g.
 """
 
 
+def default_slurm_profile(plugin_version: str | None = None) -> Path:
+    """profiles/slurm, or profiles/slurm-gpu under snakemake-executor-plugin-slurm < 2.7 (the GPU
+    install's 2.6.1, which does not know the profile's slurm-disable-memory-fudge)."""
+    if plugin_version is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            plugin_version = version("snakemake-executor-plugin-slurm")
+        except PackageNotFoundError:
+            plugin_version = ""
+    try:
+        major_minor = tuple(int(x) for x in plugin_version.split(".")[:2])
+    except ValueError:
+        major_minor = ()
+    old = len(major_minor) == 2 and major_minor < (2, 7)
+    return workflow_dir() / "profiles" / ("slurm-gpu" if old else "slurm")
+
+
 def workflow_dir() -> Path:
     """The checkout holding the Snakefile: $MIRAGEFLOW_WORKFLOW_DIR, else the one this package lives in."""
     env = os.environ.get("MIRAGEFLOW_WORKFLOW_DIR")
@@ -104,7 +122,7 @@ def cmd_run(args) -> int:
 
 def cmd_submit(args) -> int:
     _load(args.config)
-    profile = Path(args.profile) if args.profile else workflow_dir() / "profiles" / "slurm"
+    profile = Path(args.profile) if args.profile else default_slurm_profile()
     return _run(snakemake_command(args.config, stats=args.stats, profile=profile, extra=args.extra))
 
 
@@ -163,7 +181,7 @@ def cmd_retry(args) -> int:
                 "prompt or data: this retry will fail the same way unless the config changed",
                 file=sys.stderr,
             )
-    profile = (Path(args.profile) if args.profile else workflow_dir() / "profiles" / "slurm") if args.submit else None
+    profile = (Path(args.profile) if args.profile else default_slurm_profile()) if args.submit else None
     cores = None if args.submit else args.cores
     rc = _run(
         snakemake_command(args.config, stats=args.stats, cores=cores, profile=profile, config_values=values, flags=flags, extra=args.extra)
@@ -426,14 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("submit", "submit the pipeline's jobs to SLURM (snakemake --profile profiles/slurm)", cmd_submit)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
-    p.add_argument("--profile", metavar="DIR", help="Snakemake profile (default: the checkout's profiles/slurm)")
+    p.add_argument("--profile", metavar="DIR", help="Snakemake profile (default: the checkout's profiles/slurm; profiles/slurm-gpu under the GPU install's SLURM plugin 2.6)")
 
     p = command("retry", "rerun failed, missing and incomplete shards (resuming from their checkpoints)", cmd_retry)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
     p.add_argument("--failed-rows", action="store_true", help="also recompute the failed rows (errors.jsonl) of shards that finished")
     p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")
     p.add_argument("--submit", action="store_true", help="retry through SLURM (the submit profile) instead of locally")
-    p.add_argument("--profile", metavar="DIR", help="with --submit: Snakemake profile (default profiles/slurm)")
+    p.add_argument("--profile", metavar="DIR", help="with --submit: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)")
 
     p = command("stats", "print the metrics JSON {per_shard, aggregate} from the state directory (no Snakemake)", cmd_stats)
     p.add_argument("--html", metavar="FILE", help="also write the HTML report there")

@@ -163,10 +163,12 @@ class ContinuousBatcher:
         with self._lock:
             self._pending[rid] = (request, future, loop, len(prompt_ids), limit, params.get("skip_special_tokens", True))
         added = self.manager.add_request(prompt_ids, request_id=rid, max_new_tokens=limit, eos_token_id=eos)
-        if added is None:  # the manager refused it (stopping)
+        if added is None:  # the manager refused it: it is stopping (ours: close) or its thread failed
             with self._lock:
                 self._pending.pop(rid, None)
-            raise EngineStopped("the continuous batching manager is stopping; request not accepted")
+            if self._closed.is_set():
+                raise EngineStopped("engine was stopped")
+            raise EngineError("the continuous batching manager refused the request: it is stopping or failed (see the log)")
         self.served += 1
         return await future
 
