@@ -94,6 +94,26 @@ def manager_config(running: int, device: str, max_context: int | None) -> dict:
     return config
 
 
+def start(engine, mode, running) -> tuple["ContinuousBatcher | None", dict]:
+    """The transformers engine's manager (or None) and its status.json details, after its model
+    loaded: ``mode`` (extra_engine_args.continuous_batching) auto means on CUDA; a vision model
+    stays static (the manager feeds token ids only)."""
+    if mode not in ("auto", True, False):
+        raise ValueError(f"extra_engine_args.continuous_batching must be auto, true or false, not {mode!r}")
+    if running is not None and (isinstance(running, bool) or not isinstance(running, int) or running < 1):
+        raise ValueError(f"extra_engine_args.max_running_requests must be a positive integer, not {running!r}")
+    on = engine.device == "cuda" if mode == "auto" else mode
+    if on and engine.processor is not None:
+        if mode is True:
+            raise ValueError(f"{engine.server_args['model_path']}: continuous_batching needs a text-only model (this one has a vision tower)")
+        on = False
+    if not on:
+        return None, {"enabled": False, "reason": "off (cpu)" if mode == "auto" else "off (configured)"}
+    running = running or (DEFAULT_RUNNING_CUDA if engine.device == "cuda" else engine.batch_size)
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, engine.eos_ids, engine.default_params, running, engine.device, engine.max_context)
+    return batcher, batcher.stats
+
+
 class ContinuousBatcher:
     """One transformers ContinuousBatchingManager and the requests waiting on it."""
 
@@ -123,19 +143,19 @@ class ContinuousBatcher:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = threading.Event()
-        self.served = 0
+        # status.json's engines.<name>.details.continuous_batching: this dict, counted as requests come
+        self.stats = {
+            "enabled": True, "max_running_requests": running, "attn_implementation": self.attn_implementation,
+            "sampler": list(self.sampler), "requests": 0, "static_path_requests": {},
+        }  # fmt: skip
         self._start_lock = threading.Lock()
         self._collector = threading.Thread(target=self._collect, name="transformers-cb-results", daemon=True)
         self._collector.start()
 
-    def details(self) -> dict:
-        return {
-            "enabled": True,
-            "max_running_requests": self.running,
-            "attn_implementation": self.attn_implementation,
-            "sampler": list(self.sampler),
-            "requests": self.served,
-        }
+    def served_statically(self, reason: str) -> None:
+        """Count a request the engine's static path serves, by why (static_reason)."""
+        counts = self.stats["static_path_requests"]
+        counts[reason] = counts.get(reason, 0) + 1
 
     def warmup(self) -> None:
         """Capture the manager's CUDA graphs before the first request (the runner times it as the
@@ -153,7 +173,7 @@ class ContinuousBatcher:
         if self._closed.is_set():
             raise EngineStopped("engine was stopped")
         if not self.manager.is_running():
-            if self.served:
+            if self.stats["requests"]:
                 raise EngineError("the continuous batching manager is not running (it stopped or failed; see the log)")
             self.warmup()  # the first request: start it (no warmup on CPU)
         loop = asyncio.get_running_loop()
@@ -169,7 +189,7 @@ class ContinuousBatcher:
             if self._closed.is_set():
                 raise EngineStopped("engine was stopped")
             raise EngineError("the continuous batching manager refused the request: it is stopping or failed (see the log)")
-        self.served += 1
+        self.stats["requests"] += 1
         return await future
 
     def _collect(self) -> None:

@@ -87,7 +87,6 @@ class TransformersEngine(Engine):
         self._running = 0
         self._grammar_compiler = None  # xgrammar, built at the first JSON request
         self._cb = None  # transformers_cb.ContinuousBatcher when continuous batching is on
-        self._static_reasons: dict[str, int] = {}  # requests the static path served, by why (continuous batching on)
         self.default_params = dict(getattr(processor, "sampling_params", None) or {})
         self.info = EngineInfo(backend="transformers", model_path=server_args.model_path)
 
@@ -142,27 +141,12 @@ class TransformersEngine(Engine):
 
     def _start_continuous_batching(self, mode, running) -> None:
         """Build the continuous-batching manager when ``mode`` (auto: on CUDA) asks for it."""
-        if mode not in ("auto", True, False):
-            raise ValueError(f"extra_engine_args.continuous_batching must be auto, true or false, not {mode!r}")
-        if running is not None and (isinstance(running, bool) or not isinstance(running, int) or running < 1):
-            raise ValueError(f"extra_engine_args.max_running_requests must be a positive integer, not {running!r}")
-        on = self.device == "cuda" if mode == "auto" else mode
-        if on and self.processor is not None:
-            if mode is True:
-                raise ValueError(f"{self.server_args.model_path}: continuous_batching needs a text-only model (this one has a vision tower)")
-            on = False  # image-text models: the static path (the manager feeds token ids only)
-        if not on:
-            self.info.details["continuous_batching"] = {"enabled": False, "reason": "off (cpu)" if mode == "auto" else "off (configured)"}
-            return
-        from mirageflow.engines.transformers_cb import DEFAULT_RUNNING_CUDA, ContinuousBatcher
+        from mirageflow.engines.transformers_cb import start
 
-        running = running or (DEFAULT_RUNNING_CUDA if self.device == "cuda" else self.batch_size)
-        self._cb = ContinuousBatcher(
-            self.model, self.tokenizer, self.eos_ids, self.default_params, running, self.device, self.max_context
-        )
-        self.max_inflight = 2 * running  # as SGLang's: the manager always has the next requests queued
-        self.warms_up = True  # this instance does (CUDA graphs): the runner times warmup() as its phase
-        self.info.details["continuous_batching"] = self._cb.details()
+        self._cb, self.info.details["continuous_batching"] = start(self, mode, running)
+        if self._cb is not None:
+            self.max_inflight = 2 * self._cb.running  # as SGLang's: the manager always has the next requests queued
+            self.warms_up = True  # this instance does (CUDA graphs): the runner times warmup() as its phase
 
     def _eos_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id
@@ -180,10 +164,10 @@ class TransformersEngine(Engine):
             from mirageflow.engines.transformers_cb import static_reason
 
             params = request.sampling_params
-            reason = static_reason(request, {**params}, self._cb.sampler)
+            reason = static_reason(request, params, self._cb.sampler)
             if reason is None:
                 return await self._generate_continuous(request, params)
-            self._static_reasons[reason] = self._static_reasons.get(reason, 0) + 1
+            self._cb.served_statically(reason)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         key = _batch_key(request.sampling_params) + ("\0images" if request.images else "")  # image rows batch apart
@@ -191,32 +175,15 @@ class TransformersEngine(Engine):
         return await future
 
     async def _generate_continuous(self, request: Request, params: dict) -> Completion:
-        for name in sorted(set(params) - _SUPPORTED - self._warned):
-            log.warning("sampling param %r is not supported by the transformers engine; ignored", name)
-            self._warned.add(name)
+        self._warn_unsupported(params)
         prompt_ids = self._prompt_ids(request.prompt)
         limit = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if self.max_context and len(prompt_ids) + limit > self.max_context:
-            return Completion(
-                request.id, "", len(prompt_ids), 0, "abort", "context_length",
-                f"prompt has {len(prompt_ids)} tokens; with max_new_tokens {limit} it exceeds "
-                f"the model's context of {self.max_context}",
-            )  # fmt: skip
+            return _too_long(request.id, len(prompt_ids), limit, self.max_context)
         return await self._cb.generate(request, prompt_ids, params, limit)
 
     def queue_depth(self) -> int:
         return self._queue.qsize() + self._running + (self._cb.depth() if self._cb is not None else 0)
-
-    @property
-    def info(self) -> EngineInfo:
-        info = Engine.info.fget(self)
-        if getattr(self, "_cb", None) is not None:  # the counts so far
-            info.details["continuous_batching"] = {**self._cb.details(), "static_path_requests": dict(self._static_reasons)}
-        return info
-
-    @info.setter
-    def info(self, value: EngineInfo) -> None:
-        Engine.info.fset(self, value)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -226,7 +193,6 @@ class TransformersEngine(Engine):
     def close(self) -> None:
         self._stopped.set()
         if self._cb is not None:
-            self.info  # noqa: B018 - refreshes details with the final counts, kept after the manager is gone
             self._cb.close()
             self._cb = None
         if self._worker is not None:
@@ -297,11 +263,7 @@ class TransformersEngine(Engine):
         for i, (r, prompt_ids) in enumerate(zip(requests, ids)):
             max_new = r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
             if self.max_context and len(prompt_ids) + max_new > self.max_context:
-                results[i] = Completion(
-                    r.id, "", len(prompt_ids), 0, "abort", "context_length",
-                    f"prompt has {len(prompt_ids)} tokens; with max_new_tokens {max_new} it exceeds "
-                    f"the model's context of {self.max_context}",
-                )  # fmt: skip
+                results[i] = _too_long(r.id, len(prompt_ids), max_new, self.max_context)
             else:
                 runnable.append(i)
         if runnable:
@@ -309,10 +271,13 @@ class TransformersEngine(Engine):
                 results[i] = c
         return results
 
-    def _generation_kwargs(self, params: dict, limits: list[int]) -> dict:
+    def _warn_unsupported(self, params: dict) -> None:
         for name in sorted(set(params) - _SUPPORTED - self._warned):
             log.warning("sampling param %r is not supported by the transformers engine; ignored", name)
             self._warned.add(name)
+
+    def _generation_kwargs(self, params: dict, limits: list[int]) -> dict:
+        self._warn_unsupported(params)
         temperature = params.get("temperature", 1.0)  # SGLang's default
         kw = {"max_new_tokens": max(limits), "do_sample": temperature > 0}
         if kw["do_sample"]:
@@ -415,6 +380,13 @@ class TransformersEngine(Engine):
         compile_schema = self._grammar_compiler.compile_json_schema
         grammars = [None if r.json_schema is None else compile_schema(r.json_schema, any_whitespace=False) for r in batch]
         return _grammar_logits_processor(grammars, [r.response_prefix for r in batch])
+
+
+def _too_long(rid: int, n_prompt: int, max_new: int, context: int) -> Completion:
+    return Completion(
+        rid, "", n_prompt, 0, "abort", "context_length",
+        f"prompt has {n_prompt} tokens; with max_new_tokens {max_new} it exceeds the model's context of {context}",
+    )  # fmt: skip
 
 
 def _vision_processor(path: str, trust: bool):
