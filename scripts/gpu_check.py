@@ -21,7 +21,7 @@ stop the independent ones, and the exit status is 1 when any failed.
     heads, head dim 128, MLP 9728, tied embeddings) with the tokenizer's vocabulary, built
     on the GPU in bf16 and saved to local disk (safetensors), its pages then dropped from
     the page cache (fsync + posix_fadvise DONTNEED), so the pipeline loads it from disk.
- 5. pipeline: ``GPU_CHECK_PROMPTS`` chat prompts (default 1024), greedy, exactly
+ 5. pipeline: ``GPU_CHECK_PROMPTS`` chat prompts (default 512), greedy, exactly
     ``GPU_CHECK_NEW_TOKENS`` output tokens each (``ignore_eos``; default 256), stats on,
     the transformers backend with continuous batching (``max_running_requests``
     ``GPU_CHECK_RUNNING``, default 256), one shard, run by the shard job; nvidia-smi polls
@@ -277,12 +277,13 @@ def build_model(c: Check) -> str | None:
     c.figure("model_shape", "tiny (Qwen3 architecture)" if tiny else "Qwen3-4B")
     c.figure("model_parameters", params)
     c.figure("model_weight_bytes", weights)
-    c.figure("model_page_cache_dropped", evicted)
+    c.figure("model_page_cache_drop_requested", evicted)
     return None
 
 
 def drop_from_page_cache(folder: Path) -> bool:
-    """fsync each file, then ask the kernel to drop its pages (clean pages: no root needed)."""
+    """fsync each file, then ask the kernel to drop its pages (clean pages: no root needed). True
+    when asked; a kernel may ignore the advice (then the load reads from the page cache)."""
     if not hasattr(os, "posix_fadvise"):
         return False
     for path in folder.iterdir():
@@ -501,7 +502,7 @@ def bare(c: Check) -> str | None:
         torch.cuda.synchronize()
     c.facts["weights_load_seconds"] = time.perf_counter() - t0
     c.figure("bare_model_load_seconds", c.facts["weights_load_seconds"])
-    c.figure("bare_model_load_page_cache_dropped", dropped)
+    c.figure("bare_model_load_page_cache_drop_requested", dropped)
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=tok.pad_token_id)
     manager = model.init_continuous_batching(
         generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**manager_config(running, device, model.config.max_position_embeddings))
@@ -611,7 +612,7 @@ def main() -> int:
     global SITE
     SITE = c.work / "site"
     c.facts.update(
-        prompts=env_int("GPU_CHECK_PROMPTS", 1024, 16), new_tokens=env_int("GPU_CHECK_NEW_TOKENS", 256, 8),
+        prompts=env_int("GPU_CHECK_PROMPTS", 512, 16), new_tokens=env_int("GPU_CHECK_NEW_TOKENS", 256, 8),
         running=env_int("GPU_CHECK_RUNNING", 256, 8), shard_timeout=env_int("GPU_CHECK_SHARD_TIMEOUT", 300, 300),
     )  # fmt: skip
     print(f"workdir {c.work}; {c.facts['prompts']} prompts x {c.facts['new_tokens']} tokens, {c.facts['running']} running"
