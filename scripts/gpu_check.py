@@ -371,8 +371,8 @@ class NvidiaSmi:
 
 
 def pipeline(c: Check) -> str | None:
-    from mirageflow import pipeline_state
-    from mirageflow.preflight import validate
+    from mirageflow.config.preflight import validate
+    from mirageflow.state import pipeline as pipeline_state
 
     n = c.facts["prompts"]
     for old in ("state", "out"):  # a rerun in the same workdir starts afresh (no resume)
