@@ -105,7 +105,7 @@ def start(engine, mode, running) -> tuple["ContinuousBatcher | None", dict]:
     on = engine.device == "cuda" if mode == "auto" else mode
     if on and engine.processor is not None:
         if mode is True:
-            raise ValueError(f"{engine.server_args['model_path']}: continuous_batching needs a text-only model (this one has a vision tower)")
+            raise ValueError(f"{engine.server_args.model_path}: continuous_batching needs a text-only model (this one has a vision tower)")
         on = False
     if not on:
         return None, {"enabled": False, "reason": "off (cpu)" if mode == "auto" else "off (configured)"}
