@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
-
 import pytest
 
+from mirageflow.config import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import EngineError, EngineStopped, Request
 from mirageflow.engines.transformers_cb import sampler, static_reason
 from mirageflow.engines.transformers_engine import TransformersEngine
 
 
 def _engine(model, continuous, defaults=None, **extra):
-    processor = SimpleNamespace(
-        server_args={"model_path": str(model), "extra_engine_args": {"continuous_batching": continuous, **extra}},
+    processor = ProcessorConfig(
+        type="llm",
+        backend="transformers",
+        server_args=ServerArgs(str(model), extra_engine_args={"continuous_batching": continuous, **extra}),
         sampling_params={"temperature": 0.0, **(defaults or {})},
+        chat_template_kwargs={},
+        apply_chat_template=True,
         torch_threads=1,
     )
     engine = TransformersEngine(processor, batch_size=4)
@@ -142,7 +145,7 @@ def test_a_manager_that_dies_fails_its_requests_with_an_engine_error(tiny_model)
 def test_auto_is_off_on_the_cpu_and_bad_values_are_refused(tiny_model):
     engine = _engine(tiny_model, "auto")
     assert engine.info.details["continuous_batching"] == {"enabled": False, "reason": "off (cpu)"}
-    assert not callable(getattr(engine, "warmup", None))  # no warmup phase for the static path
+    assert not engine.warms_up  # no warmup phase for the static path
     engine.close()
     with pytest.raises(ValueError, match="continuous_batching must be auto, true or false"):
         _engine(tiny_model, "yes")
