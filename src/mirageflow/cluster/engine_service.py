@@ -10,7 +10,8 @@ a shard), warms them up and serves them on 127.0.0.1 until Snakemake terminates 
 (SIGTERM) once its shards are done. The shards talk to it through engines/shared.py.
 
 The protocol is a small JSON one over HTTP/1.1 (stdlib asyncio streams: a few dozen lines,
-no server dependency; the requests are ours, on loopback):
+no server dependency; the requests are ours, on loopback; JSON by orjson, as the client's,
+engines/http_client.py):
 
 - ``GET /health``: 200 ``{"state": "ready"}`` after load and warm-up; 503 while loading;
   500 with ``error`` when loading failed.
@@ -51,6 +52,7 @@ from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Completion, Request
+from mirageflow.engines.http_client import dumps, loads
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +236,7 @@ class EngineService:
         if method != "POST" or path not in ("/generate", "/chat_prompt"):
             return 404, {"error": f"no {method} {path}"}
         try:
-            msg = json.loads(body)
+            msg = loads(body)
             engine = self.engines[msg["processor"]]
         except (ValueError, KeyError, TypeError) as e:
             return 400, {"error": f"bad request body: {type(e).__name__}: {e}"}
@@ -260,7 +262,7 @@ class EngineService:
         return 200, {"completion": dataclasses.asdict(completion)}
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """HTTP/1.1 with keep-alive and Content-Length bodies: what httpx2 sends."""
+        """HTTP/1.1 with keep-alive and Content-Length bodies: what engines/http_client.py sends."""
         try:
             while True:
                 line = await reader.readline()
@@ -278,7 +280,7 @@ class EngineService:
                 except Exception as e:  # a request this service cannot take (e.g. a client of another version)
                     log.error("%s %s failed: %s", method, path, traceback.format_exc())
                     code, payload = 500, {"error": f"{type(e).__name__}: {e}"}
-                data = json.dumps(payload).encode()
+                data = dumps(payload)
                 head = f"HTTP/1.1 {code} {_REASONS.get(code, 'Error')}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
                 writer.write(head.encode() + data)
                 await writer.drain()

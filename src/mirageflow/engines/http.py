@@ -1,9 +1,10 @@
 """Shared machinery (not an engine): HTTP helpers, and how engine error messages are classified.
 
 The HTTP helpers (retries with backoff and jitter, error classification, Prometheus text)
-are used by ``sglang_server`` and ``openai``; the HTTP client is httpx2 (httpx's maintained
-successor, already a dependency of huggingface_hub). The private event loop these engines
-run their clients on is ``LoopEngine`` (engines/loop.py).
+are used by ``sglang_server`` and ``openai``; their HTTP client is engines/http_client.py
+(a small keep-alive HTTP/1.1 client: the libraries cost too much CPU per request, see
+there). The private event loop these engines keep for what is not a request is
+``LoopEngine`` (engines/loop.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from mirageflow.engines.base import EngineError, EngineStopped  # noqa: F401
 from mirageflow.engines.wire import Completion
+from mirageflow.engines.http_client import DeadlineExceeded, HTTPClient, Response, ResponseTooLarge, TransportError, dumps
 from mirageflow.redact import redact, redact_text  # noqa: F401 - the engines import them from here
 # EngineError and EngineStopped live in base (imported here for the engines' convenience).
 
@@ -127,8 +129,8 @@ def backoff_delay(attempt: int, base: float, cap: float, retry_after: str | None
 
 
 async def post_with_retries(
-    client,
-    url: str,
+    client: HTTPClient,
+    path: str,
     body: dict,
     *,
     max_retries: int,
@@ -138,33 +140,47 @@ async def post_with_retries(
     what: str,
     on_transport_error: Callable[[], Awaitable[None]] | None = None,
     final: Callable[[Any], bool] | None = None,
-):
-    """POST JSON; retry connection errors, timeouts, 429 and 5xx with backoff.
+) -> Response:
+    """POST ``body`` as JSON to ``path`` (under the client's base URL); retry connection
+    errors, deadlines, 429, 5xx and a 2xx whose body is not JSON, with backoff.
 
-    Returns the final response (2xx or a non-retryable status). Raises EngineError once
-    ``max_retries`` retries are spent. ``on_transport_error`` may raise instead of retrying
-    (e.g. when the server process is gone). ``final(response)`` true: a retryable status
-    that is this request's own answer (SGLang's 500 for a grammar failure) is returned as is.
+    Returns the final response (2xx with a JSON body, already decoded: ``response.json()``,
+    or a non-retryable status). Each attempt has ``timeout`` seconds in all (connect, send,
+    the whole answer), so a frozen server fails the request within (max_retries + 1) x
+    timeout plus the backoff. Raises EngineError once ``max_retries`` retries are spent, or
+    at once for an answer over the client's size limit. ``on_transport_error`` may raise
+    instead of retrying (e.g. when the server process is gone). ``final(response)`` true: a
+    retryable status that is this request's own answer (SGLang's 500 for a grammar
+    failure) is returned as is.
     """
-    import httpx2
-
+    data = dumps(body)  # once, whatever the number of attempts
     last = ""
     for attempt in range(max_retries + 1):
         retry_after = None
         try:
-            response = await asyncio.wait_for(client.post(url, json=body), timeout)
-        except (httpx2.TransportError, asyncio.TimeoutError) as e:
-            if isinstance(e, asyncio.TimeoutError):
+            response = await client.post(path, data, timeout=timeout)
+        except ResponseTooLarge as e:  # the same answer again on a retry
+            raise EngineError(f"{what}: {e}") from None
+        except TransportError as e:
+            if isinstance(e, DeadlineExceeded):
                 last = f"no answer within request_timeout={timeout:g} s"
             else:
-                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                last = f"{type(e).__name__}: {e}"
             if on_transport_error is not None:
                 await on_transport_error()
         else:
-            if response.status_code not in RETRY_STATUS or (final is not None and final(response)):
+            status = response.status_code
+            if 200 <= status < 300:
+                try:
+                    response.json()
+                    return response
+                except ValueError:  # a proxy's HTML page, a truncated answer: a transient server error
+                    last = f"HTTP {status} with a body that is not JSON: {response.text.strip()[:200]!r}"
+            elif status not in RETRY_STATUS or (final is not None and final(response)):
                 return response
-            last = f"HTTP {response.status_code}: {error_message(response.content, 200)}"
-            retry_after = response.headers.get("retry-after")
+            else:
+                last = f"HTTP {status}: {error_message(response.content, 200)}"
+                retry_after = response.headers.get("retry-after")
         if attempt == max_retries:
             break
         delay = backoff_delay(attempt, base_delay, max_delay, retry_after)

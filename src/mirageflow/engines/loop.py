@@ -2,9 +2,14 @@
 the HTTP backends, the engine service's client).
 
 ``LoopEngine`` runs a private asyncio loop in a daemon thread and bridges each
-``generate_one`` call into it. The engine's clients (an httpx2 connection pool, SGLang's
-tokenizer manager) bind to the first loop that uses them; with a private loop they work
-whatever loop, or sequence of ``asyncio.run`` calls, the caller uses. The bridge also lets
+``generate_one`` call into it (``_in_engine_loop``). SGLang's tokenizer manager binds to the
+first loop that uses it; with a private loop it works whatever loop, or sequence of
+``asyncio.run`` calls, the caller uses. The HTTP engines instead run each request in the
+caller's own loop (``_on_caller_loop``): their client (engines/http_client.py) opens its
+connections in whichever loop runs it, and a hop to another thread and back costs about
+as much CPU as the whole HTTP exchange (BENCHMARKS.md, "HTTP client overhead":
+bare_ours_thread_hop against bare_ours); their private loop only serves what is not a
+request (health checks before the run, a heartbeat, synchronous calls). Either way
 ``stop()`` (any thread) and a dying server fail every outstanding request at once.
 """
 
@@ -28,6 +33,8 @@ class LoopEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task] = set()  # outstanding requests, touched only in the loop
+        # requests running in callers' loops (_on_caller_loop), per loop, touched only in that loop
+        self._caller_tasks: dict[asyncio.AbstractEventLoop, set[asyncio.Task]] = {}
         self._failure: BaseException | None = None  # once set, every request fails with it
 
     # ------------------------------------------------------------------ loop thread
@@ -52,14 +59,19 @@ class LoopEngine(Engine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def _close_client_and_loop(self) -> None:
-        """Close the pooled HTTP client (when the engine has one) on its loop, then stop the loop."""
+        """Close the HTTP clients (when the engine has them), then stop the loop: ``_client``
+        (requests, in the callers' loops, over by now) at once, ``_control`` on the private loop."""
         client = getattr(self, "_client", None)
-        if client is not None and self._loop is not None:
+        if client is not None:
+            client.close()
+            self._client = None
+        control = getattr(self, "_control", None)
+        if control is not None and self._loop is not None:
             try:
-                self._call(client.aclose(), timeout=10)
+                self._call(control.aclose(), timeout=10)
             except Exception:  # noqa: BLE001 - closing goes on
                 log.debug("closing the HTTP client failed", exc_info=True)
-            self._client = None
+            self._control = None
         self._stop_loop()
 
     def _stop_loop(self) -> None:
@@ -128,19 +140,49 @@ class LoopEngine(Engine):
         finally:
             self._tasks.discard(task)
 
+    async def _on_caller_loop(self, fn, *args) -> Any:
+        """``await fn(*args)`` in the caller's loop, failed like ``_in_engine_loop`` by
+        ``stop()`` and ``_fail_all`` (the request's task is cancelled, the failure raised)."""
+        if self._failure is not None:
+            raise self._failure_error()
+        task = asyncio.current_task()
+        loop = task.get_loop()
+        tasks = self._caller_tasks.get(loop)
+        if tasks is None:
+            for old in [old for old in self._caller_tasks if old.is_closed()]:
+                del self._caller_tasks[old]
+            tasks = self._caller_tasks[loop] = set()
+        tasks.add(task)
+        try:
+            return await fn(*args)
+        except asyncio.CancelledError:
+            if self._failure is not None:
+                task.uncancel()  # cancelled by _fail_all, not by the caller
+                raise self._failure_error() from None
+            raise
+        finally:
+            tasks.discard(task)
+
     def _fail_all(self, error: BaseException) -> None:
         """From any thread: fail every outstanding and future request with ``error``."""
         if self._failure is None:
             self._failure = error
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self._tasks)])
-            except RuntimeError:  # loop closed meanwhile
-                pass
+        loops = [(self._loop, self._tasks)] if self._loop is not None else []
+        loops += list(self._caller_tasks.items())
+        for loop, tasks in loops:
+            if not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(_cancel_all, tasks)
+                except RuntimeError:  # loop closed meanwhile
+                    pass
 
     def queue_depth(self) -> int:
-        return len(self._tasks)
+        return len(self._tasks) + sum(len(tasks) for tasks in list(self._caller_tasks.values()))
 
     def stop(self) -> None:
         self._fail_all(EngineStopped("engine was stopped"))
+
+
+def _cancel_all(tasks: set[asyncio.Task]) -> None:
+    for task in list(tasks):
+        task.cancel()

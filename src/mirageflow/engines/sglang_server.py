@@ -4,7 +4,8 @@ The shard job starts ``python -m sglang.launch_server --model-path M --host 127.
 --port P --tp-size N --dp-size D [server args as flags]`` in its own process group on a
 free port, waits for ``GET /health_generate`` to answer 200, then posts each request to the
 native ``POST /generate`` (``{"input_ids", "sampling_params"}`` -> ``{"text", "meta_info"}``),
-up to ``max_inflight`` at once over a pooled httpx2 client.
+up to ``max_inflight`` at once over keep-alive connections (engines/http_client.py), in the
+caller's event loop.
 
 - Prompts: with ``apply_chat_template`` the rendered template goes as token ids with
   exactly one BOS (``base.prompt_token_ids``; SGLang would add a second one to a text
@@ -70,6 +71,7 @@ from mirageflow.engines.http import (
     redact,
     rejected,
 )
+from mirageflow.engines.http_client import HTTPClient, TransportError
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.sglang_common import (
     completion_from_output,
@@ -142,8 +144,8 @@ class SGLangServerEngine(LoopEngine):
         self.tokenizer = None
         self._prompt_ids: PromptTokenizer | None = None
         self._log_offset = 0
-        self._client = None
-        self._semaphore: asyncio.Semaphore | None = None
+        self._client: HTTPClient | None = None  # requests
+        self._control: HTTPClient | None = None  # health, versions, metrics (the private loop)
         self._closing = False
         self._killed = False
         self._metrics: dict = {}
@@ -190,9 +192,13 @@ class SGLangServerEngine(LoopEngine):
             if self.processor.apply_chat_template:
                 self.tokenizer = _load_tokenizer(self.server_args)  # while the server boots
                 self._prompt_ids = PromptTokenizer(self.tokenizer)
-            self._wait_healthy()
-            self._start_loop("sglang-server-client")
-            self._call(self._open_client())
+            self._start_loop("sglang-server-client")  # health checks, versions, metrics: not requests
+            self._control = HTTPClient(self.base_url, timeout=10.0, trust_env=False)
+            self._call(self._wait_healthy())
+            # requests run in the caller's loop (LoopEngine._on_caller_loop), at most max_inflight at once
+            self._client = HTTPClient(
+                self.base_url, max_connections=self.max_inflight, timeout=float(self.processor.request_timeout), trust_env=False
+            )
             self.info = EngineInfo(
                 backend="sglang_server",
                 model_path=self.server_args.model_path,
@@ -215,50 +221,40 @@ class SGLangServerEngine(LoopEngine):
             self.close()
             raise
 
-    def _wait_healthy(self) -> None:
-        import httpx2
-
+    async def _wait_healthy(self) -> None:
         timeout = float(self.processor.server_start_timeout)
         deadline = time.monotonic() + timeout
         interval = self.health_poll_interval
-        with httpx2.Client(base_url=self.base_url, trust_env=False) as client:
-            while True:
-                rc = self.process.poll()
-                if rc is not None:
-                    raise EngineError(
-                        f"the SGLang server exited with code {rc} before it became healthy "
-                        f"({' '.join(redact(self.command))}); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._tail()}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise EngineError(
-                        f"the SGLang server did not become healthy within server_start_timeout={timeout:g} s "
-                        f"(GET /health_generate never answered 200); last {LOG_TAIL_LINES} lines of "
-                        f"{self.log_path}:\n{self._tail()}"
-                    )
-                try:
-                    if client.get("/health_generate", timeout=max(0.2, min(30.0, remaining))).status_code == 200:
-                        return
-                except httpx2.TransportError:
-                    pass
-                time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
-                interval = min(interval * 1.5, 2.0)
+        while True:
+            rc = self.process.poll()
+            if rc is not None:
+                raise EngineError(
+                    f"the SGLang server exited with code {rc} before it became healthy "
+                    f"({' '.join(redact(self.command))}); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._tail()}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineError(
+                    f"the SGLang server did not become healthy within server_start_timeout={timeout:g} s "
+                    f"(GET /health_generate never answered 200); last {LOG_TAIL_LINES} lines of "
+                    f"{self.log_path}:\n{self._tail()}"
+                )
+            try:
+                if (await self._control.get("/health_generate", timeout=max(0.2, min(30.0, remaining)))).status_code == 200:
+                    return
+            except TransportError:
+                pass
+            await asyncio.sleep(max(0.0, min(interval, deadline - time.monotonic())))
+            interval = min(interval * 1.5, 2.0)
 
-    async def _open_client(self) -> None:
-        import httpx2
-
-        limits = httpx2.Limits(max_connections=self.max_inflight, max_keepalive_connections=self.max_inflight)
-        timeout = float(self.processor.request_timeout)
-        self._client = httpx2.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits, trust_env=False)
-        self._semaphore = asyncio.Semaphore(self.max_inflight)
+    def _get_json(self, path: str):
+        return self._call(self._control.get(path)).json()
 
     def _versions(self) -> dict[str, str]:
-        import httpx2
-
-        versions = {"httpx2": httpx2.__version__}
+        versions = {}
         for path in ("/server_info", "/get_server_info"):  # the second is deprecated in 0.5.23
             try:
-                info = httpx2.get(f"{self.base_url}{path}", timeout=10, trust_env=False).json()
+                info = self._get_json(path)
             except Exception:  # noqa: BLE001 - informational only
                 continue
             if isinstance(info, dict) and info.get("version"):
@@ -272,16 +268,18 @@ class SGLangServerEngine(LoopEngine):
         return versions
 
     def _scrape_metrics(self) -> dict:
-        import httpx2
-
         try:
-            r = httpx2.get(f"{self.base_url}/metrics", timeout=10, trust_env=False)
-            r.raise_for_status()
+            r = self._call(self._control.get("/metrics"))
+            if r.status_code != 200:
+                raise EngineError(f"HTTP {r.status_code} from {self.base_url}/metrics")
         except Exception as e:  # noqa: BLE001 - metrics are informational
             return {"error": f"{type(e).__name__}: {e}"}
         return parse_prometheus(r.text, METRICS)
 
     # ------------------------------------------------------------------ requests
+
+    async def generate_one(self, request: Request) -> Completion:
+        return await self._on_caller_loop(self._generate, request)
 
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:
@@ -297,25 +295,26 @@ class SGLangServerEngine(LoopEngine):
             body["input_ids"] = self._prompt_ids(request.prompt)
         else:
             body["text"] = request.prompt
-        async with self._semaphore:
-            response = await post_with_retries(
-                self._client,
-                "/generate",
-                body,
-                max_retries=int(self.processor.max_retries),
-                timeout=float(self.processor.request_timeout),
-                base_delay=self.retry_base_delay,
-                max_delay=self.retry_max_delay,
-                what=f"SGLang server {self.base_url}/generate",
-                on_transport_error=self._check_alive,
-                final=_request_failure,
-            )
+        if self._client is None:
+            raise RuntimeError("SGLangServerEngine: load() was not called, or the engine is closed")
+        response = await post_with_retries(
+            self._client,
+            "/generate",
+            body,
+            max_retries=int(self.processor.max_retries),
+            timeout=float(self.processor.request_timeout),
+            base_delay=self.retry_base_delay,
+            max_delay=self.retry_max_delay,
+            what=f"SGLang server {self.base_url}/generate",
+            on_transport_error=self._check_alive,
+            final=_request_failure,
+        )
         if response.status_code != 200:
             message = f"SGLang server answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
             return rejected(request.id, message, "aborted" if response.status_code >= 500 else "invalid_request")
-        out = response.json()
+        out = response.json()  # decoded by post_with_retries
         if isinstance(out, list):
             out = out[0]
         return with_image_tokens(completion_from_output(request.id, out), text_tokens)
