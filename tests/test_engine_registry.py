@@ -34,7 +34,7 @@ from mirageflow.engines.wire import Completion, EngineInfo
 ENGINES = Path(base.__file__).parent
 SRC = ENGINES.parent
 # modules that are not engines: the interface, its wire types, helpers, the registry
-SHARED = {"base", "wire", "chat_template", "tokens", "registry", "loop", "http", "sglang_common", "json_prefix"}
+SHARED = {"base", "wire", "chat_template", "tokens", "registry", "loop", "http", "http_client", "sglang_common", "json_prefix"}
 # parts of one backend, imported by that backend's module only
 COMPANIONS = {"transformers_cb": "transformers_engine"}
 
