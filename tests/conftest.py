@@ -16,6 +16,9 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 
 # One torch thread: small models on 2-core machines run ~10x slower with two.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the real Hugging Face Hub: hub model ids go to a closed local port unless a
+# test points HF_ENDPOINT at its stand-in hub (tests/fakes/fake_hub.py).
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 
 
 @pytest.fixture(scope="session")

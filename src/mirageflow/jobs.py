@@ -59,8 +59,9 @@ def _early_argv(argv: list[str]) -> dict:
     return found
 
 
-def _write_early_failure(path: str, signum: int) -> None:
-    name = signal.Signals(signum).name
+def _write_early_failure(path: str, signum: int | None, error: str | None = None) -> None:
+    """failure.json of a shard stopped before its runner started: by a signal, or by ``error``."""
+    name = signal.Signals(signum).name if signum is not None else None
     failure = {
         "shard_id": _EARLY["shard"],
         "status": "failed",
@@ -70,8 +71,8 @@ def _write_early_failure(path: str, signum: int) -> None:
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "error": f"stopped by {name} before the shard started (while the job was starting up); nothing was committed",
-        "reason": "stopped before the shard runner started",
+        "error": error or f"stopped by {name} before the shard started (while the job was starting up); nothing was committed",
+        "reason": "stopped before the shard runner started" if error is None else "could not start the shard",
         "signal": name,
         "stats": None,
     }
@@ -222,6 +223,17 @@ def index_dataset(config: str, ds_index: int, output: str) -> None:
 def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) -> None:
     cfg = _config(config)
     _EARLY["failure"] = str(cfg.shard_dir(shard) / "failure.json")  # the config's own state_dir
+    from mirageflow import hub_models
+
+    hub_models.offline_environment(cfg)  # before transformers/sglang/huggingface_hub read it at import
+    if engine is None:  # a shard served by an engine service loads no model
+        try:
+            cfg = hub_models.resolve_local(cfg)  # hub ids -> the snapshots the driver fetched
+        except RuntimeError as e:
+            _EARLY["shard"], _EARLY["attempt"] = shard, attempt
+            _write_early_failure(_EARLY["failure"], None, f"RuntimeError: {e}")
+            _EARLY["failure"] = None
+            raise
     from mirageflow.cluster.engine_service import shared_engine_factory
     from mirageflow.cluster.gpu_claim import claim_for_shard
     from mirageflow.cluster.time_limit import arm_time_limit_signal
@@ -238,9 +250,6 @@ def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) 
     from mirageflow.shard import ShardInterrupted
     from mirageflow.shard import run_shard as run
 
-    hf_home = cfg.execution.hf_home
-    if hf_home:  # before transformers/sglang read it at import
-        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
     try:
         run(cfg, shard, attempt=attempt, **({"engine_factory": factory} if factory else {}))
     except ShardInterrupted as e:
@@ -259,12 +268,25 @@ def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
 
     claim_for_shard(cfg)  # the engine holds the GPUs its shards would have claimed
     arm_time_limit_signal()
-    hf_home = cfg.execution.hf_home
-    if hf_home:
-        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
+    from mirageflow import hub_models
+
+    hub_models.offline_environment(cfg)
+    cfg = hub_models.resolve_local(cfg)  # hub ids -> the snapshots the driver fetched
     from mirageflow.cluster import engine_service
 
     engine_service.run(cfg, group, endpoint, log_path=log)
+
+
+def hub_model(config: str, slug: str, output: str) -> None:
+    """Fetch one Hugging Face model into the cache (the driver's localrule hub_model), resuming a killed attempt."""
+    cfg = _config(config, check_paths=False)
+    hf_home = cfg.execution.hf_home
+    if hf_home:  # before huggingface_hub reads it at import
+        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
+    from mirageflow.hub_models import download
+
+    marker = download(cfg, slug, output)
+    logging.info("hub model %s at commit %s in %s", marker["repo_id"], marker["commit"], marker["snapshot"])
 
 
 def merge(config: str, ds_index: int, output: str) -> None:
@@ -318,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("engine", help="serve one engine group to its shards (shards_per_engine > 1)")
     p.add_argument("group", type=int)
     p.add_argument("endpoint", help="the endpoint file (the rule's service output)")
+    p = sub.add_parser("hub_model", help="download one Hugging Face model id into the cache (the driver, before any shard)")
+    p.add_argument("model", help="the model's slug (org--name[@revision])")
+    p.add_argument("output", help="the marker written once it is complete")
     sub.add_parser("aggregate", help="write the metrics report")
     args = ap.parse_args(argv)
     _ATTEMPT_LOG["path"] = _log_to(args.log)
@@ -329,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         run_engine(args.config, args.group, args.endpoint, _ATTEMPT_LOG.get("path") or args.log)
     elif args.job == "merge":
         merge(args.config, args.dataset, args.output)
+    elif args.job == "hub_model":
+        hub_model(args.config, args.model, args.output)
     elif args.job == "dedup":
         dedup(args.config, args.dataset, args.counts, args.removed)
     else:

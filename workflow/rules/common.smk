@@ -11,6 +11,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
+from mirageflow import hub_models
 from mirageflow.cluster import resources as cluster
 from mirageflow.state import pipeline as pipeline_state
 from mirageflow.config import ConfigError
@@ -48,11 +49,25 @@ if workflow.is_main_process:
             f"mirageflow: cannot write the pipeline's state files: {e}"
         ) from None
 
+# Hugging Face model ids: the driver says which are cached and which its hub_model rule
+# downloads before any shard (mirageflow/hub_models.py); preflight refused the others.
+HUB_MODELS = hub_models.hub_models(PIPELINE)
+if workflow.is_main_process:
+    from mirageflow.config.preflight import hub_model_states
+
+    for state in hub_model_states(PIPELINE):
+        logger.info(f"mirageflow: {hub_models.describe([state])[0]}")
+        # a marker of a download whose snapshot has since left the cache: fetch it again
+        marker = hub_models.marker_path(STATE_DIR, state.model)
+        if state.state == "download" and marker.exists() and not workflow.dryrun:
+            marker.unlink()
+
 SHARD_IDS = list(range(PIPELINE.num_shards))
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]
 
 
 wildcard_constraints:
+    model=r"[^/]+",
     shard=r"\d+",
     group=r"\d+",
     ds=r"\d+",
@@ -70,12 +85,15 @@ def index_files():
 
 
 def model_inputs():
-    """Local model directories the shards need; the demo model is built by a rule."""
+    """Local model directories the shards need (the demo model is built by a rule), and the
+    marker of each hub model id the driver fetches (rule hub_model). The marker's time is no
+    rerun trigger (ancient): its repo and revision are in the records fingerprint."""
     paths = []
     for proc in PIPELINE.processors.values():
         path = proc.server_args.model_path
-        if os.path.normpath(path) == SMOLLM2_DIR or os.path.isdir(path):
+        if os.path.normpath(path) == SMOLLM2_DIR or (path and os.path.isdir(path)):
             paths.append(path)
+    paths += [ancient(str(hub_models.marker_path(STATE_DIR, m))) for m in HUB_MODELS]
     return paths
 
 

@@ -14,8 +14,12 @@ the same configs with the same ``key.path: message`` lines:
   ``default`` or ``optional: true``; likewise a ``preserve_columns`` name (with
   ``remove_columns: true``) that is a column of none of them;
 - each local model: the directory exists and holds a config.json; a Hugging Face id
-  (``org/name``) must already be in the local cache (no hub is reachable, nothing is
-  downloaded); ``max_new_tokens`` must be below the model's context;
+  (``org/name``) is in the cache at its revision, or the hub answers for it from here (the
+  driver's ``hub_model`` rule will download it before any shard), else it is refused with
+  the reason (offline, unknown id or revision, gated) and the fix (mirageflow.hub_models;
+  ``hub_model_notes`` says which of them are cached or will be downloaded);
+  ``max_new_tokens`` must be below the model's context (its config.json, cached or read
+  from the hub);
 - image inputs go to a model whose config.json declares a vision tower;
 - ``api_key_env`` names a variable set in this environment (the jobs inherit it);
 - a custom processor's script imports and defines its ``function_name`` (the driver imports it);
@@ -33,10 +37,10 @@ import difflib
 import glob
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from mirageflow import hub_models
 from mirageflow.config.loading import ConfigError, load_config
 from mirageflow.config.types import CustomProcessor, DatasetConfig, PipelineConfig, ProcessorConfig
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
@@ -49,10 +53,9 @@ MAX_FILES_SNIFFED = 200
 PARQUET_MAGIC = b"PAR1"
 GZIP_MAGIC = b"\x1f\x8b"
 # Model directories the workflow builds itself (workflow/rules/models.smk): not there before the first run.
-WORKFLOW_BUILT_MODELS = ("resources/models/SmolLM2-135M-Instruct",)
+WORKFLOW_BUILT_MODELS = hub_models.WORKFLOW_BUILT_MODELS
 CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, used by every backend (schema: sampling_params)
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def validate(
@@ -341,22 +344,17 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
 # --------------------------------------------------------------------------- models
 
 
-def _hub_cache(cfg: PipelineConfig, environ: Mapping[str, str]) -> Path:
-    hf_home = cfg.execution.hf_home
-    if hf_home:
-        return Path(os.path.expanduser(hf_home)) / "hub"
-    if environ.get("HF_HUB_CACHE"):
-        return Path(environ["HF_HUB_CACHE"])
-    return Path(os.path.expanduser(environ.get("HF_HOME") or "~/.cache/huggingface")) / "hub"
+def hub_model_states(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> list[hub_models.ModelState]:
+    """Each hub model id of the config: cached, to be downloaded by the driver, or not obtainable."""
+    environ = os.environ if environ is None else environ
+    cache = hub_models.cache_dir(cfg, environ)
+    return [hub_models.look_up(m, cache, environ) for m in hub_models.hub_models(cfg)]
 
 
-def _cached_model(cache: Path, model_id: str) -> Path | None:
-    """The newest snapshot of ``org/name`` in the Hugging Face cache that has a config.json."""
-    snaps = sorted(
-        (cache / f"models--{model_id.replace('/', '--')}" / "snapshots").glob("*/config.json"),
-        key=lambda p: p.stat().st_mtime,
-    )
-    return snaps[-1].parent if snaps else None
+def hub_model_notes(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per hub model id that can be had (cached, or downloaded before any shard), for the driver's log and
+    `mmirage check` (the others are problems)."""
+    return hub_models.describe([s for s in hub_model_states(cfg, environ) if s.state != "cannot"])
 
 
 def model_context(model_dir: Path) -> tuple[int, str] | None:
@@ -365,13 +363,20 @@ def model_context(model_dir: Path) -> tuple[int, str] | None:
         data = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    return config_context(data, str(model_dir / "config.json"))
+
+
+def config_context(data: Any, source: str) -> tuple[int, str] | None:
+    """(context length, where it was read) from a model's parsed config.json, or None."""
+    if not isinstance(data, dict):
+        return None
     for scope in (data, data.get("text_config") or {}, data.get("llm_config") or {}):
         if not isinstance(scope, dict):
             continue
         for key in CONTEXT_KEYS:
             value = scope.get(key)
             if isinstance(value, int) and value > 0:
-                return value, f"{key} in {model_dir / 'config.json'}"
+                return value, f"{key} in {source}"
     return None
 
 
@@ -388,9 +393,10 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
         return problems  # model_path is a name the server knows, not a local directory
     model_path = proc.server_args.model_path
     path = os.path.expanduser(model_path)
-    model_dir: Path | None = None
+    model_config: tuple[dict, str] | None = None  # (config.json, where it was read)
     if os.path.normpath(path) in {os.path.normpath(m) for m in built_models}:
-        model_dir = Path(path) if (Path(path) / "config.json").is_file() else None  # built by a rule otherwise
+        if (Path(path) / "config.json").is_file():  # built by a rule otherwise
+            model_config = _local_config(Path(path))
     elif os.path.isdir(path):
         if not (Path(path) / "config.json").is_file():
             problems.append(
@@ -398,24 +404,35 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
                 "point it at a Hugging Face model directory (config.json, tokenizer and weights)"
             )
         else:
-            model_dir = Path(path)
+            model_config = _local_config(Path(path))
     elif os.path.exists(path):
         problems.append(f"{where}.server_args.model_path: '{path}' is a file, not a model directory")
-    elif _HUB_ID.match(model_path) and not model_path.startswith("."):
-        cache = _hub_cache(cfg, environ)
-        model_dir = _cached_model(cache, model_path)
-        if model_dir is None:
-            problems.append(
-                f"{where}.server_args.model_path: '{model_path}' is not a directory, and this Hugging Face model "
-                f"id is not in the local cache ({cache}). No hub is reachable from the jobs and nothing is downloaded "
-                "(the schema: models are local): download it where a hub is reachable (huggingface-cli download "
-                f"{model_path} --local-dir DIR), then set model_path to DIR"
-            )
+    elif hub_models.is_hub_id(model_path, built_models):
+        model = hub_models.HubModel(proc.index, model_path, proc.server_args.revision)
+        state = hub_models.look_up(model, hub_models.cache_dir(cfg, environ), environ)
+        if state.state == "cannot":
+            problems.append(f"{where}.server_args.model_path: '{model.label}' {state.detail}")
+        elif state.config is not None:
+            source = str(state.snapshot / "config.json") if state.snapshot else f"config.json of {model.label} on the hub"
+            model_config = (state.config, source)
     else:
         problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
-    problems += _context_problems(cfg, proc, model_dir)
-    problems += _vision_problems(cfg, proc, model_dir)
+    if proc.server_args.revision and not hub_models.is_hub_id(model_path, built_models):
+        problems.append(
+            f"{where}.server_args.revision: '{proc.server_args.revision}' is a revision of a Hugging Face model id, but "
+            f"model_path '{model_path}' is a local path (a directory has no revisions): remove revision"
+        )
+    problems += _context_problems(cfg, proc, model_config)
+    problems += _vision_problems(cfg, proc, model_config)
     return problems
+
+
+def _local_config(model_dir: Path) -> tuple[dict, str] | None:
+    try:
+        data = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (data, str(model_dir / "config.json")) if isinstance(data, dict) else None
 
 
 def _custom_problems(proc: CustomProcessor) -> list[str]:
@@ -433,13 +450,13 @@ def _custom_problems(proc: CustomProcessor) -> list[str]:
     return []
 
 
-def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path | None) -> list[str]:
+def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: tuple[dict, str] | None) -> list[str]:
     """Image inputs sent to a model whose config.json declares no vision tower (a text-only model)."""
-    from mirageflow.prompts.images import is_vision_model
+    from mirageflow.prompts.images import is_vision_config
 
     images = [(j, v) for j, v in enumerate(cfg.inputs) if v.type == "image"]
     served = any(o.processor == proc.type for o in cfg.outputs)
-    if not images or not served or model_dir is None or is_vision_model(model_dir) is not False:
+    if not images or not served or model_config is None or is_vision_config(model_config[0]) is not False:
         return []
     return [
         f"processing_params.inputs[{j}].type: image input '{v.name}', but processors[{proc.index}].server_args.model_path "
@@ -449,13 +466,13 @@ def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path
     ]
 
 
-def _context_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path | None) -> list[str]:
+def _context_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: tuple[dict, str] | None) -> list[str]:
     i = proc.index
     given = proc.server_args.extra_engine_args.get("context_length")
     if isinstance(given, int) and given > 0:
         context, source = given, f"processors[{i}].server_args.extra_engine_args.context_length"
     else:
-        found = model_context(model_dir) if model_dir is not None else None
+        found = config_context(*model_config) if model_config is not None else None
         if found is None:
             return []
         context, source = found

@@ -68,6 +68,8 @@ class ServerArgs:
     disable_custom_all_reduce: bool = False
     # passed verbatim to the engine (SGLang's own arguments, transformers' dtype): not ours to type
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    # a Hugging Face model id's branch, tag or commit (mirageflow.hub_models resolves it to a snapshot; not an engine argument)
+    revision: str | None = None
 
     def engine_args(self) -> dict[str, Any]:
         """Every key but ``extra_engine_args``, as SGLang names its arguments (``--flag`` of its server)."""

@@ -416,6 +416,11 @@ def is_vision_model(model_dir) -> bool | None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    return is_vision_config(config)
+
+
+def is_vision_config(config) -> bool | None:
+    """Whether a model's config.json (the parsed mapping) describes a vision-language model; None when unknown."""
     if not isinstance(config, dict):
         return None
     return any(k in config for k in ("vision_config", "vision_tower", "visual", "mm_vision_tower", "image_token_index", "image_token_id"))
