@@ -30,6 +30,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny random LLaVA (vision-language), built offline."""
+    from mirageflow.model_prep import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
+
+
+@pytest.fixture(scope="session")
 def smollm2_model(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct: the demo's model dir when built, else converted from the PyPI wheel."""
     built = REPO / "resources" / "models" / "SmolLM2-135M-Instruct"

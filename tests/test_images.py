@@ -310,13 +310,6 @@ def test_sglang_server_sends_text_and_image_data(tmp_path, tiny_vlm, monkeypatch
 # --------------------------------------------------------------------------- the tiny VLM on the CPU
 
 
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory) -> Path:
-    from mirageflow.model_prep import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
-
-
 def test_tiny_vlm_generates_from_images_on_the_cpu(tiny_vlm):
     from mirageflow.engines.transformers_engine import TransformersEngine
 
