@@ -21,14 +21,16 @@ class MergeRefused(RuntimeError):
     pass
 
 
-def _damaged(e: Exception, shard_id: int, cfg: PipelineConfig) -> MergeRefused:
+def _damaged(e: Exception, shard_id: int, cfg) -> MergeRefused:
+    if getattr(cfg, "state_dir", None) is None:  # merge_directory: no pipeline state
+        return MergeRefused(f"{e}. The outputs of shard {shard_id} are damaged")
     return MergeRefused(
         f"{e}. The outputs of shard {shard_id} are damaged: delete {cfg.shard_dir(shard_id)} (its checkpoint) "
         f"and the shard's output directory, rerun the workflow so shard {shard_id} runs again, then merge"
     )
 
 
-def _parquet_plan(parts: dict[int, list[Path]], cfg: PipelineConfig):
+def _parquet_plan(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState):
     """Every non-empty part's schema (from its footer), to plan one merged schema."""
     import pyarrow.parquet as pq
 
@@ -50,15 +52,16 @@ def _check_order(where, idx: list[int], last: int) -> None:
         raise MergeRefused(f"{where}: a source_index appears twice, or in the wrong shard; the shard outputs were mixed up")
 
 
-def _check_count(shard_id: int, found: int, expected: dict[int, int], cfg: PipelineConfig) -> None:
-    """A shard's parts must hold the records its status.json counted (nothing lost or added)."""
-    if found != expected[shard_id]:
+def _check_count(shard_id: int, found: int, expected: dict[int, int] | None, cfg) -> None:
+    """A shard's parts must hold the records its status.json counted (nothing lost or added;
+    ``expected`` None: no status.json to compare with, merge_directory)."""
+    if expected is not None and found != expected[shard_id]:
         raise _damaged(
             PartUnreadable(f"shard {shard_id}'s parts hold {found} records, its status.json counts {expected[shard_id]}"), shard_id, cfg
         )
 
 
-def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig, schema, out_dir: Path, expected: dict[int, int]):
+def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState, schema, out_dir: Path, expected: dict[int, int] | None):
     import pyarrow as pa
 
     last = -1
@@ -125,7 +128,7 @@ def _sample_unit(n: int):
     return key
 
 
-def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig, out_dir: Path, expected: dict[int, int]):
+def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState, out_dir: Path, expected: dict[int, int] | None):
     """Each shard's record lines, byte for byte as the parts hold them, in source order."""
     last = -1
     n = getattr(cfg, "n_samples", 1)
@@ -203,3 +206,100 @@ def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
         except ColumnNeedsJson as e:
             as_json.add(e.name)
     return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}
+
+
+# --------------------------------------------------------------------------- merge-dir (no config)
+
+
+class _NoState:
+    """What the merge needs of a config when there is none (``mmirage merge-dir``)."""
+
+    state_dir = None
+
+    def __init__(self, n_samples: int):
+        self.n_samples = n_samples
+
+
+def _shard_dirs(path: Path) -> dict[int, Path]:
+    found = {}
+    for p in path.glob("shard_*"):
+        suffix = p.name[len("shard_") :]
+        if p.is_dir() and suffix.isdigit():
+            found[int(suffix)] = p
+    return dict(sorted(found.items()))
+
+
+def _n_samples(parts: dict[int, list[Path]], fmt: str) -> int:
+    """1 + the largest sample_index of the records (1 without one): the key of a record is source_index * n + sample."""
+    import pyarrow.parquet as pq
+
+    top = -1
+    for paths in parts.values():
+        for p in paths:
+            if fmt == "parquet":
+                if "sample_index" not in pq.read_schema(p).names:
+                    return 1
+                column = pq.read_table(p, columns=["sample_index"]).column(0).to_pylist()
+                top = max([top, *[v for v in column if isinstance(v, int)]])
+            else:
+                with open(p, "rb") as f:
+                    for line in f:
+                        if line.strip():
+                            sample = json.loads(line).get("sample_index")
+                            if sample is None:
+                                return 1
+                            top = max(top, int(sample))
+    return top + 1 if top >= 0 else 1
+
+
+def merge_directory(input_dir: str | Path, output_dir: str | Path) -> list[dict]:
+    """``mmirage merge-dir``: merge the shard_<id>/ outputs found under ``input_dir`` into ``output_dir``.
+
+    ``input_dir`` holds shard_* folders (one dataset, merged into ``output_dir``) or
+    folders that do (each merged into ``output_dir/<its name>``), as MMIRAGE reads it.
+    Records are ordered by source_index (then sample_index) and a record found twice is
+    refused, as in the pipeline's merge; but without the pipeline's state the shards'
+    completeness cannot be checked (``mmirage merge --config C`` does). An output folder
+    that exists and is not empty is refused: nothing is replaced.
+    """
+    src, dest = Path(input_dir).expanduser().resolve(), Path(output_dir).expanduser().resolve()
+    if not src.is_dir():
+        raise MergeRefused(f"--input-dir {input_dir}: not a directory")
+    if dest == src or src in dest.parents:
+        raise MergeRefused(f"--output-dir {output_dir} is inside --input-dir {input_dir}: it would become input")
+    def has_parts(d: Path) -> bool:  # not a state_dir, whose shard_* folders hold no part files
+        return any(next(s.glob("part-*.*"), None) for s in _shard_dirs(d).values())
+
+    if _shard_dirs(src):
+        datasets = [(src, dest)]
+    else:
+        datasets = [(d, dest / d.name) for d in sorted(src.iterdir()) if d.is_dir() and not d.name.startswith(".") and has_parts(d)]
+    if not datasets:
+        raise MergeRefused(f"no shard_* folders in {input_dir} nor in its subfolders")
+    for _, out in datasets:
+        if out.exists() and any(out.iterdir()):
+            raise MergeRefused(f"{out} exists and is not empty: choose another --output-dir, or delete it")
+    reports = []
+    for dataset_dir, out in datasets:
+        parts = {i: sorted(d.glob("part-*.*")) for i, d in _shard_dirs(dataset_dir).items()}
+        formats = {p.suffix.lstrip(".") for paths in parts.values() for p in paths}
+        if len(formats) != 1 or not formats <= {"parquet", "jsonl"}:
+            raise MergeRefused(
+                f"{dataset_dir}: the shards hold {'no part files' if not formats else 'part files of ' + ', '.join(sorted(formats))}; "
+                "expected part-*.parquet or part-*.jsonl files, one format"
+            )
+        fmt = formats.pop()
+        cfg = _NoState(_n_samples(parts, fmt))
+        if fmt == "jsonl":
+            rows = write_merged(_jsonl_line_lists(parts, cfg, dataset_dir, None), out, fmt)
+        else:
+            schemas = _parquet_plan(parts, cfg)
+            as_json: set[str] = set()
+            while True:
+                try:
+                    rows = write_merged(_parquet_tables(parts, cfg, plan_schema(schemas, as_json), dataset_dir, None), out, fmt)
+                    break
+                except ColumnNeedsJson as e:
+                    as_json.add(e.name)
+        reports.append({"input_dir": str(dataset_dir), "output_dir": str(out), "shards": len(parts), "rows": rows, "format": fmt})
+    return reports
