@@ -559,6 +559,8 @@ def cmd_check(args) -> int:
     print(f"{args.config}: valid ({len(cfg.datasets)} dataset(s), {cfg.num_shards} shard(s), state_dir {cfg.state_dir})")
     for note in hub_model_notes(cfg):
         print(note)
+    for warning in cfg.warnings:
+        print(f"warning: {warning}")
     summary = shard_status(cfg)
     if summary is None:
         print(f"no state yet ({Path(cfg.state_dir).resolve()} does not exist): nothing has run, no shard to check")

@@ -55,6 +55,9 @@ HUB_MODELS = hub_models.hub_models(PIPELINE)
 if workflow.is_main_process:
     from mirageflow.config.preflight import hub_model_states
 
+    for warning in PIPELINE.warnings:  # MMIRAGE keys accepted that change nothing here
+        logger.warning(f"mirageflow: {warning}")
+
     for state in hub_model_states(PIPELINE):
         logger.info(f"mirageflow: {hub_models.describe([state])[0]}")
         # a marker of a download whose snapshot has since left the cache: fetch it again

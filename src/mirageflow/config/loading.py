@@ -242,6 +242,8 @@ _PROCESSOR_OPERATIONAL_KEYS = (
     "native_n",
     # custom processors' (python_steps): how the function is run, or accepted and unused
     "max_workers", "start_method", "timeout_ms", "max_timeouts", "max_errors", "fallback_value",
+    # api_llm (MMIRAGE): how many requests at once, and the wait between retries
+    "max_concurrency", "retry_base_delay",
 )  # fmt: skip
 
 

@@ -86,7 +86,7 @@ def preflight_problems(
     problems: list[str] = []
     rows_known: list[int | None] = []
     for ds in cfg.datasets:
-        where = f"loading_params.datasets[{ds.index}]"
+        where = ds.key
         found, sample, rows = _inspect_dataset(ds, where)
         problems += found
         if not found and sample:
@@ -326,7 +326,7 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
             hint = difflib.get_close_matches(var.key, keys, n=1)
             problems.append(
                 f"processing_params.inputs[{j}].key: '{var.key}' (input '{var.name}') matches nothing in the first "
-                f"{len(sample)} rows of loading_params.datasets[{ds.index}] ('{ds.path}')"
+                f"{len(sample)} rows of {ds.key} ('{ds.path}')"
                 + (f": {errors[0]}" if errors else "")
                 + (f" (did you mean '{hint[0]}'?)" if hint else "")
                 + f"; row 0 is {shown}. Fix the key, or set default: (a value for rows without it) or optional: true"
@@ -336,7 +336,7 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
             hint = difflib.get_close_matches(name, [str(k) for k in sample[0]] if isinstance(sample[0], dict) else [], n=1)
             problems.append(
                 f"processing_params.preserve_columns: '{name}' is a column of none of the first {len(sample)} rows of "
-                f"loading_params.datasets[{ds.index}] ('{ds.path}')" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+                f"{ds.key} ('{ds.path}')" + (f" (did you mean '{hint[0]}'?)" if hint else "")
             )
     return problems
 

@@ -25,6 +25,11 @@ class DatasetConfig:
     output_format: str
     split: str | None
     image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
+    where: str = ""  # its entry's key path, loading_params.datasets[i] (one entry is several datasets with {split: path})
+
+    @property
+    def key(self) -> str:
+        return self.where or f"loading_params.datasets[{self.index}]"
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class ProcessorConfig:
     max_retries: int = 5
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
+    max_concurrency: int | None = None  # openai: requests in flight (MMIRAGE's api_llm); None: the engine's default
+    retry_base_delay: float | None = None  # openai: first retry delay; None: the engine's default
 
 
 @dataclass(frozen=True)
@@ -200,6 +207,8 @@ class PipelineConfig:
     custom_processors: dict[str, CustomProcessor] = field(default_factory=dict)
     dedup: DedupParams | None = None  # deduplication_params when enabled (data/dedup.py)
     execution: ExecutionParams = field(default_factory=ExecutionParams)
+    # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)
+    warnings: tuple[str, ...] = ()
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"

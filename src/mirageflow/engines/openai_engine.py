@@ -43,7 +43,9 @@ prompt goes to ``POST {base_url}/completions`` as is.
   proxies (HTTP(S)_PROXY, NO_PROXY). ``base_url`` may carry a query string (kept on every
   request) and userinfo (Basic auth when no ``api_key_env``); messages and status files
   show it with the password and query values masked.
-- ``max_inflight``: 64 requests at once (``shard_params.max_inflight`` overrides).
+- ``max_inflight``: 64 requests at once, or ``processors[].max_concurrency`` (MMIRAGE's
+  api_llm; ``shard_params.max_inflight`` overrides either); ``retry_base_delay`` sets the
+  first retry's delay.
 """
 
 from __future__ import annotations
@@ -102,7 +104,10 @@ class OpenAIEngine(LoopEngine):
         self.base_url = (processor.base_url or "").rstrip("/")
         self.shown_url = display_url(self.base_url)  # what messages and status files show
         self.model = processor.model or processor.server_args.model_path
-        self.max_inflight = DEFAULT_MAX_INFLIGHT
+        # processors[].max_concurrency (MMIRAGE's api_llm) and retry_base_delay, when set
+        self.max_inflight = processor.max_concurrency or DEFAULT_MAX_INFLIGHT
+        if processor.retry_base_delay is not None:
+            self.retry_base_delay = processor.retry_base_delay
         self._client: HTTPClient | None = None
         self._whats: dict[str, str] = {}
         self._warned_usage = False

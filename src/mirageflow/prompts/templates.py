@@ -18,6 +18,8 @@ the common shapes take fast paths with the same results as Jinja2/JMESPath:
 
 from __future__ import annotations
 
+import json
+
 import collections.abc as _abc
 import difflib
 import re
@@ -366,10 +368,22 @@ class RecordRenderer:
         self._output_names = output_names
         # columns kept in spite of remove_columns (null where a row lacks one: one schema for all parts)
         self._preserve = tuple(preserve_columns) if remove_columns else ()
+        # source_index: a built-in variable of output_schema (MMIRAGE renders it too); a field of
+        # that name must hold the row's index, which the workflow writes there (the merge orders by it)
+        self._uses_index = bool(output_schema) and "source_index" in json.dumps(output_schema, default=str)
+        self._index_field = isinstance(output_schema, Mapping) and "source_index" in output_schema
 
     def __call__(self, source_index: int, row: Mapping[str, Any], variables: Mapping[str, Any], sample_index: int | None = None) -> dict:
         if self._shape is not None:
+            if self._uses_index and "source_index" not in variables:
+                variables = {**variables, "source_index": source_index}
             rendered = self._shape(variables)
+            if self._index_field and not _same_index(rendered.get("source_index"), source_index):
+                raise RowError(
+                    "render", "template_error",
+                    f"processing_params.output_schema.source_index: {rendered.get('source_index')!r} is not this row's "
+                    f"source_index {source_index}, which every record holds (the merge orders records by it)",
+                )  # fmt: skip
         else:
             rendered = {name: variables[name] for name in self._output_names}
         if not self._remove_columns:
@@ -382,6 +396,10 @@ class RecordRenderer:
         if sample_index is not None:  # n_samples > 1 (mirageflow/prompts/samples.py)
             record["sample_index"] = sample_index
         return record
+
+
+def _same_index(value: Any, index: int) -> bool:
+    return value == index or (isinstance(value, str) and value.strip() == str(index))
 
 
 # ShareGPT's speaker names (``from``) -> chat roles; OpenAI-style rows use the roles themselves.
