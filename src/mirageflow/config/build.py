@@ -187,6 +187,7 @@ def _max_tokens(params: dict, where: str, backend: str | None, problems: list[st
     return {("max_new_tokens" if k == "max_tokens" else k): v for k, v in params.items()}
 
 
+API_LLM_BACKEND = "openai"  # the engine that runs MMIRAGE's api_llm processors (an OpenAI-compatible server)
 API_LLM_DEFAULTS = {  # MMIRAGE's api_llm (core/process/processors/api_llm/config.py)
     "base_url": "https://api.openai.com/v1", "api_key_env": "OPENAI_API_KEY", "max_concurrency": 8, "max_retries": 3,
     "retry_base_delay": 1.0,
@@ -197,15 +198,16 @@ def _api_llm_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> t
     """MMIRAGE's api_llm processor: an OpenAI-compatible endpoint, run by our backend openai with MMIRAGE's defaults."""
     where = f"processors[{i}]"
     problems = []
-    if p["backend"] not in ("auto", "openai"):
-        problems.append(f"{where}.backend: an api_llm processor is an OpenAI-compatible endpoint (backend openai), not '{p['backend']}'")
+    backend = API_LLM_BACKEND if p["backend"] == registry.AUTO else p["backend"]
+    if registry.capabilities(backend).loads_model:
+        problems.append(f"{where}.backend: an api_llm processor is an OpenAI-compatible endpoint (backend {API_LLM_BACKEND}), not '{backend}'")
     if not p.get("model"):
         problems.append(f"{where}.model: required by type api_llm (the model name the endpoint serves, e.g. gpt-4o-mini)")
     for key in ("server_args", "script_path", "function_name", "server_command"):
         if p.get(key):
             problems.append(f"{where}.{key}: an api_llm processor has no {key} (its model is `model`, served at base_url)")
     value = {k: p[k] if p.get(k) is not None else default for k, default in API_LLM_DEFAULTS.items()}
-    as_openai = {**p, **value, "backend": "openai", "server_args": {"model_path": p.get("model") or ""}}
+    as_openai = {**p, **value, "backend": backend, "server_args": {"model_path": p.get("model") or ""}}
     proc, found = _model_processor(as_openai, i, taken, check_paths)
     return proc, problems + found
 
