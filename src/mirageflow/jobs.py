@@ -159,6 +159,7 @@ import argparse  # noqa: E402 - after the early signal handlers, on purpose
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
+from typing import Callable  # noqa: E402
 
 from mirageflow.config import PipelineConfig, load_config  # noqa: E402
 from mirageflow.files import atomic_write_json  # noqa: E402
@@ -244,7 +245,7 @@ def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) 
         _EARLY["failure"] = None
 
 
-def _start_shard(config: str, shard: int, engine: str | None):
+def _start_shard(config: str, shard: int, engine: str | None) -> tuple[PipelineConfig, Callable | None]:
     """The shard job before its runner: the config, the GPUs, the time limit, stale results removed.
     Returns (config, engine factory or None: the shard loads its own engine)."""
     cfg = _config(config)

@@ -36,6 +36,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the jobs import this module before anything heavy (their signal handlers)
+    from mirageflow.config.types import PipelineConfig
 
 Id = int | str  # a number, or a Snakemake wildcard such as "{shard}"
 
@@ -178,7 +182,7 @@ class StateLayout:
         return [str(self.status(i)) for i in range(num_shards)]
 
 
-def default_targets(cfg) -> list[str]:
+def default_targets(cfg: PipelineConfig) -> list[str]:
     """What the workflow's default target (rule all) builds from the shards: the report, each
     dataset's merge manifest (execution_params.merge) and dedup counts (deduplication_params)."""
     paths = StateLayout(cfg.state_dir)

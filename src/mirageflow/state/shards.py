@@ -27,6 +27,7 @@ import socket
 import time
 from pathlib import Path
 
+from mirageflow.config.types import PipelineConfig
 from mirageflow.state import layout as L
 from mirageflow.state.records import ProgressRecord, ShardStats, StatusRecord, check_status, damaged_note, read
 
@@ -36,7 +37,7 @@ PROGRESS_STALE_SECONDS = 120.0
 STATES = ("done", "running", "failed", "pending")
 
 
-def current_fingerprint(cfg) -> str:
+def current_fingerprint(cfg: PipelineConfig) -> str:
     """The records fingerprint of this config, computed here (what ``<state_dir>/records.fingerprint``
     holds once the driver parsed it). For `mmirage status` and `retry`, which may run before the driver."""
     from mirageflow.state.pipeline import records_fingerprint
@@ -117,13 +118,13 @@ def shard_states(
     return [_shard_state(paths, shard_id, num_shards, lease_timeout, fingerprint, now) for shard_id in range(num_shards)]
 
 
-def job_fingerprint(cfg) -> str:
+def job_fingerprint(cfg: PipelineConfig) -> str:
     """The fingerprint a job works under: the one the driver recorded (the shards' input), or,
     run without the workflow (tests, benchmarks), the config's own."""
     return recorded_fingerprint(cfg.state_dir) or current_fingerprint(cfg)
 
 
-def states_of(cfg, now: float | None = None) -> list[dict]:
+def states_of(cfg: PipelineConfig, now: float | None = None) -> list[dict]:
     """``shard_states`` of a pipeline config, under its current records fingerprint."""
     return shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg), now)
 
