@@ -122,7 +122,9 @@ def _install_early_handlers(argv: list[str]) -> None:
             state_dir = layout.state_dir_of_config_file(os.path.abspath(found["config"]))
             if state_dir is not None:
                 _EARLY["failure"] = str(layout.StateLayout(state_dir).failure(found["shard"]))
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    # SIGINT first: Python already catches it (KeyboardInterrupt), so once SIGTERM is seen
+    # caught (a test waits for that) both are this handler's
+    for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_early_signal)
 
 
