@@ -112,7 +112,8 @@ def test_retry_of_a_finished_run_has_nothing_to_do_unless_failed_rows(finished):
     root, _ = finished
     proc = mmirage(root, "retry", "--config", "pipeline.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--rerun-incomplete" in proc.stderr and "Nothing to be done" in proc.stderr
+    assert "no shard to rerun" in proc.stderr and "--allowed-rules aggregate merge dedup" in proc.stderr
+    assert "Nothing to be done" in proc.stderr and "rule shard" not in proc.stderr
     proc = mmirage(root, "retry", "--config", "pipeline.yaml", "--failed-rows", "--", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -201,7 +202,9 @@ def test_retry_plan_forces_only_done_shards_with_failed_rows(half, monkeypatch):
     cfg = cli._load("pipeline.yaml", check_paths=False)
     assert cli.retry_plan(cfg, failed_rows=False)["with_failed_rows"] == []
     plan = cli.retry_plan(cfg, failed_rows=True)
-    assert plan == {"unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0], "damaged_status": []}
+    assert {k: plan[k] for k in ("unfinished", "running", "with_failed_rows", "damaged_status", "stale")} == {
+        "unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0], "damaged_status": [], "stale": [],
+    }
 
 
 def test_retry_forces_a_shard_whose_status_json_is_damaged(half, monkeypatch):
@@ -329,7 +332,9 @@ def test_retry_exits_non_zero_when_shards_are_still_failed(half, monkeypatch, ca
     assert cli.main(["retry", "--config", "pipeline.yaml", "--", "--dry-run"]) == cli.EXIT_OK  # a dry run changes nothing
     (half / "state/shard_1/failure.json").unlink()
     assert cli.main(["retry", "--config", "pipeline.yaml"]) == cli.EXIT_OK
-    assert len(ran) == 3
+    assert len(ran) == 4  # the shards named, then (nothing failed any more) the report without any shard
+    assert ran[-2][ran[-2].index("--cores") + 2 :][:3] == ["state/shard_1/status.json", "state/shard_2/status.json", "state/shard_3/status.json"]
+    assert "--allowed-rules" in ran[-1] and not any("shard_" in a for a in ran[-1])
 
 
 def test_retry_warns_when_a_failure_will_repeat(half, monkeypatch, capsys):

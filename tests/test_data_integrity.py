@@ -30,7 +30,7 @@ from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shar
 from mirageflow.data.sharding import shard_range
 from mirageflow.data.writers import read_parts, write_part
 from mirageflow.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 from test_data import finish_shard, pipeline
 
 JSON_META = {b"mirageflow.encoding": b"json"}

@@ -23,7 +23,7 @@ from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.prompts import images
 from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
 from mirageflow.engines.wire import Request
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 

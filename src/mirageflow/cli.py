@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 from mirageflow.config.types import PipelineConfig
+from mirageflow.errors import InputError
+from mirageflow.state.layout import StateLayout
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # Snakemake failed, or shards failed
@@ -54,6 +56,12 @@ def default_slurm_profile(plugin_version: str | None = None) -> Path:
         major_minor = ()
     old = len(major_minor) == 2 and major_minor < (2, 7)
     return workflow_dir() / "profiles" / ("slurm-gpu" if old else "slurm")
+class UsageError(InputError):
+    """Bad arguments or config: mmirage exits 2, nothing started."""
+
+
+class WorkflowNotFound(InputError, FileNotFoundError):
+    """No Snakefile where mirageflow looks for it."""
 
 
 def workflow_dir() -> Path:
@@ -64,14 +72,10 @@ def workflow_dir() -> Path:
     for path in candidates:
         if (path / "Snakefile").is_file():
             return path
-    raise FileNotFoundError(
+    raise WorkflowNotFound(
         "cannot find the workflow's Snakefile (mirageflow is not installed from a checkout); "
         "set MIRAGEFLOW_WORKFLOW_DIR to the repository directory"
     )
-
-
-class UsageError(Exception):
-    pass
 
 
 def _load(path: str, check_paths: bool = True):
@@ -158,7 +162,7 @@ def cmd_run(args) -> int:
     flags = _retries(cfg, args.force_retry)
     if args.shard_id is not None:  # MMIRAGE: one shard, on this machine, whatever the mode says
         (shard,) = _shard_ids(str(args.shard_id), cfg)
-        target = str(cfg.shard_dir(shard) / "status.json")
+        target = str(StateLayout(cfg.state_dir).status(shard))
         return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, targets=[target], flags=flags, extra=args.extra))
     if _on_slurm(cfg, args):
         print("mmirage: execution_params.mode is slurm: the shards go to SLURM, as with mmirage submit (--local runs them here)", file=sys.stderr)
@@ -196,7 +200,7 @@ def export_prompts(cfg, where: str) -> int:
 
 def cmd_submit(args) -> int:
     cfg = _load(args.config)
-    targets = [str(cfg.shard_dir(i) / "status.json") for i in _shard_ids(args.shard_ids, cfg)] if args.shard_ids else []
+    targets = [str(StateLayout(cfg.state_dir).status(i)) for i in _shard_ids(args.shard_ids, cfg)] if args.shard_ids else []
     rc = _run(snakemake_command(args.config, stats=args.stats, profile=_slurm_profile(args), targets=targets, extra=args.extra))
     if not args.wait or _dry_run(args.extra):
         return rc
@@ -206,53 +210,57 @@ def cmd_submit(args) -> int:
 
 
 def retry_plan(cfg: PipelineConfig, failed_rows: bool) -> dict:
-    """What `mmirage retry` reruns: unfinished shards always; with failed_rows, done shards with failed rows too."""
-    from mirageflow.report.aggregate import shard_states
+    """What `mmirage retry` reruns: unfinished shards always (failed, pending, stale, running);
+    with failed_rows, done shards with failed rows too. From the state contract
+    (mirageflow.state.shards), as `mmirage status` shows them."""
+    from mirageflow.state import layout as L
+    from mirageflow.state.shards import states_of
 
-    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    states = states_of(cfg)
     unfinished = [s["shard_id"] for s in states if s["state"] != "done"]
     running = [s["shard_id"] for s in states if s["state"] == "running"]
     with_failed_rows = [
         s["shard_id"] for s in states if s["state"] == "done" and (s["status"]["stats"].get("rows_failed") or 0) > 0
     ]
     # a damaged status.json: not done, but Snakemake sees the file and would not rerun the shard unforced
-    damaged = [s["shard_id"] for s in states if s["state"] == "failed" and any(x["file"] == "status.json" for x in s.get("damaged") or [])]
+    damaged = [s["shard_id"] for s in states if s["state"] == "failed" and any(x["file"] == L.STATUS for x in s.get("damaged") or [])]
     return {
         "unfinished": unfinished, "running": running, "with_failed_rows": with_failed_rows if failed_rows else [],
-        "damaged_status": damaged,
+        "damaged_status": damaged, "stale": [s["shard_id"] for s in states if s.get("stale")], "states": states,
     }  # fmt: skip
 
 
+def _ids(ids: list[int]) -> str:
+    return str(ids[:20])[:-1] + ", ...]" if len(ids) > 20 else str(ids)
+
+
 def cmd_retry(args) -> int:
-    from mirageflow.report.aggregate import shard_states
+    """Rerun exactly the shards the plan names (their status.json as Snakemake's targets, each
+    resuming from its checkpoint), then, once no shard is failed, build what the shards feed
+    (report, merge, dedup) without letting Snakemake start any other shard."""
+    from mirageflow.report.terminal import repeats_identically
+    from mirageflow.state.layout import StateLayout, default_targets
+    from mirageflow.state.shards import states_of
 
     cfg = _load(args.config)
     plan = retry_plan(cfg, args.failed_rows)
+    paths = StateLayout(cfg.state_dir)
     if plan["running"]:
         print(
-            f"mmirage: shard(s) {plan['running']} look alive (fresh progress.json/lease.json); their rerun waits for "
+            f"mmirage: shard(s) {_ids(plan['running'])} look alive (fresh progress.json/lease.json); their rerun waits for "
             "their lease to expire or fails clearly",
             file=sys.stderr,
         )
-    # Failed and missing shards have no status.json, so Snakemake reruns them anyway;
-    # --rerun-incomplete also redoes the ones a killed driver left marked incomplete.
-    # Every rerun resumes from the shard's checkpoint. Shards that finished with failed
-    # rows are forced (one by one, not all shards) and recompute only those rows.
-    flags = ["--rerun-incomplete"]
-    values = {}
+    shards = sorted(set(plan["unfinished"]) | set(plan["with_failed_rows"]))
     forced = sorted(set(plan["with_failed_rows"]) | set(plan["damaged_status"]))
-    if forced:
-        flags += ["--forcerun", *(str(cfg.shard_dir(i) / "status.json") for i in forced)]
-    if args.failed_rows:
-        values["retry_failed_rows"] = "true"
     print(
-        f"mmirage: retrying {len(plan['unfinished'])} unfinished shard(s) {plan['unfinished'][:20]}"
-        + (f" and the failed rows of {len(plan['with_failed_rows'])} done shard(s) {plan['with_failed_rows'][:20]}" if args.failed_rows else ""),
+        f"mmirage: retrying {len(plan['unfinished'])} unfinished shard(s) {_ids(plan['unfinished'])}"
+        + (f" ({len(plan['stale'])} of them stale: made with an earlier config)" if plan["stale"] else "")
+        + (f" and the failed rows of {len(plan['with_failed_rows'])} done shard(s) {_ids(plan['with_failed_rows'])}" if args.failed_rows else "")
+        + ("; Snakemake runs exactly these shards" if shards else "; no shard to rerun"),
         file=sys.stderr,
     )  # fmt: skip
-    from mirageflow.report.terminal import repeats_identically
-
-    for s in shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds):
+    for s in plan["states"]:
         cls = s["state"] == "failed" and repeats_identically((s.get("failure") or {}).get("stats"), str(s.get("error") or ""))
         if cls and not args.failed_rows:
             print(
@@ -263,15 +271,25 @@ def cmd_retry(args) -> int:
     submit = args.submit or _on_slurm(cfg, args)
     profile = _slurm_profile(args) if submit else None
     cores = None if submit else args.cores
-    rc = _run(
-        snakemake_command(args.config, stats=args.stats, cores=cores, profile=profile, config_values=values, flags=flags, extra=args.extra)
-    )
-    if rc == EXIT_OK and not _dry_run(args.extra):
-        still = [s["shard_id"] for s in shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds) if s["state"] == "failed"]
+    common = {"stats": args.stats, "cores": cores, "profile": profile, "extra": args.extra}
+    dry = _dry_run(args.extra)
+    if shards:
+        # --rerun-incomplete: the shards a killed driver left marked incomplete; --forcerun: done shards
+        # with failed rows, and damaged status.json files Snakemake would take for done
+        flags = ["--rerun-incomplete"] + (["--forcerun", *(str(paths.status(i)) for i in forced)] if forced else [])
+        values = {"retry_failed_rows": "true"} if args.failed_rows else {}
+        targets = [str(paths.status(i)) for i in shards]
+        rc = _run(snakemake_command(args.config, config_values=values, flags=flags, targets=targets, **common))
+        if rc != EXIT_OK or dry:
+            return rc
+    if not dry:
+        still = [s["shard_id"] for s in states_of(cfg) if s["state"] == "failed"]
         if still:
-            print(f"mmirage retry: shard(s) {still[:20]}{' ...' if len(still) > 20 else ''} still failed after the retry", file=sys.stderr)
+            print(f"mmirage retry: shard(s) {_ids(still)} still failed after the retry", file=sys.stderr)
             return EXIT_FAILED
-    return rc
+    # the report and merged outputs, from the shards as they are now: no shard may start here
+    flags = ["--allowed-rules", "aggregate", "merge", "dedup", "--rerun-triggers", "mtime"]
+    return _run(snakemake_command(args.config, flags=flags, targets=default_targets(cfg), **common))
 
 
 def _dry_run(extra: list[str]) -> bool:
@@ -285,7 +303,9 @@ def cmd_stats(args) -> int:
     missing = _missing_state_dir(cfg, args.config)
     if missing:
         raise UsageError(missing)
-    metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)  # as in metrics.json
+    from mirageflow.state.shards import current_fingerprint
+
+    metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg))  # as in metrics.json
     if args.html:
         from mirageflow.files import atomic_write_text
         from mirageflow.report.html import render_html
@@ -299,11 +319,12 @@ def cmd_stats(args) -> int:
 
 def status_summary(cfg: PipelineConfig) -> dict:
     """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
+    from mirageflow.report.aggregate import gpu_hours_remaining
+    from mirageflow.state.shards import count, states_of, units_of
     from mirageflow.stats import formulas as stats
-    from mirageflow.report.aggregate import gpu_hours_remaining, shard_states
 
-    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
-    counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "running", "failed", "pending")}
+    states = states_of(cfg)
+    counts = count(states)
     done_runtimes = [s["status"]["stats"]["runtime_seconds"] for s in states if s["state"] == "done"]
     if not done_runtimes:  # nothing done yet: running shards extrapolate their own runtime
         done_runtimes = [
@@ -350,42 +371,57 @@ def status_summary(cfg: PipelineConfig) -> dict:
         "failures_repeat": repeats,
         "total_shards": cfg.num_shards,
         **counts,
+        "stale": [s["shard_id"] for s in states if s.get("stale")],
+        "n_samples": cfg.n_samples,
         "eta_seconds": eta,
         "eta_human": stats.human_duration(eta),
         "gpu_hours_remaining_estimate": gpu_hours_remaining(statuses, states, cfg.num_shards),
         "shards": [
             {k: v for k, v in s.items() if k not in ("status", "failure")}
-            | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"]} if s["state"] == "done" else {})
+            | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"], "samples_done": units_of(s["status"]["stats"])}
+               if s["state"] == "done" else {})
             | ({"repeats_identically": repeats[s["shard_id"]]} if s["shard_id"] in repeats else {})
             for s in states
         ],
     }
 
 
-def _status_line(s: dict) -> str:
-    from mirageflow.report.aggregate import _fmt
+def _status_line(s: dict, n_samples: int = 1) -> str:
+    from mirageflow.numbers import fmt
+    from mirageflow.state.shards import progress_work
 
     p = s.get("progress") or {}
-    rows = f"{p.get('rows_done')}/{p.get('rows_total')}" if p.get("rows_total") is not None else ""
+    done = ""
+    if s["state"] == "done":
+        samples = s.get("samples_done")
+        done = f"{samples // n_samples}/{samples // n_samples}" if samples is not None else ""
+    elif p.get("rows_total") is not None and s["state"] != "pending":
+        rows, samples, _ = progress_work(p, n_samples)
+        done = f"{rows}/{p['rows_total']}" + (f" ({samples}/{p['rows_total'] * n_samples} samples)" if n_samples > 1 else "")
     detail = ""
     if s["state"] == "running":
+        unit = "rows" if n_samples == 1 else "samples"
+        rate = p.get("samples_per_sec") if p.get("samples_per_sec") is not None else p.get("rows_per_sec")
+        eta = p.get("eta_human") or ("n/a" + (f" ({p['eta_note']})" if p.get("eta_note") else ""))
         detail = (
-            f"phase {p.get('phase', '?')}, {_fmt(p.get('rows_per_sec'))} rows/s, {_fmt(p.get('tokens_per_sec'))} tok/s, "
-            f"ETA {p.get('eta_human') or 'n/a'}"
+            f"phase {p.get('phase', '?')}, {fmt(rate)} {unit}/s, {fmt(p.get('tokens_per_sec'))} tok/s, ETA {eta}"
+            + (f", {p['inflight']} in flight" if p.get("inflight") else "")
             + (f", queue {p['queue_depth']}" if p.get("queue_depth") is not None else "")
         )
     elif s["state"] == "failed":
         first = next(iter(str(s.get("error") or "no error recorded").splitlines()), "")
         detail = first + (f" [{s['signal']}]" if s.get("signal") else "")  # whole: it ends with the paths to look at
     elif s["state"] == "done":
-        detail = f"{_fmt(s.get('runtime_seconds'))} s"
+        detail = f"{fmt(s.get('runtime_seconds'))} s"
+    elif s.get("stale"):
+        detail = s["stale"]
     where = " ".join(x for x in (s.get("host") or p.get("hostname") or "", f"job {s['slurm_job_id']}" if s.get("slurm_job_id") else "") if x)
-    return f"{s['shard_id']:>6}  {s['state']:<8} {rows:>13}  {detail}" + (f"  ({where})" if where and s["state"] != "done" else "")
+    return f"{s['shard_id']:>6}  {s['state']:<8} {done:>13}  {detail}" + (f"  ({where})" if where and s["state"] not in ("done", "pending") else "")
 
 
 def _warn_damaged(shards: list[dict]) -> None:
     """One line on stderr per damaged state file."""
-    from mirageflow.report.aggregate import DAMAGED_CONSEQUENCE, damaged_note
+    from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note
 
     for s in shards:
         for x in s.get("damaged") or []:
@@ -424,11 +460,16 @@ def cmd_status(args) -> int:
             f"done {summary['done']}, running {summary['running']}, failed {summary['failed']}, pending {summary['pending']}; "
             f"ETA {summary['eta_human'] or 'n/a'} (rough){gpu_hours}" + (" (CPU run)" if summary["cpu_only"] else "")
         )
+        if summary["stale"]:
+            print(
+                f"pending {_ids(summary['stale'])}: their status.json is from an earlier config (the records fingerprint "
+                "changed): the next run reruns them"
+            )
         shown = [s for s in summary["shards"] if args.all or s["state"] != "done"]
         if shown:
             print(f"{'shard':>6}  {'state':<8} {'rows':>13}  detail")
             for s in shown:
-                print(_status_line(s))
+                print(_status_line(s, summary["n_samples"]))
         repeats = summary["failures_repeat"]
         for shard_id, cls in repeats.items():
             print(
@@ -447,19 +488,21 @@ def cmd_status(args) -> int:
 
 def cmd_merge(args) -> int:
     """Merge through Snakemake's merge rule only (never starts shards), once every shard is done."""
-    from mirageflow.report.aggregate import shard_states
+    from mirageflow.state.layout import StateLayout
+    from mirageflow.state.shards import states_of
 
     cfg = _load(args.config)
-    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    states = states_of(cfg)
     not_done = {k: [s["shard_id"] for s in states if s["state"] == k] for k in ("running", "failed", "pending")}
     if any(not_done.values()):
         what = "; ".join(f"{k}: {v[:20]}{' ...' if len(v) > 20 else ''}" for k, v in not_done.items() if v)
         print(f"mmirage: cannot merge yet, not every shard is done ({what})", file=sys.stderr)
         return EXIT_FAILED if not_done["failed"] else EXIT_INCOMPLETE
-    targets = [f"{cfg.state_dir}/merged/dataset_{ds.index}.json" for ds in cfg.datasets]
+    paths = StateLayout(cfg.state_dir)
+    targets = [str(paths.merge_manifest(ds.index)) for ds in cfg.datasets]
     rules = ["merge"]
     if cfg.dedup is not None:  # deduplication_params.enabled: deduplicate the merged output too
-        targets += [f"{cfg.state_dir}/dedup/dataset_{ds.index}.json" for ds in cfg.datasets]
+        targets += [str(paths.dedup_counts(ds.index)) for ds in cfg.datasets]
         rules.append("dedup")
     flags = ["--allowed-rules", *rules, "--rerun-triggers", "mtime"]
     if args.output_path:  # MMIRAGE reads it for batch_api configs only, and so do we (nothing else to write there)
@@ -738,13 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except UsageError as e:
-        print(f"mmirage {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except FileNotFoundError as e:  # no Snakefile
-        print(f"mmirage {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as e:  # state from another num_shards
+    except InputError as e:  # bad arguments or config, no Snakefile, a state_dir of another num_shards
         print(f"mmirage {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -31,13 +31,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 from urllib.parse import quote
 
+from mirageflow.state import layout
+
 if TYPE_CHECKING:
     from mirageflow.config.types import PipelineConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DEFAULT_ENDPOINT = "https://huggingface.co"
 LOOKUP_TIMEOUT = 10.0  # seconds per request of the driver's look-up
-MARKERS_DIR = "hub_models"
+MARKERS_DIR = layout.HUB_MODELS
 # Model directories the workflow builds itself (workflow/rules/models.smk)
 WORKFLOW_BUILT_MODELS = ("resources/models/SmolLM2-135M-Instruct",)
 
@@ -103,7 +105,7 @@ def cache_dir(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> 
 
 
 def marker_path(state_dir: str, model: HubModel) -> Path:
-    return Path(state_dir) / MARKERS_DIR / f"{model.slug}.json"
+    return layout.StateLayout(state_dir).hub_model_marker(model.slug)
 
 
 def _true(value: str | None) -> bool:

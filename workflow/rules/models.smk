@@ -20,9 +20,9 @@ rule smollm2_model:
 # finished. The shards read the snapshot offline (mirageflow/hub_models.py).
 rule hub_model:
     output:
-        f"{STATE_DIR}/{hub_models.MARKERS_DIR}/{{model}}.json",
+        str(STATE.hub_model_marker("{model}")),
     log:
-        f"{STATE_DIR}/logs/hub_model_{{model}}.log",
+        str(STATE.log("hub_model_{model}")),
     localrule: True
     conda:
         "../../environment.yaml"

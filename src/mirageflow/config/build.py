@@ -522,7 +522,7 @@ def _conversation_problems(out: dict, where: str, input_names: list[str], known:
     problems = []
     if name not in input_names:
         why = "an output is text or a JSON object, not a list of messages" if name in known else "no such input"
-        problems.append(f"{where}.conversation: '{name}' must name an input variable holding the chat messages ({why})" + prompts._hint(name, input_names))
+        problems.append(f"{where}.conversation: '{name}' must name an input variable holding the chat messages ({why})" + prompts.did_you_mean(name, input_names))
     proc = processors.get(out["type"])
     if proc is not None and not proc.apply_chat_template:
         problems.append(f"{where}.conversation: needs processors[].apply_chat_template: true (a conversation is sent as chat messages)")
@@ -596,7 +596,7 @@ def _image_problems(cfg: dict, inputs: list[InputVar]) -> list[str]:
         system = out.get("system")
         if isinstance(system, str):
             try:
-                named = prompts.meta.find_undeclared_variables(prompts._ENV.parse(system))
+                named = prompts.template_variables(system)
             except Exception:  # noqa: BLE001 - a syntax error is reported by template_problems
                 continue
             for name in sorted(named & set(images)):
@@ -666,6 +666,6 @@ def _dedup(cfg: dict, outputs: list[OutputVar]) -> tuple[DedupParams | None, lis
     if field_ not in produced and pp["remove_columns"]:
         problems.append(
             f"{where}.text_field: '{field_}' is not a field of the records (remove_columns is true; "
-            f"fields: {', '.join(produced) or 'none'})" + prompts._hint(field_, produced)
+            f"fields: {', '.join(produced) or 'none'})" + prompts.did_you_mean(field_, produced)
         )
     return params, problems

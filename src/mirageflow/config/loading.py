@@ -24,9 +24,10 @@ import yaml
 
 from mirageflow.config.build import build
 from mirageflow.config.types import PipelineConfig
+from mirageflow.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """Invalid pipeline config; ``problems`` holds one ``key.path: message`` per error."""
 
     def __init__(self, problems: list[str], source: str | None = None):

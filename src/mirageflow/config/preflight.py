@@ -41,11 +41,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mirageflow import hub_models
+from mirageflow import model_config as model_files
 from mirageflow.config.loading import ConfigError, load_config
 from mirageflow.config.types import CustomProcessor, DatasetConfig, PipelineConfig, ProcessorConfig
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
 from mirageflow.prompts import python_steps
+from mirageflow.state.layout import StateLayout
 
 SAMPLE_ROWS = 20
 COUNT_JSONL_MAX_BYTES = 64 << 20  # newline count of a JSONL file up to this size (~20 ms)
@@ -54,7 +56,6 @@ PARQUET_MAGIC = b"PAR1"
 GZIP_MAGIC = b"\x1f\x8b"
 # Model directories the workflow builds itself (workflow/rules/models.smk): not there before the first run.
 WORKFLOW_BUILT_MODELS = hub_models.WORKFLOW_BUILT_MODELS
-CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, used by every backend (schema: sampling_params)
 
 
@@ -201,12 +202,12 @@ def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | 
 
 
 def _parquet_paths(path: str) -> list[str]:
-    from mirageflow.data.readers import _parquet_files
+    from mirageflow.data.readers import parquet_files
 
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
-        return _parquet_files(path)
+        return parquet_files(path)
     return sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
 
 
@@ -234,14 +235,14 @@ def _inspect_parquet(path: str, where: str) -> tuple[list[str], list[dict], int 
         return problems, [], None
     import pyarrow.parquet as pq
 
-    from mirageflow.data.readers import _arrow_rows
+    from mirageflow.data.readers import arrow_rows
 
     pf = pq.ParquetFile(files[0])
     rows = []
     for batch in pf.iter_batches(batch_size=SAMPLE_ROWS):
         import pyarrow as pa
 
-        rows = [r for r in _arrow_rows(pa.Table.from_batches([batch]), files[0], 0) if isinstance(r, dict)]
+        rows = [r for r in arrow_rows(pa.Table.from_batches([batch]), files[0], 0) if isinstance(r, dict)]
         break
     count = None
     if len(files) <= MAX_FILES_SNIFFED:
@@ -283,7 +284,7 @@ def _inspect_loadable(ds: DatasetConfig, where: str) -> tuple[list[str], list[di
 def _indexed_rows(cfg: PipelineConfig, ds: DatasetConfig) -> int | None:
     """The row count from this dataset's index, when it exists for this path (built by the index rule)."""
     try:
-        header = json.loads((Path(cfg.state_dir) / "datasets" / f"dataset_{ds.index}.index.json").read_text())
+        header = json.loads(StateLayout(cfg.state_dir).dataset_index(ds.index).read_text())
         if header.get("path") == ds.path and isinstance(header.get("rows"), int):
             return header["rows"]
     except (OSError, ValueError, AttributeError):
@@ -357,29 +358,6 @@ def hub_model_notes(cfg: PipelineConfig, environ: Mapping[str, str] | None = Non
     return hub_models.describe([s for s in hub_model_states(cfg, environ) if s.state != "cannot"])
 
 
-def model_context(model_dir: Path) -> tuple[int, str] | None:
-    """(context length, where it was read) from a model directory's config.json, or None."""
-    try:
-        data = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config_context(data, str(model_dir / "config.json"))
-
-
-def config_context(data: Any, source: str) -> tuple[int, str] | None:
-    """(context length, where it was read) from a model's parsed config.json, or None."""
-    if not isinstance(data, dict):
-        return None
-    for scope in (data, data.get("text_config") or {}, data.get("llm_config") or {}):
-        if not isinstance(scope, dict):
-            continue
-        for key in CONTEXT_KEYS:
-            value = scope.get(key)
-            if isinstance(value, int) and value > 0:
-                return value, f"{key} in {source}"
-    return None
-
-
 def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Mapping[str, str], built_models: tuple[str, ...]) -> list[str]:
     where = f"processors[{proc.index}]"
     problems = []
@@ -395,16 +373,16 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
     path = os.path.expanduser(model_path)
     model_config: tuple[dict, str] | None = None  # (config.json, where it was read)
     if os.path.normpath(path) in {os.path.normpath(m) for m in built_models}:
-        if (Path(path) / "config.json").is_file():  # built by a rule otherwise
-            model_config = _local_config(Path(path))
+        if model_files.path(path).is_file():  # built by a rule otherwise
+            model_config = model_files.read_with_source(path)
     elif os.path.isdir(path):
-        if not (Path(path) / "config.json").is_file():
+        if not model_files.path(path).is_file():
             problems.append(
                 f"{where}.server_args.model_path: directory '{path}' holds no model (no config.json); "
                 "point it at a Hugging Face model directory (config.json, tokenizer and weights)"
             )
         else:
-            model_config = _local_config(Path(path))
+            model_config = model_files.read_with_source(path)
     elif os.path.exists(path):
         problems.append(f"{where}.server_args.model_path: '{path}' is a file, not a model directory")
     elif hub_models.is_hub_id(model_path, built_models):
@@ -427,14 +405,6 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
     return problems
 
 
-def _local_config(model_dir: Path) -> tuple[dict, str] | None:
-    try:
-        data = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return (data, str(model_dir / "config.json")) if isinstance(data, dict) else None
-
-
 def _custom_problems(proc: CustomProcessor) -> list[str]:
     """A custom processor's script imports and defines its function (the import runs the
     script's top level here, once, as every worker will)."""
@@ -452,11 +422,9 @@ def _custom_problems(proc: CustomProcessor) -> list[str]:
 
 def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: tuple[dict, str] | None) -> list[str]:
     """Image inputs sent to a model whose config.json declares no vision tower (a text-only model)."""
-    from mirageflow.prompts.images import is_vision_config
-
     images = [(j, v) for j, v in enumerate(cfg.inputs) if v.type == "image"]
     served = any(o.processor == proc.type for o in cfg.outputs)
-    if not images or not served or model_config is None or is_vision_config(model_config[0]) is not False:
+    if not images or not served or model_config is None or model_files.is_vision_config(model_config[0]) is not False:
         return []
     return [
         f"processing_params.inputs[{j}].type: image input '{v.name}', but processors[{proc.index}].server_args.model_path "
@@ -472,7 +440,7 @@ def _context_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: 
     if isinstance(given, int) and given > 0:
         context, source = given, f"processors[{i}].server_args.extra_engine_args.context_length"
     else:
-        found = config_context(*model_config) if model_config is not None else None
+        found = model_files.context_length_of(*model_config) if model_config is not None else None
         if found is None:
             return []
         context, source = found

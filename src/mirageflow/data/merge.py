@@ -15,9 +15,13 @@ from mirageflow.data.writers import (
     read_part_table,
     write_merged,
 )
+from mirageflow.errors import MirageflowError
+from mirageflow.state.layout import StateLayout, merged_dir, shard_output_dir
+from mirageflow.state.records import check_status, read
+from mirageflow.state.shards import is_done, job_fingerprint, stale_reason
 
 
-class MergeRefused(RuntimeError):
+class MergeRefused(MirageflowError, RuntimeError):
     pass
 
 
@@ -25,7 +29,7 @@ def _damaged(e: Exception, shard_id: int, cfg) -> MergeRefused:
     if getattr(cfg, "state_dir", None) is None:  # merge_directory: no pipeline state
         return MergeRefused(f"{e}. The outputs of shard {shard_id} are damaged")
     return MergeRefused(
-        f"{e}. The outputs of shard {shard_id} are damaged: delete {cfg.shard_dir(shard_id)} (its checkpoint) "
+        f"{e}. The outputs of shard {shard_id} are damaged: delete {StateLayout(cfg.state_dir).shard_dir(shard_id)} (its checkpoint) "
         f"and the shard's output directory, rerun the workflow so shard {shard_id} runs again, then merge"
     )
 
@@ -85,7 +89,7 @@ def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState
         else:
             table = pa.concat_tables(tables).sort_by([("source_index", "ascending"), ("sample_index", "ascending")])
             idx = [i * n + k for i, k in zip(table.column("source_index").to_pylist(), table.column("sample_index").to_pylist())]
-        _check_order(out_dir / f"shard_{shard_id}", idx, last)
+        _check_order(shard_output_dir(out_dir, shard_id), idx, last)
         last = idx[-1]
         yield table
 
@@ -153,40 +157,44 @@ def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoSta
             continue
         keyed.sort(key=lambda kv: kv[0])  # stable; parts are sorted runs, so this is a merge
         idx = [k for k, _ in keyed]
-        _check_order(out_dir / f"shard_{shard_id}", idx, last)
+        _check_order(shard_output_dir(out_dir, shard_id), idx, last)
         last = idx[-1]
         yield [line for _, line in keyed]
 
 
 def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
-    """Write merged/ for dataset ``ds``; refuse (nothing written) when any shard is not complete."""
-    missing, damaged, expected, parts = [], [], {}, {}
+    """Write merged/ for dataset ``ds``; refuse (nothing written) when any shard is not done
+    (the state contract's ``is_done``: a successful status.json of the current records fingerprint)."""
+    missing, stale, damaged, expected, parts = [], [], [], {}, {}
     out_dir = Path(ds.output_dir)
     fmt = ds.output_format
+    paths, fingerprint = StateLayout(cfg.state_dir), job_fingerprint(cfg)
     for shard_id in range(cfg.num_shards):
-        status_path = cfg.shard_dir(shard_id) / "status.json"
-        try:
-            status = json.loads(status_path.read_text(encoding="utf-8"))
-            if status.get("status") != "success" or status.get("num_shards") != cfg.num_shards:
-                missing.append(shard_id)
-                continue
-            # the parts its checkpoint listed, and how many records they hold (the accounting)
+        status_path = paths.status(shard_id)
+        status, why = read(status_path, lambda s: check_status(s, shard_id))
+        if why:
+            damaged.append(f"{status_path} ({why})")
+            continue
+        if not is_done(status, cfg.num_shards, fingerprint):
+            (stale if status is not None and stale_reason(status, fingerprint) else missing).append(shard_id)
+            continue
+        try:  # the parts its checkpoint listed, and how many records they hold (the accounting)
             entry = status["datasets"][ds.index]
             expected[shard_id] = int(entry["rows_processed"])
-            parts[shard_id] = [out_dir / f"shard_{shard_id}" / name for name in entry["parts"]]
-        except FileNotFoundError:
-            missing.append(shard_id)
-        except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            parts[shard_id] = [shard_output_dir(out_dir, shard_id) / name for name in entry["parts"]]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             damaged.append(f"{status_path} ({type(e).__name__}: {e})")
-    if missing or damaged:
+    if missing or stale or damaged:
         raise MergeRefused(
             f"cannot merge {ds.path}: "
             + (f"shard(s) {missing} of {cfg.num_shards} are not complete (no successful "
                f"{cfg.state_dir}/shard_<id>/status.json); run the workflow until every shard succeeds. " if missing else "")
+            + (f"shard(s) {stale} hold results of an earlier config (their status.json has another records "
+               "fingerprint); run the workflow to rerun them. " if stale else "")
             + (f"damaged status files: {'; '.join(damaged)}; delete them and rerun those shards" if damaged else "")
         )  # fmt: skip
 
-    out = out_dir / "merged"
+    out = merged_dir(out_dir)
     if fmt != "parquet":
         rows = write_merged(_jsonl_line_lists(parts, cfg, out_dir, expected), out, fmt)
         return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}

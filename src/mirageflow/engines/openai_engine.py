@@ -56,6 +56,7 @@ import os
 
 from mirageflow.config.types import ProcessorConfig
 from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, rejected
 from mirageflow.engines.http_client import HTTPClient, display_url
@@ -212,7 +213,7 @@ class OpenAIEngine(LoopEngine):
             message = f"{client.url(path)} answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return [rejected(request.id + k, message, "aborted" if response.status_code >= 500 else "invalid_request") for k in range(n)]
+            return [rejected(request.id + k, message, E.ABORTED if response.status_code >= 500 else E.INVALID_REQUEST) for k in range(n)]
         data = response.json()  # decoded by post_with_retries
         if not isinstance(data, dict):
             raise EngineError(f"{client.url(path)} answered JSON that is not an object: {response.text[:200]!r}")
@@ -240,7 +241,7 @@ class OpenAIEngine(LoopEngine):
                 request.id + k, text, int(usage.get("prompt_tokens") or 0) if k == 0 else 0, tokens, finish_reason(reason), reasoning=reasoning
             )  # fmt: skip
             if completion.finish_reason == "abort":
-                completion.error_kind = "aborted"
+                completion.error_kind = E.ABORTED
                 completion.error = f"the server ended the request with finish_reason {reason!r}"
             completions.append(completion)
         return completions

@@ -34,7 +34,10 @@ SUMMED = (
 class ShardMetrics:
     def __init__(self, cfg: PipelineConfig, attempt: int):
         self.cfg = cfg
+        # the shard's own attempt number (1, 2, ... over every run of the workflow, counted in
+        # the checkpoint); Snakemake's retry number of this job restarts at 1 in each run
         self.attempt = attempt
+        self.snakemake_attempt = attempt
         self.started_at, self.t0 = stats.utc_now(), time.monotonic()
         self.timer = stats.PhaseTimer()
         self.tracker = stats.InflightTracker()
@@ -72,6 +75,7 @@ class ShardMetrics:
         occupancy = self.tracker.summary()
         return {
             "attempt": self.attempt,
+            "snakemake_attempt": self.snakemake_attempt,
             "started_at": self.started_at,
             "finished_at": None if outcome == "running" else stats.utc_now(),
             "outcome": outcome,
@@ -101,10 +105,12 @@ class ShardMetrics:
         }
 
     def begin_attempt(self, checkpoint) -> None:
-        """Add this attempt to the checkpoint's list; one left "running" there was killed."""
+        """Add this attempt to the checkpoint's list, numbered after the earlier ones; one left
+        "running" there was killed."""
         for earlier in checkpoint.attempts:
             if earlier.get("outcome") == "running":
                 earlier["outcome"] = "killed"
+        self.attempt = len(checkpoint.attempts) + 1
         self.checkpoint = checkpoint
         self.index = checkpoint.begin_attempt(self.attempt_entry(0))
 
@@ -128,6 +134,7 @@ class ShardMetrics:
         gpus = self.sampler.summary()
         return {
             **total,
+            "n_samples": self.cfg.n_samples,  # records per source row: the rows_* counts below count records
             "runtime_human": stats.human_duration(runtime),
             "peak_inflight": max((a.get("peak_inflight") or 0 for a in attempts), default=0),
             "rows_processed": done,

@@ -31,7 +31,8 @@ from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import EngineInfo
 from mirageflow.prompts import python_steps
 from mirageflow.prompts.images import RowImages
-from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import Extractor, RecordRenderer
 from mirageflow.shard.steps import OutputStep
 
 DEFAULT_ROWS = 3
@@ -93,7 +94,7 @@ def iter_rows(ds: DatasetConfig, n: int = sys.maxsize):
         return iter(())
     if ds.type == "jsonl":
         if n == sys.maxsize:  # all rows: the reader checks it reads exactly as many as the file has
-            n = readers._jsonl_count(ds.path)
+            n = readers.jsonl_count(ds.path)
         piece = readers.ShardSlice(0, sys.maxsize, 0, 1)
         return itertools.islice(readers.read_shard(ds, piece), n)
     if ds.type == "parquet":
@@ -107,7 +108,7 @@ def iter_rows(ds: DatasetConfig, n: int = sys.maxsize):
             if total >= n:
                 break
         return readers.read_shard(ds, readers.ShardSlice(0, min(n, total), files=files))
-    total = len(readers._load_hf(ds))  # memory-mapped: the length costs nothing
+    total = len(readers.load_hf(ds))  # memory-mapped: the length costs nothing
     return readers.read_shard(ds, readers.ShardSlice(0, min(n, total)))
 
 
@@ -260,10 +261,10 @@ def export_prompts(cfg: PipelineConfig, out: TextIO) -> dict:
     line with its "error". Nothing is generated and no model is loaded (tokenizers only);
     the pipeline's state and outputs are not touched. Returns the counts.
     """
-    from mirageflow.prompts.templates import _ENV, meta
+    from mirageflow.prompts.templates import template_variables
 
     def variables_of(source: str) -> set[str]:
-        return set(meta.find_undeclared_variables(_ENV.parse(source))) if source else set()
+        return set(template_variables(source)) if source else set()
 
     produced = {o.name for o in cfg.outputs if o.kind != "filter"}
     needs = {

@@ -17,7 +17,7 @@ import traceback
 from mirageflow.prompts import python_steps
 from mirageflow.prompts import samples
 from mirageflow.data.readers import SourceRow
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.shard.steps import OutputStep
 
@@ -167,4 +167,4 @@ class RowPath:
         if type(e) not in self.internal_logged:
             self.internal_logged.add(type(e))
             log.warning("row %d: unexpected %s (recorded as internal_error):\n%s", row.index, type(e).__name__, traceback.format_exc())
-        return RowError("row", "internal_error", f"{type(e).__name__}: {e}")
+        return RowError("row", E.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
