@@ -84,6 +84,7 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
         dedup=dedup,
         execution=execution,
         warnings=tuple(_chat_template_warnings(cfg)),
+        fresh_answers=cfg["fresh_answers"],
     ), problems
 
 

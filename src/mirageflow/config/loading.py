@@ -282,6 +282,16 @@ def records_identity(cfg: PipelineConfig) -> dict:
     return identity
 
 
+def processor_identity(cfg: PipelineConfig, name: str) -> dict:
+    """What of processor ``name`` (its type) determines an answer besides the request: its
+    records-identity entry without the default sampling (requests carry their sampling).
+    Part of the request cache's keys (shard/request_cache.py)."""
+    for p in cfg.raw["processors"]:
+        if p["type"] == name:
+            return {k: v for k, v in p.items() if k not in _PROCESSOR_OPERATIONAL_KEYS and k != "default_sampling_params"}
+    raise KeyError(name)
+
+
 def _file_sha256(path: str) -> str | None:
     try:
         with open(path, "rb") as f:

@@ -134,6 +134,7 @@ class ShardParams:
     max_inflight: int | None
     lease_timeout_seconds: float
     gpu_sample_interval_seconds: float = 0.5
+    request_cache: bool = True  # keep answers by request key (shard/request_cache.py)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ class PipelineConfig:
     execution: ExecutionParams = field(default_factory=ExecutionParams)
     # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)
     warnings: tuple[str, ...] = ()
+    fresh_answers: bool = False  # this run takes no answer from the request cache
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"

@@ -93,16 +93,26 @@ class CheckpointError(MirageflowError, RuntimeError):
     """The checkpoint cannot be used as it is; the message names the file and what to do."""
 
 
-def fingerprint(cfg: PipelineConfig, shard_ranges: dict[int, tuple[int, int]]) -> str:
+def fingerprint(cfg: PipelineConfig, shard_ranges: dict[int, tuple[int, int]], data: dict[int, list] | None = None) -> str:
     """Hash of what determines this shard's records: the config's records identity (model,
     sampling, prompts, schemas, datasets; the same one that reruns shards through
-    ``records.fingerprint``) and the shard's row range in each dataset."""
+    ``records.fingerprint``), the shard's row range in each dataset and, in ``data``, each
+    dataset's content as its index saw it (``data_identity``): an edited row discards the
+    parts made from the old rows (the request cache answers the rows that did not change)."""
     material = {
         "version": FORMAT_VERSION,
         "records": records_identity(cfg),
         "rows": [shard_ranges[d.index] for d in cfg.datasets],
     }
+    if data is not None:
+        material["data"] = [data.get(d.index) for d in cfg.datasets]
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def data_identity(index_fingerprint: list[list]) -> list:
+    """A dataset's content from its index's file fingerprint: per file its size and SHA-256,
+    or its size and mtime where the file is too large to hash (data/readers.py)."""
+    return [[size, digest] if digest is not None else [size, mtime] for _, size, mtime, digest in index_fingerprint]
 
 
 def _error_line(entry: dict) -> str:

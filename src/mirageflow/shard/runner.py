@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import json
 import logging
 import os
 import signal
@@ -37,12 +38,13 @@ from tqdm import tqdm
 from mirageflow.prompts import python_steps
 from mirageflow.prompts import samples
 from mirageflow.stats import formulas as stats
-from mirageflow.shard.checkpoint import Checkpoint, Lease, fingerprint
-from mirageflow.config import PipelineConfig
+from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
+from mirageflow.shard import request_cache
+from mirageflow.config import PipelineConfig, processor_identity
 from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine
-from mirageflow.engines.registry import create_engine
+from mirageflow.engines.registry import capabilities, create_engine
 from mirageflow.shard.progress import ProgressReporter
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
@@ -96,6 +98,7 @@ class ShardRunner:
         self.rows = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, self.metrics, self.n)
         self.budget = ErrorBudget(self.params, shard_id, paths.errors(shard_id))
         self.checkpoint: Checkpoint | None = None
+        self.cache: request_cache.RequestCache | None = None
         self.commits: CommitQueue | None = None
         self.signals: StopSignals | None = None
         self.live: ProgressReporter | None = None
@@ -113,8 +116,13 @@ class ShardRunner:
     def _restore(self, slices: list[ShardSlice]) -> None:
         ranges = {ds.index: (piece.start, piece.stop) for ds, piece in zip(self.cfg.datasets, slices)}
         outputs = {ds.index: (shard_output_dir(ds.output_dir, self.shard_id), ds.output_format) for ds in self.cfg.datasets}
-        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges), outputs, self.n)
+        data = {ds.index: self._data_identity(ds) for ds in self.cfg.datasets}
+        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges, data), outputs, self.n)
         cp.restore(retry_failed=self.cfg.retry_failed_rows)
+        if self.params.request_cache:
+            self.cache = request_cache.RequestCache(self.shard_dir, lookups=not self.cfg.fresh_answers)
+            self.cache.restore()
+            self.rows.cache = self.cache
         self.metrics.begin_attempt(cp)
         self.live.attempt = self.metrics.attempt  # the shard's own attempt number, now that the earlier ones are known
         self.resumed, self.resumed_rows = cp.committed_units(), cp.complete_rows()
@@ -122,10 +130,30 @@ class ShardRunner:
         self.budget.resume(
             sum(len(p.done) for p in cp.datasets.values()), cp.failed_classes(), sum(len(p.filtered) for p in cp.datasets.values())
         )  # fmt: skip
-        self.commits = CommitQueue(cp, self.lease, self.params, self.metrics.timer, self.shard_id, lambda: self.metrics.save_attempt(self.budget.computed))
+        self.commits = CommitQueue(
+            cp, self.lease, self.params, self.metrics.timer, self.shard_id, lambda: self.metrics.save_attempt(self.budget.computed), self.cache
+        )  # fmt: skip
         self.commits.on_failure = self._halt
         if self.resumed:
             log.info("resuming shard %d: %s already committed are skipped", self.shard_id, cp.describe_committed())
+
+    def _data_identity(self, ds) -> list | None:
+        """The dataset's content as its index saw it (part of the checkpoint's fingerprint)."""
+        try:
+            header = json.loads(index_path(self.cfg.state_dir, ds.index).read_text())
+            return data_identity(header["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError) as e:  # load_shard read it a moment ago
+            raise ShardFailed(f"cannot read the index of dataset {ds.index}: {e}") from e
+
+    def _cache_identities(self) -> dict[str, str]:
+        """Per processor, the engine identity of its requests' cache keys (shard/request_cache.py)."""
+        out = {}
+        for name, engine in self.engines.items():
+            proc = self.cfg.processors[name]
+            # a model this node loads (or its engine service does) has a revision to read; a remote server's is its name
+            revision = request_cache.model_revision(proc.server_args.model_path) if capabilities(proc.backend).loads_model else None
+            out[name] = request_cache.engine_identity(processor_identity(self.cfg, name), engine.info.backend, revision)
+        return out
 
     def _load_engines(self) -> None:
         self.live.set_phase("loading")
@@ -280,6 +308,11 @@ class ShardRunner:
             python_steps.make_step(o, lambda o: OutputStep(o, self.cfg.processors[o.processor], self.engines[o.processor]), self.pools)
             for o in self.cfg.outputs
         ]  # fmt: skip
+        if self.cache is not None:
+            identities = self._cache_identities()
+            for step in steps:
+                if step.engine is not None:
+                    step.cache_identity = identities[step.output.processor]
         self.rows.set_steps(steps)
         self.live.set_phase("generating")
         self.metrics.sampler.start()
@@ -358,7 +391,10 @@ class ShardRunner:
                 log.exception("closing engine failed")
 
     def stats(self) -> dict:
-        return self.metrics.stats(self.budget, self.resumed)
+        out = self.metrics.stats(self.budget, self.resumed)
+        if self.cache is not None:  # what the request cache holds now, for the docs' size figures
+            out["request_cache"] = {"answers_kept": len(self.cache), "bytes": self.cache.disk_bytes()}
+        return out
 
 
 def _progress_snapshot(runner: ShardRunner) -> dict:

@@ -57,6 +57,8 @@ class OutputStep:
         self.server_templates = engine.templates_server_side
         self.keep_reasoning = output.keep_reasoning
         self.reasoning_name = f"{output.name}_reasoning"
+        # the engine identity of the request cache's keys (shard/request_cache.py); None: not cached
+        self.cache_identity: str | None = None
 
     def request(self, rid: int, variables: dict, seed: int | None = None, images: dict | None = None) -> Request:
         """``images``: the row's loaded image inputs (name -> list), put into the user turn."""
