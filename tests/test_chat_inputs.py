@@ -10,7 +10,6 @@ recorded requests show the messages each row sent.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from fakes.fake_http import FakeServer

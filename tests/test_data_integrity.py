@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mirageflow.config import DatasetConfig, load_config
+from mirageflow.config import DatasetConfig
 from mirageflow.data import readers
 from mirageflow.data.merge import MergeRefused, merge_dataset
 from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index

@@ -10,7 +10,6 @@ import io
 import json
 import socket
 import struct
-import sys
 import zlib
 from pathlib import Path
 

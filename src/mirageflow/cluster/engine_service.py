@@ -51,7 +51,7 @@ from mirageflow.files import atomic_write_json
 from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import create_engine
-from mirageflow.engines.wire import Completion, Request
+from mirageflow.engines.wire import Request
 from mirageflow.engines.http_client import dumps, loads
 from mirageflow.state.layout import StateLayout
 
