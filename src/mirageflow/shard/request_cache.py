@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 from mirageflow.engines.wire import Completion, Request
+from mirageflow.errors import MirageflowError
 from mirageflow.files import atomic_write_text, new_temp_file
 
 log = logging.getLogger(__name__)
@@ -179,8 +180,8 @@ def _utc_stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
-class CacheDamaged(ValueError):
-    pass
+class CacheDamaged(MirageflowError, ValueError):
+    """A cache segment that cannot be read back as written (it is set aside, never trusted)."""
 
 
 class RequestCache:
