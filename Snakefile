@@ -25,9 +25,9 @@ include: "workflow/rules/dedup.smk"
 
 
 # What the driver prints: live progress while shards run, a summary when the run ends
-# (mirageflow/terminal.py). Snakemake runs these hooks in the driver only, never in a dry
+# (mirageflow/report/terminal.py). Snakemake runs these hooks in the driver only, never in a dry
 # run; each calls one function.
-from mirageflow import terminal
+from mirageflow.report import terminal
 
 
 onstart:

@@ -32,13 +32,13 @@ def check(fn):
 
 
 def processor(**server_args):
-    from mirageflow.config import ProcessorConfig
+    from mirageflow.config import ProcessorConfig, ServerArgs
 
     args = {"model_path": "/models/m", "tp_size": 2, "dp_size": 1, "trust_remote_code": True,
             "disable_custom_all_reduce": False, "extra_engine_args": {}}  # fmt: skip
     args.update(server_args)
     return ProcessorConfig(
-        type="llm", backend="sglang", server_args=args, sampling_params={}, chat_template_kwargs={},
+        type="llm", backend="sglang", server_args=ServerArgs(**args), sampling_params={}, chat_template_kwargs={},
         apply_chat_template=False, torch_threads=None, server_command=None,
     )  # fmt: skip
 
@@ -153,7 +153,7 @@ def run_all() -> None:
         from tokenizers import Tokenizer, models, pre_tokenizers, processors
         from transformers import PreTrainedTokenizerFast
 
-        from mirageflow.engines.base import PromptTokenizer
+        from mirageflow.engines.tokens import PromptTokenizer
 
         vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate("user hello assistant".split())}}
         raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -180,7 +180,7 @@ def run_all() -> None:
     def generate_body_passes_the_contract_gate():
         from sglang.srt.entrypoints.api_contract import generate_contract_error
 
-        from mirageflow.engines.base import Request
+        from mirageflow.engines.wire import Request
         from mirageflow.engines.sglang_common import sampling_params
 
         params = sampling_params(Request(0, None, "x", {"max_new_tokens": 8, "temperature": 0.0, "stop": ["\n"]}, '{"type": "object"}'))
@@ -198,7 +198,7 @@ def run_all() -> None:
         from sglang.srt.entrypoints.api_contract import generate_contract_error
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        from mirageflow.engines.base import Request
+        from mirageflow.engines.wire import Request
         from mirageflow.engines.sglang_common import sampling_params
         from mirageflow.model_prep import _train_tiny_tokenizer
 
@@ -268,7 +268,7 @@ def sigquit(mode: str) -> None:
     _set_envs_and_config(ServerArgs(model_path=tempfile.gettempdir(), custom_sigquit_handler=handler))
     os.kill(os.getpid(), signal.SIGQUIT)
     try:
-        engine.generate([__import__("mirageflow.engines.base", fromlist=["Request"]).Request(0, None, "x", {})])
+        engine.generate([__import__("mirageflow.engines.wire", fromlist=["Request"]).Request(0, None, "x", {})])
     except Exception as e:  # noqa: BLE001
         print(json.dumps({"alive": True, "error": f"{type(e).__name__}: {e}"}))
         return

@@ -10,14 +10,14 @@ recorded requests show the messages each row sent.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from fakes.fake_http import FakeServer
 from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
-from mirageflow.config import ConfigError, load_config
-from mirageflow.prompts import PromptBuilder, RowError, conversation_messages
+from mirageflow.config import ConfigError, ServerArgs, load_config
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import PromptBuilder, conversation_messages
 
 OPENAI = [
     {"role": "system", "content": "Be brief."},
@@ -141,7 +141,7 @@ def test_transformers_renders_the_whole_conversation_through_the_chat_template(t
     from mirageflow.shard.steps import OutputStep
 
     cfg = load_config(pipeline_dict([{"name": "a", "conversation": "conv"}], {"backend": "transformers", "server_args": {"model_path": str(tiny_model)}}), check_paths=False)
-    engine = TransformersEngine({"model_path": str(tiny_model)}, batch_size=1, torch_threads=1)
+    engine = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=1, torch_threads=1)
     engine.load()
     try:
         step = OutputStep(cfg.outputs[0], cfg.processors["llm"], engine)

@@ -1,4 +1,4 @@
-"""SLURM resources from execution_params (mirageflow.cluster), and their checks in load_config."""
+"""SLURM resources from execution_params (mirageflow.cluster.resources), and their checks in load_config."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mirageflow import cluster
+from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mirageflow.config import ConfigError, load_config
+from mirageflow.config import ConfigError, ServerArgs, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,18 +97,18 @@ def test_defaults_are_filled_in(cfg):
     assert c.stats is False
     assert c.remove_columns is False
     assert c.output_schema == {}
-    ep = c.raw["execution_params"]
-    assert (ep["mode"], ep["max_retries"], ep["gpus"], ep["time_limit"]) == ("local", 3, None, "11:59:59")  # gpus: from tp_size x dp_size
+    ep = c.execution
+    assert (ep.mode, ep.max_retries, ep.gpus, ep.time_limit) == ("local", 3, None, "11:59:59")  # gpus: from tp_size x dp_size
     proc = c.processors["llm"]
     assert proc.backend == "auto"
-    assert proc.server_args == {
-        "model_path": "org/model",
-        "tp_size": 1,
-        "dp_size": 1,
-        "trust_remote_code": False,  # a model directory is data: its code runs only when asked
-        "disable_custom_all_reduce": False,
-        "extra_engine_args": {},
-    }
+    assert proc.server_args == ServerArgs(
+        model_path="org/model",
+        tp_size=1,
+        dp_size=1,
+        trust_remote_code=False,  # a model directory is data: its code runs only when asked
+        disable_custom_all_reduce=False,
+        extra_engine_args={},
+    )
     assert proc.apply_chat_template is True
     assert proc.chat_template_kwargs == {}
     assert c.outputs[0].sampling_params == {}
@@ -368,7 +368,6 @@ def test_two_datasets_with_one_output_dir(cfg):
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (lambda c: c["processors"][0].update(chat_template="qwen2-vl"), "processors[0].chat_template: "),
         (lambda c: c["processors"].append(dict(c["processors"][0])), "processors[1].type: a second 'llm' processor"),
     ],
 )
@@ -382,7 +381,7 @@ def test_unsupported_features_are_errors(cfg, edit, expected):
 
 def test_env_dollar_var(cfg):
     cfg["processors"][0]["server_args"]["model_path"] = "$MODEL"
-    assert load(cfg, MODEL="org/other").processors["llm"].server_args["model_path"] == "org/other"
+    assert load(cfg, MODEL="org/other").processors["llm"].server_args.model_path == "org/other"
 
 
 def test_env_braced_var_inside_text(cfg, tmp_path):
@@ -393,8 +392,8 @@ def test_env_braced_var_inside_text(cfg, tmp_path):
 
 def test_env_default(cfg):
     cfg["processors"][0]["server_args"]["model_path"] = "${MODEL:-org/fallback}"
-    assert load(cfg).processors["llm"].server_args["model_path"] == "org/fallback"
-    assert load(cfg, MODEL="org/set").processors["llm"].server_args["model_path"] == "org/set"
+    assert load(cfg).processors["llm"].server_args.model_path == "org/fallback"
+    assert load(cfg, MODEL="org/set").processors["llm"].server_args.model_path == "org/set"
 
 
 def test_env_unset_without_default_is_an_error(cfg):
@@ -408,12 +407,12 @@ def test_env_comes_from_environ_argument_not_process(cfg, monkeypatch):
     cfg["processors"][0]["server_args"]["model_path"] = "$MIRAGEFLOW_TEST_MODEL"
     assert "MIRAGEFLOW_TEST_MODEL is not set" in only_problem(cfg)
     # environ=None means os.environ
-    assert load_config(cfg).processors["llm"].server_args["model_path"] == "from/process"
+    assert load_config(cfg).processors["llm"].server_args.model_path == "from/process"
 
 
 def test_double_dollar_is_a_literal_dollar(cfg):
     cfg["processors"][0]["server_args"]["model_path"] = "models/$$weird"
-    assert load(cfg).processors["llm"].server_args["model_path"] == "models/$weird"
+    assert load(cfg).processors["llm"].server_args.model_path == "models/$weird"
 
 
 def test_templates_are_not_env_expanded(cfg):
@@ -476,9 +475,9 @@ def test_explicit_chat_template_kwargs_win_over_mmirage_location(cfg):
 
 
 def test_trust_remote_code_is_off_unless_set(cfg):
-    assert load(cfg).processors["llm"].server_args["trust_remote_code"] is False
+    assert load(cfg).processors["llm"].server_args.trust_remote_code is False
     cfg["processors"][0]["server_args"]["trust_remote_code"] = True  # MMIRAGE configs that set it keep working
-    assert load(cfg).processors["llm"].server_args["trust_remote_code"] is True
+    assert load(cfg).processors["llm"].server_args.trust_remote_code is True
 
 
 def test_redact_covers_url_passwords_and_api_key_flags():
@@ -592,7 +591,7 @@ def test_a_json_response_prefix_must_start_json_of_the_schema(cfg):
     """Engines constrain only the continuation of the prefix: a prefix no valid answer
     starts with is an error at DAG build (the driver's preflight: compiling the grammar
     imports xgrammar, which cluster jobs re-parsing the config must not pay), naming the key."""
-    from mirageflow.preflight import _json_prefix_problems
+    from mirageflow.config.preflight import _json_prefix_problems
 
     json_output(cfg, {"answer": "str", "score": "int"})
     out = cfg["processing_params"]["outputs"][0]

@@ -332,7 +332,7 @@ def test_a_threshold_datasketch_cannot_band_is_refused_by_the_driver():
 
 
 def test_a_text_field_that_is_no_column_of_the_data_is_refused_by_the_driver(tmp_path):
-    from mirageflow.preflight import preflight_problems
+    from mirageflow.config.preflight import preflight_problems
 
     (tmp_path / "in.jsonl").write_text(json.dumps({"q": "x", "body": "text"}) + "\n")
     raw = pipeline_dict({"enabled": True, "text_field": "bdy"}, remove_columns=False)

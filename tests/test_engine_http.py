@@ -14,8 +14,8 @@ import pytest
 
 from fakes import alive, drive, stand_in_command
 from fakes.fake_http import Behaviour, FakeServer
-from mirageflow.config import ConfigError, ProcessorConfig, load_config
-from mirageflow.engines.base import Request
+from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
+from mirageflow.engines.wire import Request
 from mirageflow.engines.http import EngineError, backoff_delay, parse_prometheus, redact
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.sglang_server import SGLangServerEngine, ServerDied, server_flags
@@ -34,7 +34,7 @@ def processor(backend="sglang_server", model="org/model", extra=None, apply_chat
                    "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
     server_args.update(fields.pop("server_args", {}))
     defaults = dict(
-        type="llm", backend=backend, server_args=server_args, sampling_params={}, chat_template_kwargs={},
+        type="llm", backend=backend, server_args=ServerArgs(**server_args), sampling_params={}, chat_template_kwargs={},
         apply_chat_template=apply_chat_template, torch_threads=None, server_command=stand_in_command(),
         server_start_timeout=10.0, request_timeout=10.0, max_retries=3,
     )  # fmt: skip
@@ -447,6 +447,60 @@ def test_openai_without_chat_template_uses_completions(fast, server):
     assert s.records[0]["path"] == "/v1/completions"
     assert s.records[0]["body"]["prompt"] == "raw model input"
     assert c.completion_tokens > 0 and c.text
+
+
+def test_openai_base_url_with_a_query_and_a_password_works_and_is_never_shown(fast, server, caplog):
+    """The query string goes on every request (not before the path), the userinfo becomes
+    Basic auth, and neither the password nor a query value reaches a log line, an error or
+    the engine info, at any log level."""
+    import base64
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    s = server(plan=["503", "html", "ok", "503", "503", "503"])
+    engine = OpenAIEngine(processor("openai", base_url=s.url.replace("http://", "http://me:hunter2@") + "/v1?api-key=sk-query-1",
+                                    apply_chat_template=True, max_retries=2))  # fmt: skip
+    engine.load()
+    try:
+        (c,) = engine.generate([req(0)])  # after a 503 and an HTML page
+        with pytest.raises(EngineError) as err:
+            engine.generate([req(1)])
+    finally:
+        engine.close()
+    assert c.error_kind is None and c.text
+    assert [(r["path"], r["query"]) for r in s.records] == [("/v1/chat/completions", "api-key=sk-query-1")] * 6
+    assert s.records[0]["headers"]["Authorization"] == "Basic " + base64.b64encode(b"me:hunter2").decode()
+    shown = caplog.text + str(err.value) + json.dumps(vars(engine.info), default=str)
+    assert "retry 1/2" in caplog.text and "not JSON" in caplog.text  # the retries were logged...
+    assert "hunter2" not in shown and "sk-query-1" not in shown  # ...without the secrets
+    assert f"me:***@127.0.0.1:{s.url.rsplit(':', 1)[1]}/v1/chat/completions?api-key=***" in str(err.value)
+
+
+def test_openai_a_non_json_answer_is_retried_then_fails_naming_the_url(fast, server):
+    s = server(plan=["html"] * 5)
+    engine = openai(s, max_retries=2)
+    try:
+        with pytest.raises(EngineError, match=r"POST http://127\.0\.0\.1:\d+/v1/chat/completions: gave up after 2 retries .*"
+                                              r"HTTP 200 with a body that is not JSON: .*502 Bad Gateway"):  # fmt: skip
+            engine.generate([req(0)])
+    finally:
+        engine.close()
+    assert len(s.records) == 3
+
+
+def test_openai_stop_fails_the_requests_in_flight_at_once(fast, server):
+    import threading
+
+    s = server(latency=5.0)
+    engine = openai(s)
+    threading.Timer(0.3, engine.stop).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineStopped):
+            engine.generate([req(i) for i in range(4)])
+    finally:
+        engine.close()
+    assert time.monotonic() - t0 < 2.0 and engine.queue_depth() == 0
 
 
 # --------------------------------------------------------------------------- helpers, config

@@ -11,8 +11,10 @@ import time
 import pytest
 
 from fakes import drive
-from mirageflow.config import ProcessorConfig
-from mirageflow.engines.base import BACKENDS, EngineError, Request, create_engine
+from mirageflow.config import ProcessorConfig, ServerArgs
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.registry import BACKENDS, create_engine
+from mirageflow.engines.wire import Request
 from mirageflow.engines.sglang_common import engine_kwargs, resolve_parallelism
 from mirageflow.engines.sglang_engine import SGLangCrashed, SGLangEngine
 from mirageflow.engines.base import EngineStopped
@@ -25,7 +27,7 @@ def processor(model="org/model", extra=None, **server_args) -> ProcessorConfig:
             "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
     args.update(server_args)
     return ProcessorConfig(
-        type="llm", backend="sglang", server_args=args, sampling_params={}, chat_template_kwargs={},
+        type="llm", backend="sglang", server_args=ServerArgs(**args), sampling_params={}, chat_template_kwargs={},
         apply_chat_template=True, torch_threads=None,
     )  # fmt: skip
 
@@ -107,12 +109,13 @@ def test_engine_args_are_forwarded_with_extra_args_verbatim(fake_sglang):
 def test_default_window_and_parallelism_from_the_allocation(fake_sglang, monkeypatch):
     assert SGLangEngine(processor()).max_inflight == 512
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    assert resolve_parallelism({"tp_size": None, "dp_size": 2}) == (2, 2)
-    assert resolve_parallelism({"tp_size": None, "dp_size": None}) == (4, 1)
-    assert resolve_parallelism({"tp_size": 1, "dp_size": 1}) == (1, 1)
-    assert resolve_parallelism({"tp_size": None}, {"CUDA_VISIBLE_DEVICES": ""}) == (1, 1)
-    kwargs = engine_kwargs({"model_path": "m", "tp_size": None, "dp_size": None, "extra_engine_args": {"tp_size": 3}})
-    assert kwargs == {"model_path": "m", "tp_size": 3, "dp_size": 1}  # extra args win, verbatim
+    assert resolve_parallelism(ServerArgs("m", tp_size=None, dp_size=2)) == (2, 2)
+    assert resolve_parallelism(ServerArgs("m", tp_size=None, dp_size=None)) == (4, 1)
+    assert resolve_parallelism(ServerArgs("m", tp_size=1, dp_size=1)) == (1, 1)
+    assert resolve_parallelism(ServerArgs("m", tp_size=None), {"CUDA_VISIBLE_DEVICES": ""}) == (1, 1)
+    kwargs = engine_kwargs(ServerArgs("m", tp_size=None, dp_size=None, extra_engine_args={"tp_size": 3}))
+    # extra args win, verbatim
+    assert kwargs == {"model_path": "m", "tp_size": 3, "dp_size": 1, "trust_remote_code": False, "disable_custom_all_reduce": False}
 
 
 def test_generation_json_schema_chat_template_and_tokens(fake_sglang):
@@ -253,11 +256,18 @@ def test_stop_fails_outstanding_and_later_requests(fake_sglang, monkeypatch):
     engine = SGLangEngine(processor(extra={"max_running_requests": 2}))
     engine.load()
     try:
-        threading.Timer(0.1, engine.stop).start()
-        t0 = time.monotonic()
+        def stop_once_running():  # not on a timer: under load the timer fired before any request
+            deadline = time.monotonic() + 30
+            while not (fake_sglang.ENGINES and fake_sglang.ENGINES[0].running) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            stopped_at.append(time.monotonic())
+            engine.stop()
+
+        stopped_at = []
+        threading.Thread(target=stop_once_running, daemon=True).start()
         with pytest.raises(EngineStopped):
             drive(engine, [req(i) for i in range(20)])
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - stopped_at[0] < 2
         with pytest.raises(EngineStopped):
             engine.generate([req(99)])
     finally:

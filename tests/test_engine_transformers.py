@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from mirageflow.engines.base import Request
+from mirageflow.config import ServerArgs
+from mirageflow.engines.wire import Request
 from mirageflow.engines.transformers_engine import TransformersEngine
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = TransformersEngine({"model_path": str(tiny_model)}, batch_size=3, torch_threads=1)
+    eng = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=3, torch_threads=1)
     eng.load()
     yield eng
     eng.close()
@@ -40,7 +41,7 @@ def test_batched_generation_counts_tokens_and_keeps_ids(engine):
 def test_greedy_is_deterministic_and_independent_of_batching(engine, tiny_model):
     texts = ["hello there", "Water boils at one hundred degrees."]
     batched = {c.id: c.text for c in engine.generate(_requests(engine, texts))}
-    single = TransformersEngine({"model_path": str(tiny_model)}, batch_size=1, torch_threads=1)
+    single = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=1, torch_threads=1)
     single.load()
     alone = {c.id: c.text for c in single.generate(_requests(single, texts))}
     assert batched == alone
@@ -108,7 +109,7 @@ def bos_model(tiny_model, tmp_path_factory):
 
 
 def test_exactly_one_bos_for_templates_and_raw_prompts(bos_model):
-    eng = TransformersEngine({"model_path": str(bos_model)}, batch_size=2, torch_threads=1)
+    eng = TransformersEngine(ServerArgs(str(bos_model)), batch_size=2, torch_threads=1)
     eng.load()
     try:
         tok = eng.tokenizer

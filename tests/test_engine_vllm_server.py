@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from fakes import alive, drive, vllm_stand_in_command
-from mirageflow.config import ProcessorConfig, load_config
-from mirageflow.engines.base import EngineError, EngineStopped, Request, create_engine
+from mirageflow.config import ProcessorConfig, ServerArgs, load_config
+from mirageflow.engines.base import EngineError, EngineStopped
+from mirageflow.engines.registry import create_engine
+from mirageflow.engines.wire import Request
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.server_metrics import reconcile
 from mirageflow.engines.vllm_server import ServerDied, VLLMServerEngine, iomp_preload
@@ -28,7 +30,7 @@ def processor(extra=None, **fields) -> ProcessorConfig:
                    "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
     server_args.update(fields.pop("server_args", {}))
     defaults = dict(
-        type="llm", backend="vllm_server", server_args=server_args, sampling_params={}, chat_template_kwargs={},
+        type="llm", backend="vllm_server", server_args=ServerArgs(**server_args), sampling_params={}, chat_template_kwargs={},
         apply_chat_template=True, torch_threads=None, server_command=vllm_stand_in_command(),
         server_start_timeout=10.0, request_timeout=10.0, max_retries=3,
     )  # fmt: skip
@@ -204,7 +206,7 @@ def test_a_shard_on_vllm_server_reports_the_engine_and_the_servers_figures(fast,
 
 
 def test_the_report_names_the_engine_and_shows_the_servers_figures(fast, tmp_path):
-    from mirageflow.report import write_report
+    from mirageflow.report.aggregate import write_report
 
     _shard_on_vllm_server(tmp_path)
     metrics = write_report(tmp_path / "state", 1)
@@ -222,7 +224,7 @@ def test_the_report_names_the_engine_and_shows_the_servers_figures(fast, tmp_pat
 
 def test_config_refuses_nothing_new_and_keeps_fingerprints(tmp_path):
     """server_env is operational (not part of the records identity): adding it reruns nothing."""
-    from mirageflow.config import records_identity
+    from mirageflow.config.loading import records_identity
 
     base = {"processors": [{"type": "llm", "backend": "vllm_server", "server_args": {"model_path": "m"}}],
             "loading_params": {"datasets": [{"path": str(tmp_path / "x.jsonl"), "type": "JSONL", "output_dir": str(tmp_path / "o")}]},

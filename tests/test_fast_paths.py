@@ -18,8 +18,9 @@ import jmespath
 import jsonschema
 import pytest
 
-from mirageflow import json_output, prompts
-from mirageflow.checkpoint import DatasetProgress, merge_ranges, to_ranges
+from mirageflow.prompts import json_output
+from mirageflow.prompts import templates as prompts
+from mirageflow.shard.checkpoint import DatasetProgress, merge_ranges, to_ranges
 
 # --------------------------------------------------------------------------- chat templates
 
@@ -98,7 +99,7 @@ def _outcome(fn):
 
 @pytest.mark.parametrize("template", [CHATML, LLAMA3, MISTRAL, QWEN_LIKE, {"default": LLAMA3, "tool_use": CHATML}], ids=["chatml", "llama3", "mistral", "qwen-like", "dict"])
 def test_chat_template_renders_exactly_as_transformers(tokenizer, template):
-    from mirageflow.engines.base import ChatTemplate
+    from mirageflow.engines.chat_template import ChatTemplate
 
     tokenizer.chat_template = template
     fast = ChatTemplate(tokenizer)
@@ -110,7 +111,7 @@ def test_chat_template_renders_exactly_as_transformers(tokenizer, template):
 
 
 def test_chat_template_falls_back_for_apply_chat_template_parameters(tokenizer):
-    from mirageflow.engines.base import ChatTemplate
+    from mirageflow.engines.chat_template import ChatTemplate
 
     tokenizer.chat_template = QWEN_LIKE
     fast = ChatTemplate(tokenizer)

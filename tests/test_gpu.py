@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -11,7 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mirageflow import gpu, stats
+from mirageflow.config import ServerArgs
+from mirageflow.stats import gpu
+from mirageflow.stats import formulas as stats
 
 H200 = "NVIDIA H200"
 
@@ -243,7 +246,7 @@ def test_cuda_stops_at_the_first_invalid_entry_and_unknown_devices_are_skipped(n
     assert gpu.visible_entries({"CUDA_VISIBLE_DEVICES": ""}) == []
     assert gpu.visible_entries({}) is None
     sampler = gpu.GpuSampler(environ={"CUDA_VISIBLE_DEVICES": "1,7"})
-    with caplog.at_level(logging.WARNING, logger="mirageflow.gpu"):
+    with caplog.at_level(logging.WARNING, logger="mirageflow.stats.gpu"):
         sampler.start(background=False)
         sampler.stop()
     assert [g["uuid"] for g in sampler.summary()["gpus"]] == ["GPU-1"]
@@ -256,7 +259,7 @@ def test_cuda_stops_at_the_first_invalid_entry_and_unknown_devices_are_skipped(n
 def test_mig_device_gives_null_utilisation_and_one_log_line(nvml, caplog):
     nvml([device("GPU-0"), device("MIG-5e2f", name="NVIDIA H100 80GB HBM3 MIG 1g.10gb", mem=[5 * 2**30], mig=True)])
     clock = Clock()
-    with caplog.at_level(logging.WARNING, logger="mirageflow.gpu"):
+    with caplog.at_level(logging.WARNING, logger="mirageflow.stats.gpu"):
         s = sampled(gpu.GpuSampler(0.5, environ={"CUDA_VISIBLE_DEVICES": "MIG-5e2f"}, clock=clock), clock, [1.0, 2.0], 3.0)
     assert (s["gpu_util_mean"], s["gpu_util_min"], s["gpu_util_max"], s["gpu_util_samples"]) == (None, None, None, None)
     [g] = s["gpus"]
@@ -278,7 +281,7 @@ def test_energy_not_supported_is_null_but_utilisation_is_kept(nvml):
 def test_no_driver_gives_nulls_and_one_log_line(nvml, caplog, error):
     nvml([], init_error=getattr(FakeNVML, error))
     sampler = gpu.GpuSampler(0.5, environ={})
-    with caplog.at_level(logging.INFO, logger="mirageflow.gpu"):
+    with caplog.at_level(logging.INFO, logger="mirageflow.stats.gpu"):
         sampler.start()
         sampler.sample_now()
         sampler.stop()
@@ -293,7 +296,7 @@ def test_no_driver_gives_nulls_and_one_log_line(nvml, caplog, error):
 def test_no_pynvml_module_gives_nulls_and_one_log_line(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     sampler = gpu.GpuSampler(0.5, environ={})
-    with caplog.at_level(logging.INFO, logger="mirageflow.gpu"):
+    with caplog.at_level(logging.INFO, logger="mirageflow.stats.gpu"):
         sampler.start()
         sampler.stop()
     assert sampler.summary()["gpu_util_mean"] is None
@@ -303,7 +306,7 @@ def test_no_pynvml_module_gives_nulls_and_one_log_line(monkeypatch, caplog):
 def test_stats_off_records_hardware_without_sampling_or_logging(nvml, caplog):
     fake = nvml([device("GPU-0")])
     sampler = gpu.GpuSampler(0.5, sample=False, environ={})
-    with caplog.at_level(logging.INFO, logger="mirageflow.gpu"):
+    with caplog.at_level(logging.INFO, logger="mirageflow.stats.gpu"):
         sampler.start()
         sampler.stop()
     assert sampler.summary()["gpu_util_mean"] is None and sampler.devices[0].samples == []
@@ -329,9 +332,8 @@ def test_shard_records_gpu_stats_hardware_samples_and_roofline(tmp_path, nvml, m
     with open(model / "model.safetensors", "wb") as f:  # sparse: the size is what counts
         f.truncate(8_044_936_192)
     cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
-    cfg.raw["stats"] = True
     object.__setattr__(cfg, "stats", True)
-    object.__setattr__(cfg, "processors", {"llm": type(cfg.processors["llm"])(**{**vars(cfg.processors["llm"]), "server_args": {"model_path": str(model)}})})
+    object.__setattr__(cfg, "processors", {"llm": dataclasses.replace(cfg.processors["llm"], server_args=ServerArgs(str(model)))})
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "one two three"))
     st = status["stats"]
     assert st["num_gpus"] == 1

@@ -1,4 +1,4 @@
-"""GPU claims for shard jobs that see more GPUs than they asked for (mirageflow.gpu_claim).
+"""GPU claims for shard jobs that see more GPUs than they asked for (mirageflow.cluster.gpu_claim).
 
 Fake GPU indices and lock files in tmp_path: no GPU or NVML needed. flock locks of two
 open descriptors conflict even inside one process, so one test process can play several
@@ -13,8 +13,10 @@ import textwrap
 
 import pytest
 
-from mirageflow import gpu, gpu_claim, stats
-from mirageflow.gpu_claim import GpuClaimError, claim_for_job, claim_gpus
+from mirageflow.stats import gpu
+from mirageflow.cluster import gpu_claim
+from mirageflow.stats import formulas as stats
+from mirageflow.cluster.gpu_claim import GpuClaimError, claim_for_job, claim_gpus
 
 EIGHT = [str(i) for i in range(8)]
 
@@ -81,7 +83,7 @@ def test_impossible_claims_are_refused(tmp_path, count, visible):
 def test_the_claim_ends_with_the_process(tmp_path):
     code = textwrap.dedent(f"""
         import os, sys
-        from mirageflow.gpu_claim import claim_gpus
+        from mirageflow.cluster.gpu_claim import claim_gpus
         claim = claim_gpus(["0"], 1, {str(tmp_path)!r})
         print(claim.devices[0], flush=True)
         os._exit(0)  # no release(): the kernel drops the flock

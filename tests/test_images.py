@@ -10,7 +10,6 @@ import io
 import json
 import socket
 import struct
-import sys
 import zlib
 from pathlib import Path
 
@@ -20,10 +19,10 @@ from PIL import Image
 from conftest import run_workflow
 from fakes import drive, stand_in_command
 from fakes.fake_http import Behaviour, FakeServer
-from mirageflow import images
-from mirageflow.config import ConfigError, ProcessorConfig, load_config
-from mirageflow.engines.base import Request
-from mirageflow.prompts import RowError
+from mirageflow.prompts import images
+from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
+from mirageflow.engines.wire import Request
+from mirageflow.errors import RowError
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -221,7 +220,7 @@ def test_openai_sends_content_parts_with_data_uris(monkeypatch):
     server = FakeServer(Behaviour()).start()
     a, b = _img(RED), _img(BLUE)
     try:
-        proc = ProcessorConfig(type="llm", backend="openai", server_args={"model_path": "m"}, sampling_params={},
+        proc = ProcessorConfig(type="llm", backend="openai", server_args=ServerArgs("m"), sampling_params={},
                                chat_template_kwargs={}, apply_chat_template=True, torch_threads=None,
                                base_url=server.url + "/v1", request_timeout=10.0, max_retries=0)  # fmt: skip
         engine = OpenAIEngine(proc)
@@ -248,7 +247,7 @@ def test_openai_sends_content_parts_with_data_uris(monkeypatch):
 
 def _sglang_processor(model, backend="sglang", **fields) -> ProcessorConfig:
     args = {"model_path": str(model), "tp_size": 1, "dp_size": 1, "trust_remote_code": False, "extra_engine_args": {}}
-    return ProcessorConfig(type="llm", backend=backend, server_args=args, sampling_params={}, chat_template_kwargs={},
+    return ProcessorConfig(type="llm", backend=backend, server_args=ServerArgs(**args), sampling_params={}, chat_template_kwargs={},
                            apply_chat_template=True, torch_threads=None, **fields)  # fmt: skip
 
 
@@ -310,17 +309,10 @@ def test_sglang_server_sends_text_and_image_data(tmp_path, tiny_vlm, monkeypatch
 # --------------------------------------------------------------------------- the tiny VLM on the CPU
 
 
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory) -> Path:
-    from mirageflow.model_prep import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
-
-
 def test_tiny_vlm_generates_from_images_on_the_cpu(tiny_vlm):
     from mirageflow.engines.transformers_engine import TransformersEngine
 
-    engine = TransformersEngine({"model_path": str(tiny_vlm)}, batch_size=4)
+    engine = TransformersEngine(ServerArgs(str(tiny_vlm)), batch_size=4)
     engine.load()
     try:
         assert type(engine.model).__name__ == "LlavaForConditionalGeneration"
@@ -365,7 +357,7 @@ def _vlm_config(model, data, check_paths=True, **input_fields) -> dict:
 
 
 def test_config_checks_name_the_key(tmp_path, tiny_model, tiny_vlm):
-    from mirageflow.preflight import validate
+    from mirageflow.config.preflight import validate
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"image": "a.png", "question": "q"}) + "\n" + json.dumps({"image": "b.png", "question": "r"}) + "\n")
@@ -433,7 +425,7 @@ def test_workflow_with_image_paths_and_an_hf_image_column(tmp_path, tiny_vlm):
 
 
 def test_preview_shows_where_the_images_go(tmp_path, tiny_vlm):
-    from mirageflow import preview
+    from mirageflow.shard import preview
 
     (tmp_path / "red.png").write_bytes(png(color=RED))
     data = tmp_path / "rows.jsonl"

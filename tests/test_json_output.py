@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mirageflow.json_output import Field, OutputError, OutputSchema, SchemaError, parse_answer
+from mirageflow.prompts.json_output import Field, OutputError, OutputSchema, SchemaError, parse_answer
 
 WHERE = "outputs[0].output_schema"
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mirageflow import cli, preview
+from mirageflow import cli
+from mirageflow.shard import preview
 from mirageflow.config import load_config
 
 

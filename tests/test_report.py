@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from mirageflow import report, stats
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.numbers import fmt
+from mirageflow.report import aggregate as report
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json
 
 GPU = "NVIDIA H100 80GB HBM3"
 
@@ -90,7 +92,7 @@ def test_report_html_embeds_plots_and_metrics(tmp_path):
     agg = metrics["aggregate"]
     for key in ("tokens_per_sec_per_gpu", "gpu_days_per_billion_tokens", "mean_gpu_util_pct", "p95_shard_runtime_seconds", "roofline_fraction"):
         assert f"<code>{key}</code>" in page
-    assert report._fmt(agg["total_output_tokens"]) in page
+    assert fmt(agg["total_output_tokens"]) in page
     assert "EngineCrashed: the SGLang server exited" in page  # the failed shard, with its error
     assert "shard 4 (" in page  # the straggler
     assert agg["failed_shards"][0]["shard_id"] == 5 and [s["shard_id"] for s in agg["stragglers"]] == [4]
@@ -217,10 +219,10 @@ def test_attempts_per_shard_from_new_and_old_status_files(tmp_path):
 
 
 def test_report_files_go_through_the_atomic_writers(tmp_path, monkeypatch):
-    from mirageflow.data import writers
+    from mirageflow import files
 
     written = []
-    real = writers.atomic_write_bytes
+    real = files.atomic_write_bytes
 
     def spy(path, data, durable=True):
         written.append(Path(path).name)
@@ -228,14 +230,14 @@ def test_report_files_go_through_the_atomic_writers(tmp_path, monkeypatch):
 
     state = make_state(tmp_path, gpu_samples=False)
     before = {p for p in state.rglob("*")}
-    monkeypatch.setattr(writers, "atomic_write_bytes", spy)
+    monkeypatch.setattr(files, "atomic_write_bytes", spy)
     report.write_report(state, 6)
     assert sorted(written) == ["metrics.json", "report.html", "summary.md"]
     assert {p.name for p in state.rglob("*")} - {p.name for p in before} == {"metrics.json", "report.html", "summary.md"}
 
 
 def test_report_files_follow_the_umask(tmp_path):
-    """Written through data.writers, which create files as open() would (mode 0666 & ~umask), not mkstemp's 0600."""
+    """Written through mirageflow.files, which create files as open() would (mode 0666 & ~umask), not mkstemp's 0600."""
     state = make_state(tmp_path, gpu_samples=False)
     old = os.umask(0o022)
     try:
@@ -250,7 +252,7 @@ def test_report_files_follow_the_umask(tmp_path):
 
 
 def test_tokens_per_row_bins_have_one_width_and_keep_every_row():
-    from mirageflow.report_html import equal_width_bins
+    from mirageflow.report.html import equal_width_bins
 
     hist = stats.TokenHistogram()
     rng = random.Random(3)
@@ -272,7 +274,7 @@ def test_tokens_per_row_bins_have_one_width_and_keep_every_row():
 
 
 def test_row_token_limit_from_the_records_identity(tmp_path):
-    from mirageflow.report_html import load_identity, row_token_limit
+    from mirageflow.report.html import load_identity, row_token_limit
 
     identity = {
         "processors": [{"default_sampling_params": {"max_new_tokens": 256}}],
@@ -317,7 +319,7 @@ def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
 
 
 def test_throughput_series_are_rates_between_samples_on_a_common_clock():
-    from mirageflow.report_html import throughput_series
+    from mirageflow.report.html import throughput_series
 
     series = throughput_series([
         {"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": [[0, 0, 0], [10, 20, 1000], [20, 20, 1000]]},
@@ -329,7 +331,7 @@ def test_throughput_series_are_rates_between_samples_on_a_common_clock():
 
 
 def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
-    from mirageflow.report_html import metrics_table_rows
+    from mirageflow.report.html import metrics_table_rows
 
     state = make_state(tmp_path)
     metrics = report.write_report(state, 6)
@@ -337,7 +339,7 @@ def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
     assert "wall_clock_runtime_human" in agg and "total_rows_processed" in agg  # metrics.json keeps the seed's keys
     rows = {key: (label, value) for label, key, value in metrics_table_rows(agg)}
     assert not any(k.endswith("_human") for k in rows)
-    assert rows["wall_clock_runtime_seconds"][1] == f"{report._fmt(agg['wall_clock_runtime_seconds'])} s ({agg['wall_clock_runtime_human']})"
+    assert rows["wall_clock_runtime_seconds"][1] == f"{fmt(agg['wall_clock_runtime_seconds'])} s ({agg['wall_clock_runtime_human']})"
     assert rows["total_rows_processed"][0] == "rows ok (completed shards)"
     assert rows["total_rows_failed"][0].startswith("rows failed")
     page = (state / "report.html").read_text()
@@ -356,7 +358,7 @@ def test_a_cpu_runs_remaining_gpu_hours_are_unknown_not_zero():
 def test_svg_plots_have_round_ticks_and_break_lines_at_missing_samples():
     import xml.etree.ElementTree as ET
 
-    from mirageflow.report_svg import Figure, Panel, nice_ticks, viridis
+    from mirageflow.report.svg import Figure, Panel, nice_ticks, viridis
 
     assert nice_ticks(0, 1730) == [0, 500, 1000, 1500]
     assert nice_ticks(0, 9, integer=True) == [0, 2, 4, 6, 8] and nice_ticks(0.0, 0.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
@@ -369,3 +371,24 @@ def test_svg_plots_have_round_ticks_and_break_lines_at_missing_samples():
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f".//{ns}polyline")) == 1  # the run after None has one point: not drawn as a line
     assert "t &lt;&amp;&gt;" in svg and svg.count('stroke="#b42318"') == 1
+
+
+def test_with_several_samples_the_report_counts_samples_and_says_so(tmp_path):
+    """60 rows x 2 samples: the tokens histogram holds 120 records, "120 samples (60 rows x 2)", not "120 rows"."""
+    from mirageflow.report.html import tokens_hist_labels
+
+    hist = {"rows": 120, "mean": 40.0, "max": 64}
+    title, xlabel, ylabel = tokens_hist_labels(hist, 2, 8)
+    assert title == "tokens per sample: 120 samples (60 rows x 2), mean 40.0, max 64" and ylabel == "samples"
+    assert tokens_hist_labels(hist, 1, 8)[0] == "tokens per row: 120 rows, mean 40.0, max 64"
+    state = make_state(tmp_path)
+    for path in state.glob("shard_*/status.json"):
+        status = json.loads(path.read_text())
+        status["stats"]["n_samples"] = 2
+        path.write_text(json.dumps(status))
+    metrics = report.write_report(state, 6)
+    assert metrics["aggregate"]["n_samples"] == 2
+    summary = (state / "summary.md").read_text()
+    assert "| `total_rows_processed` |" in summary and "rows ok (samples: 2 records per source row)" in summary
+    assert "each source row makes 2 records (samples)" in (state / "report.html").read_text()
+

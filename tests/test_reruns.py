@@ -24,7 +24,7 @@ import yaml
 from conftest import REPO
 from fakes.fake_http import FakeServer
 
-from mirageflow import pipeline_state
+from mirageflow.state import pipeline as pipeline_state
 from mirageflow.config import load_config, records_identity
 
 TRIGGERS = {"default": (), "mtime": ("--rerun-triggers", "mtime")}

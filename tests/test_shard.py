@@ -7,8 +7,10 @@ import json
 import pytest
 
 from mirageflow.config import load_config
-from mirageflow.data.writers import atomic_write_json, read_parts
-from mirageflow.engines.base import Completion, Engine, EngineInfo
+from mirageflow.data.writers import read_parts
+from mirageflow.files import atomic_write_json
+from mirageflow.engines.base import Engine
+from mirageflow.engines.wire import Completion, EngineInfo
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
 
@@ -310,7 +312,7 @@ def test_error_budget_fails_the_shard_and_keeps_committed_rows(tmp_path):
 def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
     import errno
 
-    from mirageflow import checkpoint
+    from mirageflow.shard import checkpoint
 
     cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
     real, calls = checkpoint.write_part, {"n": 0}
@@ -328,8 +330,8 @@ def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
 
 
 def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path, monkeypatch):
-    from mirageflow import checkpoint
-    from mirageflow.checkpoint import Lease, ShardBusy
+    from mirageflow.shard import checkpoint
+    from mirageflow.shard.checkpoint import Lease, ShardBusy
 
     monkeypatch.setattr(checkpoint.shutil, "which", lambda name: None)  # no squeue: job 42 may be alive
 

@@ -10,8 +10,8 @@ from test_shard import ScriptedEngine, _errors, _setup
 
 from mirageflow.data import readers
 from mirageflow.data.writers import read_parts
-from mirageflow.engines.base import Completion
-from mirageflow.prompts import RecordRenderer
+from mirageflow.engines.wire import Completion
+from mirageflow.prompts.templates import RecordRenderer
 from mirageflow.shard import ShardFailed, run_shard
 
 PLAIN = [{"name": "a", "prompt": "{{ q }}"}]

@@ -15,7 +15,7 @@ from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
 from mirageflow.shard.signals import StopSignals
-from mirageflow.stats import PhaseTimer
+from mirageflow.stats.formulas import PhaseTimer
 
 
 def _params(**kw):
@@ -126,7 +126,7 @@ def test_commit_queue_writes_in_its_thread_when_due_and_reports_failures():
 
 
 def _interrupted(signum):
-    return ShardInterrupted(signum, 0)
+    return ShardInterrupted(signum, "0 rows")
 
 
 def test_signals_raise_outside_the_loop_and_restore_handlers():

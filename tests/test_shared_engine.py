@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_workflow
+from conftest import run_workflow
 
-from mirageflow import cluster
+from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config
-from mirageflow.engines.base import EngineError, Request, create_engine
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.registry import create_engine
+from mirageflow.engines.wire import Request
 from mirageflow.engines.shared import SharedEngine
 
 
@@ -236,3 +238,52 @@ def test_the_engine_gets_the_heavy_resources_and_the_shards_one_cpu(tmp_path):
     assert {k: v for k, v in unshared.items() if k != "runtime"} == {
         k: v for k, v in cluster.cluster_resources(load_config(_cfg(tmp_path, shards_per_engine=1, **ep), environ={}), "shard").items() if k != "runtime"
     }  # fmt: skip
+
+
+# --------------------------------------------------------------------------- a frozen service
+
+
+def test_a_frozen_service_fails_its_requests_within_the_heartbeat_deadline(tmp_path, monkeypatch):
+    """A service that stops answering (SIGSTOPped, a stuck GIL) with a generation in flight:
+    the heartbeat's deadline fails the shard's requests, never a hang. The service is a
+    stand-in over real sockets (tests/fakes/raw_http.py) that answers /health and /info,
+    then freezes: connections stay open, nothing is answered."""
+    import socket as socket_module
+    from types import SimpleNamespace
+
+    from fakes.raw_http import RawServer, answer
+
+    from mirageflow.engines import shared
+
+    monkeypatch.setattr(shared, "HEARTBEAT_SECONDS", 0.2)
+    monkeypatch.setattr(shared, "HEARTBEAT_TIMEOUT", 1.0)
+    frozen = threading.Event()
+    info = {"group": 0, "stats_file": "s.json", "num_gpus": 0, "shards": 1, "engines": {"llm": {
+        "info": {"backend": "transformers", "model_path": "m"}, "max_inflight": 4, "chat_template": None}}}  # fmt: skip
+
+    def handler(conn):
+        while (request := conn.read_request()) is not None:
+            if frozen.is_set() or request[0].startswith("POST /generate"):
+                frozen.wait(30)
+                time.sleep(30)  # never answers
+            body = {"state": "ready"} if request[0].startswith("GET /health") else info
+            conn.send(answer(body=json.dumps(body).encode()))
+
+    service = RawServer(handler)
+    endpoint = tmp_path / "engine_0.json"
+    endpoint.write_text(json.dumps({"state": "ready", "host": "127.0.0.1", "port": service.port,
+                                    "hostname": socket_module.gethostname(), "pid": os.getpid()}))  # fmt: skip
+    engine = SharedEngine(SimpleNamespace(type="llm", server_args=SimpleNamespace(model_path="m")), 4, endpoint=endpoint)
+    engine.load()
+    try:
+        assert engine.max_inflight == 4
+        frozen.set()
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=r"engine service .*engine_0\.json stopped answering \(DeadlineExceeded: no whole answer .*/health within 1 s\)"):
+            engine.generate([Request(0, None, "prompt", {})])
+        assert time.monotonic() - t0 < 0.2 + 1.0 + 2.0
+        with pytest.raises(EngineError, match="stopped answering"):  # and every later request, at once
+            engine.generate([Request(1, None, "prompt", {})])
+    finally:
+        engine.close()
+        service.stop()

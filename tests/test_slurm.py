@@ -220,7 +220,7 @@ def test_shards_at_their_time_limit_get_sigterm_commit_and_record_it(runs):
     """`--signal=TERM@6` (a tenth of 1 minute): the shards stop themselves before SLURM kills them.
 
     The plugin runs the first task of an array outside any job step, where `--signal` does
-    not reach: mirageflow.time_limit (called by the shard job) covers it. Until the job
+    not reach: mirageflow.cluster.time_limit (called by the shard job) covers it. Until the job
     entry point calls it, that task runs into the limit (TIMEOUT) and is only reported.
     """
     faults = runs["faults"]

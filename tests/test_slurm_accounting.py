@@ -1,4 +1,4 @@
-"""Cluster accounting (mirageflow.slurm_accounting): sacct's output parsed into metrics.json and report.html.
+"""Cluster accounting (mirageflow.report.slurm_accounting): sacct's output parsed into metrics.json and report.html.
 
 sacct is a separate program: these tests put a fake ``sacct`` first on PATH (a process
 boundary) that prints recorded output; tests/test_slurm.py checks the real sacct of the test
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from mirageflow import report, slurm_accounting as sa
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.report import aggregate as report
+from mirageflow.report import slurm_accounting as sa
+from mirageflow.files import atomic_write_json
 
 JOBCOMP = """\
 236|236|FAILED|0|1|||||1

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from mirageflow.engines.base import Request
+from mirageflow.config import ServerArgs
+from mirageflow.engines.wire import Request
 from mirageflow.engines.transformers_engine import TransformersEngine
 
 
 @pytest.mark.slow
 def test_smollm2_knows_the_capital_of_france(smollm2_model):
-    engine = TransformersEngine({"model_path": str(smollm2_model)}, batch_size=2, torch_threads=1)
+    engine = TransformersEngine(ServerArgs(str(smollm2_model)), batch_size=2, torch_threads=1)
     engine.load()
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     prompt = engine.chat_prompt(messages, {})

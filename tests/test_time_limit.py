@@ -1,4 +1,4 @@
-"""SIGTERM before the time limit for shard jobs outside a SLURM job step (mirageflow.time_limit)."""
+"""SIGTERM before the time limit for shard jobs outside a SLURM job step (mirageflow.cluster.time_limit)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import datetime
 
 import pytest
 
-from mirageflow.time_limit import arm_time_limit_signal, job_end_and_limit
+from mirageflow.cluster.time_limit import arm_time_limit_signal, job_end_and_limit
 
 END = "2026-12-01T10:00:00"
 SHOW = f"JobId=98 ArrayJobId=91 ArrayTaskId=1 JobState=RUNNING TimeLimit=00:10:00 StartTime=2026-12-01T09:50:00 EndTime={END} Partition=gpu"

@@ -18,7 +18,9 @@ import os
 import random
 import time
 
-from mirageflow.engines.base import Completion, Engine, EngineInfo, Request
+from mirageflow.engines.base import Engine
+
+from mirageflow.engines.wire import Completion, EngineInfo, Request
 
 
 class _TokenizerEngine(Engine):

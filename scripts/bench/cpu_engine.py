@@ -266,15 +266,16 @@ JSON_FIELDS = {"subject": "str", "category": "str"}
 
 def bench_json_grammar(model: Path, n: int, batch_size: int, new_tokens: int, repeats: int) -> dict:
     """Plain vs JSON-constrained generation of the same prompts by one TransformersEngine."""
-    from mirageflow import json_output
-    from mirageflow.engines.base import Request
+    from mirageflow.prompts import json_output
+    from mirageflow.engines.wire import Request
+    from mirageflow.config import ServerArgs
     from mirageflow.engines.transformers_engine import TransformersEngine
 
     schema = json_output.OutputSchema.parse(JSON_FIELDS, "bench")
     schema_json, validator = json.dumps(schema.json_schema()), schema.validator()
     suffix = ' Reply in JSON with keys "subject" and "category".'
     params = {"temperature": 0.0, "max_new_tokens": new_tokens}
-    with TransformersEngine(transformers_processor(model, new_tokens)["server_args"], batch_size, torch_threads=1) as engine:
+    with TransformersEngine(ServerArgs(**transformers_processor(model, new_tokens)["server_args"]), batch_size, torch_threads=1) as engine:
         prompts = [engine.chat_prompt([{"role": "user", "content": t + suffix}], {}) for t in make_texts(n, seed=1)]
 
         def run(json_on: bool) -> dict:

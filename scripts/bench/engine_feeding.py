@@ -11,7 +11,7 @@ both feeders ask for exactly the same work.
 
 - ours: the real ``ShardRunner`` (``run_shard``) over a JSONL of the requests, with the
   engine's own in-flight window (2 x C) and the tiny model's chat template;
-- ours + Python step: the same, with a custom step (mirageflow.python_steps: a Python
+- ours + Python step: the same, with a custom step (mirageflow.prompts.python_steps: a Python
   function per row in ``--python-step-workers`` worker processes, each call also sleeping
   ``--python-step-ms``) in the row path before the LLM output, whose prompt uses its value: the
   engine can only be fed as fast as the step delivers;
@@ -134,8 +134,8 @@ def run_ours(rows, lengths, args, tokenizer, work: Path, python_step: bool = Fal
 def run_baseline(rows, lengths, args, tokenizer, work: Path) -> dict:
     """One blocking call per batch of 64: the same prompts, the same engine."""
     from mirageflow.config import load_config
-    from mirageflow.engines.base import Request
-    from mirageflow.prompts import Extractor, PromptBuilder
+    from mirageflow.engines.wire import Request
+    from mirageflow.prompts.templates import Extractor, PromptBuilder
 
     data = C.write_jsonl(work / "data_baseline.jsonl", rows)
     cfg = load_config(config(data, work / "baseline", tokenizer, args.max_new_tokens))

@@ -1,4 +1,4 @@
-"""Cost of loading and canonicalising one image input (mirageflow.images), per image.
+"""Cost of loading and canonicalising one image input (mirageflow.prompts.images), per image.
 
     python scripts/bench/image_canonicalise.py            # ~30 s
     python scripts/bench/image_canonicalise.py --repeats 50
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-from mirageflow import images  # noqa: E402
+from mirageflow.prompts import images  # noqa: E402
 
 
 def photo(rotated: bool) -> bytes:

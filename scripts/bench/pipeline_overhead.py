@@ -20,7 +20,7 @@ validation (JSON variant), writing the records (Parquet part files, checkpoints)
 
 Both run pinned to one CPU, interleaved, ``--repeats`` times; medians are reported.
 
-Two more variants of ours measure the steps that are not LLM calls (mirageflow.python_steps),
+Two more variants of ours measure the steps that are not LLM calls (mirageflow.prompts.python_steps),
 each added to ``plain``: ``plain_filter`` (a filter step whose predicate, on the LLM output,
 keeps every row, so the same records are written) and ``plain_custom`` (a custom step: a
 Python function per row in one worker process, which shares the pinned CPU). Their cost
@@ -326,7 +326,7 @@ only the CPU the process got, which is the steadier figure on a shared machine.
 Variants: `ours_plain` (one plain output, short template), `ours_json` (one JSON output with
 a 2-field schema, nested record), `ours_plain_hf_chat` (as `ours_plain` but the engine calls
 `tokenizer.apply_chat_template` per row instead of the compiled template of
-`mirageflow.engines.base.ChatTemplate`), `ours_plain_filter` (as `ours_plain` plus a filter
+`mirageflow.engines.chat_template.ChatTemplate`), `ours_plain_filter` (as `ours_plain` plus a filter
 step `summary | length > 10`, true for every row), `ours_plain_custom` (as `ours_plain` plus a
 custom step: a Python function per row in one worker process, on the same pinned CPU; its
 rows per CPU-second leave out the worker's CPU), `mmirage_*` (MMIRAGE {MMIRAGE_VERSION} on the

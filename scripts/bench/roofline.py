@@ -7,15 +7,15 @@
 With ``--status`` (a shard's status.json from a GPU run): the measured decode tokens/s per
 GPU (status ``tokens_per_sec_per_gpu``: output tokens over the generation window) over the
 memory-bound ceiling of that run's model on the GPU found (NVML name in ``hardware``, HBM
-bandwidth from ``mirageflow.stats.GPU_HBM_BANDWIDTH``), at the run's B (``roofline_batch``:
+bandwidth from ``mirageflow.stats.formulas.GPU_HBM_BANDWIDTH``), at the run's B (``roofline_batch``:
 sequences in flight per GPU, capped at max_running_requests) and mean context (input
 tokens per request + half the output tokens per request), with the weight and KV bytes of
-the model directory (``mirageflow.stats.model_memory_facts``). Fails naming what is missing
+the model directory (``mirageflow.stats.formulas.model_memory_facts``). Fails naming what is missing
 (no GPU name, a GPU without a bandwidth entry, a model without config.json). Printed last
 ``roofline_fraction`` and, beside it, the runner's own figure from status.json.
 
 Formula (docs/shared reference "mmirage-format.md", the same as
-``mirageflow.stats.decode_roofline_tokens_per_sec`` behind the report's roofline_fraction):
+``mirageflow.stats.formulas.decode_roofline_tokens_per_sec`` behind the report's roofline_fraction):
 
     tokens/s = B / ((weight_bytes + B * mean_context * kv_bytes_per_token) / HBM_bandwidth)
 
@@ -81,10 +81,10 @@ def compute_ceiling() -> float:
 
 
 def consistency() -> str:
-    """Check the report's implementation (mirageflow.stats) against this script's formula."""
+    """Check the report's implementation (mirageflow.stats.formulas) against this script's formula."""
     try:
         sys.path.insert(0, str(REPO / "src"))
-        from mirageflow.stats import decode_roofline_tokens_per_sec
+        from mirageflow.stats.formulas import decode_roofline_tokens_per_sec
     except ImportError as e:
         return f"not checked ({e})"
     worst = 0.0
@@ -131,7 +131,7 @@ def section(cmd: str) -> str:
         f"Command: `{cmd}` (arithmetic only; Python {platform.python_version()}, commit {commit}, "
         f"{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}).",
         "",
-        "Formula (reference: mmirage-format.md; the same function as `mirageflow.stats.decode_roofline_tokens_per_sec`, "
+        "Formula (reference: mmirage-format.md; the same function as `mirageflow.stats.formulas.decode_roofline_tokens_per_sec`, "
         f"which the report's `roofline_fraction` uses: {consistency()} on every point below):",
         "",
         "    tokens/s per GPU = B / ((weight_bytes + B x mean_context x kv_bytes_per_token) / HBM_bandwidth)",
@@ -233,7 +233,7 @@ def measured(status_path: Path) -> dict:
     import json
 
     sys.path.insert(0, str(REPO / "src"))
-    from mirageflow.stats import hbm_bandwidth, model_memory_facts
+    from mirageflow.stats.formulas import hbm_bandwidth, model_memory_facts
 
     status = json.loads(status_path.read_text())
     st, hardware = status.get("stats") or {}, status.get("hardware") or {}
@@ -243,7 +243,7 @@ def measured(status_path: Path) -> dict:
                          "run with stats: true on a GPU")  # fmt: skip
     bandwidth = hbm_bandwidth(gpu)
     if bandwidth is None:
-        raise SystemExit(f"{status_path}: no HBM bandwidth known for GPU {gpu!r} (mirageflow.stats.GPU_HBM_BANDWIDTH)")
+        raise SystemExit(f"{status_path}: no HBM bandwidth known for GPU {gpu!r} (mirageflow.stats.formulas.GPU_HBM_BANDWIDTH)")
     engines = list((status.get("engines") or {}).values())
     if len(engines) != 1:
         raise SystemExit(f"{status_path}: expected one engine, found {len(engines)}")

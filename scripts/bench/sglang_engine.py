@@ -120,7 +120,7 @@ def side_bare(args, texts: list[str], root: Path) -> dict:
     import sglang
     from transformers import AutoTokenizer
 
-    from mirageflow.engines.base import PromptTokenizer
+    from mirageflow.engines.tokens import PromptTokenizer
     from mirageflow.engines.sglang_common import engine_kwargs
 
     tok = AutoTokenizer.from_pretrained(str(args.model))

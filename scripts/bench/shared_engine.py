@@ -25,7 +25,10 @@ are medians.
 
 On paper: the GPU-hours spent loading models for --paper-shards shards of Qwen3-4B on an
 H200, with and without sharing, for an assumed load time (--load-seconds, 90 s: no GPU
-here to measure it). Printed last, one per line, ``name: value``.
+here to measure it). scripts/gpu_check.sh measures it on the GPU machine (its
+``model_load_seconds``: a shard's load phase of a model in Qwen3-4B's shape from local
+disk, with ``gpu_hours_loading_1000_shards_*`` computed from it); rerun this with
+``--load-seconds`` set to that figure. Printed last, one per line, ``name: value``.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def pipeline(server, root: Path, data: Path, inflight: int, max_tokens: int, cod
     state = root / "out" / ".mirageflow-state"
     status = json.loads((state / "shard_0" / "status.json").read_text())
     st = status["stats"]
-    from mirageflow import stats
+    from mirageflow.stats import formulas as stats
 
     shard_start = stats.parse_time(status["started_at"]).timestamp()
     status_written = (state / "shard_0" / "status.json").stat().st_mtime

@@ -8,8 +8,9 @@ Endpoints: ``GET /health_generate`` (503 while "starting", then 200), ``POST /ge
 Trouble: ``latency`` per request; ``hold_until`` (hold requests until that many were in
 flight at once, to observe a client's window deterministically); ``unhealthy_for`` seconds of 503 at start;
 ``never_healthy``; ``plan``, a list consumed one entry per generation request ("ok", an
-HTTP status such as "429"/"503"/"400"/"401", or "drop" to close the connection without an
-answer); ``crash_after`` (script mode only: the process exits with ``crash_code`` on the
+HTTP status such as "429"/"503"/"400"/"401", "drop" to close the connection without an
+answer, or "html" for a 200 whose body is an HTML page, as a proxy in the way answers);
+a query string on the path is recorded (``query``) and ignored for routing; ``crash_after`` (script mode only: the process exits with ``crash_code`` on the
 next generation request after that many were answered). A prompt containing ``TOO_LONG``
 gets SGLang's 400 context-length error. ``/generate`` with ``image_data`` needs one
 ``<image>`` in the text per image (data URIs), each adding 15 prompt tokens; chat content
@@ -230,8 +231,9 @@ def _handler(server: FakeServer):
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
+            self.path, _, query = self.path.partition("?")
             with server.lock:
-                server.records.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                server.records.append({"path": self.path, "query": query, "headers": dict(self.headers), "body": body})
             if self.path not in ("/generate", "/v1/chat/completions", "/v1/completions"):
                 return self._send(404, {"detail": "Not Found"})
             b = server.behaviour
@@ -242,6 +244,8 @@ def _handler(server: FakeServer):
             if action == "drop":
                 self.close_connection = True
                 return
+            if action == "html":
+                return self._send(200, "<html><body>502 Bad Gateway (proxy)</body></html>", "text/html")
             if action != "ok":
                 status = int(action)
                 return self._send(status, {"object": "error", "message": f"fake {status}", "code": status})

@@ -7,16 +7,16 @@ rule shard:
         indices=index_files(),
         model=model_inputs(),
         # Rewritten when a prompt, schema, model, sampling or dataset changes: reruns the
-        # shards under every rerun trigger, mtime included (mirageflow/pipeline_state.py).
+        # shards under every rerun trigger, mtime included (mirageflow/state/pipeline.py).
         fingerprint=RECORDS_FINGERPRINT,
         # With shards_per_engine > 1: the endpoint of the engine service that serves this
         # shard; Snakemake runs the service with its shards and stops it after them
         # (workflow/rules/engines.smk).
         engine=engine_endpoint,
     output:
-        f"{STATE_DIR}/shard_{{shard}}/status.json",
+        str(STATE.status("{shard}")),
     log:
-        f"{STATE_DIR}/logs/shard_{{shard}}.log",
+        str(STATE.shard_log("{shard}")),
     conda:
         "../../environment.yaml"
     threads: shard_threads

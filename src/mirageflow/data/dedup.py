@@ -37,11 +37,14 @@ import hashlib
 import json
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
-from mirageflow.data.writers import PartUnreadable, atomic_write_bytes, atomic_write_json, is_json_field, jsonl_line, write_merged
+from mirageflow.config.types import DatasetConfig, DedupParams, OutputVar, PipelineConfig
+from mirageflow.data.writers import PartUnreadable, is_json_field, jsonl_line, write_merged
+from mirageflow.files import atomic_write_bytes, atomic_write_json
+from mirageflow.errors import MirageflowError
+from mirageflow.state.layout import StateLayout, merged_dir
 
 DEDUP_SUBDIR = "deduplicated"
 MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same records
@@ -52,23 +55,8 @@ MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same reco
 LSH_WEIGHTS = (0.1, 0.9)
 
 
-class DedupError(RuntimeError):
+class DedupError(MirageflowError, RuntimeError):
     """The merged output cannot be deduplicated as it is; the message names the file."""
-
-
-@dataclass(frozen=True)
-class DedupParams:
-    enabled: bool
-    exact: bool
-    fuzzy: bool
-    text_field: str | None
-    threshold: float
-    num_perm: int
-    shingle_size: int
-
-    @classmethod
-    def from_raw(cls, raw: dict) -> "DedupParams":
-        return cls(**{k: raw[k] for k in ("enabled", "exact", "fuzzy", "text_field", "threshold", "num_perm", "shingle_size")})
 
 
 def normalize(text: str) -> str:
@@ -229,12 +217,12 @@ def _parquet_kept(parts: list[Path], dedup: Deduplicator, counter: _Counter, fie
         yield table.filter(pa.array(keep, type=pa.bool_()))
 
 
-def dedup_dataset(cfg, ds, params: DedupParams, counts_path: str | Path, removed_path: str | Path) -> dict:
+def dedup_dataset(cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, counts_path: str | Path, removed_path: str | Path) -> dict:
     """Write ``<output_dir>/deduplicated/``, the removed list and the counts; return the counts."""
     started = time.monotonic()
     fmt = ds.output_format
-    merged = Path(ds.output_dir) / "merged"
-    manifest_path = Path(cfg.state_dir) / "merged" / f"dataset_{ds.index}.json"
+    merged = merged_dir(ds.output_dir)
+    manifest_path = StateLayout(cfg.state_dir).merge_manifest(ds.index)
     try:
         merged_rows = json.loads(manifest_path.read_text(encoding="utf-8"))["rows"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -287,13 +275,13 @@ def dedup_dataset(cfg, ds, params: DedupParams, counts_path: str | Path, removed
 _PARAM_KEYS = ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle_size")
 
 
-def dedup_outputs(cfg, ds) -> list[Path]:
+def dedup_outputs(cfg: PipelineConfig, ds: DatasetConfig) -> list[Path]:
     """What the dedup rule builds for dataset ``ds``: counts, removed list, deduplicated/."""
-    state = Path(cfg.state_dir) / "dedup"
-    return [state / f"dataset_{ds.index}.json", state / f"dataset_{ds.index}.removed.jsonl", Path(ds.output_dir) / DEDUP_SUBDIR]
+    paths = StateLayout(cfg.state_dir)
+    return [paths.dedup_counts(ds.index), paths.dedup_removed(ds.index), Path(ds.output_dir) / DEDUP_SUBDIR]
 
 
-def remove_stale_dedup_outputs(cfg) -> list[str]:
+def remove_stale_dedup_outputs(cfg: PipelineConfig) -> list[str]:
     """Driver side, at DAG build: a dataset's dedup outputs made with other parameters are
     removed, so the rule runs again whatever the rerun triggers (the cluster profile's
     ``mtime`` would not see a parameter change). Returns notes for the user."""
@@ -325,7 +313,7 @@ def read_dedup_counts(state_dir: str | Path) -> list[dict]:
     """Every dataset's dedup counts in ``<state_dir>/dedup/`` (for the report), by dataset
     number; a file that cannot be read is listed with its error instead of failing the report."""
     found = []
-    for path in sorted(Path(state_dir, "dedup").glob("dataset_*.json"), key=lambda p: (len(p.name), p.name)):
+    for path in StateLayout(state_dir).dedup_count_files():
         try:
             counts = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(counts, dict):
@@ -336,7 +324,7 @@ def read_dedup_counts(state_dir: str | Path) -> list[dict]:
     return found
 
 
-def dedup_problems(cfg) -> list[str]:
+def dedup_problems(cfg: PipelineConfig) -> list[str]:
     """Driver side (preflight): a threshold below 1 that datasketch's MinHashLSH cannot band
     with num_perm permutations. Not in load_config: it imports datasketch (scipy) and costs
     up to ~0.2 s, which every cluster job would pay again."""
@@ -355,28 +343,29 @@ def dedup_problems(cfg) -> list[str]:
     return []
 
 
-def produced_fields(pp: dict, outputs: list) -> list[str]:
+def produced_fields(output_schema: dict, outputs: list[OutputVar], preserve_columns: Iterable[str]) -> list[str]:
     """Top-level record fields the config itself produces (besides source columns when
     remove_columns is false): output_schema's keys, else the outputs; preserved columns."""
-    if pp["output_schema"]:
-        produced = list(pp["output_schema"])
+    if output_schema:
+        produced = list(output_schema)
     else:
-        produced = [o.name for o in outputs if getattr(o, "kind", "llm") != "filter"]
-        produced += [f"{o.name}_reasoning" for o in outputs if getattr(o, "keep_reasoning", False)]
-    return produced + list(pp.get("preserve_columns") or [])
+        produced = [o.name for o in outputs if o.kind != "filter"]
+        produced += [f"{o.name}_reasoning" for o in outputs if o.keep_reasoning]
+    return produced + list(preserve_columns)
 
 
-def text_field_sample_problems(cfg, ds, sample: list) -> list[str]:
+def text_field_sample_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list) -> list[str]:
     """Driver side (preflight): with remove_columns false, a text_field the config does not
     produce must be a column of the dataset: refused when none of its first rows has it."""
-    p, pp = cfg.dedup, cfg.raw["processing_params"]
-    if p is None or pp["remove_columns"] or p.text_field in produced_fields(pp, cfg.outputs):
+    p = cfg.dedup
+    produced = produced_fields(cfg.output_schema, cfg.outputs, cfg.preserve_columns)
+    if p is None or cfg.remove_columns or p.text_field in produced:
         return []
     if any(isinstance(row, dict) and p.text_field in row for row in sample):
         return []
     columns = sorted({str(k) for row in sample if isinstance(row, dict) for k in row})
     return [
         f"deduplication_params.text_field: '{p.text_field}' is neither a field the config produces "
-        f"({', '.join(produced_fields(pp, cfg.outputs)) or 'none'}) nor a column of the first {len(sample)} rows of "
+        f"({', '.join(produced) or 'none'}) nor a column of the first {len(sample)} rows of "
         f"loading_params.datasets[{ds.index}] ('{ds.path}'; columns: {', '.join(columns[:20])})"
     ]

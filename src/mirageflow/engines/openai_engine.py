@@ -34,23 +34,33 @@ prompt goes to ``POST {base_url}/completions`` as is.
   count). A server that answers with other than n choices fails the shard (it has no ``n``).
 - Tokens from ``usage``; finish reasons stop/length pass through, content_filter and abort
   become ``abort``, anything else (tool_calls, ...) ``stop``.
-- Connection errors, timeouts (``request_timeout`` per attempt), 429 and 5xx are retried
-  with exponential backoff and jitter (Retry-After honoured) up to ``max_retries`` times,
-  then the request fails with EngineError (the shard fails: the endpoint is unusable). 401,
-  403 and 404 fail at once the same way; other 4xx answers fail only their row.
-- ``max_inflight``: 64 requests at once (``shard_params.max_inflight`` overrides).
+- Connection errors, timeouts (``request_timeout`` per attempt: a deadline for the whole
+  answer, not per read), 429, 5xx and a 2xx whose body is not JSON are retried with
+  exponential backoff and jitter (Retry-After honoured) up to ``max_retries`` times, then the
+  request fails with EngineError naming the URL (the shard fails: the endpoint is
+  unusable). 401, 403 and 404 fail at once the same way; other 4xx answers fail only their row.
+- Transport: engines/http_client.py (keep-alive HTTP/1.1, orjson), with the environment's
+  proxies (HTTP(S)_PROXY, NO_PROXY). ``base_url`` may carry a query string (kept on every
+  request) and userinfo (Basic auth when no ``api_key_env``); messages and status files
+  show it with the password and query values masked.
+- ``max_inflight``: 64 requests at once, or ``processors[].max_concurrency`` (MMIRAGE's
+  api_llm; ``shard_params.max_inflight`` overrides either); ``retry_base_delay`` sets the
+  first retry's delay.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 
-from mirageflow.engines.base import Completion, EngineInfo, Request
-from mirageflow.images import openai_messages
-from mirageflow.engines.http import FATAL_STATUS, EngineError, LoopEngine, error_message, post_with_retries, redact_text, rejected
+from mirageflow.config.types import ProcessorConfig
+from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
+from mirageflow.prompts.images import openai_messages
+from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, rejected
+from mirageflow.engines.http_client import HTTPClient, display_url
+from mirageflow.engines.loop import LoopEngine
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +93,28 @@ def finish_reason(value) -> str:
 
 class OpenAIEngine(LoopEngine):
     templates_server_side = True  # the runner sends Request.messages; chat_prompt is not used
+    native_n = True  # one request with n (native_samples: unless processors[].native_n is false)
+    loads_model = False  # the server at base_url has the model; model_path is its name
+    needs_base_url = True
     retry_base_delay = 0.5
     retry_max_delay = 30.0
 
-    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+    def __init__(self, processor: ProcessorConfig, batch_size: int = 32, log_dir=None):
         super().__init__()
         self.processor = processor
         self.base_url = (processor.base_url or "").rstrip("/")
-        self.model = processor.model or processor.server_args["model_path"]
-        self.max_inflight = DEFAULT_MAX_INFLIGHT
-        self._client = None
-        self._semaphore: asyncio.Semaphore | None = None
+        self.shown_url = display_url(self.base_url)  # what messages and status files show
+        self.model = processor.model or processor.server_args.model_path
+        # processors[].max_concurrency (MMIRAGE's api_llm) and retry_base_delay, when set
+        self.max_inflight = processor.max_concurrency or DEFAULT_MAX_INFLIGHT
+        if processor.retry_base_delay is not None:
+            self.retry_base_delay = processor.retry_base_delay
+        self._client: HTTPClient | None = None
+        self._whats: dict[str, str] = {}
         self._warned_usage = False
         self.info = EngineInfo(backend="openai", model_path=self.model)
 
     def load(self) -> None:
-        import httpx2
-
         if not self.base_url:
             raise EngineError("backend openai needs processors[].base_url (e.g. http://host:30000/v1)")
         headers = {}
@@ -112,34 +127,25 @@ class OpenAIEngine(LoopEngine):
                     "not set or empty; export the API key in it before running"
                 )
             headers["Authorization"] = f"Bearer {key}"
-        self._start_loop("openai-client")
-        try:
-            self._call(self._open_client(headers))
-        except BaseException:
-            self.close()
-            raise
+        try:  # requests run in the caller's loop (LoopEngine._on_caller_loop), at most max_inflight at once
+            self._client = HTTPClient(
+                self.base_url, headers=headers, max_connections=self.max_inflight, timeout=float(self.processor.request_timeout)
+            )
+        except ValueError as e:
+            raise EngineError(f"backend openai: processors[].base_url: {e}") from None
         self.info = EngineInfo(
             backend="openai",
             model_path=self.model,
-            versions={"httpx2": httpx2.__version__},
+            versions=_versions(),
             device="remote",
             details={
-                "base_url": redact_text(self.base_url),
+                "base_url": self.shown_url,
                 "api_key_env": name,
                 "max_inflight": self.max_inflight,
                 "max_retries": self.processor.max_retries,
                 "request_timeout": self.processor.request_timeout,
             },
         )
-
-    async def _open_client(self, headers: dict) -> None:
-        import httpx2
-
-        limits = httpx2.Limits(max_connections=self.max_inflight, max_keepalive_connections=self.max_inflight)
-        self._client = httpx2.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=float(self.processor.request_timeout), limits=limits
-        )
-        self._semaphore = asyncio.Semaphore(self.max_inflight)
 
     def chat_prompt(self, messages, chat_template_kwargs) -> str:
         """Not used for templating (the server applies its template); a readable rendering only."""
@@ -180,39 +186,43 @@ class OpenAIEngine(LoopEngine):
     async def generate_samples(self, request: Request, n: int) -> list[Completion]:
         if n == 1 or not self.native_samples:
             return await super().generate_samples(request, n)
-        return await self._in_engine_loop(self._generate_n, request, n)
+        return await self._on_caller_loop(self._generate_n, request, n)
 
-    async def _generate(self, request: Request) -> Completion:
-        return (await self._generate_n(request, 1))[0]
+    async def generate_one(self, request: Request) -> Completion:
+        return (await self._on_caller_loop(self._generate_n, request, 1))[0]
 
     async def _generate_n(self, request: Request, n: int) -> list[Completion]:
         """The request's n choices as Completions with ids request.id .. request.id + n - 1."""
         path, body = self.request_body(request)
         if n > 1:
             body["n"] = n
-        async with self._semaphore:
-            response = await post_with_retries(
-                self._client,
-                self.base_url + path,
-                body,
-                max_retries=int(self.processor.max_retries),
-                timeout=float(self.processor.request_timeout),
-                base_delay=self.retry_base_delay,
-                max_delay=self.retry_max_delay,
-                what=f"POST {redact_text(self.base_url)}{path}",
-            )
+        client = self._client
+        if client is None:
+            raise RuntimeError("OpenAIEngine: load() was not called, or the engine is closed")
+        response = await post_with_retries(
+            client,
+            path,
+            body,
+            max_retries=int(self.processor.max_retries),
+            timeout=float(self.processor.request_timeout),
+            base_delay=self.retry_base_delay,
+            max_delay=self.retry_max_delay,
+            what=self._what(client, path),
+        )
         if not 200 <= response.status_code < 300:
-            message = f"{redact_text(self.base_url)}{path} answered HTTP {response.status_code}: {error_message(response.content)}"
+            message = f"{client.url(path)} answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return [rejected(request.id + k, message, "aborted" if response.status_code >= 500 else "invalid_request") for k in range(n)]
-        data = response.json()
+            return [rejected(request.id + k, message, E.ABORTED if response.status_code >= 500 else E.INVALID_REQUEST) for k in range(n)]
+        data = response.json()  # decoded by post_with_retries
+        if not isinstance(data, dict):
+            raise EngineError(f"{client.url(path)} answered JSON that is not an object: {response.text[:200]!r}")
         choices = data.get("choices") or [{}]
         if n > 1:  # choice i is sample i: exactly the indexes 0..n-1, each once
             indexes = [c.get("index") if isinstance(c, dict) else None for c in choices]
             if sorted(indexes, key=repr) != sorted(range(n), key=repr):
                 raise EngineError(
-                    f"{redact_text(self.base_url)}{path} answered a request with n={n} with choice indexes "
+                    f"{client.url(path)} answered a request with n={n} with choice indexes "
                     f"{indexes[:20]}, not 0..{n - 1} once each: the server does not support n; "
                     "set processors[].native_n: false"
                 )
@@ -221,7 +231,7 @@ class OpenAIEngine(LoopEngine):
         usage = data.get("usage") or {}
         if not usage and not self._warned_usage:
             self._warned_usage = True
-            log.warning("%s reports no usage; token counts will be 0", redact_text(self.base_url))
+            log.warning("%s reports no usage; token counts will be 0", self.shown_url)
         # usage covers the request: the prompt was read once, and the choices' tokens are
         # shared out by the length of their text (exact in total, estimated per sample)
         generated = split_tokens(int(usage.get("completion_tokens") or 0), [len(text) + len(reasoning or "") for text, reasoning, _ in answers])
@@ -231,10 +241,17 @@ class OpenAIEngine(LoopEngine):
                 request.id + k, text, int(usage.get("prompt_tokens") or 0) if k == 0 else 0, tokens, finish_reason(reason), reasoning=reasoning
             )  # fmt: skip
             if completion.finish_reason == "abort":
-                completion.error_kind = "aborted"
+                completion.error_kind = E.ABORTED
                 completion.error = f"the server ended the request with finish_reason {reason!r}"
             completions.append(completion)
         return completions
+
+    def _what(self, client: HTTPClient, path: str) -> str:
+        """``POST <url>`` for messages (the URL with its secrets masked), made once per path."""
+        what = self._whats.get(path)
+        if what is None:
+            what = self._whats[path] = f"POST {client.url(path)}"
+        return what
 
     @staticmethod
     def _answer(choice: dict, path: str) -> tuple[str, str | None, str | None]:
@@ -249,3 +266,12 @@ class OpenAIEngine(LoopEngine):
 
     def close(self) -> None:
         self._close_client_and_loop()
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    try:
+        return {"orjson": metadata.version("orjson")}
+    except metadata.PackageNotFoundError:  # pragma: no cover - pinned; the stdlib json then
+        return {}

@@ -28,6 +28,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from mirageflow.engines.base import EngineError
 from mirageflow.engines.http import parse_prometheus
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,12 @@ class ServerMetrics:
 
     def scrape(self) -> dict | None:
         """The named metrics now (None, and the error kept, when the server does not answer)."""
-        import httpx2
+        from mirageflow.engines.http_client import get_blocking
 
         try:
-            r = httpx2.get(self.url, timeout=10, trust_env=False)
-            r.raise_for_status()
+            r = get_blocking(self.url, 10.0)
+            if r.status_code != 200:
+                raise EngineError(f"HTTP {r.status_code} from {self.url}")
         except Exception as e:  # noqa: BLE001 - the server's figures are informational
             if len(self.errors) < 5:
                 self.errors.append(f"{type(e).__name__}: {e}")

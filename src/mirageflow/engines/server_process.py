@@ -115,31 +115,31 @@ class ServerProcess:
         """Poll ``GET base_url + path`` until it answers 200; the seconds it took since start.
         EngineError (with the log's tail) when the process exits first or ``timeout``
         seconds pass."""
-        import httpx2
+        from mirageflow.engines.http_client import TransportError, get_blocking
 
+        base_url = base_url.rstrip("/")
         deadline = time.monotonic() + timeout
         interval = poll_interval
-        with httpx2.Client(base_url=base_url, trust_env=False) as client:
-            while True:
-                rc = self.process.poll()
-                if rc is not None:
-                    raise EngineError(
-                        f"{self.name} exited with code {rc} before it became healthy ({self.shown_command()}); "
-                        f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self.tail()}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise EngineError(
-                        f"{self.name} did not become healthy within server_start_timeout={timeout:g} s "
-                        f"(GET {path} never answered 200); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self.tail()}"
-                    )
-                try:
-                    if client.get(path, timeout=max(0.2, min(30.0, remaining))).status_code == 200:
-                        return time.monotonic() - self.started
-                except httpx2.TransportError:
-                    pass
-                time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
-                interval = min(interval * 1.5, 2.0)
+        while True:
+            rc = self.process.poll()
+            if rc is not None:
+                raise EngineError(
+                    f"{self.name} exited with code {rc} before it became healthy ({self.shown_command()}); "
+                    f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self.tail()}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineError(
+                    f"{self.name} did not become healthy within server_start_timeout={timeout:g} s "
+                    f"(GET {path} never answered 200); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self.tail()}"
+                )
+            try:
+                if get_blocking(base_url + path, max(0.2, min(30.0, remaining))).status_code == 200:
+                    return time.monotonic() - self.started
+            except TransportError:
+                pass
+            time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
+            interval = min(interval * 1.5, 2.0)
 
     def kill(self, grace: float = 15.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after ``grace`` seconds."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from mirageflow import stats
-from mirageflow.engines.base import Completion, Request
+from mirageflow.config.types import ServerArgs
+from mirageflow.stats import formulas as stats
+from mirageflow.engines.wire import Completion, Request
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.engines.http import error_kind, rejected
 from mirageflow.engines.json_prefix import continuation_grammar
 
@@ -20,30 +22,28 @@ DEFAULT_MAX_INFLIGHT = 512  # without max_running_requests: enough to keep a GPU
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def resolve_parallelism(server_args: Mapping, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+def resolve_parallelism(server_args: ServerArgs, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """(tp_size, dp_size): configured values; tp_size null -> the job's GPUs / dp_size (at least 1)."""
-    dp = server_args.get("dp_size") or 1
-    tp = server_args.get("tp_size")
+    dp = server_args.dp_size or 1
+    tp = server_args.tp_size
     if tp is None:
         gpus = stats.allocated_gpus(environ)
         tp = max(1, gpus // dp) if gpus else 1
     return int(tp), int(dp)
 
 
-def default_max_inflight(server_args: Mapping) -> int:
-    running = (server_args.get("extra_engine_args") or {}).get("max_running_requests")
+def default_max_inflight(server_args: ServerArgs) -> int:
+    running = server_args.extra_engine_args.get("max_running_requests")
     return 2 * int(running) if running else DEFAULT_MAX_INFLIGHT
 
 
-def engine_kwargs(server_args: Mapping, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+def engine_kwargs(server_args: ServerArgs, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """Keyword arguments for ``sglang.Engine`` (= ``ServerArgs`` fields): server_args,
     resolved parallelism, extra args verbatim (they win on a clash)."""
-    args = dict(server_args)
-    extra = dict(args.pop("extra_engine_args", None) or {})
-    tp, dp = resolve_parallelism(args, environ)
-    kwargs = {k: v for k, v in args.items() if v is not None}
+    tp, dp = resolve_parallelism(server_args, environ)
+    kwargs = {k: v for k, v in server_args.engine_args().items() if v is not None}
     kwargs.update(tp_size=tp, dp_size=dp)
-    kwargs.update(extra)
+    kwargs.update(server_args.extra_engine_args)
     return kwargs
 
 
@@ -76,7 +76,7 @@ def completion_from_output(rid: int, out: Mapping) -> Completion:
     )
     if finish == "abort":
         message = str(reason.get("message") or "") if isinstance(reason, Mapping) else ""
-        completion.error_kind = error_kind(message, "aborted")
+        completion.error_kind = error_kind(message, E.ABORTED)
         completion.error = "the engine aborted the request" + (f": {message}" if message else "")
     return completion
 
@@ -94,7 +94,7 @@ def request_error(rid: int, error: Exception) -> Completion | None:
         return rejected(rid, str(error))
     status, detail = getattr(error, "status_code", None), getattr(error, "detail", None)
     if isinstance(status, int) and detail is not None:
-        return rejected(rid, f"SGLang aborted the request (status {status}): {detail}", "aborted")
+        return rejected(rid, f"SGLang aborted the request (status {status}): {detail}", E.ABORTED)
     return None
 
 
@@ -108,11 +108,11 @@ def image_inputs(request: Request, prompt_ids, image_token: str | None) -> tuple
     from the text (one BOS, as with ``input_ids``). The text tokens (placeholders not
     counted) let ``image_tokens`` be told from SGLang's ``prompt_tokens``.
     """
-    from mirageflow.images import placeholder_error
+    from mirageflow.prompts.images import placeholder_error
 
     problem = placeholder_error(request.prompt, image_token, len(request.images))
     if problem:
-        return rejected(request.id, problem, "image_placeholders")
+        return rejected(request.id, problem, E.IMAGE_PLACEHOLDERS)
     text, text_tokens = request.prompt, None
     if prompt_ids is not None:
         bos = prompt_ids.tokenizer.bos_token if prompt_ids.bos is not None else None

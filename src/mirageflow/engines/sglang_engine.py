@@ -45,9 +45,14 @@ import sys
 import threading
 import time
 
-from mirageflow import stats
-from mirageflow.engines.base import Completion, EngineError, EngineInfo, PromptTokenizer, Request, SGLANG_INSTALL
-from mirageflow.engines.http import LoopEngine, redact, stderr_tail
+from mirageflow.config.types import ProcessorConfig
+from mirageflow.stats import formulas as stats
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.http import redact, stderr_tail
+from mirageflow.engines.loop import LoopEngine
+from mirageflow.engines.registry import SGLANG_INSTALL
+from mirageflow.engines.tokens import PromptTokenizer
+from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
@@ -57,7 +62,7 @@ from mirageflow.engines.sglang_common import (
     sampling_params,
     with_image_tokens,
 )
-from mirageflow.images import image_token
+from mirageflow.prompts.images import image_token
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +74,10 @@ class SGLangCrashed(EngineError):
 
 
 class SGLangEngine(LoopEngine):
-    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+    def __init__(self, processor: ProcessorConfig, batch_size: int = 32, log_dir=None):
         super().__init__()
         self.processor = processor
-        self.server_args = dict(processor.server_args)
+        self.server_args = processor.server_args
         self.max_inflight = default_max_inflight(self.server_args)
         self.engine = None  # the sglang.Engine
         self.tokenizer = None
@@ -80,8 +85,8 @@ class SGLangEngine(LoopEngine):
         self._shut_down = False
         self._crash: str | None = None  # why SGLang signalled SIGQUIT, once it did
         self._previous_sigquit = None
-        self.image_token = image_token(self.server_args["model_path"])  # the placeholder checked per image request
-        self.info = EngineInfo(backend="sglang", model_path=self.server_args["model_path"])
+        self.image_token = image_token(self.server_args.model_path)  # the placeholder checked per image request
+        self.info = EngineInfo(backend="sglang", model_path=self.server_args.model_path)
 
     def load(self) -> None:
         try:
@@ -121,7 +126,7 @@ class SGLangEngine(LoopEngine):
                     versions[name] = str(module.__version__)
             self.info = EngineInfo(
                 backend="sglang",
-                model_path=self.server_args["model_path"],
+                model_path=self.server_args.model_path,
                 versions=versions,
                 device=_device_name(),
                 details={

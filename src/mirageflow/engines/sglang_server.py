@@ -4,7 +4,8 @@ The shard job starts ``python -m sglang.launch_server --model-path M --host 127.
 --port P --tp-size N --dp-size D [server args as flags]`` in its own process group on a
 free port, waits for ``GET /health_generate`` to answer 200, then posts each request to the
 native ``POST /generate`` (``{"input_ids", "sampling_params"}`` -> ``{"text", "meta_info"}``),
-up to ``max_inflight`` at once over a pooled httpx2 client.
+up to ``max_inflight`` at once over keep-alive connections (engines/http_client.py), in the
+caller's event loop.
 
 - Prompts: with ``apply_chat_template`` the rendered template goes as token ids with
   exactly one BOS (``base.prompt_token_ids``; SGLang would add a second one to a text
@@ -50,11 +51,13 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from mirageflow.engines.base import Completion, EngineInfo, PromptTokenizer, Request
+from mirageflow.config.types import ProcessorConfig, ServerArgs
+from mirageflow.engines.tokens import PromptTokenizer
+from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.engines.http import (
     FATAL_STATUS,
     EngineError,
-    LoopEngine,
     error_kind,
     error_message,
     free_port,
@@ -62,6 +65,8 @@ from mirageflow.engines.http import (
     redact,
     rejected,
 )
+from mirageflow.engines.http_client import HTTPClient
+from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.server_metrics import SGLANG, ServerMetrics
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, log_tail, server_flags  # noqa: F401 - re-exported
 from mirageflow.engines.sglang_common import (
@@ -72,7 +77,7 @@ from mirageflow.engines.sglang_common import (
     sampling_params,
     with_image_tokens,
 )
-from mirageflow.images import image_token
+from mirageflow.prompts.images import image_token
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +95,11 @@ class SGLangServerEngine(LoopEngine):
     retry_max_delay = 10.0
     host = "127.0.0.1"
 
-    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+    def __init__(self, processor: ProcessorConfig, batch_size: int = 32, log_dir=None):
         super().__init__()
         self.processor = processor
-        self.server_args = dict(processor.server_args)
-        self.extra = dict(self.server_args.get("extra_engine_args") or {})
+        self.server_args = processor.server_args
+        self.extra = dict(self.server_args.extra_engine_args)
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
         self.enable_metrics = bool(self.extra.get("enable_metrics"))
@@ -104,18 +109,18 @@ class SGLangServerEngine(LoopEngine):
         self.command: list[str] = []
         self.tokenizer = None
         self._prompt_ids: PromptTokenizer | None = None
-        self._client = None
-        self._semaphore: asyncio.Semaphore | None = None
+        self._client: HTTPClient | None = None  # requests
+        self._control: HTTPClient | None = None  # versions (the private loop)
         self._metrics: ServerMetrics | None = None
-        self.image_token = image_token(self.server_args["model_path"])  # the placeholder checked per image request
-        self.info = EngineInfo(backend="sglang_server", model_path=self.server_args["model_path"])
+        self.image_token = image_token(self.server_args.model_path)  # the placeholder checked per image request
+        self.info = EngineInfo(backend="sglang_server", model_path=self.server_args.model_path)
 
     # ------------------------------------------------------------------ start
 
     def build_command(self, port: int) -> list[str]:
         launcher = list(self.processor.server_command or [sys.executable, "-m", "sglang.launch_server"])
-        args = {k: v for k, v in self.server_args.items() if k != "extra_engine_args"}
-        args["tp_size"], args["dp_size"] = resolve_parallelism(args)
+        args = self.server_args.engine_args()
+        args["tp_size"], args["dp_size"] = resolve_parallelism(self.server_args)
         args.update(self.extra)
         model = args.pop("model_path")
         for owned in ("host", "port"):
@@ -146,11 +151,15 @@ class SGLangServerEngine(LoopEngine):
                 self.tokenizer = _load_tokenizer(self.server_args)  # while the server boots
                 self._prompt_ids = PromptTokenizer(self.tokenizer)
             started = self.server.wait_healthy(self.base_url, "/health_generate", float(self.processor.server_start_timeout), self.health_poll_interval)
-            self._start_loop("sglang-server-client")
-            self._call(self._open_client())
+            self._start_loop("sglang-server-client")  # versions: not requests
+            self._control = HTTPClient(self.base_url, timeout=10.0, trust_env=False)
+            # requests run in the caller's loop (LoopEngine._on_caller_loop), at most max_inflight at once
+            self._client = HTTPClient(
+                self.base_url, max_connections=self.max_inflight, timeout=float(self.processor.request_timeout), trust_env=False
+            )
             self.info = EngineInfo(
                 backend="sglang_server",
-                model_path=self.server_args["model_path"],
+                model_path=self.server_args.model_path,
                 versions=self._versions(),
                 device="cuda",
                 details={
@@ -170,21 +179,14 @@ class SGLangServerEngine(LoopEngine):
             self.close()
             raise
 
-    async def _open_client(self) -> None:
-        import httpx2
-
-        limits = httpx2.Limits(max_connections=self.max_inflight, max_keepalive_connections=self.max_inflight)
-        timeout = float(self.processor.request_timeout)
-        self._client = httpx2.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits, trust_env=False)
-        self._semaphore = asyncio.Semaphore(self.max_inflight)
+    def _get_json(self, path: str):
+        return self._call(self._control.get(path)).json()
 
     def _versions(self) -> dict[str, str]:
-        import httpx2
-
-        versions = {"httpx2": httpx2.__version__}
+        versions = {}
         for path in ("/server_info", "/get_server_info"):  # the second is deprecated in 0.5.23
             try:
-                info = httpx2.get(f"{self.base_url}{path}", timeout=10, trust_env=False).json()
+                info = self._get_json(path)
             except Exception:  # noqa: BLE001 - informational only
                 continue
             if isinstance(info, dict) and info.get("version"):
@@ -198,6 +200,9 @@ class SGLangServerEngine(LoopEngine):
         return versions
 
     # ------------------------------------------------------------------ requests
+
+    async def generate_one(self, request: Request) -> Completion:
+        return await self._on_caller_loop(self._generate, request)
 
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:
@@ -213,25 +218,26 @@ class SGLangServerEngine(LoopEngine):
             body["input_ids"] = self._prompt_ids(request.prompt)
         else:
             body["text"] = request.prompt
-        async with self._semaphore:
-            response = await post_with_retries(
-                self._client,
-                "/generate",
-                body,
-                max_retries=int(self.processor.max_retries),
-                timeout=float(self.processor.request_timeout),
-                base_delay=self.retry_base_delay,
-                max_delay=self.retry_max_delay,
-                what=f"SGLang server {self.base_url}/generate",
-                on_transport_error=self._check_alive,
-                final=_request_failure,
-            )
+        if self._client is None:
+            raise RuntimeError("SGLangServerEngine: load() was not called, or the engine is closed")
+        response = await post_with_retries(
+            self._client,
+            "/generate",
+            body,
+            max_retries=int(self.processor.max_retries),
+            timeout=float(self.processor.request_timeout),
+            base_delay=self.retry_base_delay,
+            max_delay=self.retry_max_delay,
+            what=f"SGLang server {self.base_url}/generate",
+            on_transport_error=self._check_alive,
+            final=_request_failure,
+        )
         if response.status_code != 200:
             message = f"SGLang server answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return rejected(request.id, message, "aborted" if response.status_code >= 500 else "invalid_request")
-        out = response.json()
+            return rejected(request.id, message, E.ABORTED if response.status_code >= 500 else E.INVALID_REQUEST)
+        out = response.json()  # decoded by post_with_retries
         if isinstance(out, list):
             out = out[0]
         return with_image_tokens(completion_from_output(request.id, out), text_tokens)
@@ -273,10 +279,10 @@ def _request_failure(response) -> bool:
     """A 5xx that is this request's own failure, not the server's: SGLang answers a scheduler
     abort with its status (a grammar accept failure is a 500) and the message; retrying
     gives the same answer."""
-    return response.status_code == 500 and error_kind(error_message(response.content), "") in ("grammar_error", "context_length")
+    return response.status_code == 500 and error_kind(error_message(response.content), "") in (E.GRAMMAR_ERROR, E.CONTEXT_LENGTH)
 
 
-def _load_tokenizer(server_args: dict):
+def _load_tokenizer(server_args: ServerArgs):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(server_args["model_path"], trust_remote_code=server_args.get("trust_remote_code", False))
+    return AutoTokenizer.from_pretrained(server_args.model_path, trust_remote_code=server_args.trust_remote_code)

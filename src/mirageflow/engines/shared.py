@@ -1,6 +1,6 @@
 """A shard's client of an engine served by the ``engine`` rule (``shards_per_engine`` > 1).
 
-The engine service (mirageflow/engine_service.py) loads the model once for the K shards of
+The engine service (mirageflow/cluster/engine_service.py) loads the model once for the K shards of
 its group; each shard uses this engine instead of loading its own. ``load`` only waits:
 for the endpoint file to name a port, then for ``/health`` to say ready (the service
 loads and warms up meanwhile). It then reads ``/info``: the served engine's EngineInfo
@@ -11,11 +11,17 @@ fast path (``ChatTemplate.from_spec``) so no shard loads a tokenizer; a template
 that path is rendered by the service (``/chat_prompt``).
 
 ``generate_one`` posts the Request's fields and rebuilds the Completion, so token ids,
-BOS handling, JSON grammar and reasoning are the served engine's own. A service that
-failed to load, died or stopped answering fails the shard with an EngineError naming
-the endpoint file and the service's log, never a hang: a connection error fails every
-outstanding request, and a heartbeat every few seconds notices a dead service between
-requests (it also keeps the service's idle watchdog quiet).
+BOS handling, JSON grammar and reasoning are the served engine's own. It runs in the
+caller's event loop over keep-alive connections (engines/http_client.py, JSON by orjson);
+the engine's private loop does the rest (waiting for the service, the heartbeat, prompts
+the service renders). A service that failed to load, died or stopped answering fails the
+shard with an EngineError naming the endpoint file and the service's log, never a hang: a
+connection error fails every outstanding request, and a heartbeat (``GET /health`` every
+``HEARTBEAT_SECONDS``, each with a deadline of ``HEARTBEAT_TIMEOUT``) notices a dead or
+frozen service, so a service that stops answering (e.g. SIGSTOPped) fails its shards
+within HEARTBEAT_SECONDS + HEARTBEAT_TIMEOUT (65 s), whatever its requests were doing. A
+generation itself has no deadline: it may wait its turn behind the other shards' requests.
+The heartbeat also keeps the service's idle watchdog quiet.
 """
 
 from __future__ import annotations
@@ -28,11 +34,17 @@ import os
 import socket
 from pathlib import Path
 
-from mirageflow.engines.base import ChatTemplate, Completion, EngineError, EngineInfo, Request
-from mirageflow.engines.http import LoopEngine
+from mirageflow.config.types import ProcessorConfig
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.chat_template import ChatTemplate
+from mirageflow.engines.loop import LoopEngine
+from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.engines.http_client import HTTPClient, TransportError
 
 WAIT_SECONDS = 3600.0  # for the service to load (a large model on a slow filesystem); $MIRAGEFLOW_ENGINE_WAIT
 HEARTBEAT_SECONDS = 5.0
+HEARTBEAT_TIMEOUT = 60.0  # a /health answer later than this: the service is frozen
+CONTROL_TIMEOUT = 60.0  # /info, /chat_prompt (a template render)
 
 
 class _RemoteTemplate:
@@ -48,15 +60,18 @@ class _RemoteTemplate:
 class SharedEngine(LoopEngine):
     """Requests to the engine service of this shard's group; ``endpoint`` is its endpoint file."""
 
-    def __init__(self, processor, batch_size: int, log_dir=None, endpoint: str | Path | None = None):
+    loads_model = False  # the engine service loaded it (gpu_share: this shard's part of its GPUs, set at load)
+
+    def __init__(self, processor: ProcessorConfig, batch_size: int, log_dir=None, endpoint: str | Path | None = None):
         super().__init__()
         if endpoint is None:
             raise ValueError("the shared engine needs the endpoint file of its engine service")
         self.processor, self.name, self.endpoint = processor, processor.type, Path(endpoint)
         self.max_inflight = 2 * batch_size  # until /info gives the served engine's
         self.wait_seconds = float(os.environ.get("MIRAGEFLOW_ENGINE_WAIT", WAIT_SECONDS))
-        self.info = EngineInfo(backend="shared", model_path=processor.server_args.get("model_path", ""))
-        self._client = None
+        self.info = EngineInfo(backend="shared", model_path=processor.server_args.model_path)
+        self._client: HTTPClient | None = None  # requests, in the caller's loop
+        self._control: HTTPClient | None = None  # the rest, in the private loop
         self._heartbeat: asyncio.Task | None = None
         self._service: dict = {}
 
@@ -83,8 +98,6 @@ class SharedEngine(LoopEngine):
             raise
 
     async def _connect(self) -> None:
-        import httpx2
-
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_seconds
         pause, dead_since = 0.02, None
@@ -106,26 +119,25 @@ class SharedEngine(LoopEngine):
                         f"the {self._where()} runs on {ep['hostname']}, this shard on {socket.gethostname()}: "
                         "a shard and its engine must share a node (one group job)"
                     )
-                if ep.get("port") and self._client is None:
-                    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
-                    self._client = httpx2.AsyncClient(
-                        base_url=f"http://{ep['host']}:{ep['port']}", limits=limits, timeout=httpx2.Timeout(None, connect=30.0)
-                    )
-                if self._client is not None:
+                if ep.get("port") and self._control is None:
+                    url = f"http://{ep['host']}:{ep['port']}"
+                    self._control = HTTPClient(url, timeout=CONTROL_TIMEOUT, trust_env=False)
+                    self._client = HTTPClient(url, timeout=None, trust_env=False)  # a generation waits its turn
+                if self._control is not None:
                     try:
-                        r = await self._client.get("/health")
-                    except httpx2.TransportError:
+                        r = await self._control.get("/health", timeout=HEARTBEAT_TIMEOUT)
+                    except TransportError:
                         pass  # not listening yet, or gone (above)
                     else:
                         if r.status_code == 200:
                             break
                         if r.status_code != 503:
-                            raise EngineError(f"the {self._where()} failed to load: {r.json().get('error')}")
+                            raise EngineError(f"the {self._where()} failed to load: {self._error_of(r)}")
             if loop.time() > deadline:
                 raise EngineError(f"the {self._where()} was not ready after {self.wait_seconds:.0f} s (state: {(ep or {}).get('state', 'no endpoint file')})")
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 1.0)
-        served = (await self._client.get("/info")).json()
+        served = await self._json(await self._control.get("/info"))
         engine = served["engines"].get(self.name)
         if engine is None:
             raise EngineError(f"the {self._where()} does not serve processor '{self.name}' (it serves {sorted(served['engines'])})")
@@ -149,15 +161,13 @@ class SharedEngine(LoopEngine):
         self._heartbeat = asyncio.create_task(self._beat())
 
     async def _beat(self) -> None:
-        import httpx2
-
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
             try:
-                r = await self._client.get("/health")
+                r = await self._control.get("/health", timeout=HEARTBEAT_TIMEOUT)
                 ok = r.status_code == 200
                 why = f"HTTP {r.status_code}: {r.text[:200]}"
-            except httpx2.TransportError as e:
+            except TransportError as e:
                 ok, why = False, f"{type(e).__name__}: {e}"
             if not ok:
                 self._fail_all(EngineError(f"the {self._where()} stopped answering ({why})"))
@@ -166,34 +176,50 @@ class SharedEngine(LoopEngine):
     # ------------------------------------------------------------------ requests
 
     async def _chat_prompt(self, messages, kwargs) -> str:
-        r = await self._post("/chat_prompt", {"processor": self.name, "messages": messages, "kwargs": kwargs})
+        r = await self._post(self._control, "/chat_prompt", {"processor": self.name, "messages": messages, "kwargs": kwargs})
         if r.status_code == 422:
-            raise ValueError(r.json()["error"])  # the template refused the messages: the row's error
+            raise ValueError(self._error_of(r))  # the template refused the messages: the row's error
         self._check(r)
-        return r.json()["prompt"]
+        return (await self._json(r))["prompt"]
 
-    async def _post(self, path: str, body: dict):
-        import httpx2
-
+    async def _post(self, client: HTTPClient, path: str, body: dict):
         try:
-            return await self._client.post(path, content=json.dumps(body, ensure_ascii=False).encode())
-        except httpx2.TransportError as e:
+            return await client.post_json(path, body)
+        except TransportError as e:
             error = EngineError(f"the {self._where()} stopped answering ({type(e).__name__}: {e})")
             self._fail_all(error)
             raise error from None
 
+    @staticmethod
+    def _error_of(r) -> str:
+        try:
+            return str(r.json().get("error"))
+        except (ValueError, AttributeError):
+            return r.text[:500]
+
+    async def _json(self, r) -> dict:
+        """The service's answer as a JSON object, or an EngineError that says what came instead."""
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise EngineError(f"the {self._where()} answered HTTP {r.status_code} with a body that is not a JSON object: {r.text[:200]!r}")
+        return data
+
     def _check(self, r) -> None:
         if r.status_code != 200:
-            try:
-                why = r.json().get("error")
-            except ValueError:
-                why = r.text[:500]
-            raise EngineError(f"the {self._where()} failed (HTTP {r.status_code}): {why}")
+            raise EngineError(f"the {self._where()} failed (HTTP {r.status_code}): {self._error_of(r)}")
+
+    async def generate_one(self, request: Request) -> Completion:
+        return await self._on_caller_loop(self._generate, request)
 
     async def _generate(self, request: Request) -> Completion:
-        r = await self._post("/generate", {"processor": self.name, "request": _request_json(request)})
+        if self._client is None:
+            raise RuntimeError("SharedEngine: load() was not called, or the engine is closed")
+        r = await self._post(self._client, "/generate", {"processor": self.name, "request": _request_json(request)})
         self._check(r)
-        return Completion(**r.json()["completion"])
+        return Completion(**(await self._json(r))["completion"])
 
     def close(self) -> None:
         if self._heartbeat is not None and self._loop is not None:
@@ -217,7 +243,7 @@ def _request_json(request: Request) -> dict:
 
 
 def _image_json(image) -> dict:
-    """A mirageflow.images.CanonicalImage as JSON: its bytes in base64, without the decoded copy."""
+    """A mirageflow.prompts.images.CanonicalImage as JSON: its bytes in base64, without the decoded copy."""
     d = {f.name: getattr(image, f.name) for f in dataclasses.fields(image) if f.name != "image"}
     d["data"] = base64.b64encode(d["data"]).decode("ascii")
     return d

@@ -1,6 +1,14 @@
-"""Hugging Face transformers engine: the CPU default (and a simple one-GPU CUDA path).
+"""Hugging Face transformers engine: the CPU default, and one CUDA GPU with continuous batching.
 
-Requests arrive one by one from the runner's in-flight window. A worker thread takes
+On CUDA (``extra_engine_args.continuous_batching``: ``auto``, the default) the requests it
+can serve go to transformers' own continuous-batching manager (paged KV cache; a finished
+row frees its slot at once): transformers_cb.py says which ones and why the others (JSON
+outputs, stop strings, seeded sampling, images, ...) stay on the static path below, and
+``engines.<name>.details.continuous_batching`` in status.json counts each. On the CPU the
+static path serves everything unless ``continuous_batching: true`` (BENCHMARKS.md section
+``transformers_cb`` measures both there).
+
+Static path: requests arrive one by one from the runner's in-flight window. A worker thread takes
 whatever is waiting (up to ``batch_size``, requests that can share one ``generate`` call),
 runs a left-padded batch, and resolves each request's future. While a batch runs the
 window refills the queue, so the next batch is full as soon as the model is free, and a
@@ -29,7 +37,11 @@ import threading
 import time
 from collections import deque
 
-from mirageflow.engines.base import Completion, Engine, EngineInfo, EngineStopped, PromptTokenizer, Request
+from mirageflow.config.types import ProcessorConfig, ServerArgs
+from mirageflow.engines.base import Engine, EngineStopped
+from mirageflow.engines.tokens import PromptTokenizer
+from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +50,7 @@ _SUPPORTED = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
 }  # fmt: skip
-_ENGINE_ARGS = {"dtype", "attn_implementation"}
+_ENGINE_ARGS = {"dtype", "attn_implementation", "continuous_batching", "max_running_requests"}
 _LINGER_SECONDS = 0.005  # a short batch waits this long after each arrival for more requests
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
@@ -57,9 +69,9 @@ def _batch_key(params: dict) -> str:
 
 
 class TransformersEngine(Engine):
-    def __init__(self, processor, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
-        """``processor``: a ProcessorConfig (what create_engine passes), or its server_args dict."""
-        if hasattr(processor, "server_args"):
+    def __init__(self, processor: ProcessorConfig | ServerArgs, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
+        """``processor``: a ProcessorConfig (what create_engine passes), or its server_args."""
+        if isinstance(processor, ProcessorConfig):
             server_args = processor.server_args
             torch_threads = torch_threads or processor.torch_threads
         else:
@@ -75,9 +87,15 @@ class TransformersEngine(Engine):
         self._stopped = threading.Event()
         self._running = 0
         self._grammar_compiler = None  # xgrammar, built at the first JSON request
-        self.info = EngineInfo(backend="transformers", model_path=server_args["model_path"])
+        self._cb = None  # transformers_cb.ContinuousBatcher when continuous batching is on
+        self.default_params = dict(getattr(processor, "sampling_params", None) or {})
+        self.info = EngineInfo(backend="transformers", model_path=server_args.model_path)
 
     # ------------------------------------------------------------------ setup
+
+    def warmup(self) -> None:
+        if self._cb is not None:
+            self._cb.warmup()
 
     def load(self) -> None:
         import torch
@@ -85,15 +103,15 @@ class TransformersEngine(Engine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(self.threads)
-        extra = dict(self.server_args.get("extra_engine_args") or {})
+        extra = dict(self.server_args.extra_engine_args)
         ignored = sorted(set(extra) - _ENGINE_ARGS)
         if ignored:
             log.info("transformers engine ignores extra_engine_args %s (SGLang options)", ignored)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         # bf16 on GPU; float32 on CPU, where bf16 matmuls are slow without AMX.
         dtype = extra.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
-        path = self.server_args["model_path"]
-        trust = self.server_args.get("trust_remote_code", False)
+        path = self.server_args.model_path
+        trust = self.server_args.trust_remote_code
         # a vision-language model: its processor (images -> pixels, placeholders expanded)
         # and its image-text-to-text class; text-only requests use the same model
         self.processor = _vision_processor(path, trust)
@@ -118,8 +136,18 @@ class TransformersEngine(Engine):
             device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
             details={"dtype": dtype, "torch_threads": self.threads, "batch_size": self.batch_size},
         )
+        self._start_continuous_batching(extra.get("continuous_batching", "auto"), extra.get("max_running_requests"))
         self._worker = threading.Thread(target=self._serve, name="transformers-batcher", daemon=True)
         self._worker.start()
+
+    def _start_continuous_batching(self, mode, running) -> None:
+        """Build the continuous-batching manager when ``mode`` (auto: on CUDA) asks for it."""
+        from mirageflow.engines.transformers_cb import start
+
+        self._cb, self.info.details["continuous_batching"] = start(self, mode, running)
+        if self._cb is not None:
+            self.max_inflight = 2 * self._cb.running  # as SGLang's: the manager always has the next requests queued
+            self.warms_up = True  # this instance does (CUDA graphs): the runner times warmup() as its phase
 
     def _eos_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id
@@ -133,20 +161,41 @@ class TransformersEngine(Engine):
     async def generate_one(self, request: Request) -> Completion:
         if self._stopped.is_set():
             raise EngineStopped("engine was stopped")
+        if self._cb is not None:
+            from mirageflow.engines.transformers_cb import static_reason
+
+            params = request.sampling_params
+            reason = static_reason(request, params, self._cb.sampler)
+            if reason is None:
+                return await self._generate_continuous(request, params)
+            self._cb.served_statically(reason)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         key = _batch_key(request.sampling_params) + ("\0images" if request.images else "")  # image rows batch apart
         self._queue.put((request, future, loop, key))
         return await future
 
+    async def _generate_continuous(self, request: Request, params: dict) -> Completion:
+        self._warn_unsupported(params)
+        prompt_ids = self._prompt_ids(request.prompt)
+        limit = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        if self.max_context and len(prompt_ids) + limit > self.max_context:
+            return _too_long(request.id, len(prompt_ids), limit, self.max_context)
+        return await self._cb.generate(request, prompt_ids, params, limit)
+
     def queue_depth(self) -> int:
-        return self._queue.qsize() + self._running
+        return self._queue.qsize() + self._running + (self._cb.depth() if self._cb is not None else 0)
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._cb is not None:
+            self._cb.fail_all(EngineStopped("engine was stopped"))
 
     def close(self) -> None:
         self._stopped.set()
+        if self._cb is not None:
+            self._cb.close()
+            self._cb = None
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=30)
@@ -215,11 +264,7 @@ class TransformersEngine(Engine):
         for i, (r, prompt_ids) in enumerate(zip(requests, ids)):
             max_new = r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
             if self.max_context and len(prompt_ids) + max_new > self.max_context:
-                results[i] = Completion(
-                    r.id, "", len(prompt_ids), 0, "abort", "context_length",
-                    f"prompt has {len(prompt_ids)} tokens; with max_new_tokens {max_new} it exceeds "
-                    f"the model's context of {self.max_context}",
-                )  # fmt: skip
+                results[i] = _too_long(r.id, len(prompt_ids), max_new, self.max_context)
             else:
                 runnable.append(i)
         if runnable:
@@ -227,10 +272,13 @@ class TransformersEngine(Engine):
                 results[i] = c
         return results
 
-    def _generation_kwargs(self, params: dict, limits: list[int]) -> dict:
+    def _warn_unsupported(self, params: dict) -> None:
         for name in sorted(set(params) - _SUPPORTED - self._warned):
             log.warning("sampling param %r is not supported by the transformers engine; ignored", name)
             self._warned.add(name)
+
+    def _generation_kwargs(self, params: dict, limits: list[int]) -> dict:
+        self._warn_unsupported(params)
         temperature = params.get("temperature", 1.0)  # SGLang's default
         kw = {"max_new_tokens": max(limits), "do_sample": temperature > 0}
         if kw["do_sample"]:
@@ -335,11 +383,18 @@ class TransformersEngine(Engine):
         return _grammar_logits_processor(grammars, [r.response_prefix for r in batch])
 
 
+def _too_long(rid: int, n_prompt: int, max_new: int, context: int) -> Completion:
+    return Completion(
+        rid, "", n_prompt, 0, "abort", E.CONTEXT_LENGTH,
+        f"prompt has {n_prompt} tokens; with max_new_tokens {max_new} it exceeds the model's context of {context}",
+    )  # fmt: skip
+
+
 def _vision_processor(path: str, trust: bool):
     """The processor of a local vision-language model (config.json declares a vision tower), else None."""
-    from mirageflow.images import is_vision_model
+    from mirageflow import model_config
 
-    if not is_vision_model(path):
+    if not model_config.is_vision(path):
         return None
     from transformers import AutoProcessor
 
@@ -354,12 +409,12 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
     model's placeholder once per image (else the row fails, ``image_placeholders``), the
     processor expands them into the image tokens and makes the pixel values, and the
     image-text-to-text model generates. ``image_tokens``: the placeholder tokens per row."""
-    from mirageflow.images import placeholder_error
+    from mirageflow.prompts.images import placeholder_error
 
     processor = engine.processor
     if processor is None:
         return [
-            Completion(r.id, "", 0, 0, "abort", "image_unsupported", f"{engine.server_args['model_path']} is not a vision-language model (no vision tower in its config.json)")
+            Completion(r.id, "", 0, 0, "abort", E.IMAGE_UNSUPPORTED, f"{engine.server_args.model_path} is not a vision-language model (no vision tower in its config.json)")
             for r in requests
         ]
     token = getattr(processor, "image_token", None)
@@ -370,7 +425,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
     for i, r in enumerate(requests):
         problem = placeholder_error(r.prompt, token, len(r.images))
         if problem:
-            results[i] = Completion(r.id, "", 0, 0, "abort", "image_placeholders", problem)
+            results[i] = Completion(r.id, "", 0, 0, "abort", E.IMAGE_PLACEHOLDERS, problem)
             continue
         text = r.prompt
         while bos and text.startswith(bos):  # the processor's tokenizer adds it: one BOS
@@ -393,7 +448,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
             if engine.max_context and n + max_new > engine.max_context:
                 too_long.add(i)
                 results[i] = Completion(
-                    requests[i].id, "", int(n), 0, "abort", "context_length",
+                    requests[i].id, "", int(n), 0, "abort", E.CONTEXT_LENGTH,
                     f"prompt has {n} tokens with its images; with max_new_tokens {max_new} it exceeds the model's context of {engine.max_context}",
                 )  # fmt: skip
         if too_long:

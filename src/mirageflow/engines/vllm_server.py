@@ -42,11 +42,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mirageflow.engines.base import Completion, Engine, EngineError, EngineInfo, Request, engine_class
+from mirageflow.config.types import ProcessorConfig, ServerArgs
+from mirageflow.engines.base import Engine, EngineError
 from mirageflow.engines.http import free_port, redact
+from mirageflow.engines.http_client import get_blocking
+from mirageflow.engines.registry import engine_class
 from mirageflow.engines.server_metrics import ServerMetrics
 from mirageflow.engines.server_process import ServerProcess, server_flags
 from mirageflow.engines.sglang_common import resolve_parallelism
+from mirageflow.engines.wire import Completion, EngineInfo, Request
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +62,8 @@ class ServerDied(EngineError):
     pass
 
 
-def default_max_inflight(server_args: dict) -> int:
-    seqs = (server_args.get("extra_engine_args") or {}).get("max_num_seqs")
+def default_max_inflight(server_args: ServerArgs) -> int:
+    seqs = server_args.extra_engine_args.get("max_num_seqs")
     return 2 * int(seqs) if seqs else DEFAULT_MAX_INFLIGHT
 
 
@@ -75,26 +79,29 @@ def iomp_preload(launcher: list[str]) -> str | None:
 
 
 class VLLMServerEngine(Engine):
+    # capabilities (its line in engines/registry.py says the same)
     templates_server_side = True  # the server applies the chat template (the openai client sends messages)
+    native_n = True  # one request with n for a row's samples (native_samples)
+    loads_model = True  # the server it launches loads server_args.model_path on this node
     health_poll_interval = 0.5  # first wait between health checks; grows x1.5 up to 2 s
     kill_grace = 30.0  # seconds between SIGTERM and SIGKILL
     host = "127.0.0.1"
 
-    def __init__(self, processor, batch_size: int = 32, log_dir=None):
+    def __init__(self, processor: ProcessorConfig, batch_size: int = 32, log_dir=None):
         self.processor = processor
         self.batch_size = batch_size
-        self.server_args = dict(processor.server_args)
-        self.extra = dict(self.server_args.get("extra_engine_args") or {})
+        self.server_args = processor.server_args
+        self.extra = dict(self.server_args.extra_engine_args)
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
-        self.served_model = processor.model or str(self.server_args["model_path"])
+        self.served_model = processor.model or str(self.server_args.model_path)
         self.server: ServerProcess | None = None
         self.client: Engine | None = None  # the openai backend, pointed at the server
         self.port: int | None = None
         self.command: list[str] = []
         self._died: ServerDied | None = None
         self._metrics: ServerMetrics | None = None
-        self.info = EngineInfo(backend="vllm_server", model_path=str(self.server_args["model_path"]))
+        self.info = EngineInfo(backend="vllm_server", model_path=str(self.server_args.model_path))
 
     # ------------------------------------------------------------------ start
 
@@ -107,16 +114,17 @@ class VLLMServerEngine(Engine):
         args["tensor_parallel_size"] = tp
         if dp > 1:
             args["data_parallel_size"] = dp
-        for key in ("trust_remote_code", "disable_custom_all_reduce"):
-            if self.server_args.get(key):
-                args[key] = True
+        if self.server_args.trust_remote_code:
+            args["trust_remote_code"] = True
+        if self.server_args.disable_custom_all_reduce:
+            args["disable_custom_all_reduce"] = True
         if self.processor.model:
             args["served_model_name"] = self.processor.model
         args.update(self.extra)
         for owned in ("host", "port", "model"):
             if args.pop(owned, None) is not None:
                 log.warning("vllm_server: extra_engine_args.%s is ignored; the engine chooses it", owned)
-        model = str(self.server_args["model_path"])
+        model = str(self.server_args.model_path)
         return [*self.launcher(), "--model", model, "--host", self.host, "--port", str(port), *server_flags(args)]
 
     def server_env(self) -> dict[str, str]:
@@ -157,7 +165,7 @@ class VLLMServerEngine(Engine):
             self._metrics.begin()
             self.info = EngineInfo(
                 backend="vllm_server",
-                model_path=str(self.server_args["model_path"]),
+                model_path=str(self.server_args.model_path),
                 versions={"vllm": self._version(), **self.client.info.versions},
                 device="remote",
                 details={
@@ -178,10 +186,8 @@ class VLLMServerEngine(Engine):
             raise
 
     def _version(self) -> str:
-        import httpx2
-
         try:
-            return str(httpx2.get(f"{self.base_url}/version", timeout=10, trust_env=False).json()["version"])
+            return str(get_blocking(f"{self.base_url}/version", 10.0).json()["version"])
         except Exception:  # noqa: BLE001 - informational only
             return "unknown"
 

@@ -15,8 +15,10 @@ import socket
 import time
 from pathlib import Path
 
-from mirageflow import gpu, stats
-from mirageflow.data.writers import atomic_write_json
+from mirageflow.config.types import PipelineConfig
+from mirageflow.stats import gpu
+from mirageflow.stats import formulas as stats
+from mirageflow.files import atomic_write_json
 from mirageflow.redact import redact_text
 
 log = logging.getLogger(__name__)
@@ -26,14 +28,17 @@ SUMMED = (
     "runtime_seconds", "model_load_seconds", "warmup_seconds", "generation_seconds", "inference_runtime_seconds",
     "write_seconds", "engine_busy_seconds", "engine_idle_seconds", "engine_idle_gaps", "rows_computed", "requests",
     "input_tokens", "output_tokens", "gpu_seconds_allocated", "images", "image_tokens", "input_tokens_each_choice",
+    "requests_cached", "answers", "answers_length_cut", "json_answers",
 )  # fmt: skip
 
 
 class ShardMetrics:
-    def __init__(self, cfg, attempt: int):
+    def __init__(self, cfg: PipelineConfig, attempt: int):
         self.cfg = cfg
-        self.attempt = attempt  # Snakemake's attempt (it starts at 1 again in every snakemake run)
-        self.number = 1  # this attempt's number among the shard's attempts (set by begin_attempt)
+        # the shard's own attempt number (1, 2, ... over every run of the workflow, counted in
+        # the checkpoint); Snakemake's retry number of this job restarts at 1 in each run
+        self.attempt = attempt
+        self.snakemake_attempt = attempt
         self.started_at, self.t0 = stats.utc_now(), time.monotonic()
         self.timer = stats.PhaseTimer()
         self.tracker = stats.InflightTracker()
@@ -46,17 +51,35 @@ class ShardMetrics:
         # images sent (one per placeholder, counted per request) and the prompt tokens they
         # became where the engine tells (transformers, SGLang); part of input_tokens
         self.images = self.image_tokens = 0
+        # answers taken from the request cache (not sent; their tokens are not this run's work)
+        self.requests_cached = 0
+        # every answer the engine or the cache gave, those cut by the length limit, those of
+        # JSON outputs: the quality counters of the canary and the report's findings
+        self.answers = self.answers_length_cut = self.json_answers = 0
         self.tokens_per_row = stats.TokenHistogram()
         self.sampler = gpu.GpuSampler(cfg.shard.gpu_sample_interval_seconds, sample=cfg.stats)
         self.num_gpus = stats.allocated_gpus()
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
 
-    def book(self, request, completion, sent: bool = True, processor: str | None = None, choice_prompt: int | None = None) -> None:
+    def book(
+        self, request, completion, sent: bool = True, cached: bool = False, processor: str | None = None, choice_prompt: int | None = None
+    ) -> None:
         """Count one answer: its tokens, and the request and its images when ``sent`` (the
-        second and later choices of one request with n were not sent again).
+        second and later choices of one request with n were not sent again). ``cached``:
+        taken from the request cache, counted as an answer but not as tokens or a request.
+        ``processor``: whose tokens these are (set beside its server's counters).
         ``choice_prompt``: the prompt tokens of the request this answer is a choice of (a
         request with n books them with its first choice only)."""
+        if completion.error_kind is None:
+            self.answers += 1
+            if completion.finish_reason == "length":
+                self.answers_length_cut += 1
+            if request.json_schema is not None:  # a JSON output's
+                self.json_answers += 1
+        if cached:
+            self.requests_cached += 1
+            return
         self.input_tokens += completion.prompt_tokens
         self.output_tokens += completion.completion_tokens
         each_choice = completion.prompt_tokens if choice_prompt is None else choice_prompt
@@ -86,8 +109,8 @@ class ShardMetrics:
         runtime = self.runtime()
         occupancy = self.tracker.summary()
         return {
-            "attempt": self.number,
-            "snakemake_attempt": self.attempt,
+            "attempt": self.attempt,
+            "snakemake_attempt": self.snakemake_attempt,
             "started_at": self.started_at,
             "finished_at": None if outcome == "running" else stats.utc_now(),
             "outcome": outcome,
@@ -112,20 +135,23 @@ class ShardMetrics:
             "input_tokens_each_choice": self.input_tokens_each_choice,
             "images": self.images,
             "image_tokens": self.image_tokens,
+            "requests_cached": self.requests_cached,
+            "answers": self.answers,
+            "answers_length_cut": self.answers_length_cut,
+            "json_answers": self.json_answers,
             "num_gpus": self.num_gpus,
             "gpu_seconds_allocated": self.num_gpus * runtime,
             "output_tokens_per_row_hist": self.tokens_per_row.to_json(),
         }
 
     def begin_attempt(self, checkpoint) -> None:
-        """Add this attempt to the checkpoint's list; one left "running" there was killed."""
+        """Add this attempt to the checkpoint's list, numbered after the earlier ones; one left
+        "running" there was killed."""
         for earlier in checkpoint.attempts:
             if earlier.get("outcome") == "running":
                 earlier["outcome"] = "killed"
+        self.attempt = len(checkpoint.attempts) + 1
         self.checkpoint = checkpoint
-        # numbered by the shard's own list: a resumed shard's attempts are 1, 2, ... even
-        # when each came from a new snakemake run (whose own attempt counter is 1 each time)
-        self.number = len(checkpoint.attempts) + 1
         self.index = checkpoint.begin_attempt(self.attempt_entry(0))
 
     def save_attempt(self, rows_computed: int, outcome: str = "running", error: str | None = None) -> None:
@@ -148,6 +174,7 @@ class ShardMetrics:
         gpus = self.sampler.summary()
         return {
             **total,
+            "n_samples": self.cfg.n_samples,  # records per source row: the rows_* counts below count records
             "runtime_human": stats.human_duration(runtime),
             "peak_inflight": max((a.get("peak_inflight") or 0 for a in attempts), default=0),
             "rows_processed": done,
@@ -170,12 +197,12 @@ class ShardMetrics:
         """Decode roofline of this attempt's model on its GPUs (one processor, one GPU model), else nulls."""
         names = {g["name"] for g in self.sampler.hardware()["gpus"]}
         procs = list(self.cfg.processors.values())
-        model = stats.model_memory_facts(procs[0].server_args.get("model_path")) if len(procs) == 1 else None
+        model = stats.model_memory_facts(procs[0].server_args.model_path) if len(procs) == 1 else None
         batch = None
         if procs and self.tracker.peak:
             args = procs[0].server_args
-            batch = self.tracker.peak / (args.get("dp_size") or 1)  # sequences per replica
-            cap = (args.get("extra_engine_args") or {}).get("max_running_requests")
+            batch = self.tracker.peak / (args.dp_size or 1)  # sequences per replica
+            cap = args.extra_engine_args.get("max_running_requests")
             batch = min(batch, cap) if cap else batch
         return stats.roofline_figures(
             model, names.pop() if len(names) == 1 else None, self.tracker.peak, self.input_tokens, self.output_tokens,
@@ -195,7 +222,7 @@ class ShardMetrics:
                 continue
             mine = self.by_processor.get(name) or {"input_tokens": 0, "output_tokens": 0, "input_tokens_each_choice": 0}
             tokens = reconcile(mine["input_tokens"], mine["output_tokens"], mine["input_tokens_each_choice"], server)
-            out[name] = {"backend": engine.info.backend, "attempt": self.number, **server, "tokens": tokens}
+            out[name] = {"backend": engine.info.backend, "attempt": self.attempt, **server, "tokens": tokens}
         return out or None
 
     def hardware(self) -> dict:
@@ -203,7 +230,7 @@ class ShardMetrics:
 
     def model_facts(self) -> dict:
         """Weight and KV-cache bytes of each processor's local model dir (for the roofline); null when unknown."""
-        return {name: stats.model_memory_facts(p.server_args.get("model_path")) for name, p in self.cfg.processors.items()}
+        return {name: stats.model_memory_facts(p.server_args.model_path) for name, p in self.cfg.processors.items()}
 
     def write_gpu_samples(self, shard_dir: Path, shard_id: int) -> None:
         timeline = self.sampler.timeline_json()

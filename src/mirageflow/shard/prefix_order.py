@@ -28,8 +28,8 @@ import itertools
 import logging
 from typing import Callable, Iterable, Iterator
 
-from mirageflow import python_steps
-from mirageflow.prompts import RowError
+from mirageflow.prompts import python_steps
+from mirageflow.errors import RowError
 
 log = logging.getLogger(__name__)
 

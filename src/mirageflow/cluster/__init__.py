@@ -1,0 +1,1 @@
+"""Running on a cluster: SLURM resources, a shard's GPU claim, the time-limit signal, engine services."""

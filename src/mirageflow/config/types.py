@@ -1,0 +1,218 @@
+"""The pipeline config as typed values: what ``load_config`` returns and every job reads.
+
+One frozen dataclass per section of the schema (workflow/schemas/config.schema.yaml, which
+documents every key and its default). Building and validating them is config/loading.py's;
+this module imports nothing of the package at run time, so any module can annotate a
+``cfg: PipelineConfig`` or a ``processor: ProcessorConfig`` without an import circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the parsed schema of a JSON output
+    from mirageflow.prompts.json_output import OutputSchema
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    index: int
+    path: str
+    type: str  # normalised: jsonl | parquet | loadable
+    output_dir: str
+    output_format: str
+    split: str | None
+    image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
+    where: str = ""  # its entry's key path, loading_params.datasets[i] (one entry is several datasets with {split: path})
+
+    @property
+    def key(self) -> str:
+        return self.where or f"loading_params.datasets[{self.index}]"
+
+
+@dataclass(frozen=True)
+class InputVar:
+    name: str
+    key: str
+    has_default: bool
+    default: Any
+    optional: bool = False  # the key may be missing from the first rows (no preflight data check)
+    type: str = "text"  # text | image (mirageflow.prompts.images)
+    max_side: int | None = None  # image inputs: longest side after canonicalisation
+    max_pixels: int | None = None  # image inputs: None = images.DEFAULT_MAX_PIXELS
+    max_bytes: int | None = None  # image inputs: None = images.DEFAULT_MAX_BYTES
+
+
+@dataclass(frozen=True)
+class OutputVar:
+    name: str
+    processor: str
+    prompt: str | None  # None: a conversation output without a last user turn
+    system: str | None
+    response_prefix: str
+    is_json: bool
+    schema: OutputSchema | None
+    sampling_params: dict
+    allow_empty_output: bool = False
+    keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
+    conversation: str | None = None  # an input variable holding the chat messages sent (prompts.PromptBuilder)
+    kind: str = "llm"  # llm | custom | filter (mirageflow.prompts.python_steps)
+    predicate: str | None = None  # of a filter
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """``processors[].server_args``: what loads the model (the schema closes this mapping)."""
+
+    model_path: str
+    tp_size: int | None = 1  # None: the job's GPUs / dp_size (engines/sglang_common.resolve_parallelism)
+    dp_size: int | None = 1
+    trust_remote_code: bool = False
+    disable_custom_all_reduce: bool = False
+    # passed verbatim to the engine (SGLang's own arguments, transformers' dtype): not ours to type
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    # a Hugging Face model id's branch, tag or commit (mirageflow.hub_models resolves it to a snapshot; not an engine argument)
+    revision: str | None = None
+
+    def engine_args(self) -> dict[str, Any]:
+        """Every key but ``extra_engine_args``, as SGLang names its arguments (``--flag`` of its server)."""
+        return {
+            "model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
+            "trust_remote_code": self.trust_remote_code, "disable_custom_all_reduce": self.disable_custom_all_reduce,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    type: str
+    backend: str
+    server_args: ServerArgs
+    sampling_params: dict
+    chat_template_kwargs: dict
+    apply_chat_template: bool
+    torch_threads: int | None
+    # sglang_server / vllm_server / openai backends (see the schema for each)
+    base_url: str | None = None
+    api_key_env: str | None = None
+    model: str | None = None
+    server_command: list[str] | None = None
+    server_env: dict | None = None  # extra environment of a launched server (vllm_server, sglang_server)
+    server_start_timeout: float = 900.0
+    request_timeout: float = 600.0
+    max_retries: int = 5
+    native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
+    index: int = 0  # position in processors[] (the key path of its problems)
+    max_concurrency: int | None = None  # openai: requests in flight (MMIRAGE's api_llm); None: the engine's default
+    retry_base_delay: float | None = None  # openai: first retry delay; None: the engine's default
+
+
+@dataclass(frozen=True)
+class CustomProcessor:
+    """``processors[]`` entry of type custom: a Python function (mirageflow.prompts.python_steps)."""
+
+    type: str
+    script_path: str
+    function_name: str
+    max_workers: int = 1
+    start_method: str = "spawn"
+    timeout_ms: int | None = None
+    max_timeouts: int | None = None
+    max_errors: int | None = None
+    fallback_value: Any = None
+    index: int = 0  # position in processors[] (the key path of its problems)
+
+
+@dataclass(frozen=True)
+class ShardParams:
+    checkpoint_rows: int
+    checkpoint_seconds: float
+    checkpoint_min_seconds: float
+    max_error_rate: float
+    min_rows_for_error_rate: int
+    max_errors: int | None
+    max_inflight: int | None
+    lease_timeout_seconds: float
+    gpu_sample_interval_seconds: float = 0.5
+    request_cache: bool = True  # keep answers by request key (shard/request_cache.py)
+    prefix_order: str = "window"  # none | window | shard (shard/prefix_order.py)
+
+
+@dataclass(frozen=True)
+class ExecutionParams:
+    """``execution_params``: MMIRAGE's execution keys; the SLURM ones become job resources
+    (mirageflow.cluster.resources), ``hf_home`` the jobs' HF_HOME, ``shards_per_engine`` the
+    engine groups (mirageflow.cluster.engine_service). Defaults: the schema's."""
+
+    mode: str = "local"
+    retry: bool = False
+    merge: bool = True
+    max_retries: int = 3
+    poll_interval_seconds: float | None = None  # unused
+    settle_time_seconds: float | None = None  # unused
+    account: str | None = None
+    partition: str | None = None
+    qos: str | None = None
+    job_name: str = "mirageflow"
+    reservation: str | None = None
+    nodes: int = 1
+    ntasks_per_node: int = 1
+    gpus: int | None = None
+    gres: str | None = None
+    cpus_per_task: int | None = None
+    mem: str | int | None = None
+    time_limit: str = "11:59:59"
+    max_time_limit: str | None = None
+    constraint: str | None = None
+    slurm_extra: str | None = None
+    shards_per_engine: int = 1
+    project_root: str | None = None  # unused
+    report_dir: str | None = None  # unused
+    hf_home: str | None = None
+    edf_env: str | None = None  # unused
+
+
+@dataclass(frozen=True)
+class DedupParams:
+    """``deduplication_params`` (mirageflow.data.dedup)."""
+
+    enabled: bool
+    exact: bool
+    fuzzy: bool
+    text_field: str | None
+    threshold: float
+    num_perm: int
+    shingle_size: int
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    # The validated, expanded config with defaults filled in. Read only inside the config
+    # package (records_identity hashes it as written); everything else reads the fields.
+    raw: dict = field(repr=False)
+    stats: bool
+    state_dir: str
+    num_shards: int
+    batch_size: int
+    datasets: list[DatasetConfig]
+    processors: dict[str, ProcessorConfig]
+    inputs: list[InputVar]
+    outputs: list[OutputVar]
+    remove_columns: bool
+    output_schema: dict
+    merge: bool
+    shard: ShardParams
+    retry_failed_rows: bool
+    n_samples: int = 1  # records per input row (mirageflow/prompts/samples.py)
+    preserve_columns: tuple[str, ...] = ()
+    # processors of type custom (Python functions; no engine), by type
+    custom_processors: dict[str, CustomProcessor] = field(default_factory=dict)
+    dedup: DedupParams | None = None  # deduplication_params when enabled (data/dedup.py)
+    execution: ExecutionParams = field(default_factory=ExecutionParams)
+    # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)
+    warnings: tuple[str, ...] = ()
+    fresh_answers: bool = False  # this run takes no answer from the request cache
+
+    def shard_dir(self, shard_id: int) -> Path:
+        return Path(self.state_dir) / f"shard_{shard_id}"

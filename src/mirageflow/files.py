@@ -1,0 +1,77 @@
+"""Atomic files: readers see the old content or the new one, never half.
+
+Files and directories are created as ``open``/``mkdir`` create them (0666 / 0777 less the
+umask, and any default ACL), never with ``tempfile``'s private 0600 / 0700.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def new_temp_file(path: Path) -> tuple[int, Path]:
+    """Open a new temp file next to ``path`` for writing: (fd, temp path). Mode 0666 less the umask."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temp file next to {path}")
+
+
+def new_temp_dir(path: Path) -> Path:
+    """Create a new temp directory next to ``path``. Mode 0777 less the umask."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}")
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temp directory next to {path}")
+
+
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(), durable)
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True, only_if_absent: bool = False) -> bool:
+    """Write a whole file so readers see the old content or the new one, never half.
+
+    ``durable``: fsync before the rename, so the new content also survives a crash of the
+    machine (not only of the process); off for files that only mark liveness.
+    ``only_if_absent``: never replace an existing file (the new one is hard-linked into
+    place, which fails when another process got there first). Returns whether it wrote.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = new_temp_file(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if not only_if_absent:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links on this filesystem: a rename, after a last check
+            if path.exists():
+                return False
+            os.replace(tmp, path)
+        return True
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def atomic_write_json(path: Path, obj, durable: bool = True, indent: int | None = 2) -> None:
+    """``indent=None``: compact, and encoded by json's C encoder (several times faster)."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", durable)

@@ -1,0 +1,1 @@
+"""What users read: the aggregate metrics, report.html, the terminal's live line and summary, SLURM accounting."""

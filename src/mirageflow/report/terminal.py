@@ -1,0 +1,547 @@
+"""What the Snakemake driver prints about the run: live progress while shards run, and a
+short summary when the run ends (success or failure).
+
+The Snakefile's ``onstart``/``onsuccess``/``onerror`` handlers call ``on_start``,
+``on_success`` and ``on_error``; they run in the driver only (Snakemake runs no hooks in
+dry runs, and a cluster job re-parsing the Snakefile is not the main process). Nothing
+here may fail the run: every error is logged at debug level and swallowed.
+
+Live progress: a daemon thread reads the shards' ``progress.json`` files (the shards
+rewrite them every 5 s) and prints one line at most every ``interval`` seconds while a
+shard runs: shards done / running / failed, rows done / total (and samples, with
+n_samples > 1; a percentage never passes 100 %), rows/s and tokens/s, and an ETA only
+where a rate was measured (else it says why not). A shard is done when the state
+contract says so (mirageflow.state.shards.is_done: its status.json belongs to the current
+records fingerprint), so an edited pipeline's stale shards are not counted. The rate is
+the running shards' windowed rates, summed, when every generating shard has one; else what
+this thread saw finish over its own last few minutes (shards whose rows finish in one
+batch report none until it returns). The interval is 10 s when stderr is a terminal and
+60 s otherwise (a SLURM driver's log); ``$MIRAGEFLOW_PROGRESS_SECONDS`` overrides it (0
+turns the lines off).
+
+The summary: shards done / failed, rows ok / failed by class, tokens/s, and where the
+merged output, report.html and the failed rows are; for each failed shard one paragraph
+from its failure.json (never a traceback: that stays in the shard's log), which says when
+a retry would fail the same way (every failed row failed on a deterministic error class,
+``mirageflow.errors.RowErrorClass``). Jobs Snakemake saw fail are named too: a shard job
+that left no failure.json (its disk was full, its config file was damaged, it was killed)
+and jobs of other rules, each with the last error line of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from mirageflow.config.types import PipelineConfig
+from mirageflow.errors import DETERMINISTIC_CLASSES
+from mirageflow.numbers import fmt_rate, percent
+from mirageflow.shard.progress import RateWindow
+from mirageflow.state import layout as L
+from mirageflow.state.records import read
+from mirageflow.state.shards import PROGRESS_STALE_SECONDS, is_done, process_gone, progress_work, recorded_fingerprint, units_of
+from mirageflow.stats import formulas as stats
+
+log = logging.getLogger(__name__)
+
+ENV_INTERVAL = "MIRAGEFLOW_PROGRESS_SECONDS"
+TTY_INTERVAL = 10.0
+LOG_INTERVAL = 60.0
+RATE_WINDOW = 180.0  # seconds of the run behind the driver's own rate (as the shards' progress.json)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def repeats_identically(failure_stats: dict | None, error: str | None = None) -> str | None:
+    """The error class when every failed row of a failed shard failed on one deterministic class
+    (a retry resumes with those rows failed, and the rest fail the same way), else None.
+
+    Only for shards that failed on their error budget (``error`` mentions it, or is not given).
+    """
+    st = failure_stats or {}
+    by_class = {k: v for k, v in (st.get("rows_failed_by_class") or {}).items() if v}
+    if not by_class or not all(k in DETERMINISTIC_CLASSES for k in by_class):
+        return None
+    if error is not None and "rows failed" not in error:  # an engine crash, a signal: not the rows' fault
+        return None
+    return ", ".join(sorted(by_class, key=lambda k: -by_class[k]))
+
+
+def first_row_error(errors_path: Path, classes: set[str] | None = None) -> dict | None:
+    """The first row error in an errors.jsonl (of one of ``classes`` when given)."""
+    try:
+        with open(errors_path, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f):
+                if n > 10_000:
+                    break
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict) and (classes is None or entry.get("error") in classes):
+                    return entry
+    except OSError:
+        return None
+    return None
+
+
+def _short_error(error: str | None) -> str:
+    text = str(error or "no error recorded")
+    for prefix in ("ShardFailed: ", "EngineFailed: "):
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    text = " ".join(lines[:4]) + (" ..." if len(lines) > 4 else "")
+    return text if len(text) <= 800 else text[:797] + "..."
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
+def failure_paragraph(shard: dict, state_dir: str | Path, retry_hint: str | None = None) -> str:
+    """One paragraph about a failed shard (an entry of state.shards.shard_states or aggregate.failed_shards)."""
+    shard_id = shard["shard_id"]
+    failure = shard.get("failure") or {}
+    fst = failure.get("stats") or {}
+    if not fst and shard.get("rows_failed_by_class") is not None:
+        fst = {"rows_failed_by_class": shard.get("rows_failed_by_class")}
+    error = shard.get("error") if shard.get("error") is not None else failure.get("error")
+    paths = L.StateLayout(state_dir)
+    text = _sentence(f"shard {shard_id} failed: {_short_error(error)}")
+    if not failure:  # no failure.json (killed, a full disk): what its log says last
+        last = last_error_line(paths.shard_log(shard_id))
+        if last:
+            text += " " + _sentence(f"The last error in its log: {last}")
+    same = repeats_identically(fst, str(error or ""))
+    errors_path = paths.errors(shard_id)
+    if same:
+        example = first_row_error(errors_path, set(same.split(", ")))
+        if example:
+            text += " " + _sentence(f"First failed row (source index {example.get('source_index')}): {str(example.get('message'))[:300]}")
+        text += (
+            f" Every failed row failed with {same}, which depends on the config, prompt or data: "
+            "a retry would fail the same way. Fix the config or prompt (try it with `mmirage preview`), then run again."
+        )
+    elif shard.get("signal"):
+        text += " It was stopped by a signal; run the same command again to resume from its last commit."
+    elif retry_hint:
+        text += f" {retry_hint}"
+    text += f" Log: {paths.shard_log(shard_id)}"
+    if _nonempty(errors_path):
+        text += f"; failed rows: {errors_path}"
+    return text + "."
+
+
+# --------------------------------------------------------------------------- live progress
+
+
+def progress_interval(stream=None, environ=os.environ) -> float:
+    value = environ.get(ENV_INTERVAL)
+    if value not in (None, ""):
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+    stream = stream or sys.stderr
+    try:
+        return TTY_INTERVAL if stream.isatty() else LOG_INTERVAL
+    except (AttributeError, ValueError):
+        return LOG_INTERVAL
+
+
+class LiveProgress:
+    """Reads the shards' progress.json files and makes one line of the run's progress.
+
+    A done shard (``is_done``: a status.json of the current records fingerprint) is read
+    once and remembered; each tick stats every other shard's progress.json and reads only
+    the fresh ones, so a tick over 100,000 shards is a stat per unfinished shard. A
+    progress.json older than the records fingerprint belongs to an earlier config and is
+    ignored. ``fingerprint``: the current records fingerprint (None: every status.json counts).
+    """
+
+    def __init__(
+        self, state_dir: str | Path, num_shards: int, interval: float, emit: Callable[[str], None],
+        clock: Callable[[], float] = time.time, n_samples: int = 1, fingerprint: str | None = None,
+    ):  # fmt: skip
+        self.paths = L.StateLayout(state_dir)
+        self.num_shards = num_shards
+        self.interval = interval
+        self.emit = emit
+        self.clock = clock
+        self.n = max(1, n_samples)
+        self.fingerprint = fingerprint
+        self._done_units: dict[int, tuple[int, int]] = {}  # shard -> (samples, output tokens), once done
+        self._not_done: dict[int, float] = {}  # shard -> mtime of a status.json that is not done (stale, damaged)
+        self._total_rows: int | None = None
+        self._window = RateWindow(RATE_WINDOW)  # what this thread saw finish, run-wide
+        try:  # progress written before the fingerprint last changed is an earlier config's
+            self._since = self.paths.fingerprint.stat().st_mtime if fingerprint is not None else 0.0
+        except OSError:
+            self._since = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last: str | None = None
+
+    def total_rows(self) -> int | None:
+        """Source rows of the run, from the dataset indices (written by the index jobs)."""
+        if self._total_rows is None:
+            total = 0
+            for path in self.paths.dataset_indices():
+                try:
+                    total += int(json.loads(path.read_text())["rows"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    return None
+            self._total_rows = total if total else None
+        return self._total_rows
+
+    def _done(self, shard_id: int) -> bool:
+        if shard_id in self._done_units:
+            return True
+        path = self.paths.status(shard_id)
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            return False
+        if self._not_done.get(shard_id) == mtime:  # a stale or damaged status.json, read already
+            return False
+        status, _why = read(path)
+        if not is_done(status, self.num_shards, self.fingerprint):
+            self._not_done[shard_id] = mtime
+            return False
+        st = status.get("stats") or {}
+        self._done_units[shard_id] = (units_of(st), int(st.get("output_tokens") or 0))
+        return True
+
+    def line(self) -> str | None:
+        """The progress line, or None when no shard runs now."""
+        now = self.clock()
+        running, failed = [], 0
+        other_samples = other_rows = other_tokens = 0  # shards not running, not done: failed ones, or done without status.json yet
+        for shard_id in range(self.num_shards):
+            if self._done(shard_id):
+                continue
+            path = self.paths.progress(shard_id)
+            try:
+                mtime = path.stat().st_mtime
+            except OSError:
+                continue
+            if mtime < self._since:
+                continue
+            p, _why = read(path)
+            if p is None:
+                continue
+            phase = p.get("phase")
+            fresh = now - mtime < PROGRESS_STALE_SECONDS and not process_gone(p)
+            rows, samples, _ = progress_work(p, self.n)
+            if phase == "failed" or (phase != "done" and not fresh):
+                failed += 1
+            elif phase != "done":
+                running.append(p)
+                continue
+            other_rows, other_samples, other_tokens = other_rows + rows, other_samples + samples, other_tokens + int(p.get("output_tokens") or 0)
+        if not running:
+            return None
+        done = len(self._done_units)
+        work = [progress_work(p, self.n) for p in running]
+        samples = sum(u for u, _ in self._done_units.values()) + other_samples + sum(w[1] for w in work)
+        rows = sum(u for u, _ in self._done_units.values()) // self.n + other_rows + sum(w[0] for w in work)
+        tokens = sum(t for _, t in self._done_units.values()) + other_tokens + sum(int(p.get("output_tokens") or 0) for p in running)
+        self._window.add(now, samples, tokens)
+        total = self.total_rows()
+        if total:  # what the files say never adds up to more than the run has
+            rows, samples = min(rows, total), min(samples, total * self.n)
+        parts = [f"shards {done}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")]
+        phases = sorted({str(p.get("phase")) for p in running} - {"generating"})
+        if len(running) == 1 and phases:
+            seconds = running[0].get("phase_seconds")
+            parts[0] += f" ({phases[0]}" + (f" {seconds:.0f} s" if seconds is not None else "") + ")"
+        elif phases:
+            counts = {ph: sum(1 for p in running if p.get("phase") == ph) for ph in phases}
+            parts[0] += " (" + ", ".join(f"{n} {ph}" for ph, n in counts.items()) + ")"
+        inflight = sum(int(p.get("inflight") or 0) for p in running)
+        if self.n == 1:
+            text = f"rows {rows:,}/{total:,} ({percent(rows, total)})" if total else f"rows {rows:,}"
+        else:
+            text = (f"rows {rows:,}/{total:,}, samples {samples:,}/{total * self.n:,} ({percent(samples, total * self.n)})"
+                    if total else f"rows {rows:,}, samples {samples:,}")  # fmt: skip
+        parts.append(text + (f", {inflight:,} in flight" if inflight else ""))
+        rate, tokens_rate, why = self._rates(running)
+        unit = "rows" if self.n == 1 else "samples"
+        if rate is None:
+            parts.append(f"{unit}/s n/a ({why})")
+        else:
+            parts.append(f"{fmt_rate(rate)} {unit}/s, {fmt_rate(tokens_rate)} tok/s")
+        if rate and total:
+            parts.append(f"ETA {stats.human_duration(max(0, total * self.n - samples) / rate)}")
+        else:
+            parts.append("ETA n/a" + (" (no rate yet)" if rate is None else ""))
+        return "mirageflow: " + " | ".join(parts)
+
+    def _rates(self, running: list[dict]) -> tuple[float | None, float | None, str]:
+        """(samples/s, tokens/s, why there is none): the running shards' own rates, summed, when
+        every generating shard has one; else what this thread saw finish in its window."""
+        generating = [p for p in running if p.get("phase") == "generating"]
+        own = [p.get("samples_per_sec") if p.get("samples_per_sec") is not None else p.get("rows_per_sec") for p in generating]
+        if generating and all(r for r in own):
+            tps = [p["tokens_per_sec"] for p in generating if p.get("tokens_per_sec") is not None]
+            return sum(own), (sum(tps) if tps else None), ""
+        rate, tokens_rate, covered = self._window.rates()
+        if rate:
+            return rate, tokens_rate, ""
+        if not generating:
+            return None, None, "not generating yet"
+        return None, None, "nothing finished yet" if covered < 1.0 else f"nothing finished in the last {covered:.0f} s"
+
+    def tick(self) -> None:
+        try:
+            text = self.line()
+        except Exception:  # never let progress lines disturb the run
+            log.debug("progress line failed", exc_info=True)
+            return
+        if text and text != self._last:  # nothing new: say nothing
+            self._last = text
+            self.emit(text)
+
+    def start(self) -> None:
+        if self.interval <= 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="mirageflow-progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+# --------------------------------------------------------------------------- the summary
+
+
+def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = None, failed_jobs: list[dict] = ()) -> str:
+    """The run's end in a few lines (and one paragraph per failed shard or job).
+
+    ``failed_jobs``: the jobs Snakemake saw fail (``failed_jobs(workflow)``): a shard job
+    that left no failure.json, and jobs of other rules, are named with their log's last error.
+    """
+    from mirageflow.report.aggregate import compute_metrics
+    from mirageflow.state.shards import count, shard_states
+
+    state_dir = Path(pipeline.state_dir)
+    paths = L.StateLayout(state_dir)
+    n = getattr(pipeline, "n_samples", 1) or 1
+    states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, recorded_fingerprint(state_dir))
+    metrics = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, states=states)
+    agg = metrics["aggregate"]
+    counts = count(states)
+    head = "mirageflow: run finished" if ok and counts["done"] == pipeline.num_shards else "mirageflow: run FAILED" if not ok else "mirageflow: run stopped"
+    lines = [f"{head} (state_dir {state_dir})"]
+    shards = f"shards: {counts['done']} of {pipeline.num_shards} done"
+    if counts["failed"]:
+        shards += f", {counts['failed']} failed"
+    if counts["running"]:
+        shards += f", {counts['running']} still running"
+    if counts["pending"]:
+        stale = sum(1 for s in states if s.get("stale"))
+        shards += f", {counts['pending']} not run" + (f" ({stale} with a stale status.json of an earlier config)" if stale else "")
+    lines.append("  " + shards)
+    by_class = agg.get("rows_failed_by_class") or {}
+    failed_rows = agg.get("total_rows_failed") or 0
+    ok_rows = (agg.get("total_rows_processed") or 0) + (agg.get("rows_processed_failed_shards") or 0)
+    unit = "rows" if n == 1 else "samples"
+    rows = f"{unit}: {ok_rows:,} ok, {failed_rows:,} failed"
+    if by_class:
+        rows += " (" + ", ".join(f"{k} {v:,}" for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])) + ")"
+    if agg.get("total_rows_filtered"):
+        rows += f", {agg['total_rows_filtered']:,} filtered"
+    if n > 1:
+        rows += f" ({n} samples per row: one record each)"
+    lines.append("  " + rows)
+    if agg.get("total_output_tokens"):
+        tps = agg.get("tokens_per_sec")
+        lines.append(
+            f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(tps)} tok/s over generation"
+            + (f" (wall clock {agg['wall_clock_runtime_human']})" if agg.get("wall_clock_runtime_human") else "")
+        )
+    if counts["done"] == pipeline.num_shards:
+        for ds in pipeline.datasets:
+            merged = L.merged_dir(ds.output_dir)
+            if pipeline.merge and merged.exists():
+                lines.append(f"  merged output: {merged}/")
+            else:
+                lines.append(f"  output: {Path(ds.output_dir)}/shard_<id>/ (not merged)")
+    if paths.report_html.exists():
+        lines.append(f"  report: {paths.report_html} (summary.md, metrics.json beside it)")
+    with_errors = [s["shard_id"] for s in states if _nonempty(paths.errors(s["shard_id"]))]
+    if failed_rows and with_errors:
+        shown = ", ".join(map(str, with_errors[:10])) + (" ..." if len(with_errors) > 10 else "")
+        lines.append(f"  failed rows: {state_dir}/shard_<id>/errors.jsonl (shards {shown})")
+    failed = [s for s in states if s["state"] == "failed"]
+    retry = f"Rerun it with `mmirage retry --config {config_hint}`" if config_hint else "Rerun the same command to retry it"
+    retry += " (it resumes from its last commit)."
+    for s in failed[:20]:
+        lines.append("")
+        lines.append(failure_paragraph(s, state_dir, retry_hint=retry))
+    if len(failed) > 20:
+        lines.append(f"... and {len(failed) - 20} more failed shards: mmirage status --config {config_hint or '<config>'}")
+    named = {s["shard_id"] for s in failed}
+    others = [j for j in failed_jobs if not (j["rule"] == "shard" and _job_shard(j) in named)]
+    for job in others[:20]:
+        lines.append("")
+        lines.append(job_paragraph(job, states))
+    if not ok and not failed and not others:
+        lines.append(
+            "No shard failed and Snakemake named no failed job: see Snakemake's error above (the logs are in "
+            f"{paths.logs_dir}/)."
+        )
+    return "\n".join(lines)
+
+
+def _job_shard(job: dict) -> int | None:
+    try:
+        return int(job["wildcards"]["shard"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def job_paragraph(job: dict, states: list[dict]) -> str:
+    """One paragraph about a job Snakemake saw fail, when the shard files do not tell it:
+    a shard job without failure.json, or a job of another rule; with its log's last error."""
+    shard = _job_shard(job) if job["rule"] == "shard" else None
+    log_path = next(iter(job.get("logs") or []), None)
+    error = last_error_line(Path(log_path)) if log_path else None
+    if shard is not None:
+        state = next((s["state"] for s in states if s["shard_id"] == shard), None)
+        text = f"shard {shard} failed: its job exited with an error and left no failure record (shard state now: {state})"
+    else:
+        where = ", ".join(f"{k}={v}" for k, v in (job.get("wildcards") or {}).items())
+        text = f"job {job['rule']}" + (f" ({where})" if where else "") + " failed"
+    text += f"; the last error in its log: {error}" if error else "; its log holds no error line (a full disk, or killed?)"
+    return _sentence(text) + (f" Log: {log_path}." if log_path else "")
+
+
+# a traceback's last line ("mirageflow.x.ShardFailed: ..."), or a logged ERROR line
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Failed|Busy|Refused|Interrupted|Unavailable|Mismatch)): (.*)")
+
+
+def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
+    """The last error a job's log says: a traceback's exception line, else its last ERROR line."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    logged = None
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        m = _EXCEPTION_LINE.match(line)
+        if m:  # the class without its module: "ShardFailed: ..."
+            return _short_error(f"{m.group(1)}: {m.group(2)}")
+        if logged is None and (" ERROR " in line or line.startswith("ERROR")):
+            logged = line
+    return _short_error(logged) if logged else None
+
+
+def failed_jobs(workflow) -> list[dict]:
+    """The jobs Snakemake saw fail in this run, as {rule, wildcards, logs} (group jobs opened).
+
+    From the scheduler the onerror hook runs after (``workflow.scheduler.failed``); empty
+    when this Snakemake does not have it."""
+    out = []
+    for job in getattr(getattr(workflow, "scheduler", None), "failed", None) or ():
+        for one in getattr(job, "jobs", None) or [job]:  # a group job holds its jobs
+            try:
+                out.append({"rule": one.rule.name, "wildcards": dict(one.wildcards_dict), "logs": [str(f) for f in one.log]})
+            except Exception:  # a job object of another shape: name nothing rather than fail the summary
+                log.debug("cannot read a failed job", exc_info=True)
+    return sorted(out, key=lambda j: (j["rule"] != "shard", j["rule"], _job_shard(j) or 0))
+
+
+# --------------------------------------------------------------------------- Snakefile handlers
+
+_LIVE: LiveProgress | None = None
+
+
+def _emit(text: str, error: bool = False) -> None:
+    """Through Snakemake's logger (terminal and .snakemake/log), else stderr."""
+    try:
+        from snakemake.logging import logger
+
+        (logger.error if error else logger.info)(text)
+    except Exception:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _is_driver(workflow) -> bool:
+    return workflow is None or bool(getattr(workflow, "is_main_process", True))
+
+
+def _config_hint(workflow) -> str | None:
+    files = list(getattr(workflow, "configfiles", None) or []) if workflow is not None else []
+    return str(files[-1]) if files else None
+
+
+def on_start(pipeline: PipelineConfig, workflow=None) -> None:
+    """onstart: start the live progress thread (driver only)."""
+    global _LIVE
+    if not _is_driver(workflow):
+        return
+    try:
+        interval = progress_interval()
+        if interval <= 0:
+            return
+        if _LIVE is not None:
+            _LIVE.stop()
+        _LIVE = LiveProgress(
+            pipeline.state_dir, pipeline.num_shards, interval, _emit,
+            n_samples=getattr(pipeline, "n_samples", 1), fingerprint=recorded_fingerprint(pipeline.state_dir),
+        )  # fmt: skip
+        _LIVE.start()
+    except Exception:
+        log.debug("cannot start live progress", exc_info=True)
+
+
+def _end(pipeline: PipelineConfig, workflow, ok: bool) -> None:
+    global _LIVE
+    if not _is_driver(workflow):
+        return
+    if _LIVE is not None:
+        _LIVE.stop()
+        _LIVE = None
+    try:
+        text = run_summary(pipeline, ok, _config_hint(workflow), [] if ok else failed_jobs(workflow))
+    except Exception as e:  # the summary must never hide the run's own outcome
+        log.debug("run summary failed", exc_info=True)
+        text = f"mirageflow: no run summary ({type(e).__name__}: {e}); see `mmirage status`"
+    _emit(text, error=not ok)
+
+
+def on_success(pipeline: PipelineConfig, workflow=None) -> None:
+    """onsuccess: stop the progress thread, print the summary."""
+    _end(pipeline, workflow, ok=True)
+
+
+def on_error(pipeline: PipelineConfig, workflow=None) -> None:
+    """onerror: stop the progress thread, print the summary with one paragraph per failed shard."""
+    _end(pipeline, workflow, ok=False)
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
