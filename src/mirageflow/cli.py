@@ -312,6 +312,11 @@ def cmd_stats(args) -> int:
 
         atomic_write_text(Path(args.html), render_html(metrics, cfg.state_dir))
         print(f"mmirage: wrote {args.html}", file=sys.stderr)
+    if args.diagnose:  # the findings alone, as words (report/findings.py)
+        from mirageflow.report.findings import findings_text
+
+        sys.stdout.write(findings_text(metrics["findings"]))
+        return EXIT_OK
     json.dump(metrics, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
     return EXIT_OK
@@ -716,6 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("stats", "print the metrics JSON {per_shard, aggregate} from the state directory (no Snakemake)", cmd_stats)
     p.add_argument("--html", metavar="FILE", help="also write the HTML report there")
+    p.add_argument("--diagnose", action="store_true", help="print the findings (what to change, with evidence) instead of the JSON")
 
     p = command("status", "shards done / running / failed / pending, with progress and a rough ETA", cmd_status)
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -17,6 +17,7 @@ from mirageflow.errors import MirageflowError, StateMismatch
 from mirageflow.files import atomic_write_json, atomic_write_text
 from mirageflow.numbers import fmt, is_number
 from mirageflow.report import servers
+from mirageflow.report.findings import diagnose, findings_markdown
 from mirageflow.report.wording import ROW_LABELS, scope_sentence, unit_note
 from mirageflow.state import layout as L
 from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note
@@ -253,6 +254,8 @@ def summary_markdown(metrics: dict) -> str:
         scope_sentence(agg),
         "",
     ]
+    if "findings" in metrics:  # first: what the figures say to change (report/findings.py)
+        lines += findings_markdown(metrics["findings"])
     if agg.get("damaged_state_files"):
         lines += ["## Damaged state files", ""]
         lines += [f"- {_cell(damaged_note(x['path'], x['reason']))}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}" for x in agg["damaged_state_files"]]
@@ -364,6 +367,7 @@ def full_metrics(
     metrics = compute_metrics(state_dir, num_shards, lease_timeout, fingerprint)
     metrics["cluster_accounting"] = cluster_accounting(metrics)
     metrics["deduplication"] = read_dedup_counts(state_dir)  # [] unless deduplication_params.enabled
+    metrics["findings"] = diagnose(metrics, state_dir)
     return metrics
 
 

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from mirageflow import numbers
+from mirageflow.report.findings import findings_html
 from mirageflow.report.wording import scope_sentence
 from mirageflow.report.slurm_accounting import html_section
 from mirageflow.report.svg import PALETTE, Figure, Panel, viridis
@@ -605,6 +606,8 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         '<div class="cards">' + "".join(_card(k, v) for k, v in cards) + "</div>",
         f'<p class="note">{_esc(scope_sentence(agg) + unit_note_sentence(agg))}</p>',
     ]
+    if "findings" in metrics:
+        out.append(findings_html(metrics["findings"]))
     if damaged:
         out.append('<h2>Damaged state files</h2><ul class="bad">')
         out += [
