@@ -234,3 +234,13 @@ def test_mmirage_stats_diagnose(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("The engine is starved [engine_starved]")
     assert "change:    shard_params.max_inflight, loading_params.batch_size" in out.stdout
+
+
+def test_readme_lists_every_threshold_with_its_value():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    names = [n for n in vars(F) if n.isupper() and isinstance(getattr(F, n), (int, float))]
+    assert len(names) >= 12
+    for name in names:
+        value = getattr(F, name)
+        shown = f"{value:g}" if isinstance(value, float) and value >= 1 else (f"{value:.2f}" if isinstance(value, float) else str(value))
+        assert f"`{name}` = {shown}" in readme, name
