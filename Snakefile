@@ -18,6 +18,7 @@ if not workflow.overwrite_configfiles:
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/models.smk"
+include: "workflow/rules/canary.smk"
 include: "workflow/rules/shards.smk"
 include: "workflow/rules/engines.smk"
 include: "workflow/rules/report.smk"

@@ -247,6 +247,28 @@ def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) 
         _EARLY["failure"] = None
 
 
+def canary(config: str, output: str, attempt: int) -> None:
+    """The canary (execution_params.canary_rows): shard 0's first rows, judged before any
+    shard starts (mirageflow/shard/canary.py); a failed verdict ends the job with its message."""
+    cfg = _config(config)
+    from mirageflow import hub_models
+
+    hub_models.offline_environment(cfg)
+    cfg = hub_models.resolve_local(cfg)
+    from mirageflow.cluster.gpu_claim import claim_for_shard
+    from mirageflow.cluster.time_limit import arm_time_limit_signal
+
+    claim_for_shard(cfg)
+    arm_time_limit_signal()
+    from mirageflow.shard.canary import CanaryFailed, run_canary
+
+    try:
+        run_canary(cfg, output, attempt)
+    except CanaryFailed as e:
+        logging.error("mirageflow: %s", e)
+        sys.exit(1)
+
+
 def _start_shard(config: str, shard: int, engine: str | None) -> tuple[PipelineConfig, Callable | None]:
     """The shard job before its runner: the config, the GPUs, the time limit, stale results removed.
     Returns (config, engine factory or None: the shard loads its own engine)."""
@@ -356,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
         "--engine", type=lambda v: None if v == "none" else v, default=None,
         help="the endpoint file of the engine service serving this shard (shards_per_engine > 1); none: load its own",
     )  # fmt: skip
+    p = sub.add_parser("canary", help="run the canary rows and judge them (execution_params.canary_rows)")
+    p.add_argument("output", help="the verdict, written only when the canary passed")
+    p.add_argument("--attempt", type=int, default=1, help="Snakemake's attempt number (retries)")
     p = sub.add_parser("merge", help="merge one dataset's shard outputs")
     p.add_argument("dataset", type=int)
     p.add_argument("output")
@@ -376,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         index_dataset(args.config, args.dataset, args.output)
     elif args.job == "shard":
         run_shard(args.config, args.shard, args.attempt, args.engine)
+    elif args.job == "canary":
+        canary(args.config, args.output, args.attempt)
     elif args.job == "engine":
         run_engine(args.config, args.group, args.endpoint, _ATTEMPT_LOG.get("path") or args.log)
     elif args.job == "merge":

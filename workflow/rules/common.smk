@@ -147,6 +147,15 @@ def engine_argument(wildcards):
     return (engine_endpoint(wildcards) or ["none"])[0]
 
 
+def canary_verdict(wildcards):
+    """A shard's wait for the canary: its verdict when canary_rows is set, else nothing.
+    ancient: a rerun of the canary alone (another canary_rows) reruns no finished shard.
+    """
+    if not PIPELINE.execution.canary_rows:
+        return []
+    return [ancient(str(STATE.canary_verdict))]
+
+
 def default_targets():
     """The report, and each dataset's merge manifest and dedup counts when configured."""
     return state_layout.default_targets(PIPELINE)

@@ -13,6 +13,9 @@ rule shard:
         # shard; Snakemake runs the service with its shards and stops it after them
         # (workflow/rules/engines.smk).
         engine=engine_endpoint,
+        # With execution_params.canary_rows: the canary's verdict, written only when it
+        # passed (workflow/rules/canary.smk).
+        canary=canary_verdict,
     output:
         str(STATE.status("{shard}")),
     log:

@@ -178,8 +178,8 @@ def cluster_resources(pipeline: PipelineConfig, job: str) -> dict:
     ``pipeline`` is a validated PipelineConfig (load_config already refused malformed
     values). Index jobs are light: 1 CPU, no GPU, at most INDEX_MAX_MINUTES per attempt.
     """
-    if job not in ("shard", "index", "engine"):
-        raise ValueError(f"job must be 'shard', 'index' or 'engine', not {job!r}")
+    if job not in ("shard", "index", "engine", "canary"):  # the canary (canary_rows) loads its own engine
+        raise ValueError(f"job must be 'shard', 'index', 'engine' or 'canary', not {job!r}")
     ep = pipeline.execution
     # With shards_per_engine > 1 the engine job (engine_service.py) holds the GPUs, CPUs
     # and memory; its shards, in the same group job, are light clients. Snakemake sums

@@ -167,6 +167,7 @@ class ExecutionParams:
     constraint: str | None = None
     slurm_extra: str | None = None
     shards_per_engine: int = 1
+    canary_rows: int | None = None  # run this many rows of shard 0 first; the shards wait for its verdict (shard/canary.py)
     project_root: str | None = None  # unused
     report_dir: str | None = None  # unused
     hf_home: str | None = None

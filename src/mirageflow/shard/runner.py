@@ -81,8 +81,12 @@ NO_ENGINE_WINDOW = 64
 
 
 class ShardRunner:
-    def __init__(self, cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine):
+    def __init__(
+        self, cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine,
+        row_limit: int | None = None,
+    ):  # fmt: skip
         self.cfg, self.shard_id, self.params = cfg, shard_id, cfg.shard
+        self.row_limit = row_limit  # only the shard's first rows, over its datasets in order (the canary)
         self.engine_factory = engine_factory
         self.engines: dict[str, Engine] = {}
         self.pools: dict[str, python_steps.FunctionPool] = {}  # custom processors' worker processes
@@ -294,6 +298,8 @@ class ShardRunner:
                 slices.append(load_shard(index_path(self.cfg.state_dir, ds.index), ds, self.cfg.num_shards, self.shard_id))
             except (OSError, ValueError) as e:
                 raise ShardFailed(str(e)) from e
+        if self.row_limit is not None:
+            slices = _first_rows(slices, self.row_limit)
         self.lease.acquire()
         try:
             with StopSignals(self._stop_engines, self._interrupted) as self.signals:
@@ -403,6 +409,16 @@ class ShardRunner:
         return out
 
 
+def _first_rows(slices: list[ShardSlice], limit: int) -> list[ShardSlice]:
+    """The slices cut to their first ``limit`` rows in all (a slice keeps its start, offset and line)."""
+    out = []
+    for piece in slices:
+        take = max(0, min(limit, piece.stop - piece.start))
+        out.append(piece._replace(stop=piece.start + take))
+        limit -= take
+    return out
+
+
 def _progress_snapshot(runner: ShardRunner) -> dict:
     """What progress.json shows of a running shard (called by the reporter's thread)."""
     depths = [d for d in (e.queue_depth() for e in list(runner.engines.values())) if d is not None]
@@ -419,7 +435,9 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
     }
 
 
-def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine) -> dict:
+def run_shard(
+    cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine, row_limit: int | None = None
+) -> dict:
     """Run one shard; write status.json on success, failure.json (and raise) on failure.
 
     Both record the records fingerprint they were made under (``records_fingerprint``): a
@@ -429,7 +447,7 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
     paths = StateLayout(cfg.state_dir)
     shard_dir = paths.shard_dir(shard_id)
     shard_dir.mkdir(parents=True, exist_ok=True)
-    runner = ShardRunner(cfg, shard_id, attempt, engine_factory)
+    runner = ShardRunner(cfg, shard_id, attempt, engine_factory, row_limit)
     base = {
         "shard_id": shard_id,
         "num_shards": cfg.num_shards,

@@ -24,6 +24,8 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       merged/dataset_<k>.json            the merge manifest
       dedup/dataset_<k>.json, .removed.jsonl   deduplication counts and removed records
       metrics.json, summary.md, report.html    the aggregate
+      canary/verdict.json                the canary's verdict, which every shard waits for (canary_rows)
+      canary/state/, canary/out/         the canary shard's own state_dir and output (shard/canary.py)
       logs/<job>.log, logs/attempts/     every job's log (the latest attempt, and all of them)
       logs/shard_<i>/, logs/engine_<g>/  engine server logs
 
@@ -126,6 +128,31 @@ class StateLayout:
 
     def engine_stats_files(self) -> list[Path]:
         return sorted((self.root / "engines").glob("engine_*.stats.json"))
+
+    # ------------------------------------------------------------------ the canary (execution_params.canary_rows)
+
+    @property
+    def canary_dir(self) -> Path:
+        return self.root / "canary"
+
+    @property
+    def canary_verdict(self) -> Path:
+        """Written only when the canary passed: the input every shard waits for."""
+        return self.canary_dir / "verdict.json"
+
+    @property
+    def canary_failed(self) -> Path:
+        """The verdict of a canary that failed (not a rule output: Snakemake would delete it)."""
+        return self.canary_dir / "failed.json"
+
+    @property
+    def canary_state(self) -> Path:
+        """The canary shard's own state_dir (its index copies, shard_0/, fingerprint)."""
+        return self.canary_dir / "state"
+
+    @property
+    def canary_output(self) -> Path:
+        return self.canary_dir / "out"
 
     # ------------------------------------------------------------------ logs
 

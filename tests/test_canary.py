@@ -1,0 +1,165 @@
+"""The canary (execution_params.canary_rows): shard 0's first rows run first, and no shard starts
+unless their quality counters pass. The engine is the openai backend against the fake
+OpenAI-compatible server (tests/fakes/fake_http.py, a thread of this process): an answer of
+n words stops at the length limit when n >= max_new_tokens, so max_new_tokens 1 cuts them all."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_workflow
+from fakes.fake_http import FakeServer
+from mirageflow.config import load_config
+from mirageflow.errors import RowErrorClass as E
+from mirageflow.shard import canary as C
+from mirageflow.shard.runner import index_datasets
+from mirageflow.state.layout import StateLayout
+
+ROWS = 10
+
+
+@pytest.fixture
+def server():
+    s = FakeServer().start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def pipeline(root: Path, server: FakeServer, max_new_tokens: int = 50, canary_rows: int | None = 3) -> dict:
+    data = root / "in.jsonl"
+    data.write_text("".join(json.dumps({"text": f"passage {i}"}) + "\n" for i in range(ROWS)))
+    return {
+        "processors": [{
+            "type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
+            "default_sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}, "max_retries": 0,
+            "request_timeout": 30,
+        }],
+        "loading_params": {
+            "state_dir": str(root / "state"), "num_shards": 2,
+            "datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(root / "out"), "output_format": "jsonl"}],
+        },
+        "shard_params": {"max_error_rate": 1.0},
+        "execution_params": {"canary_rows": canary_rows},
+        "processing_params": {
+            "inputs": [{"name": "text", "key": "text"}],
+            "outputs": [{"name": "summary", "prompt": "Summarise: {{ text }}"}],
+            "output_schema": {"summary": "{{ summary }}"},
+        },
+    }  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def _stats(answers=100, json_answers=100, cut=0, **by_class) -> dict:
+    return {"answers": answers, "json_answers": json_answers, "answers_length_cut": cut, "rows_failed_by_class": by_class}
+
+
+def test_healthy_counters_pass():
+    verdict = C.judge(_stats(cut=5, json_parse=3, empty_output=2, json_truncated=2, reasoning_truncated=2))
+    assert verdict["passed"] and verdict["problems"] == [], verdict
+
+
+@pytest.mark.parametrize(
+    "stats, counter, change",
+    [
+        (_stats(json_schema=6), "valid_json_rate", "output_schema"),
+        (_stats(empty_output=3), "empty_output_rate", "allow_empty_output"),
+        (_stats(json_truncated=3), "json_truncated_rate", "max_new_tokens"),
+        (_stats(reasoning_truncated=3), "reasoning_truncated_rate", "chat_template_kwargs"),
+        (_stats(cut=6), "length_cut_share", "max_new_tokens"),
+    ],
+)
+def test_each_counter_over_its_threshold_fails_and_says_what_to_change(stats, counter, change):
+    verdict = C.judge(stats)
+    assert not verdict["passed"]
+    assert [p.split(" ")[0] for p in verdict["problems"]] == [counter]
+    assert change in verdict["problems"][0] and not verdict["counters"][counter]["ok"]
+
+
+def test_no_json_output_has_no_json_rate():
+    verdict = C.judge(_stats(json_answers=0))
+    assert verdict["passed"] and verdict["counters"]["valid_json_rate"]["value"] is None
+    assert E.JSON_TRUNCATED in C.JSON_FAILURES
+
+
+# --------------------------------------------------------------------------- the job, without Snakemake
+
+
+def test_the_canary_runs_only_its_rows_in_its_own_state_dir(tmp_path, server):
+    cfg = load_config(copy.deepcopy(pipeline(tmp_path, server, canary_rows=3)))
+    index_datasets(cfg)
+    paths = StateLayout(cfg.state_dir)
+    verdict = C.run_canary(cfg, paths.canary_verdict)
+    assert verdict["passed"] and verdict["rows_processed"] == 3 and verdict["canary_rows"] == 3
+    assert len(server.records) == 3  # shard 0 has 5 rows; the canary sent 3
+    assert json.loads(paths.canary_verdict.read_text())["passed"]
+    assert not paths.shard_dir(0).exists() and not (tmp_path / "out").exists()  # the shards' own state is untouched
+    assert (StateLayout(paths.canary_state).status(0)).exists()
+
+
+def test_a_failed_canary_writes_its_verdict_elsewhere_and_a_retry_does_not_rerun_it(tmp_path, server):
+    cfg = load_config(copy.deepcopy(pipeline(tmp_path, server, max_new_tokens=1)))
+    index_datasets(cfg)
+    paths = StateLayout(cfg.state_dir)
+    with pytest.raises(C.CanaryFailed, match=r"length_cut_share is 100\.0 % \(at most 5 %.*max_new_tokens"):
+        C.run_canary(cfg, paths.canary_verdict)
+    assert not paths.canary_verdict.exists() and json.loads(paths.canary_failed.read_text())["passed"] is False
+    sent = len(server.records)
+    with pytest.raises(C.CanaryFailed, match="not run again"):
+        C.run_canary(cfg, paths.canary_verdict, attempt=2)
+    assert len(server.records) == sent
+
+
+# --------------------------------------------------------------------------- end to end, local profile
+
+
+def test_a_passing_canary_lets_the_shards_run(tmp_path, server):
+    proc = run_workflow(tmp_path, pipeline(tmp_path, server))
+    paths = StateLayout(tmp_path / "state")
+    assert json.loads(paths.canary_verdict.read_text())["passed"]
+    assert paths.status(0).exists() and paths.status(1).exists()
+    assert len(server.records) == 3 + ROWS  # the canary's 3, then every row
+    log = proc.stderr
+    assert log.index("rule canary") < log.index("rule shard")
+    again = run_workflow(tmp_path, pipeline(tmp_path, server))  # nothing to do: the verdict holds
+    assert "rule canary" not in again.stderr and len(server.records) == 3 + ROWS
+
+
+def test_a_failing_canary_stops_before_any_shard_with_its_message(tmp_path, server):
+    proc = run_workflow(tmp_path, pipeline(tmp_path, server, max_new_tokens=1), check=False)
+    assert proc.returncode != 0
+    paths = StateLayout(tmp_path / "state")
+    assert not paths.shard_dir(0).exists() and not paths.shard_dir(1).exists()  # no shard started
+    assert len(server.records) == 3
+    log = paths.log("canary").read_text()
+    assert "the canary (3 rows of shard 0) failed, no shard was started: length_cut_share is 100.0 %" in log
+    assert "sampling_params.max_new_tokens" in log
+    assert "length_cut_share" in proc.stderr  # the run's summary names it too
+
+
+def test_without_canary_rows_there_is_no_canary(tmp_path, server):
+    proc = run_workflow(tmp_path, pipeline(tmp_path, server, canary_rows=None), "--dry-run")
+    assert "rule canary" not in proc.stdout + proc.stderr
+
+
+def test_readme_and_schema_state_the_thresholds():
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    schema = (repo / "workflow" / "schemas" / "config.schema.yaml").read_text()
+    names = [n for n in vars(C) if n.startswith("CANARY_")]
+    assert len(names) == len(C.COUNTERS)
+    for name in names:
+        assert f"`{name}` = {getattr(C, name):.2f}" in readme, name
+    for c in C.COUNTERS:
+        assert f"{'<=' if c.at_most else '>='} {100 * c.threshold:.0f} %" in schema, c.name
