@@ -7,6 +7,8 @@
 rule engine:
     input:
         model=model_inputs(),
+        # no engine loads before the canary passed (execution_params.canary_rows)
+        canary=canary_verdict,
     output:
         # The endpoint file, written at once; the job then loads the model and serves it
         # (mirageflow/cluster/engine_service.py).
