@@ -34,6 +34,7 @@ th, td { border: 1px solid #dde2ea; padding: 3px 8px; text-align: left; vertical
 th { background: #eef2f7; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
 code { font-size: 12px; } .note { color: #5b6478; font-style: italic; }
 .bad { color: #b42318; } .plot { margin: 8px 0 16px; } .plot img { max-width: 100%; border: 1px solid #eef2f7; }
+figcaption { color: #5b6478; font-size: 13px; margin-top: 4px; max-width: 1100px; }
 .cols { display: flex; flex-wrap: wrap; gap: 24px; } .cols > div { flex: 1 1 480px; }
 """
 
@@ -223,15 +224,15 @@ def load_identity(state_dir: str | Path) -> dict | None:
 DEFAULT_MAX_NEW_TOKENS = 128  # the engines' default (SGLang's)
 
 
-def row_token_limit(identity: dict | None) -> int | None:
-    """The most output tokens a row can have: each LLM output's max_new_tokens, summed (None when unknown)."""
+def output_token_limits(identity: dict | None) -> list[tuple[str, int]] | None:
+    """Each LLM output's max_new_tokens, in order: [(name, limit)] (None when unknown)."""
     if not identity:
         return None
     try:
         processors = identity.get("processors") or []
         outputs = (identity.get("processing_params") or {}).get("outputs") or []
         defaults = [(p.get("default_sampling_params") or {}).get("max_new_tokens") for p in processors]
-        total = 0
+        limits = []
         for o in outputs:
             if o.get("type", "llm") != "llm":
                 continue
@@ -239,10 +240,36 @@ def row_token_limit(identity: dict | None) -> int | None:
             if limit is None:
                 known = {d for d in defaults if d is not None}
                 limit = known.pop() if len(known) == 1 and len(defaults) == 1 else DEFAULT_MAX_NEW_TOKENS if not known else max(known)
-            total += int(limit)
-        return total or None
+            limits.append((str(o.get("name", "?")), int(limit)))
+        return limits or None
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def row_token_limit(identity: dict | None) -> int | None:
+    """The most output tokens a row can have: each LLM output's max_new_tokens, summed (None when unknown)."""
+    limits = output_token_limits(identity)
+    return sum(n for _, n in limits) if limits else None
+
+
+def token_limit_label(limits: list[tuple[str, int]], unit: str = "row") -> str:
+    """The histogram marker's label, per output and per row: "max_new_tokens 64 per output x 2 outputs = 128 per row"."""
+    total = sum(n for _, n in limits)
+    if len(limits) == 1:
+        return f"max_new_tokens {total:,} (1 output per {unit})"
+    values = {n for _, n in limits}
+    if len(values) == 1:
+        return f"max_new_tokens {limits[0][1]:,} per output x {len(limits)} outputs = {total:,} per {unit}"
+    return "max_new_tokens " + " + ".join(f"{n:,} ({name})" for name, n in limits) + f" = {total:,} per {unit}"
+
+
+def unit_of(identity: dict | None) -> str:
+    """What the run's records count: "sample" with n_samples > 1 (a row makes n records), else "row"."""
+    try:
+        n = int(((identity or {}).get("processing_params") or {}).get("n_samples") or 1)
+    except (TypeError, ValueError, AttributeError):
+        n = 1
+    return "sample" if n > 1 else "row"
 
 
 def equal_width_bins(hist: dict, max_bins: int = 64) -> tuple[int, list[tuple[int, int, int]]]:
@@ -266,10 +293,12 @@ def equal_width_bins(hist: dict, max_bins: int = 64) -> tuple[int, list[tuple[in
     return width, [(lo, lo + width, counts.get(lo, 0)) for lo in range(first, last + 1, width)]
 
 
-def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | None:
-    """Output tokens per row in equal-width bins, with the row's max_new_tokens marked."""
+def plot_tokens_per_row(hist: dict | None, limits: list[tuple[str, int]] | None = None, unit: str = "row") -> str | None:
+    """Output tokens per row (all its outputs) in equal-width bins, with the most a row can have
+    marked and labelled per output and per row (``token_limit_label``)."""
     if not hist or not hist.get("rows"):
         return None
+    limit = sum(n for _, n in limits) if limits else None
     width, bins = equal_width_bins(hist)
     fig = _figure(5.4, 3.4)
     ax = fig.subplots()
@@ -278,16 +307,15 @@ def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | No
 
     right = bins[-1][1] if bins else 1
     if limit:
-        ax.axvline(limit, color="#b42318", ls="--", lw=1.2)
-        ax.text(limit, 0.98, f" max_new_tokens {limit:,}", color="#b42318", fontsize=8, va="top", ha="right" if limit >= right * 0.7 else "left",
-                transform=ax.get_xaxis_transform())  # fmt: skip
+        ax.axvline(limit, color="#b42318", ls="--", lw=1.2, label=token_limit_label(limits, unit))
+        ax.legend(fontsize=7, loc="best", framealpha=0.9)
         right = max(right, limit)
     ax.set_xlim(0, right * 1.04 + 1)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(f"output tokens per row (all outputs of the row; bins of {width})")
-    ax.set_ylabel("rows")
-    ax.set_title(f"tokens per row: {hist['rows']:,} rows, mean {hist['mean']:.1f}, max {hist['max']}")
+    ax.set_xlabel(f"output tokens per {unit} (all outputs of the {unit}; bins of {width})")
+    ax.set_ylabel(f"{unit}s")
+    ax.set_title(f"tokens per {unit}: {hist['rows']:,} {unit}s, mean {hist['mean']:.1f}, max {hist['max']}")
     ax.grid(axis="y", alpha=0.3)
     return _png(fig)
 
@@ -296,20 +324,51 @@ def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | No
 
 
 def load_histories(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
-    """Each shard's progress samples (progress.json ``history``: [seconds, rows, tokens]) with its start time."""
+    """Each shard's progress samples (progress.json ``history``: [seconds, rows, tokens]) with its
+    start time and the second its generation began (None in files written before it was kept)."""
     from mirageflow.shard.progress import check_progress
 
     out = []
     for shard_id in shard_ids:
         data, _why = read_state_file(Path(state_dir) / f"shard_{shard_id}" / "progress.json", check_progress)
         if data and len(data.get("history") or []) >= 2:
-            out.append({"shard_id": shard_id, "started_at": data.get("started_at"), "history": data["history"]})
+            out.append({
+                "shard_id": shard_id, "started_at": data.get("started_at"), "history": data["history"],
+                "generation_started": data.get("generation_started_seconds"),
+            })  # fmt: skip
     return out
 
 
-def throughput_series(histories: list[dict]) -> list[tuple[int, list[float], list[float], list[float]]]:
-    """(shard, minutes, rows/s, tokens/s) per shard, on a common clock (minutes since the first shard started);
-    each rate holds between two samples and is drawn as a step."""
+def work_windows(history: list, generation_started: float | None = None) -> list[tuple[float, float, float, float]]:
+    """The history cut into windows that contain work: [(t0, t1, rows, tokens)], each window
+    ending at a sample where rows or tokens grew and starting where the previous one ended
+    (the first at the start of generation, else at the first sample). A batch that finishes
+    at once is so counted over the time it ran, not as one spike after zeros. Samples after
+    the last growth make a last window with nothing finished (writing, or a stall at the end)."""
+    points = sorted((float(t), float(r or 0), float(k or 0)) for t, r, k in history)
+    if not points:
+        return []
+    origin = points[0]
+    if generation_started is not None:
+        before = [p for p in points if p[0] <= generation_started]
+        origin = (max(float(generation_started), points[0][0]), *(before[-1] if before else points[0])[1:])
+    out = []
+    t0, r0, k0 = origin
+    last = origin
+    for t, r, k in points:
+        if t <= t0:
+            continue
+        last = (t, r, k)
+        if r > r0 or k > k0:
+            out.append((t0, t, max(0.0, r - r0), max(0.0, k - k0)))
+            t0, r0, k0 = t, r, k
+    if last[0] > t0:
+        out.append((t0, last[0], 0.0, 0.0))
+    return out
+
+
+def _offsets(histories: list[dict]) -> dict[int, float]:
+    """Each shard's start in seconds after the first shard's (0 where a start is unknown)."""
     starts = {}
     for h in histories:
         try:
@@ -318,36 +377,95 @@ def throughput_series(histories: list[dict]) -> list[tuple[int, list[float], lis
             starts[h["shard_id"]] = None
     known = [t for t in starts.values() if t is not None]
     origin = min(known) if known else None
+    return {k: (t - origin).total_seconds() if origin and t else 0.0 for k, t in starts.items()}
+
+
+def throughput_series(histories: list[dict]) -> list[tuple[int, list[float], list[float], list[float]]]:
+    """(shard, minutes, rows/s, tokens/s) per shard on a common clock (minutes since the first
+    shard started), one step per work window (``work_windows``)."""
+    offsets = _offsets(histories)
     out = []
     for h in histories:
-        offset = (starts[h["shard_id"]] - origin).total_seconds() if origin and starts[h["shard_id"]] else 0.0
+        offset = offsets[h["shard_id"]]
         xs, rows, tokens = [], [], []
-        for (t0, r0, k0), (t1, r1, k1) in zip(h["history"], h["history"][1:]):
-            if t1 <= t0:
-                continue
+        for t0, t1, r, k in work_windows(h["history"], h.get("generation_started")):
             xs += [(offset + t0) / 60, (offset + t1) / 60]
-            rows += [max(0.0, (r1 - r0) / (t1 - t0))] * 2
-            tokens += [max(0.0, (k1 - k0) / (t1 - t0))] * 2
+            rows += [r / (t1 - t0)] * 2
+            tokens += [k / (t1 - t0)] * 2
         if xs:
             out.append((h["shard_id"], xs, rows, tokens))
     return out
 
 
-def plot_throughput(histories: list[dict]) -> str | None:
-    """Rows/s and output tokens/s over time, one line per shard (from the shards' progress samples)."""
+def rows_done_series(histories: list[dict]) -> list[tuple[int, list[float], list[float]]]:
+    """(shard, minutes, rows done) per shard on the common clock: the progress samples as they are."""
+    offsets = _offsets(histories)
+    return [
+        (h["shard_id"], [(offsets[h["shard_id"]] + t) / 60 for t, _, _ in h["history"]], [r or 0 for _, r, _ in h["history"]])
+        for h in histories
+    ]
+
+
+def total_rows_done(series: list[tuple[int, list[float], list[float]]]) -> tuple[list[float], list[float]]:
+    """The run's rows done over time: every shard's count summed at every sample time (a
+    shard counts its last sample until it ends, nothing before it starts)."""
+    import numpy as np
+
+    times = np.unique(np.concatenate([np.asarray(xs, dtype=float) for _, xs, _ in series])) if series else np.array([])
+    total = np.zeros_like(times)
+    for _, xs, rows in series:
+        xs, rows = np.asarray(xs, dtype=float), np.asarray(rows, dtype=float)
+        at = np.searchsorted(xs, times, side="right") - 1
+        total += np.where(at >= 0, rows[np.clip(at, 0, None)], 0.0)
+    return times.tolist(), total.tolist()
+
+
+def total_rate(series: list[tuple[int, list[float], list[float], list[float]]]) -> tuple[list[float], list[float]]:
+    """The run's output tokens/s over time: the shards' window rates (``throughput_series``) summed
+    where they overlap, as (minutes, tokens/s) steps."""
+    changes: dict[float, float] = {}
+    for _, xs, _, tokens in series:
+        for i in range(0, len(xs) - 1, 2):  # each window is two points: (start, rate), (end, rate)
+            changes[xs[i]] = changes.get(xs[i], 0.0) + tokens[i]
+            changes[xs[i + 1]] = changes.get(xs[i + 1], 0.0) - tokens[i]
+    times, rates, level = [], [], 0.0
+    for t in sorted(changes):
+        level += changes[t]
+        times.append(t)
+        rates.append(max(0.0, level))  # no float residue below zero
+    return times, rates
+
+
+MANY_SHARDS = 10  # above this: no legend, and both panels show the run's totals
+
+
+def plot_throughput(histories: list[dict], unit: str = "rows") -> str | None:
+    """Rows done over time (per shard, or the run's total with many shards) and output
+    tokens/s per shard over windows that contain work (from the shards' progress samples)."""
     series = throughput_series(histories)
     if not series:
         return None
+    done = rows_done_series(histories)
     fig = _figure(11, 3.4)
     ax1, ax2 = fig.subplots(1, 2, sharex=True)
-    many = len(series) > 10
-    for shard_id, xs, rows, tokens in series:
-        kw = {"lw": 0.8 if many else 1.3, "alpha": 0.6 if many else 1.0, "label": None if many else f"shard {shard_id}"}
-        ax1.plot(xs, rows, **kw)
-        ax2.plot(xs, tokens, **kw)
-    ax1.set_title("rows/s per shard over time")
-    ax2.set_title("output tokens/s per shard over time" + (f" ({len(series)} shards)" if many else ""))
-    ax1.set_ylabel("rows/s")
+    many = len(series) > MANY_SHARDS
+    if many:
+        xs, total = total_rows_done(done)
+        ax1.step(xs, total, where="post", color="#1d2433", lw=1.5)
+        ax1.set_title(f"{unit} done over time, all {len(done)} shards together")
+    else:
+        for shard_id, xs, rows in done:
+            ax1.step(xs, rows, where="post", lw=1.3, label=f"shard {shard_id}")
+        ax1.set_title(f"{unit} done over time, per shard")
+    if many:
+        xs, rates = total_rate(series)
+        ax2.step(xs, rates, where="post", color="#1d2433", lw=1.2)
+        ax2.set_title(f"output tokens/s, all {len(series)} shards together")
+    else:
+        for shard_id, xs, rows, tokens in series:
+            ax2.plot(xs, tokens, lw=1.3, label=f"shard {shard_id}")
+        ax2.set_title("output tokens/s per shard, over windows with work")
+    ax1.set_ylabel(f"{unit} done (cumulative)")
     ax2.set_ylabel("tokens/s")
     for ax in (ax1, ax2):
         ax.set_xlabel("minutes since the first shard started")
@@ -356,6 +474,33 @@ def plot_throughput(histories: list[dict]) -> str | None:
     if not many:
         ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _png(fig)
+
+
+THROUGHPUT_CAPTION = (
+    "From each shard's progress samples (every 5 s, at most 240 per attempt; the last attempt of each shard). "
+    "Left: {unit} done, counted when they finish (resumed ones included): a flat stretch is time in which none "
+    "finished (the model loading, a batch still generating, or a stall). Right: output tokens/s, each step the "
+    "tokens finished in a window that ends when {unit} finish and starts where the previous window ended (the "
+    "first at the start of generation), so a batch that finishes at once is drawn at its average rate over the "
+    "time it ran, not as one spike after zeros. A step at zero is a window in which nothing finished: after the "
+    "last {unit} (the shard writing its records) or a stall at the end. With more than 10 shards both panels show "
+    "the run's total: {unit} done summed over the shards, and their tokens/s summed where they overlap."
+)
+SHARDS_CAPTION = (
+    "Completed shards. Left: output tokens over the shard's generation time (all attempts); a bar at zero is a shard "
+    "that generated no tokens (every row failed or was filtered). Right: the shard's wall time split into engine "
+    "load, warm-up, generation and the rest (start-up, commits after generation, shutdown)."
+)
+GPU_CAPTION = (
+    "NVML's utilisation of each GPU the shard holds, each sample held until the next. 0 % is a GPU that ran no "
+    "kernel in that interval (the engine waiting for work, or between batches); a gap is a time with no samples."
+)
+TOKENS_CAPTION = "Output tokens per {unit}, summed over the {unit}'s LLM outputs, in bins of one width."
+TOKENS_LIMIT_CAPTION = (
+    " The dashed line is the most a {unit} can have: each output's max_new_tokens, summed over the outputs "
+    "(a bar at it is a {unit} cut by the limit)."
+)
+ERRORS_CAPTION = "Failed rows per error class, in completed and failed shards (each failed row is in its shard's errors.jsonl)."
 
 
 # --------------------------------------------------------------------------- examples
@@ -543,11 +688,13 @@ def metrics_table_rows(agg: dict) -> list[tuple[str, str, object]]:
     return rows
 
 
-def _img(png: str | None, alt: str, missing: str) -> str:
-    """The plot, or the note saying why there is none (``missing`` is trusted HTML)."""
+def _img(png: str | None, alt: str, missing: str, caption: str | None = None) -> str:
+    """The plot with its caption (what it shows and what a zero means), or the note saying why
+    there is none (``missing`` is trusted HTML)."""
     if png is None:
         return f'<p class="note">{missing}</p>'
-    return f'<div class="plot"><img alt="{_esc(alt)}" src="data:image/png;base64,{png}"></div>'
+    below = f"<figcaption>{_esc(caption)}</figcaption>" if caption else ""
+    return f'<figure class="plot"><img alt="{_esc(alt)}" src="data:image/png;base64,{png}">{below}</figure>'
 
 
 def _card(key: str, value: str) -> str:
@@ -579,12 +726,13 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     failed_ids = [f["shard_id"] for f in agg.get("failed_shards") or []]
     done_ids = [s["shard_id"] for s in per_shard]
     identity = load_identity(state_dir)
+    unit = unit_of(identity)  # what a record is: a row, or one of a row's n_samples
     plots = {}
     for name, fn in (
         ("shards", lambda: plot_shards(per_shard, stragglers)),
-        ("throughput", lambda: plot_throughput(load_histories(state_dir, sorted(done_ids + failed_ids)[:200]))),
+        ("throughput", lambda: plot_throughput(load_histories(state_dir, sorted(done_ids + failed_ids)[:200]), unit + "s")),
         ("gpu", lambda: plot_gpu_util(samples)),
-        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"), row_token_limit(identity))),
+        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"), output_token_limits(identity), unit)),
         ("errors", lambda: plot_errors(agg.get("rows_failed_by_class") or {})),
     ):
         try:
@@ -652,16 +800,15 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         out.append("</table>")
 
     out.append("<h2>Shards</h2>")
-    out.append(_img(plots["shards"], "per-shard throughput and runtime", "No completed shard yet."))
+    out.append(_img(plots["shards"], "per-shard throughput and runtime", "No completed shard yet.", SHARDS_CAPTION))
     out.append("<h2>Throughput over time</h2>")
     out.append(
         _img(
-            plots["throughput"], "rows/s and tokens/s per shard over time",
+            plots["throughput"], f"{unit}s done and output tokens/s per shard over time",
             "No progress samples (progress.json of the shards has no history: an older run, or no shard ran long enough).",
+            THROUGHPUT_CAPTION.format(unit=unit + "s"),
         )
     )  # fmt: skip
-    out.append('<p class="note">From each shard\'s progress samples (every 5 s, thinned to at most 240 per attempt; '
-               "the last attempt of each shard): flat stretches at zero are stalls or the engine loading.</p>")  # fmt: skip
     out.append("<h2>GPU utilisation</h2>")
     out.append(
         _img(
@@ -669,16 +816,18 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
             "No GPU samples: the run had no GPU, NVML was unavailable (see the shard logs), or "
             "stats was off (sample with <code>stats: true</code> in the config, "
             "<code>--config stats=true</code> or <code>mmirage run --stats</code>).",
+            GPU_CAPTION,
         )
     )  # fmt: skip
     out += html_section(metrics.get("cluster_accounting"))  # beside the GPU figures
-    out.append('<div class="cols"><div><h2>Tokens per row</h2>')
-    out.append(_img(plots["tokens"], "output tokens per row", "No rows generated."))
+    out.append(f'<div class="cols"><div><h2>Tokens per {unit}</h2>')
+    caption = TOKENS_CAPTION + (TOKENS_LIMIT_CAPTION if output_token_limits(identity) else "")
+    out.append(_img(plots["tokens"], f"output tokens per {unit}", "No rows generated.", caption.format(unit=unit)))
     out.append("</div><div><h2>Errors</h2>")
     if plots["errors"] is None and agg.get("total_rows_failed"):  # failed rows without a class (older files)
         out.append(f'<p class="note">{_esc(_fmt(agg["total_rows_failed"]))} failed rows, without error classes.</p>')
     else:
-        out.append(_img(plots["errors"], "failed rows by error class", "No failed rows."))
+        out.append(_img(plots["errors"], "failed rows by error class", "No failed rows.", ERRORS_CAPTION))
     out.append("</div></div>")
 
     out += _examples_html(state_dir, done_ids, agg.get("total_shards") or 0)

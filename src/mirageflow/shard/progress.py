@@ -34,7 +34,7 @@ MAX_HISTORY = 240  # (t, rows, tokens) samples kept in progress.json; thinned by
 NUMBER_FIELDS = (
     "phase_seconds", "rows_done", "rows_failed", "rows_total", "fraction_done", "output_tokens", "rows_per_sec",
     "tokens_per_sec", "rate_window_seconds", "eta_seconds", "queue_depth", "inflight", "elapsed_seconds",
-    "updated_at_unix", "num_gpus", "attempt",
+    "updated_at_unix", "num_gpus", "attempt", "generation_started_seconds",
 )  # fmt: skip
 STRING_FIELDS = ("phase", "eta_human", "started_at", "updated_at", "hostname")
 
@@ -182,6 +182,7 @@ class ProgressReporter:
         self.started_at = stats.utc_now()
         self.t0 = clock()
         self._phase_since = self.t0
+        self._generation_started: float | None = None  # seconds since t0 when generation began
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -204,6 +205,7 @@ class ProgressReporter:
             self._phase_since = self.clock()
             if phase == "generating":
                 self.rates.reset()  # rates count generation only
+                self._generation_started = self._phase_since - self.t0
         self.write()
 
     def finish(self, phase: str) -> None:
@@ -228,7 +230,7 @@ class ProgressReporter:
             if snap is not None and self.phase == "generating":
                 self.rates.add(now, snap.get("rows_done", 0), snap.get("output_tokens") or 0)
             rows_per_sec, tokens_per_sec, covered = self.rates.rates()
-            phase, phase_since = self.phase, self._phase_since
+            phase, phase_since, generation_started = self.phase, self._phase_since, self._generation_started
             if snap is not None:
                 self.history.add(now - self.t0, snap.get("rows_done"), snap.get("output_tokens"))
             history = self.history.to_json()
@@ -267,6 +269,8 @@ class ProgressReporter:
             "num_gpus": self.num_gpus,
             # [seconds since started_at, rows done, output tokens]: the attempt's throughput over time (report.html)
             "history": history,
+            # seconds since started_at when generation began (report.html's rates start there, not at the load)
+            "generation_started_seconds": generation_started,
         }
 
     def write(self) -> None:
