@@ -245,3 +245,25 @@ def test_preview_text_names_each_sample(tmp_path):
     assert "(first 2 row(s), 2 samples per row: 4 record(s))" in text
     assert "--- row 0 sample 0 of 2 ---" in text and "--- row 1 sample 1 of 2 ---" in text
     assert '"sample_index": 1' in text and '"id": "B"' in text and "record (as a shard writes it):" in text
+
+
+def test_an_engine_that_raises_stops_the_preview_as_it_fails_a_shard(tmp_path):
+    from fakes.fake_http import FakeServer
+
+    from mirageflow.engines.openai_engine import OpenAIEngine
+    from mirageflow.shard.rows import EngineFailed
+
+    class Broken(OpenAIEngine):
+        async def generate_one(self, request):
+            raise ConnectionError("server went away")
+
+        async def generate_samples(self, request, n):
+            raise ConnectionError("server went away")
+
+    server = FakeServer().start()
+    try:
+        cfg = load_config(_sampled_pipeline(tmp_path / "p", server.url, True))
+        with pytest.raises(EngineFailed, match=r"engine 'llm' failed on row 0: ConnectionError: server went away"):
+            preview.preview(cfg, rows=1, generate=True, engine_factory=lambda p, b, log_dir=None: Broken(p, b, log_dir=log_dir))
+    finally:
+        server.stop()

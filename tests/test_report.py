@@ -308,7 +308,7 @@ def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
     page = (state / "report.html").read_text()
     assert len(_images(page)) == 5  # + throughput over time
     assert 'alt="rows done and output tokens/s per shard over time"' in page
-    assert "A step at zero is a window in which nothing finished" in page  # the caption says what zero means
+    assert "A step at zero is a window in which no tokens were added" in page  # the caption says what zero means
     assert "<h2>Example records</h2>" in page and "answer &lt;0&gt;" in page and "answer &lt;2&gt;" in page
     assert "answer &lt;3&gt;" not in page  # a few, not all
     assert "<h2>Failed rows (examples)</h2>" in page and "answer is not valid JSON #0" in page and "JSON #4" in page and "JSON #5" not in page
@@ -316,31 +316,35 @@ def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
 
 
 def test_throughput_series_are_rates_over_windows_with_work_on_a_common_clock():
-    from mirageflow.report.html import throughput_series
+    from mirageflow.report.html import ROWS, throughput_series
 
-    series = throughput_series([
+    histories = [
         {"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": [[0, 0, 0], [10, 20, 1000], [20, 20, 1000]]},
         {"shard_id": 1, "started_at": "2025-03-01T10:01:00+00:00", "history": [[0, 0, 0], [30, 30, 600]]},
-    ])  # fmt: skip
-    (s0, x0, r0, k0), (s1, x1, r1, k1) = series
-    assert (s0, x0, r0, k0) == (0, [0, 10 / 60, 10 / 60, 20 / 60], [2.0, 2.0, 0.0, 0.0], [100.0, 100.0, 0.0, 0.0])
-    assert (s1, x1, r1, k1) == (1, [1.0, 1.5], [1.0, 1.0], [20.0, 20.0])
+    ]  # fmt: skip
+    (s0, x0, k0), (s1, x1, k1) = throughput_series(histories)
+    assert (s0, x0, k0) == (0, [0, 10 / 60, 10 / 60, 20 / 60], [100.0, 100.0, 0.0, 0.0])  # zero: nothing after the last row
+    assert (s1, x1, k1) == (1, [1.0, 1.5], [20.0, 20.0])
+    (_, _, r0), (_, _, r1) = throughput_series(histories, ROWS)
+    assert r0 == [2.0, 2.0, 0.0, 0.0] and r1 == [1.0, 1.0]
 
 
 def test_a_small_batch_is_drawn_at_its_rate_over_the_time_it_ran_not_as_a_spike_after_zeros():
-    """12 rows in one batch: generation starts at 4 s, every row finishes at 14 s (sampled at 15 s)."""
-    from mirageflow.report.html import throughput_series, work_windows
+    """12 rows in one batch: generation starts at 4 s, 2 bad rows fail at once (no tokens),
+    the other 10 finish at 14 s (sampled at 15 s)."""
+    from mirageflow.report.html import ROWS, throughput_series, work_windows
 
-    history = [[0, 0, 0], [4, 0, 0], [5, 0, 0], [10, 0, 0], [15, 12, 1200], [16, 12, 1200]]
-    assert work_windows(history, generation_started=4) == [(4.0, 15.0, 12.0, 1200.0), (15.0, 16.0, 0.0, 0.0)]
-    ((_, xs, rows, tokens),) = throughput_series([{"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": history,
-                                                   "generation_started": 4}])  # fmt: skip
-    assert rows[:2] == [12 / 11, 12 / 11] and tokens[:2] == [1200 / 11] * 2  # not 12 / 5 = 2.4 after zeros
-    assert max(rows) == rows[0] and xs[0] == 4 / 60  # nothing drawn during the model load
+    history = [[0, 0, 0], [4, 0, 0], [5, 2, 0], [10, 2, 0], [15, 12, 1200], [16, 12, 1200]]
+    assert work_windows(history, generation_started=4) == [(4.0, 15.0, 1200.0), (15.0, 16.0, 0.0)]
+    assert work_windows(history, 4, ROWS) == [(4.0, 5.0, 2.0), (5.0, 15.0, 10.0), (15.0, 16.0, 0.0)]
+    ((_, xs, tokens),) = throughput_series([{"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": history,
+                                             "generation_started": 4}])  # fmt: skip
+    assert tokens == [1200 / 11] * 2 + [0.0] * 2  # not 0 for the failed rows' window, then 1200 / 5 = 240
+    assert xs[0] == 4 / 60  # nothing drawn during the model load
     # batches finishing every 20 s in 5 s samples: each batch over its 20 s, no zero between them
     steady = [[5.0 * i, 8 * (i // 4), 800 * (i // 4)] for i in range(17)]
-    assert [w for w in work_windows(steady, 0.0) if w[2] == 0] == []
-    assert {round(r / (t1 - t0), 6) for t0, t1, r, _ in work_windows(steady, 0.0)} == {0.4}
+    assert [w for w in work_windows(steady, 0.0, ROWS) if w[2] == 0] == []
+    assert {round(r / (t1 - t0), 6) for t0, t1, r in work_windows(steady, 0.0, ROWS)} == {0.4}
 
 
 def test_progress_json_says_when_generation_started(tmp_path):
@@ -428,7 +432,7 @@ def test_report_of_many_shards_renders_in_a_browser(tmp_path):
     html_images = len(_images(page.read_text()))
     parsed = dom(page)
     assert parsed.count("<img ") == html_images == 5 and parsed.count("<figcaption>") == 5  # each plot with its caption
-    assert "A step at zero is a window in which nothing finished" in parsed and "both panels show the run" in parsed
+    assert "A step at zero is a window in which no tokens were added" in parsed and "both panels show the run" in parsed
     assert "0 % is a GPU that ran no kernel in that interval" in parsed and "a bar at zero is a shard that generated no tokens" in parsed
     size, colours = pixels(screenshot(page, tmp_path / "report.png"))
     assert size == (1280, 3000) and len(colours) > 500  # text, plots and tables, not a blank or error page

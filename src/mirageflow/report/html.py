@@ -339,31 +339,34 @@ def load_histories(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
     return out
 
 
-def work_windows(history: list, generation_started: float | None = None) -> list[tuple[float, float, float, float]]:
-    """The history cut into windows that contain work: [(t0, t1, rows, tokens)], each window
-    ending at a sample where rows or tokens grew and starting where the previous one ended
-    (the first at the start of generation, else at the first sample). A batch that finishes
-    at once is so counted over the time it ran, not as one spike after zeros. Samples after
-    the last growth make a last window with nothing finished (writing, or a stall at the end)."""
-    points = sorted((float(t), float(r or 0), float(k or 0)) for t, r, k in history)
+ROWS, TOKENS = 1, 2  # columns of a progress history sample [seconds, rows done, output tokens]
+
+
+def work_windows(history: list, generation_started: float | None = None, column: int = TOKENS) -> list[tuple[float, float, float]]:
+    """One count of the history (``column``: ROWS or TOKENS) cut into windows that contain
+    work: [(t0, t1, growth)], each window ending at a sample where the count grew and starting
+    where the previous one ended (the first at the start of generation, else at the first
+    sample). A batch that finishes at once is so counted over the time it ran, not as one
+    spike after zeros; rows that fail at once (no tokens) do not cut the tokens' windows.
+    Samples after the last growth make a last window with nothing finished (the shard
+    writing its records, or a stall at the end)."""
+    points = sorted((float(sample[0]), float(sample[column] or 0)) for sample in history)
     if not points:
         return []
-    origin = points[0]
+    t0, v0 = points[0]
     if generation_started is not None:
-        before = [p for p in points if p[0] <= generation_started]
-        origin = (max(float(generation_started), points[0][0]), *(before[-1] if before else points[0])[1:])
-    out = []
-    t0, r0, k0 = origin
-    last = origin
-    for t, r, k in points:
+        before = [v for t, v in points if t <= generation_started]
+        t0, v0 = max(float(generation_started), t0), (before[-1] if before else v0)
+    out, last = [], t0
+    for t, v in points:
         if t <= t0:
             continue
-        last = (t, r, k)
-        if r > r0 or k > k0:
-            out.append((t0, t, max(0.0, r - r0), max(0.0, k - k0)))
-            t0, r0, k0 = t, r, k
-    if last[0] > t0:
-        out.append((t0, last[0], 0.0, 0.0))
+        last = t
+        if v > v0:
+            out.append((t0, t, v - v0))
+            t0, v0 = t, v
+    if last > t0:
+        out.append((t0, last, 0.0))
     return out
 
 
@@ -380,20 +383,19 @@ def _offsets(histories: list[dict]) -> dict[int, float]:
     return {k: (t - origin).total_seconds() if origin and t else 0.0 for k, t in starts.items()}
 
 
-def throughput_series(histories: list[dict]) -> list[tuple[int, list[float], list[float], list[float]]]:
-    """(shard, minutes, rows/s, tokens/s) per shard on a common clock (minutes since the first
-    shard started), one step per work window (``work_windows``)."""
+def throughput_series(histories: list[dict], column: int = TOKENS) -> list[tuple[int, list[float], list[float]]]:
+    """(shard, minutes, rate per second) per shard on a common clock (minutes since the first
+    shard started), one step per work window of ``column`` (``work_windows``)."""
     offsets = _offsets(histories)
     out = []
     for h in histories:
         offset = offsets[h["shard_id"]]
-        xs, rows, tokens = [], [], []
-        for t0, t1, r, k in work_windows(h["history"], h.get("generation_started")):
+        xs, rates = [], []
+        for t0, t1, grown in work_windows(h["history"], h.get("generation_started"), column):
             xs += [(offset + t0) / 60, (offset + t1) / 60]
-            rows += [r / (t1 - t0)] * 2
-            tokens += [k / (t1 - t0)] * 2
+            rates += [grown / (t1 - t0)] * 2
         if xs:
-            out.append((h["shard_id"], xs, rows, tokens))
+            out.append((h["shard_id"], xs, rates))
     return out
 
 
@@ -420,11 +422,11 @@ def total_rows_done(series: list[tuple[int, list[float], list[float]]]) -> tuple
     return times.tolist(), total.tolist()
 
 
-def total_rate(series: list[tuple[int, list[float], list[float], list[float]]]) -> tuple[list[float], list[float]]:
+def total_rate(series: list[tuple[int, list[float], list[float]]]) -> tuple[list[float], list[float]]:
     """The run's output tokens/s over time: the shards' window rates (``throughput_series``) summed
     where they overlap, as (minutes, tokens/s) steps."""
     changes: dict[float, float] = {}
-    for _, xs, _, tokens in series:
+    for _, xs, tokens in series:
         for i in range(0, len(xs) - 1, 2):  # each window is two points: (start, rate), (end, rate)
             changes[xs[i]] = changes.get(xs[i], 0.0) + tokens[i]
             changes[xs[i + 1]] = changes.get(xs[i + 1], 0.0) - tokens[i]
@@ -462,7 +464,7 @@ def plot_throughput(histories: list[dict], unit: str = "rows") -> str | None:
         ax2.step(xs, rates, where="post", color="#1d2433", lw=1.2)
         ax2.set_title(f"output tokens/s, all {len(series)} shards together")
     else:
-        for shard_id, xs, rows, tokens in series:
+        for shard_id, xs, tokens in series:
             ax2.plot(xs, tokens, lw=1.3, label=f"shard {shard_id}")
         ax2.set_title("output tokens/s per shard, over windows with work")
     ax1.set_ylabel(f"{unit} done (cumulative)")
@@ -478,12 +480,12 @@ def plot_throughput(histories: list[dict], unit: str = "rows") -> str | None:
 
 THROUGHPUT_CAPTION = (
     "From each shard's progress samples (every 5 s, at most 240 per attempt; the last attempt of each shard). "
-    "Left: {unit} done, counted when they finish (resumed ones included): a flat stretch is time in which none "
-    "finished (the model loading, a batch still generating, or a stall). Right: output tokens/s, each step the "
-    "tokens finished in a window that ends when {unit} finish and starts where the previous window ended (the "
-    "first at the start of generation), so a batch that finishes at once is drawn at its average rate over the "
-    "time it ran, not as one spike after zeros. A step at zero is a window in which nothing finished: after the "
-    "last {unit} (the shard writing its records) or a stall at the end. With more than 10 shards both panels show "
+    "Left: {unit} done, counted when they finish (resumed and failed ones included): a flat stretch is time in "
+    "which none finished (the model loading, a batch still generating, or a stall). Right: output tokens/s, each "
+    "step the tokens of the {unit} finished in a window that ends when tokens were added and starts where the "
+    "previous window ended (the first at the start of generation), so a batch that finishes at once is drawn at "
+    "its average rate over the time it ran, not as one spike after zeros. A step at zero is a window in which no "
+    "tokens were added: after the last {unit} (the shard writing its records) or a stall at the end. With more than 10 shards both panels show "
     "the run's total: {unit} done summed over the shards, and their tokens/s summed where they overlap."
 )
 SHARDS_CAPTION = (
