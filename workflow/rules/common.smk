@@ -149,4 +149,6 @@ def cluster_resources(job):
     has the mapping), when the run submits to a cluster; a local run gets only those it
     limits with --resources (e.g. gpu=N on a GPU node).
     """
-    return cluster.job_resources(PIPELINE, job, SUBMITS_TO_CLUSTER, workflow.global_resources)
+    return cluster.job_resources(
+        PIPELINE, job, SUBMITS_TO_CLUSTER, workflow.global_resources
+    )
