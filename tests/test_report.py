@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from browser import dom, near, pixels, screenshot
 
+from mirageflow.numbers import fmt
 from mirageflow.report import aggregate as report
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
@@ -88,7 +89,7 @@ def test_report_html_embeds_plots_and_metrics(tmp_path):
     agg = metrics["aggregate"]
     for key in ("tokens_per_sec_per_gpu", "gpu_days_per_billion_tokens", "mean_gpu_util_pct", "p95_shard_runtime_seconds", "roofline_fraction"):
         assert f"<code>{key}</code>" in page
-    assert report._fmt(agg["total_output_tokens"]) in page
+    assert fmt(agg["total_output_tokens"]) in page
     assert "EngineCrashed: the SGLang server exited" in page  # the failed shard, with its error
     assert "shard 4 (" in page  # the straggler
     assert agg["failed_shards"][0]["shard_id"] == 5 and [s["shard_id"] for s in agg["stragglers"]] == [4]
@@ -348,7 +349,8 @@ def test_a_small_batch_is_drawn_at_its_rate_over_the_time_it_ran_not_as_a_spike_
 
 
 def test_progress_json_says_when_generation_started(tmp_path):
-    from mirageflow.shard.progress import ProgressReporter, check_progress
+    from mirageflow.shard.progress import ProgressReporter
+    from mirageflow.state.records import check_progress
 
     now = [100.0]
     reporter = ProgressReporter(tmp_path / "progress.json", 0, 10, lambda: {"rows_done": 0}, clock=lambda: now[0])
@@ -361,14 +363,13 @@ def test_progress_json_says_when_generation_started(tmp_path):
 
 
 def test_token_limit_marker_says_per_output_and_per_row():
-    from mirageflow.report.html import output_token_limits, token_limit_label, unit_of
+    from mirageflow.report.html import output_token_limits, token_limit_label
 
     two = {"processors": [{"default_sampling_params": {"max_new_tokens": 64}}],
            "processing_params": {"outputs": [{"name": "a"}, {"name": "b"}], "n_samples": 2}}  # fmt: skip
-    assert token_limit_label(output_token_limits(two), unit_of(two)) == "max_new_tokens 64 per output x 2 outputs = 128 per sample"
+    assert token_limit_label(output_token_limits(two), "sample") == "max_new_tokens 64 per output x 2 outputs = 128 per sample"
     assert token_limit_label([("a", 64)]) == "max_new_tokens 64 (1 output per row)"
     assert token_limit_label([("grade", 256), ("summary", 64)]) == "max_new_tokens 256 (grade) + 64 (summary) = 320 per row"
-    assert unit_of(None) == "row"
 
 
 def test_summary_does_not_open_with_failures_when_nothing_failed(tmp_path):
@@ -397,7 +398,7 @@ def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
     assert "wall_clock_runtime_human" in agg and "total_rows_processed" in agg  # metrics.json keeps the seed's keys
     rows = {key: (label, value) for label, key, value in metrics_table_rows(agg)}
     assert not any(k.endswith("_human") for k in rows)
-    assert rows["wall_clock_runtime_seconds"][1] == f"{report._fmt(agg['wall_clock_runtime_seconds'])} s ({agg['wall_clock_runtime_human']})"
+    assert rows["wall_clock_runtime_seconds"][1] == f"{fmt(agg['wall_clock_runtime_seconds'])} s ({agg['wall_clock_runtime_human']})"
     assert rows["total_rows_processed"][0] == "rows ok (completed shards)"
     assert rows["total_rows_failed"][0].startswith("rows failed")
     page = (state / "report.html").read_text()
@@ -438,3 +439,24 @@ def test_report_of_many_shards_renders_in_a_browser(tmp_path):
     assert size == (1280, 3000) and len(colours) > 500  # text, plots and tables, not a blank or error page
     assert near(colours, "#3b6fb6") > 20_000  # the plots' bars (per-shard throughput, runtime, tokens) are drawn
     assert near(colours, "#b42318") > 500  # the straggler's outline, the failed shard's error, the errors plot
+
+
+def test_with_several_samples_the_report_counts_samples_and_says_so(tmp_path):
+    """60 rows x 2 samples: the tokens histogram holds 120 records, "120 samples (60 rows x 2)", not "120 rows"."""
+    from mirageflow.report.html import tokens_hist_labels
+
+    hist = {"rows": 120, "mean": 40.0, "max": 64}
+    title, xlabel, ylabel = tokens_hist_labels(hist, 2, 8)
+    assert title == "tokens per sample: 120 samples (60 rows x 2), mean 40.0, max 64" and ylabel == "samples"
+    assert tokens_hist_labels(hist, 1, 8)[0] == "tokens per row: 120 rows, mean 40.0, max 64"
+    state = make_state(tmp_path)
+    for path in state.glob("shard_*/status.json"):
+        status = json.loads(path.read_text())
+        status["stats"]["n_samples"] = 2
+        path.write_text(json.dumps(status))
+    metrics = report.write_report(state, 6)
+    assert metrics["aggregate"]["n_samples"] == 2
+    summary = (state / "summary.md").read_text()
+    assert "| `total_rows_processed` |" in summary and "rows ok (samples: 2 records per source row)" in summary
+    assert "each source row makes 2 records (samples)" in (state / "report.html").read_text()
+

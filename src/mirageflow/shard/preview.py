@@ -20,6 +20,9 @@ shard does it: one answer per sample (one request with ``n`` on engines with nat
 the parsed JSON and each row's error. Engine logs go to a temporary directory; the
 pipeline's state_dir and output_dirs are never read or written; transformers' progress
 bars ("Loading weights") are off while the engine loads.
+
+``export_prompts`` (``mmirage run --export-prompts``) runs every row the same way without
+generation and writes each request as the engine would receive it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import Completion, EngineInfo
 from mirageflow.prompts import python_steps, samples
 from mirageflow.prompts.images import RowImages
-from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import Extractor, RecordRenderer
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.steps import OutputStep
 from mirageflow.stats import formulas as stats
@@ -123,23 +127,28 @@ class Unbooked:
         self.tracker = stats.InflightTracker()
         self.tokens_per_row = stats.TokenHistogram()
 
-    def book(self, request, completion, sent: bool = True) -> None:
+    def book(self, request, completion, sent: bool = True, cached: bool = False) -> None:
         pass
 
 
 def first_rows(ds: DatasetConfig, n: int) -> list:
     """The dataset's first ``n`` rows as SourceRow (a dict, or a RowError for an unreadable row)."""
+    return list(iter_rows(ds, n))
+
+
+def iter_rows(ds: DatasetConfig, n: int = sys.maxsize):
+    """The dataset's first ``n`` rows (default: all; fewer when it has fewer), read as they are consumed."""
     from mirageflow.data import readers
 
     if n <= 0:
-        return []
-    if ds.type == "jsonl":  # the rows there are, up to n (a shard's reader fails a file shorter than its slice)
+        return iter(())
+    if ds.type == "jsonl":  # the rows there are, up to n: a shard's reader fails a file shorter than its slice
         try:
             with open(ds.path, "rb") as f:
                 present = sum(1 for _ in itertools.islice((line for line in f if line.strip()), n))
         except OSError as e:
             raise readers.DatasetReadError(f"{ds.path}: cannot open the dataset file ({e})") from e
-        return list(readers.read_shard(ds, readers.ShardSlice(0, present, 0, 1)))
+        return readers.read_shard(ds, readers.ShardSlice(0, present, 0, 1))
     if ds.type == "parquet":
         import pyarrow.parquet as pq
 
@@ -150,9 +159,9 @@ def first_rows(ds: DatasetConfig, n: int) -> list:
             total += rows
             if total >= n:
                 break
-        return list(readers.read_shard(ds, readers.ShardSlice(0, min(n, total), files=files)))
-    total = len(readers._load_hf(ds))  # memory-mapped: the length costs nothing
-    return list(readers.read_shard(ds, readers.ShardSlice(0, min(n, total))))
+        return readers.read_shard(ds, readers.ShardSlice(0, min(n, total), files=files))
+    total = len(readers.load_hf(ds))  # memory-mapped: the length costs nothing
+    return readers.read_shard(ds, readers.ShardSlice(0, min(n, total)))
 
 
 def _plain(value: Any) -> Any:
@@ -268,6 +277,58 @@ async def _preview_dataset(path: RowPath, steps: list, ds, source: list, generat
     return [_unit(path, trace, *outcome) for outcomes in done for outcome in outcomes]
 
 
+class _Session:
+    """What a preview needs for its rows: the shard's row path with its steps (engines loaded
+    with ``generate``, else their chat templates only and placeholder steps); close() stops them."""
+
+    def __init__(self, cfg: PipelineConfig, generate: bool, log_dir: str | Path | None, engine_factory=registry.create_engine):
+        self.cfg, self.generate = cfg, generate
+        render = RecordRenderer(
+            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
+        )  # fmt: skip
+        self.path = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, Unbooked(), cfg.n_samples)
+        self.engines: dict[str, Engine] = {}
+        self.pools: dict[str, python_steps.FunctionPool] = {}
+        self._scratch = None
+        if generate and log_dir is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="mmirage-preview-")
+            log_dir = self._scratch.name
+        try:
+            if generate:
+                self.pools = python_steps.start_pools(cfg.custom_processors, cfg.outputs)
+            else:  # not started: the steps are shown, not run
+                self.pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
+            with quiet_progress_bars():
+                for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
+                    processor = cfg.processors[name]
+                    engine = engine_factory(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
+                    self.engines[name] = engine
+                    engine.load()
+            steps = [
+                python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]), self.pools)
+                for o in cfg.outputs
+            ]
+            self.steps = steps if generate else [_placeholder(step, cfg) for step in steps]
+            self.path.set_steps(self.steps)
+        except BaseException:
+            self.close()
+            raise
+
+    def rows(self, ds, source: list) -> list[dict]:
+        """One entry per record the shard would write for these rows (per sample with n_samples > 1)."""
+        return asyncio.run(_preview_dataset(self.path, self.steps, ds, source, self.generate)) if source else []
+
+    def close(self) -> None:
+        python_steps.close_pools(self.pools)
+        for engine in self.engines.values():
+            try:
+                engine.close()
+            except Exception:
+                pass
+        if self._scratch is not None:
+            self._scratch.cleanup()
+
+
 def preview(
     cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None, engine_factory=registry.create_engine
 ) -> dict:
@@ -275,32 +336,9 @@ def preview(
     the records a shard would write for the first ``rows`` rows of each dataset, one entry per
     record (per sample with n_samples > 1), with the prompts (and, with ``generate``, what the
     engine answered)."""
-    render = RecordRenderer(
-        cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
-    )  # fmt: skip
-    path = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, Unbooked(), cfg.n_samples)
-    engines: dict[str, Engine] = {}
-    pools: dict[str, python_steps.FunctionPool] = {}
-    scratch = None
-    if generate and log_dir is None:
-        scratch = tempfile.TemporaryDirectory(prefix="mmirage-preview-")
-        log_dir = scratch.name
+    session = _Session(cfg, generate, log_dir, engine_factory)
     try:
-        if generate:
-            pools = python_steps.start_pools(cfg.custom_processors, cfg.outputs)
-        else:  # not started: the steps are shown, not run
-            pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
-        with quiet_progress_bars():
-            for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
-                processor = cfg.processors[name]
-                engine = engine_factory(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
-                engines[name] = engine
-                engine.load()
-        steps = [python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], engines[o.processor]), pools) for o in cfg.outputs]
-        if not generate:
-            steps = [_placeholder(step, cfg) for step in steps]
-        path.set_steps(steps)
-        result = {"generated": generate, "n_samples": cfg.n_samples, "engines": {n: e.info.backend for n, e in engines.items()}, "datasets": []}
+        result = {"generated": generate, "n_samples": cfg.n_samples, "engines": {n: e.info.backend for n, e in session.engines.items()}, "datasets": []}
         for ds in cfg.datasets:
             entry: dict[str, Any] = {"index": ds.index, "path": ds.path, "rows": [], "error": None}
             try:
@@ -309,18 +347,68 @@ def preview(
                 entry["error"] = f"cannot read {ds.path}: {type(e).__name__}: {e}"
                 source = []
             entry["source_rows"] = len(source)
-            entry["rows"] = asyncio.run(_preview_dataset(path, steps, ds, source, generate)) if source else []
+            entry["rows"] = session.rows(ds, source)
             result["datasets"].append(entry)
         return result
     finally:
-        python_steps.close_pools(pools)
-        for engine in engines.values():
-            try:
-                engine.close()
-            except Exception:
-                pass
-        if scratch is not None:
-            scratch.cleanup()
+        session.close()
+
+
+EXPORT_CHUNK = 256  # rows rendered at a time by export_prompts
+
+
+def export_prompts(cfg: PipelineConfig, out: TextIO) -> dict:
+    """``mmirage run --export-prompts``: every row's requests, as the engines would receive them, to a JSONL file.
+
+    One line per row (per sample with n_samples > 1, with its "sample_index" and "seed")
+    and LLM output: {"dataset", "source_index", "output", "processor", "prompt" (the chat
+    template applied; null when an OpenAI-compatible server applies it), "messages",
+    "sampling_params", "needs": the earlier outputs whose answers it needs (shown as
+    placeholders)}; a row that fails (a missing key, a template error) is one line with its
+    "error". Nothing is generated and no model is loaded (tokenizers only); the pipeline's
+    state and outputs are not touched. Returns the counts (rows are source rows).
+    """
+    from mirageflow.prompts.templates import template_variables
+
+    def variables_of(source: str) -> set[str]:
+        return set(template_variables(source)) if source else set()
+
+    produced = {o.name for o in cfg.outputs if o.kind != "filter"}
+    needs = {
+        o.name: sorted(variables_of(o.prompt or "") & produced | variables_of(o.system or "") & produced)
+        for o in cfg.outputs if o.kind == "llm"
+    }  # fmt: skip
+    counts = {"rows": 0, "requests": 0, "row_errors": 0}
+    session = _Session(cfg, generate=False, log_dir=None)
+    try:
+        for ds in cfg.datasets:
+            source = iter_rows(ds)
+            while chunk := list(itertools.islice(source, EXPORT_CHUNK)):
+                counts["rows"] += len(chunk)
+                failed = set()  # a row's error once, not once per sample
+                for unit in session.rows(ds, chunk):
+                    base = {"dataset": ds.index, "source_index": unit["source_index"]}
+                    if "sample_index" in unit:
+                        base["sample_index"] = unit["sample_index"]
+                    for o in unit["outputs"]:
+                        if o.get("kind", "llm") != "llm" or "messages" not in o:
+                            continue
+                        counts["requests"] += 1
+                        line = {
+                            **base, "output": o["name"], "processor": o["processor"], "prompt": o["prompt"],
+                            "messages": o["messages"], "sampling_params": o["sampling_params"], "needs": needs.get(o["name"], []),
+                        }  # fmt: skip
+                        if "seed" in o:
+                            line["seed"] = o["seed"]
+                        out.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
+                    if unit["error"] and unit["source_index"] not in failed:
+                        failed.add(unit["source_index"])
+                        counts["row_errors"] += 1
+                        error = {"dataset": ds.index, "source_index": unit["source_index"], "error": unit["error"]}
+                        out.write(json.dumps(error, ensure_ascii=False, default=str) + "\n")
+        return counts
+    finally:
+        session.close()
 
 
 def _placeholder(step, cfg):
