@@ -267,3 +267,31 @@ def test_an_engine_that_raises_stops_the_preview_as_it_fails_a_shard(tmp_path):
             preview.preview(cfg, rows=1, generate=True, engine_factory=lambda p, b, log_dir=None: Broken(p, b, log_dir=log_dir))
     finally:
         server.stop()
+
+
+def test_export_prompts_writes_each_samples_request_and_a_row_error_once(tmp_path):
+    """run --export-prompts with n_samples 2: a line per sample and LLM output, with its sample_index
+    and seed (the request each sample sends), the filter not run, and the failed row's error once."""
+    from fakes.fake_http import FakeServer
+
+    server = FakeServer().start()
+    try:
+        cfg = load_config(_sampled_pipeline(tmp_path / "p", server.url, False))
+        out = io.StringIO()
+        counts = preview.export_prompts(cfg, out)
+        asked = list(server.records)
+    finally:
+        server.stop()
+    assert asked == []  # nothing generated
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    requests = [x for x in lines if "error" not in x]
+    assert counts == {"rows": 4, "requests": len(requests), "row_errors": 1}
+    # rows 0-2 (the filter is not run), each sample asks both outputs, b's prompt names a's placeholder
+    assert [(x["source_index"], x["sample_index"], x["output"]) for x in requests] == [
+        (i, k, o) for i in range(3) for k in range(2) for o in ("a", "b")
+    ]
+    a0, a1 = (x for x in requests if x["source_index"] == 0 and x["output"] == "a")
+    assert a1["seed"] == a0["seed"] + 1 and a0["messages"] == a1["messages"] and a0["needs"] == []
+    assert [x["needs"] for x in requests if x["output"] == "b"][0] == ["a"]
+    (error,) = [x for x in lines if "error" in x]
+    assert error["source_index"] == 3 and error["error"]["error"] == "missing_variable" and "sample_index" not in error
