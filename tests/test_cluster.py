@@ -174,3 +174,59 @@ def test_uncapped_runtime_grows_without_bound(cfg):
 def test_unknown_job_kind(cfg):
     with pytest.raises(ValueError, match="job must be"):
         resources(cfg, "merge")
+
+
+# --------------------------------------------------------------------------- local runs show local resources
+
+
+def test_a_local_run_gets_only_the_resources_it_limits_and_a_cluster_run_all(cfg):
+    cfg["execution_params"] = {"account": "a1", "partition": "gpu", "mem": "8G", "time_limit": "01:00:00"}
+    pipeline = load_config(cfg, environ={})
+    submitted = cluster.job_resources(pipeline, "shard", True, {"_cores", "_nodes"})
+    request = cluster.cluster_resources(pipeline, "shard")
+    assert submitted.pop("runtime")(None, 2) == request.pop("runtime")(None, 2) == 120
+    assert submitted == request  # exactly the SLURM request, unchanged
+    assert submitted["gpu"] == 4 and submitted["cpus_per_task"] == 32 and submitted["mem_mb"] == 8192
+    assert cluster.job_resources(pipeline, "shard", False, {"_cores", "_nodes"}) == {}  # `snakemake --cores 1`
+    assert cluster.job_resources(pipeline, "shard", False, {"_cores", "gpu"}) == {"gpu": 4}  # `--resources gpu=8`
+    assert cluster.job_resources(pipeline, "index", False, {"_cores"}) == {}
+
+
+SNAKEMAKE = "/usr/lib/python3/site-packages/snakemake/__main__.py"  # `python -m snakemake` as sys.argv[0]
+
+
+@pytest.mark.parametrize(
+    "argv, remote, submits",
+    [
+        ([SNAKEMAKE, "--cores", "1"], False, False),
+        ([SNAKEMAKE, "--profile", "profiles/local"], False, False),
+        ([SNAKEMAKE, "--cores", "1", "-n", "--resources", "gpu=2"], False, False),
+        ([SNAKEMAKE, "--profile", "profiles/slurm", "-n"], False, True),  # a dry run shows what would be submitted
+        (["/venv/bin/snakemake", "--profile", "profiles/slurm", "--configfile", "my.yaml"], False, True),
+        ([SNAKEMAKE, "--executor", "slurm", "--jobs", "4"], False, True),
+        ([SNAKEMAKE, "--executor", "slurm-jobstep", "--cores", "1"], True, True),  # the job inside a SLURM job
+        (["/usr/bin/pytest", "-q"], False, True),  # Snakemake's API in another program: the request is kept
+    ],
+)
+def test_whether_a_run_submits_to_a_cluster_from_its_command_line(argv, remote, submits, monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import REPO
+
+    from mirageflow.cluster.executor import submits_to_cluster
+
+    monkeypatch.chdir(REPO)  # profiles/ relative to the checkout, as a user runs it
+    monkeypatch.delenv("SNAKEMAKE_PROFILE", raising=False)
+    assert submits_to_cluster(SimpleNamespace(remote_exec=remote), argv) is submits
+
+
+def test_snakemake_profile_environment_variable_names_the_executor(monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import REPO
+
+    from mirageflow.cluster.executor import submits_to_cluster
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("SNAKEMAKE_PROFILE", "profiles/slurm")
+    assert submits_to_cluster(SimpleNamespace(remote_exec=False), [SNAKEMAKE, "-n"]) is True

@@ -378,3 +378,44 @@ def test_job_parse_skips_the_file_checks(cfg, monkeypatch):
     validate(cfg, environ={}, preflight=False)
     text = (REPO / "workflow" / "rules" / "common.smk").read_text()
     assert "validate(config, preflight=workflow.is_main_process)" in text
+
+
+def test_a_json_output_without_xgrammar_installed_is_refused_with_the_install_step(cfg, monkeypatch):
+    """The CPU install puts xgrammar in a second step (requirements-no-deps.txt, without triton)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xgrammar" else real(name, *a))
+    message = one(cfg)
+    assert message.startswith("processing_params.outputs[0]: JSON output 'card' (processor ") and "backend transformers" in message
+    assert "pip install --no-deps -r requirements-no-deps.txt" in message
+    cfg["processors"][0]["backend"] = "openai"  # the server constrains the JSON
+    cfg["processors"][0]["base_url"] = "http://localhost:1/v1"
+    assert validate(cfg, environ={}).num_shards == 3
+
+
+def test_requirements_no_deps_lists_only_packages_whose_other_requirements_are_pinned():
+    """xgrammar goes in without its dependencies: every one it needs on a CPU (all but triton) is in requirements.txt."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    def runtime_needs(name: str) -> set[str]:
+        needs = [Requirement(r) for r in importlib.metadata.requires(name) or []]
+        return {n.name.lower().replace("_", "-") for n in needs if not n.marker or n.marker.evaluate({"extra": ""})}
+
+    def lines(name: str) -> list[Requirement]:
+        return [Requirement(line) for line in (REPO / name).read_text().splitlines() if line and not line.startswith("#")]
+
+    installed = set()  # what `pip install -r requirements.txt` brings: the pins and their requirements
+    todo = [r.name.lower() for r in lines("requirements.txt")]
+    while todo:
+        name = todo.pop()
+        if name not in installed:
+            installed.add(name)
+            todo += runtime_needs(name)
+    listed = lines("requirements-no-deps.txt")
+    assert [r.name for r in listed] == ["xgrammar"]
+    assert "triton" not in installed  # the CPU torch does not need it either
+    for req in listed:
+        assert runtime_needs(req.name) - installed == {"triton"}  # triton: CUDA kernels only (xgrammar.matcher)

@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from browser import dom, near, pixels, screenshot
 
 from mirageflow.numbers import fmt
 from mirageflow.report import aggregate as report
@@ -32,6 +33,7 @@ def make_state(root: Path, num_shards: int = 6, gpu_samples: bool = True, seed: 
         for _ in range(500):
             hist.add(int(rng.lognormvariate(5.3, 0.5)))
         util = 92.0 - 3 * shard
+        hist = hist.to_json()  # its sum is counted when it is read
         status = {
             "shard_id": shard, "num_shards": num_shards, "status": "success", "attempt": 1,
             "hostname": f"gpu{shard:03d}", "started_at": f"2025-03-01T10:{shard:02d}:00+00:00",
@@ -42,14 +44,14 @@ def make_state(root: Path, num_shards: int = 6, gpu_samples: bool = True, seed: 
                 "generation_seconds": gen, "inference_runtime_seconds": gen - 2, "write_seconds": 3.0,
                 "engine_idle_seconds": 4.0, "rows_processed": 500, "rows_failed": shard % 3,
                 "rows_failed_by_class": {"json_parse": shard % 3} if shard % 3 else {},
-                "input_tokens": 500 * 300, "output_tokens": hist.sum, "num_gpus": 2,
-                "tokens_per_sec": hist.sum / (gen - 2),
-                "tokens_per_sec_per_gpu": hist.sum / (gen - 2) / 2,
+                "input_tokens": 500 * 300, "output_tokens": hist["sum"], "num_gpus": 2,
+                "tokens_per_sec": hist["sum"] / (gen - 2),
+                "tokens_per_sec_per_gpu": hist["sum"] / (gen - 2) / 2,
                 "gpu_util_mean": util, "gpu_util_min": 0.0, "gpu_util_max": 100.0, "gpu_util_samples": 2 * int(gen / 0.5),
                 "gpu_sampled_seconds": gen, "gpu_energy_joules": 700.0 * 2 * gen,
                 "gpus": [{"index": i, "uuid": f"GPU-{shard}-{i}", "name": GPU, "util_mean": util} for i in range(2)],
                 "roofline_tokens_per_sec_per_gpu": 400.0,
-                "output_tokens_per_row_hist": hist.to_json(),
+                "output_tokens_per_row_hist": hist,
             },
         }  # fmt: skip
         atomic_write_json(state / f"shard_{shard}" / "status.json", status)
@@ -311,23 +313,85 @@ def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
     report.write_report(state, 6)
     page = (state / "report.html").read_text()
     assert len(_images(page)) == 5  # + throughput over time
-    assert 'alt="rows/s and tokens/s per shard over time"' in page
+    assert 'alt="rows done and output tokens/s per shard over time"' in page
+    assert "A step at zero is a window in which no tokens were added" in page  # the caption says what zero means
     assert "<h2>Example records</h2>" in page and "answer &lt;0&gt;" in page and "answer &lt;2&gt;" in page
     assert "answer &lt;3&gt;" not in page  # a few, not all
     assert "<h2>Failed rows (examples)</h2>" in page and "answer is not valid JSON #0" in page and "JSON #4" in page and "JSON #5" not in page
     assert "{oops" in page
 
 
-def test_throughput_series_are_rates_between_samples_on_a_common_clock():
-    from mirageflow.report.html import throughput_series
+def test_throughput_series_are_rates_over_windows_with_work_on_a_common_clock():
+    from mirageflow.report.html import ROWS, throughput_series
 
-    series = throughput_series([
+    histories = [
         {"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": [[0, 0, 0], [10, 20, 1000], [20, 20, 1000]]},
         {"shard_id": 1, "started_at": "2025-03-01T10:01:00+00:00", "history": [[0, 0, 0], [30, 30, 600]]},
-    ])  # fmt: skip
-    (s0, x0, r0, k0), (s1, x1, r1, k1) = series
-    assert (s0, x0, r0, k0) == (0, [0, 10 / 60, 10 / 60, 20 / 60], [2.0, 2.0, 0.0, 0.0], [100.0, 100.0, 0.0, 0.0])
-    assert (s1, x1, r1, k1) == (1, [1.0, 1.5], [1.0, 1.0], [20.0, 20.0])
+    ]  # fmt: skip
+    (s0, x0, k0), (s1, x1, k1) = throughput_series(histories)
+    assert (s0, x0, k0) == (0, [0, 10 / 60, 10 / 60, 20 / 60], [100.0, 100.0, 0.0, 0.0])  # zero: nothing after the last row
+    assert (s1, x1, k1) == (1, [1.0, 1.5], [20.0, 20.0])
+    (_, _, r0), (_, _, r1) = throughput_series(histories, ROWS)
+    assert r0 == [2.0, 2.0, 0.0, 0.0] and r1 == [1.0, 1.0]
+
+
+def test_a_small_batch_is_drawn_at_its_rate_over_the_time_it_ran_not_as_a_spike_after_zeros():
+    """12 rows in one batch: generation starts at 4 s, 2 bad rows fail at once (no tokens),
+    the other 10 finish at 14 s (sampled at 15 s)."""
+    from mirageflow.report.html import ROWS, throughput_series, work_windows
+
+    history = [[0, 0, 0], [4, 0, 0], [5, 2, 0], [10, 2, 0], [15, 12, 1200], [16, 12, 1200]]
+    assert work_windows(history, generation_started=4) == [(4.0, 15.0, 1200.0), (15.0, 16.0, 0.0)]
+    assert work_windows(history, 4, ROWS) == [(4.0, 5.0, 2.0), (5.0, 15.0, 10.0), (15.0, 16.0, 0.0)]
+    ((_, xs, tokens),) = throughput_series([{"shard_id": 0, "started_at": "2025-03-01T10:00:00+00:00", "history": history,
+                                             "generation_started": 4}])  # fmt: skip
+    assert tokens == [1200 / 11] * 2 + [0.0] * 2  # not 0 for the failed rows' window, then 1200 / 5 = 240
+    assert xs[0] == 4 / 60  # nothing drawn during the model load
+    # batches finishing every 20 s in 5 s samples: each batch over its 20 s, no zero between them
+    steady = [[5.0 * i, 8 * (i // 4), 800 * (i // 4)] for i in range(17)]
+    assert [w for w in work_windows(steady, 0.0, ROWS) if w[2] == 0] == []
+    assert {round(r / (t1 - t0), 6) for t0, t1, r in work_windows(steady, 0.0, ROWS)} == {0.4}
+
+
+def test_progress_json_says_when_generation_started(tmp_path):
+    from mirageflow.shard.progress import ProgressReporter
+    from mirageflow.state.records import check_progress
+
+    now = [100.0]
+    reporter = ProgressReporter(tmp_path / "progress.json", 0, 10, lambda: {"rows_done": 0}, clock=lambda: now[0])
+    reporter.write()
+    assert json.loads((tmp_path / "progress.json").read_text())["generation_started_seconds"] is None
+    now[0] = 107.5
+    reporter.set_phase("generating")
+    state = json.loads((tmp_path / "progress.json").read_text())
+    assert state["generation_started_seconds"] == 7.5 and check_progress(state) is None
+
+
+def test_token_limit_marker_says_per_output_and_per_row():
+    from mirageflow.report.html import output_token_limits, token_limit_label
+
+    two = {"processors": [{"default_sampling_params": {"max_new_tokens": 64}}],
+           "processing_params": {"outputs": [{"name": "a"}, {"name": "b"}], "n_samples": 2}}  # fmt: skip
+    assert token_limit_label(output_token_limits(two), "sample") == "max_new_tokens 64 per output x 2 outputs = 128 per sample"
+    assert token_limit_label([("a", 64)]) == "max_new_tokens 64 (1 output per row)"
+    assert token_limit_label([("grade", 256), ("summary", 64)]) == "max_new_tokens 256 (grade) + 64 (summary) = 320 per row"
+
+
+def test_summary_does_not_open_with_failures_when_nothing_failed(tmp_path):
+    state = make_state(tmp_path, num_shards=3)
+    (state / "shard_2" / "failure.json").unlink()
+    atomic_write_json(state / "shard_2" / "status.json", {**json.loads((state / "shard_1" / "status.json").read_text()), "shard_id": 2})
+    for shard in range(3):  # no failed row either
+        path = state / f"shard_{shard}" / "status.json"
+        status = json.loads(path.read_text())
+        status["stats"].update(rows_failed=0, rows_failed_by_class={})
+        atomic_write_json(path, status)
+    report.write_report(state, 3)
+    summary = (state / "summary.md").read_text()
+    opening = summary.split("|")[0]
+    assert "failed shard(s)" not in opening and "Failed rows" not in opening
+    assert "No row and no shard failed; the figures cover the 3 completed shard(s)." in opening
+    assert "No row and no shard failed" in (state / "report.html").read_text()
 
 
 def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
@@ -371,6 +435,33 @@ def test_svg_plots_have_round_ticks_and_break_lines_at_missing_samples():
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f".//{ns}polyline")) == 1  # the run after None has one point: not drawn as a line
     assert "t &lt;&amp;&gt;" in svg and svg.count('stroke="#b42318"') == 1
+
+
+def test_report_of_many_shards_renders_in_a_browser(tmp_path):
+    """Headless Chromium renders the page of a 48-shard run: every plot drawn, with its caption."""
+    state = make_state(tmp_path, num_shards=48)
+    rng = random.Random(5)
+    for shard in range(47):  # batches finishing at random, generation from 30-50 s on
+        started = 30 + 20 * rng.random()
+        history, rows = [[0, 0, 0], [started, 0, 0]], 0
+        for i in range(1, 120):
+            rows += rng.choice((0, 0, 4, 8))
+            history.append([started + 5 * i, rows, 90 * rows])
+        atomic_write_json(state / f"shard_{shard}" / "progress.json", {
+            "shard_id": shard, "phase": "done", "started_at": f"2025-03-01T10:{shard:02d}:00+00:00",
+            "history": history, "generation_started_seconds": started,
+        })  # fmt: skip
+    report.write_report(state, 48)
+    page = state / "report.html"
+    html_images = len(_images(page.read_text()))
+    parsed = dom(page)
+    assert parsed.count("<img ") == html_images == 5 and parsed.count("<figcaption>") == 5  # each plot with its caption
+    assert "A step at zero is a window in which no tokens were added" in parsed and "both panels show the run" in parsed
+    assert "0 % is a GPU that ran no kernel in that interval" in parsed and "a bar at zero is a shard that generated no tokens" in parsed
+    size, colours = pixels(screenshot(page, tmp_path / "report.png"))
+    assert size == (1280, 3000) and len(colours) > 500  # text, plots and tables, not a blank or error page
+    assert near(colours, "#3b6fb6") > 20_000  # the plots' bars (per-shard throughput, runtime, tokens) are drawn
+    assert near(colours, "#b42318") > 500  # the straggler's outline, the failed shard's error, the errors plot
 
 
 def test_with_several_samples_the_report_counts_samples_and_says_so(tmp_path):

@@ -10,6 +10,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from browser import dom, near, pixels, screenshot
 from conftest import run_workflow
 
 NUM_SHARDS = 3
@@ -187,3 +188,38 @@ def test_configfile_replaces_the_demo_config(tmp_path, tiny_model):
     assert "smollm2_model" not in proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "out/hf/shard_0/part-00000.jsonl").read_text().splitlines()]
     assert set(rows[0]) == {"doc", "n", "headline", "tagline", "source_index"}
+
+
+def test_local_run_prints_no_cluster_resources(finished_run):
+    """`snakemake --cores 1` shows what a local run uses, not the SLURM request (profiles/slurm only)."""
+    _, proc = finished_run
+    shown = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip().startswith("resources:")]
+    assert shown, "snakemake printed no resources line"
+    for line in shown:
+        for cluster_only in ("gpu=", "cpus_per_task=", "slurm_extra=", "runtime=", "slurm_account", "slurm_partition", "mem_mb="):
+            assert cluster_only not in line, line
+
+
+def test_small_batch_run_report_draws_rates_over_windows_with_work_in_a_browser(finished_run, tmp_path):
+    """Each shard's rows fit a batch or two: the rates start when generation starts (no zero
+    line for the model load) and add up to the shard's tokens; the page renders in Chromium."""
+    from mirageflow.report.html import load_histories, throughput_series
+
+    root, _ = finished_run
+    state = root / "state"
+    histories = load_histories(state, list(range(NUM_SHARDS)))
+    assert len(histories) == NUM_SHARDS
+    for h, (shard, xs, tokens) in zip(histories, throughput_series(histories)):
+        started = h["generation_started"]
+        assert started is not None and started > 0  # progress.json says when generation began, after the load
+        offset = xs[0] * 60 - started  # the shard's start on the common clock
+        assert all(x * 60 >= offset + started - 1e-6 for x in xs)  # nothing drawn during the model load
+        assert all(t > 0 for t in tokens[:-2])  # a zero is only the last window (after the last row finished)
+        drawn = sum(tokens[i] * (xs[i + 1] - xs[i]) * 60 for i in range(0, len(xs), 2))
+        assert drawn == pytest.approx(h["history"][-1][2], rel=1e-6)  # every token of the attempt, once (none before)
+    page = state / "report.html"
+    parsed = dom(page)
+    assert parsed.count("<figcaption>") == parsed.count("<img ") >= 3  # shards, throughput, tokens (+ errors)
+    assert "A step at zero is a window in which no tokens were added" in parsed and "a flat stretch is time in" in parsed
+    size, colours = pixels(screenshot(page, tmp_path / "report.png"))
+    assert size == (1280, 3000) and len(colours) > 300 and near(colours, "#3b6fb6") > 5_000

@@ -562,8 +562,13 @@ def cmd_preview(args) -> int:
     cfg = _load(args.config)
     if args.rows < 1:
         raise UsageError("--rows must be at least 1")
+    from mirageflow.shard.failures import ShardFailed
+
     try:
         result = preview(cfg, rows=args.rows, generate=args.generate)
+    except ShardFailed as e:  # the engine raised while generating (what fails a shard)
+        print(f"mmirage preview: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or engine that cannot load
         print(f"mmirage preview: cannot load the engine: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
@@ -738,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-dir", required=True, metavar="D", help="a dataset's output_dir (with shard_* folders), or a folder of them")
     p.add_argument("--output-dir", required=True, metavar="O", help="where the merged dataset(s) go (O, or O/<dataset>); must be empty or absent")
 
-    p = command("preview", "try the prompts on the first rows of each dataset (variables, prompts, records; answers with --generate)", cmd_preview)
+    p = command("preview", "try the prompts on the first rows of each dataset: the records a shard would write, one per sample (answers with --generate)", cmd_preview)
     p.add_argument("--rows", type=int, default=3, metavar="N", help="rows per dataset (default 3)")
     p.add_argument("--generate", action="store_true", help="load the configured engine and generate those rows (scratch dir; the pipeline's state and outputs are untouched)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

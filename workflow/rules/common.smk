@@ -14,6 +14,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
 from mirageflow import hub_models
+from mirageflow.cluster import executor as cluster_executor
 from mirageflow.cluster import resources as cluster
 from mirageflow.state import layout as state_layout
 from mirageflow.state import pipeline as pipeline_state
@@ -30,6 +31,8 @@ except ConfigError as e:
 
 STATE_DIR = PIPELINE.state_dir
 STATE = state_layout.StateLayout(STATE_DIR)
+# Whether the jobs go to a cluster (profiles/slurm): only then do they carry SLURM resources.
+SUBMITS_TO_CLUSTER = cluster_executor.submits_to_cluster(workflow)
 # The demo model, built by the smollm2_model rule (workflow/rules/models.smk).
 SMOLLM2_DIR = "resources/models/SmolLM2-135M-Instruct"
 # The config as the jobs read it: <state_dir>/configs/<sha256 prefix>.json, on every job's
@@ -173,6 +176,9 @@ def cluster_resources(job):
     engine service (job="engine").
 
     From execution_params (mirageflow/cluster/resources.py, validated by load_config; docs/cluster.md
-    has the mapping). Local runs ignore them.
+    has the mapping), when the run submits to a cluster; a local run gets only those it
+    limits with --resources (e.g. gpu=N on a GPU node).
     """
-    return cluster.cluster_resources(PIPELINE, job)
+    return cluster.job_resources(
+        PIPELINE, job, SUBMITS_TO_CLUSTER, workflow.global_resources
+    )

@@ -7,9 +7,10 @@ ConfigError naming the key path, in ``mmirage check`` as in ``snakemake -n``.
 index job (workflow/rules/*.smk; the mapping is in docs/cluster.md). Shard jobs also get
 ``--signal=TERM@<seconds>`` (``term_signal_seconds``): SLURM sends SIGTERM that long before
 the time limit, so the shard commits its finished rows and writes failure.json instead of
-being killed mid-commit, and the retry resumes it. Local runs ignore them:
-Snakemake only limits the resources given with --cores/--resources, so a ``gpu`` request
-never blocks a run on a machine without one.
+being killed mid-commit, and the retry resumes it. ``job_resources`` gives the rules these
+resources only when the run submits to a cluster (mirageflow.cluster.executor): a local run
+neither shows nor counts them, except those it limits with ``--resources`` (``gpu=N`` on a
+GPU node, so that shards never need more GPUs than there are).
 
 Nothing here imports Snakemake or the SLURM plugin: every job validates its config again,
 and importing the plugin costs over half a second.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from mirageflow.config.types import ExecutionParams, PipelineConfig, ProcessorConfig
 
@@ -218,3 +219,11 @@ def cluster_resources(pipeline: PipelineConfig, job: str) -> dict:
     if extra:
         res["slurm_extra"] = " ".join(extra)
     return res
+
+
+def job_resources(pipeline: Any, job: str, submits: bool, limited: Collection[str]) -> dict:
+    """A rule's resources: exactly ``cluster_resources`` when the run ``submits`` to a cluster
+    (mirageflow.cluster.executor), else only those of them a local run limits (``limited``:
+    its ``--resources``, e.g. ``gpu``)."""
+    res = cluster_resources(pipeline, job)
+    return res if submits else {name: value for name, value in res.items() if name in limited}

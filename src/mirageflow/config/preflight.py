@@ -109,8 +109,34 @@ def preflight_problems(
         else:
             problems += _processor_problems(cfg, proc, environ, built_models)
     problems += _owner_problems(cfg)
-    problems += _json_prefix_problems(cfg)
+    missing_xgrammar = _xgrammar_problems(cfg)
+    problems += missing_xgrammar or _json_prefix_problems(cfg)  # that check compiles grammars with xgrammar
     problems += dedup_problems(cfg)
+    return problems
+
+
+XGRAMMAR_INSTALL = "pip install --no-deps -r requirements-no-deps.txt (README.md, Quick start)"
+
+
+def _xgrammar_problems(cfg: PipelineConfig) -> list[str]:
+    """JSON outputs that need xgrammar where it is not installed: constrained decoding on the
+    transformers backend (``auto`` falls back to it), and any response_prefix (its
+    continuation grammar). The CPU install puts it in a second step without its
+    dependencies (requirements-no-deps.txt), which is easy to miss."""
+    import importlib.util
+
+    if importlib.util.find_spec("xgrammar") is not None:
+        return []
+    problems = []
+    for i, out in enumerate(cfg.outputs):
+        if not out.is_json:
+            continue
+        backend = cfg.processors[out.processor].backend
+        if backend in ("transformers", "auto") or out.response_prefix:
+            problems.append(
+                f"processing_params.outputs[{i}]: JSON output '{out.name}' (processor '{out.processor}', backend {backend}) "
+                f"is constrained to its schema by the xgrammar package, which is not installed here: {XGRAMMAR_INSTALL}"
+            )
     return problems
 
 

@@ -39,6 +39,7 @@ th, td { border: 1px solid #dde2ea; padding: 3px 8px; text-align: left; vertical
 th { background: #eef2f7; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
 code { font-size: 12px; } .note { color: #5b6478; font-style: italic; }
 .bad { color: #b42318; } .plot { margin: 8px 0 16px; } .plot img { max-width: 100%; border: 1px solid #eef2f7; }
+figcaption { color: #5b6478; font-size: 13px; margin-top: 4px; max-width: 1100px; }
 .cols { display: flex; flex-wrap: wrap; gap: 24px; } .cols > div { flex: 1 1 480px; }
 """
 
@@ -177,15 +178,15 @@ def load_identity(state_dir: str | Path) -> dict | None:
 DEFAULT_MAX_NEW_TOKENS = 128  # the engines' default (SGLang's)
 
 
-def row_token_limit(identity: dict | None) -> int | None:
-    """The most output tokens a row can have: each LLM output's max_new_tokens, summed (None when unknown)."""
+def output_token_limits(identity: dict | None) -> list[tuple[str, int]] | None:
+    """Each LLM output's max_new_tokens, in order: [(name, limit)] (None when unknown)."""
     if not identity:
         return None
     try:
         processors = identity.get("processors") or []
         outputs = (identity.get("processing_params") or {}).get("outputs") or []
         defaults = [(p.get("default_sampling_params") or {}).get("max_new_tokens") for p in processors]
-        total = 0
+        limits = []
         for o in outputs:
             if o.get("type", "llm") != "llm":
                 continue
@@ -193,10 +194,27 @@ def row_token_limit(identity: dict | None) -> int | None:
             if limit is None:
                 known = {d for d in defaults if d is not None}
                 limit = known.pop() if len(known) == 1 and len(defaults) == 1 else DEFAULT_MAX_NEW_TOKENS if not known else max(known)
-            total += int(limit)
-        return total or None
+            limits.append((str(o.get("name", "?")), int(limit)))
+        return limits or None
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def row_token_limit(identity: dict | None) -> int | None:
+    """The most output tokens a row can have: each LLM output's max_new_tokens, summed (None when unknown)."""
+    limits = output_token_limits(identity)
+    return sum(n for _, n in limits) if limits else None
+
+
+def token_limit_label(limits: list[tuple[str, int]], unit: str = "row") -> str:
+    """The histogram marker's label, per output and per row: "max_new_tokens 64 per output x 2 outputs = 128 per row"."""
+    total = sum(n for _, n in limits)
+    if len(limits) == 1:
+        return f"max_new_tokens {total:,} (1 output per {unit})"
+    values = {n for _, n in limits}
+    if len(values) == 1:
+        return f"max_new_tokens {limits[0][1]:,} per output x {len(limits)} outputs = {total:,} per {unit}"
+    return "max_new_tokens " + " + ".join(f"{n:,} ({name})" for name, n in limits) + f" = {total:,} per {unit}"
 
 
 def equal_width_bins(hist: dict, max_bins: int = 64) -> tuple[int, list[tuple[int, int, int]]]:
@@ -231,18 +249,21 @@ def tokens_hist_labels(hist: dict, n_samples: int, width: int) -> tuple[str, str
     return title, f"output tokens per {unit} (all outputs of the {unit}; bins of {width})", f"{unit}s"
 
 
-def plot_tokens_per_row(hist: dict | None, limit: int | None = None, n_samples: int = 1) -> str | None:
-    """Output tokens per row in equal-width bins, with the row's max_new_tokens marked.
+def plot_tokens_per_row(hist: dict | None, limits: list[tuple[str, int]] | None = None, n_samples: int = 1) -> str | None:
+    """Output tokens per row (all its outputs) in equal-width bins, with the most a row can have
+    marked and labelled per output and per row (``token_limit_label``).
 
     With n_samples > 1 the histogram counts samples (each is a record with its own outputs), and says so."""
     if not hist or not hist.get("rows"):
         return None
+    limit = sum(n for _, n in limits) if limits else None
     width, bins = equal_width_bins(hist)
     panel = Panel(*tokens_hist_labels(hist, n_samples, width))
     panel.bars([lo for lo, _, _ in bins], [n for _, _, n in bins], width, color="#3b6fb6")
     right = bins[-1][1] if bins else 1
     if limit:
-        panel.vline(limit, "#b42318", f"max_new_tokens {limit:,}")
+        unit = "row" if n_samples == 1 else "sample"
+        panel.vline(limit, "#b42318", token_limit_label(limits, unit))
         right = max(right, limit)
     panel.xlim = (0, right * 1.04 + 1)
     panel.integer_x = panel.integer_y = panel.ygrid_only = True
@@ -253,18 +274,52 @@ def plot_tokens_per_row(hist: dict | None, limit: int | None = None, n_samples: 
 
 
 def load_histories(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
-    """Each shard's progress samples (progress.json ``history``: [seconds, rows, tokens]) with its start time."""
+    """Each shard's progress samples (progress.json ``history``: [seconds, samples, tokens]) with its
+    start time and the second its generation began (None in files written before it was kept)."""
     out = []
     for shard_id in shard_ids:
         data, _why = read(L.StateLayout(state_dir).progress(shard_id))
         if data and len(data.get("history") or []) >= 2:
-            out.append({"shard_id": shard_id, "started_at": data.get("started_at"), "history": data["history"]})
+            out.append({
+                "shard_id": shard_id, "started_at": data.get("started_at"), "history": data["history"],
+                "generation_started": data.get("generation_started_seconds"),
+            })  # fmt: skip
     return out
 
 
-def throughput_series(histories: list[dict]) -> list[tuple[int, list[float], list[float], list[float]]]:
-    """(shard, minutes, rows/s, tokens/s) per shard, on a common clock (minutes since the first shard started);
-    each rate holds between two samples and is drawn as a step."""
+ROWS, TOKENS = 1, 2  # columns of a progress history sample [seconds, rows done, output tokens]
+
+
+def work_windows(history: list, generation_started: float | None = None, column: int = TOKENS) -> list[tuple[float, float, float]]:
+    """One count of the history (``column``: ROWS or TOKENS) cut into windows that contain
+    work: [(t0, t1, growth)], each window ending at a sample where the count grew and starting
+    where the previous one ended (the first at the start of generation, else at the first
+    sample). A batch that finishes at once is so counted over the time it ran, not as one
+    spike after zeros; rows that fail at once (no tokens) do not cut the tokens' windows.
+    Samples after the last growth make a last window with nothing finished (the shard
+    writing its records, or a stall at the end)."""
+    points = sorted((float(sample[0]), float(sample[column] or 0)) for sample in history)
+    if not points:
+        return []
+    t0, v0 = points[0]
+    if generation_started is not None:
+        before = [v for t, v in points if t <= generation_started]
+        t0, v0 = max(float(generation_started), t0), (before[-1] if before else v0)
+    out, last = [], t0
+    for t, v in points:
+        if t <= t0:
+            continue
+        last = t
+        if v > v0:
+            out.append((t0, t, v - v0))
+            t0, v0 = t, v
+    if last > t0:
+        out.append((t0, last, 0.0))
+    return out
+
+
+def _offsets(histories: list[dict]) -> dict[int, float]:
+    """Each shard's start in seconds after the first shard's (0 where a start is unknown)."""
     starts = {}
     for h in histories:
         try:
@@ -273,39 +328,120 @@ def throughput_series(histories: list[dict]) -> list[tuple[int, list[float], lis
             starts[h["shard_id"]] = None
     known = [t for t in starts.values() if t is not None]
     origin = min(known) if known else None
+    return {k: (t - origin).total_seconds() if origin and t else 0.0 for k, t in starts.items()}
+
+
+def throughput_series(histories: list[dict], column: int = TOKENS) -> list[tuple[int, list[float], list[float]]]:
+    """(shard, minutes, rate per second) per shard on a common clock (minutes since the first
+    shard started), one step per work window of ``column`` (``work_windows``)."""
+    offsets = _offsets(histories)
     out = []
     for h in histories:
-        offset = (starts[h["shard_id"]] - origin).total_seconds() if origin and starts[h["shard_id"]] else 0.0
-        xs, rows, tokens = [], [], []
-        for (t0, r0, k0), (t1, r1, k1) in zip(h["history"], h["history"][1:]):
-            if t1 <= t0:
-                continue
+        offset = offsets[h["shard_id"]]
+        xs, rates = [], []
+        for t0, t1, grown in work_windows(h["history"], h.get("generation_started"), column):
             xs += [(offset + t0) / 60, (offset + t1) / 60]
-            rows += [max(0.0, (r1 - r0) / (t1 - t0))] * 2
-            tokens += [max(0.0, (k1 - k0) / (t1 - t0))] * 2
+            rates += [grown / (t1 - t0)] * 2
         if xs:
-            out.append((h["shard_id"], xs, rows, tokens))
+            out.append((h["shard_id"], xs, rates))
     return out
 
 
-def plot_throughput(histories: list[dict]) -> str | None:
-    """Rows/s and output tokens/s over time, one line per shard (from the shards' progress samples)."""
+def rows_done_series(histories: list[dict]) -> list[tuple[int, list[float], list[float]]]:
+    """(shard, minutes, rows done) per shard on the common clock: the progress samples as they are."""
+    offsets = _offsets(histories)
+    return [
+        (h["shard_id"], [(offsets[h["shard_id"]] + t) / 60 for t, _, _ in h["history"]], [r or 0 for _, r, _ in h["history"]])
+        for h in histories
+    ]
+
+
+def total_rows_done(series: list[tuple[int, list[float], list[float]]]) -> tuple[list[float], list[float]]:
+    """The run's rows done over time: every shard's count summed at every sample time (a
+    shard counts its last sample until it ends, nothing before it starts)."""
+    import numpy as np
+
+    times = np.unique(np.concatenate([np.asarray(xs, dtype=float) for _, xs, _ in series])) if series else np.array([])
+    total = np.zeros_like(times)
+    for _, xs, rows in series:
+        xs, rows = np.asarray(xs, dtype=float), np.asarray(rows, dtype=float)
+        at = np.searchsorted(xs, times, side="right") - 1
+        total += np.where(at >= 0, rows[np.clip(at, 0, None)], 0.0)
+    return times.tolist(), total.tolist()
+
+
+def total_rate(series: list[tuple[int, list[float], list[float]]]) -> tuple[list[float], list[float]]:
+    """The run's output tokens/s over time: the shards' window rates (``throughput_series``) summed
+    where they overlap, as (minutes, tokens/s) steps."""
+    changes: dict[float, float] = {}
+    for _, xs, tokens in series:
+        for i in range(0, len(xs) - 1, 2):  # each window is two points: (start, rate), (end, rate)
+            changes[xs[i]] = changes.get(xs[i], 0.0) + tokens[i]
+            changes[xs[i + 1]] = changes.get(xs[i + 1], 0.0) - tokens[i]
+    times, rates, level = [], [], 0.0
+    for t in sorted(changes):
+        level += changes[t]
+        times.append(t)
+        rates.append(max(0.0, level))  # no float residue below zero
+    return times, rates
+
+
+MANY_SHARDS = 10  # above this: no legend, and both panels show the run's totals
+
+
+def plot_throughput(histories: list[dict], unit: str = "rows") -> str | None:
+    """Rows done over time (per shard, or the run's total with many shards) and output
+    tokens/s per shard over windows that contain work (from the shards' progress samples)."""
     series = throughput_series(histories)
     if not series:
         return None
-    many = len(series) > 10
+    done = rows_done_series(histories)
+    many = len(series) > MANY_SHARDS
     xlabel = "minutes since the first shard started"
-    rows = Panel("rows/s per shard over time", xlabel, "rows/s")
-    tokens = Panel("output tokens/s per shard over time" + (f" ({len(series)} shards)" if many else ""), xlabel, "tokens/s")
-    for k, (shard_id, xs, row_rates, token_rates) in enumerate(series):
-        color = PALETTE[k % len(PALETTE)]
-        kw = {"width": 0.8 if many else 1.3, "opacity": 0.6 if many else 1.0}
-        rows.line(xs, row_rates, color, **kw)
-        tokens.line(xs, token_rates, color, label=None if many else f"shard {shard_id}", **kw)
-    for panel, values in ((rows, [y for _, _, r, _ in series for y in r]), (tokens, [y for _, _, _, t in series for y in t])):
-        top = max([y for y in values if y is not None] or [0.0])
-        panel.ylim = (0, top * 1.05 or 1.0)
+    rows = Panel(f"{unit} done over time, " + (f"all {len(done)} shards together" if many else "per shard"), xlabel, f"{unit} done (cumulative)")
+    tokens = Panel(
+        f"output tokens/s, all {len(series)} shards together" if many else "output tokens/s per shard, over windows with work", xlabel, "tokens/s"
+    )  # fmt: skip
+    if many:
+        rows.step(*total_rows_done(done), "#1d2433", width=1.5)
+        tokens.step(*total_rate(series), "#1d2433", width=1.2)
+    else:
+        for k, (shard_id, xs, done_rows) in enumerate(done):
+            rows.step(xs, done_rows, PALETTE[k % len(PALETTE)], label=f"shard {shard_id}")
+        for k, (shard_id, xs, rates) in enumerate(series):
+            tokens.line(xs, rates, PALETTE[k % len(PALETTE)], label=f"shard {shard_id}")
+    for panel in (rows, tokens):
+        values = [y for m in panel.marks if m[0] == "line" for y in m[2] if y is not None]
+        panel.ylim = (0, max(values or [0.0]) * 1.05 or 1.0)
+    rows.legend = []  # one legend (the shards' colours are the same in both panels)
     return _svg(Figure(1100, 330, [rows, tokens], legend_width=0 if many else 80))
+
+
+THROUGHPUT_CAPTION = (
+    "From each shard's progress samples (every 5 s, at most 240 per attempt; the last attempt of each shard). "
+    "Left: {unit} done, counted when they finish (resumed and failed ones included): a flat stretch is time in "
+    "which none finished (the model loading, a batch still generating, or a stall). Right: output tokens/s, each "
+    "step the tokens of the {unit} finished in a window that ends when tokens were added and starts where the "
+    "previous window ended (the first at the start of generation), so a batch that finishes at once is drawn at "
+    "its average rate over the time it ran, not as one spike after zeros. A step at zero is a window in which no "
+    "tokens were added: after the last {unit} (the shard writing its records) or a stall at the end. With more than 10 shards both panels show "
+    "the run's total: {unit} done summed over the shards, and their tokens/s summed where they overlap."
+)
+SHARDS_CAPTION = (
+    "Completed shards. Left: output tokens over the shard's generation time (all attempts); a bar at zero is a shard "
+    "that generated no tokens (every row failed or was filtered). Right: the shard's wall time split into engine "
+    "load, warm-up, generation and the rest (start-up, commits after generation, shutdown)."
+)
+GPU_CAPTION = (
+    "NVML's utilisation of each GPU the shard holds, each sample held until the next. 0 % is a GPU that ran no "
+    "kernel in that interval (the engine waiting for work, or between batches); a gap is a time with no samples."
+)
+TOKENS_CAPTION = "Output tokens per {unit}, summed over the {unit}'s LLM outputs, in bins of one width."
+TOKENS_LIMIT_CAPTION = (
+    " The dashed line is the most a {unit} can have: each output's max_new_tokens, summed over the outputs "
+    "(a bar at it is a {unit} cut by the limit)."
+)
+ERRORS_CAPTION = "Failed rows per error class, in completed and failed shards (each failed row is in its shard's errors.jsonl)."
 
 
 # --------------------------------------------------------------------------- examples
@@ -493,11 +629,13 @@ def metrics_table_rows(agg: dict) -> list[tuple[str, str, object]]:
     return rows
 
 
-def _img(svg: str | None, alt: str, missing: str) -> str:
-    """The plot, or the note saying why there is none (``missing`` is trusted HTML)."""
+def _img(svg: str | None, alt: str, missing: str, caption: str | None = None) -> str:
+    """The plot with its caption (what it shows and what a zero means), or the note saying why
+    there is none (``missing`` is trusted HTML)."""
     if svg is None:
         return f'<p class="note">{missing}</p>'
-    return f'<div class="plot"><img alt="{_esc(alt)}" src="data:image/svg+xml;base64,{svg}"></div>'
+    below = f"<figcaption>{_esc(caption)}</figcaption>" if caption else ""
+    return f'<figure class="plot"><img alt="{_esc(alt)}" src="data:image/svg+xml;base64,{svg}">{below}</figure>'
 
 
 def _card(key: str, value: str) -> str:
@@ -565,12 +703,14 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     failed_ids = [f["shard_id"] for f in agg.get("failed_shards") or []]
     done_ids = [s["shard_id"] for s in per_shard]
     identity = load_identity(state_dir)
+    n_samples = agg.get("n_samples") or 1
+    unit = "row" if n_samples == 1 else "sample"  # what a record is: a row, or one of a row's n_samples
     plots = {}
     for name, fn in (
         ("shards", lambda: plot_shards(per_shard, stragglers)),
-        ("throughput", lambda: plot_throughput(load_histories(state_dir, sorted(done_ids + failed_ids)[:200]))),
+        ("throughput", lambda: plot_throughput(load_histories(state_dir, sorted(done_ids + failed_ids)[:200]), unit + "s")),
         ("gpu", lambda: plot_gpu_util(samples)),
-        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"), row_token_limit(identity), agg.get("n_samples") or 1)),
+        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"), output_token_limits(identity), n_samples)),
         ("errors", lambda: plot_errors(agg.get("rows_failed_by_class") or {})),
     ):
         try:
@@ -582,7 +722,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     def pct(v):
         return "n/a" if v is None else f"{v:.1f} %"
 
-    units = "rows" if (agg.get("n_samples") or 1) == 1 else "samples"  # with n_samples > 1 the counts are records
+    units = unit + "s"  # with n_samples > 1 the counts are records
     cards = [
         ("shards completed", f"{agg['completed_shards']} / {agg['total_shards']}"),
         ("wall clock", agg.get("wall_clock_runtime_human") or "n/a"),
@@ -641,16 +781,15 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         out.append("</table>")
 
     out.append("<h2>Shards</h2>")
-    out.append(_img(plots["shards"], "per-shard throughput and runtime", "No completed shard yet."))
+    out.append(_img(plots["shards"], "per-shard throughput and runtime", "No completed shard yet.", SHARDS_CAPTION))
     out.append("<h2>Throughput over time</h2>")
     out.append(
         _img(
-            plots["throughput"], "rows/s and tokens/s per shard over time",
+            plots["throughput"], f"{unit}s done and output tokens/s per shard over time",
             "No progress samples (progress.json of the shards has no history: an older run, or no shard ran long enough).",
+            THROUGHPUT_CAPTION.format(unit=unit + "s"),
         )
     )  # fmt: skip
-    out.append('<p class="note">From each shard\'s progress samples (every 5 s, thinned to at most 240 per attempt; '
-               "the last attempt of each shard): flat stretches at zero are stalls or the engine loading.</p>")  # fmt: skip
     out.append("<h2>GPU utilisation</h2>")
     out.append(
         _img(
@@ -658,16 +797,18 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
             "No GPU samples: the run had no GPU, NVML was unavailable (see the shard logs), or "
             "stats was off (sample with <code>stats: true</code> in the config, "
             "<code>--config stats=true</code> or <code>mmirage run --stats</code>).",
+            GPU_CAPTION,
         )
     )  # fmt: skip
     out += html_section(metrics.get("cluster_accounting"))  # beside the GPU figures
-    out.append('<div class="cols"><div><h2>Tokens per row</h2>')
-    out.append(_img(plots["tokens"], "output tokens per row", "No rows generated."))
+    out.append(f'<div class="cols"><div><h2>Tokens per {unit}</h2>')
+    caption = TOKENS_CAPTION + (TOKENS_LIMIT_CAPTION if output_token_limits(identity) else "")
+    out.append(_img(plots["tokens"], f"output tokens per {unit}", "No rows generated.", caption.format(unit=unit)))
     out.append("</div><div><h2>Errors</h2>")
     if plots["errors"] is None and agg.get("total_rows_failed"):  # failed rows without a class (older files)
         out.append(f'<p class="note">{_esc(_fmt(agg["total_rows_failed"]))} failed rows, without error classes.</p>')
     else:
-        out.append(_img(plots["errors"], "failed rows by error class", "No failed rows."))
+        out.append(_img(plots["errors"], "failed rows by error class", "No failed rows.", ERRORS_CAPTION))
     out.append("</div></div>")
 
     out += _examples_html(state_dir, done_ids, agg.get("total_shards") or 0)

@@ -80,6 +80,18 @@ class Panel:
         if label:
             self.legend.append((label, color, "line"))
 
+    def step(self, xs, ys, color, width: float = 1.3, opacity: float = 1.0, label=None) -> None:
+        """A step line holding each value until the next x (matplotlib's ``where="post"``)."""
+        xs, ys = list(xs), list(ys)
+        px, py = [], []
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            px.append(x)
+            py.append(y)
+            if i + 1 < len(xs):
+                px.append(xs[i + 1])
+                py.append(y)
+        self.line(px, py, color, width, opacity, label)
+
     def vline(self, x: float, color: str, text: str = "") -> None:
         self.marks.append(("vline", x, color, text))
 

@@ -23,6 +23,10 @@ def unit_note(agg: dict) -> str:
 def scope_sentence(agg: dict) -> str:
     """Which shards the figures cover, in one sentence (summary.md and report.html)."""
     failed = agg.get("failed_shards") or []
+    if not failed and not agg.get("total_rows_failed"):  # nothing failed: say so, not "0 in 0 failed shard(s)"
+        if not agg["completed_shards"]:
+            return "No shard has completed or failed yet."
+        return f"No row and no shard failed; the figures cover the {agg['completed_shards']} completed shard(s)."
     text = (
         f"Failed rows (total_rows_failed, rows_failed_by_class) count completed and failed shards: "
         f"{fmt(agg.get('rows_failed_completed_shards'))} in completed shards, "

@@ -1,24 +1,34 @@
 """``mmirage preview``: try a pipeline's prompts on the first rows of each dataset.
 
-For the first ``rows`` rows of every dataset it shows what the shard runner would do with
-them, through the runner's own pieces (``prompts.Extractor``, ``shard.steps.OutputStep``,
-``prompts.RecordRenderer``): the extracted variables, each prompt exactly as the engine
-receives it (the model's chat template applied through the engine's ``chat_prompt``) and
-the rendered record. Without ``--generate`` no model is loaded: a transformers, sglang or
-sglang_server processor loads only its tokenizer (for the chat template); an openai or
-vllm_server one sends chat messages and the server applies its own template, so the
-messages are shown.
-An output's answer is then a placeholder, so later prompts and the record show where it
-goes.
+Preview is the record: the first ``rows`` rows of every dataset go through the shard's own
+row path (``shard.rows.RowPath`` with ``shard.steps.OutputStep``, the Python steps,
+``prompts.samples.pending`` and the shard's ``RecordRenderer``, ``preserve_columns``
+included), so every record shown is the one a shard would write, field for field, with
+``source_index`` and, with ``n_samples > 1``, one record per sample with its
+``sample_index``. Beside each record: the extracted variables, each prompt exactly as the
+engine receives it (the model's chat template applied through the engine's
+``chat_prompt``) and the sample's seed.
 
-With ``generate=True`` the configured engine is loaded and the rows are generated; the
-answers, the parsed JSON and each row's error are shown. Engine logs go to a temporary
-directory; the pipeline's state_dir and output_dirs are never read or written.
+Without ``--generate`` no model is loaded: a transformers, sglang or sglang_server
+processor loads only its tokenizer (for the chat template); an openai or vllm_server one
+sends chat messages and the server applies its own template, so the messages are shown. An output's
+answer is then a placeholder, so later prompts and the record show where it goes; filter
+and Python steps are not run.
+
+With ``generate=True`` the configured engine is loaded and the rows are generated as a
+shard does it: one answer per sample (one request with ``n`` on engines with native n),
+the parsed JSON and each row's error. Engine logs go to a temporary directory; the
+pipeline's state_dir and output_dirs are never read or written; transformers' progress
+bars ("Loading weights") are off while the engine loads.
+
+``export_prompts`` (``mmirage run --export-prompts``) runs every row the same way without
+generation and writes each request as the engine would receive it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import sys
@@ -29,14 +39,17 @@ from typing import Any, TextIO
 from mirageflow.config.types import DatasetConfig, PipelineConfig, ProcessorConfig
 from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
-from mirageflow.engines.wire import EngineInfo
-from mirageflow.prompts import python_steps
+from mirageflow.engines.wire import Completion, EngineInfo
+from mirageflow.prompts import python_steps, samples
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer
+from mirageflow.shard.rows import RowPath
 from mirageflow.shard.steps import OutputStep
+from mirageflow.stats import formulas as stats
 
 DEFAULT_ROWS = 3
+NOT_GENERATED = "not_generated"  # the finish reason of a template-only engine's placeholder answer
 
 
 class NotGenerated:
@@ -62,7 +75,8 @@ class NotGenerated:
 
 class TemplateOnlyEngine(Engine):
     """The engine's chat template without its model: the tokenizer only (or nothing for an
-    OpenAI-compatible server, which templates the messages itself)."""
+    OpenAI-compatible server, which templates the messages itself). Its answers are empty
+    placeholders, which ``PlaceholderStep`` turns into ``NotGenerated`` values."""
 
     def __init__(self, processor: ProcessorConfig):
         self.processor = processor
@@ -78,8 +92,43 @@ class TemplateOnlyEngine(Engine):
         args = self.processor.server_args
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path, trust_remote_code=args.trust_remote_code)
 
-    async def generate_one(self, request):  # pragma: no cover - never called
-        raise RuntimeError("a template-only engine does not generate")
+    async def generate_one(self, request):
+        return Completion(request.id, "", 0, 0, NOT_GENERATED)
+
+
+class PlaceholderStep(OutputStep):
+    """An LLM output without generation: its value is a placeholder."""
+
+    def assign(self, variables: dict, c: Completion) -> None:
+        variables[self.output.name] = NotGenerated(self.output.name)
+        if self.keep_reasoning:
+            variables[self.reasoning_name] = NotGenerated(self.reasoning_name)
+
+
+class SkippedFilter(python_steps.FilterStep):
+    """A filter without generation: not run (its predicate may name answers not generated); the row goes on."""
+
+    async def run(self, variables: dict) -> bool:
+        return True
+
+
+class SkippedCustom(python_steps.CustomStep):
+    """A Python step without generation: not run; its value is a placeholder."""
+
+    async def run(self, variables: dict) -> bool:
+        variables[self.output.name] = NotGenerated(self.output.name)
+        return True
+
+
+class Unbooked:
+    """The row path's metrics, counting nothing a preview reports."""
+
+    def __init__(self):
+        self.tracker = stats.InflightTracker()
+        self.tokens_per_row = stats.TokenHistogram()
+
+    def book(self, request, completion, sent=True, cached=False, processor=None, choice_prompt=None) -> None:
+        pass  # a preview's answers are shown, not counted (shard/metrics.py ShardMetrics.book counts them)
 
 
 def first_rows(ds: DatasetConfig, n: int) -> list:
@@ -88,16 +137,18 @@ def first_rows(ds: DatasetConfig, n: int) -> list:
 
 
 def iter_rows(ds: DatasetConfig, n: int = sys.maxsize):
-    """The dataset's first ``n`` rows (default: all), read as they are consumed."""
+    """The dataset's first ``n`` rows (default: all; fewer when it has fewer), read as they are consumed."""
     from mirageflow.data import readers
 
     if n <= 0:
         return iter(())
-    if ds.type == "jsonl":
-        if n == sys.maxsize:  # all rows: the reader checks it reads exactly as many as the file has
-            n = readers.jsonl_count(ds.path)
-        piece = readers.ShardSlice(0, sys.maxsize, 0, 1)
-        return itertools.islice(readers.read_shard(ds, piece), n)
+    if ds.type == "jsonl":  # the rows there are, up to n: a shard's reader fails a file shorter than its slice
+        try:
+            with open(ds.path, "rb") as f:
+                present = sum(1 for _ in itertools.islice((line for line in f if line.strip()), n))
+        except OSError as e:
+            raise readers.DatasetReadError(f"{ds.path}: cannot open the dataset file ({e})") from e
+        return readers.read_shard(ds, readers.ShardSlice(0, present, 0, 1))
     if ds.type == "parquet":
         import pyarrow.parquet as pq
 
@@ -133,60 +184,109 @@ def _error(e: RowError) -> dict:
     return out
 
 
-async def _preview_row(row, extract, steps: list[OutputStep], render, generate: bool, images=None) -> dict:
-    """``images``: variables -> the row's loaded image inputs (mirageflow.prompts.images), when the config has any."""
-    out: dict[str, Any] = {"source_index": row.index, "variables": None, "outputs": [], "record": None, "error": None}
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """transformers' (and the Hugging Face hub's) tqdm bars off, as they were after."""
     try:
-        if isinstance(row.value, RowError):
-            raise row.value
-        variables = extract(row.value)
-        out["variables"] = _plain(variables)
-        row_images = images(variables) if images else None
-        for step in steps:
-            entry: dict[str, Any] = {"name": step.output.name, "processor": step.output.processor, "json": step.output.is_json}
-            out["outputs"].append(entry)
-            if step.engine is None:  # a filter or Python step: run only with generate (earlier values are placeholders)
-                if not generate:
-                    if step.output.kind == "custom":
-                        variables[step.output.name] = NotGenerated(step.output.name)
-                    continue
-                kept = await step.run(variables)
-                entry["value"] = _plain(variables[step.output.name]) if step.output.kind == "custom" else kept
-                if not kept:
-                    out["filtered"] = True  # the runner writes no record for this row
-                    return out
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+class UnitTrace:
+    """What ``RowPath.observe`` saw of each unit (row, or row and sample) of one dataset."""
+
+    def __init__(self, ds_index: int, n: int, generate: bool):
+        self.ds_index, self.n, self.generate = ds_index, n, generate
+        self.steps: dict[tuple, list] = {}
+
+    def __call__(self, row, sample, step, variables: dict, outcome) -> None:
+        for k in sample if isinstance(sample, list) else [sample]:
+            self.steps.setdefault((row.index, k), []).append((step, variables, outcome))
+
+    def outputs(self, row_index: int, sample: int | None) -> list[dict]:
+        out = []
+        for step, variables, outcome in self.steps.get((row_index, sample), []):
+            name = step.output.name
+            entry: dict[str, Any] = {"name": name, "kind": step.output.kind, "processor": step.output.processor, "json": step.output.is_json}
+            if step.engine is None:  # a filter or Python step, run only with generate
+                if self.generate:
+                    entry["value"] = _plain(variables.get(name)) if step.output.kind == "custom" else outcome
+                out.append(entry)
                 continue
-            request = step.request(row.index, variables, images=row_images)
+            request, completion = outcome
             entry["messages"] = request.messages
             if request.images:  # in placeholder order
                 entry["images"] = [{"source": im.source, "width": im.width, "height": im.height, "sha256": im.sha256} for im in request.images]
             entry["prompt"] = request.prompt  # None: the server applies its chat template to the messages
             entry["sampling_params"] = request.sampling_params
-            if not generate:
-                variables[step.output.name] = NotGenerated(step.output.name)
-                continue
-            completion = await step.engine.generate_one(request)
-            entry.update(
-                answer=completion.text, finish_reason=completion.finish_reason,
-                prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
-            )  # fmt: skip
-            step.assign(variables, completion)
-            entry["value"] = _plain(variables[step.output.name])
-        out["record"] = _plain(render(row.index, row.value, variables))
-    except RowError as e:
-        out["error"] = _error(e)
+            if request.seed is not None:  # this sample's own seed (prompts/samples.py)
+                entry["seed"] = samples.sample_seed(step.base_seed, self.ds_index, row_index, sample or 0)
+            if self.generate:
+                entry.update(
+                    answer=completion.text, finish_reason=completion.finish_reason,
+                    prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
+                )  # fmt: skip
+                if name in variables:  # set by the step (absent when the answer was the row's error)
+                    entry["value"] = _plain(variables[name])
+            out.append(entry)
+        return out
+
+
+def _unit(path: RowPath, trace: UnitTrace, row, sample, record, error) -> dict:
+    out: dict[str, Any] = {"source_index": row.index}
+    if sample is not None:
+        out["sample_index"] = sample
+    try:
+        out["variables"] = None if isinstance(row.value, RowError) else _plain(path.extract(row.value))
+    except RowError:
+        out["variables"] = None
+    out["outputs"] = trace.outputs(row.index, sample)
+    out["record"] = None if record is None or record is python_steps.FILTERED else _plain(record)
+    if record is python_steps.FILTERED:
+        out["filtered"] = True  # the shard writes no record for this row (sample)
+    out["error"] = None if error is None else _error(error)
     return out
 
 
-class _Session:
-    """What a preview needs for its rows: the extractor, images, renderer and steps (engines
-    loaded with ``generate``, else their chat templates only); close() stops them."""
+async def _preview_dataset(path: RowPath, steps: list, ds, source: list, generate: bool) -> list[dict]:
+    """Each unit of the dataset's first rows through the shard's row path, as ShardRunner._worker runs them."""
+    trace = UnitTrace(ds.index, path.n, generate)
+    path.observe = trace
 
-    def __init__(self, cfg: PipelineConfig, generate: bool, log_dir: str | Path | None):
+    def read(skip):
+        return iter(source)
+
+    async def unit(row, sample) -> list[tuple]:
+        if isinstance(sample, list):  # a row's samples, the first LLM step asked once (RowPath.row_samples)
+            results = await path.row_samples(row, steps, ds.index, sample)
+        else:
+            results = [await path.one(row, steps, ds.index, sample)]
+        return [(row, k, record, error) for k, record, error in results]
+
+    units = samples.pending(ds.index, read, lambda u: False, path.n, path.grouped is not None)
+    done = await asyncio.gather(*(unit(row, sample) for _, row, sample in units))
+    return [_unit(path, trace, *outcome) for outcomes in done for outcome in outcomes]
+
+
+class _Session:
+    """What a preview needs for its rows: the shard's row path with its steps (engines loaded
+    with ``generate``, else their chat templates only and placeholder steps); close() stops them."""
+
+    def __init__(self, cfg: PipelineConfig, generate: bool, log_dir: str | Path | None, engine_factory=registry.create_engine):
         self.cfg, self.generate = cfg, generate
-        self.extract = Extractor(cfg.inputs)
-        self.row_images = RowImages.from_config(cfg)
-        self.render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"])
+        render = RecordRenderer(
+            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
+        )  # fmt: skip
+        self.path = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, Unbooked(), cfg.n_samples)
         self.engines: dict[str, Engine] = {}
         self.pools: dict[str, python_steps.FunctionPool] = {}
         self._scratch = None
@@ -198,25 +298,25 @@ class _Session:
                 self.pools = python_steps.start_pools(cfg.custom_processors, cfg.outputs)
             else:  # not started: the steps are shown, not run
                 self.pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
-            for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
-                processor = cfg.processors[name]
-                engine = registry.create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
-                self.engines[name] = engine
-                engine.load()
-            self.steps = [
+            with quiet_progress_bars():
+                for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
+                    processor = cfg.processors[name]
+                    engine = engine_factory(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
+                    self.engines[name] = engine
+                    engine.load()
+            steps = [
                 python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]), self.pools)
                 for o in cfg.outputs
             ]
+            self.steps = steps if generate else [_placeholder(step, cfg) for step in steps]
+            self.path.set_steps(self.steps)
         except BaseException:
             self.close()
             raise
 
     def rows(self, ds, source: list) -> list[dict]:
-        async def run():
-            load = (lambda v, i=ds.index: self.row_images(v, i)) if self.row_images else None
-            return await asyncio.gather(*(_preview_row(r, self.extract, self.steps, self.render, self.generate, load) for r in source))
-
-        return list(asyncio.run(run())) if source else []
+        """One entry per record the shard would write for these rows (per sample with n_samples > 1)."""
+        return asyncio.run(_preview_dataset(self.path, self.steps, ds, source, self.generate)) if source else []
 
     def close(self) -> None:
         python_steps.close_pools(self.pools)
@@ -229,12 +329,16 @@ class _Session:
             self._scratch.cleanup()
 
 
-def preview(cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None) -> dict:
-    """{"datasets": [{index, path, rows: [...]}], "generated": bool, "engines": {...}}: what the runner would do
-    with the first ``rows`` rows of each dataset (and, with ``generate``, what the engine answered)."""
-    session = _Session(cfg, generate, log_dir)
+def preview(
+    cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None, engine_factory=registry.create_engine
+) -> dict:
+    """{"datasets": [{index, path, rows: [...]}], "generated": bool, "n_samples": n, "engines": {...}}:
+    the records a shard would write for the first ``rows`` rows of each dataset, one entry per
+    record (per sample with n_samples > 1), with the prompts (and, with ``generate``, what the
+    engine answered)."""
+    session = _Session(cfg, generate, log_dir, engine_factory)
     try:
-        result = {"generated": generate, "engines": {n: e.info.backend for n, e in session.engines.items()}, "datasets": []}
+        result = {"generated": generate, "n_samples": cfg.n_samples, "engines": {n: e.info.backend for n, e in session.engines.items()}, "datasets": []}
         for ds in cfg.datasets:
             entry: dict[str, Any] = {"index": ds.index, "path": ds.path, "rows": [], "error": None}
             try:
@@ -242,6 +346,7 @@ def preview(cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = Fals
             except Exception as e:  # the data cannot be read: say so, go on with the next dataset
                 entry["error"] = f"cannot read {ds.path}: {type(e).__name__}: {e}"
                 source = []
+            entry["source_rows"] = len(source)
             entry["rows"] = session.rows(ds, source)
             result["datasets"].append(entry)
         return result
@@ -255,12 +360,13 @@ EXPORT_CHUNK = 256  # rows rendered at a time by export_prompts
 def export_prompts(cfg: PipelineConfig, out: TextIO) -> dict:
     """``mmirage run --export-prompts``: every row's requests, as the engines would receive them, to a JSONL file.
 
-    One line per row and LLM output: {"dataset", "source_index", "output", "processor",
-    "prompt" (the chat template applied; null when an OpenAI-compatible server applies
-    it), "messages", "sampling_params", "needs": the earlier outputs whose answers it
-    needs (shown as placeholders)}; a row that fails (a missing key, a template error) is a
-    line with its "error". Nothing is generated and no model is loaded (tokenizers only);
-    the pipeline's state and outputs are not touched. Returns the counts.
+    One line per row (per sample with n_samples > 1, with its "sample_index" and "seed")
+    and LLM output: {"dataset", "source_index", "output", "processor", "prompt" (the chat
+    template applied; null when an OpenAI-compatible server applies it), "messages",
+    "sampling_params", "needs": the earlier outputs whose answers it needs (shown as
+    placeholders)}; a row that fails (a missing key, a template error) is one line with its
+    "error". Nothing is generated and no model is loaded (tokenizers only); the pipeline's
+    state and outputs are not touched. Returns the counts (rows are source rows).
     """
     from mirageflow.prompts.templates import template_variables
 
@@ -278,23 +384,40 @@ def export_prompts(cfg: PipelineConfig, out: TextIO) -> dict:
         for ds in cfg.datasets:
             source = iter_rows(ds)
             while chunk := list(itertools.islice(source, EXPORT_CHUNK)):
-                for row in session.rows(ds, chunk):
-                    counts["rows"] += 1
-                    base = {"dataset": ds.index, "source_index": row["source_index"]}
-                    for o in row["outputs"]:
-                        if o["processor"] in ("filter", "custom") or "messages" not in o:
+                counts["rows"] += len(chunk)
+                failed = set()  # a row's error once, not once per sample
+                for unit in session.rows(ds, chunk):
+                    base = {"dataset": ds.index, "source_index": unit["source_index"]}
+                    if "sample_index" in unit:
+                        base["sample_index"] = unit["sample_index"]
+                    for o in unit["outputs"]:
+                        if o.get("kind", "llm") != "llm" or "messages" not in o:
                             continue
                         counts["requests"] += 1
-                        out.write(json.dumps({
+                        line = {
                             **base, "output": o["name"], "processor": o["processor"], "prompt": o["prompt"],
                             "messages": o["messages"], "sampling_params": o["sampling_params"], "needs": needs.get(o["name"], []),
-                        }, ensure_ascii=False, default=str) + "\n")  # fmt: skip
-                    if row["error"]:
+                        }  # fmt: skip
+                        if "seed" in o:
+                            line["seed"] = o["seed"]
+                        out.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
+                    if unit["error"] and unit["source_index"] not in failed:
+                        failed.add(unit["source_index"])
                         counts["row_errors"] += 1
-                        out.write(json.dumps({**base, "error": row["error"]}, ensure_ascii=False, default=str) + "\n")
+                        error = {"dataset": ds.index, "source_index": unit["source_index"], "error": unit["error"]}
+                        out.write(json.dumps(error, ensure_ascii=False, default=str) + "\n")
         return counts
     finally:
         session.close()
+
+
+def _placeholder(step, cfg):
+    """The step as a preview without generation runs it (placeholders, Python steps not run)."""
+    if isinstance(step, python_steps.FilterStep):
+        return SkippedFilter(step.output)
+    if isinstance(step, python_steps.CustomStep):
+        return SkippedCustom(step.output, step.pool)
+    return PlaceholderStep(step.output, step.processor, step.engine)
 
 
 # --------------------------------------------------------------------------- text
@@ -310,25 +433,30 @@ def _dump(value) -> str:
 
 def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
     w = out.write
+    n = result.get("n_samples", 1)
     for ds in result["datasets"]:
-        w(f"=== dataset {ds['index']}: {ds['path']} (first {len(ds['rows'])} row(s)) ===\n")
+        rows = ds.get("source_rows", len(ds["rows"]))
+        per = f", {n} samples per row: {len(ds['rows'])} record(s)" if n > 1 else ""
+        w(f"=== dataset {ds['index']}: {ds['path']} (first {rows} row(s){per}) ===\n")
         if ds.get("error"):
             w(f"ERROR: {ds['error']}\n\n")
         for row in ds["rows"]:
-            w(f"\n--- row {row['source_index']} ---\n")
+            sample = f" sample {row['sample_index']} of {n}" if "sample_index" in row else ""
+            w(f"\n--- row {row['source_index']}{sample} ---\n")
             if row["variables"] is not None:
                 w("variables:\n" + _indent(_dump(row["variables"]), "    ") + "\n")
             for o in row["outputs"]:
                 kind = "JSON output" if o["json"] else "output"
-                if o["processor"] in ("filter", "custom"):
+                if o.get("kind", "llm") != "llm":
                     shown = _dump(o["value"]) if "value" in o else "(not run without --generate)"
-                    w(f"{o['processor']} step '{o['name']}': {shown}\n")
+                    w(f"{o['kind']} step '{o['name']}': {shown}\n")
                     continue
+                seed = f", seed {o['seed']}" if "seed" in o else ""
                 if o["prompt"] is not None:
-                    w(f"{kind} '{o['name']}' (processor {o['processor']}): prompt as the engine receives it:\n")
+                    w(f"{kind} '{o['name']}' (processor {o['processor']}{seed}): prompt as the engine receives it:\n")
                     w(_indent(o["prompt"]) + "\n")
                 else:
-                    w(f"{kind} '{o['name']}' (processor {o['processor']}): chat messages (the server applies its chat template):\n")
+                    w(f"{kind} '{o['name']}' (processor {o['processor']}{seed}): chat messages (the server applies its chat template):\n")
                     w(_indent(_dump(o["messages"])) + "\n")
                 if "answer" in o:
                     w(f"  answer ({o['completion_tokens']} tokens, finish_reason {o['finish_reason']}):\n" + _indent(o["answer"]) + "\n")
@@ -342,7 +470,7 @@ def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
                 if e.get("raw") is not None:
                     w("  model text:\n" + _indent(e["raw"]) + "\n")
             if row["record"] is not None:
-                w("record:\n" + _indent(_dump(row["record"]), "    ") + "\n")
+                w("record (as a shard writes it):\n" + _indent(_dump(row["record"]), "    ") + "\n")
         w("\n")
     if not result["generated"]:
         w("(no model was loaded; run with --generate to see the answers)\n")

@@ -152,6 +152,7 @@ class ProgressReporter:
         self.started_at = stats.utc_now()
         self.t0 = clock()
         self._phase_since = self.t0
+        self._generation_started: float | None = None  # seconds since t0 when generation began
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -174,6 +175,7 @@ class ProgressReporter:
             self._phase_since = self.clock()
             if phase == "generating":
                 self.rates.reset()  # rates count generation only
+                self._generation_started = self._phase_since - self.t0
         self.write()
 
     def finish(self, phase: str) -> None:
@@ -199,7 +201,7 @@ class ProgressReporter:
             if snap is not None and self.phase == "generating":
                 self.rates.add(now, _samples(snap), snap.get("output_tokens") or 0)
             samples_per_sec, tokens_per_sec, covered = self.rates.rates()
-            phase, phase_since = self.phase, self._phase_since
+            phase, phase_since, generation_started = self.phase, self._phase_since, self._generation_started
             if snap is not None:
                 self.history.add(now - self.t0, _samples(snap), snap.get("output_tokens"))
             history = self.history.to_json()
@@ -256,6 +258,8 @@ class ProgressReporter:
             "num_gpus": self.num_gpus,
             # [seconds since started_at, samples done, output tokens]: the attempt's throughput over time (report.html)
             "history": history,
+            # seconds since started_at when generation began (report.html's rates start there, not at the load)
+            "generation_started_seconds": generation_started,
         }
 
     def write(self) -> None:

@@ -51,6 +51,11 @@ class RowPath:
         self.seeded = False  # whether requests carry per-sample seeds (set with the steps)
         self.grouped: int | None = None  # the step asked once per row for all its samples (grouped_step)
         self.internal_logged: set = set()
+        # mmirage preview (shard/preview.py) watches each step of a unit: observe(row,
+        # sample, step, variables, outcome), outcome (request, completion) of an LLM step
+        # (before its value is set) or whether a Python step kept the row; sample is a list
+        # of sample indexes for a filter run once for a row's samples (row_samples)
+        self.observe = None
         # the shard's request cache (None: off); a step with a cache_identity uses it
         self.cache: request_cache.RequestCache | None = None
 
@@ -83,7 +88,10 @@ class RowPath:
         try:
             for step in steps:
                 if step.engine is None:  # a filter or a Python step (python_steps)
-                    if not await step.run(variables):
+                    kept = await step.run(variables)
+                    if self.observe is not None:
+                        self.observe(row, sample, step, variables, kept)
+                    if not kept:
                         return python_steps.FILTERED
                     continue
                 sent, key, cached, choice_prompt = True, None, False, None
@@ -97,6 +105,8 @@ class RowPath:
                         request = step.request(row.index, variables, images=images)
                     (completion,), (key,), cached = await self._answers(step, request, 1, row)
                 m.book(request, completion, sent, cached, step.output.processor, choice_prompt)
+                if self.observe is not None:
+                    self.observe(row, sample, step, variables, (request, completion))
                 row_tokens = (row_tokens or 0) + completion.completion_tokens
                 step.assign(variables, completion)
                 if key is not None:  # accepted: kept for a rerun
@@ -130,7 +140,10 @@ class RowPath:
         try:
             variables, images = await self._start(row, ds_index)
             for step in steps[:at]:
-                if not await step.run(variables):
+                kept = await step.run(variables)
+                if self.observe is not None:
+                    self.observe(row, todo, step, variables, kept)
+                if not kept:
                     return [(k, python_steps.FILTERED, None) for k in todo]
             step = steps[at]
             asked = []

@@ -234,7 +234,7 @@ PROGRESS_NUMBERS = (
     "phase_seconds", "rows_done", "rows_failed", "rows_total", "fraction_done", "output_tokens", "rows_per_sec",
     "tokens_per_sec", "rate_window_seconds", "eta_seconds", "queue_depth", "inflight", "elapsed_seconds",
     "updated_at_unix", "num_gpus", "attempt", "n_samples", "samples_done", "samples_total", "samples_committed",
-    "samples_per_sec", "pid",
+    "samples_per_sec", "pid", "generation_started_seconds",
 )  # fmt: skip
 PROGRESS_STRINGS = ("phase", "eta_human", "eta_note", "started_at", "updated_at", "hostname")
 
