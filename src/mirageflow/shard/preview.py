@@ -136,6 +136,11 @@ async def _preview_row(row, extract, steps: list[OutputStep], render, generate: 
         for step in steps:
             entry: dict[str, Any] = {"name": step.output.name, "processor": step.output.processor, "json": step.output.is_json}
             out["outputs"].append(entry)
+            if step.output.kind == "image_gen":  # shown, never generated: a preview writes no file
+                entry["prompt"] = step.prompt.render(variables)
+                for name in step.names:
+                    variables[name] = NotGenerated(name)
+                continue
             if step.engine is None:  # a filter or Python step: run only with generate (earlier values are placeholders)
                 if not generate:
                     if step.output.kind == "custom":
@@ -169,12 +174,21 @@ async def _preview_row(row, extract, steps: list[OutputStep], render, generate: 
     return out
 
 
+def _model_step(cfg: PipelineConfig, output, engines: dict):
+    if output.kind == "image_gen":  # its prompt is shown; no generator is loaded
+        from mirageflow.prompts.image_outputs import ImageStep
+
+        return ImageStep(output, cfg.image_processors[output.processor], None, None, [v.name for v in cfg.inputs])
+    return OutputStep(output, cfg.processors[output.processor], engines[output.processor])
+
+
 def preview(cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None) -> dict:
     """{"datasets": [{index, path, rows: [...]}], "generated": bool, "engines": {...}}: what the runner would do
     with the first ``rows`` rows of each dataset (and, with ``generate``, what the engine answered)."""
     extract = Extractor(cfg.inputs)
     row_images = RowImages.from_config(cfg)
-    render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"])
+    always = [f"{o.name}_{k}" for o in cfg.outputs if o.kind == "image_gen" for k in ("path", "seed")]
+    render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], always=always)
     engines: dict[str, Engine] = {}
     pools: dict[str, python_steps.FunctionPool] = {}
     scratch = None
@@ -188,10 +202,15 @@ def preview(cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = Fals
             pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
         for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
             processor = cfg.processors[name]
+            if generate and processor.batch is not None:
+                raise RuntimeError(
+                    f"processor '{name}' sends its requests to {processor.batch.provider}'s batch API, whose answers take up "
+                    "to 24 h: preview without --generate shows its requests"
+                )
             engine = registry.create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
             engines[name] = engine
             engine.load()
-        steps = [python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], engines[o.processor]), pools) for o in cfg.outputs]
+        steps = [python_steps.make_step(o, lambda o: _model_step(cfg, o, engines), pools) for o in cfg.outputs]
         result = {"generated": generate, "engines": {n: e.info.backend for n, e in engines.items()}, "datasets": []}
         for ds in cfg.datasets:
             entry: dict[str, Any] = {"index": ds.index, "path": ds.path, "rows": [], "error": None}

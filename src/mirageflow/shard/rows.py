@@ -17,6 +17,7 @@ import traceback
 from mirageflow.prompts import python_steps
 from mirageflow.prompts import samples
 from mirageflow.data.readers import SourceRow
+from mirageflow.prompts.image_outputs import Unit
 from mirageflow.prompts.templates import RowError
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.shard.steps import OutputStep
@@ -75,8 +76,9 @@ class RowPath:
         row_tokens = None
         try:
             for step in steps:
-                if step.engine is None:  # a filter or a Python step (python_steps)
-                    if not await step.run(variables):
+                if step.engine is None:  # a filter or a Python step (python_steps), an image (image_outputs)
+                    kept = await (step.run(variables, Unit(ds_index, row.index, sample or 0)) if step.wants_unit else step.run(variables))
+                    if not kept:
                         return python_steps.FILTERED
                     continue
                 sent = True
