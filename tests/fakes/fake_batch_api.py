@@ -34,7 +34,8 @@ prompt: ``FAIL_CONTEXT`` (context length), ``FAIL_POLICY`` (content policy / ref
 Trouble: ``hold`` (an Event: while set, no batch ends), ``polls_to_end`` (status polls of a
 batch before it ends), ``expire`` (ordinals of created batches, 1-based, that end expired
 after running only their first half; "all" for every one), ``cancel_at_end`` (ordinals
-cancelled by the "provider" with half run). Counters: ``batches_created``, ``polls``,
+cancelled by the "provider" with half run), ``refuse`` (ordinals of OpenAI batches whose
+validation fails: status failed, nothing run). Counters: ``batches_created``, ``polls``,
 ``requests_seen``.
 """
 
@@ -57,6 +58,7 @@ class Trouble:
     polls_to_end: int = 1
     expire: set | str = field(default_factory=set)
     cancel_at_end: set = field(default_factory=set)
+    refuse: set = field(default_factory=set)  # ordinals of OpenAI batches whose input "fails validation" (status failed)
     api_key: str = "sk-test"
 
 
@@ -394,6 +396,8 @@ def _handler(api: FakeBatchAPI):
                 if len(requests) > 50_000 or len(data) > 200_000_000:
                     errors.append({"code": "too_many_requests", "message": "The batch input file is larger than the limit.", "line": None})
                 b = api.create("openai", requests, {"input_file_id": req["input_file_id"], "endpoint": req["endpoint"], "completion_window": req["completion_window"], "metadata": req.get("metadata")})
+                if api.batches_created in api.trouble.refuse:
+                    errors.append({"code": "invalid_request", "message": "The model gpt-x does not support the Batch API.", "line": None})
                 if errors:
                     b["status"], b["errors"] = "failed", {"object": "list", "data": errors}
                 return self._send(200, api.openai_view(b))
