@@ -44,7 +44,7 @@ FRESH_SECONDS = 120.0  # a progress.json older than this belongs to no running s
 # the data, not on chance (json_schema: a greedy model answers the same again).
 DETERMINISTIC_CLASSES = frozenset(
     {"template_error", "missing_variable", "extract_error", "json_schema", "chat_template", "bad_row", "context_length",
-     "invalid_unicode", "reasoning_truncated", "bad_conversation"}
+     "invalid_unicode", "reasoning_truncated", "bad_conversation", "request_too_large", "image_name_taken"}
 )
 
 
