@@ -169,6 +169,19 @@ def test_rows_a_batch_misses_twice_are_row_errors(tmp_path, api, provider, how):
     assert len(_records(tmp_path)) + len(errors) == ROWS
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_result_line_of_another_shape_fails_its_row_and_one_prompt_twice_is_sent_once(tmp_path, api, provider):
+    raw = _config(tmp_path, api, provider)
+    _rows(tmp_path / "in.jsonl", markers={2: "GARBAGE_LINE"})
+    outputs = raw["processing_params"]["outputs"]
+    outputs.append({**outputs[0], "name": "again"})  # the same prompt: the same request
+    raw["processing_params"]["output_schema"]["a2"] = "{{ again.answer }}"
+    _run(raw)
+    assert _errors(tmp_path) == {2: "provider_error"}
+    assert api.requests_seen == ROWS  # each request once, though two outputs asked it
+    assert all(r["a"] == r["a2"] for r in _records(tmp_path))
+
+
 def test_a_batch_openai_refuses_fails_its_rows_as_batch_rejected(tmp_path, api):
     api.trouble.refuse = {1}
     raw = _config(tmp_path, api, "openai")

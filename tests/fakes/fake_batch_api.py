@@ -29,7 +29,8 @@ Anthropic ``output_config.format``) gets an object with every property (``"<fiel
 <custom_id>"``, 7, 1.5, true); plain text ``answer to: <prompt head>`` (``[N image(s)]``
 when the message has image parts, which must be the provider's shape). Markers in the
 prompt: ``FAIL_CONTEXT`` (context length), ``FAIL_POLICY`` (content policy / refusal),
-``FAIL_RATE`` (429 / rate_limit_error), ``FAIL_SERVER`` (500 / api_error).
+``FAIL_RATE`` (429 / rate_limit_error), ``FAIL_SERVER`` (500 / api_error), ``GARBAGE_LINE``
+(a result line of another shape: a body or message that is not an object).
 
 Trouble: ``hold`` (an Event: while set, no batch ends), ``polls_to_end`` (status polls of a
 batch before it ends), ``expire`` (ordinals of created batches, 1-based, that end expired
@@ -241,6 +242,8 @@ class FakeBatchAPI:
                     err.append({"id": f"batch_req_{cid}", "custom_id": cid, "response": None, "error": {"code": code, "message": f"This request was not executed: {code}."}})
                     continue
                 status, body = self.openai_result(cid, r["body"])
+                if "GARBAGE_LINE" in _prompt_of(r["body"].get("messages"))[0]:
+                    body = "not an object"
                 line = {"id": f"batch_req_{cid}", "custom_id": cid, "response": {"status_code": status, "request_id": f"req_{cid}", "body": body}, "error": None}
                 (out if status == 200 else err).append(line)
             b["output_file_id"] = self._store(out) if out else None
@@ -252,6 +255,8 @@ class FakeBatchAPI:
                 cid = r["custom_id"]
                 if i >= run:
                     lines.append({"custom_id": cid, "result": {"type": "expired" if how == "expired" else "canceled"}})
+                elif "GARBAGE_LINE" in _prompt_of(r["params"].get("messages"))[0]:
+                    lines.append({"custom_id": cid, "result": {"type": "succeeded", "message": "not an object"}})
                 else:
                     lines.append({"custom_id": cid, "result": self.anthropic_result(cid, r["params"])})
             b["results"] = "".join(json.dumps(x) + "\n" for x in lines).encode()

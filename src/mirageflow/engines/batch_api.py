@@ -211,7 +211,10 @@ class BatchApiEngine(LoopEngine):
                         else:
                             if lines:
                                 parsed[line["custom_id"]] = line
-                                used = self.provider.usage(line)
+                                try:
+                                    used = self.provider.usage(line)
+                                except (AttributeError, TypeError, ValueError):  # its row fails on its shape (_outcome)
+                                    used = (0, 0)
                                 tokens_in, tokens_out = tokens_in + used[0], tokens_out + used[1]
                     offset += len(raw)
         except OSError as e:
@@ -241,6 +244,9 @@ class BatchApiEngine(LoopEngine):
             cid, line = self.custom_id(request)
         except (ValueError, TypeError) as e:  # a request the provider's format cannot carry (an image type)
             return _failed(request.id, "invalid_request", f"batch_api ({self.settings.provider}): {e}")
+        waiting = self._waiters.get(cid)
+        if waiting is not None and not waiting.done():  # the same request again (two outputs, one prompt): one line, one answer
+            return await waiting
         key = self._where.get(cid)
         entry = self.ledger.entries.get(key) if key else None
         state = entry.get("state") if entry else None
@@ -261,7 +267,21 @@ class BatchApiEngine(LoopEngine):
         where = self._results.get(cid)
         if where is None:  # the batch ended without a line for it
             return Outcome(cid, retry="missing")
-        return self.provider.outcomes(self._read_result(*where), rid)
+        try:
+            line = self._read_result(*where)
+        except (OSError, ValueError) as e:  # the saved results were damaged since: the request did not get an answer
+            log.warning("cannot read the saved result of %s (%s)", cid, e)
+            line = None
+        return self._outcome(line, cid, rid)
+
+    def _outcome(self, line: dict | None, cid: str, rid: int) -> Outcome:
+        """A result line's meaning; a line of an unexpected shape fails its row, not the shard."""
+        if line is None:
+            return Outcome(cid, retry="missing")
+        try:
+            return self.provider.outcomes(line, rid)
+        except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+            return Outcome(cid, _failed(rid, "provider_error", f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}"))
 
     @staticmethod
     def _gave_up(rid: int, why: str) -> Completion:
@@ -442,8 +462,7 @@ class BatchApiEngine(LoopEngine):
         for cid in ids:
             if cid not in self._waiters:
                 continue  # its row is not waiting in this attempt (committed before, or comes later)
-            line = parsed.get(cid)
-            outcome = self.provider.outcomes(line, _unit(cid)) if line is not None else Outcome(cid, retry="missing")
+            outcome = self._outcome(parsed.get(cid), cid, _unit(cid))
             if outcome.retry is None:
                 self._deliver(cid, outcome.completion)
             elif entry.get("round", 0) >= 1:
