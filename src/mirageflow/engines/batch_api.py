@@ -102,7 +102,7 @@ class BatchApiEngine(LoopEngine):
         self.ledger = None
         self.shard_id, self.samples = 0, 1
         self.provider = None
-        self._client = None
+        self._control = None  # an httpx2 client on the private loop (every call is made there; closed by _close_client_and_loop)
         self._waiters: dict[str, asyncio.Future] = {}
         self._where: dict[str, str] = {}  # custom_id -> the newest chunk holding it
         self._results: dict[str, tuple[str, int]] = {}  # custom_id -> (ended chunk, byte offset of its result line)
@@ -144,7 +144,7 @@ class BatchApiEngine(LoopEngine):
         )  # fmt: skip
 
     async def _open_client(self, httpx2) -> None:
-        self._client = httpx2.AsyncClient(headers=self.provider.headers(), timeout=float(self.processor.request_timeout), follow_redirects=True)
+        self._control = httpx2.AsyncClient(headers=self.provider.headers(), timeout=float(self.processor.request_timeout), follow_redirects=True)
 
     def _details(self) -> dict:
         return {
@@ -167,7 +167,7 @@ class BatchApiEngine(LoopEngine):
             entry = self.ledger.entries[key]
             state = entry.get("state")
             if state == "sealed":
-                found = await self.provider.find(self._client, key)
+                found = await self.provider.find(self._control, key)
                 if found:
                     log.warning("batch chunk %s: created as %s before the last attempt stopped; waiting for it", key, found)
                     await self._record(key, state="submitted", batch_id=found, submitted_ts=time.time(), submitted_at=utc_now(), adopted=True)
@@ -378,7 +378,7 @@ class BatchApiEngine(LoopEngine):
         )  # fmt: skip
         try:
             # shielded: a stop() mid-call must not lose the id of a batch the provider created
-            made = await asyncio.shield(self.provider.submit(self._client, key, spool, len(chunk.ids)))
+            made = await asyncio.shield(self.provider.submit(self._control, key, spool, len(chunk.ids)))
         except ProviderRefused as e:
             await self._record(key, state="rejected", reason=str(e), ended_at=utc_now())
             log.error("batch chunk %s (%d requests) refused: %s", key, len(chunk.ids), e)
@@ -422,7 +422,7 @@ class BatchApiEngine(LoopEngine):
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, self.settings.poll_max_seconds)
             try:
-                state = await self.provider.poll(self._client, batch_id)
+                state = await self.provider.poll(self._control, batch_id)
             except EngineError as e:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > POLL_OUTAGE_SECONDS:
@@ -436,7 +436,7 @@ class BatchApiEngine(LoopEngine):
                 break
             if cancelled_at is None and time.time() > deadline:
                 log.warning("batch %s is still %s past its completion window: cancelling it", batch_id, state.status)
-                await self.provider.cancel(self._client, batch_id)
+                await self.provider.cancel(self._control, batch_id)
                 cancelled_at = time.time()
             elif cancelled_at is not None and time.time() - cancelled_at > CANCEL_WAIT_SECONDS:
                 raise EngineError(f"batch {batch_id} was cancelled at its deadline and has not ended {CANCEL_WAIT_SECONDS:.0f} s later")
@@ -452,7 +452,7 @@ class BatchApiEngine(LoopEngine):
             for cid in ids:
                 self._deliver(cid, _failed(_unit(cid), "batch_rejected", reason))
             return
-        await self.provider.download(self._client, state, self.ledger.results(key))
+        await self.provider.download(self._control, state, self.ledger.results(key))
         index, parsed, tokens_in, tokens_out = await asyncio.to_thread(self._index_results, key, True)
         await self._record(key, state="ended", status=state.status, ended_at=utc_now(), input_tokens=tokens_in, output_tokens=tokens_out,
                            counts=state.raw.get("request_counts"), results=len(index))  # fmt: skip
