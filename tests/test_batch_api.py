@@ -348,3 +348,15 @@ def test_preflight_refuses_an_unset_key_variable(tmp_path, monkeypatch):
     raw["loading_params"]["datasets"][0].update(path=str(tmp_path / "in.jsonl"), output_dir=str(tmp_path / "out"))
     problems = preflight_problems(load_config(raw), environ={})
     assert any(p.startswith("processors[0].api_key_env: environment variable $OPENAI_API_KEY is not set") for p in problems), problems
+
+
+def test_preview_shows_the_requests_and_does_not_submit_a_batch(tmp_path, api):
+    from mirageflow.shard.preview import preview
+
+    cfg = load_config(_config(tmp_path, api, "anthropic"))
+    result = preview(cfg, rows=2)
+    messages = result["datasets"][0]["rows"][0]["outputs"][0]["messages"]
+    assert messages == [{"role": "user", "content": "Ask about passage 0 "}]
+    with pytest.raises(RuntimeError, match="batch API, whose answers take up to 24 h: preview without --generate"):
+        preview(cfg, rows=2, generate=True)
+    assert api.batches_created == 0

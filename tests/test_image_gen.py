@@ -302,3 +302,14 @@ def test_gpus_of_an_image_pipeline_follow_its_backend():
     assert shard_gpus(load_config(_raw(), check_paths=False)) == 0  # an external server: nothing on the node
     assert shard_gpus(load_config(_raw({"backend": "diffusers", "pipeline_args": {"model_path": "m"}}), check_paths=False)) == 1
     assert shard_gpus(load_config(_raw({"backend": "diffusers", "pipeline_args": {"model_path": "m", "device": "cpu"}}), check_paths=False)) == 0
+
+
+def test_preview_shows_an_image_outputs_prompt_and_generates_nothing(tmp_path, server):
+    from mirageflow.shard.preview import preview
+
+    raw = _config(tmp_path, _external(server), ["a cat", "a dog"])
+    result = preview(load_config(raw), rows=2, generate=True)
+    rows = result["datasets"][0]["rows"]
+    assert [r["outputs"][0]["prompt"] for r in rows] == ["A drawing of a cat", "A drawing of a dog"]
+    assert rows[0]["record"]["image"] == "<pic: not generated>" and server.requests == 0
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
