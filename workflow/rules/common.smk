@@ -1,5 +1,7 @@
 # Config validation (when Snakemake parses the workflow, before any job starts), the
-# pipeline's state files (mirageflow/state/pipeline.py) and path helpers.
+# pipeline's state files (mirageflow/state/pipeline.py) and path helpers. Every path in
+# the state_dir comes from STATE (mirageflow/state/layout.py), as for the jobs, the CLI
+# and the report; "{shard}"-style arguments make a rule's pattern.
 import os
 import sys
 
@@ -11,7 +13,9 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
+from mirageflow import hub_models
 from mirageflow.cluster import resources as cluster
+from mirageflow.state import layout as state_layout
 from mirageflow.state import pipeline as pipeline_state
 from mirageflow.config import ConfigError
 from mirageflow.config.preflight import validate
@@ -25,6 +29,7 @@ except ConfigError as e:
 
 
 STATE_DIR = PIPELINE.state_dir
+STATE = state_layout.StateLayout(STATE_DIR)
 # The demo model, built by the smollm2_model rule (workflow/rules/models.smk).
 SMOLLM2_DIR = "resources/models/SmolLM2-135M-Instruct"
 # The config as the jobs read it: <state_dir>/configs/<sha256 prefix>.json, on every job's
@@ -32,7 +37,7 @@ SMOLLM2_DIR = "resources/models/SmolLM2-135M-Instruct"
 # resources, not its params: a new config file alone reruns nothing.
 JOB_CONFIG = str(pipeline_state.config_path(config, STATE_DIR))
 # Input of every shard; rewritten only when what can change the records changes.
-RECORDS_FINGERPRINT = str(pipeline_state.fingerprint_path(STATE_DIR))
+RECORDS_FINGERPRINT = str(STATE.fingerprint)
 # The driver stores the config, claims the output_dirs and updates the fingerprint; a
 # cluster job re-parsing this file only reads them.
 if workflow.is_main_process:
@@ -48,11 +53,27 @@ if workflow.is_main_process:
             f"mirageflow: cannot write the pipeline's state files: {e}"
         ) from None
 
-SHARD_IDS = list(range(PIPELINE.num_shards))
+# Hugging Face model ids: the driver says which are cached and which its hub_model rule
+# downloads before any shard (mirageflow/hub_models.py); preflight refused the others.
+HUB_MODELS = hub_models.hub_models(PIPELINE)
+if workflow.is_main_process:
+    from mirageflow.config.preflight import hub_model_states
+
+    for warning in PIPELINE.warnings:  # MMIRAGE keys accepted that change nothing here
+        logger.warning(f"mirageflow: {warning}")
+
+    for state in hub_model_states(PIPELINE):
+        logger.info(f"mirageflow: {hub_models.describe([state])[0]}")
+        # a marker of a download whose snapshot has since left the cache: fetch it again
+        marker = hub_models.marker_path(STATE_DIR, state.model)
+        if state.state == "download" and marker.exists() and not workflow.dryrun:
+            marker.unlink()
+
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]
 
 
 wildcard_constraints:
+    model=r"[^/]+",
     shard=r"\d+",
     group=r"\d+",
     ds=r"\d+",
@@ -66,16 +87,19 @@ def dataset_files(wildcards):
 
 
 def index_files():
-    return [f"{STATE_DIR}/datasets/dataset_{k}.index.json" for k in DATASET_IDS]
+    return [str(STATE.dataset_index(k)) for k in DATASET_IDS]
 
 
 def model_inputs():
-    """Local model directories the shards need; the demo model is built by a rule."""
+    """Local model directories the shards need (the demo model is built by a rule), and the
+    marker of each hub model id the driver fetches (rule hub_model). The marker's time is no
+    rerun trigger (ancient): its repo and revision are in the records fingerprint."""
     paths = []
     for proc in PIPELINE.processors.values():
         path = proc.server_args.model_path
-        if os.path.normpath(path) == SMOLLM2_DIR or os.path.isdir(path):
+        if os.path.normpath(path) == SMOLLM2_DIR or (path and os.path.isdir(path)):
             paths.append(path)
+    paths += [ancient(str(hub_models.marker_path(STATE_DIR, m))) for m in HUB_MODELS]
     return paths
 
 
@@ -90,7 +114,7 @@ def status_files():
 
 
 def _status_files(wildcards):
-    return [f"{STATE_DIR}/shard_{i}/status.json" for i in SHARD_IDS]
+    return STATE.status_files(PIPELINE.num_shards)
 
 
 def engine_endpoint(wildcards):
@@ -103,7 +127,7 @@ def engine_endpoint(wildcards):
     from mirageflow.cluster.engine_service import group_of
 
     group = group_of(PIPELINE, int(wildcards.shard))
-    return [] if group is None else [f"{STATE_DIR}/engines/engine_{group}.json"]
+    return [] if group is None else [str(STATE.engine_endpoint(group))]
 
 
 def shard_threads(wildcards):
@@ -124,18 +148,15 @@ def engine_argument(wildcards):
 
 
 def default_targets():
-    targets = [f"{STATE_DIR}/metrics.json", f"{STATE_DIR}/summary.md"]
-    if PIPELINE.merge:
-        targets += expand(f"{STATE_DIR}/merged/dataset_{{ds}}.json", ds=DATASET_IDS)
-    targets += dedup_count_files()
-    return targets
+    """The report, and each dataset's merge manifest and dedup counts when configured."""
+    return state_layout.default_targets(PIPELINE)
 
 
 def dedup_count_files():
     """Each dataset's dedup counts when deduplication_params.enabled (rule dedup), else none."""
     if PIPELINE.dedup is None:
         return []
-    return [f"{STATE_DIR}/dedup/dataset_{k}.json" for k in DATASET_IDS]
+    return [str(STATE.dedup_counts(k)) for k in DATASET_IDS]
 
 
 def cluster_resources(job):

@@ -9,18 +9,18 @@ rule aggregate:
         dedup_count_files(),
     output:
         metrics=report(
-            f"{STATE_DIR}/metrics.json",
+            str(STATE.metrics),
             caption="../report/metrics.rst",
             category="Run metrics",
         ),
-        summary=f"{STATE_DIR}/summary.md",
+        summary=str(STATE.summary),
         html=report(
-            f"{STATE_DIR}/report.html",
+            str(STATE.report_html),
             caption="../report/report.rst",
             category="Run metrics",
         ),
     log:
-        f"{STATE_DIR}/logs/aggregate.log",
+        str(STATE.log("aggregate")),
     localrule: True
     conda:
         "../../environment.yaml"

@@ -25,6 +25,11 @@ class DatasetConfig:
     output_format: str
     split: str | None
     image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
+    where: str = ""  # its entry's key path, loading_params.datasets[i] (one entry is several datasets with {split: path})
+
+    @property
+    def key(self) -> str:
+        return self.where or f"loading_params.datasets[{self.index}]"
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ class ServerArgs:
     disable_custom_all_reduce: bool = False
     # passed verbatim to the engine (SGLang's own arguments, transformers' dtype): not ours to type
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    # a Hugging Face model id's branch, tag or commit (mirageflow.hub_models resolves it to a snapshot; not an engine argument)
+    revision: str | None = None
 
     def engine_args(self) -> dict[str, Any]:
         """Every key but ``extra_engine_args``, as SGLang names its arguments (``--flag`` of its server)."""
@@ -112,6 +119,8 @@ class ProcessorConfig:
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)
+    max_concurrency: int | None = None  # openai: requests in flight (MMIRAGE's api_llm); None: the engine's default
+    retry_base_delay: float | None = None  # openai: first retry delay; None: the engine's default
 
 
 # The providers' own limits on one batch (requests, bytes of its JSONL): OpenAI Batch (a 200 MB
@@ -194,6 +203,7 @@ class ShardParams:
     max_inflight: int | None
     lease_timeout_seconds: float
     gpu_sample_interval_seconds: float = 0.5
+    request_cache: bool = True  # keep answers by request key (shard/request_cache.py)
 
 
 @dataclass(frozen=True)
@@ -269,6 +279,9 @@ class PipelineConfig:
     image_processors: dict[str, ImageGenProcessor] = field(default_factory=dict)
     dedup: DedupParams | None = None  # deduplication_params when enabled (data/dedup.py)
     execution: ExecutionParams = field(default_factory=ExecutionParams)
+    # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)
+    warnings: tuple[str, ...] = ()
+    fresh_answers: bool = False  # this run takes no answer from the request cache
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"

@@ -34,14 +34,14 @@ from typing import Any, Iterator, NamedTuple
 from mirageflow.config.types import DatasetConfig
 from mirageflow.data.sharding import shard_range
 from mirageflow.files import atomic_write_bytes, atomic_write_json
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import MirageflowError, RowError, RowErrorClass as E
 
 INDEX_VERSION = 3
 # Per shard in the offsets file: byte offset of its first row, that row's 1-based line number.
 SHARD_START = struct.Struct("<QQ")
 
 
-class DatasetReadError(OSError):
+class DatasetReadError(MirageflowError, OSError):
     """A dataset file cannot be read (not one row of it): the shard cannot go on. Names the file."""
 
 
@@ -50,7 +50,7 @@ class SourceRow(NamedTuple):  # a tuple: built once per row, cheaper than a froz
     value: Any  # the row mapping, or a RowError for an unreadable row
 
 
-def _parquet_files(path: str) -> list[str]:
+def parquet_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
@@ -65,7 +65,7 @@ def dataset_files(ds: DatasetConfig) -> list[str]:
     if ds.type == "jsonl":
         return [ds.path]
     if ds.type == "parquet":
-        return _parquet_files(ds.path)
+        return parquet_files(ds.path)
     return sorted(str(p) for p in Path(ds.path).rglob("*") if p.is_file())
 
 
@@ -104,7 +104,7 @@ def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig) -> bool:
 # --------------------------------------------------------------------------- JSONL
 
 
-def _jsonl_count(path: str) -> int:
+def jsonl_count(path: str) -> int:
     rows = 0
     with open(path, "rb") as f:
         for line in f:
@@ -170,25 +170,25 @@ def _jsonl_row(line: bytes, path: str, lineno: int):
         try:
             line.decode("utf-8-sig", "surrogatepass")
         except UnicodeDecodeError:
-            return RowError("read", "bad_row", f"{path}:{lineno}: not valid UTF-8 ({e})")
-        return RowError("read", "invalid_unicode", f"{path}:{lineno}: a lone UTF-16 surrogate encoded as UTF-8 bytes ({e})")
+            return RowError("read", E.BAD_ROW, f"{path}:{lineno}: not valid UTF-8 ({e})")
+        return RowError("read", E.INVALID_UNICODE, f"{path}:{lineno}: a lone UTF-16 surrogate encoded as UTF-8 bytes ({e})")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        return RowError("read", "bad_row", f"{path}:{lineno}: not valid JSON ({e})")
+        return RowError("read", E.BAD_ROW, f"{path}:{lineno}: not valid JSON ({e})")
     except Exception as e:  # RecursionError (deep nesting), MemoryError, ...: this row only
-        return RowError("read", "bad_row", f"{path}:{lineno}: cannot parse this line ({type(e).__name__}: {e})")
+        return RowError("read", E.BAD_ROW, f"{path}:{lineno}: cannot parse this line ({type(e).__name__}: {e})")
     if type(value) is not dict:
-        return RowError("read", "bad_row", f"{path}:{lineno}: line is a JSON {type(value).__name__}, not an object")
+        return RowError("read", E.BAD_ROW, f"{path}:{lineno}: line is a JSON {type(value).__name__}, not an object")
     # Only a line with a \\uD... escape can hold a lone surrogate now (the strict decoding
     # refused encoded ones): the common path pays a search of the line, not a walk of the value.
     if _UD_ESCAPE.search(line):
         try:
             where = lone_surrogate_at(value)
         except Exception as e:  # defensive: a row, never the shard
-            return RowError("read", "bad_row", f"{path}:{lineno}: cannot check this row ({type(e).__name__}: {e})")
+            return RowError("read", E.BAD_ROW, f"{path}:{lineno}: cannot check this row ({type(e).__name__}: {e})")
         if where is not None:
-            return RowError("read", "invalid_unicode", f"{path}:{lineno}: {where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)")
+            return RowError("read", E.INVALID_UNICODE, f"{path}:{lineno}: {where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)")
     return value
 
 
@@ -279,7 +279,7 @@ def _map_converter(t):
     return None
 
 
-def _arrow_rows(table, where: str, first: int) -> list:
+def arrow_rows(table, where: str, first: int) -> list:
     """``table``'s rows as dicts (MAPs converted); a row that cannot be converted (e.g. a
     timestamp beyond Python's datetime) is a RowError, the others are kept. ``first``: the
     dataset index of its first row, for messages."""
@@ -292,7 +292,7 @@ def _arrow_rows(table, where: str, first: int) -> list:
             try:
                 rows.extend(table.slice(i, 1).to_pylist())
             except Exception as e:
-                rows.append(RowError("read", "bad_row", f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})"))
+                rows.append(RowError("read", E.BAD_ROW, f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})"))
     if converters:
         for i, row in enumerate(rows):
             if isinstance(row, RowError):
@@ -301,7 +301,7 @@ def _arrow_rows(table, where: str, first: int) -> list:
                 for name, c in converters.items():
                     row[name] = c(row[name])
             except Exception as e:
-                rows[i] = RowError("read", "bad_row", f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})")
+                rows[i] = RowError("read", E.BAD_ROW, f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})")
     return rows
 
 
@@ -355,9 +355,9 @@ def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[So
                         )
                         for i in range(a, b):
                             if not skip(i):
-                                yield SourceRow(i, RowError("read", "unreadable_row_group", why))
+                                yield SourceRow(i, RowError("read", E.UNREADABLE_ROW_GROUP, why))
                     else:
-                        rows = _arrow_rows(table.slice(a - rg_base, b - a), f"{path}", a)
+                        rows = arrow_rows(table.slice(a - rg_base, b - a), f"{path}", a)
                         for i, row in enumerate(rows, start=a):
                             if not skip(i):
                                 yield SourceRow(i, row)
@@ -370,7 +370,7 @@ def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[So
 # --------------------------------------------------------------------------- loadable
 
 
-def _load_hf(ds: DatasetConfig):
+def load_hf(ds: DatasetConfig):
     import datasets
 
     obj = datasets.load_from_disk(ds.path)
@@ -387,7 +387,7 @@ def _load_hf(ds: DatasetConfig):
 
 def _read_loadable(ds: DatasetConfig, start: int, stop: int, skip, chunk: int = 1024) -> Iterator[SourceRow]:
     try:
-        table = _load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
+        table = load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
         rows = len(table)
     except Exception as e:
         raise DatasetReadError(f"{ds.path}: cannot load this dataset ({type(e).__name__}: {e})") from e
@@ -410,7 +410,7 @@ def _read_loadable(ds: DatasetConfig, start: int, stop: int, skip, chunk: int = 
                 try:
                     values.append(table[i])
                 except Exception as e:
-                    values.append(RowError("read", "unreadable_rows", f"{ds.path}: row {i} cannot be read ({type(e).__name__}: {e})"))
+                    values.append(RowError("read", E.UNREADABLE_ROWS, f"{ds.path}: row {i} cannot be read ({type(e).__name__}: {e})"))
         for i, row in enumerate(values, start=a):
             if not skip(i):
                 yield SourceRow(i, row)
@@ -445,18 +445,18 @@ def write_index(ds: DatasetConfig, num_shards: int, path: str | Path) -> dict:
     header: dict[str, Any] = {"version": INDEX_VERSION, "path": ds.path, "type": ds.type, "num_shards": num_shards}
     table = b""
     if ds.type == "jsonl":
-        rows = _jsonl_count(ds.path)
+        rows = jsonl_count(ds.path)
         starts = [shard_range(rows, num_shards, s)[0] for s in range(num_shards)]
         found = _jsonl_starts(ds.path, starts)
         table = b"".join(SHARD_START.pack(*found[r]) for r in starts)
     elif ds.type == "parquet":
-        files = [{"path": f, "rows": _parquet_rows(f)} for f in _parquet_files(ds.path)]
+        files = [{"path": f, "rows": _parquet_rows(f)} for f in parquet_files(ds.path)]
         if not files:
             raise FileNotFoundError(f"no Parquet files at '{ds.path}'")
         rows = sum(f["rows"] for f in files)
         header["files"] = files
     else:
-        rows = len(_load_hf(ds))
+        rows = len(load_hf(ds))
     header["rows"] = rows
     header["fingerprint"] = fingerprint(ds)
     atomic_write_bytes(offsets_path(path), table)

@@ -43,6 +43,7 @@ from mirageflow.config.types import BatchSettings, ProcessorConfig
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.http import backoff_delay, error_message, is_context_length_error
 from mirageflow.engines.wire import Completion, Request
+from mirageflow.errors import MirageflowError
 from mirageflow.prompts.images import openai_messages
 from mirageflow.redact import redact_text
 
@@ -76,7 +77,7 @@ class Outcome:
     retry: str | None = None  # "expired" | "cancelled"
 
 
-class ProviderRefused(Exception):
+class ProviderRefused(MirageflowError):
     """The provider refused a submission for what it holds (a 4xx other than 401/403/404):
     the rows of that chunk fail as batch_rejected; the shard goes on."""
 

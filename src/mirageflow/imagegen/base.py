@@ -10,6 +10,8 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
+from mirageflow.errors import MirageflowError
+
 
 @dataclass
 class ImageJob:
@@ -21,7 +23,7 @@ class ImageJob:
     params: dict[str, Any] = field(default_factory=dict)  # num_inference_steps, guidance_scale
 
 
-class ImageError(Exception):
+class ImageError(MirageflowError):
     """This row's image cannot be had; ``kind`` is its row-error class:
     ``content_filter`` (the server's content policy refused the prompt),
     ``image_timeout`` (no image within the timeout, after the retries),

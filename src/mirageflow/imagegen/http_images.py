@@ -34,6 +34,7 @@ from pathlib import Path
 
 from mirageflow.config.types import ImageGenProcessor
 from mirageflow.engines.http import backoff_delay, error_message, free_port
+from mirageflow.errors import MirageflowError
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob, decode_b64, decode_image
 from mirageflow.redact import redact, redact_text
 
@@ -47,7 +48,7 @@ SGLANG_INSTALL = 'pip install "sglang[diffusion]==0.5.23" (a GPU environment: se
 LOG_TAIL_LINES = 30
 
 
-class GeneratorFailed(RuntimeError):
+class GeneratorFailed(MirageflowError, RuntimeError):
     """The images server is unusable (unreachable, refused the key, gone): the shard fails."""
 
 

@@ -41,7 +41,8 @@ from mirageflow.config.types import ImageGenProcessor, OutputVar
 from mirageflow.files import atomic_write_bytes
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob
 from mirageflow.prompts import samples
-from mirageflow.prompts.templates import RowError, Template
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import Template
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP"}

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from mirageflow.config.types import DatasetConfig, PipelineConfig
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError, RowErrorClass as E
 
 STAGE = "image"
 DEFAULT_MAX_PIXELS = 36_000_000  # 6000 x 6000; Pillow's own bomb check starts at ~89 M
@@ -99,17 +99,17 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
         im = Image.open(io.BytesIO(data))
         width, height = im.size
         if width * height > max_pixels:
-            raise _error("image_too_large", name, source, f"{width}x{height} = {width * height} pixels, more than max_pixels ({max_pixels})")
+            raise _error(E.IMAGE_TOO_LARGE, name, source, f"{width}x{height} = {width * height} pixels, more than max_pixels ({max_pixels})")
         fmt = im.format
         im.load()
     except RowError:
         raise
     except Image.DecompressionBombError as e:
-        raise _error("image_too_large", name, source, f"{e}") from None
+        raise _error(E.IMAGE_TOO_LARGE, name, source, f"{e}") from None
     except UnidentifiedImageError:
-        raise _error("image_unreadable", name, source, f"not an image Pillow can read ({len(data)} bytes, starting {data[:8]!r})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"not an image Pillow can read ({len(data)} bytes, starting {data[:8]!r})") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated, corrupt
-        raise _error("image_unreadable", name, source, f"cannot decode the image ({type(e).__name__}: {e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot decode the image ({type(e).__name__}: {e})") from None
     try:
         im, changed = _canonical(im, max_side)
         if changed or fmt not in _PASSTHROUGH:
@@ -124,7 +124,7 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
         else:
             mime = _PASSTHROUGH[fmt]
     except (OSError, ValueError, SyntaxError, EOFError, KeyError) as e:  # a corrupt EXIF block, an odd mode
-        raise _error("image_unreadable", name, source, f"cannot convert the image ({type(e).__name__}: {e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot convert the image ({type(e).__name__}: {e})") from None
     return CanonicalImage(data, mime, im.width, im.height, hashlib.sha256(data).hexdigest(), source, im)
 
 
@@ -157,7 +157,7 @@ def _data_uri_bytes(value: str, name: str) -> bytes:
     m = _DATA_URI.match(value)
     shown = value[:40] + ("..." if len(value) > 40 else "")
     if not m:
-        raise _error("image_unreadable", name, shown, "malformed data: URI (expected data:<mime>;base64,<data>)")
+        raise _error(E.IMAGE_UNREADABLE, name, shown, "malformed data: URI (expected data:<mime>;base64,<data>)")
     payload = value[m.end() :]
     if not m.group(3):
         from urllib.parse import unquote_to_bytes
@@ -166,7 +166,7 @@ def _data_uri_bytes(value: str, name: str) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise _error("image_unreadable", name, shown, f"bad base64 in the data: URI ({e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"bad base64 in the data: URI ({e})") from None
 
 
 def _fetch(url: str, name: str, max_bytes: int) -> bytes:
@@ -175,19 +175,18 @@ def _fetch(url: str, name: str, max_bytes: int) -> bytes:
     try:
         with httpx2.stream("GET", url, timeout=REMOTE_TIMEOUT_SECONDS, follow_redirects=True) as response:
             if response.status_code != 200:
-                raise _error("image_missing", name, url, f"the server answered HTTP {response.status_code}")
+                raise _error(E.IMAGE_MISSING, name, url, f"the server answered HTTP {response.status_code}")
             chunks, size = [], 0
             for chunk in response.iter_bytes():
                 size += len(chunk)
                 if size > max_bytes:
-                    raise _error("image_too_large", name, url, f"more than max_bytes ({max_bytes}) bytes")
+                    raise _error(E.IMAGE_TOO_LARGE, name, url, f"more than max_bytes ({max_bytes}) bytes")
                 chunks.append(chunk)
             return b"".join(chunks)
     except RowError:
         raise
     except Exception as e:  # noqa: BLE001 - DNS, connection refused, timeout, TLS: the network
-        raise _error(
-            "image_remote_unreachable", name, url,
+        raise _error(E.IMAGE_REMOTE_UNREACHABLE, name, url,
             f"cannot download it ({type(e).__name__}: {e}); no network may be reachable from this job "
             "(cluster nodes often have none): download the images beforehand and use local paths",
         ) from None  # fmt: skip
@@ -197,18 +196,18 @@ def _read_file(path: str, shown: str, name: str, max_bytes: int) -> bytes:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        raise _error("image_missing", name, shown, f"no such file ({path})") from None
+        raise _error(E.IMAGE_MISSING, name, shown, f"no such file ({path})") from None
     except OSError as e:
-        raise _error("image_unreadable", name, shown, f"cannot read it ({e.strerror or e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({e.strerror or e})") from None
     if os.path.isdir(path):
-        raise _error("image_unreadable", name, shown, f"is a directory ({path})")
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"is a directory ({path})")
     if size > max_bytes:
-        raise _error("image_too_large", name, shown, f"{size} bytes, more than max_bytes ({max_bytes})")
+        raise _error(E.IMAGE_TOO_LARGE, name, shown, f"{size} bytes, more than max_bytes ({max_bytes})")
     try:
         with open(path, "rb") as f:
             return f.read(max_bytes + 1)
     except OSError as e:
-        raise _error("image_unreadable", name, shown, f"cannot read it ({e.strerror or e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({e.strerror or e})") from None
 
 
 # --------------------------------------------------------------------------- a row's images
@@ -262,7 +261,7 @@ class RowImages:
             value = variables.get(spec.name)
             values = value if isinstance(value, list | tuple) else [value]
             if not values:
-                raise _error("image_invalid_value", spec.name, "[]", "an empty list (no image)")
+                raise _error(E.IMAGE_INVALID_VALUE, spec.name, "[]", "an empty list (no image)")
             out[spec.name] = [self.load(v, spec, base) for v in values]
         return out
 
@@ -270,7 +269,7 @@ class RowImages:
         name = spec.name
         source, data = self._bytes(value, spec, base)
         if len(data) > spec.max_bytes:
-            raise _error("image_too_large", name, source, f"{len(data)} bytes, more than max_bytes ({spec.max_bytes})")
+            raise _error(E.IMAGE_TOO_LARGE, name, source, f"{len(data)} bytes, more than max_bytes ({spec.max_bytes})")
         return canonicalise(data, source, name, max_side=spec.max_side, max_pixels=spec.max_pixels)
 
     def _bytes(self, value: Any, spec: ImageInput, base: str) -> tuple[str, bytes]:
@@ -281,7 +280,7 @@ class RowImages:
             if value.get("path"):
                 value = value["path"]
             else:
-                raise _error("image_invalid_value", name, "{...}", f"an object without image bytes or path (keys: {sorted(value)})")
+                raise _error(E.IMAGE_INVALID_VALUE, name, "{...}", f"an object without image bytes or path (keys: {sorted(value)})")
         if isinstance(value, bytes | bytearray):
             return "image bytes", bytes(value)
         if hasattr(value, "save") and hasattr(value, "size"):  # a decoded PIL image (datasets' own decoding)
@@ -289,10 +288,10 @@ class RowImages:
             try:
                 value.save(buf, format="PNG")
             except (OSError, ValueError) as e:
-                raise _error("image_unreadable", name, "PIL image", f"cannot encode it ({e})") from None
+                raise _error(E.IMAGE_UNREADABLE, name, "PIL image", f"cannot encode it ({e})") from None
             return "PIL image", buf.getvalue()
         if not isinstance(value, str) or not value.strip():
-            raise _error("image_invalid_value", name, repr(value)[:60], "not an image path, data: URI, URL or image bytes")
+            raise _error(E.IMAGE_INVALID_VALUE, name, repr(value)[:60], "not an image path, data: URI, URL or image bytes")
         if value.startswith("data:"):
             return "data: URI", _data_uri_bytes(value, name)
         lower = value.lower()
@@ -330,7 +329,7 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
         if not isinstance(content, str) or _MARK_OPEN not in content:
             continue
         if message.get("role") != "user":
-            raise RowError("render", "template_error", f"image variables may only be used in the user prompt, not in a {message.get('role')} message")
+            raise RowError("render", E.TEMPLATE_ERROR, f"image variables may only be used in the user prompt, not in a {message.get('role')} message")
         found = True
         parts: list[dict] = []
         pos = 0
@@ -338,7 +337,7 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
             if m.start() > pos:
                 parts.append({"type": "text", "text": content[pos : m.start()]})
             if m.group(1) not in images:
-                raise RowError("render", "template_error", "an image variable was changed by a template filter; use it as a plain {{ name }}")
+                raise RowError("render", E.TEMPLATE_ERROR, "an image variable was changed by a template filter; use it as a plain {{ name }}")
             for image in images[m.group(1)]:
                 parts.append({"type": "image"})
                 placed.append(image)
@@ -346,12 +345,12 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
         if pos < len(content):
             parts.append({"type": "text", "text": content[pos:]})
         if any(_MARK_OPEN in p.get("text", "") or _MARK_CLOSE in p.get("text", "") for p in parts):
-            raise RowError("render", "template_error", "an image variable was changed by a template filter; use it as a plain {{ name }}")
+            raise RowError("render", E.TEMPLATE_ERROR, "an image variable was changed by a template filter; use it as a plain {{ name }}")
         message["content"] = parts
     if not found:
         users = [m for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
         if not users:
-            raise RowError("render", "template_error", "the row has images but no user turn to put them in")
+            raise RowError("render", E.TEMPLATE_ERROR, "the row has images but no user turn to put them in")
         ordered = [image for name in order for image in images.get(name, ())]
         users[-1]["content"] = [{"type": "image"} for _ in ordered] + [{"type": "text", "text": users[-1]["content"]}]
         placed = ordered
@@ -405,17 +404,3 @@ def placeholder_error(prompt: str, token: str | None, count: int) -> str | None:
     if found == count:
         return None
     return f"the rendered prompt holds {found} image placeholder(s) '{token}' for {count} image(s); the chat template must write one per image part"
-
-
-def is_vision_model(model_dir) -> bool | None:
-    """Whether a local model's config.json describes a vision-language model; None when unknown."""
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    return any(k in config for k in ("vision_config", "vision_tower", "visual", "mm_vision_tower", "image_token_index", "image_token_id"))

@@ -45,7 +45,8 @@ from jinja2.runtime import new_context as _new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mirageflow.config.types import CustomProcessor, OutputVar
-from mirageflow.prompts.templates import RowError, template_problems
+from mirageflow.errors import RowError, RowErrorClass as E
+from mirageflow.prompts.templates import template_problems
 
 log = logging.getLogger(__name__)
 
@@ -227,12 +228,12 @@ class FunctionPool:
 
             raise ShardFailed(f"{where}: a worker process of processor '{self.proc.type}' was stopped by {payload}")
         kind, message = {
-            "raised": ("custom_error", payload),
-            "bad_value": ("custom_bad_value", payload),
-            "timeout": ("custom_timeout", f"the call ran past timeout_ms ({self.proc.timeout_ms} ms)"),
-            "killed": ("custom_timeout", f"the call ran past timeout_ms ({self.proc.timeout_ms} ms) and ignored the alarm: its worker was killed"),
-            "crashed": ("custom_crashed", f"the worker process died ({payload}) during the call"),
-            "unsent": ("custom_error", f"the call could not be made: {payload}"),
+            "raised": (E.CUSTOM_ERROR, payload),
+            "bad_value": (E.CUSTOM_BAD_VALUE, payload),
+            "timeout": (E.CUSTOM_TIMEOUT, f"the call ran past timeout_ms ({self.proc.timeout_ms} ms)"),
+            "killed": (E.CUSTOM_TIMEOUT, f"the call ran past timeout_ms ({self.proc.timeout_ms} ms) and ignored the alarm: its worker was killed"),
+            "crashed": (E.CUSTOM_CRASHED, f"the worker process died ({payload}) during the call"),
+            "unsent": (E.CUSTOM_ERROR, f"the call could not be made: {payload}"),
         }[status]  # fmt: skip
         raise RowError("custom", kind, f"{where}: {message}")
 
@@ -322,12 +323,11 @@ class FilterStep:
                 pass
             value = ctx.vars["result"]
         except Exception as e:
-            raise RowError("filter", "filter_error", f"{self.where}: predicate '{self.predicate}' raised {type(e).__name__}: {e}") from None
+            raise RowError("filter", E.FILTER_ERROR, f"{self.where}: predicate '{self.predicate}' raised {type(e).__name__}: {e}") from None
         if value is True or value is False:
             return value
         shown = "an undefined value" if isinstance(value, jinja2.Undefined) else f"{type(value).__name__} {value!r}"[:200]
-        raise RowError(
-            "filter", "filter_not_bool",
+        raise RowError("filter", E.FILTER_NOT_BOOL,
             f"{self.where}: predicate '{self.predicate}' gave {shown}, not true or false; write a comparison "
             "(e.g. verdict == 'yes', score > 33, text | length > 0)",
         )  # fmt: skip

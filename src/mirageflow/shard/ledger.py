@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from mirageflow.files import atomic_write_text
+from mirageflow.state import layout as L
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class BatchLedger:
     """The provider batches of one shard, across its attempts."""
 
     def __init__(self, shard_dir: Path, fingerprint: str):
-        self.path = Path(shard_dir) / "batches.json"
-        self.dir = Path(shard_dir) / "batches"
+        self.path = Path(shard_dir) / L.BATCH_LEDGER
+        self.dir = Path(shard_dir) / L.BATCH_SPOOL
         self.fingerprint = fingerprint
         self.entries: dict[str, dict] = {}
         self._next = 0
@@ -131,7 +132,7 @@ class ImageLedger:
     """The images one shard wrote, with their size, hash and seed (resume reuses them)."""
 
     def __init__(self, shard_dir: Path, fingerprint: str):
-        self.path = Path(shard_dir) / "images.jsonl"
+        self.path = Path(shard_dir) / L.IMAGE_LEDGER
         self.fingerprint = fingerprint
         self.entries: dict[tuple[str, int, int], dict] = {}
         self._lock = threading.Lock()
