@@ -443,7 +443,7 @@ def test_merge_output_root_and_merge_dir(finished, tmp_path):
     merged = sorted((root / "out/merged").glob("part-*"))
     proc = mmirage(root, "merge", "--config", "pipeline.yaml", "--output-root", str(tmp_path / "pub"), "--output-path", "x.jsonl")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--output-path is for batch_api configs" in proc.stderr
+    assert "--output-path is ignored: here a batch_api shard waits for its batches and writes real records" in proc.stderr
     copied = sorted((tmp_path / "pub" / "out").glob("part-*"))
     assert [p.read_bytes() for p in copied] == [p.read_bytes() for p in merged] and copied
     proc = mmirage(root, "merge", "--config", "pipeline.yaml", "--output-dir", str(tmp_path / "pub"))

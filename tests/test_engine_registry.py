@@ -39,7 +39,7 @@ SHARED = {
     "server_process", "server_metrics",
 }  # fmt: skip
 # parts of one backend, imported by that backend's module only
-COMPANIONS = {"transformers_cb": "transformers_engine"}
+COMPANIONS = {"transformers_cb": "transformers_engine", "batch_providers": "batch_api"}
 
 
 def engine_imports(path: Path) -> set[str]:
@@ -78,8 +78,11 @@ def test_every_backend_resolves_to_its_class_which_declares_the_registry_capabil
 
 
 def test_the_schema_enum_is_the_registry():
+    """The registry's backends (language models) and image_gen's (config/build.py)."""
+    from mirageflow.config.build import IMAGE_BACKENDS
+
     enum = loading.schema()["properties"]["processors"]["items"]["properties"]["backend"]["enum"]
-    assert sorted(enum) == sorted(config_backends())
+    assert sorted(set(enum)) == sorted(set(config_backends()) | set(IMAGE_BACKENDS))
 
 
 def test_auto_can_what_every_backend_it_picks_can():

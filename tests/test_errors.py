@@ -57,10 +57,11 @@ def test_row_errors_are_classes_of_the_enum_and_json_keeps_their_names():
 
 
 def test_the_deterministic_classes_are_the_ones_a_retry_reproduces():
-    """The set `mmirage status`/`retry` and the summary used before it moved here (no behaviour change)."""
+    """The set `mmirage status`/`retry` and the summary used before it moved here (no behaviour change), and
+    batch_api's and image_gen's: a request larger than a batch may hold, a file name taken by another row."""
     assert DETERMINISTIC_CLASSES == {
         "template_error", "missing_variable", "extract_error", "json_schema", "chat_template", "bad_row", "context_length",
-        "invalid_unicode", "reasoning_truncated", "bad_conversation",
+        "invalid_unicode", "reasoning_truncated", "bad_conversation", "request_too_large", "image_name_taken",
     }  # fmt: skip
     from mirageflow.report.terminal import repeats_identically
 

@@ -510,8 +510,12 @@ def cmd_merge(args) -> int:
         targets += [str(paths.dedup_counts(ds.index)) for ds in cfg.datasets]
         rules.append("dedup")
     flags = ["--allowed-rules", *rules, "--rerun-triggers", "mtime"]
-    if args.output_path:  # MMIRAGE reads it for batch_api configs only, and so do we (nothing else to write there)
-        print("mmirage merge: --output-path is for batch_api configs (not supported yet); this pipeline's merge ignores it", file=sys.stderr)
+    if args.output_path:  # MMIRAGE's merge fills a batch_api run's placeholders from the results there
+        print(
+            "mmirage merge: --output-path is ignored: here a batch_api shard waits for its batches and writes real records "
+            "(no placeholders to fill at merge); the receipts are in the processor's metadata_output_path",
+            file=sys.stderr,
+        )
     copies = _merge_copies(cfg, args.output_dir) if args.output_dir else []
     rc = _run(snakemake_command(args.config, cores="1", targets=targets, flags=flags, extra=args.extra))
     if rc != EXIT_OK or _dry_run(args.extra):
@@ -737,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", "--output-root", dest="output_dir", metavar="ROOT",
         help="also put each dataset's merged records in ROOT/<its output_dir's name> (a folder there must be empty or absent)",
     )  # fmt: skip
-    p.add_argument("--output-path", metavar="FILE", help="MMIRAGE's, for batch_api configs only (not supported yet); ignored here")
+    p.add_argument("--output-path", metavar="FILE", help="MMIRAGE's, for batch_api configs only; ignored here (batch_api shards write real records)")
 
     p = command("merge-dir", "merge the shard_* outputs under a directory, without a config", cmd_merge_dir, config=False)
     p.add_argument("--input-dir", required=True, metavar="D", help="a dataset's output_dir (with shard_* folders), or a folder of them")

@@ -81,6 +81,19 @@ class RowErrorClass(enum.StrEnum):
     CUSTOM_TIMEOUT = "custom_timeout", "custom", False, "a custom step's call ran past timeout_ms"
     CUSTOM_CRASHED = "custom_crashed", "custom", False, "a custom step's worker process died during the call"
     CUSTOM_BAD_VALUE = "custom_bad_value", "custom", False, "a custom step's function returned a value that is not JSON"
+    # provider batch APIs (engines/batch_api.py): the provider's error codes, mapped
+    CONTENT_FILTER = "content_filter", "generate", False, "the provider's content policy (or a diffusers safety checker) refused the request or its image"
+    REQUEST_TOO_LARGE = "request_too_large", "generate", True, "a request larger than a batch may hold (max_chunk_bytes, the provider's limit)"
+    RATE_LIMITED = "rate_limited", "generate", False, "the provider rate-limited the request inside its batch"
+    PROVIDER_ERROR = "provider_error", "generate", False, "the provider failed the request (a server error, an answer of an unexpected shape)"
+    BATCH_REJECTED = "batch_rejected", "generate", False, "the provider refused the whole batch (its reason is kept)"
+    BATCH_EXPIRED = "batch_expired", "generate", False, "the batch expired before running the request, twice (it was resubmitted once)"
+    BATCH_CANCELLED = "batch_cancelled", "generate", False, "the batch was cancelled before running the request, twice (it was resubmitted once)"
+    # image generation (prompts/image_outputs.py, imagegen/)
+    IMAGE_TIMEOUT = "image_timeout", "image output", False, "no image within the processor's timeout_seconds"
+    IMAGE_UNDECODABLE = "image_undecodable", "image output", False, "the answer is not an image Pillow can read (no data, bad base64, a broken file)"
+    IMAGE_GENERATION_FAILED = "image_generation_failed", "image output", False, "the image server or pipeline failed on this request"
+    IMAGE_NAME_TAKEN = "image_name_taken", "image output", True, "filename_template names a file that exists and is not this row's image"
     # ours
     INTERNAL_ERROR = "internal_error", "row", False, "any other exception on the row's path (a bug of ours; the traceback is in the log)"
 

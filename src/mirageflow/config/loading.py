@@ -45,7 +45,7 @@ _NOT_EXPANDED = {("loading_params", "shard_id")}
 # "$SECRET" in a prompt stays as written (never the environment's value, which would be sent
 # to the endpoint and written into the records). Key paths, whole subtrees.
 _TEMPLATE_KEYS = re.compile(
-    r"processing_params\.output_schema|processing_params\.outputs\[\d+\]\.(prompt|system|response_prefix)"
+    r"processing_params\.output_schema|processing_params\.outputs\[\d+\]\.(prompt|system|response_prefix|negative_prompt|filename_template)"
 )
 
 
@@ -245,6 +245,11 @@ _PROCESSOR_OPERATIONAL_KEYS = (
     "native_n",
     # custom processors' (python_steps): how the function is run, or accepted and unused
     "max_workers", "start_method", "timeout_ms", "max_timeouts", "max_errors", "fallback_value",
+    # batch_api: how requests are grouped into batches, waited for and recorded (engines/batch_api.py)
+    "max_chunk_bytes", "max_requests_per_chunk", "metadata_output_path", "oversized_request_policy", "retry_policy",
+    "metadata", "timeout_seconds", "poll_seconds", "poll_max_seconds",
+    # image_gen: how images are requested (the images are the same)
+    "parallel_inference", "parallel_chunk_size",
     # api_llm (MMIRAGE): how many requests at once, and the wait between retries
     "max_concurrency", "retry_base_delay",
 )  # fmt: skip

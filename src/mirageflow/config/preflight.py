@@ -43,7 +43,7 @@ from typing import Any, Mapping
 from mirageflow import hub_models
 from mirageflow import model_config as model_files
 from mirageflow.config.loading import ConfigError, load_config
-from mirageflow.config.types import CustomProcessor, DatasetConfig, PipelineConfig, ProcessorConfig
+from mirageflow.config.types import CustomProcessor, DatasetConfig, ImageGenProcessor, PipelineConfig, ProcessorConfig
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
 from mirageflow.prompts import python_steps
@@ -102,10 +102,12 @@ def preflight_problems(
             f"loading_params.num_shards: {cfg.num_shards} shards, but no dataset has more than {most} rows ({counts}); "
             f"shards beyond {max(most, 1)} would have no rows to process: use num_shards <= {max(most, 1)}"
         )
-    processors = sorted([*cfg.processors.values(), *cfg.custom_processors.values()], key=lambda p: p.index)
+    processors = sorted([*cfg.processors.values(), *cfg.custom_processors.values(), *cfg.image_processors.values()], key=lambda p: p.index)
     for proc in processors:
         if isinstance(proc, CustomProcessor):
             problems += _custom_problems(proc)
+        elif isinstance(proc, ImageGenProcessor):
+            problems += _image_processor_problems(cfg, proc, environ)
         else:
             problems += _processor_problems(cfg, proc, environ, built_models)
     problems += _owner_problems(cfg)
@@ -429,6 +431,36 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
     problems += _context_problems(cfg, proc, model_config)
     problems += _vision_problems(cfg, proc, model_config)
     return problems
+
+
+def _image_processor_problems(cfg: PipelineConfig, proc: ImageGenProcessor, environ: Mapping[str, str]) -> list[str]:
+    """An image_gen processor: its API key variable (external), its diffusers model
+    (diffusers, sglang: a directory with model_index.json, or a hub id in the local cache)."""
+    where = f"processors[{proc.index}]"
+    if proc.backend == "external":
+        name = proc.api_key_env
+        if name and not environ.get(name):
+            return [f"{where}.external.api_key_env: environment variable ${name} is not set (or empty) here; export {name}=... before starting the run"]
+        return []
+    key = f"{where}.{'pipeline_args' if proc.backend == 'diffusers' else 'sglang'}.model_path"
+    path = proc.model_path or ""
+    if os.path.isdir(path):
+        if not (Path(path) / "model_index.json").is_file():
+            return [f"{key}: directory '{path}' holds no diffusers pipeline (no model_index.json)"]
+        return []
+    if os.path.exists(path):
+        return [f"{key}: '{path}' is a file, not a diffusers model directory"]
+    if hub_models.is_hub_id(path, ()):
+        cache = hub_models.cache_dir(cfg, environ)
+        snaps = list((cache / f"models--{path.replace('/', '--')}" / "snapshots").glob("*/model_index.json"))
+        if not snaps:
+            return [
+                f"{key}: '{path}' is not a directory, and this Hugging Face model id is not in the local cache ({cache}); "
+                f"no hub is reachable from the jobs: download it where one is (huggingface-cli download {path} --local-dir DIR), "
+                "then set model_path to DIR"
+            ]
+        return []
+    return [f"{key}: model directory '{path}' does not exist"]
 
 
 def _custom_problems(proc: CustomProcessor) -> list[str]:

@@ -58,8 +58,23 @@ class OutputVar:
     allow_empty_output: bool = False
     keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
     conversation: str | None = None  # an input variable holding the chat messages sent (prompts.PromptBuilder)
-    kind: str = "llm"  # llm | custom | filter (mirageflow.prompts.python_steps)
+    kind: str = "llm"  # llm | custom | filter (mirageflow.prompts.python_steps) | image_gen
     predicate: str | None = None  # of a filter
+    image: ImageOutput | None = None  # of an image_gen output (mirageflow.prompts.image_outputs)
+
+
+@dataclass(frozen=True)
+class ImageOutput:
+    """An ``outputs[]`` entry of type image_gen: MMIRAGE's keys (the schema documents each)."""
+
+    filename_template: str
+    output_mode: str = "path"
+    width: int | None = None
+    height: int | None = None
+    seed: int | None = None
+    guidance_scale: float | None = None
+    num_inference_steps: int | None = None
+    negative_prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -104,8 +119,62 @@ class ProcessorConfig:
     max_retries: int = 5
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
+    batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)
     max_concurrency: int | None = None  # openai: requests in flight (MMIRAGE's api_llm); None: the engine's default
     retry_base_delay: float | None = None  # openai: first retry delay; None: the engine's default
+
+
+# The providers' own limits on one batch (requests, bytes of its JSONL): OpenAI Batch (a 200 MB
+# input file, 50,000 requests) and Anthropic Message Batches (256 MB, 100,000 requests).
+BATCH_LIMITS = {"openai": (50_000, 200_000_000), "anthropic": (100_000, 256_000_000)}
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """``processors[]`` of type batch_api: MMIRAGE's keys and ours (the schema documents each)."""
+
+    provider: str  # openai | anthropic
+    max_chunk_bytes: int  # at most the provider's file limit (build checks it)
+    max_requests_per_chunk: int  # at most the provider's request limit
+    metadata_output_path: str | None = None
+    completion_window: str = "24h"
+    endpoint: str = "/v1/chat/completions"  # OpenAI's batch_endpoint
+    oversized_request_policy: str = "isolate"  # isolate | reject
+    metadata: dict[str, str] = field(default_factory=dict)  # sent with each batch (OpenAI)
+    max_tokens: int | None = None  # Anthropic: max_tokens when the sampling params have no max_new_tokens
+    poll_seconds: float = 10.0  # first status poll after this long; then x1.5 per poll
+    poll_max_seconds: float = 300.0
+    deadline_grace_seconds: float = 3600.0  # past the window + this, a batch is cancelled and treated as expired
+
+
+@dataclass(frozen=True)
+class ImageGenProcessor:
+    """``processors[]`` entry of type image_gen: where images are generated (engines/image_gen.py)."""
+
+    type: str
+    backend: str  # external | diffusers | sglang
+    base_url: str | None = None  # external
+    api_key_env: str | None = None
+    request_model: str | None = None  # the "model" field of each request (external, sglang)
+    timeout_seconds: float = 900.0
+    max_concurrent_requests: int = 1
+    model_path: str | None = None  # diffusers (pipeline_args.model_path), sglang (sglang.model_path)
+    revision: str | None = None
+    torch_dtype: str = "auto"  # diffusers
+    device: str = "auto"  # diffusers
+    enable_attention_slicing: bool = False  # diffusers
+    num_gpus: int = 1  # sglang
+    dtype: str | None = None  # sglang
+    startup_timeout_seconds: float = 900.0  # sglang
+    extra_server_args: tuple[str, ...] = ()  # sglang
+    server_command: tuple[str, ...] | None = None  # sglang: the launcher the flags follow (None: sglang serve)
+    default_params: dict = field(default_factory=dict)  # default_sampling_params (num_inference_steps, ...)
+    parallel_inference: bool = True
+    parallel_chunk_size: int | None = 4
+    output_dir: str | None = None  # None: <dataset output_dir>/images
+    file_format: str = "png"
+    max_retries: int = 3
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,6 +278,8 @@ class PipelineConfig:
     preserve_columns: tuple[str, ...] = ()
     # processors of type custom (Python functions; no engine), by type
     custom_processors: dict[str, CustomProcessor] = field(default_factory=dict)
+    # processors of type image_gen, by type (an output of that type writes images)
+    image_processors: dict[str, ImageGenProcessor] = field(default_factory=dict)
     dedup: DedupParams | None = None  # deduplication_params when enabled (data/dedup.py)
     execution: ExecutionParams = field(default_factory=ExecutionParams)
     # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)

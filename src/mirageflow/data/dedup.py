@@ -351,6 +351,7 @@ def produced_fields(output_schema: dict, outputs: list[OutputVar], preserve_colu
     else:
         produced = [o.name for o in outputs if o.kind != "filter"]
         produced += [f"{o.name}_reasoning" for o in outputs if o.keep_reasoning]
+    produced += [f"{o.name}_{k}" for o in outputs if o.kind == "image_gen" for k in ("path", "seed")]  # every record has them
     return produced + list(preserve_columns)
 
 

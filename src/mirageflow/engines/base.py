@@ -48,6 +48,9 @@ class Engine(abc.ABC):
     needs_base_url: bool = False
     # warmup() does work (compile, capture graphs): the runner times it as the warmup phase.
     warms_up: bool = False
+    # Keeps work of its own in the shard's checkpoint across attempts (a provider's batches):
+    # the runner calls bind_state(checkpoint, shard_id, samples) before load().
+    keeps_state: bool = False
     # The GPUs this engine counts when they are not the job's own: a served shard's share of
     # its engine service's GPUs (1/K of them). None: the job's GPUs.
     gpu_share: float | None = None
@@ -67,6 +70,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load(self) -> None: ...
+
+    def bind_state(self, checkpoint, shard_id: int, samples: int = 1) -> None:  # noqa: B027 - engines with keeps_state override it
+        """Where an engine with ``keeps_state`` keeps it (called after the checkpoint's restore)."""
 
     def chat_prompt(self, messages: list[dict[str, str]], chat_template_kwargs: dict) -> str:
         """The model input for chat messages, through the model's own chat template.

@@ -66,6 +66,10 @@ BACKENDS: dict[str, Backend] = {
         "mirageflow.engines.openai_engine:OpenAIEngine",
         Capabilities(templates_server_side=True, native_n=True, loads_model=False, needs_base_url=True),
     ),
+    # processors of type batch_api (a provider's batch API; the builder sets this backend, not the user)
+    "batch_api": Backend(
+        "mirageflow.engines.batch_api:BatchApiEngine", Capabilities(templates_server_side=True, loads_model=False), configurable=False
+    ),
     # the client of an engine service (execution_params.shards_per_engine); the service loaded the model
     SHARED: Backend("mirageflow.engines.shared:SharedEngine", Capabilities(loads_model=False), configurable=False),
 }

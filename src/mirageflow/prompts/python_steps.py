@@ -301,6 +301,7 @@ class FilterStep:
     """``outputs[]`` of type filter: ``run`` says whether the row goes on."""
 
     engine = None  # not an LLM step (ShardRunner._row)
+    wants_unit = False  # run(variables) (image steps get the row's place too: prompts/image_outputs.py)
 
     def __init__(self, output: OutputVar):
         self.output = output
@@ -336,6 +337,7 @@ class CustomStep:
     """``outputs[]`` of type custom: the processor's function sets the variable ``name``."""
 
     engine = None  # not an LLM step (ShardRunner._row)
+    wants_unit = False
 
     def __init__(self, output: OutputVar, pool: FunctionPool):
         self.output, self.pool = output, pool

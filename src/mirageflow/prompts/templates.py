@@ -360,10 +360,13 @@ def _compile_value(shape: Any, where: str) -> Callable[[Mapping[str, Any]], Any]
 class RecordRenderer:
     """Builds the saved record of a row from processing_params.output_schema."""
 
-    def __init__(self, output_schema: dict, remove_columns: bool, output_names: list[str], preserve_columns=()):
+    def __init__(self, output_schema: dict, remove_columns: bool, output_names: list[str], preserve_columns=(), always=()):
+        """``always``: variables every record holds whatever output_schema says (an image
+        output's ``<name>_path`` and ``<name>_seed``)."""
         self._shape = _compile_value(output_schema, "processing_params.output_schema") if output_schema else None
         self._remove_columns = remove_columns
         self._output_names = output_names
+        self._always = tuple(always)
         # columns kept in spite of remove_columns (null where a row lacks one: one schema for all parts)
         self._preserve = tuple(preserve_columns) if remove_columns else ()
         # source_index: a built-in variable of output_schema (MMIRAGE renders it too); a field of
@@ -384,6 +387,8 @@ class RecordRenderer:
                 )  # fmt: skip
         else:
             rendered = {name: variables[name] for name in self._output_names}
+        for name in self._always:
+            rendered.setdefault(name, variables.get(name))
         if not self._remove_columns:
             record = {**row, **rendered}
         elif self._preserve:

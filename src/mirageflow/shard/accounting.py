@@ -40,3 +40,29 @@ def check_accounting(cfg: PipelineConfig, checkpoint, slices, shard_id: int) -> 
             "parts": prog.parts,
         })  # fmt: skip
     return per_dataset
+
+
+def check_images(cfg: PipelineConfig, checkpoint, images, shard_id: int) -> None:
+    """Every record of an image_gen output points to its image: the image ledger lists the
+    record's unit and the file is there with the size it was written with; else ShardFailed
+    naming the first files missing."""
+    import os
+
+    names = [o.name for o in cfg.outputs if o.kind == "image_gen"]
+    n = getattr(cfg, "n_samples", 1)
+    missing = []
+    for ds in cfg.datasets:
+        first, before = images.starts[ds.index]
+        out_dir = images.out_dirs[ds.index]
+        for unit in checkpoint.datasets[ds.index].done:
+            position = before + unit - first * n
+            for name in names:
+                entry = checkpoint.images.get(name, ds.index, position)
+                path = out_dir / entry["path"] if entry else None
+                if entry is None or not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
+                    missing.append(f"{name} of unit {unit} of dataset {ds.index}" + (f" ({path})" if path else " (not in images.jsonl)"))
+    if missing:
+        raise ShardFailed(
+            f"shard {shard_id}: {len(missing)} record(s) point to an image that is not there or not the one written: "
+            f"{'; '.join(missing[:10])}. Restore the files, or delete {checkpoint.path} to recompute the shard"
+        )

@@ -69,6 +69,7 @@ from mirageflow.files import atomic_write_json, atomic_write_text
 from mirageflow.prompts.samples import complete_rows, describe_count, record_unit
 from mirageflow.errors import MirageflowError
 from mirageflow.state import layout as L
+from mirageflow.shard.ledger import BatchLedger, ImageLedger
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,9 @@ class Checkpoint:
         self.fingerprint = fingerprint
         self.datasets = {k: DatasetProgress(Path(d), fmt) for k, (d, fmt) in outputs.items()}
         self.attempts: list[dict] = []
+        # work that outlives an attempt (shard/ledger.py): provider batches submitted, images written
+        self.batches = BatchLedger(self.shard_dir, fingerprint)
+        self.images = ImageLedger(self.shard_dir, fingerprint)
         self._stamp: str | None = None  # of the damaged/ and orphaned/ directories of this restore
         if any(fmt == "parquet" for _, fmt in outputs.values()):
             # now, not at the first commit: pyarrow, and pandas on the first Table.from_pylist,
@@ -318,6 +322,8 @@ class Checkpoint:
             self._set_aside_unlisted(key, prog, discard)
         self._restore_errors()
         self._save()
+        self.batches.restore()
+        self.images.restore({k: p.out_dir for k, p in self.datasets.items()})
 
     def _restore_dataset(self, key: int, prog: DatasetProgress, entry: dict, retry_failed: bool) -> None:
         """Verify the dataset's listed parts; done = the rows of the parts that are intact."""
@@ -422,6 +428,8 @@ class Checkpoint:
         for prog in self.datasets.values():
             for tmp in prog.out_dir.glob(".part-*.tmp") if prog.out_dir.is_dir() else ():
                 tmp.unlink(missing_ok=True)
+        for tmp in (self.shard_dir / L.BATCH_SPOOL).glob(".*.tmp"):  # a killed download of batch results
+            tmp.unlink(missing_ok=True)
         for tmp in self.shard_dir.glob(".*.tmp"):
             if tmp.name.startswith((".lease.json.", ".progress.json.")):  # may be being written by a live thread
                 try:

@@ -41,6 +41,7 @@ from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import Completion, EngineInfo
 from mirageflow.prompts import python_steps, samples
+from mirageflow.prompts.image_outputs import ImageStep
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer
@@ -118,6 +119,19 @@ class SkippedCustom(python_steps.CustomStep):
     async def run(self, variables: dict) -> bool:
         variables[self.output.name] = NotGenerated(self.output.name)
         return True
+
+
+class ShownImage(ImageStep):
+    """An image output in a preview: its prompt rendered, no image generated or written (its
+    variables are placeholders for later steps)."""
+
+    wants_unit = False
+
+    async def run(self, variables: dict) -> tuple[str]:
+        prompt = self.prompt.render(variables)
+        for name in self.names:
+            variables[name] = NotGenerated(name)
+        return (prompt,)  # what RowPath.observe hands to UnitTrace (a 1-tuple: true, so the row goes on)
 
 
 class Unbooked:
@@ -217,6 +231,10 @@ class UnitTrace:
         for step, variables, outcome in self.steps.get((row_index, sample), []):
             name = step.output.name
             entry: dict[str, Any] = {"name": name, "kind": step.output.kind, "processor": step.output.processor, "json": step.output.is_json}
+            if step.output.kind == "image_gen":  # its prompt shown, never generated: a preview writes no file
+                entry["prompt"] = outcome[0]
+                out.append(entry)
+                continue
             if step.engine is None:  # a filter or Python step, run only with generate
                 if self.generate:
                     entry["value"] = _plain(variables.get(name)) if step.output.kind == "custom" else outcome
@@ -283,8 +301,9 @@ class _Session:
 
     def __init__(self, cfg: PipelineConfig, generate: bool, log_dir: str | Path | None, engine_factory=registry.create_engine):
         self.cfg, self.generate = cfg, generate
+        always = [f"{o.name}_{k}" for o in cfg.outputs if o.kind == "image_gen" for k in ("path", "seed")]
         render = RecordRenderer(
-            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
+            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns, always
         )  # fmt: skip
         self.path = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, Unbooked(), cfg.n_samples)
         self.engines: dict[str, Engine] = {}
@@ -301,14 +320,16 @@ class _Session:
             with quiet_progress_bars():
                 for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
                     processor = cfg.processors[name]
+                    if generate and processor.batch is not None:
+                        raise RuntimeError(
+                            f"processor '{name}' sends its requests to {processor.batch.provider}'s batch API, whose answers take up "
+                            "to 24 h: preview without --generate shows its requests"
+                        )
                     engine = engine_factory(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
                     self.engines[name] = engine
                     engine.load()
-            steps = [
-                python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]), self.pools)
-                for o in cfg.outputs
-            ]
-            self.steps = steps if generate else [_placeholder(step, cfg) for step in steps]
+            steps = [python_steps.make_step(o, lambda o: _model_step(cfg, o, self.engines), self.pools) for o in cfg.outputs]
+            self.steps = [_placeholder(step, cfg) if not generate or step.output.kind == "image_gen" else step for step in steps]
             self.path.set_steps(self.steps)
         except BaseException:
             self.close()
@@ -411,8 +432,17 @@ def export_prompts(cfg: PipelineConfig, out: TextIO) -> dict:
         session.close()
 
 
+def _model_step(cfg: PipelineConfig, output, engines: dict):
+    if output.kind == "image_gen":  # its prompt is shown; no generator is loaded
+        return ShownImage(output, cfg.image_processors[output.processor], None, None, [v.name for v in cfg.inputs])
+    return OutputStep(output, cfg.processors[output.processor], engines[output.processor])
+
+
 def _placeholder(step, cfg):
-    """The step as a preview without generation runs it (placeholders, Python steps not run)."""
+    """The step as a preview without generation runs it (placeholders, Python steps not run;
+    an image output never generates)."""
+    if isinstance(step, ShownImage):
+        return step
     if isinstance(step, python_steps.FilterStep):
         return SkippedFilter(step.output)
     if isinstance(step, python_steps.CustomStep):

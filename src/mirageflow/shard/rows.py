@@ -22,6 +22,7 @@ from mirageflow.prompts import samples
 from mirageflow.data.readers import SourceRow
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.shard import request_cache
+from mirageflow.prompts.image_outputs import Unit
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.shard.steps import OutputStep
 
@@ -87,8 +88,8 @@ class RowPath:
         row_tokens = None
         try:
             for step in steps:
-                if step.engine is None:  # a filter or a Python step (python_steps)
-                    kept = await step.run(variables)
+                if step.engine is None:  # a filter or a Python step (python_steps), an image (image_outputs)
+                    kept = await (step.run(variables, Unit(ds_index, row.index, sample or 0)) if step.wants_unit else step.run(variables))
                     if self.observe is not None:
                         self.observe(row, sample, step, variables, kept)
                     if not kept:

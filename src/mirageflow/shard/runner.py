@@ -45,12 +45,14 @@ from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shar
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import capabilities, create_engine
+from mirageflow.imagegen import ImageGenerator, make_generator
 from mirageflow.shard.progress import ProgressReporter
+from mirageflow.prompts.image_outputs import ImageStep, ShardImages
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer
 from mirageflow.redact import redact_text
-from mirageflow.shard.accounting import check_accounting
+from mirageflow.shard.accounting import check_accounting, check_images
 from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
@@ -90,6 +92,7 @@ class ShardRunner:
         self.engine_factory = engine_factory
         self.engines: dict[str, Engine] = {}
         self.pools: dict[str, python_steps.FunctionPool] = {}  # custom processors' worker processes
+        self.image_gens: dict[str, ImageGenerator] = {}  # image_gen processors' generators (mirageflow.imagegen)
         paths = StateLayout(cfg.state_dir)
         self.shard_dir = paths.shard_dir(shard_id)
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
@@ -97,7 +100,8 @@ class ShardRunner:
         self.metrics = ShardMetrics(cfg, attempt)
         self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/prompts/samples.py)
         render = RecordRenderer(
-            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns
+            cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns,
+            [f"{o.name}_{k}" for o in cfg.outputs if o.kind == "image_gen" for k in ("path", "seed")],
         )  # fmt: skip
         # image inputs (VLMs): RowImages is false without any
         self.rows = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, self.metrics, self.n)
@@ -168,8 +172,13 @@ class ShardRunner:
                 engine = self.engine_factory(self.cfg.processors[name], self.cfg.batch_size, log_dir=self.log_dir)
                 if self.params.max_inflight:  # engines size their pools at load
                     engine.max_inflight = self.params.max_inflight
+                if engine.keeps_state:  # a provider's batches, across attempts (engines/batch_api.py)
+                    engine.bind_state(self.checkpoint, self.shard_id, self.n)
                 self.engines[name] = engine
                 engine.load()
+            for name in {o.processor for o in self.cfg.outputs if o.kind == "image_gen"}:
+                self.image_gens[name] = generator = make_generator(self.cfg.image_processors[name], self.log_dir)
+                generator.load()
             gc.collect()  # what loading left behind, once (counted as load: ~0.3 s with transformers)
         shares = {
             e.info.details["shared_engine"]["group"]: e.gpu_share for e in self.engines.values() if e.gpu_share is not None
@@ -263,7 +272,10 @@ class ShardRunner:
         self.signals.attach(asyncio.get_running_loop(), lambda: (main.cancel(), self._halt()))
         self.commits.start()
         ticker = asyncio.create_task(self.commits.ticker())
-        window = self.params.max_inflight or min((e.max_inflight for e in self.engines.values()), default=NO_ENGINE_WINDOW)
+        waiting_on = [*self.engines.values(), *self.image_gens.values()]
+        window = self.params.max_inflight or min((e.max_inflight for e in waiting_on), default=NO_ENGINE_WINDOW)
+        # no more workers than units left (a batch engine takes 100,000 at once)
+        window = max(1, min(window, self.live.rows_total * self.n - self.resumed))
         if self.rows.grouped is not None:  # a worker holds a row's n samples
             window = max(1, window // self.n)
         # rows sharing a prompt prefix fed together, for the engine's prefix cache (records unchanged)
@@ -288,6 +300,8 @@ class ShardRunner:
             ticker.cancel()
             await self.commits.drain()  # the last batch handed over: written before the loop ends
             self.signals.detach()
+            for generator in self.image_gens.values():  # their HTTP clients belong to this loop
+                await generator.aclose()
 
     # ------------------------------------------------------------------ the shard
 
@@ -316,10 +330,8 @@ class ShardRunner:
         self._start_progress(sum(piece.stop - piece.start for piece in slices))  # source rows
         self._restore(slices)
         self._load_engines()
-        steps = [
-            python_steps.make_step(o, lambda o: OutputStep(o, self.cfg.processors[o.processor], self.engines[o.processor]), self.pools)
-            for o in self.cfg.outputs
-        ]  # fmt: skip
+        images = self._shard_images(slices)
+        steps = [python_steps.make_step(o, lambda o: self._model_step(o, images), self.pools) for o in self.cfg.outputs]
         if self.cache is not None:
             identities = self._cache_identities()
             for step in steps:
@@ -352,12 +364,29 @@ class ShardRunner:
         if self.abort:
             raise self.abort
         check_accounting(self.cfg, self.checkpoint, slices, self.shard_id)
+        if self.image_gens:
+            check_images(self.cfg, self.checkpoint, images, self.shard_id)
         verdict = self.budget.final()
         if verdict:
             raise verdict
 
+    def _model_step(self, output, images: ShardImages):
+        """The step of an output a processor computes: an LLM's (or a batch API's), or an image's."""
+        if output.kind == "image_gen":
+            inputs = [v.name for v in self.cfg.inputs]
+            return ImageStep(output, self.cfg.image_processors[output.processor], self.image_gens[output.processor], images, inputs)
+        return OutputStep(output, self.cfg.processors[output.processor], self.engines[output.processor])
+
+    def _shard_images(self, slices: list[ShardSlice]) -> ShardImages:
+        starts, before = {}, 0
+        for ds, piece in zip(self.cfg.datasets, slices):
+            starts[ds.index] = (piece.start, before)
+            before += (piece.stop - piece.start) * self.n
+        out_dirs = {ds.index: Path(ds.output_dir) for ds in self.cfg.datasets}
+        return ShardImages(self.shard_id, starts, out_dirs, self.n, self.checkpoint.images)
+
     def _stop_engines(self, signum: int) -> None:
-        for engine in self.engines.values():
+        for engine in [*self.engines.values(), *self.image_gens.values()]:
             engine.stop()
 
     def _interrupted(self, signum: int) -> ShardInterrupted:
@@ -396,7 +425,7 @@ class ShardRunner:
 
     def close(self) -> None:
         python_steps.close_pools(self.pools)
-        for engine in self.engines.values():
+        for engine in [*self.engines.values(), *self.image_gens.values()]:
             try:
                 engine.close()
             except Exception:  # closing must not hide the shard's own error
@@ -487,7 +516,7 @@ def run_shard(
         "status": "success",
         "finished_at": stats.utc_now(),
         "error": None,
-        "engines": {name: vars(e.info) for name, e in runner.engines.items()},
+        "engines": {**{name: vars(e.info) for name, e in runner.engines.items()}, **{name: g.info for name, g in runner.image_gens.items()}},
         # the inference servers' own figures (their /metrics) beside our counters; null without
         "server_metrics": runner.metrics.server_figures(runner.engines),
         "hardware": runner.metrics.hardware(),

@@ -17,6 +17,8 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       shard_<i>/checkpoint.json          committed parts and the attempts' counters
       shard_<i>/errors.jsonl             failed rows
       shard_<i>/gpu_samples.json         the GPU timeline (stats: true)
+      shard_<i>/batches.json, batches/   provider batches submitted, their requests and results (batch_api)
+      shard_<i>/images.jsonl             images written, with size and SHA-256 (image_gen)
       shard_<i>/damaged/, orphaned/      part files set aside at resume
       hub_models/<slug>.json             a Hugging Face model the driver downloaded (hub_model rule)
       engines/engine_<g>.json            an engine service's endpoint (shards_per_engine > 1)
@@ -53,6 +55,9 @@ LEASE = "lease.json"
 CHECKPOINT = "checkpoint.json"
 ERRORS = "errors.jsonl"
 GPU_SAMPLES = "gpu_samples.json"
+BATCH_LEDGER = "batches.json"  # shard/ledger.py: a batch_api shard's provider batches
+BATCH_SPOOL = "batches"  # their requests (<key>.jsonl) and results (<key>.results.jsonl)
+IMAGE_LEDGER = "images.jsonl"  # shard/ledger.py: an image_gen shard's images written
 FINGERPRINT = "records.fingerprint"
 CONFIGS = "configs"
 LOGS = "logs"
@@ -203,6 +208,15 @@ class StateLayout:
 
     def gpu_samples(self, shard: Id) -> Path:
         return self.shard_dir(shard) / GPU_SAMPLES
+
+    def batch_ledger(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / BATCH_LEDGER
+
+    def batch_spool(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / BATCH_SPOOL
+
+    def image_ledger(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / IMAGE_LEDGER
 
     def status_files(self, num_shards: int) -> list[str]:
         """Every shard's status.json, as the aggregate and merge rules take them."""

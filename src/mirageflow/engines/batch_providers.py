@@ -1,0 +1,471 @@
+"""The providers' batch APIs on the wire (not an engine): OpenAI Batch and Anthropic Message Batches.
+
+``BatchApiEngine`` (engines/batch_api.py) decides when to submit and whom to answer; a
+``Provider`` here knows one API: the JSON line of a request, how a batch is created,
+polled, cancelled and found again, and what each result line means.
+
+- **OpenAI** (https://platform.openai.com/docs/guides/batch): the requests are a JSONL file
+  ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body"}`` uploaded with
+  ``POST {base}/files`` (multipart, ``purpose=batch``), then ``POST {base}/batches``
+  ``{input_file_id, endpoint, completion_window, metadata}``; ``GET {base}/batches/{id}``
+  until ``status`` is completed, failed, expired or cancelled; the results are the lines
+  of ``output_file_id`` and ``error_file_id`` (``GET {base}/files/{id}/content``). Our
+  ``metadata.mirageflow_chunk`` finds a batch again (``GET {base}/batches``) when the shard
+  died between creating it and recording its id.
+- **Anthropic** (https://docs.anthropic.com/en/docs/build-with-claude/batch-processing):
+  ``POST {base}/v1/messages/batches`` ``{"requests": [{"custom_id", "params"}]}``;
+  ``GET {base}/v1/messages/batches/{id}`` until ``processing_status`` is ended; the results
+  are the JSONL at ``results_url``, one line per request with ``result.type`` succeeded,
+  errored, canceled or expired.
+
+Row-error classes of a request's result (``Outcome.completion.error_kind``):
+``context_length`` (the prompt does not fit the model), ``content_filter`` (the provider's
+content policy refused the prompt or cut the answer), ``invalid_request`` (any other 4xx of
+that request), ``request_too_large`` (Anthropic's request_too_large), ``rate_limited``
+(429 / rate_limit_error inside a batch), ``provider_error`` (5xx, overloaded_error,
+api_error, an unknown code), ``batch_rejected`` (OpenAI refused the whole input file: its
+status failed), ``batch_expired`` / ``batch_cancelled`` (a request the batch did not run
+before it expired or was cancelled, also after one resubmission). A result that says
+expired or cancelled is ``Outcome.retry`` first: the engine resubmits it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mirageflow.config.types import BatchSettings, ProcessorConfig
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.http import backoff_delay, error_message, is_context_length_error
+from mirageflow.engines.wire import Completion, Request
+from mirageflow.errors import MirageflowError
+from mirageflow.prompts.images import openai_messages
+from mirageflow.redact import redact_text
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+FATAL_STATUS = {401, 403, 404}  # a wrong key or URL: nothing would work
+ANTHROPIC_VERSION = "2023-06-01"
+DEFAULT_BASE_URL = {"openai": "https://api.openai.com/v1", "anthropic": "https://api.anthropic.com"}
+BASE_URL_ENV = {"openai": "OPENAI_BASE_URL", "anthropic": "ANTHROPIC_BASE_URL"}
+# Anthropic's custom_id: ^[a-zA-Z0-9_-]{1,64}$ (ours are u<unit>-<16 hex>)
+_ANTHROPIC_MEDIA = {"image/jpeg", "image/png", "image/gif", "image/webp"}
+
+
+@dataclass
+class BatchState:
+    """What a status poll says."""
+
+    status: str  # the provider's word
+    ended: bool
+    raw: dict
+
+
+@dataclass
+class Outcome:
+    """One result line: a Completion (an answer, or a row error in ``error_kind``), or
+    ``retry`` (expired / cancelled before it ran: worth one resubmission)."""
+
+    custom_id: str
+    completion: Completion | None = None
+    retry: str | None = None  # "expired" | "cancelled"
+
+
+class ProviderRefused(MirageflowError):
+    """The provider refused a submission for what it holds (a 4xx other than 401/403/404):
+    the rows of that chunk fail as batch_rejected; the shard goes on."""
+
+
+async def call(client, method: str, url: str, *, what: str, attempts: int, base_delay: float, multiplier: float, timeout: float, **kw):
+    """One HTTP call with retries of connection errors, timeouts, 429 and 5xx (backoff:
+    ``base_delay * multiplier**k``, Retry-After honoured). Returns the final response;
+    EngineError once ``attempts`` are spent, or at once for 401/403/404."""
+    import httpx2
+
+    last = ""
+    for attempt in range(max(1, attempts)):
+        retry_after = None
+        try:
+            response = await asyncio.wait_for(client.request(method, url, **kw), timeout)
+        except (httpx2.TransportError, asyncio.TimeoutError) as e:
+            last = f"no answer within {timeout:g} s" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+        else:
+            if response.status_code in FATAL_STATUS:
+                raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)} (check the API key and base_url)")
+            if response.status_code not in RETRY_STATUS:
+                return response
+            last = f"HTTP {response.status_code}: {error_message(response.content, 200)}"
+            retry_after = response.headers.get("retry-after")
+        if attempt + 1 >= attempts:
+            break
+        delay = base_delay * multiplier**attempt if retry_after is None else backoff_delay(0, base_delay, 600.0, retry_after)
+        log.debug("%s: %s; retry %d/%d in %.2f s", what, last, attempt + 1, attempts - 1, delay)
+        await asyncio.sleep(delay)
+    raise EngineError(f"{what}: gave up after {attempts} attempt(s); last error: {last}")
+
+
+def _json(response, what: str) -> dict:
+    try:
+        data = response.json()
+    except ValueError:
+        raise EngineError(f"{what}: the answer is not JSON: {response.text[:200]!r}") from None
+    if not isinstance(data, dict):
+        raise EngineError(f"{what}: the answer is not a JSON object: {str(data)[:200]}")
+    return data
+
+
+def _classify(status: int | None, code: str | None, kind: str | None, message: str) -> str:
+    """The row-error class of one failed request (HTTP status, error code or type, message)."""
+    low = f"{code or ''} {kind or ''}".lower()
+    if "content_policy" in low or "content_filter" in low:
+        return "content_filter"
+    if is_context_length_error(message) or "context_length" in low or "prompt is too long" in message.lower():
+        return "context_length"
+    if "request_too_large" in low or status == 413:
+        return "request_too_large"
+    if status == 429 or "rate_limit" in low:
+        return "rate_limited"
+    if (status is not None and status >= 500) or "overloaded" in low or "api_error" in low:
+        return "provider_error"
+    if status is not None and 400 <= status < 500 or "invalid_request" in low or "not_found" in low or "permission" in low:
+        return "invalid_request"
+    return "provider_error"
+
+
+# SGLang's sampling names -> OpenAI's (as the openai backend sends them; no engine imports another)
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_OPENAI_FINISH = {"stop": "stop", "length": "length", "content_filter": "abort"}
+
+
+def _failed(rid: int, kind: str, message: str) -> Completion:
+    return Completion(rid, "", 0, 0, "abort", kind, message)
+
+
+class Provider:
+    name = ""
+
+    def __init__(self, processor: ProcessorConfig, base_url: str, api_key: str | None):
+        self.processor = processor
+        self.settings: BatchSettings = processor.batch
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.model = processor.model or processor.server_args.model_path
+
+    def retry_args(self) -> dict:
+        return {
+            "attempts": int(self.processor.max_retries) + 1, "base_delay": 2.0, "multiplier": 2.0,
+            "timeout": float(self.processor.request_timeout),
+        }  # fmt: skip
+
+    def headers(self) -> dict:
+        raise NotImplementedError
+
+    def body(self, request: Request) -> dict:
+        raise NotImplementedError
+
+    def line(self, custom_id: str, body: dict) -> dict:
+        raise NotImplementedError
+
+    async def submit(self, client, key: str, spool: Path, count: int) -> dict:
+        """Create the batch of the JSONL in ``spool``: {"batch_id", "status", ...}. ProviderRefused
+        when the provider refuses what it holds."""
+        raise NotImplementedError
+
+    async def find(self, client, key: str) -> str | None:
+        """The id of a batch created for chunk ``key`` whose id was never recorded, or None."""
+        return None
+
+    async def poll(self, client, batch_id: str) -> BatchState:
+        raise NotImplementedError
+
+    async def cancel(self, client, batch_id: str) -> None:
+        raise NotImplementedError
+
+    async def download(self, client, state: BatchState, dest: Path) -> None:
+        """Write the ended batch's result lines to ``dest`` (atomically)."""
+        raise NotImplementedError
+
+    def outcomes(self, line: dict, rid: int) -> Outcome:
+        raise NotImplementedError
+
+    def refused_outcomes(self, state: BatchState) -> str:
+        """Why a batch that ended without running (OpenAI failed) ran nothing."""
+        return state.status
+
+    def usage(self, line: dict) -> tuple[int, int]:
+        return 0, 0
+
+
+# --------------------------------------------------------------------------- OpenAI
+
+
+class OpenAIBatches(Provider):
+    name = "openai"
+    ENDED = {"completed", "failed", "expired", "cancelled"}
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, request: Request) -> dict:
+        body: dict[str, Any] = {"model": self.model, **{_OPENAI_NAMES.get(k, k): v for k, v in request.sampling_params.items()}}
+        if request.seed is not None:
+            body["seed"] = request.seed
+        messages = openai_messages(request.messages, request.images) if request.images else request.messages
+        body["messages"] = messages
+        if request.json_schema is not None:
+            schema = json.loads(request.json_schema)
+            if schema.get("properties"):  # strict: every field required, nothing else
+                strict = {**schema, "additionalProperties": False}
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "strict": True, "schema": strict}}
+            else:  # any JSON object
+                body["response_format"] = {"type": "json_object"}
+        return body
+
+    def line(self, custom_id: str, body: dict) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": self.settings.endpoint, "body": body}
+
+    async def submit(self, client, key: str, spool: Path, count: int) -> dict:
+        what = f"POST {redact_text(self.base_url)}/files"
+        with open(spool, "rb") as f:
+            response = await call(client, "POST", f"{self.base_url}/files", what=what, data={"purpose": "batch"},
+                                  files={"file": (f"{key}.jsonl", f, "application/jsonl")}, **self.retry_args())  # fmt: skip
+        if not 200 <= response.status_code < 300:
+            raise ProviderRefused(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
+        file_id = _json(response, what).get("id")
+        metadata = {**self.settings.metadata, "mirageflow_chunk": key}
+        body = {"input_file_id": file_id, "endpoint": self.settings.endpoint, "completion_window": self.settings.completion_window, "metadata": metadata}
+        what = f"POST {redact_text(self.base_url)}/batches"
+        response = await call(client, "POST", f"{self.base_url}/batches", what=what, json=body, **self.retry_args())
+        if not 200 <= response.status_code < 300:
+            raise ProviderRefused(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
+        data = _json(response, what)
+        return {"batch_id": data.get("id"), "status": data.get("status"), "input_file_id": file_id, "expires_at": data.get("expires_at")}
+
+    async def find(self, client, key: str) -> str | None:
+        after, what = None, f"GET {redact_text(self.base_url)}/batches"
+        for _ in range(20):  # the 2,000 newest batches: a chunk recorded minutes before a kill is among them
+            params = {"limit": 100, **({"after": after} if after else {})}
+            response = await call(client, "GET", f"{self.base_url}/batches", what=what, params=params, **self.retry_args())
+            if not 200 <= response.status_code < 300:
+                return None
+            data = _json(response, what)
+            for batch in data.get("data") or []:
+                if isinstance(batch, dict) and (batch.get("metadata") or {}).get("mirageflow_chunk") == key:
+                    return batch.get("id")
+            if not data.get("has_more") or not data.get("data"):
+                return None
+            after = data.get("last_id") or data["data"][-1].get("id")
+        return None
+
+    async def poll(self, client, batch_id: str) -> BatchState:
+        what = f"GET {redact_text(self.base_url)}/batches/{batch_id}"
+        response = await call(client, "GET", f"{self.base_url}/batches/{batch_id}", what=what, **self.retry_args())
+        if not 200 <= response.status_code < 300:
+            raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
+        data = _json(response, what)
+        status = str(data.get("status"))
+        return BatchState(status, status in self.ENDED, data)
+
+    async def cancel(self, client, batch_id: str) -> None:
+        what = f"POST {redact_text(self.base_url)}/batches/{batch_id}/cancel"
+        await call(client, "POST", f"{self.base_url}/batches/{batch_id}/cancel", what=what, **self.retry_args())
+
+    async def download(self, client, state: BatchState, dest: Path) -> None:
+        from mirageflow.files import atomic_write_bytes
+
+        chunks = []
+        for field in ("output_file_id", "error_file_id"):
+            file_id = state.raw.get(field)
+            if not file_id:
+                continue
+            what = f"GET {redact_text(self.base_url)}/files/{file_id}/content"
+            response = await call(client, "GET", f"{self.base_url}/files/{file_id}/content", what=what, **self.retry_args())
+            if not 200 <= response.status_code < 300:
+                raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
+            content = response.content
+            chunks.append(content if content.endswith(b"\n") or not content else content + b"\n")
+        await asyncio.to_thread(atomic_write_bytes, dest, b"".join(chunks))
+
+    def refused_outcomes(self, state: BatchState) -> str:
+        errors = (state.raw.get("errors") or {}).get("data") or []
+        said = "; ".join(f"{e.get('code')}: {e.get('message')}" + (f" (line {e['line']})" if e.get("line") else "") for e in errors[:5] if isinstance(e, dict))
+        return f"OpenAI refused the batch ({state.status}): {said or 'no reason given'}"
+
+    def outcomes(self, line: dict, rid: int) -> Outcome:
+        cid = line.get("custom_id")
+        error = line.get("error")
+        response = line.get("response") or {}
+        if isinstance(error, dict) and error:
+            code = str(error.get("code") or "")
+            message = str(error.get("message") or code)
+            if code == "batch_expired":
+                return Outcome(cid, retry="expired")
+            if code == "batch_cancelled":
+                return Outcome(cid, retry="cancelled")
+            return Outcome(cid, _failed(rid, _classify(None, code, None, message), f"OpenAI batch: {code}: {message}"))
+        status = response.get("status_code")
+        body = response.get("body") or {}
+        if status != 200:
+            err = body.get("error") if isinstance(body, dict) else None
+            err = err if isinstance(err, dict) else {}
+            message = str(err.get("message") or body)[:500]
+            kind = _classify(status, err.get("code"), err.get("type"), message)
+            return Outcome(cid, _failed(rid, kind, f"OpenAI batch: HTTP {status}: {message}"))
+        choices = body.get("choices") or [{}]
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        message = choice.get("message") or {}
+        usage = body.get("usage") or {}
+        reason = choice.get("finish_reason")
+        completion = Completion(
+            rid, message.get("content") or "", int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+            _OPENAI_FINISH.get(reason, "stop"), reasoning=message.get("reasoning_content") or None,
+        )  # fmt: skip
+        if reason == "content_filter" or message.get("refusal"):
+            completion.error_kind = "content_filter"
+            completion.error = f"OpenAI: the content filter stopped the answer ({message.get('refusal') or reason})"
+        return Outcome(cid, completion)
+
+    def usage(self, line: dict) -> tuple[int, int]:
+        usage = ((line.get("response") or {}).get("body") or {}).get("usage") or {}
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+
+def _anthropic_schema(schema: dict) -> dict:
+    """Anthropic's structured outputs: objects closed (additionalProperties false), no
+    numeric bounds (our validator checks them on the answer)."""
+    props = {k: {kk: vv for kk, vv in v.items() if kk not in ("minimum", "maximum")} for k, v in schema.get("properties", {}).items()}
+    return {"type": "object", "properties": props, "required": list(schema.get("required", [])), "additionalProperties": False}
+
+
+class AnthropicBatches(Provider):
+    name = "anthropic"
+    _STOP = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "stop", "pause_turn": "stop"}
+
+    def headers(self) -> dict:
+        headers = {"anthropic-version": ANTHROPIC_VERSION}
+        if self.api_key:
+            headers["x-api-key"] = self.api_key
+        return headers
+
+    def body(self, request: Request) -> dict:
+        params = dict(request.sampling_params)
+        body: dict[str, Any] = {"model": self.model, "max_tokens": params.pop("max_new_tokens", None) or self.settings.max_tokens or 8192}
+        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+            if ours in params:
+                body[theirs] = params[ours]
+        stop = params.get("stop")
+        if stop:
+            body["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+        images = iter(request.images or ())
+        messages, system = [], None
+        for m in request.messages:
+            if m["role"] == "system":
+                system = m["content"] if isinstance(m["content"], str) else "".join(p.get("text", "") for p in m["content"])
+                continue
+            content = m["content"]
+            if isinstance(content, list):
+                blocks = []
+                for part in content:
+                    if part.get("type") == "image":
+                        image = next(images)
+                        if image.mime not in _ANTHROPIC_MEDIA:
+                            raise ValueError(f"Anthropic takes {', '.join(sorted(_ANTHROPIC_MEDIA))} images, not {image.mime}")
+                        blocks.append({"type": "image", "source": {"type": "base64", "media_type": image.mime, "data": base64.b64encode(image.data).decode("ascii")}})
+                    else:
+                        blocks.append({"type": "text", "text": part.get("text", "")})
+                content = blocks
+            messages.append({"role": m["role"], "content": content})
+        if request.response_prefix:  # Anthropic continues a last assistant message (prefill)
+            messages.append({"role": "assistant", "content": request.response_prefix})
+        if system:
+            body["system"] = system
+        body["messages"] = messages
+        if request.json_schema is not None and not request.response_prefix:
+            body["output_config"] = {"format": {"type": "json_schema", "schema": _anthropic_schema(json.loads(request.json_schema))}}
+        return body
+
+    def line(self, custom_id: str, body: dict) -> dict:
+        return {"custom_id": custom_id, "params": body}
+
+    async def submit(self, client, key: str, spool: Path, count: int) -> dict:
+        # the body is {"requests": [<lines>]}: assembled from the spool's lines, as they are
+        raw = await asyncio.to_thread(spool.read_bytes)
+        content = b'{"requests":[' + b",".join(raw.splitlines()) + b"]}"
+        what = f"POST {redact_text(self.base_url)}/v1/messages/batches"
+        response = await call(client, "POST", f"{self.base_url}/v1/messages/batches", what=what, content=content,
+                              headers={"content-type": "application/json"}, **self.retry_args())  # fmt: skip
+        if not 200 <= response.status_code < 300:
+            raise ProviderRefused(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
+        data = _json(response, what)
+        return {"batch_id": data.get("id"), "status": data.get("processing_status"), "expires_at": data.get("expires_at")}
+
+    async def poll(self, client, batch_id: str) -> BatchState:
+        what = f"GET {redact_text(self.base_url)}/v1/messages/batches/{batch_id}"
+        response = await call(client, "GET", f"{self.base_url}/v1/messages/batches/{batch_id}", what=what, **self.retry_args())
+        if not 200 <= response.status_code < 300:
+            raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
+        data = _json(response, what)
+        status = str(data.get("processing_status"))
+        return BatchState(status, status == "ended", data)
+
+    async def cancel(self, client, batch_id: str) -> None:
+        what = f"POST {redact_text(self.base_url)}/v1/messages/batches/{batch_id}/cancel"
+        await call(client, "POST", f"{self.base_url}/v1/messages/batches/{batch_id}/cancel", what=what, **self.retry_args())
+
+    async def download(self, client, state: BatchState, dest: Path) -> None:
+        from mirageflow.files import atomic_write_bytes
+
+        url = state.raw.get("results_url")
+        if not url:
+            raise EngineError(f"Anthropic batch {state.raw.get('id')} ended without a results_url")
+        what = f"GET {redact_text(url)}"
+        response = await call(client, "GET", url, what=what, **self.retry_args())
+        if not 200 <= response.status_code < 300:
+            raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
+        content = response.content
+        await asyncio.to_thread(atomic_write_bytes, dest, content if content.endswith(b"\n") or not content else content + b"\n")
+
+    def outcomes(self, line: dict, rid: int) -> Outcome:
+        cid = line.get("custom_id")
+        result = line.get("result") or {}
+        kind = result.get("type")
+        if kind == "expired":
+            return Outcome(cid, retry="expired")
+        if kind == "canceled":
+            return Outcome(cid, retry="cancelled")
+        if kind == "errored":
+            error = result.get("error") or {}
+            inner = error.get("error") if isinstance(error.get("error"), dict) else error  # the ErrorResponse wrapper
+            message = str(inner.get("message") or inner.get("type") or "errored")
+            return Outcome(cid, _failed(rid, _classify(None, None, inner.get("type"), message), f"Anthropic batch: {inner.get('type')}: {message}"))
+        if kind != "succeeded":
+            return Outcome(cid, _failed(rid, "provider_error", f"Anthropic batch: unknown result type {kind!r}"))
+        message = result.get("message") or {}
+        text = "".join(b.get("text", "") for b in message.get("content") or [] if isinstance(b, dict) and b.get("type") == "text")
+        thinking = "".join(b.get("thinking", "") for b in message.get("content") or [] if isinstance(b, dict) and b.get("type") == "thinking")
+        usage = message.get("usage") or {}
+        stop = message.get("stop_reason")
+        completion = Completion(
+            rid, text, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), self._STOP.get(stop, "stop"),
+            reasoning=thinking or None,
+        )  # fmt: skip
+        if stop == "refusal":
+            completion.error_kind = "content_filter"
+            completion.error = "Anthropic: the model refused (stop_reason refusal)"
+        return Outcome(cid, completion)
+
+    def usage(self, line: dict) -> tuple[int, int]:
+        usage = ((line.get("result") or {}).get("message") or {}).get("usage") or {}
+        return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+
+
+PROVIDERS = {"openai": OpenAIBatches, "anthropic": AnthropicBatches}

@@ -1,0 +1,86 @@
+"""What every image generator takes and gives: an ImageJob in, a decoded RGB image out, or
+an ImageError naming the row-error class."""
+
+from __future__ import annotations
+
+import abc
+import base64
+import binascii
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+from mirageflow.errors import MirageflowError
+
+
+@dataclass
+class ImageJob:
+    prompt: str
+    negative_prompt: str | None = None
+    width: int | None = None
+    height: int | None = None
+    seed: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # num_inference_steps, guidance_scale
+
+
+class ImageError(MirageflowError):
+    """This row's image cannot be had; ``kind`` is its row-error class:
+    ``content_filter`` (the server's content policy refused the prompt),
+    ``image_timeout`` (no image within the timeout, after the retries),
+    ``image_undecodable`` (the answer holds no image Pillow can read),
+    ``image_generation_failed`` (the server answered an error about this request, or
+    the pipeline raised on it)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def decode_image(data: bytes, what: str):
+    """Bytes of an image file -> an RGB PIL image; ImageError image_undecodable when they are none."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise ImageError("image_undecodable", f"{what}: not an image Pillow can read ({type(e).__name__}: {e})") from None
+
+
+def decode_b64(text: Any, what: str):
+    if not isinstance(text, str):
+        raise ImageError("image_undecodable", f"{what}: b64_json is a {type(text).__name__}, not a string")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError("image_undecodable", f"{what}: b64_json is not base64 ({e})") from None
+    return decode_image(data, what)
+
+
+class ImageGenerator(abc.ABC):
+    """Load once, generate image by image (called concurrently from the row path), close."""
+
+    backend = ""
+    # rows in flight that wait on this generator (the runner's window without an LLM)
+    max_inflight = 64
+
+    def __init__(self) -> None:
+        self.info: dict[str, Any] = {"backend": self.backend}
+
+    @abc.abstractmethod
+    def load(self) -> None: ...
+
+    @abc.abstractmethod
+    async def generate(self, job: ImageJob):
+        """The job's image (an RGB PIL image); ImageError for this row; any other exception
+        means the generator cannot go on (the shard fails)."""
+
+    async def aclose(self) -> None:  # noqa: B027 - generators without clients of the row loop
+        """Close what belongs to the calling event loop (an HTTP client), at the end of generation."""
+
+    def stop(self) -> None:  # noqa: B027 - generators without long calls have nothing to interrupt
+        """Interrupt soon (SIGTERM/SIGINT, from any thread)."""
+
+    def close(self) -> None:  # noqa: B027
+        pass
