@@ -86,7 +86,9 @@ def test_the_schema_enum_is_the_registry():
 
 
 def test_auto_can_what_every_backend_it_picks_can():
-    assert capabilities("auto") == Capabilities(loads_model=True)
+    # a need any pick has: auto may pick transformers, whose JSON grammar runs here (xgrammar)
+    assert capabilities("auto") == Capabilities(loads_model=True, grammar_in_process=True)
+    assert capabilities("transformers").grammar_in_process and not capabilities("sglang").grammar_in_process
     assert capabilities("openai") == Capabilities(templates_server_side=True, native_n=True, loads_model=False, needs_base_url=True)
 
 
@@ -279,8 +281,9 @@ def test_a_backend_registered_at_run_time_is_validated_checked_previewed_and_run
 
     # preview: the server templates, so the messages are what is shown
     shown = preview.preview(cfg, rows=1)
-    (row,) = shown["datasets"][0]["rows"]
-    (out,) = row["outputs"]
+    rows = shown["datasets"][0]["rows"]  # one entry per record: the row's 2 samples
+    assert [r["sample_index"] for r in rows] == [0, 1]
+    (out,) = rows[0]["outputs"]
     assert out["prompt"] is None and out["messages"] == [{"role": "user", "content": "Say: question 0"}]
     assert shown["engines"] == {"llm": "echo"}
 

@@ -134,7 +134,7 @@ def _xgrammar_problems(cfg: PipelineConfig) -> list[str]:
         if not out.is_json:
             continue
         backend = cfg.processors[out.processor].backend
-        if backend in ("transformers", "auto") or out.response_prefix:
+        if registry.capabilities(backend).grammar_in_process or out.response_prefix:
             problems.append(
                 f"processing_params.outputs[{i}]: JSON output '{out.name}' (processor '{out.processor}', backend {backend}) "
                 f"is constrained to its schema by the xgrammar package, which is not installed here: {XGRAMMAR_INSTALL}"

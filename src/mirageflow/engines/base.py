@@ -46,6 +46,9 @@ class Engine(abc.ABC):
     loads_model: bool = True
     # processors[].base_url is required (the endpoint to send requests to).
     needs_base_url: bool = False
+    # JSON outputs are constrained in this process by the xgrammar package (the driver checks
+    # it is installed before any job; a server constrains with its own).
+    grammar_in_process: bool = False
     # warmup() does work (compile, capture graphs): the runner times it as the warmup phase.
     warms_up: bool = False
     # Keeps work of its own in the shard's checkpoint across attempts (a provider's batches):

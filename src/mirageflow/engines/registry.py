@@ -39,6 +39,7 @@ class Capabilities:
     native_n: bool = False  # one request with n answers a row's samples (processors[].native_n)
     loads_model: bool = True  # loads server_args.model_path on this node; False: a remote server has it
     needs_base_url: bool = False  # processors[].base_url is required
+    grammar_in_process: bool = False  # JSON outputs constrained here by xgrammar (the driver checks it is installed)
 
     @classmethod
     def of(cls, engine: type[Engine] | Engine) -> Capabilities:
@@ -54,7 +55,7 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "transformers": Backend("mirageflow.engines.transformers_engine:TransformersEngine"),
+    "transformers": Backend("mirageflow.engines.transformers_engine:TransformersEngine", Capabilities(grammar_in_process=True)),
     "sglang": Backend("mirageflow.engines.sglang_engine:SGLangEngine"),
     "sglang_server": Backend("mirageflow.engines.sglang_server:SGLangServerEngine"),
     # vLLM's OpenAI server launched on this node, fed through the openai client (chat messages, n)
@@ -94,6 +95,7 @@ def capabilities(backend: str) -> Capabilities:
         native_n=all(c.native_n for c in picks),
         loads_model=all(c.loads_model for c in picks),
         needs_base_url=any(c.needs_base_url for c in picks),
+        grammar_in_process=any(c.grammar_in_process for c in picks),
     )
 
 

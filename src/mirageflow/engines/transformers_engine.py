@@ -69,6 +69,8 @@ def _batch_key(params: dict) -> str:
 
 
 class TransformersEngine(Engine):
+    grammar_in_process = True  # JSON outputs through xgrammar token masks (engines/registry.py)
+
     def __init__(self, processor: ProcessorConfig | ServerArgs, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
         """``processor``: a ProcessorConfig (what create_engine passes), or its server_args."""
         if isinstance(processor, ProcessorConfig):
