@@ -76,10 +76,14 @@ class UsageError(Exception):
 def _load(path: str, check_paths: bool = True):
     from mirageflow.config import ConfigError, load_config
 
+    from mirageflow.redact import register_config_secrets
+
     try:
-        return load_config(path, check_paths=check_paths)
+        cfg = load_config(path, check_paths=check_paths)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    register_config_secrets(cfg)
+    return cfg
 
 
 def snakemake_command(
@@ -495,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     if not logging.getLogger().handlers:  # the report's warnings (damaged state files), one line each
         logging.basicConfig(level=logging.WARNING, format="mmirage: %(levelname)s: %(message)s")
+    from mirageflow.redact import install_log_redaction
+
+    install_log_redaction()  # no secret reaches a log line, whichever library writes it
     if extra and args.command in ("stats", "status", "check", "preview"):
         print(f"mmirage {args.command}: takes no Snakemake arguments (got {' '.join(extra)})", file=sys.stderr)
         return EXIT_USAGE

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 
@@ -75,3 +76,58 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True, only_if_ab
 def atomic_write_json(path: Path, obj, durable: bool = True, indent: int | None = 2) -> None:
     """``indent=None``: compact, and encoded by json's C encoder (several times faster)."""
     atomic_write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", durable)
+
+
+# --------------------------------------------------------------------------- inputs: regular files only
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+class NotRegularFile(OSError):
+    """An input path is something else than a regular file (a FIFO, a device, a directory)."""
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def regular_file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` (symbolic links followed) cannot be read as an input file, or None.
+
+    Only ``stat``: a FIFO or a device is never opened (opening a FIFO for reading waits for
+    a writer, forever)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        return f"cannot be read ({getattr(e, 'strerror', None) or e})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return f"is {_kind(st.st_mode)}, not a regular file"
+
+
+def open_regular(path: str | os.PathLike, mode: str = "rb"):
+    """``open(path, mode)`` for reading, refusing anything but a regular file before any read.
+
+    Opened non-blocking (a FIFO opens at once instead of waiting for a writer), checked
+    with ``fstat`` (no race with a swapped path), then switched back to blocking reads.
+    Raises NotRegularFile (an OSError), FileNotFoundError, PermissionError, ...
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{os.fspath(path)} is {_kind(st.st_mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise

@@ -166,7 +166,11 @@ _ATTEMPT_LOG: dict = {}  # this job's own log (the rule's log is a link Snakemak
 
 
 def _config(path: str, check_paths: bool = True) -> PipelineConfig:
-    return load_config(path, check_paths=check_paths)
+    from mirageflow.redact import register_config_secrets
+
+    cfg = load_config(path, check_paths=check_paths)
+    register_config_secrets(cfg)  # api keys, URL passwords and query values: masked wherever they show up
+    return cfg
 
 
 def attempt_log_path(log: str, now: float | None = None, pid: int | None = None) -> str:
@@ -207,6 +211,9 @@ def _log_to(path: str) -> str:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
     )
+    from mirageflow.redact import install_log_redaction
+
+    install_log_redaction()  # no secret in the log, whichever library writes the line (httpx's requests)
     return attempt
 
 

@@ -23,6 +23,7 @@ import jsonschema
 import yaml
 
 from mirageflow.config.build import build
+from mirageflow.files import open_regular
 from mirageflow.config.types import PipelineConfig
 
 
@@ -271,6 +272,7 @@ def records_identity(cfg: PipelineConfig) -> dict:
             {"path": d.path, "type": d.type, "split": d.split, "output_format": d.output_format, "output_dir": d.output_dir}
             # only when set: configs without images keep their fingerprint
             | ({"image_base_path": d.image_base_path} if d.image_base_path else {})
+            | ({"allow_images_outside_base": True} if d.allow_images_outside_base else {})
             for d in cfg.datasets
         ],
     }
@@ -281,7 +283,7 @@ def records_identity(cfg: PipelineConfig) -> dict:
 
 def _file_sha256(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return hashlib.sha256(f.read()).hexdigest()
-    except OSError:  # load_config reported it
+    except (OSError, ValueError):  # load_config reported it
         return None

@@ -39,6 +39,7 @@ from typing import Any, Mapping
 
 from mirageflow.config.loading import ConfigError, load_config
 from mirageflow.config.types import CustomProcessor, DatasetConfig, PipelineConfig, ProcessorConfig
+from mirageflow.files import open_regular
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
 from mirageflow.prompts import python_steps
@@ -138,9 +139,9 @@ def _json_prefix_problems(cfg: PipelineConfig) -> list[str]:
 
 def _head(path: str, n: int = 4) -> bytes | None:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # never a FIFO: opening one waits for a writer
             return f.read(n)
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
@@ -167,7 +168,7 @@ def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | 
     rows: list[dict] = []
     seen = 0
     first = None
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for line in f:
             if not line.strip():
                 continue
@@ -191,7 +192,7 @@ def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | 
     size = os.path.getsize(path)
     count = None
     if size <= COUNT_JSONL_MAX_BYTES:  # newlines (+1 for a last line without one): at least the rows
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read()
         count = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
     return [], rows, count

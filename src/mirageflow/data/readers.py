@@ -33,7 +33,7 @@ from typing import Any, Iterator, NamedTuple
 
 from mirageflow.config.types import DatasetConfig
 from mirageflow.data.sharding import shard_range
-from mirageflow.files import atomic_write_bytes, atomic_write_json
+from mirageflow.files import atomic_write_bytes, atomic_write_json, open_regular
 from mirageflow.prompts.templates import RowError
 
 INDEX_VERSION = 3
@@ -76,7 +76,7 @@ CONTENT_HASHED_MAX_BYTES = 16 << 20
 
 
 def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -106,7 +106,7 @@ def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig) -> bool:
 
 def _jsonl_count(path: str) -> int:
     rows = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for line in f:
             if line.strip():
                 rows += 1
@@ -118,7 +118,7 @@ def _jsonl_starts(path: str, wanted: list[int]) -> dict[int, tuple[int, int]]:
     todo = deque(sorted(set(wanted)))  # popleft: O(1) per shard start
     found: dict[int, tuple[int, int]] = {}
     row = offset = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
                 while todo and todo[0] == row:
@@ -196,8 +196,8 @@ def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int, skip
     index = start
     loads = json.loads
     try:
-        f = open(path, "rb")
-    except OSError as e:
+        f = open_regular(path)
+    except (OSError, ValueError) as e:
         raise DatasetReadError(f"{path}: cannot open the dataset file ({e})") from e
     with f:
         try:

@@ -357,6 +357,11 @@ def _compile_value(shape: Any, where: str) -> Callable[[Mapping[str, Any]], Any]
     return Template(shape, where).render
 
 
+# Fields the workflow writes into every record (sample_index with n_samples > 1): a variable,
+# output or output_schema field of that name would be overwritten, so the config refuses it.
+RESERVED_RECORD_FIELDS = ("source_index", "sample_index")
+
+
 class RecordRenderer:
     """Builds the saved record of a row from processing_params.output_schema."""
 

@@ -149,7 +149,7 @@ class ShardRunner:
             verdict = self.budget.record_ok()
             self.commits.add(ds_index, record, None)
         else:
-            entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": str(exc)}
+            entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": redact_text(str(exc))}
             if sample is not None:
                 entry["sample_index"] = sample
             if exc.raw is not None:
