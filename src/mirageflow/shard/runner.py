@@ -120,7 +120,10 @@ class ShardRunner:
     def _load_engines(self) -> None:
         self.live.set_phase("loading")
         with self.metrics.timer.phase("load"):
-            self.pools = python_steps.start_pools(self.cfg.custom_processors, self.cfg.outputs)
+            # a custom step's worker dying of SIGTERM is the job's cancellation only when the shard got one too
+            self.pools = python_steps.start_pools(
+                self.cfg.custom_processors, self.cfg.outputs, stopping=lambda: bool(self.signals and self.signals.signum)
+            )  # fmt: skip
             for name in {o.processor for o in self.cfg.outputs if o.kind == "llm"}:
                 engine = self.engine_factory(self.cfg.processors[name], self.cfg.batch_size, log_dir=self.log_dir)
                 if self.params.max_inflight:  # engines size their pools at load
