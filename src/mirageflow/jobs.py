@@ -291,6 +291,15 @@ def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
     logging.info("deduplicated %s", json.dumps(result))
 
 
+def records_fingerprint(config: str, output: str) -> None:
+    """``<state_dir>/records.fingerprint`` where there is none (the driver keeps it current)."""
+    from mirageflow.state import pipeline as pipeline_state
+
+    cfg = _config(config, check_paths=False)
+    pipeline_state.write_records_fingerprint(cfg)
+    logging.info("wrote %s", output)
+
+
 def aggregate(config: str) -> None:
     from mirageflow.report.aggregate import write_report
 
@@ -326,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("group", type=int)
     p.add_argument("endpoint", help="the endpoint file (the rule's service output)")
     sub.add_parser("aggregate", help="write the metrics report")
+    p = sub.add_parser("fingerprint", help="write the records fingerprint the shards depend on")
+    p.add_argument("output")
     args = ap.parse_args(argv)
     _ATTEMPT_LOG["path"] = _log_to(args.log)
     if args.job == "index":
@@ -338,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         merge(args.config, args.dataset, args.output)
     elif args.job == "dedup":
         dedup(args.config, args.dataset, args.counts, args.removed)
+    elif args.job == "fingerprint":
+        records_fingerprint(args.config, args.output)
     else:
         aggregate(args.config)
 

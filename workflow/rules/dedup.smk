@@ -6,6 +6,8 @@
 rule dedup:
     input:
         f"{STATE_DIR}/merged/dataset_{{ds}}.json",
+        # no file: deduplication_params changed, it runs again whatever the rerun triggers
+        changed=dedup_changed,
     output:
         counts=f"{STATE_DIR}/dedup/dataset_{{ds}}.json",
         removed=f"{STATE_DIR}/dedup/dataset_{{ds}}.removed.jsonl",

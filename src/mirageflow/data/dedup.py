@@ -279,6 +279,25 @@ def dedup_outputs(cfg: PipelineConfig, ds: DatasetConfig) -> list[Path]:
     return [state / f"dataset_{ds.index}.json", state / f"dataset_{ds.index}.removed.jsonl", Path(ds.output_dir) / DEDUP_SUBDIR]
 
 
+def dedup_params_changed(cfg: PipelineConfig, ds: DatasetConfig) -> tuple[str, bool]:
+    """(digest of the current deduplication parameters, whether dataset ``ds``'s dedup outputs
+    were made with other ones, or are damaged): the dedup rule's stamp (state/inputs.py), so
+    it runs again whatever the rerun triggers (the cluster profile's ``mtime`` would not see
+    a parameter change)."""
+    from mirageflow.state.inputs import digest_of
+
+    new = {k: getattr(cfg.dedup, k) for k in _PARAM_KEYS}
+    counts_path = dedup_outputs(cfg, ds)[0]
+    try:
+        counts = json.loads(counts_path.read_text(encoding="utf-8"))
+        old = {k: counts[k] for k in _PARAM_KEYS}
+    except FileNotFoundError:
+        return digest_of(new), False  # never made: the rule runs anyway
+    except (OSError, ValueError, KeyError, TypeError):
+        old = None  # damaged: made again
+    return digest_of(new), old != new
+
+
 def remove_stale_dedup_outputs(cfg: PipelineConfig) -> list[str]:
     """Driver side, at DAG build: a dataset's dedup outputs made with other parameters are
     removed, so the rule runs again whatever the rerun triggers (the cluster profile's

@@ -45,6 +45,10 @@ class DatasetReadError(OSError):
     """A dataset file cannot be read (not one row of it): the shard cannot go on. Names the file."""
 
 
+class DatasetEndedEarly(DatasetReadError):
+    """A dataset file has fewer rows than the slice asked for (changed after it was indexed)."""
+
+
 class SourceRow(NamedTuple):  # a tuple: built once per row, cheaper than a frozen dataclass
     index: int  # position in the dataset (source_index)
     value: Any  # the row mapping, or a RowError for an unreadable row
@@ -90,9 +94,55 @@ def fingerprint(ds: DatasetConfig, hashed: bool = True) -> list[list]:
     return out
 
 
-def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig) -> bool:
-    """The files are those indexed: same paths, sizes and mtimes, or, where only an mtime
-    moved, the same content (a file rewritten with identical bytes)."""
+def file_contents(ds: DatasetConfig) -> dict[str, list]:
+    """Each dataset file's stat identity and SHA-256 of its bytes: {path: [[dev, inode, size,
+    mtime_ns, ctime_ns], sha256]} (the index keeps it; mirageflow.state.inputs compares it
+    with the files at DAG build, so an edit is seen whatever its mtime)."""
+    from mirageflow.state.inputs import stat_key
+
+    out = {}
+    for f in dataset_files(ds):
+        with open_regular(f) as fh:
+            key = stat_key(os.fstat(fh.fileno()))
+            out[f] = [key, hashlib.file_digest(fh, "sha256").hexdigest()]
+    return out
+
+
+def content_digest(header: dict) -> str | None:
+    """The digest of an index's recorded file contents (None for an index without them)."""
+    from mirageflow.state.inputs import digest_of
+
+    content = header.get("content")
+    if not isinstance(content, dict):
+        return None
+    return digest_of({p: v[1] if isinstance(v, list) and len(v) == 2 else None for p, v in content.items()})
+
+
+def _content_unchanged(content: dict, ds: DatasetConfig) -> bool:
+    """The files are those indexed, by content: same paths, and for each file the same stat
+    identity (inode, size, mtime, ctime) or, where it moved, the same SHA-256."""
+    from mirageflow.state.inputs import file_sha256, stat_key
+
+    files = dataset_files(ds)
+    if sorted(files) != sorted(content):
+        return False
+    for f in files:
+        key, sha = content[f]
+        try:
+            if stat_key(os.stat(f)) != list(key) and file_sha256(f) != sha:
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig, content: dict | None = None) -> bool:
+    """The files are those indexed: with ``content`` (the index's file contents) the same
+    bytes whatever the mtimes say; else (an index from before content hashes) same paths,
+    sizes and mtimes, or, where only an mtime moved, the same content (a file rewritten
+    with identical bytes)."""
+    if isinstance(content, dict):
+        return _content_unchanged(content, ds)
     now = fingerprint(ds, hashed=False)
     if [e[:3] for e in indexed] == now:
         return True
@@ -224,7 +274,7 @@ def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int, skip
         except OSError as e:
             raise DatasetReadError(f"{path}: cannot read past line {lineno} ({e})") from e
     if index < stop:
-        raise DatasetReadError(
+        raise DatasetEndedEarly(
             f"{path}: ended at row {index}, but its index says the shard has rows up to {stop - 1}; "
             "the file changed after it was indexed: rerun so the index rule runs again"
         )
@@ -427,6 +477,7 @@ class ShardSlice(NamedTuple):
     offset: int = 0  # JSONL: byte offset of row `start`
     line: int = 0  # JSONL: its 1-based line number
     files: list | None = None  # Parquet: [{"path", "rows"}] of the whole dataset
+    content: str | None = None  # digest of the dataset's file contents when indexed (None: an older index)
 
 
 def offsets_path(index_path: str | Path) -> Path:
@@ -459,6 +510,7 @@ def write_index(ds: DatasetConfig, num_shards: int, path: str | Path) -> dict:
         rows = len(_load_hf(ds))
     header["rows"] = rows
     header["fingerprint"] = fingerprint(ds)
+    header["content"] = file_contents(ds)
     atomic_write_bytes(offsets_path(path), table)
     atomic_write_json(path, header)
     return header
@@ -470,14 +522,15 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
     header = json.loads(path.read_text())
     if header.get("version") != INDEX_VERSION or header["num_shards"] != num_shards or header["path"] != ds.path:
         raise ValueError(f"{path} was built for another config or version; rerun its index rule")
-    if not unchanged_since_indexed(header["fingerprint"], ds):
+    if not unchanged_since_indexed(header["fingerprint"], ds, header.get("content")):
         raise ValueError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
             f"(snakemake --forcerun index_dataset)"
         )
     start, stop = shard_range(header["rows"], num_shards, shard_id)
+    content = content_digest(header)
     if ds.type != "jsonl":
-        return ShardSlice(start, stop, files=header.get("files"))
+        return ShardSlice(start, stop, files=header.get("files"), content=content)
     table = offsets_path(path)
     with open(table, "rb") as f:
         f.seek(shard_id * SHARD_START.size)
@@ -485,7 +538,7 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
     if len(entry) != SHARD_START.size:
         raise ValueError(f"{table} has no entry for shard {shard_id}; rerun the index rule")
     offset, line = SHARD_START.unpack(entry)
-    return ShardSlice(start, stop, offset, line)
+    return ShardSlice(start, stop, offset, line, content=content)
 
 
 def read_shard(ds: DatasetConfig, shard: ShardSlice, skip=lambda i: False) -> Iterator[SourceRow]:

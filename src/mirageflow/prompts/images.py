@@ -255,8 +255,8 @@ def _download(url: str, name: str, max_bytes: int, deadline_seconds: float, stat
         ) from None  # fmt: skip
 
 
-def _read_file(path: str, shown: str, name: str, max_bytes: int) -> bytes:
-    """A regular file's bytes (a FIFO or device is refused before it is opened)."""
+def _read_file(path: str, shown: str, name: str, max_bytes: int) -> tuple[bytes, list[int]]:
+    """A regular file's bytes and stat identity (a FIFO or device is refused before it is opened)."""
     try:
         f = open_regular(path)
     except FileNotFoundError:
@@ -268,10 +268,11 @@ def _read_file(path: str, shown: str, name: str, max_bytes: int) -> bytes:
         raise _error("image_unreadable", name, shown, f"cannot read it ({getattr(e, 'strerror', None) or _scrub(e)})") from None
     with f:
         try:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise _error("image_too_large", name, shown, f"{size} bytes, more than max_bytes ({max_bytes})")
-            return f.read(max_bytes + 1)
+            st = os.fstat(f.fileno())
+            if st.st_size > max_bytes:
+                raise _error("image_too_large", name, shown, f"{st.st_size} bytes, more than max_bytes ({max_bytes})")
+            # the stat identity of what was read: a later edit of the file reruns the shard (state/inputs.py)
+            return f.read(max_bytes + 1), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         except OSError as e:
             raise _error("image_unreadable", name, shown, f"cannot read it ({e.strerror or _scrub(e)})") from None
 
@@ -316,7 +317,8 @@ class RowImages:
             ds.index: None if getattr(ds, "allow_images_outside_base", False) else os.path.realpath(self.bases[ds.index])
             for ds in datasets
         }
-        self.read_files: dict[str, int] = {}  # real path -> size of every image file read (rerun triggers)
+        # called with (real path, stat identity, bytes) of every image file read (state.inputs.ImageRecorder)
+        self.recorder = None
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig) -> "RowImages":
@@ -395,8 +397,9 @@ class RowImages:
                 f"the path leads outside the dataset's image folder ({base}); image paths must stay inside "
                 "image_base_path (set loading_params.datasets[].allow_images_outside_base: true to allow any path)",
             )  # fmt: skip
-        data = _read_file(real, value, name, spec.max_bytes)
-        self.read_files[real] = len(data)
+        data, key = _read_file(real, value, name, spec.max_bytes)
+        if self.recorder is not None:
+            self.recorder(real, key, data)
         return value, data
 
 

@@ -91,15 +91,20 @@ class CheckpointError(RuntimeError):
     """The checkpoint cannot be used as it is; the message names the file and what to do."""
 
 
-def fingerprint(cfg: PipelineConfig, shard_ranges: dict[int, tuple[int, int]]) -> str:
+def fingerprint(cfg: PipelineConfig, shard_ranges: dict[int, tuple[int, int]], inputs: dict | None = None) -> str:
     """Hash of what determines this shard's records: the config's records identity (model,
     sampling, prompts, schemas, datasets; the same one that reruns shards through
-    ``records.fingerprint``) and the shard's row range in each dataset."""
+    ``records.fingerprint``), the shard's row range in each dataset and, when known, what
+    its input files held (``inputs``: the datasets' content digests from their indexes, the
+    digest of the image files it read when they changed; mirageflow.state.inputs): an edit
+    of a dataset or an image recomputes the committed rows instead of resuming past them."""
     material = {
         "version": FORMAT_VERSION,
         "records": records_identity(cfg),
         "rows": [shard_ranges[d.index] for d in cfg.datasets],
     }
+    if inputs:  # absent for indexes from before content digests: those checkpoints stay valid
+        material["inputs"] = inputs
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -274,8 +279,9 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ resume
 
-    def restore(self, retry_failed: bool) -> None:
-        """Load committed progress, verified; or start clean when there is none or the fingerprint changed.
+    def restore(self, retry_failed: bool, start_over: bool = False) -> None:
+        """Load committed progress, verified; or start clean when there is none, the fingerprint
+        changed or ``start_over`` (an input file changed by content: mirageflow.state.inputs).
 
         Every part the manifest lists is checked (size, then sha256); the rows of a missing
         or damaged one are recomputed. Parts no manifest lists are moved aside to
@@ -287,7 +293,7 @@ class Checkpoint:
         self._remove_temp_files()
         saved = self._load_manifest()
         discard = False
-        if saved is not None and saved["fingerprint"] != self.fingerprint:
+        if saved is not None and (start_over or saved["fingerprint"] != self.fingerprint):
             n = sum(len(d["parts"]) for d in saved["datasets"].values())
             log.warning(
                 "checkpoint of %s was made with another model/prompt/schema/row range: discarding %d committed part(s)",

@@ -18,7 +18,6 @@ directory; the pipeline's state_dir and output_dirs are never read or written.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import sys
 import tempfile
@@ -87,8 +86,13 @@ def first_rows(ds: DatasetConfig, n: int) -> list:
     if n <= 0:
         return []
     if ds.type == "jsonl":
-        piece = readers.ShardSlice(0, sys.maxsize, 0, 1)
-        return list(itertools.islice(readers.read_shard(ds, piece), n))
+        rows = []
+        try:  # the first n rows, or all of them when the file has fewer
+            for row in readers.read_shard(ds, readers.ShardSlice(0, n, 0, 1)):
+                rows.append(row)
+        except readers.DatasetEndedEarly:
+            pass
+        return rows
     if ds.type == "parquet":
         import pyarrow.parquet as pq
 
@@ -166,6 +170,8 @@ async def _preview_row(row, extract, steps: list[OutputStep], render, generate: 
         out["record"] = _plain(render(row.index, row.value, variables))
     except RowError as e:
         out["error"] = _error(e)
+    except Exception as e:  # ours, not the row's: the row shows it, the other rows are previewed
+        out["error"] = {"stage": "row", "error": "internal_error", "message": f"{type(e).__name__}: {e}"}
     return out
 
 
@@ -246,7 +252,9 @@ def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
                     shown = _dump(o["value"]) if "value" in o else "(not run without --generate)"
                     w(f"{o['processor']} step '{o['name']}': {shown}\n")
                     continue
-                if o["prompt"] is not None:
+                if "messages" not in o:  # the row failed before its request was made (its error follows)
+                    w(f"{kind} '{o['name']}' (processor {o['processor']}): no request (the row failed before it)\n")
+                elif o.get("prompt") is not None:
                     w(f"{kind} '{o['name']}' (processor {o['processor']}): prompt as the engine receives it:\n")
                     w(_indent(o["prompt"]) + "\n")
                 else:

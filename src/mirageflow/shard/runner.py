@@ -55,6 +55,7 @@ from mirageflow.shard.metrics import ShardMetrics
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
 from mirageflow.shard.steps import OutputStep
+from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed, write_shard_inputs
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,14 @@ class ShardRunner:
     def _restore(self, slices: list[ShardSlice]) -> None:
         ranges = {ds.index: (piece.start, piece.stop) for ds, piece in zip(self.cfg.datasets, slices)}
         outputs = {ds.index: (Path(ds.output_dir) / f"shard_{self.shard_id}", ds.output_format) for ds in self.cfg.datasets}
-        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges), outputs, self.n)
-        cp.restore(retry_failed=self.cfg.retry_failed_rows)
+        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges, self._inputs(slices)), outputs, self.n)
+        # rows made from image files that changed since are made again (state/inputs.py)
+        changed = images_changed(self.shard_dir, ContentCache(None)) if self.rows.images else None
+        if changed:
+            log.warning("shard %d starts over: %s", self.shard_id, changed)
+        cp.restore(retry_failed=self.cfg.retry_failed_rows, start_over=bool(changed))
+        if self.rows.images:  # the image files it reads, by content: an edit of one reruns this shard
+            self.rows.images.recorder = ImageRecorder(self.shard_dir, fresh=cp.resumed_rows() == 0)
         self.metrics.begin_attempt(cp)
         self.resumed = cp.resumed_rows()
         self.budget.resume(
@@ -116,6 +123,11 @@ class ShardRunner:
         self.commits.on_failure = self._halt
         if self.resumed:
             log.info("resuming shard %d: %d rows already committed are skipped", self.shard_id, self.resumed)
+
+    def _inputs(self, slices: list[ShardSlice]) -> dict:
+        """What the shard's datasets held (checkpoint fingerprint): each one's content digest,
+        from its index (none for an index from before content digests)."""
+        return {"datasets": [piece.content for piece in slices]} if any(piece.content for piece in slices) else {}
 
     def _load_engines(self) -> None:
         self.live.set_phase("loading")
@@ -325,6 +337,9 @@ class ShardRunner:
 
     def close(self) -> None:
         python_steps.close_pools(self.pools)
+        recorder = getattr(self.rows.images, "recorder", None)
+        if recorder is not None:
+            recorder.close()
         for engine in self.engines.values():
             try:
                 engine.close()
@@ -395,6 +410,7 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
         "stats": runner.stats(),
     }
     (shard_dir / "failure.json").unlink(missing_ok=True)
+    write_shard_inputs(cfg, shard_id)  # what its records were made from: an edit reruns it (state/inputs.py)
     atomic_write_json(shard_dir / "status.json", status)
     runner.finish_progress("done")
     st = status["stats"]
