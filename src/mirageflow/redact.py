@@ -137,13 +137,14 @@ class RedactingFilter(logging.Filter):
     """Redacts each record's message, arguments and exception text (``redact_text``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a broken format: logging reports it itself
-            return True
-        clean = redact_text(message)
-        if clean != message:
-            record.msg, record.args = clean, None
+        if isinstance(record.msg, str):  # Snakemake's structured events (dicts) are its own
+            try:
+                message = record.getMessage()
+            except Exception:  # a broken format: logging reports it itself
+                return True
+            clean = redact_text(message)
+            if clean != message:
+                record.msg, record.args = clean, None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:

@@ -45,6 +45,7 @@ from mirageflow.engines import registry
 from mirageflow.prompts import python_steps
 
 SAMPLE_ROWS = 20
+IMPORT_TIMEOUT_SECONDS = 120.0  # a custom processor's script, imported once by the driver
 COUNT_JSONL_MAX_BYTES = 64 << 20  # newline count of a JSONL file up to this size (~20 ms)
 MAX_FILES_SNIFFED = 200
 PARQUET_MAGIC = b"PAR1"
@@ -425,13 +426,16 @@ def _custom_problems(proc: CustomProcessor) -> list[str]:
     path = proc.script_path  # expanded by load_config
     if not proc.function_name or not os.path.isfile(path):
         return []  # load_config reported it
-    try:
-        python_steps.load_function(path, proc.function_name)
-    except (AttributeError, TypeError) as e:
-        return [f"processors[{proc.index}].function_name: {e}"]
-    except (Exception, SystemExit) as e:  # the user's script: a SyntaxError, an ImportError, a sys.exit at import
-        return [f"processors[{proc.index}].script_path: cannot import '{path}': {type(e).__name__}: {e}"]
-    return []
+    from mirageflow.prompts.user_code import load_problem
+
+    # in a process of its own: a script that exits, hangs or crashes at import cannot take the driver with it
+    problem = load_problem(path, proc.function_name, timeout=IMPORT_TIMEOUT_SECONDS)
+    if problem is None:
+        return []
+    kind, why = problem
+    if kind == "function":
+        return [f"processors[{proc.index}].function_name: {why}"]
+    return [f"processors[{proc.index}].script_path: cannot import '{path}': {why}"]
 
 
 def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path | None) -> list[str]:

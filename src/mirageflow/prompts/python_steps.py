@@ -82,6 +82,10 @@ def predicate_problems(predicate: str, known, where: str, json_fields=None) -> l
     return template_problems("{{ (" + expr + ") }}", known, where, json_fields)
 
 
+class FunctionMissing(AttributeError):
+    """The script loads, but does not define the function (or it is not callable)."""
+
+
 def load_function(script_path: str, function_name: str):
     """Import the script (as a module of its own, not in sys.modules) and return the function."""
     name = "mirageflow_custom_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(script_path))[0])
@@ -93,9 +97,9 @@ def load_function(script_path: str, function_name: str):
     fn = getattr(module, function_name, None)
     if fn is None:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(f"'{script_path}' defines no '{function_name}' (callables found: {', '.join(found) or 'none'})")
+        raise FunctionMissing(f"'{script_path}' defines no '{function_name}' (callables found: {', '.join(found) or 'none'})")
     if not callable(fn):
-        raise TypeError(f"'{function_name}' in '{script_path}' is a {type(fn).__name__}, not a function")
+        raise FunctionMissing(f"'{function_name}' in '{script_path}' is a {type(fn).__name__}, not a function")
     return fn
 
 

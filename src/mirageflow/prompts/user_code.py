@@ -73,6 +73,8 @@ def exit_description(exitcode: int | None) -> str:
 
 _FN = None
 _LOAD_ERROR: str | None = None
+_LOAD_KIND: str | None = None  # "function": the script loads but has no such function; "script": it does not load
+_LOAD_DETAIL = [""]  # the message alone, for the driver's preflight
 
 
 class _CallTimeout(BaseException):
@@ -85,13 +87,17 @@ def _alarm(signum, frame):
 
 
 def _load(script_path: str, function_name: str) -> None:
-    global _FN, _LOAD_ERROR
-    from mirageflow.prompts.python_steps import load_function
+    global _FN, _LOAD_ERROR, _LOAD_KIND
+    from mirageflow.prompts.python_steps import FunctionMissing, load_function
 
     try:
         _FN = load_function(script_path, function_name)
+    except FunctionMissing as e:
+        _LOAD_ERROR, _LOAD_KIND = f"cannot load '{function_name}' from '{script_path}': {describe(e)}", "function"
+        _LOAD_DETAIL[0] = str(e)
     except BaseException as e:  # noqa: BLE001 - the user's script: anything, SystemExit included
-        _LOAD_ERROR = f"cannot load '{function_name}' from '{script_path}': {describe(e)}"
+        _LOAD_ERROR, _LOAD_KIND = f"cannot load '{function_name}' from '{script_path}': {describe(e)}", "script"
+        _LOAD_DETAIL[0] = describe(e)
 
 
 def call_many(batch: list[dict], timeout: float | None) -> list[tuple]:
@@ -141,7 +147,7 @@ def worker_main(conn, script_path: str, function_name: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the shard, which stops the workers itself
     _load(script_path, function_name)
     try:
-        conn.send(("ready", _LOAD_ERROR))
+        conn.send(("ready", _LOAD_ERROR, _LOAD_KIND, _LOAD_DETAIL[0]))
         while True:
             message = conn.recv()
             if message is None:
@@ -274,3 +280,22 @@ def start_workers(script_path: str, function_name: str, count: int, start_method
             w.stop()
         raise
     return workers
+
+
+def load_problem(script_path: str, function_name: str, timeout: float = START_TIMEOUT_SECONDS) -> tuple[str, str] | None:
+    """Import the script in a worker process of its own, as every worker will: (``script`` or
+    ``function``, why) when it cannot be used, else None. The caller (the driver's preflight)
+    is never at risk: a script that exits, hangs or crashes at import is a problem named here."""
+    context = multiprocessing.get_context("spawn")
+    worker = Worker(context, script_path, function_name, "mirageflow-check")
+    try:
+        worker.start()
+        answer = worker._receive(timeout)
+    except WorkerDied as e:
+        if e.killed:
+            return "script", f"importing it took more than {timeout:g} s"
+        return "script", f"importing it ended its process ({e})"
+    finally:
+        worker.stop()
+    _, error, kind, detail = answer
+    return None if error is None else (kind or "script", detail or error)
