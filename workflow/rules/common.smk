@@ -78,21 +78,27 @@ def dataset_files(wildcards):
 def dataset_changed(wildcards):
     """The index job, when a dataset file's content changed since it was indexed."""
     path = f"{STATE_DIR}/datasets/dataset_{wildcards.ds}.index.json"
-    CONTENT_CHANGES.force(workflow, path, CONTENT_CHANGES.dataset(int(wildcards.ds)), logger)
+    CONTENT_CHANGES.force(
+        workflow, path, CONTENT_CHANGES.dataset(int(wildcards.ds)), logger
+    )
     return []
 
 
 def shard_changed(wildcards):
     """A finished shard, when its records identity or an image file it read changed."""
     path = f"{STATE_DIR}/shard_{wildcards.shard}/status.json"
-    CONTENT_CHANGES.force(workflow, path, CONTENT_CHANGES.shard(int(wildcards.shard)), logger)
+    CONTENT_CHANGES.force(
+        workflow, path, CONTENT_CHANGES.shard(int(wildcards.shard)), logger
+    )
     return []
 
 
 def derived_changed(wildcards):
     """The metrics report and merges, when a shard they were built from has no status.json."""
     why = CONTENT_CHANGES.derived()
-    for path in [f"{STATE_DIR}/metrics.json"] + [f"{STATE_DIR}/merged/dataset_{k}.json" for k in DATASET_IDS]:
+    for path in [f"{STATE_DIR}/metrics.json"] + [
+        f"{STATE_DIR}/merged/dataset_{k}.json" for k in DATASET_IDS
+    ]:
         CONTENT_CHANGES.force(workflow, path, why, logger)
     return []
 
@@ -100,7 +106,9 @@ def derived_changed(wildcards):
 def dedup_changed(wildcards):
     """The dedup job, when deduplication_params changed since the dataset was deduplicated."""
     path = f"{STATE_DIR}/dedup/dataset_{wildcards.ds}.json"
-    CONTENT_CHANGES.force(workflow, path, CONTENT_CHANGES.dedup(int(wildcards.ds)), logger)
+    CONTENT_CHANGES.force(
+        workflow, path, CONTENT_CHANGES.dedup(int(wildcards.ds)), logger
+    )
     return []
 
 

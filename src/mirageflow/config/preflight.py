@@ -337,6 +337,16 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
                 f"processing_params.preserve_columns: '{name}' is a column of none of the first {len(sample)} rows of "
                 f"loading_params.datasets[{ds.index}] ('{ds.path}')" + (f" (did you mean '{hint[0]}'?)" if hint else "")
             )
+    if not cfg.remove_columns:  # the rows' columns go into the records: one named like a workflow field would be overwritten
+        from mirageflow.prompts.templates import RESERVED_RECORD_FIELDS
+
+        for name in RESERVED_RECORD_FIELDS:
+            if any(isinstance(row, dict) and name in row for row in sample):
+                problems.append(
+                    f"processing_params.remove_columns: false, but the rows of loading_params.datasets[{ds.index}] "
+                    f"('{ds.path}') have a column '{name}', which the workflow writes into every record (its value "
+                    "would be lost): set remove_columns: true (and preserve_columns for the columns to keep)"
+                )
     return problems
 
 

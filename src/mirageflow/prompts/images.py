@@ -58,6 +58,7 @@ from typing import Any, Iterable, Mapping
 
 from mirageflow.config.types import DatasetConfig, PipelineConfig
 from mirageflow.files import NotRegularFile, open_regular
+from mirageflow.prompts.error_classes import IMAGE_OUTSIDE_BASE
 from mirageflow.prompts.templates import RowError
 
 STAGE = "image"
@@ -393,7 +394,7 @@ class RowImages:
         real = os.path.realpath(path)
         if root is not None and not _inside(real, root):
             raise _error(
-                "image_outside_base", name, value,
+                IMAGE_OUTSIDE_BASE, name, value,
                 f"the path leads outside the dataset's image folder ({base}); image paths must stay inside "
                 "image_base_path (set loading_params.datasets[].allow_images_outside_base: true to allow any path)",
             )  # fmt: skip

@@ -202,7 +202,7 @@ class FunctionPool:
                 # retried once, each row alone on this (replaced) worker: the row that did it
                 # fails alone; a row whose worker was killed by something else gets a second chance
                 outcomes = [(await self._outcomes(worker, [v]))[0] for v in rows]
-            if any(o[0] in ("crashed", "killed") for o in outcomes) and await self._stopping():
+            if any(o[0] in ("crashed", "killed") for o in outcomes) and self.stopping():  # the job is being stopped meanwhile
                 outcomes = [("stopped", "a stop signal") if o[0] in ("crashed", "killed") else o for o in outcomes]
             for (_, future), outcome in zip(batch, outcomes):
                 if not future.done():  # a row cancelled meanwhile (the shard stops) is not waiting

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
 import threading
 import time
@@ -34,6 +35,8 @@ from typing import Any, Callable
 from jinja2 import nodes
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+
+from mirageflow.prompts.error_classes import TEMPLATE_TIMEOUT, TEMPLATE_TOO_LARGE
 
 RENDER_TIMEOUT_SECONDS = 5.0
 MAX_RENDER_CHARS = 32 << 20  # 33.5 M characters: far above any model's context
@@ -44,8 +47,8 @@ MAX_INT_BITS = 1 << 16  # integers up to ~19,700 digits (Python prints at most 4
 MAX_STATIC_LOOP_ITERATIONS = 10_000_000
 WATCHDOG_INTERVAL_SECONDS = 0.1
 
-TIMEOUT_KIND = "template_timeout"
-TOO_LARGE_KIND = "template_too_large"
+TIMEOUT_KIND = TEMPLATE_TIMEOUT
+TOO_LARGE_KIND = TEMPLATE_TOO_LARGE
 
 
 class RenderTimeout(BaseException):
@@ -243,9 +246,10 @@ class _Watchdog:
         self._lock = threading.Lock()
         self._armed: dict[int, list] = {}  # thread id -> [deadline, fired]
         self._thread: threading.Thread | None = None
+        self._pid = 0  # a forked child has no watchdog thread: it starts its own
 
     def arm(self, seconds: float) -> list:
-        if self._thread is None:
+        if self._pid != os.getpid():
             self._start()
         entry = [time.monotonic() + seconds, False]
         with self._lock:
@@ -263,9 +267,11 @@ class _Watchdog:
 
     def _start(self) -> None:
         with self._lock:
-            if self._thread is None:
+            if self._pid != os.getpid():
+                self._armed = {}
                 self._thread = threading.Thread(target=self._run, name="render-watchdog", daemon=True)
                 self._thread.start()
+                self._pid = os.getpid()
 
     def _run(self) -> None:
         while True:
@@ -280,6 +286,8 @@ class _Watchdog:
 
 
 _WATCHDOG = _Watchdog()
+if hasattr(os, "register_at_fork"):  # a child gets a fresh lock (another thread may have held it) and its own thread
+    os.register_at_fork(after_in_child=lambda: _WATCHDOG.__init__())
 
 
 def guarded(render: Callable, *args) -> Any:

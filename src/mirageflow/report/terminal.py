@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from mirageflow.config.types import PipelineConfig
+from mirageflow.prompts import error_classes
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ FRESH_SECONDS = 120.0  # a progress.json older than this belongs to no running s
 DETERMINISTIC_CLASSES = frozenset(
     {"template_error", "missing_variable", "extract_error", "json_schema", "chat_template", "bad_row", "context_length",
      "invalid_unicode", "reasoning_truncated", "bad_conversation"}
-)
+) | error_classes.DETERMINISTIC
 
 
 def _fmt_rate(value: float | None) -> str:
