@@ -118,31 +118,30 @@ def content_digest(header: dict) -> str | None:
     return digest_of({p: v[1] if isinstance(v, list) and len(v) == 2 else None for p, v in content.items()})
 
 
-def _content_unchanged(content: dict, ds: DatasetConfig) -> bool:
+def _content_unchanged(content: dict, ds: DatasetConfig, cache_path: str | os.PathLike | None) -> bool:
     """The files are those indexed, by content: same paths, and for each file the same stat
-    identity (inode, size, mtime, ctime) or, where it moved, the same SHA-256."""
-    from mirageflow.state.inputs import file_sha256, stat_key
+    identity (inode, size, mtime, ctime) or, where it moved, the same SHA-256 (the driver's
+    content cache at ``cache_path`` spares the hash of a file it already hashed)."""
+    from mirageflow.state.inputs import ContentCache
 
     files = dataset_files(ds)
     if sorted(files) != sorted(content):
         return False
+    cache = ContentCache(cache_path)
     for f in files:
         key, sha = content[f]
-        try:
-            if stat_key(os.stat(f)) != list(key) and file_sha256(f) != sha:
-                return False
-        except (OSError, ValueError):
+        if cache.digest(f, (key, sha)) != sha:
             return False
     return True
 
 
-def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig, content: dict | None = None) -> bool:
+def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig, content: dict | None = None, cache_path=None) -> bool:
     """The files are those indexed: with ``content`` (the index's file contents) the same
     bytes whatever the mtimes say; else (an index from before content hashes) same paths,
     sizes and mtimes, or, where only an mtime moved, the same content (a file rewritten
     with identical bytes)."""
     if isinstance(content, dict):
-        return _content_unchanged(content, ds)
+        return _content_unchanged(content, ds, cache_path)
     now = fingerprint(ds, hashed=False)
     if [e[:3] for e in indexed] == now:
         return True
@@ -522,7 +521,7 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
     header = json.loads(path.read_text())
     if header.get("version") != INDEX_VERSION or header["num_shards"] != num_shards or header["path"] != ds.path:
         raise ValueError(f"{path} was built for another config or version; rerun its index rule")
-    if not unchanged_since_indexed(header["fingerprint"], ds, header.get("content")):
+    if not unchanged_since_indexed(header["fingerprint"], ds, header.get("content"), path.parent / "content.json"):
         raise ValueError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
             f"(snakemake --forcerun index_dataset)"

@@ -273,7 +273,7 @@ def _read_file(path: str, shown: str, name: str, max_bytes: int) -> tuple[bytes,
             if st.st_size > max_bytes:
                 raise _error("image_too_large", name, shown, f"{st.st_size} bytes, more than max_bytes ({max_bytes})")
             # the stat identity of what was read: a later edit of the file reruns the shard (state/inputs.py)
-            return f.read(max_bytes + 1), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+            return f.read(max_bytes + 1), [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         except OSError as e:
             raise _error("image_unreadable", name, shown, f"cannot read it ({e.strerror or _scrub(e)})") from None
 

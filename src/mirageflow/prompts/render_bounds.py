@@ -62,17 +62,32 @@ class RenderTooLarge(BaseException):
 
 # --------------------------------------------------------------------------- the per-render budget
 
-_STATE = threading.local()
+# thread id -> the render running in it: (deadline, claim, fired, [budget left]); see _Watchdog
+_ARMED: dict[int, tuple] = {}
+_monotonic, _get_ident = time.monotonic, threading.get_ident
+CHARGED_MIN = 256  # values smaller than this are not counted (a render cannot keep many: its time is bounded)
+_SIZED = frozenset({str, bytes, list, tuple, dict})
 
 
 def _charge(size: int) -> None:
-    budget = getattr(_STATE, "budget", None)
-    if budget is None:
+    entry = _ARMED.get(_get_ident())
+    if entry is None or not entry[1]:  # no render running in this thread
         return
-    budget -= size
-    _STATE.budget = budget
-    if budget < 0:
+    left = entry[3]
+    left[0] -= size
+    if left[0] < 0:
         raise RenderTooLarge(f"the render built more than {ALLOC_BUDGET_CHARS} characters of values on the way")
+
+
+def _charge_value(value: Any) -> None:
+    """Count a value a render made against its budget (cheap for the small ones)."""
+    cls = value.__class__
+    if cls in _SIZED:
+        n = len(value)
+        if n >= CHARGED_MIN:
+            _charge(n)
+    elif cls is int and value.bit_length() > 4096:
+        _charge(value.bit_length() // 8)
 
 
 def _size(value: Any) -> int:
@@ -154,9 +169,11 @@ def _check_call(obj: Any, args, kwargs) -> None:
 def _bounded_filter(name: str, fn: Callable) -> Callable:
     """A filter that cannot make a huge value from a small one, and whose result is counted."""
 
+    growing = name in ("center", "indent", "format", "replace")
+
     @functools.wraps(fn)  # keeps jinja_pass_arg (pass_context, pass_environment, ...)
     def bounded(*args, **kwargs):
-        if name in ("center", "indent", "format", "replace"):
+        if growing:
             values = [a for a in args if not hasattr(a, "filters")]  # the environment, passed to some
             if name == "indent":
                 s = values[0] if values and isinstance(values[0], str) else ""
@@ -175,7 +192,7 @@ def _bounded_filter(name: str, fn: Callable) -> Callable:
                 _check_int_args(values[1:])
             _check_int_args(kwargs.values())
         result = fn(*args, **kwargs)
-        _charge(_size(result))
+        _charge_value(result)
         return result
 
     return bounded
@@ -186,7 +203,7 @@ class BoundedNamespace(Namespace):
     in a loop doubles a string each time)."""
 
     def __setitem__(self, name: str, value: Any) -> None:
-        _charge(_size(value))
+        _charge(_size(value))  # every store counts: a doubling starts small
         super().__setitem__(name, value)
 
 
@@ -204,108 +221,101 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         _check_binop(operator, left, right)
         result = super().call_binop(context, operator, left, right)
-        _charge(_size(result))
+        _charge_value(result)
         return result
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja2's signature (names that never clash)
         _check_call(__obj, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
-        _charge(_size(result))
+        _charge_value(result)
         return result
 
 
 def _bounded_concat(parts) -> str:
-    """``"".join`` of a template's (or block's) output, refused past MAX_RENDER_CHARS."""
-    if not isinstance(parts, list):
-        parts = list(_limited(parts))
-    else:
-        total = 0
-        for p in parts:
-            total += len(p)
-        if total > MAX_RENDER_CHARS:
-            raise _too_big("the rendered text", total)
+    """``"".join`` of a template's (or block's) output, refused past MAX_RENDER_CHARS before
+    the text is made (the chunks themselves are values the render made, within its budget)."""
+    if parts.__class__ is not list:
+        parts = list(parts)
+    total = sum(map(len, parts))
+    if total > MAX_RENDER_CHARS:
+        raise _too_big("the rendered text", total)
     return "".join(parts)
-
-
-def _limited(chunks):
-    total = 0
-    for chunk in chunks:
-        total += len(chunk)
-        if total > MAX_RENDER_CHARS:
-            raise _too_big("the rendered text", total)
-        yield chunk
 
 
 # --------------------------------------------------------------------------- the time limit
 
 
 class _Watchdog:
-    """One daemon thread that interrupts renders past their deadline, in whichever thread."""
+    """One daemon thread that interrupts renders past their deadline, in whichever thread.
+
+    The hot path (``guarded``, once per Jinja2 render) takes no lock: each running render
+    has an entry in ``_ARMED`` holding a one-item claim list, and whoever pops it first
+    (``guarded`` at the end of the render, or the watchdog past the deadline: ``list.pop``
+    is atomic under the GIL) decides. When the watchdog wins, ``guarded`` waits for its
+    exception to be set, clears it and raises RenderTimeout itself, so it never lands
+    after the guard.
+    """
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._armed: dict[int, list] = {}  # thread id -> [deadline, fired]
         self._thread: threading.Thread | None = None
-        self._pid = 0  # a forked child has no watchdog thread: it starts its own
+        self._lock = threading.Lock()
 
-    def arm(self, seconds: float) -> list:
-        if self._pid != os.getpid():
-            self._start()
-        entry = [time.monotonic() + seconds, False]
+    def start(self) -> None:
         with self._lock:
-            self._armed[threading.get_ident()] = entry
-        return entry
-
-    def disarm(self, entry: list) -> None:
-        tid = threading.get_ident()
-        with self._lock:
-            if self._armed.get(tid) is entry:
-                del self._armed[tid]
-        if entry[1]:  # fired: the exception may still be pending; raise it here, inside the guard
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
-            raise RenderTimeout()
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._pid != os.getpid():
-                self._armed = {}
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="render-watchdog", daemon=True)
                 self._thread.start()
-                self._pid = os.getpid()
 
     def _run(self) -> None:
         while True:
             time.sleep(WATCHDOG_INTERVAL_SECONDS)
-            now = time.monotonic()
-            with self._lock:
-                for tid, entry in list(self._armed.items()):
-                    if not entry[1] and now > entry[0]:
-                        entry[1] = True
-                        del self._armed[tid]
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(RenderTimeout))
+            now = _monotonic()
+            for tid, entry in list(_ARMED.items()):
+                if now > entry[0] and entry[1]:
+                    try:
+                        entry[1].pop()
+                    except IndexError:
+                        continue  # the render ended meanwhile
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(RenderTimeout))
+                    entry[2].append(True)
 
 
 _WATCHDOG = _Watchdog()
-if hasattr(os, "register_at_fork"):  # a child gets a fresh lock (another thread may have held it) and its own thread
-    os.register_at_fork(after_in_child=lambda: _WATCHDOG.__init__())
+
+
+def _after_fork() -> None:  # a forked child has no watchdog thread, and no render of its parent's threads
+    global _WATCHDOG
+    _ARMED.clear()
+    _WATCHDOG = _Watchdog()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def guarded(render: Callable, *args) -> Any:
     """``render(*args)`` within the time and size limits; RenderTimeout or RenderTooLarge
     (MemoryError becomes RenderTooLarge). A render inside a render shares its limits."""
-    if getattr(_STATE, "budget", None) is not None:  # nested (a macro, a filter step): the outer guard bounds it
+    tid = _get_ident()
+    current = _ARMED.get(tid)
+    if current is not None and current[1]:  # nested (a macro, a filter step): the outer guard bounds it
         return render(*args)
-    _STATE.budget = ALLOC_BUDGET_CHARS
+    if _WATCHDOG._thread is None:
+        _WATCHDOG.start()
+    entry = (_monotonic() + RENDER_TIMEOUT_SECONDS, [True], [], [ALLOC_BUDGET_CHARS])
+    _ARMED[tid] = entry
     try:
-        entry = _WATCHDOG.arm(RENDER_TIMEOUT_SECONDS)
-        try:
-            return render(*args)
-        finally:
-            _WATCHDOG.disarm(entry)
+        return render(*args)
     except MemoryError:
         raise RenderTooLarge("the render ran out of memory") from None
     finally:
-        _STATE.budget = None
+        try:
+            entry[1].pop()  # the render's end claims it: the watchdog will not fire
+        except IndexError:  # the watchdog claimed it first: its exception is (being) set
+            while not entry[2]:
+                time.sleep(0.001)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+            raise RenderTimeout() from None
 
 
 def limit_message(e: BaseException) -> tuple[str, str]:

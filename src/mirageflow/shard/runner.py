@@ -55,7 +55,7 @@ from mirageflow.shard.metrics import ShardMetrics
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
 from mirageflow.shard.steps import OutputStep
-from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed, write_shard_inputs
+from mirageflow.state.inputs import CONTENT_CACHE, ContentCache, ImageRecorder, images_changed, write_shard_inputs
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class ShardRunner:
         outputs = {ds.index: (Path(ds.output_dir) / f"shard_{self.shard_id}", ds.output_format) for ds in self.cfg.datasets}
         self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges, self._inputs(slices)), outputs, self.n)
         # rows made from image files that changed since are made again (state/inputs.py)
-        changed = images_changed(self.shard_dir, ContentCache(None)) if self.rows.images else None
+        cache = ContentCache(Path(self.cfg.state_dir) / "datasets" / CONTENT_CACHE)  # the driver's hashes, read only
+        changed = images_changed(self.shard_dir, cache) if self.rows.images else None
         if changed:
             log.warning("shard %d starts over: %s", self.shard_id, changed)
         cp.restore(retry_failed=self.cfg.retry_failed_rows, start_over=bool(changed))

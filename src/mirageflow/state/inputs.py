@@ -5,8 +5,8 @@ triggers, when its set of inputs, params or code changed). A dataset copied with
 or ``rsync -a`` keeps its old mtime, an image file can change under a path no rule knows
 of, and a clock can be skewed. So what a job read is also identified by content:
 
-- **datasets**: the index rule records, per file, its stat identity (device, inode, size,
-  mtime, ctime) and the SHA-256 of its bytes (``data/readers.write_index``). This is the
+- **datasets**: the index rule records, per file, its stat identity (inode, size, mtime,
+  ctime) and the SHA-256 of its bytes (``data/readers.write_index``). This is the
   cheap per-file content hash: at DAG build the driver compares each file's stat identity
   with the recorded one (a ``stat`` per file) and hashes only a file whose identity
   changed (``cp -p`` makes a new inode or ctime), through a cache
@@ -48,9 +48,10 @@ IMAGES_FILE = "images.jsonl"
 
 
 def stat_key(st: os.stat_result) -> list[int]:
-    """What identifies a file's version without reading it: device, inode, size, mtime, ctime
-    (the kernel sets ctime on every write, rename and ``utime``, so ``cp -p`` changes it)."""
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    """What identifies a file's version without reading it: inode, size, mtime, ctime (the
+    kernel sets ctime on every write, rename and ``utime``, so ``cp -p`` changes it). Not the
+    device: an NFS mount has another one on each node, the inode and times are the server's."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -99,7 +100,7 @@ class ContentCache:
 
     def save(self) -> None:
         if self.path is not None and self.changed:
-            data = {"note": "SHA-256 of input files by stat identity (dev, inode, size, mtime_ns, ctime_ns)", "files": self.entries}
+            data = {"note": "SHA-256 of input files by stat identity (inode, size, mtime_ns, ctime_ns)", "files": self.entries}
             atomic_write_bytes(self.path, (json.dumps(data) + "\n").encode(), durable=False)
             self.changed = False
 
