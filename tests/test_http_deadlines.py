@@ -1,6 +1,5 @@
-"""Issue 22, items 3 and 17: HTTP clients with deadlines. The fix belongs to the HTTP transport
-rewrite (issue 29, branch issue29-http); these tests say what must hold and are expected to
-fail until it lands (xfail strict: once they pass, the marker must go)."""
+"""Issue 22, items 3 and 17: HTTP clients with deadlines (fixed by the HTTP transport of issue
+29, engines/http_client.py; these tests hold issue 22's cases)."""
 
 from __future__ import annotations
 
@@ -13,11 +12,8 @@ import time
 
 import pytest
 
-from mirageflow.config import ProcessorConfig
+from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import EngineError, Request
-
-ISSUE_29 = "issue 29 (HTTP transport rewrite): engines/shared.py, cluster/engine_service.py, engines/openai_engine.py"
-
 
 def _serve(handler_class) -> http.server.ThreadingHTTPServer:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
@@ -28,7 +24,7 @@ def _serve(handler_class) -> http.server.ThreadingHTTPServer:
 
 def _processor(backend: str, **fields) -> ProcessorConfig:
     defaults = dict(
-        type="llm", backend=backend, server_args={"model_path": "m"}, sampling_params={}, chat_template_kwargs={},
+        type="llm", backend=backend, server_args=ServerArgs(model_path="m"), sampling_params={}, chat_template_kwargs={},
         apply_chat_template=True, torch_threads=None, request_timeout=10.0, max_retries=2,
     )  # fmt: skip
     defaults.update(fields)
@@ -56,7 +52,6 @@ def _no_proxy(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.mark.xfail(strict=True, reason=f"item 3: {ISSUE_29}: the shared engine's client has no read timeout or heartbeat deadline")
 def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp_path, monkeypatch):
     """Item 3: an engine service that stops answering (SIGSTOPped: connections open, no
     bytes) hung all its shards (`Timeout(None, connect=30)`); it must fail them, naming the
@@ -112,7 +107,6 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
         server.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=f"item 17: {ISSUE_29}: a non-JSON answer is a bare JSONDecodeError, not retried")
 def test_item17_an_answer_that_is_not_json_is_retried_then_fails_naming_the_url(monkeypatch):
     """Item 17: an OpenAI-compatible answer that is not JSON failed the shard at once with a
     bare JSONDecodeError; it must be retried as a transient server error, then fail naming the URL."""
