@@ -16,6 +16,9 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 
 # One torch thread: small models on 2-core machines run ~10x slower with two.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the real Hugging Face Hub: hub model ids go to a closed local port unless a
+# test points HF_ENDPOINT at its stand-in hub (tests/fakes/fake_hub.py).
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +27,14 @@ def tiny_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny-llama"
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out)], check=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny random LLaVA (vision-language), built offline."""
+    from mirageflow.model_prep import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
 
 
 @pytest.fixture(scope="session")

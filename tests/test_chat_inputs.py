@@ -10,14 +10,14 @@ recorded requests show the messages each row sent.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from fakes.fake_http import FakeServer
 from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.config import ConfigError, ServerArgs, load_config
-from mirageflow.prompts.templates import PromptBuilder, RowError, conversation_messages
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import PromptBuilder, conversation_messages
 
 OPENAI = [
     {"role": "system", "content": "Be brief."},

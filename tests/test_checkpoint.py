@@ -94,7 +94,7 @@ def test_a_damaged_newest_part_is_found_at_restore_and_its_rows_recomputed(tmp_p
     ck = _ckpt(tmp_path, fmt)
     ck.restore(retry_failed=False)
     assert ck.datasets[0].done == set(range(200))  # the 100 rows of the bad part are recomputed
-    assert ck.resumed_rows() == 200
+    assert ck.committed_units() == 200
     assert f"part-00002.{fmt}" in caplog.text and "100 row(s)" in caplog.text
     assert _parts_on_disk(tmp_path) == [f"part-00000.{fmt}", f"part-00001.{fmt}"]
     if damage != "deleted":  # moved aside, not deleted
@@ -172,7 +172,7 @@ def test_a_damaged_manifest_is_set_aside_named_and_its_parts_kept_aside(tmp_path
     (aside,) = _state(tmp_path).glob("checkpoint.json.damaged-*")
     assert aside.read_bytes() == content
     assert str(ck_path) in caplog.text and str(aside) in caplog.text
-    assert ck.resumed_rows() == 0  # treated as missing: every row is recomputed...
+    assert ck.committed_units() == 0  # treated as missing: every row is recomputed...
     (orphans,) = _state(tmp_path).glob("orphaned/*/dataset_0")
     assert sorted(p.name for p in orphans.iterdir()) == ["part-00000.parquet", "part-00001.parquet"]  # ...but nothing deleted
     assert _parts_on_disk(tmp_path) == []
@@ -219,7 +219,7 @@ def test_a_deleted_manifest_moves_the_parts_aside_instead_of_deleting_them(tmp_p
     (_state(tmp_path) / "checkpoint.json").unlink()
     ck = _ckpt(tmp_path)
     ck.restore(retry_failed=False)
-    assert ck.resumed_rows() == 0 and _parts_on_disk(tmp_path) == []
+    assert ck.committed_units() == 0 and _parts_on_disk(tmp_path) == []
     (orphans,) = _state(tmp_path).glob("orphaned/*/dataset_0")
     assert len(list(orphans.iterdir())) == 3
     assert f"3 part file(s) in {_out(tmp_path)}" in caplog.text and f"moved to {orphans}" in caplog.text
@@ -245,7 +245,7 @@ def test_a_changed_fingerprint_still_discards_parts_and_attempts(tmp_path, caplo
     other = _ckpt(tmp_path, fp="fingerprint-2")
     other.restore(retry_failed=False)
     assert "discarding 2 committed part(s)" in caplog.text
-    assert other.resumed_rows() == 0 and other.attempts == [] and _parts_on_disk(tmp_path) == []
+    assert other.committed_units() == 0 and other.attempts == [] and _parts_on_disk(tmp_path) == []
     assert not (_state(tmp_path) / "orphaned").exists()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -111,7 +112,8 @@ def test_retry_of_a_finished_run_has_nothing_to_do_unless_failed_rows(finished):
     root, _ = finished
     proc = mmirage(root, "retry", "--config", "pipeline.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--rerun-incomplete" in proc.stderr and "Nothing to be done" in proc.stderr
+    assert "no shard to rerun" in proc.stderr and "--allowed-rules aggregate merge dedup" in proc.stderr
+    assert "Nothing to be done" in proc.stderr and "rule shard" not in proc.stderr
     proc = mmirage(root, "retry", "--config", "pipeline.yaml", "--failed-rows", "--", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -200,7 +202,9 @@ def test_retry_plan_forces_only_done_shards_with_failed_rows(half, monkeypatch):
     cfg = cli._load("pipeline.yaml", check_paths=False)
     assert cli.retry_plan(cfg, failed_rows=False)["with_failed_rows"] == []
     plan = cli.retry_plan(cfg, failed_rows=True)
-    assert plan == {"unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0], "damaged_status": []}
+    assert {k: plan[k] for k in ("unfinished", "running", "with_failed_rows", "damaged_status", "stale")} == {
+        "unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0], "damaged_status": [], "stale": [],
+    }
 
 
 def test_retry_forces_a_shard_whose_status_json_is_damaged(half, monkeypatch):
@@ -328,7 +332,9 @@ def test_retry_exits_non_zero_when_shards_are_still_failed(half, monkeypatch, ca
     assert cli.main(["retry", "--config", "pipeline.yaml", "--", "--dry-run"]) == cli.EXIT_OK  # a dry run changes nothing
     (half / "state/shard_1/failure.json").unlink()
     assert cli.main(["retry", "--config", "pipeline.yaml"]) == cli.EXIT_OK
-    assert len(ran) == 3
+    assert len(ran) == 4  # the shards named, then (nothing failed any more) the report without any shard
+    assert ran[-2][ran[-2].index("--cores") + 2 :][:3] == ["state/shard_1/status.json", "state/shard_2/status.json", "state/shard_3/status.json"]
+    assert "--allowed-rules" in ran[-1] and not any("shard_" in a for a in ran[-1])
 
 
 def test_retry_warns_when_a_failure_will_repeat(half, monkeypatch, capsys):
@@ -350,3 +356,126 @@ def test_a_snakemake_flag_without_the_separator_gets_a_hint(tmp_path, monkeypatc
     assert "unrecognized arguments: --dry-run -p" in err and "mmirage run --config my.yaml -- --dry-run -p" in err
     assert cli.main(["status", "--config", "my.yaml", "--bogus"]) == cli.EXIT_USAGE
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- MMIRAGE's flags and commands (issue 21)
+
+
+def _recorded(monkeypatch, rc: int = cli.EXIT_OK) -> list[list[str]]:
+    """Snakemake commands the CLI would run (not run)."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(cli, "_run", lambda cmd: ran.append(cmd) or rc)
+    return ran
+
+
+def test_check_before_any_run_validates_and_says_nothing_ran(tmp_path, tiny_model):
+    root = _workdir(tmp_path / "fresh", _pipeline(tiny_model))
+    proc = mmirage(root, "check", "--config", "pipeline.yaml", "--log-level", "INFO")
+    assert proc.returncode == cli.EXIT_OK, proc.stdout + proc.stderr
+    assert "pipeline.yaml: valid" in proc.stdout and "no state yet" in proc.stdout and "nothing has run" in proc.stdout
+    assert not (root / "state").exists()  # check writes nothing
+
+
+def test_check_after_a_run_is_the_shards_status(finished):
+    root, _ = finished
+    proc = mmirage(root, "check", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_OK, proc.stdout + proc.stderr
+    assert "shards: 1 of 1 done, 0 running, 0 failed, 0 pending" in proc.stdout
+
+
+def test_check_and_publish_is_safe_while_shards_failed_or_pending(half):
+    """MMIRAGE's `mmirage check --config C && publish`: non-zero unless every shard succeeded."""
+    proc = mmirage(half, "check", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_FAILED, proc.stdout + proc.stderr
+    assert "shards: 1 of 4 done, 1 running, 1 failed, 1 pending" in proc.stdout
+    assert "interrupted by SIGTERM" in proc.stdout  # the failed shard's line
+    (half / "state/shard_1/failure.json").unlink()
+    proc = mmirage(half, "check", "--config", "pipeline.yaml")
+    assert proc.returncode == cli.EXIT_INCOMPLETE, proc.stdout + proc.stderr
+
+
+def test_check_retry_asks_first_and_retries_with_yes(half, monkeypatch, capsys):
+    monkeypatch.chdir(half)
+    ran = _recorded(monkeypatch)
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # not a terminal: no one to ask
+    assert cli.main(["check", "--config", "pipeline.yaml", "--retry"]) == cli.EXIT_FAILED
+    assert "stdin is not a terminal: add -y" in capsys.readouterr().err and ran == []
+    assert cli.main(["check", "--config", "pipeline.yaml", "--retry", "-y", "--stats"]) == cli.EXIT_FAILED  # still failed after it
+    (cmd,) = ran
+    assert "--rerun-incomplete" in cmd and "stats=true" in cmd and "--cores" in cmd
+
+
+def test_run_shard_id_force_retry_and_the_slurm_mode(half, monkeypatch):
+    monkeypatch.chdir(half)
+    ran = _recorded(monkeypatch)
+    assert cli.main(["run", "--config", "pipeline.yaml", "--shard-id", "2", "--force-retry"]) == cli.EXIT_OK
+    cmd = ran.pop()
+    assert cmd[cmd.index("--cores") + 1 : cmd.index("--cores") + 3] == ["1", "state/shard_2/status.json"]
+    assert cmd[cmd.index("--retries") + 1] == "3"  # execution_params.max_retries
+    assert cli.main(["run", "--config", "pipeline.yaml", "--shard-id", "4"]) == cli.EXIT_USAGE and not ran
+    cfg = yaml.safe_load((half / "pipeline.yaml").read_text())
+    cfg["execution_params"] = {"mode": "slurm", "retry": True, "max_retries": 2}
+    (half / "slurm.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["run", "--config", "slurm.yaml"]) == cli.EXIT_OK
+    cmd = ran.pop()
+    assert "--profile" in cmd and "--cores" not in cmd and cmd[cmd.index("--retries") + 1] == "2"
+    assert cli.main(["run", "--config", "slurm.yaml", "--local"]) == cli.EXIT_OK
+    assert "--profile" not in ran.pop()
+    assert cli.main(["retry", "--config", "slurm.yaml", "-y"]) == cli.EXIT_FAILED  # shard 1 still failed
+    assert "--profile" in ran.pop()
+
+
+def test_submit_shard_ids_and_wait(half, monkeypatch, capsys):
+    monkeypatch.chdir(half)
+    ran = _recorded(monkeypatch)
+    assert cli.main(["submit", "--config", "pipeline.yaml", "--shard-ids", "3,1"]) == cli.EXIT_OK
+    cmd = ran.pop()
+    profile = cmd.index("--profile")
+    assert cmd[profile + 2 : profile + 4] == ["state/shard_1/status.json", "state/shard_3/status.json"]
+    assert cli.main(["submit", "--config", "pipeline.yaml", "--shard-ids", "3,1", "--wait"]) == cli.EXIT_FAILED  # shard 1 failed
+    for bad in ("1,x", "7", ","):
+        assert cli.main(["submit", "--config", "pipeline.yaml", "--shard-ids", bad]) == cli.EXIT_USAGE, bad
+    assert "invalid shard id 'x'" in capsys.readouterr().err
+
+
+def test_merge_output_root_and_merge_dir(finished, tmp_path):
+    root, _ = finished
+    merged = sorted((root / "out/merged").glob("part-*"))
+    proc = mmirage(root, "merge", "--config", "pipeline.yaml", "--output-root", str(tmp_path / "pub"), "--output-path", "x.jsonl")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--output-path is for batch_api configs" in proc.stderr
+    copied = sorted((tmp_path / "pub" / "out").glob("part-*"))
+    assert [p.read_bytes() for p in copied] == [p.read_bytes() for p in merged] and copied
+    proc = mmirage(root, "merge", "--config", "pipeline.yaml", "--output-dir", str(tmp_path / "pub"))
+    assert proc.returncode == cli.EXIT_USAGE and "exists and is not empty; nothing is replaced" in proc.stderr
+    # merge-dir: the shard outputs, no config
+    proc = mmirage(root, "merge-dir", "--input-dir", "out", "--output-dir", str(tmp_path / "md"))
+    assert proc.returncode == 0, proc.stderr
+    assert "merged 1 shard(s)" in proc.stdout and "completeness is not checked" in proc.stderr
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(tmp_path / "md").to_pylist() == pq.read_table(root / "out/merged").to_pylist()
+    # a folder of datasets: each one with shard outputs (not the state_dir's shard_* folders) into md2/<its name>
+    proc = mmirage(root, "merge-dir", "--input-dir", ".", "--output-dir", str(tmp_path / "md2"))
+    assert proc.returncode == 0, proc.stderr
+    assert pq.read_table(tmp_path / "md2" / "out").to_pylist() == pq.read_table(root / "out/merged").to_pylist()
+    assert sorted(p.name for p in (tmp_path / "md2").iterdir()) == ["out"]
+    proc = mmirage(root, "merge-dir", "--input-dir", "out", "--output-dir", "out/inside")
+    assert proc.returncode == cli.EXIT_FAILED and "inside --input-dir" in proc.stderr
+
+
+def test_run_export_prompts_writes_the_requests_and_runs_nothing(finished, tmp_path):
+    root, _ = finished
+    proc = mmirage(root, "run", "--config", "pipeline.yaml", "--export-prompts", str(tmp_path / "prompts.jsonl"))
+    assert proc.returncode == cli.EXIT_FAILED, proc.stderr  # the bad line is a row error, written as such
+    (path,) = tmp_path.glob("prompts.*.jsonl")
+    assert proc.stdout.strip() == str(path) and "snakemake" not in proc.stderr
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    requests = [x for x in lines if "error" not in x]
+    assert [x["source_index"] for x in requests] == list(range(6)) and {x["output"] for x in requests} == {"a"}
+    assert requests[0]["prompt"].endswith("<|im_start|>assistant\n") and "Answer briefly: question 0" in requests[0]["prompt"]
+    assert requests[0]["sampling_params"]["max_new_tokens"] == 6 and requests[0]["needs"] == []
+    (error,) = [x for x in lines if "error" in x]
+    assert error["source_index"] == 6 and error["error"]["error"] == "bad_row"
+    mmirage(root, "run", "--config", "pipeline.yaml", "--export-prompts", str(tmp_path))
+    assert len(list(tmp_path.glob("exported_prompts.*.jsonl"))) == 1  # a directory: a new file in it

@@ -368,7 +368,6 @@ def test_two_datasets_with_one_output_dir(cfg):
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (lambda c: c["processors"][0].update(chat_template="qwen2-vl"), "processors[0].chat_template: "),
         (lambda c: c["processors"].append(dict(c["processors"][0])), "processors[1].type: a second 'llm' processor"),
     ],
 )

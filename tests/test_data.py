@@ -17,7 +17,7 @@ from mirageflow.data.readers import SHARD_START, load_shard, offsets_path, read_
 from mirageflow.data.sharding import shard_range
 from mirageflow.data.writers import read_parts, write_part
 from mirageflow.files import atomic_write_json
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 
 # --------------------------------------------------------------------------- helpers
 
@@ -401,6 +401,8 @@ def finish_shard(cfg, ds, shard_id: int, rows: list[dict], status: str = "succes
     status_doc = {
         "status": status,
         "num_shards": cfg.num_shards if num_shards is None else num_shards,
+        "started_at": "2025-01-01T10:00:00+00:00", "finished_at": "2025-01-01T10:01:00+00:00",
+        "stats": {"runtime_seconds": 60.0, "inference_runtime_seconds": 50.0, "output_tokens": 0, "num_gpus": 0},
         "datasets": [{"parts": names, "rows_processed": len(rows)} if d.index == ds.index else {"parts": [], "rows_processed": 0} for d in cfg.datasets],
     }
     atomic_write_json(cfg.shard_dir(shard_id) / "status.json", status_doc)

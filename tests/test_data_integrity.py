@@ -23,14 +23,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mirageflow.config import DatasetConfig, load_config
+from mirageflow.config import DatasetConfig
 from mirageflow.data import readers
 from mirageflow.data.merge import MergeRefused, merge_dataset
 from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
 from mirageflow.data.sharding import shard_range
 from mirageflow.data.writers import read_parts, write_part
 from mirageflow.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 from test_data import finish_shard, pipeline
 
 JSON_META = {b"mirageflow.encoding": b"json"}

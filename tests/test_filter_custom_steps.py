@@ -16,7 +16,7 @@ from test_shard import EngineCrash, ScriptedEngine
 from mirageflow.config import ConfigError, load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.config.preflight import preflight_problems
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 from mirageflow.prompts.python_steps import CustomProcessor, FilterStep, FunctionPool
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 

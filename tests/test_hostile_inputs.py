@@ -10,13 +10,12 @@ import os
 import socketserver
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from mirageflow.prompts import images
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 
 
 def png(size=(8, 8), color=(255, 0, 0)) -> bytes:

@@ -10,7 +10,6 @@ import io
 import json
 import socket
 import struct
-import sys
 import zlib
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.prompts import images
 from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
 from mirageflow.engines.wire import Request
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -308,13 +307,6 @@ def test_sglang_server_sends_text_and_image_data(tmp_path, tiny_vlm, monkeypatch
 
 
 # --------------------------------------------------------------------------- the tiny VLM on the CPU
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory) -> Path:
-    from mirageflow.model_prep import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
 
 
 def test_tiny_vlm_generates_from_images_on_the_cpu(tiny_vlm):

@@ -161,7 +161,7 @@ def test_signal_during_startup_writes_failure_json(pipeline, tmp_path, signum):
     assert failure["signal"] == signal.Signals(signum).name and failure["status"] == "failed"
     assert (failure["shard_id"], failure["attempt"], failure["pid"]) == (1, 2, proc.pid)
     assert "before the shard started" in failure["error"] and failure["finished_at"].endswith("+00:00")
-    from mirageflow.report.aggregate import check_failure
+    from mirageflow.state.records import check_failure
 
     assert check_failure(failure) is None  # the report reads it like the runner's own
 

@@ -387,3 +387,59 @@ def test_workflow_end_to_end(tmp_path, tiny_model):
     assert [r["q"] for r in merged] == [f"question {i // 2}" for i in range(10)]
     metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())
     assert metrics["aggregate"]["total_rows_processed"] == 10  # records: rows x samples
+
+
+# --------------------------------------------------------------------------- units: rows and samples apart (issue 23 items 1, 5)
+
+
+def test_progress_counts_rows_and_samples_apart(tmp_path):
+    server = FakeServer().start()
+    try:
+        cfg = load_config(_raw(tmp_path, [{"q": f"row {i}"} for i in range(4)], _openai(server), n=3))
+        index_datasets(cfg)
+        run_shard(cfg, 0)
+    finally:
+        server.stop()
+    progress = json.loads((cfg.shard_dir(0) / "progress.json").read_text())
+    assert (progress["rows_done"], progress["rows_total"], progress["n_samples"]) == (4, 4, 3)
+    assert (progress["samples_done"], progress["samples_total"], progress["samples_committed"]) == (12, 12, 12)
+    assert progress["fraction_done"] == 1.0
+
+
+def test_an_interrupted_shard_says_what_it_committed_as_its_resume_does_and_counts_its_attempts(tmp_path, caplog):
+    """SIGTERM's failure.json and the resume's log line name the same committed work (filtered
+    rows included, in samples and complete rows), and the two attempts are numbered 1 and 2."""
+    rows, n = 12, 2
+    server = FakeServer(Behaviour(latency=0.05)).start()
+    try:
+        raw = _raw(tmp_path, [{"q": f"row {i}"} for i in range(rows)], _openai(server), n=n)
+        raw["processing_params"]["outputs"].insert(0, {"name": "keep", "type": "filter", "predicate": "q != 'row 0' and q != 'row 1'"})
+        raw["shard_params"]["max_inflight"] = 2
+        cfg = load_config(raw)
+        index_datasets(cfg)
+        cfg_file = tmp_path / "cfg.json"
+        cfg_file.write_text(json.dumps(raw))
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(cfg_file)], env=env, stderr=subprocess.DEVNULL)
+        manifest = cfg.shard_dir(0) / "checkpoint.json"
+        deadline = time.monotonic() + 60
+        done: set[int] = set()
+        while time.monotonic() < deadline and len(done) < 6:
+            time.sleep(0.05)
+            try:
+                done = from_ranges(json.loads(manifest.read_text())["datasets"]["0"]["done"])
+            except (FileNotFoundError, ValueError, KeyError):
+                pass
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) != 0
+        failure = json.loads((cfg.shard_dir(0) / "failure.json").read_text())
+        assert failure["signal"] == "SIGTERM"
+        committed = failure["error"].split("; ", 1)[1].split(" committed, rerun to resume")[0]
+        assert committed.endswith("rows complete)") and " samples (" in committed  # "10 samples (5 rows complete)"
+        caplog.set_level("INFO", logger="mirageflow.shard.runner")
+        status = run_shard(cfg, 0)
+    finally:
+        server.stop()
+    assert f"resuming shard 0: {committed} already committed are skipped" in caplog.text
+    assert [a["attempt"] for a in status["stats"]["attempts"]] == [1, 2] and status["attempt"] == 2
+    assert status["stats"]["rows_filtered"] == 2 * n and status["stats"]["n_samples"] == n

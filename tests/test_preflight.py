@@ -174,16 +174,21 @@ def test_model_directory_without_model(cfg, model):
     assert p.startswith("processors[0].server_args.model_path: ") and "holds no model (no config.json)" in p
 
 
-def test_hub_id_not_in_cache(cfg, tmp_path):
+def test_hub_id_not_in_cache_and_offline(cfg, tmp_path):
+    """(tests/test_hub_models.py: against a stand-in hub, the other cases)"""
     cfg["processors"][0]["server_args"]["model_path"] = "HuggingFaceTB/SmolLM2-1.7B"
-    p = one(cfg, HF_HOME=str(tmp_path / "hf"))
-    assert p.startswith("processors[0].server_args.model_path: 'HuggingFaceTB/SmolLM2-1.7B' is not a directory")
-    assert "No hub is reachable" in p and "nothing is downloaded" in p
+    p = one(cfg, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    assert p.startswith(f"processors[0].server_args.model_path: 'HuggingFaceTB/SmolLM2-1.7B' is not in the cache {tmp_path / 'hf' / 'hub'}")
+    assert "HF_HUB_OFFLINE is set here, so it cannot be downloaded" in p
+    assert "hf download HuggingFaceTB/SmolLM2-1.7B --cache-dir" in p
 
 
 def test_hub_id_in_cache_passes_and_gives_the_context(cfg, tmp_path):
-    snap = tmp_path / "hf" / "hub" / "models--org--name" / "snapshots" / "abc"
+    repo = tmp_path / "hf" / "hub" / "models--org--name"
+    snap = repo / "snapshots" / "abc"
     snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")  # as huggingface_hub writes it
     (snap / "config.json").write_text(json.dumps({"n_positions": 64}))
     cfg["processors"][0]["server_args"]["model_path"] = "org/name"
     validate(cfg, environ={"HF_HOME": str(tmp_path / "hf")})

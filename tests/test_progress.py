@@ -72,6 +72,33 @@ def test_state_has_phase_rows_rates_eta_and_who(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # atomic: no temp files left
 
 
+def test_no_rate_and_no_eta_while_nothing_finished_and_samples_apart_from_rows(tmp_path):
+    """A batch in flight finishes nothing for a while: no "0.00 rows/s", no ETA, and the reason;
+    finished samples move the figures before any commit (committed ones are counted apart)."""
+    clock = Clock()
+    snap = {"samples_done": 0, "rows_done": 0, "samples_committed": 0, "output_tokens": 0, "inflight": 12}
+    rep = ProgressReporter(tmp_path / "progress.json", 0, 12, lambda: dict(snap), n_samples=2, clock=clock)
+    rep.set_phase("generating")
+    clock.now = 30.0
+    rep.write()
+    state = json.loads((tmp_path / "progress.json").read_text())
+    assert state["rows_per_sec"] is None and state["samples_per_sec"] is None and state["eta_seconds"] is None
+    assert state["eta_note"] == "nothing finished in the last 30 s (12 in flight)"
+    assert (state["samples_total"], state["rows_total"], state["fraction_done"]) == (24, 12, 0.0)
+    clock.now = 40.0
+    snap.update(samples_done=8, rows_done=4, samples_committed=0, output_tokens=80, inflight=4)  # finished, not committed yet
+    rep.write()
+    state = json.loads((tmp_path / "progress.json").read_text())
+    assert (state["samples_done"], state["rows_done"], state["samples_committed"]) == (8, 4, 0)
+    assert state["samples_per_sec"] == pytest.approx(0.2) and state["rows_per_sec"] == pytest.approx(0.1)
+    assert state["eta_seconds"] == pytest.approx(80.0) and state["eta_note"] is None  # 16 samples left at 0.2/s
+    assert state["fraction_done"] == pytest.approx(8 / 24)
+    snap.update(samples_done=99, rows_done=50)  # whatever a snapshot says, never more than the shard has
+    rep.write()
+    state = json.loads((tmp_path / "progress.json").read_text())
+    assert (state["samples_done"], state["rows_done"], state["fraction_done"]) == (24, 12, 1.0)
+
+
 def test_thread_rewrites_the_file_every_interval(tmp_path):
     count = {"n": 0}
 
@@ -160,7 +187,10 @@ def test_runner_writes_progress_through_the_phases(tmp_path):
 
     run_shard(cfg, 0, attempt=3, engine_factory=lambda p, b, **kw: engine)
     mid = engine.seen[0]
-    assert mid["phase"] == "generating" and mid["rows_total"] == 5 and mid["queue_depth"] == 7 and mid["attempt"] == 3
+    # the shard's own attempt number (its first); Snakemake's retry number 3 is kept beside it
+    assert mid["phase"] == "generating" and mid["rows_total"] == 5 and mid["queue_depth"] == 7 and mid["attempt"] == 1
+    status = json.loads((cfg.shard_dir(0) / "status.json").read_text())
+    assert status["attempt"] == 1 and [(a["attempt"], a["snakemake_attempt"]) for a in status["stats"]["attempts"]] == [(1, 3)]
     final = json.loads((cfg.shard_dir(0) / "progress.json").read_text())
     assert final["phase"] == "done" and final["rows_done"] == 5 and final["fraction_done"] == 1.0
     assert final["output_tokens"] == 10

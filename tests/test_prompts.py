@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mirageflow.config import InputVar, OutputVar
-from mirageflow.prompts.templates import Extractor, PromptBuilder, RecordRenderer, RowError, Template
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import Extractor, PromptBuilder, RecordRenderer, Template
 
 _NO_DEFAULT = object()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from mirageflow.numbers import fmt
 from mirageflow.report import aggregate as report
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
@@ -86,7 +87,7 @@ def test_report_html_embeds_plots_and_metrics(tmp_path):
     agg = metrics["aggregate"]
     for key in ("tokens_per_sec_per_gpu", "gpu_days_per_billion_tokens", "mean_gpu_util_pct", "p95_shard_runtime_seconds", "roofline_fraction"):
         assert f"<code>{key}</code>" in page
-    assert report._fmt(agg["total_output_tokens"]) in page
+    assert fmt(agg["total_output_tokens"]) in page
     assert "EngineCrashed: the SGLang server exited" in page  # the failed shard, with its error
     assert "shard 4 (" in page  # the straggler
     assert agg["failed_shards"][0]["shard_id"] == 5 and [s["shard_id"] for s in agg["stragglers"]] == [4]
@@ -333,7 +334,7 @@ def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
     assert "wall_clock_runtime_human" in agg and "total_rows_processed" in agg  # metrics.json keeps the seed's keys
     rows = {key: (label, value) for label, key, value in metrics_table_rows(agg)}
     assert not any(k.endswith("_human") for k in rows)
-    assert rows["wall_clock_runtime_seconds"][1] == f"{report._fmt(agg['wall_clock_runtime_seconds'])} s ({agg['wall_clock_runtime_human']})"
+    assert rows["wall_clock_runtime_seconds"][1] == f"{fmt(agg['wall_clock_runtime_seconds'])} s ({agg['wall_clock_runtime_human']})"
     assert rows["total_rows_processed"][0] == "rows ok (completed shards)"
     assert rows["total_rows_failed"][0].startswith("rows failed")
     page = (state / "report.html").read_text()
@@ -347,3 +348,24 @@ def test_a_cpu_runs_remaining_gpu_hours_are_unknown_not_zero():
     statuses = [{"shard_id": 0, "stats": {"num_gpus": 0, "runtime_seconds": 60.0}}]
     assert report.gpu_hours_remaining(statuses, [], 2) is None
     assert report.gpu_hours_remaining(statuses, [], 1) == 0.0  # nothing left
+
+
+def test_with_several_samples_the_report_counts_samples_and_says_so(tmp_path):
+    """60 rows x 2 samples: the tokens histogram holds 120 records, "120 samples (60 rows x 2)", not "120 rows"."""
+    from mirageflow.report.html import tokens_hist_labels
+
+    hist = {"rows": 120, "mean": 40.0, "max": 64}
+    title, xlabel, ylabel = tokens_hist_labels(hist, 2, 8)
+    assert title == "tokens per sample: 120 samples (60 rows x 2), mean 40.0, max 64" and ylabel == "samples"
+    assert tokens_hist_labels(hist, 1, 8)[0] == "tokens per row: 120 rows, mean 40.0, max 64"
+    state = make_state(tmp_path)
+    for path in state.glob("shard_*/status.json"):
+        status = json.loads(path.read_text())
+        status["stats"]["n_samples"] = 2
+        path.write_text(json.dumps(status))
+    metrics = report.write_report(state, 6)
+    assert metrics["aggregate"]["n_samples"] == 2
+    summary = (state / "summary.md").read_text()
+    assert "| `total_rows_processed` |" in summary and "rows ok (samples: 2 records per source row)" in summary
+    assert "each source row makes 2 records (samples)" in (state / "report.html").read_text()
+

@@ -126,7 +126,7 @@ def test_commit_queue_writes_in_its_thread_when_due_and_reports_failures():
 
 
 def _interrupted(signum):
-    return ShardInterrupted(signum, 0)
+    return ShardInterrupted(signum, "0 rows")
 
 
 def test_signals_raise_outside_the_loop_and_restore_handlers():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_workflow
+from conftest import run_workflow
 
 from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config

@@ -21,6 +21,7 @@ import yaml
 
 from mirageflow import cli
 from mirageflow.report import aggregate as report
+from mirageflow.state.shards import shard_states
 from mirageflow.files import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -41,6 +42,8 @@ WRONG_SHAPE = {
     "progress.json": {"phase": "generating", "updated_at_unix": "a minute ago", "fraction_done": [0.5]},
     "lease.json": {"hostname": ["n1"], "heartbeat": "now"},
 }
+
+LEASE = 300.0  # shard_params.lease_timeout_seconds' default
 
 
 def _damage(path: Path, content) -> None:
@@ -93,7 +96,7 @@ def test_damaged_progress_json_of_a_finished_shard(tmp_path, content):
     root = _finished(tmp_path)
     path = root / "state/shard_0/progress.json"
     _damage(path, content)
-    states = report.shard_states(root / "state", 3)
+    states = shard_states(root / "state", 3, LEASE)
     assert states[0]["state"] == "done" and states[0]["progress"] is None
     assert [x["file"] for x in states[0]["damaged"]] == ["progress.json"]
 
@@ -119,7 +122,7 @@ def test_damaged_progress_json_of_a_finished_shard(tmp_path, content):
 def test_damaged_lease_json_is_ignored_with_a_warning(tmp_path, content):
     root = _finished(tmp_path)
     _damage(root / "state/shard_1/lease.json", content)
-    states = report.shard_states(root / "state", 3)
+    states = shard_states(root / "state", 3, LEASE)
     assert [s["state"] for s in states] == ["done", "done", "failed"]
     assert [x["file"] for x in states[1]["damaged"]] == ["lease.json"]
     report.write_report(root / "state", 3)
@@ -131,11 +134,11 @@ def test_damaged_progress_json_alone_says_running_while_fresh_then_failed(tmp_pa
     state = tmp_path / "state"
     path = state / "shard_0" / "progress.json"
     _damage(path, b"[]")
-    entry = report.shard_states(state, 1)[0]
+    entry = shard_states(state, 1, LEASE)[0]
     assert entry["state"] == "running"  # written a moment ago: the shard is alive
     old = time.time() - 3600
     os.utime(path, (old, old))
-    entry = report.shard_states(state, 1)[0]
+    entry = shard_states(state, 1, LEASE)[0]
     assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: ")
     assert "killed?" in entry["error"]
 
@@ -165,7 +168,7 @@ def test_damaged_failure_json_is_a_failed_shard(tmp_path, content):
     root = _finished(tmp_path)
     path = root / "state/shard_2/failure.json"
     _damage(path, content)
-    entry = report.shard_states(root / "state", 3)[2]
+    entry = shard_states(root / "state", 3, LEASE)[2]
     assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: ")
     metrics = report.write_report(root / "state", 3)
     assert [f["shard_id"] for f in metrics["aggregate"]["failed_shards"]] == [2]
@@ -197,7 +200,7 @@ def test_damaged_status_json_is_not_done_and_fails_the_aggregate(tmp_path, conte
     root = _finished(tmp_path)
     path = root / "state/shard_1/status.json"
     _damage(path, content)
-    entry = report.shard_states(root / "state", 3)[1]
+    entry = shard_states(root / "state", 3, LEASE)[1]
     assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: ")
     assert "not counted as done" in entry["error"]
 
@@ -243,7 +246,7 @@ def test_status_json_with_a_different_shard_id_is_damaged(tmp_path):
     root = _finished(tmp_path)
     status = json.loads((root / "state/shard_0/status.json").read_text())
     atomic_write_json(root / "state/shard_1/status.json", status)  # copied from shard 0
-    entry = report.shard_states(root / "state", 3)[1]
+    entry = shard_states(root / "state", 3, LEASE)[1]
     assert entry["state"] == "failed" and "shard_id is 0, not 1" in entry["error"]
 
 

@@ -9,6 +9,7 @@ from datetime import timezone
 import pytest
 
 from mirageflow.report import aggregate as report
+from mirageflow.state.shards import shard_states
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 
@@ -246,7 +247,7 @@ def test_summary_without_missing_shards(tmp_path):
 def test_report_refuses_status_from_another_num_shards(tmp_path):
     write_status(tmp_path, {**SHARD_0, "num_shards": 8})
     with pytest.raises(ValueError, match="num_shards=8"):
-        report.load_statuses(tmp_path, 2)
+        report.compute_metrics(tmp_path, 2)
 
 
 # --------------------------------------------------------------------------- wall-time figures, percentiles, roofline
@@ -422,7 +423,7 @@ def test_shard_states_from_files(tmp_path):
     atomic_write_json(tmp_path / "shard_3" / "progress.json", {"phase": "generating", "updated_at_unix": now - 3600, "hostname": "n3"})
     atomic_write_json(tmp_path / "shard_4" / "lease.json", {"hostname": "n4", "pid": 1, "heartbeat": now - 10})
     atomic_write_json(tmp_path / "shard_4" / "failure.json", {"error": "an earlier attempt", "signal": "SIGTERM"})  # retried now
-    states = {s["shard_id"]: s for s in report.shard_states(tmp_path, 6, lease_timeout=300, now=now)}
+    states = {s["shard_id"]: s for s in shard_states(tmp_path, 6, lease_timeout=300, now=now)}
     assert {k: v["state"] for k, v in states.items()} == {0: "done", 1: "failed", 2: "running", 3: "failed", 4: "running", 5: "pending"}
     assert states[1]["error"] == "ShardFailed: budget" and states[1]["attempt"] == 2
     assert "killed?" in states[3]["error"] and states[3]["host"] == "n3"

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from mirageflow.config import ConfigError, load_config
 from mirageflow.prompts import render_bounds
-from mirageflow.prompts.templates import Template, RowError, template_problems
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import Template, template_problems
 
 NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 

@@ -80,6 +80,42 @@ def test_progress_thread_prints_at_most_every_interval_and_never_repeats_a_line(
     assert "rows 4/40" in lines[0] and "rows 6/40" in lines[1]
 
 
+def test_progress_with_several_samples_counts_rows_and_samples_apart_and_never_passes_100_percent(tmp_path):
+    """n_samples 2, 60 rows in 4 shards: the issue's line read "rows 76/60 (127%)"."""
+    state = _state(tmp_path, rows=60)
+    atomic_write_json(state / "shard_0/status.json", _status(30))  # 15 rows x 2 samples
+    atomic_write_json(state / "shard_1/progress.json", _progress(
+        rows_done=5, rows_total=15, samples_done=11, samples_total=30, n_samples=2, samples_per_sec=2.0, rows_per_sec=1.0,
+    ))  # fmt: skip
+    live = terminal.LiveProgress(state, 4, 1.0, lambda s: None, n_samples=2)
+    line = live.line()
+    assert "rows 20/60, samples 41/120 (34%)" in line and "2.00 samples/s" in line
+    assert "ETA 00:00:39" in line or "ETA 00:00:40" in line  # 79 samples left at 2 samples/s
+    for shard in (1, 2):
+        atomic_write_json(state / f"shard_{shard}/status.json", _status(30))
+    # the last shard writes its last part; its progress.json is of the format before samples were counted apart
+    atomic_write_json(state / "shard_3/progress.json", _progress(phase="writing", rows_done=30, rows_total=30, rows_per_sec=1.0))
+    line = terminal.LiveProgress(state, 4, 1.0, lambda s: None, n_samples=2).line()
+    assert "rows 60/60, samples 120/120 (100%)" in line
+
+
+def test_progress_says_so_when_no_rate_is_measured_instead_of_zero(tmp_path):
+    """The demo: a shard's 12 rows are one batch in flight, so nothing finishes for a while."""
+    state = _state(tmp_path, rows=36)
+    atomic_write_json(state / "shard_0/progress.json", _progress(rows_total=12, rows_per_sec=None, inflight=12))
+    clock = {"now": 1000.0}
+    live = terminal.LiveProgress(state, 3, 1.0, lambda s: None, clock=lambda: clock["now"])
+    line = live.line()
+    assert "rows 0/36 (0%), 12 in flight" in line and "rows/s n/a (nothing finished yet)" in line
+    assert "ETA n/a (no rate yet)" in line and "0.00" not in line
+    # the batch returns and the shard is done: the run's rate is what this thread saw finish
+    clock["now"] = 1040.0
+    atomic_write_json(state / "shard_0/status.json", _status(12))
+    atomic_write_json(state / "shard_1/progress.json", _progress(rows_total=12, rows_per_sec=None, inflight=12))
+    line = live.line()
+    assert "rows 12/36 (33%)" in line and "0.30 rows/s" in line and "ETA 00:01:20" in line  # 24 rows at 12 rows / 40 s
+
+
 def test_progress_interval_is_short_on_a_terminal_long_in_a_log_and_can_be_set():
     class Tty(io.StringIO):
         def isatty(self):
@@ -145,9 +181,9 @@ def test_failure_paragraph_says_a_deterministic_failure_repeats_and_never_shows_
     )  # fmt: skip
     _failed_shard(state, 1, {"empty_output": 5}, "ShardFailed: every row of shard 1: 5 of 5 rows failed (empty_output: 5)")
     _failed_shard(state, 2, {}, "ShardInterrupted: interrupted by SIGINT; 3 rows committed, rerun to resume", signal="SIGINT")
-    from mirageflow.report.aggregate import shard_states
+    from mirageflow.state.shards import shard_states
 
-    states = {s["shard_id"]: s for s in shard_states(state, 4)}
+    states = {s["shard_id"]: s for s in shard_states(state, 4, 300)}
     text = terminal.failure_paragraph(states[0], state, retry_hint="Rerun it with `mmirage retry --config p.yaml`.")
     assert text.startswith("shard 0 failed: every row of shard 0")
     assert "source index 7" in text and "no attribute 'nope'" in text and "fail the same way" in text

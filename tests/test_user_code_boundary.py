@@ -21,7 +21,7 @@ import pytest
 from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.prompts.python_steps import CustomProcessor, FunctionPool
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError
 from mirageflow.shard import index_datasets, run_shard
 
 SCRIPT = '''
@@ -123,9 +123,10 @@ def test_item6_a_real_cancellation_stops_the_shard_instead_of_failing_rows(tmp_p
         import json
         from mirageflow.config import load_config
         from mirageflow.shard import index_datasets, run_shard
-        cfg = load_config(json.loads(open({str(tmp_path / "cfg.json")!r}).read()))
-        index_datasets(cfg)
-        run_shard(cfg, 0)
+        if __name__ == "__main__":  # spawned workers import this file again
+            cfg = load_config(json.loads(open({str(tmp_path / "cfg.json")!r}).read()))
+            index_datasets(cfg)
+            run_shard(cfg, 0)
     """))
     proc = subprocess.Popen([sys.executable, str(runner)], start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     time.sleep(6)  # workers started (spawn) and the first slow rows running

@@ -3,6 +3,7 @@
 run, submit, retry and merge build a ``python -m snakemake`` command (printed before it
 runs, so you can run it yourself) and run it in the current directory; stats and status
 only read the state directory. There is no second scheduler: Snakemake decides what runs.
+MMIRAGE's flags keep their meaning (README "Command line" lists where ours differ).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 from mirageflow.config.types import PipelineConfig
+from mirageflow.errors import InputError
+from mirageflow.state.layout import StateLayout
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # Snakemake failed, or shards failed
@@ -25,11 +28,11 @@ EXIT_INCOMPLETE = 3  # shards still pending or running (status, merge)
 
 EPILOG = """\
 exit codes:
-  0  success (status: every shard done)
-  1  the Snakemake run failed (run/submit/retry/merge), or a shard failed (status)
+  0  success (status, and check of a pipeline that has run: every shard done)
+  1  the Snakemake run failed (run/submit/retry/merge), or a shard failed (status, check)
   2  usage or config error (nothing was started)
-  3  incomplete: shards pending or running (status), or merge refused because of them
-  (status and merge: 1 wins over 3 when a shard failed)
+  3  incomplete: shards pending or running (status, check), or merge refused because of them
+  (status, check and merge: 1 wins over 3 when a shard failed)
 
 Anything after `--` goes to Snakemake unchanged, e.g.
   mmirage run --config my.yaml -- --dry-run
@@ -53,6 +56,12 @@ def default_slurm_profile(plugin_version: str | None = None) -> Path:
         major_minor = ()
     old = len(major_minor) == 2 and major_minor < (2, 7)
     return workflow_dir() / "profiles" / ("slurm-gpu" if old else "slurm")
+class UsageError(InputError):
+    """Bad arguments or config: mmirage exits 2, nothing started."""
+
+
+class WorkflowNotFound(InputError, FileNotFoundError):
+    """No Snakefile where mirageflow looks for it."""
 
 
 def workflow_dir() -> Path:
@@ -63,14 +72,10 @@ def workflow_dir() -> Path:
     for path in candidates:
         if (path / "Snakefile").is_file():
             return path
-    raise FileNotFoundError(
+    raise WorkflowNotFound(
         "cannot find the workflow's Snakefile (mirageflow is not installed from a checkout); "
         "set MIRAGEFLOW_WORKFLOW_DIR to the repository directory"
     )
-
-
-class UsageError(Exception):
-    pass
 
 
 def _load(path: str, check_paths: bool = True):
@@ -119,65 +124,147 @@ def _run(cmd: list[str]) -> int:
 # --------------------------------------------------------------------------- commands
 
 
+def _slurm_profile(args) -> Path:
+    return Path(args.profile) if getattr(args, "profile", None) else default_slurm_profile()
+
+
+def _on_slurm(cfg, args) -> bool:
+    """MMIRAGE's execution_params.mode: slurm sends run and retry through SLURM (--local: here)."""
+    return cfg.execution.mode == "slurm" and not getattr(args, "local", False)
+
+
+def _shard_ids(text: str, cfg) -> list[int]:
+    """MMIRAGE's --shard-ids: comma-separated shard ids below num_shards."""
+    ids = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise UsageError(f"invalid shard id {part!r}; expected integers, e.g. --shard-ids 0,2")
+        if int(part) >= cfg.num_shards:
+            raise UsageError(f"invalid shard id {part}; the pipeline has shards 0 to {cfg.num_shards - 1}")
+        ids.append(int(part))
+    if not ids:
+        raise UsageError("--shard-ids names no shard")
+    return sorted(set(ids))
+
+
+def _retries(cfg, force: bool) -> list[str]:
+    """MMIRAGE's retry orchestration (execution_params.retry, or --force-retry): Snakemake retries each failed job
+    up to execution_params.max_retries times."""
+    ep = cfg.execution
+    return ["--retries", str(ep.max_retries)] if force or ep.retry else []
+
+
 def cmd_run(args) -> int:
-    _load(args.config)  # fail fast, with exit code 2, before Snakemake starts
-    return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, extra=args.extra))
+    cfg = _load(args.config)  # fail fast, with exit code 2, before Snakemake starts
+    if args.export_prompts is not None:
+        if args.shard_id is not None or args.force_retry or args.extra:
+            raise UsageError("--export-prompts writes the requests and runs nothing: it takes no --shard-id, --force-retry or Snakemake arguments")
+        return export_prompts(cfg, args.export_prompts)
+    flags = _retries(cfg, args.force_retry)
+    if args.shard_id is not None:  # MMIRAGE: one shard, on this machine, whatever the mode says
+        (shard,) = _shard_ids(str(args.shard_id), cfg)
+        target = str(StateLayout(cfg.state_dir).status(shard))
+        return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, targets=[target], flags=flags, extra=args.extra))
+    if _on_slurm(cfg, args):
+        print("mmirage: execution_params.mode is slurm: the shards go to SLURM, as with mmirage submit (--local runs them here)", file=sys.stderr)
+        return _run(snakemake_command(args.config, stats=args.stats, profile=_slurm_profile(args), flags=flags, extra=args.extra))
+    return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, flags=flags, extra=args.extra))
+
+
+def export_prompts(cfg, where: str) -> int:
+    """MMIRAGE's `run --export-prompts P`: the requests to a new JSONL file, nothing generated."""
+    import secrets
+
+    from mirageflow.shard.preview import export_prompts as export
+
+    path = Path(where)
+    run_id = secrets.token_hex(3)  # as MMIRAGE: a new file each time, never one written before
+    path = path.with_name(f"{path.stem}.{run_id}.jsonl") if path.suffix == ".jsonl" else path / f"exported_prompts.{run_id}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            counts = export(cfg, out)
+        os.replace(tmp, path)
+    except (OSError, ValueError, RuntimeError) as e:  # a tokenizer that cannot load, a dataset that cannot be read
+        tmp.unlink(missing_ok=True)
+        print(f"mmirage run --export-prompts: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    print(
+        f"mmirage: wrote {counts['requests']} request(s) of {counts['rows']} row(s) to {path}"
+        + (f" ({counts['row_errors']} row(s) with an error: lines with \"error\")" if counts["row_errors"] else ""),
+        file=sys.stderr,
+    )
+    print(path)
+    return EXIT_FAILED if counts["row_errors"] else EXIT_OK
 
 
 def cmd_submit(args) -> int:
-    _load(args.config)
-    profile = Path(args.profile) if args.profile else default_slurm_profile()
-    return _run(snakemake_command(args.config, stats=args.stats, profile=profile, extra=args.extra))
+    cfg = _load(args.config)
+    targets = [str(StateLayout(cfg.state_dir).status(i)) for i in _shard_ids(args.shard_ids, cfg)] if args.shard_ids else []
+    rc = _run(snakemake_command(args.config, stats=args.stats, profile=_slurm_profile(args), targets=targets, extra=args.extra))
+    if not args.wait or _dry_run(args.extra):
+        return rc
+    # MMIRAGE's --wait: the exit code is the shards' (the driver always waits for its jobs)
+    summary = shard_status(cfg)
+    return rc if rc != EXIT_OK else _status_exit(summary)
 
 
 def retry_plan(cfg: PipelineConfig, failed_rows: bool) -> dict:
-    """What `mmirage retry` reruns: unfinished shards always; with failed_rows, done shards with failed rows too."""
-    from mirageflow.report.aggregate import shard_states
+    """What `mmirage retry` reruns: unfinished shards always (failed, pending, stale, running);
+    with failed_rows, done shards with failed rows too. From the state contract
+    (mirageflow.state.shards), as `mmirage status` shows them."""
+    from mirageflow.state import layout as L
+    from mirageflow.state.shards import states_of
 
-    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    states = states_of(cfg)
     unfinished = [s["shard_id"] for s in states if s["state"] != "done"]
     running = [s["shard_id"] for s in states if s["state"] == "running"]
     with_failed_rows = [
         s["shard_id"] for s in states if s["state"] == "done" and (s["status"]["stats"].get("rows_failed") or 0) > 0
     ]
     # a damaged status.json: not done, but Snakemake sees the file and would not rerun the shard unforced
-    damaged = [s["shard_id"] for s in states if s["state"] == "failed" and any(x["file"] == "status.json" for x in s.get("damaged") or [])]
+    damaged = [s["shard_id"] for s in states if s["state"] == "failed" and any(x["file"] == L.STATUS for x in s.get("damaged") or [])]
     return {
         "unfinished": unfinished, "running": running, "with_failed_rows": with_failed_rows if failed_rows else [],
-        "damaged_status": damaged,
+        "damaged_status": damaged, "stale": [s["shard_id"] for s in states if s.get("stale")], "states": states,
     }  # fmt: skip
 
 
+def _ids(ids: list[int]) -> str:
+    return str(ids[:20])[:-1] + ", ...]" if len(ids) > 20 else str(ids)
+
+
 def cmd_retry(args) -> int:
-    from mirageflow.report.aggregate import shard_states
+    """Rerun exactly the shards the plan names (their status.json as Snakemake's targets, each
+    resuming from its checkpoint), then, once no shard is failed, build what the shards feed
+    (report, merge, dedup) without letting Snakemake start any other shard."""
+    from mirageflow.report.terminal import repeats_identically
+    from mirageflow.state.layout import StateLayout, default_targets
+    from mirageflow.state.shards import states_of
 
     cfg = _load(args.config)
     plan = retry_plan(cfg, args.failed_rows)
+    paths = StateLayout(cfg.state_dir)
     if plan["running"]:
         print(
-            f"mmirage: shard(s) {plan['running']} look alive (fresh progress.json/lease.json); their rerun waits for "
+            f"mmirage: shard(s) {_ids(plan['running'])} look alive (fresh progress.json/lease.json); their rerun waits for "
             "their lease to expire or fails clearly",
             file=sys.stderr,
         )
-    # Failed and missing shards have no status.json, so Snakemake reruns them anyway;
-    # --rerun-incomplete also redoes the ones a killed driver left marked incomplete.
-    # Every rerun resumes from the shard's checkpoint. Shards that finished with failed
-    # rows are forced (one by one, not all shards) and recompute only those rows.
-    flags = ["--rerun-incomplete"]
-    values = {}
+    shards = sorted(set(plan["unfinished"]) | set(plan["with_failed_rows"]))
     forced = sorted(set(plan["with_failed_rows"]) | set(plan["damaged_status"]))
-    if forced:
-        flags += ["--forcerun", *(str(cfg.shard_dir(i) / "status.json") for i in forced)]
-    if args.failed_rows:
-        values["retry_failed_rows"] = "true"
     print(
-        f"mmirage: retrying {len(plan['unfinished'])} unfinished shard(s) {plan['unfinished'][:20]}"
-        + (f" and the failed rows of {len(plan['with_failed_rows'])} done shard(s) {plan['with_failed_rows'][:20]}" if args.failed_rows else ""),
+        f"mmirage: retrying {len(plan['unfinished'])} unfinished shard(s) {_ids(plan['unfinished'])}"
+        + (f" ({len(plan['stale'])} of them stale: made with an earlier config)" if plan["stale"] else "")
+        + (f" and the failed rows of {len(plan['with_failed_rows'])} done shard(s) {_ids(plan['with_failed_rows'])}" if args.failed_rows else "")
+        + ("; Snakemake runs exactly these shards" if shards else "; no shard to rerun"),
         file=sys.stderr,
     )  # fmt: skip
-    from mirageflow.report.terminal import repeats_identically
-
-    for s in shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds):
+    for s in plan["states"]:
         cls = s["state"] == "failed" and repeats_identically((s.get("failure") or {}).get("stats"), str(s.get("error") or ""))
         if cls and not args.failed_rows:
             print(
@@ -185,17 +272,28 @@ def cmd_retry(args) -> int:
                 "prompt or data: this retry will fail the same way unless the config changed",
                 file=sys.stderr,
             )
-    profile = (Path(args.profile) if args.profile else default_slurm_profile()) if args.submit else None
-    cores = None if args.submit else args.cores
-    rc = _run(
-        snakemake_command(args.config, stats=args.stats, cores=cores, profile=profile, config_values=values, flags=flags, extra=args.extra)
-    )
-    if rc == EXIT_OK and not _dry_run(args.extra):
-        still = [s["shard_id"] for s in shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds) if s["state"] == "failed"]
+    submit = args.submit or _on_slurm(cfg, args)
+    profile = _slurm_profile(args) if submit else None
+    cores = None if submit else args.cores
+    common = {"stats": args.stats, "cores": cores, "profile": profile, "extra": args.extra}
+    dry = _dry_run(args.extra)
+    if shards:
+        # --rerun-incomplete: the shards a killed driver left marked incomplete; --forcerun: done shards
+        # with failed rows, and damaged status.json files Snakemake would take for done
+        flags = ["--rerun-incomplete"] + (["--forcerun", *(str(paths.status(i)) for i in forced)] if forced else [])
+        values = {"retry_failed_rows": "true"} if args.failed_rows else {}
+        targets = [str(paths.status(i)) for i in shards]
+        rc = _run(snakemake_command(args.config, config_values=values, flags=flags, targets=targets, **common))
+        if rc != EXIT_OK or dry:
+            return rc
+    if not dry:
+        still = [s["shard_id"] for s in states_of(cfg) if s["state"] == "failed"]
         if still:
-            print(f"mmirage retry: shard(s) {still[:20]}{' ...' if len(still) > 20 else ''} still failed after the retry", file=sys.stderr)
+            print(f"mmirage retry: shard(s) {_ids(still)} still failed after the retry", file=sys.stderr)
             return EXIT_FAILED
-    return rc
+    # the report and merged outputs, from the shards as they are now: no shard may start here
+    flags = ["--allowed-rules", "aggregate", "merge", "dedup", "--rerun-triggers", "mtime"]
+    return _run(snakemake_command(args.config, flags=flags, targets=default_targets(cfg), **common))
 
 
 def _dry_run(extra: list[str]) -> bool:
@@ -209,7 +307,9 @@ def cmd_stats(args) -> int:
     missing = _missing_state_dir(cfg, args.config)
     if missing:
         raise UsageError(missing)
-    metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)  # as in metrics.json
+    from mirageflow.state.shards import current_fingerprint
+
+    metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg))  # as in metrics.json
     if args.html:
         from mirageflow.files import atomic_write_text
         from mirageflow.report.html import render_html
@@ -223,11 +323,12 @@ def cmd_stats(args) -> int:
 
 def status_summary(cfg: PipelineConfig) -> dict:
     """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
+    from mirageflow.report.aggregate import gpu_hours_remaining
+    from mirageflow.state.shards import count, states_of, units_of
     from mirageflow.stats import formulas as stats
-    from mirageflow.report.aggregate import gpu_hours_remaining, shard_states
 
-    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
-    counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "running", "failed", "pending")}
+    states = states_of(cfg)
+    counts = count(states)
     done_runtimes = [s["status"]["stats"]["runtime_seconds"] for s in states if s["state"] == "done"]
     if not done_runtimes:  # nothing done yet: running shards extrapolate their own runtime
         done_runtimes = [
@@ -274,42 +375,57 @@ def status_summary(cfg: PipelineConfig) -> dict:
         "failures_repeat": repeats,
         "total_shards": cfg.num_shards,
         **counts,
+        "stale": [s["shard_id"] for s in states if s.get("stale")],
+        "n_samples": cfg.n_samples,
         "eta_seconds": eta,
         "eta_human": stats.human_duration(eta),
         "gpu_hours_remaining_estimate": gpu_hours_remaining(statuses, states, cfg.num_shards),
         "shards": [
             {k: v for k, v in s.items() if k not in ("status", "failure")}
-            | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"]} if s["state"] == "done" else {})
+            | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"], "samples_done": units_of(s["status"]["stats"])}
+               if s["state"] == "done" else {})
             | ({"repeats_identically": repeats[s["shard_id"]]} if s["shard_id"] in repeats else {})
             for s in states
         ],
     }
 
 
-def _status_line(s: dict) -> str:
-    from mirageflow.report.aggregate import _fmt
+def _status_line(s: dict, n_samples: int = 1) -> str:
+    from mirageflow.numbers import fmt
+    from mirageflow.state.shards import progress_work
 
     p = s.get("progress") or {}
-    rows = f"{p.get('rows_done')}/{p.get('rows_total')}" if p.get("rows_total") is not None else ""
+    done = ""
+    if s["state"] == "done":
+        samples = s.get("samples_done")
+        done = f"{samples // n_samples}/{samples // n_samples}" if samples is not None else ""
+    elif p.get("rows_total") is not None and s["state"] != "pending":
+        rows, samples, _ = progress_work(p, n_samples)
+        done = f"{rows}/{p['rows_total']}" + (f" ({samples}/{p['rows_total'] * n_samples} samples)" if n_samples > 1 else "")
     detail = ""
     if s["state"] == "running":
+        unit = "rows" if n_samples == 1 else "samples"
+        rate = p.get("samples_per_sec") if p.get("samples_per_sec") is not None else p.get("rows_per_sec")
+        eta = p.get("eta_human") or ("n/a" + (f" ({p['eta_note']})" if p.get("eta_note") else ""))
         detail = (
-            f"phase {p.get('phase', '?')}, {_fmt(p.get('rows_per_sec'))} rows/s, {_fmt(p.get('tokens_per_sec'))} tok/s, "
-            f"ETA {p.get('eta_human') or 'n/a'}"
+            f"phase {p.get('phase', '?')}, {fmt(rate)} {unit}/s, {fmt(p.get('tokens_per_sec'))} tok/s, ETA {eta}"
+            + (f", {p['inflight']} in flight" if p.get("inflight") else "")
             + (f", queue {p['queue_depth']}" if p.get("queue_depth") is not None else "")
         )
     elif s["state"] == "failed":
         first = next(iter(str(s.get("error") or "no error recorded").splitlines()), "")
         detail = first + (f" [{s['signal']}]" if s.get("signal") else "")  # whole: it ends with the paths to look at
     elif s["state"] == "done":
-        detail = f"{_fmt(s.get('runtime_seconds'))} s"
+        detail = f"{fmt(s.get('runtime_seconds'))} s"
+    elif s.get("stale"):
+        detail = s["stale"]
     where = " ".join(x for x in (s.get("host") or p.get("hostname") or "", f"job {s['slurm_job_id']}" if s.get("slurm_job_id") else "") if x)
-    return f"{s['shard_id']:>6}  {s['state']:<8} {rows:>13}  {detail}" + (f"  ({where})" if where and s["state"] != "done" else "")
+    return f"{s['shard_id']:>6}  {s['state']:<8} {done:>13}  {detail}" + (f"  ({where})" if where and s["state"] not in ("done", "pending") else "")
 
 
 def _warn_damaged(shards: list[dict]) -> None:
     """One line on stderr per damaged state file."""
-    from mirageflow.report.aggregate import DAMAGED_CONSEQUENCE, damaged_note
+    from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note
 
     for s in shards:
         for x in s.get("damaged") or []:
@@ -348,11 +464,16 @@ def cmd_status(args) -> int:
             f"done {summary['done']}, running {summary['running']}, failed {summary['failed']}, pending {summary['pending']}; "
             f"ETA {summary['eta_human'] or 'n/a'} (rough){gpu_hours}" + (" (CPU run)" if summary["cpu_only"] else "")
         )
+        if summary["stale"]:
+            print(
+                f"pending {_ids(summary['stale'])}: their status.json is from an earlier config (the records fingerprint "
+                "changed): the next run reruns them"
+            )
         shown = [s for s in summary["shards"] if args.all or s["state"] != "done"]
         if shown:
             print(f"{'shard':>6}  {'state':<8} {'rows':>13}  detail")
             for s in shown:
-                print(_status_line(s))
+                print(_status_line(s, summary["n_samples"]))
         repeats = summary["failures_repeat"]
         for shard_id, cls in repeats.items():
             print(
@@ -371,22 +492,66 @@ def cmd_status(args) -> int:
 
 def cmd_merge(args) -> int:
     """Merge through Snakemake's merge rule only (never starts shards), once every shard is done."""
-    from mirageflow.report.aggregate import shard_states
+    from mirageflow.state.layout import StateLayout
+    from mirageflow.state.shards import states_of
 
     cfg = _load(args.config)
-    states = shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds)
+    states = states_of(cfg)
     not_done = {k: [s["shard_id"] for s in states if s["state"] == k] for k in ("running", "failed", "pending")}
     if any(not_done.values()):
         what = "; ".join(f"{k}: {v[:20]}{' ...' if len(v) > 20 else ''}" for k, v in not_done.items() if v)
         print(f"mmirage: cannot merge yet, not every shard is done ({what})", file=sys.stderr)
         return EXIT_FAILED if not_done["failed"] else EXIT_INCOMPLETE
-    targets = [f"{cfg.state_dir}/merged/dataset_{ds.index}.json" for ds in cfg.datasets]
+    paths = StateLayout(cfg.state_dir)
+    targets = [str(paths.merge_manifest(ds.index)) for ds in cfg.datasets]
     rules = ["merge"]
     if cfg.dedup is not None:  # deduplication_params.enabled: deduplicate the merged output too
-        targets += [f"{cfg.state_dir}/dedup/dataset_{ds.index}.json" for ds in cfg.datasets]
+        targets += [str(paths.dedup_counts(ds.index)) for ds in cfg.datasets]
         rules.append("dedup")
     flags = ["--allowed-rules", *rules, "--rerun-triggers", "mtime"]
-    return _run(snakemake_command(args.config, cores="1", targets=targets, flags=flags, extra=args.extra))
+    if args.output_path:  # MMIRAGE reads it for batch_api configs only, and so do we (nothing else to write there)
+        print("mmirage merge: --output-path is for batch_api configs (not supported yet); this pipeline's merge ignores it", file=sys.stderr)
+    copies = _merge_copies(cfg, args.output_dir) if args.output_dir else []
+    rc = _run(snakemake_command(args.config, cores="1", targets=targets, flags=flags, extra=args.extra))
+    if rc != EXIT_OK or _dry_run(args.extra):
+        return rc
+    for src, dest in copies:
+        _copy_tree(src, dest)
+        print(f"mmirage: merged records of {src.parent} in {dest}", file=sys.stderr)
+    return rc
+
+
+def _merge_copies(cfg, root: str) -> list[tuple[Path, Path]]:
+    """MMIRAGE's --output-dir/--output-root: each dataset's merged records under root/<its output_dir's name>
+    (<name>_<index> when two have one name). A folder there that is not empty is refused, before anything runs."""
+    names = [os.path.basename(os.path.normpath(ds.output_dir)) or f"dataset_{ds.index}" for ds in cfg.datasets]
+    pairs = []
+    for ds, name in zip(cfg.datasets, names):
+        dest = Path(root) / (f"{name}_{ds.index}" if names.count(name) > 1 else name)
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise UsageError(f"--output-dir: {dest} exists and is not empty; nothing is replaced: choose another root, or delete it")
+        pairs.append((Path(ds.output_dir) / "merged", dest))
+    return pairs
+
+
+def _copy_tree(src: Path, dest: Path) -> None:
+    """src's files into dest, hard-linked where the filesystem allows (else copied), appearing at once."""
+    import shutil
+
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+
+    def link_or_copy(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, tmp, copy_function=link_or_copy)
+    if dest.is_dir():  # empty (checked before the merge)
+        dest.rmdir()
+    os.replace(tmp, dest)
 
 
 def cmd_preview(args) -> int:
@@ -410,17 +575,89 @@ def cmd_preview(args) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def shard_status(cfg) -> dict | None:
+    """Every shard's state (status_summary), or None when the pipeline has no state yet (nothing ran).
+
+    The one place `check` and `submit --wait` ask "is every shard done?".
+    """
+    if not Path(cfg.state_dir).is_dir():
+        return None
+    return status_summary(cfg)
+
+
+def _status_exit(summary: dict | None) -> int:
+    if summary is None or summary["failed"]:
+        return EXIT_FAILED
+    return EXIT_OK if summary["done"] == summary["total_shards"] else EXIT_INCOMPLETE
+
+
 def cmd_check(args) -> int:
-    """The driver's validation (mirageflow.config.preflight.validate, as `snakemake -n` runs it): the
-    config, then the data and model files; exit 2 with every problem's key path."""
+    """MMIRAGE's `check`, safe before `&& publish`: the driver's validation (preflight.validate, as
+    `snakemake -n` runs it; exit 2 with every problem's key path), then, once the pipeline has
+    state, the shards' status: exit 0 only when every shard succeeded (1: a shard failed, 3:
+    shards pending or running). --retry reruns the failed ones (asking first, unless -y)."""
     from mirageflow.config import ConfigError
-    from mirageflow.config.preflight import validate
+    from mirageflow.config.preflight import hub_model_notes, validate
 
     try:
         cfg = validate(args.config)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     print(f"{args.config}: valid ({len(cfg.datasets)} dataset(s), {cfg.num_shards} shard(s), state_dir {cfg.state_dir})")
+    for note in hub_model_notes(cfg):
+        print(note)
+    for warning in cfg.warnings:
+        print(f"warning: {warning}")
+    summary = shard_status(cfg)
+    if summary is None:
+        print(f"no state yet ({Path(cfg.state_dir).resolve()} does not exist): nothing has run, no shard to check")
+        return EXIT_OK
+    _print_shards(summary)
+    if summary["failed"] and args.retry:
+        if not _confirm(f"retry {summary['failed']} failed shard(s)?", args.yes):
+            return EXIT_FAILED
+        args.failed_rows, args.submit, args.profile, args.local, args.cores = False, False, None, False, "1"
+        cmd_retry(args)
+        summary = shard_status(cfg)
+        _print_shards(summary)
+    return _status_exit(summary)
+
+
+def _print_shards(summary: dict) -> None:
+    print(
+        f"shards: {summary['done']} of {summary['total_shards']} done, {summary['running']} running, "
+        f"{summary['failed']} failed, {summary['pending']} pending"
+    )
+    for s in summary["shards"]:
+        if s["state"] != "done":
+            print(_status_line(s))
+
+
+def _confirm(question: str, yes: bool) -> bool:
+    """MMIRAGE's confirmation: -y answers yes; without it a terminal is asked, anything else refused."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        print(f"mmirage: {question} needs an answer; stdin is not a terminal: add -y", file=sys.stderr)
+        return False
+    return input(f"{question} (y/N) ").strip().lower() == "y"
+
+
+def cmd_merge_dir(args) -> int:
+    """MMIRAGE's `merge-dir`: merge shard_* outputs found under a directory, without a config."""
+    from mirageflow.data.merge import MergeRefused, merge_directory
+
+    try:
+        reports = merge_directory(args.input_dir, args.output_dir)
+    except MergeRefused as e:
+        print(f"mmirage merge-dir: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    for r in reports:
+        print(f"merged {r['shards']} shard(s) of {r['input_dir']}: {r['rows']} record(s) into {r['output_dir']} ({r['format']})")
+    print(
+        "mmirage merge-dir: the shards' completeness is not checked without the pipeline's state (mmirage merge --config C checks it)",
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 
@@ -436,26 +673,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name, help_, func):
+    def command(name, help_, func, config: bool = True):
         p = sub.add_parser(name, help=help_, description=help_, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--config", required=True, metavar="C", help="pipeline YAML (MMIRAGE format)")
+        if config:
+            p.add_argument("--config", required=True, metavar="C", help="pipeline YAML (MMIRAGE format)")
+        p.add_argument("--log-level", choices=LOG_LEVELS, help="log verbosity of this command (MMIRAGE's flag; default WARNING)")
         p.set_defaults(func=func)
         return p
 
-    p = command("run", "run the pipeline on this machine (snakemake --cores N)", cmd_run)
+    def yes(p):
+        p.add_argument("-y", "--yes", action="store_true", help="do not ask before retrying (MMIRAGE's flag)")
+
+    p = command("run", "run the pipeline on this machine (snakemake --cores N); through SLURM when execution_params.mode is slurm", cmd_run)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
     p.add_argument("--cores", default="1", metavar="N", help="cores for Snakemake; each shard job takes one (default 1: one shard at a time; 'all')")
+    p.add_argument("--shard-id", type=int, metavar="N", help="run only shard N, on this machine, whatever execution_params.mode says")
+    p.add_argument(
+        "--force-retry", action="store_true",
+        help="retry each failed job up to execution_params.max_retries times (Snakemake --retries), as execution_params.retry: true does",
+    )  # fmt: skip
+    p.add_argument(
+        "--export-prompts", metavar="P",
+        help="generate nothing: write every row's requests, as the engines would receive them, to P.<run id>.jsonl "
+        "(P ending in .jsonl) or P/exported_prompts.<run id>.jsonl",
+    )  # fmt: skip
+    p.add_argument("--local", action="store_true", help="run on this machine even when execution_params.mode is slurm")
+    p.add_argument("--profile", metavar="DIR", help="with execution_params.mode slurm: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)")
 
-    p = command("submit", "submit the pipeline's jobs to SLURM (snakemake --profile profiles/slurm)", cmd_submit)
+    p = command("submit", "submit the pipeline's jobs to SLURM (snakemake --profile profiles/slurm); waits for them", cmd_submit)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
     p.add_argument("--profile", metavar="DIR", help="Snakemake profile (default: the checkout's profiles/slurm; profiles/slurm-gpu under the GPU install's SLURM plugin 2.6)")
+    p.add_argument("--shard-ids", metavar="I,J", help="submit only these shards (comma-separated ids)")
+    p.add_argument(
+        "--wait", action="store_true",
+        help="exit with the shards' status (0: every shard done, 1: one failed, 3: some not done); the driver waits for its jobs anyway",
+    )  # fmt: skip
 
     p = command("retry", "rerun failed, missing and incomplete shards (resuming from their checkpoints)", cmd_retry)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
     p.add_argument("--failed-rows", action="store_true", help="also recompute the failed rows (errors.jsonl) of shards that finished")
     p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")
-    p.add_argument("--submit", action="store_true", help="retry through SLURM (the submit profile) instead of locally")
-    p.add_argument("--profile", metavar="DIR", help="with --submit: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)")
+    p.add_argument("--submit", action="store_true", help="retry through SLURM (the submit profile); the default when execution_params.mode is slurm")
+    p.add_argument("--local", action="store_true", help="retry on this machine even when execution_params.mode is slurm")
+    p.add_argument("--profile", metavar="DIR", help="through SLURM: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)")
+    yes(p)
 
     p = command("stats", "print the metrics JSON {per_shard, aggregate} from the state directory (no Snakemake)", cmd_stats)
     p.add_argument("--html", metavar="FILE", help="also write the HTML report there")
@@ -464,17 +725,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="list done shards too")
 
-    command("merge", "merge every dataset's shard outputs (Snakemake's merge rule; needs every shard done)", cmd_merge)
+    p = command("merge", "merge every dataset's shard outputs (Snakemake's merge rule; needs every shard done)", cmd_merge)
+    p.add_argument(
+        "--output-dir", "--output-root", dest="output_dir", metavar="ROOT",
+        help="also put each dataset's merged records in ROOT/<its output_dir's name> (a folder there must be empty or absent)",
+    )  # fmt: skip
+    p.add_argument("--output-path", metavar="FILE", help="MMIRAGE's, for batch_api configs only (not supported yet); ignored here")
+
+    p = command("merge-dir", "merge the shard_* outputs under a directory, without a config", cmd_merge_dir, config=False)
+    p.add_argument("--input-dir", required=True, metavar="D", help="a dataset's output_dir (with shard_* folders), or a folder of them")
+    p.add_argument("--output-dir", required=True, metavar="O", help="where the merged dataset(s) go (O, or O/<dataset>); must be empty or absent")
 
     p = command("preview", "try the prompts on the first rows of each dataset (variables, prompts, records; answers with --generate)", cmd_preview)
     p.add_argument("--rows", type=int, default=3, metavar="N", help="rows per dataset (default 3)")
     p.add_argument("--generate", action="store_true", help="load the configured engine and generate those rows (scratch dir; the pipeline's state and outputs are untouched)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    command("check", "validate the config and exit", cmd_check)
+    p = command(
+        "check",
+        "validate the config and its data and model files; once the pipeline has run, also the shards' status "
+        "(exit 0 only when every shard succeeded)",
+        cmd_check,
+    )  # fmt: skip
+    p.add_argument("--retry", action="store_true", help="rerun the failed shards (asks first unless -y)")
+    p.add_argument("--stats", action="store_true", help="with --retry: sample GPU utilisation in the retried shards")
+    yes(p)
     return parser
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SNAKEMAKE_COMMANDS = ("run", "submit", "retry", "merge")  # the commands that run Snakemake
 
 
@@ -491,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = ""
         if flags and args.command in SNAKEMAKE_COMMANDS:
             hint = (
-                f"; Snakemake options go after `--`: mmirage {args.command} --config {args.config or 'C'} -- "
+                f"; Snakemake options go after `--`: mmirage {args.command} --config {getattr(args, 'config', None) or 'C'} -- "
                 + " ".join(shlex.quote(a) for a in unknown)
             )
         print(f"mmirage {args.command}: unrecognized arguments: {' '.join(unknown)}{hint}", file=sys.stderr)
@@ -499,21 +778,17 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     if not logging.getLogger().handlers:  # the report's warnings (damaged state files), one line each
         logging.basicConfig(level=logging.WARNING, format="mmirage: %(levelname)s: %(message)s")
+    if args.log_level:
+        logging.getLogger().setLevel(args.log_level)
     from mirageflow.redact import install_log_redaction
 
     install_log_redaction()  # no secret reaches a log line, whichever library writes it
-    if extra and args.command in ("stats", "status", "check", "preview"):
+    if extra and args.command in ("stats", "status", "check", "preview", "merge-dir"):
         print(f"mmirage {args.command}: takes no Snakemake arguments (got {' '.join(extra)})", file=sys.stderr)
         return EXIT_USAGE
     try:
         return args.func(args)
-    except UsageError as e:
-        print(f"mmirage {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except FileNotFoundError as e:  # no Snakefile
-        print(f"mmirage {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as e:  # state from another num_shards
+    except InputError as e:  # bad arguments or config, no Snakefile, a state_dir of another num_shards
         print(f"mmirage {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

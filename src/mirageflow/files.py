@@ -6,10 +6,13 @@ umask, and any default ACL), never with ``tempfile``'s private 0600 / 0700.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
 from pathlib import Path
+
+from mirageflow.errors import MirageflowError
 
 
 def new_temp_file(path: Path) -> tuple[int, Path]:
@@ -89,7 +92,7 @@ _KINDS = (
 )
 
 
-class NotRegularFile(OSError):
+class NotRegularFile(MirageflowError, OSError):
     """An input path is something else than a regular file (a FIFO, a device, a directory)."""
 
 
@@ -131,3 +134,66 @@ def open_regular(path: str | os.PathLike, mode: str = "rb"):
     except BaseException:
         os.close(fd)
         raise
+
+
+# --------------------------------------------------------------------------- file identity by content
+
+DIGEST_CHARS = 16
+
+
+def stat_key(st: os.stat_result) -> list[int]:
+    """What identifies a file's version without reading it: inode, size, mtime, ctime (the
+    kernel sets ctime on every write, rename and ``utime``, so ``cp -p`` changes it). Not the
+    device: an NFS mount has another one on each node, the inode and times are the server's."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    with open_regular(path) as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def digest_of(value) -> str:
+    """A short digest of a JSON-able value (a stamp's name)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:DIGEST_CHARS]
+
+
+class ContentCache:
+    """path -> (stat identity, sha256): a file is hashed again only when its stat identity changed."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = Path(path) if path else None
+        self.entries: dict[str, list] = {}
+        self.changed = False
+        if self.path is not None:
+            try:
+                data = json.loads(self.path.read_text())
+                self.entries = {k: v for k, v in data.get("files", {}).items() if isinstance(v, list) and len(v) == 2}
+            except (OSError, ValueError, AttributeError):
+                self.entries = {}  # absent or damaged: rebuilt
+
+    def digest(self, path: str, known: tuple[list, str] | None = None) -> str | None:
+        """The file's SHA-256 (None when it cannot be read). ``known``: a (stat identity,
+        sha256) recorded elsewhere (an index) that spares the hash when it still holds."""
+        try:
+            key = stat_key(os.stat(path))
+        except (OSError, ValueError):
+            return None
+        if known is not None and list(known[0]) == key:
+            return known[1]
+        cached = self.entries.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            sha = file_sha256(path)
+        except (OSError, ValueError):
+            return None
+        self.entries[path] = [key, sha]
+        self.changed = True
+        return sha
+
+    def save(self) -> None:
+        if self.path is not None and self.changed:
+            data = {"note": "SHA-256 of input files by stat identity (inode, size, mtime_ns, ctime_ns)", "files": self.entries}
+            atomic_write_bytes(self.path, (json.dumps(data) + "\n").encode(), durable=False)
+            self.changed = False

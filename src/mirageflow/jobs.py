@@ -31,8 +31,11 @@ import socket
 import sys
 from datetime import datetime, timezone
 
-# json, socket and datetime come before the handlers: a signal landing in the middle of
-# their import would leave the handler a half-initialised module to write failure.json with.
+from mirageflow.state import layout
+
+# json, socket, datetime and the state layout come before the handlers: a signal landing in
+# the middle of their import would leave the handler a half-initialised module to write
+# failure.json with.
 
 # --------------------------------------------------------------------------- early stop
 # Installed first (see the end of this block), before the heavy imports below.
@@ -59,8 +62,9 @@ def _early_argv(argv: list[str]) -> dict:
     return found
 
 
-def _write_early_failure(path: str, signum: int) -> None:
-    name = signal.Signals(signum).name
+def _write_early_failure(path: str, signum: int | None, error: str | None = None) -> None:
+    """failure.json of a shard stopped before its runner started: by a signal, or by ``error``."""
+    name = signal.Signals(signum).name if signum is not None else None
     failure = {
         "shard_id": _EARLY["shard"],
         "status": "failed",
@@ -70,8 +74,8 @@ def _write_early_failure(path: str, signum: int) -> None:
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "error": f"stopped by {name} before the shard started (while the job was starting up); nothing was committed",
-        "reason": "stopped before the shard runner started",
+        "error": error or f"stopped by {name} before the shard started (while the job was starting up); nothing was committed",
+        "reason": "stopped before the shard runner started" if error is None else "could not start the shard",
         "signal": name,
         "stats": None,
     }
@@ -93,7 +97,7 @@ def _on_early_signal(signum, frame) -> None:
         sys.stderr.flush()
         path = _EARLY["failure"]
         # not after this attempt's success (a signal between status.json and the exit)
-        if path and not os.path.exists(os.path.join(os.path.dirname(path), "status.json")):
+        if path and not os.path.exists(os.path.join(os.path.dirname(path), layout.STATUS)):
             _write_early_failure(path, signum)
     except BaseException as e:  # never let the record keep the job from exiting; say why it is missing
         try:
@@ -115,12 +119,12 @@ def _install_early_handlers(argv: list[str]) -> None:
         except (TypeError, ValueError):
             pass
         if found["config"]:  # a workflow-written config: <state_dir>/configs/<hash>.json
-            parent = os.path.dirname(os.path.abspath(found["config"]))
-            if os.path.basename(parent) == "configs":
-                _EARLY["failure"] = os.path.join(
-                    os.path.dirname(parent), f"shard_{found['shard']}", "failure.json"
-                )
-    for signum in (signal.SIGTERM, signal.SIGINT):
+            state_dir = layout.state_dir_of_config_file(os.path.abspath(found["config"]))
+            if state_dir is not None:
+                _EARLY["failure"] = str(layout.StateLayout(state_dir).failure(found["shard"]))
+    # SIGINT first: Python already catches it (KeyboardInterrupt), so once SIGTERM is seen
+    # caught (a test waits for that) both are this handler's
+    for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_early_signal)
 
 
@@ -157,6 +161,7 @@ import argparse  # noqa: E402 - after the early signal handlers, on purpose
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
+from typing import Callable  # noqa: E402
 
 from mirageflow.config import PipelineConfig, load_config  # noqa: E402
 from mirageflow.files import atomic_write_json  # noqa: E402
@@ -227,27 +232,18 @@ def index_dataset(config: str, ds_index: int, output: str) -> None:
 
 
 def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) -> None:
-    cfg = _config(config)
-    _EARLY["failure"] = str(cfg.shard_dir(shard) / "failure.json")  # the config's own state_dir
-    from mirageflow.cluster.engine_service import shared_engine_factory
-    from mirageflow.cluster.gpu_claim import claim_for_shard
-    from mirageflow.cluster.time_limit import arm_time_limit_signal
-
-    factory = shared_engine_factory(cfg, engine) if engine else None  # None: the shard loads its own engine
-    if factory is None:
-        claim_for_shard(cfg)  # before any engine is imported: CUDA_VISIBLE_DEVICES names this shard's GPUs
-    arm_time_limit_signal()  # an array's first task runs outside a job step, where --signal does not reach
-    from mirageflow.state import pipeline as pipeline_state
-
-    # Whatever the aggregate and merge rules built from earlier shards is stale from now on.
-    pipeline_state.remove_derived_outputs(cfg, f"shard {shard} starts")
-
+    """One shard. Until its runner takes over (and writes failure.json itself), a failure
+    (a damaged config file, a GPU claim refused, a full disk removing old results) is
+    recorded in a short failure.json, so the shard is failed, not pending, for everyone who asks."""
+    _EARLY["shard"], _EARLY["attempt"] = shard, attempt
+    try:
+        cfg, factory = _start_shard(config, shard, engine)
+    except Exception as e:
+        _record_start_failure(f"failed before the shard started: {type(e).__name__}: {e}")
+        raise
     from mirageflow.shard import ShardInterrupted
     from mirageflow.shard import run_shard as run
 
-    hf_home = cfg.execution.hf_home
-    if hf_home:  # before transformers/sglang read it at import
-        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
     try:
         run(cfg, shard, attempt=attempt, **({"engine_factory": factory} if factory else {}))
     except ShardInterrupted as e:
@@ -258,6 +254,44 @@ def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) 
         _EARLY["failure"] = None
 
 
+def _start_shard(config: str, shard: int, engine: str | None) -> tuple[PipelineConfig, Callable | None]:
+    """The shard job before its runner: the config, the GPUs, the time limit, stale results removed.
+    Returns (config, engine factory or None: the shard loads its own engine)."""
+    cfg = _config(config)
+    _EARLY["failure"] = str(layout.StateLayout(cfg.state_dir).failure(shard))  # the config's own state_dir
+    from mirageflow import hub_models
+
+    hub_models.offline_environment(cfg)  # before transformers/sglang/huggingface_hub read it at import
+    if engine is None:  # a shard served by an engine service loads no model
+        cfg = hub_models.resolve_local(cfg)  # hub ids -> the snapshots the driver fetched
+    from mirageflow.cluster.engine_service import shared_engine_factory
+    from mirageflow.cluster.gpu_claim import claim_for_shard
+    from mirageflow.cluster.time_limit import arm_time_limit_signal
+
+    factory = shared_engine_factory(cfg, engine) if engine else None
+    if factory is None:
+        claim_for_shard(cfg)  # before any engine is imported: CUDA_VISIBLE_DEVICES names this shard's GPUs
+    arm_time_limit_signal()  # an array's first task runs outside a job step, where --signal does not reach
+    from mirageflow.state import pipeline as pipeline_state
+
+    # Whatever the aggregate and merge rules built from earlier shards is stale from now on.
+    pipeline_state.remove_derived_outputs(cfg, f"shard {shard} starts")
+    return cfg, factory
+
+
+def _record_start_failure(error: str) -> None:
+    """failure.json for a shard job that failed before its runner started (not after a success)."""
+    path = _EARLY["failure"]
+    if not path or os.path.exists(os.path.join(os.path.dirname(path), layout.STATUS)):
+        return
+    try:
+        from mirageflow.redact import redact_text
+
+        _write_early_failure(path, None, redact_text(error))
+    except Exception as write_error:  # a full disk: the log keeps the reason
+        logging.error("%s; and failure.json cannot be written: %s", error, write_error)
+
+
 def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
     """Serve engine group ``group`` to its shards until Snakemake stops it (engine_service.py)."""
     cfg = _config(config)
@@ -266,12 +300,25 @@ def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
 
     claim_for_shard(cfg)  # the engine holds the GPUs its shards would have claimed
     arm_time_limit_signal()
-    hf_home = cfg.execution.hf_home
-    if hf_home:
-        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
+    from mirageflow import hub_models
+
+    hub_models.offline_environment(cfg)
+    cfg = hub_models.resolve_local(cfg)  # hub ids -> the snapshots the driver fetched
     from mirageflow.cluster import engine_service
 
     engine_service.run(cfg, group, endpoint, log_path=log)
+
+
+def hub_model(config: str, slug: str, output: str) -> None:
+    """Fetch one Hugging Face model into the cache (the driver's localrule hub_model), resuming a killed attempt."""
+    cfg = _config(config, check_paths=False)
+    hf_home = cfg.execution.hf_home
+    if hf_home:  # before huggingface_hub reads it at import
+        os.environ["HF_HOME"] = os.path.expanduser(hf_home)
+    from mirageflow.hub_models import download
+
+    marker = download(cfg, slug, output)
+    logging.info("hub model %s at commit %s in %s", marker["repo_id"], marker["commit"], marker["snapshot"])
 
 
 def merge(config: str, ds_index: int, output: str) -> None:
@@ -302,9 +349,10 @@ def records_fingerprint(config: str, output: str) -> None:
 
 def aggregate(config: str) -> None:
     from mirageflow.report.aggregate import write_report
+    from mirageflow.state.shards import job_fingerprint
 
     cfg = _config(config, check_paths=False)
-    write_report(cfg.state_dir, cfg.num_shards)
+    write_report(cfg.state_dir, cfg.num_shards, lease_timeout=cfg.shard.lease_timeout_seconds, fingerprint=job_fingerprint(cfg))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -334,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("engine", help="serve one engine group to its shards (shards_per_engine > 1)")
     p.add_argument("group", type=int)
     p.add_argument("endpoint", help="the endpoint file (the rule's service output)")
+    p = sub.add_parser("hub_model", help="download one Hugging Face model id into the cache (the driver, before any shard)")
+    p.add_argument("model", help="the model's slug (org--name[@revision])")
+    p.add_argument("output", help="the marker written once it is complete")
     sub.add_parser("aggregate", help="write the metrics report")
     p = sub.add_parser("fingerprint", help="write the records fingerprint the shards depend on")
     p.add_argument("output")
@@ -347,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
         run_engine(args.config, args.group, args.endpoint, _ATTEMPT_LOG.get("path") or args.log)
     elif args.job == "merge":
         merge(args.config, args.dataset, args.output)
+    elif args.job == "hub_model":
+        hub_model(args.config, args.model, args.output)
     elif args.job == "dedup":
         dedup(args.config, args.dataset, args.counts, args.removed)
     elif args.job == "fingerprint":

@@ -1,5 +1,7 @@
 # Config validation (when Snakemake parses the workflow, before any job starts; it writes
 # nothing), the pipeline's state files (mirageflow/state/pipeline.py) and path helpers.
+# Every path in the state_dir comes from STATE (mirageflow/state/layout.py), as for the
+# jobs, the CLI and the report; "{shard}"-style arguments make a rule's pattern.
 import os
 import sys
 
@@ -11,7 +13,9 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
+from mirageflow import hub_models
 from mirageflow.cluster import resources as cluster
+from mirageflow.state import layout as state_layout
 from mirageflow.state import pipeline as pipeline_state
 from mirageflow.state.inputs import ContentChanges
 from mirageflow.config import ConfigError
@@ -39,6 +43,7 @@ if workflow.is_main_process:
         raise WorkflowError(f"mirageflow: {e}") from None
 
 STATE_DIR = PIPELINE.state_dir
+STATE = state_layout.StateLayout(STATE_DIR)
 # The demo model, built by the smollm2_model rule (workflow/rules/models.smk).
 SMOLLM2_DIR = "resources/models/SmolLM2-135M-Instruct"
 # Secrets written literally in the config are not stored with it: the jobs get them from
@@ -49,16 +54,32 @@ os.environ.update(pipeline_state.stored_config(config)[1])
 # resources, not its params: a new config file alone reruns nothing.
 JOB_CONFIG = str(pipeline_state.config_path(config, STATE_DIR))
 # Input of every shard; rewritten (onstart) only when what can change the records changes.
-RECORDS_FINGERPRINT = str(pipeline_state.fingerprint_path(STATE_DIR))
+RECORDS_FINGERPRINT = str(STATE.fingerprint)
 # What the jobs read, by content (mirageflow/state/inputs.py): a job whose records identity,
 # dataset or image files changed, whatever the mtimes say, is forced while the DAG is built.
 CONTENT_CHANGES = ContentChanges(PIPELINE, main=workflow.is_main_process)
 
-SHARD_IDS = list(range(PIPELINE.num_shards))
+# Hugging Face model ids: the driver says which are cached and which its hub_model rule
+# downloads before any shard (mirageflow/hub_models.py); preflight refused the others.
+HUB_MODELS = hub_models.hub_models(PIPELINE)
+if workflow.is_main_process:
+    from mirageflow.config.preflight import hub_model_states
+
+    for warning in PIPELINE.warnings:  # MMIRAGE keys accepted that change nothing here
+        logger.warning(f"mirageflow: {warning}")
+
+    for state in hub_model_states(PIPELINE):
+        logger.info(f"mirageflow: {hub_models.describe([state])[0]}")
+        # a marker of a download whose snapshot has since left the cache: fetch it again
+        marker = hub_models.marker_path(STATE_DIR, state.model)
+        if state.state == "download" and marker.exists() and not workflow.dryrun:
+            marker.unlink()
+
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]
 
 
 wildcard_constraints:
+    model=r"[^/]+",
     shard=r"\d+",
     group=r"\d+",
     ds=r"\d+",
@@ -77,7 +98,7 @@ def dataset_files(wildcards):
 
 def dataset_changed(wildcards):
     """The index job, when a dataset file's content changed since it was indexed."""
-    path = f"{STATE_DIR}/datasets/dataset_{wildcards.ds}.index.json"
+    path = str(STATE.dataset_index(wildcards.ds))
     CONTENT_CHANGES.force(
         workflow, path, CONTENT_CHANGES.dataset(int(wildcards.ds)), logger
     )
@@ -86,7 +107,7 @@ def dataset_changed(wildcards):
 
 def shard_changed(wildcards):
     """A finished shard, when its records identity or an image file it read changed."""
-    path = f"{STATE_DIR}/shard_{wildcards.shard}/status.json"
+    path = str(STATE.status(wildcards.shard))
     CONTENT_CHANGES.force(
         workflow, path, CONTENT_CHANGES.shard(int(wildcards.shard)), logger
     )
@@ -94,10 +115,10 @@ def shard_changed(wildcards):
 
 
 def derived_changed(wildcards):
-    """The metrics report and merges, when a shard they were built from has no status.json."""
+    """The metrics report and merges, when a shard they were built from has no status file."""
     why = CONTENT_CHANGES.derived()
-    for path in [f"{STATE_DIR}/metrics.json"] + [
-        f"{STATE_DIR}/merged/dataset_{k}.json" for k in DATASET_IDS
+    for path in [str(STATE.metrics)] + [
+        str(STATE.merge_manifest(k)) for k in DATASET_IDS
     ]:
         CONTENT_CHANGES.force(workflow, path, why, logger)
     return []
@@ -105,7 +126,7 @@ def derived_changed(wildcards):
 
 def dedup_changed(wildcards):
     """The dedup job, when deduplication_params changed since the dataset was deduplicated."""
-    path = f"{STATE_DIR}/dedup/dataset_{wildcards.ds}.json"
+    path = str(STATE.dedup_counts(wildcards.ds))
     CONTENT_CHANGES.force(
         workflow, path, CONTENT_CHANGES.dedup(int(wildcards.ds)), logger
     )
@@ -113,16 +134,19 @@ def dedup_changed(wildcards):
 
 
 def index_files():
-    return [f"{STATE_DIR}/datasets/dataset_{k}.index.json" for k in DATASET_IDS]
+    return [str(STATE.dataset_index(k)) for k in DATASET_IDS]
 
 
 def model_inputs():
-    """Local model directories the shards need; the demo model is built by a rule."""
+    """Local model directories the shards need (the demo model is built by a rule), and the
+    marker of each hub model id the driver fetches (rule hub_model). The marker's time is no
+    rerun trigger (ancient): its repo and revision are in the records fingerprint."""
     paths = []
     for proc in PIPELINE.processors.values():
         path = proc.server_args.model_path
-        if os.path.normpath(path) == SMOLLM2_DIR or os.path.isdir(path):
+        if os.path.normpath(path) == SMOLLM2_DIR or (path and os.path.isdir(path)):
             paths.append(path)
+    paths += [ancient(str(hub_models.marker_path(STATE_DIR, m))) for m in HUB_MODELS]
     return paths
 
 
@@ -137,7 +161,7 @@ def status_files():
 
 
 def _status_files(wildcards):
-    return [f"{STATE_DIR}/shard_{i}/status.json" for i in SHARD_IDS]
+    return STATE.status_files(PIPELINE.num_shards)
 
 
 def engine_endpoint(wildcards):
@@ -150,7 +174,7 @@ def engine_endpoint(wildcards):
     from mirageflow.cluster.engine_service import group_of
 
     group = group_of(PIPELINE, int(wildcards.shard))
-    return [] if group is None else [f"{STATE_DIR}/engines/engine_{group}.json"]
+    return [] if group is None else [str(STATE.engine_endpoint(group))]
 
 
 def shard_threads(wildcards):
@@ -171,18 +195,15 @@ def engine_argument(wildcards):
 
 
 def default_targets():
-    targets = [f"{STATE_DIR}/metrics.json", f"{STATE_DIR}/summary.md"]
-    if PIPELINE.merge:
-        targets += expand(f"{STATE_DIR}/merged/dataset_{{ds}}.json", ds=DATASET_IDS)
-    targets += dedup_count_files()
-    return targets
+    """The report, and each dataset's merge manifest and dedup counts when configured."""
+    return state_layout.default_targets(PIPELINE)
 
 
 def dedup_count_files():
     """Each dataset's dedup counts when deduplication_params.enabled (rule dedup), else none."""
     if PIPELINE.dedup is None:
         return []
-    return [f"{STATE_DIR}/dedup/dataset_{k}.json" for k in DATASET_IDS]
+    return [str(STATE.dedup_counts(k)) for k in DATASET_IDS]
 
 
 def cluster_resources(job):

@@ -8,10 +8,10 @@ rule index_dataset:
         changed=dataset_changed,
     output:
         # The header (rows, files) and where each shard starts (see data/readers.py).
-        index=f"{STATE_DIR}/datasets/dataset_{{ds}}.index.json",
-        offsets=f"{STATE_DIR}/datasets/dataset_{{ds}}.offsets.bin",
+        index=str(STATE.dataset_index("{ds}")),
+        offsets=str(STATE.dataset_offsets("{ds}")),
     log:
-        f"{STATE_DIR}/logs/index_dataset_{{ds}}.log",
+        str(STATE.log("index_dataset_{ds}")),
     conda:
         "../../environment.yaml"
     resources:
@@ -26,12 +26,12 @@ rule index_dataset:
 rule merge:
     input:
         status_files(),
-        # no file: made again when a shard it was built from has no status.json
+        # no file: made again when a shard it was built from has no status file
         changed=derived_changed,
     output:
-        f"{STATE_DIR}/merged/dataset_{{ds}}.json",
+        str(STATE.merge_manifest("{ds}")),
     log:
-        f"{STATE_DIR}/logs/merge_{{ds}}.log",
+        str(STATE.log("merge_{ds}")),
     localrule: True
     conda:
         "../../environment.yaml"

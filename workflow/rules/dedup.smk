@@ -5,14 +5,14 @@
 
 rule dedup:
     input:
-        f"{STATE_DIR}/merged/dataset_{{ds}}.json",
+        str(STATE.merge_manifest("{ds}")),
         # no file: deduplication_params changed, it runs again whatever the rerun triggers
         changed=dedup_changed,
     output:
-        counts=f"{STATE_DIR}/dedup/dataset_{{ds}}.json",
-        removed=f"{STATE_DIR}/dedup/dataset_{{ds}}.removed.jsonl",
+        counts=str(STATE.dedup_counts("{ds}")),
+        removed=str(STATE.dedup_removed("{ds}")),
     log:
-        f"{STATE_DIR}/logs/dedup_{{ds}}.log",
+        str(STATE.log("dedup_{ds}")),
     localrule: True
     conda:
         "../../environment.yaml"

@@ -10,9 +10,9 @@ rule engine:
     output:
         # The endpoint file, written at once; the job then loads the model and serves it
         # (mirageflow/cluster/engine_service.py).
-        service(f"{STATE_DIR}/engines/engine_{{group}}.json"),
+        service(str(STATE.engine_endpoint("{group}"))),
     log:
-        f"{STATE_DIR}/logs/engine_{{group}}.log",
+        str(STATE.engine_log("{group}")),
     conda:
         "../../environment.yaml"
     threads: 1

@@ -6,7 +6,7 @@ rule records_fingerprint:
     output:
         RECORDS_FINGERPRINT,
     log:
-        f"{STATE_DIR}/logs/records_fingerprint.log",
+        str(STATE.log("records_fingerprint")),
     localrule: True
     conda:
         "../../environment.yaml"

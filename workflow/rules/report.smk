@@ -7,22 +7,22 @@ rule aggregate:
         status_files(),
         # the dedup counts go into the report (none unless deduplication_params.enabled)
         dedup_count_files(),
-        # no file: made again when a shard it was built from has no status.json
+        # no file: made again when a shard it was built from has no status file
         changed=derived_changed,
     output:
         metrics=report(
-            f"{STATE_DIR}/metrics.json",
+            str(STATE.metrics),
             caption="../report/metrics.rst",
             category="Run metrics",
         ),
-        summary=f"{STATE_DIR}/summary.md",
+        summary=str(STATE.summary),
         html=report(
-            f"{STATE_DIR}/report.html",
+            str(STATE.report_html),
             caption="../report/report.rst",
             category="Run metrics",
         ),
     log:
-        f"{STATE_DIR}/logs/aggregate.log",
+        str(STATE.log("aggregate")),
     localrule: True
     conda:
         "../../environment.yaml"

@@ -16,9 +16,9 @@ rule shard:
         # (workflow/rules/engines.smk).
         engine=engine_endpoint,
     output:
-        f"{STATE_DIR}/shard_{{shard}}/status.json",
+        str(STATE.status("{shard}")),
     log:
-        f"{STATE_DIR}/logs/shard_{{shard}}.log",
+        str(STATE.shard_log("{shard}")),
     conda:
         "../../environment.yaml"
     threads: shard_threads

@@ -51,8 +51,9 @@ from mirageflow.files import atomic_write_json
 from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import create_engine
-from mirageflow.engines.wire import Completion, Request
+from mirageflow.engines.wire import Request
 from mirageflow.engines.http_client import dumps, loads
+from mirageflow.state.layout import StateLayout
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,11 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 422: "Unprocessable
 
 
 def endpoint_path(state_dir: str | Path, group: int) -> Path:
-    return Path(state_dir) / "engines" / f"engine_{group}.json"
+    return StateLayout(state_dir).engine_endpoint(group)
 
 
 def stats_path(state_dir: str | Path, group: int) -> Path:
-    return Path(state_dir) / "engines" / f"engine_{group}.stats.json"
+    return StateLayout(state_dir).engine_stats(group)
 
 
 def served_processors(cfg: PipelineConfig) -> list[str]:
@@ -92,7 +93,7 @@ def shared_engine_summary(state_dir: str | Path, statuses: list[dict]) -> dict |
     ``loads``), and the shards' own load phase, which for a served shard is only its wait
     for the service. None when no engine service ran."""
     loads = []
-    for path in sorted((Path(state_dir) / "engines").glob("engine_*.stats.json")):
+    for path in StateLayout(state_dir).engine_stats_files():
         try:
             loads += [entry for entry in json.loads(path.read_text()).get("loads") or [] if entry]
         except (OSError, ValueError) as e:
@@ -191,7 +192,8 @@ class EngineService:
     def load(self) -> None:
         t0 = time.monotonic()
         for name in served_processors(self.cfg):
-            engine = create_engine(self.cfg.processors[name], self.cfg.batch_size, log_dir=Path(self.cfg.state_dir) / "logs" / f"engine_{self.group}")
+            log_dir = StateLayout(self.cfg.state_dir).engine_server_logs(self.group)
+            engine = create_engine(self.cfg.processors[name], self.cfg.batch_size, log_dir=log_dir)
             if self.cfg.shard.max_inflight:
                 engine.max_inflight = self.cfg.shard.max_inflight
             self.engines[name] = engine

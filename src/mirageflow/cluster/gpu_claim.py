@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable, MutableMapping, Sequence
 
 from mirageflow.config.types import PipelineConfig
+from mirageflow.errors import MirageflowError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ LOCK_PREFIX = "mirageflow-gpu-"
 _HELD: list["GpuClaim"] = []  # the process's claim: its locks live as long as the process
 
 
-class GpuClaimError(RuntimeError):
+class GpuClaimError(MirageflowError, RuntimeError):
     pass
 
 

@@ -22,7 +22,7 @@ from mirageflow.config.types import (
     ShardParams,
 )
 
-_FROM_LOADING = ("ConfigError", "load_config", "records_identity")
+_FROM_LOADING = ("ConfigError", "load_config", "processor_identity", "records_identity")
 
 __all__ = [
     "ConfigError",
@@ -37,6 +37,7 @@ __all__ = [
     "ServerArgs",
     "ShardParams",
     "load_config",
+    "processor_identity",
     "records_identity",
 ]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -55,7 +56,9 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
     problems += found
     outputs, variables, found = _outputs(pp["outputs"], _Scope(processors, custom, inputs))
     problems += found
-    problems += prompts.record_template_problems(pp["output_schema"], variables.names, "processing_params.output_schema", variables.json_fields)
+    # source_index: built in (the row's index; prompts.RecordRenderer), unless a variable has the name
+    names = variables.names if BUILTIN_INDEX in variables.names else [*variables.names, BUILTIN_INDEX]
+    problems += prompts.record_template_problems(pp["output_schema"], names, "processing_params.output_schema", variables.json_fields)
     problems += reserved_name_problems(pp)
     problems += _image_problems(cfg, inputs)
     problems += _sample_problems(pp, processors, outputs)
@@ -83,7 +86,24 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
         preserve_columns=tuple(pp["preserve_columns"]),
         dedup=dedup,
         execution=execution,
+        warnings=tuple(_chat_template_warnings(cfg)),
+        fresh_answers=cfg["fresh_answers"],
     ), problems
+
+
+BUILTIN_INDEX = "source_index"  # a variable of output_schema: the row's index in its dataset (RecordRenderer)
+
+
+def _chat_template_warnings(cfg: dict) -> list[str]:
+    """MMIRAGE's chat_template picks the image placeholder token there; here it changes nothing (said, not refused)."""
+    images = any(v["type"] == "image" for v in cfg["processing_params"]["inputs"])
+    return [
+        f"processors[{i}].chat_template: '{p['chat_template']}' changes nothing here: in MMIRAGE it only picks the image "
+        "placeholder token; here the model's own chat template writes one placeholder per image in the user turn"
+        + ("" if images else " (and this pipeline has no image inputs)")
+        for i, p in enumerate(cfg["processors"])
+        if p.get("chat_template")
+    ]
 
 
 # --------------------------------------------------------------------------- processors
@@ -115,8 +135,6 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         problems.append(f"{where}: script_path and function_name belong to processors of type custom, not '{p['type']}'")
     if p["type"] in taken:
         problems.append(f"{where}.type: a second '{p['type']}' processor; outputs could not tell them apart")
-    if p["chat_template"]:
-        problems.append(f"{where}.chat_template: named chat templates are not supported; the model's own template is used")
     can = registry.capabilities(p["backend"])
     if can.needs_base_url and not p["base_url"]:
         problems.append(f"{where}.base_url: required by backend {p['backend']} (e.g. http://node:30000/v1)")
@@ -126,7 +144,7 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
             f"{where}.native_n: only the {_listed(able, 'and')} backend{'s send' if len(able) > 1 else ' sends'} one request "
             f"with n; backend '{p['backend']}' sends one request per sample (see the key's description)"
         )
-    sampling = dict(p["default_sampling_params"])
+    sampling = _max_tokens(dict(p["default_sampling_params"]), f"{where}.default_sampling_params", p["backend"], problems)
     kwargs = dict(p["chat_template_kwargs"])
     # MMIRAGE's location for chat-template switches has no effect in SGLang; honour it here.
     moved = sampling.pop("custom_params", None) or {}
@@ -145,10 +163,57 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         server_command=p["server_command"],
         server_start_timeout=p["server_start_timeout"],
         request_timeout=p["request_timeout"],
-        max_retries=p["max_retries"],
+        max_retries=p["max_retries"] if p["max_retries"] is not None else DEFAULT_MAX_RETRIES,
         native_n=p["native_n"],
         index=i,
+        max_concurrency=p.get("max_concurrency"),
+        retry_base_delay=p.get("retry_base_delay"),
     ), problems
+
+
+DEFAULT_MAX_RETRIES = 5  # processors[].max_retries: null
+
+
+def _max_tokens(params: dict, where: str, backend: str | None, problems: list[str]) -> dict:
+    """OpenAI's max_tokens (MMIRAGE's api_llm): max_new_tokens where the server speaks the OpenAI API; SGLang
+    rejects it, so do we."""
+    if "max_tokens" not in params:
+        return params
+    if backend is None or not registry.capabilities(backend).templates_server_side:  # not an OpenAI-compatible server
+        problems.append(
+            f"{where}.max_tokens: not a sampling parameter of this engine (SGLang rejects it; it is the OpenAI API's "
+            "name, for processors of type api_llm or backend openai): use max_new_tokens"
+        )
+        return params
+    if "max_new_tokens" in params:
+        problems.append(f"{where}.max_tokens: and max_new_tokens both set (the same limit): keep one")
+        return params
+    return {("max_new_tokens" if k == "max_tokens" else k): v for k, v in params.items()}
+
+
+API_LLM_BACKEND = "openai"  # the engine that runs MMIRAGE's api_llm processors (an OpenAI-compatible server)
+API_LLM_DEFAULTS = {  # MMIRAGE's api_llm (core/process/processors/api_llm/config.py)
+    "base_url": "https://api.openai.com/v1", "api_key_env": "OPENAI_API_KEY", "max_concurrency": 8, "max_retries": 3,
+    "retry_base_delay": 1.0,
+}  # fmt: skip
+
+
+def _api_llm_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ProcessorConfig, list[str]]:
+    """MMIRAGE's api_llm processor: an OpenAI-compatible endpoint, run by our backend openai with MMIRAGE's defaults."""
+    where = f"processors[{i}]"
+    problems = []
+    backend = API_LLM_BACKEND if p["backend"] == registry.AUTO else p["backend"]
+    if registry.capabilities(backend).loads_model:
+        problems.append(f"{where}.backend: an api_llm processor is an OpenAI-compatible endpoint (backend {API_LLM_BACKEND}), not '{backend}'")
+    if not p.get("model"):
+        problems.append(f"{where}.model: required by type api_llm (the model name the endpoint serves, e.g. gpt-4o-mini)")
+    for key in ("server_args", "script_path", "function_name", "server_command"):
+        if p.get(key):
+            problems.append(f"{where}.{key}: an api_llm processor has no {key} (its model is `model`, served at base_url)")
+    value = {k: p[k] if p.get(k) is not None else default for k, default in API_LLM_DEFAULTS.items()}
+    as_openai = {**p, **value, "backend": backend, "server_args": {"model_path": p.get("model") or ""}}
+    proc, found = _model_processor(as_openai, i, taken, check_paths)
+    return proc, problems + found
 
 
 def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[CustomProcessor, list[str]]:
@@ -175,6 +240,7 @@ def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tu
 # processors[].type -> its builder; any other type (llm) runs a model: _model_processor
 PROCESSOR_TYPES: dict[str, Callable[[dict, int, set[str], bool], tuple[ProcessorConfig | CustomProcessor | None, list[str]]]] = {
     "custom": _custom_processor,
+    "api_llm": _api_llm_processor,
 }
 
 
@@ -199,8 +265,9 @@ def default_state_dir(output_dir: str) -> str:
 def _datasets(entries: list[dict], check_paths: bool) -> tuple[list[DatasetConfig], list[str]]:
     """loading_params.datasets[]: each dataset, its files (with ``check_paths``), distinct output_dirs."""
     datasets, problems = [], []
-    for i, ds in enumerate(entries):
-        where = f"loading_params.datasets[{i}]"
+    # a path mapping split -> path is one dataset per split (MMIRAGE's JSONL loader)
+    split = [pair for i, ds in enumerate(entries) for pair in _split_datasets(ds, f"loading_params.datasets[{i}]", problems)]
+    for where, ds in split:
         if not ds["path"].strip():
             problems.append(f"{where}.path: empty (a ${{VAR}} that expands to nothing?)")
         elif check_paths:
@@ -211,7 +278,7 @@ def _datasets(entries: list[dict], check_paths: bool) -> tuple[list[DatasetConfi
             )
         datasets.append(
             DatasetConfig(
-                index=i,
+                index=len(datasets),
                 path=os.path.expanduser(ds["path"]),
                 type=ds["type"].lower(),
                 output_dir=os.path.expanduser(ds["output_dir"]),
@@ -219,13 +286,30 @@ def _datasets(entries: list[dict], check_paths: bool) -> tuple[list[DatasetConfi
                 split=ds["split"],
                 image_base_path=os.path.expanduser(ds["image_base_path"]) if ds.get("image_base_path") else None,
                 allow_images_outside_base=bool(ds.get("allow_images_outside_base", False)),
+                where=where,
             )
         )
     out_dirs = [d.output_dir for d in datasets]
     for i, d in enumerate(out_dirs):
         if d in out_dirs[:i]:
-            problems.append(f"loading_params.datasets[{i}].output_dir: '{d}' is already used by another dataset")
+            problems.append(f"{datasets[i].key}.output_dir: '{d}' is already used by another dataset")
     return datasets, problems
+
+
+def _split_datasets(ds: dict, where: str, problems: list[str]) -> list[tuple[str, dict]]:
+    """A dataset entry, or one per split when its path is MMIRAGE's mapping split -> path (output_dir/<split> each)."""
+    if not isinstance(ds["path"], Mapping):
+        return [(where, ds)]
+    out = []
+    for split, path in ds["path"].items():
+        if not split or split in (".", "..") or "/" in split or os.sep in split or split.startswith("."):
+            problems.append(
+                f"{where}.path.{split}: '{split}' cannot name the split's output folder (output_dir/<split>): use a plain name such as train"
+            )
+            continue
+        # messages keep the entry's key path (loading_params.datasets[i]); they name the split's file
+        out.append((where, {**ds, "path": path, "output_dir": os.path.join(ds["output_dir"], split)}))
+    return out
 
 
 def _dataset_problems(ds: dict, where: str) -> list[str]:
@@ -242,7 +326,8 @@ def _dataset_problems(ds: dict, where: str) -> list[str]:
 
 def _state_dir(lp: dict, datasets: list[DatasetConfig]) -> tuple[str, list[str]]:
     """loading_params.state_dir, or the default under the first output_dir."""
-    state_dir = os.path.expanduser(lp["state_dir"]) if "state_dir" in lp else default_state_dir(datasets[0].output_dir)
+    # (the first entry's output_dir: with splits, the folder above the splits' own)
+    state_dir = os.path.expanduser(lp["state_dir"]) if "state_dir" in lp else default_state_dir(os.path.expanduser(lp["datasets"][0]["output_dir"]))
     if state_dir.strip():
         return state_dir, []
     return state_dir, [
@@ -255,17 +340,18 @@ def _state_dir(lp: dict, datasets: list[DatasetConfig]) -> tuple[str, list[str]]
 def _path_problems(datasets: list[DatasetConfig], state_dir: str) -> list[str]:
     """Directories the workflow will write: creatable, writable, and none of them an input."""
     problems = []
-    for i, d in enumerate(ds.output_dir for ds in datasets):
+    for out in datasets:
+        d = out.output_dir
         if not d.strip():
             continue
         why = _unusable_dir(d)
         if why:
-            problems.append(f"loading_params.datasets[{i}].output_dir: {why}")
+            problems.append(f"{out.key}.output_dir: {why}")
         for ds in datasets:
             if ds.path.strip():
                 why = _input_overlap(d, ds)
                 if why:
-                    problems.append(f"loading_params.datasets[{i}].output_dir: '{d}' {why} (datasets[{ds.index}].path)")
+                    problems.append(f"{out.key}.output_dir: '{d}' {why} ({ds.key.removeprefix('loading_params.')}.path)")
     if state_dir.strip():
         why = _unusable_dir(state_dir)
         if why:
@@ -375,6 +461,11 @@ def _outputs(entries: list[dict], scope: _Scope) -> tuple[list[OutputVar], _Vari
     """processing_params.outputs[]: each output in order, defining its variable for the next ones."""
     outputs, problems = [], []
     for i, out in enumerate(entries):
+        if not out.get("name"):
+            if out["type"] != "filter":
+                problems.append(f"processing_params.outputs[{i}].name: required key is missing (the variable that holds the output)")
+                continue
+            out = {**out, "name": f"filter_{i}"}  # MMIRAGE's unnamed filter: a name for messages and counts
         make = OUTPUT_TYPES.get(out["type"], _llm_output)
         output, found = make(out, f"processing_params.outputs[{i}]", scope)
         outputs.append(output)
@@ -408,9 +499,11 @@ def _llm_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, list[s
     scope.variables.json_fields.pop(out["name"], None)
     if schema is not None and schema.fields:
         scope.variables.json_fields[out["name"]] = [f.name for f in schema.fields]
+    proc = scope.processors.get(out["type"])
+    sampling = _max_tokens(out["sampling_params"], f"{where}.sampling_params", proc.backend if proc else None, problems)
     return OutputVar(
         out["name"], out["type"], out["prompt"], out["system"], out["response_prefix"], is_json, schema,
-        out["sampling_params"], out["allow_empty_output"], bool(out.get("keep_reasoning", False)),
+        sampling, out["allow_empty_output"], bool(out.get("keep_reasoning", False)),
         conversation=out.get("conversation"),
     ), problems  # fmt: skip
 
@@ -436,7 +529,7 @@ def _conversation_problems(out: dict, where: str, input_names: list[str], known:
     problems = []
     if name not in input_names:
         why = "an output is text or a JSON object, not a list of messages" if name in known else "no such input"
-        problems.append(f"{where}.conversation: '{name}' must name an input variable holding the chat messages ({why})" + prompts._hint(name, input_names))
+        problems.append(f"{where}.conversation: '{name}' must name an input variable holding the chat messages ({why})" + prompts.did_you_mean(name, input_names))
     proc = processors.get(out["type"])
     if proc is not None and not proc.apply_chat_template:
         problems.append(f"{where}.conversation: needs processors[].apply_chat_template: true (a conversation is sent as chat messages)")
@@ -510,7 +603,7 @@ def _image_problems(cfg: dict, inputs: list[InputVar]) -> list[str]:
         system = out.get("system")
         if isinstance(system, str):
             try:
-                named = prompts.meta.find_undeclared_variables(prompts._ENV.parse(system))
+                named = prompts.template_variables(system)
             except Exception:  # noqa: BLE001 - a syntax error is reported by template_problems
                 continue
             for name in sorted(named & set(images)):
@@ -521,17 +614,25 @@ def _image_problems(cfg: dict, inputs: list[InputVar]) -> list[str]:
 def reserved_name_problems(pp: dict) -> list[str]:
     """Inputs, outputs and output_schema fields named like a field the workflow writes into
     every record (prompts.RESERVED_RECORD_FIELDS): the record would silently hold the
-    workflow's value instead of theirs."""
+    workflow's value instead of theirs. ``source_index`` is also MMIRAGE's built-in (the
+    row's index): an input of that name and an output_schema field that renders it are
+    accepted (prompts.RecordRenderer checks per row that the field is the row's index); an
+    output of that name, or a field that renders something else, is refused."""
     reserved = prompts.RESERVED_RECORD_FIELDS
     why = "is reserved: the workflow writes it into every record ({}); choose another name".format(", ".join(reserved))
     problems = []
     for kind in ("inputs", "outputs"):
         for i, var in enumerate(pp.get(kind) or []):
-            if isinstance(var, Mapping) and var.get("name") in reserved and var.get("type") != "filter":
-                problems.append(f"processing_params.{kind}[{i}].name: '{var['name']}' {why}")
+            if not isinstance(var, Mapping) or var.get("name") not in reserved or var.get("type") == "filter":
+                continue
+            if kind == "inputs" and var["name"] == BUILTIN_INDEX:
+                continue  # MMIRAGE's recovery configs: the row's own index column
+            problems.append(f"processing_params.{kind}[{i}].name: '{var['name']}' {why}")
     shape = pp.get("output_schema")
     if isinstance(shape, Mapping):
         for key in shape:
+            if key == BUILTIN_INDEX and isinstance(shape[key], str) and re.search(rf"\b{BUILTIN_INDEX}\b", shape[key]):
+                continue  # `source_index: "{{ source_index }}"`: the row's index, as every record holds
             if key in reserved:
                 problems.append(f"processing_params.output_schema.{key}: '{key}' {why}")
     return problems
@@ -599,6 +700,6 @@ def _dedup(cfg: dict, outputs: list[OutputVar]) -> tuple[DedupParams | None, lis
     if field_ not in produced and pp["remove_columns"]:
         problems.append(
             f"{where}.text_field: '{field_}' is not a field of the records (remove_columns is true; "
-            f"fields: {', '.join(produced) or 'none'})" + prompts._hint(field_, produced)
+            f"fields: {', '.join(produced) or 'none'})" + prompts.did_you_mean(field_, produced)
         )
     return params, problems

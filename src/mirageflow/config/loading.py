@@ -25,9 +25,10 @@ import yaml
 from mirageflow.config.build import build
 from mirageflow.files import open_regular
 from mirageflow.config.types import PipelineConfig
+from mirageflow.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """Invalid pipeline config; ``problems`` holds one ``key.path: message`` per error."""
 
     def __init__(self, problems: list[str], source: str | None = None):
@@ -258,6 +259,8 @@ _PROCESSOR_OPERATIONAL_KEYS = (
     "native_n",
     # custom processors' (python_steps): how the function is run, or accepted and unused
     "max_workers", "start_method", "timeout_ms", "max_timeouts", "max_errors", "fallback_value",
+    # api_llm (MMIRAGE): how many requests at once, and the wait between retries
+    "max_concurrency", "retry_base_delay",
 )  # fmt: skip
 
 
@@ -294,6 +297,16 @@ def records_identity(cfg: PipelineConfig) -> dict:
     if cfg.custom_processors:  # an edited script changes the records (a config without one: no key)
         identity["scripts"] = {p.script_path: _file_sha256(p.script_path) for p in cfg.custom_processors.values()}
     return identity
+
+
+def processor_identity(cfg: PipelineConfig, name: str) -> dict:
+    """What of processor ``name`` (its type) determines an answer besides the request: its
+    records-identity entry without the default sampling (requests carry their sampling).
+    Part of the request cache's keys (shard/request_cache.py)."""
+    for p in cfg.raw["processors"]:
+        if p["type"] == name:
+            return {k: v for k, v in p.items() if k not in _PROCESSOR_OPERATIONAL_KEYS and k != "default_sampling_params"}
+    raise KeyError(name)
 
 
 def _file_sha256(path: str) -> str | None:

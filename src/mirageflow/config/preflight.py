@@ -14,8 +14,12 @@ the same configs with the same ``key.path: message`` lines:
   ``default`` or ``optional: true``; likewise a ``preserve_columns`` name (with
   ``remove_columns: true``) that is a column of none of them;
 - each local model: the directory exists and holds a config.json; a Hugging Face id
-  (``org/name``) must already be in the local cache (no hub is reachable, nothing is
-  downloaded); ``max_new_tokens`` must be below the model's context;
+  (``org/name``) is in the cache at its revision, or the hub answers for it from here (the
+  driver's ``hub_model`` rule will download it before any shard), else it is refused with
+  the reason (offline, unknown id or revision, gated) and the fix (mirageflow.hub_models;
+  ``hub_model_notes`` says which of them are cached or will be downloaded);
+  ``max_new_tokens`` must be below the model's context (its config.json, cached or read
+  from the hub);
 - image inputs go to a model whose config.json declares a vision tower;
 - ``api_key_env`` names a variable set in this environment (the jobs inherit it);
 - a custom processor's script imports and defines its ``function_name`` (the driver imports it);
@@ -33,16 +37,17 @@ import difflib
 import glob
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from mirageflow import hub_models
+from mirageflow import model_config as model_files
 from mirageflow.config.loading import ConfigError, load_config
 from mirageflow.config.types import CustomProcessor, DatasetConfig, PipelineConfig, ProcessorConfig
 from mirageflow.files import open_regular
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
-from mirageflow.prompts import python_steps
+from mirageflow.state.layout import StateLayout
 
 SAMPLE_ROWS = 20
 IMPORT_TIMEOUT_SECONDS = 120.0  # a custom processor's script, imported once by the driver
@@ -51,10 +56,8 @@ MAX_FILES_SNIFFED = 200
 PARQUET_MAGIC = b"PAR1"
 GZIP_MAGIC = b"\x1f\x8b"
 # Model directories the workflow builds itself (workflow/rules/models.smk): not there before the first run.
-WORKFLOW_BUILT_MODELS = ("resources/models/SmolLM2-135M-Instruct",)
-CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "max_sequence_length")
+WORKFLOW_BUILT_MODELS = hub_models.WORKFLOW_BUILT_MODELS
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, used by every backend (schema: sampling_params)
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def validate(
@@ -85,7 +88,7 @@ def preflight_problems(
     problems: list[str] = []
     rows_known: list[int | None] = []
     for ds in cfg.datasets:
-        where = f"loading_params.datasets[{ds.index}]"
+        where = ds.key
         found, sample, rows = _inspect_dataset(ds, where)
         problems += found
         if not found and sample:
@@ -200,12 +203,12 @@ def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | 
 
 
 def _parquet_paths(path: str) -> list[str]:
-    from mirageflow.data.readers import _parquet_files
+    from mirageflow.data.readers import parquet_files
 
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
-        return _parquet_files(path)
+        return parquet_files(path)
     return sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
 
 
@@ -233,14 +236,14 @@ def _inspect_parquet(path: str, where: str) -> tuple[list[str], list[dict], int 
         return problems, [], None
     import pyarrow.parquet as pq
 
-    from mirageflow.data.readers import _arrow_rows
+    from mirageflow.data.readers import arrow_rows
 
     pf = pq.ParquetFile(files[0])
     rows = []
     for batch in pf.iter_batches(batch_size=SAMPLE_ROWS):
         import pyarrow as pa
 
-        rows = [r for r in _arrow_rows(pa.Table.from_batches([batch]), files[0], 0) if isinstance(r, dict)]
+        rows = [r for r in arrow_rows(pa.Table.from_batches([batch]), files[0], 0) if isinstance(r, dict)]
         break
     count = None
     if len(files) <= MAX_FILES_SNIFFED:
@@ -282,7 +285,7 @@ def _inspect_loadable(ds: DatasetConfig, where: str) -> tuple[list[str], list[di
 def _indexed_rows(cfg: PipelineConfig, ds: DatasetConfig) -> int | None:
     """The row count from this dataset's index, when it exists for this path (built by the index rule)."""
     try:
-        header = json.loads((Path(cfg.state_dir) / "datasets" / f"dataset_{ds.index}.index.json").read_text())
+        header = json.loads(StateLayout(cfg.state_dir).dataset_index(ds.index).read_text())
         if header.get("path") == ds.path and isinstance(header.get("rows"), int):
             return header["rows"]
     except (OSError, ValueError, AttributeError):
@@ -325,7 +328,7 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
             hint = difflib.get_close_matches(var.key, keys, n=1)
             problems.append(
                 f"processing_params.inputs[{j}].key: '{var.key}' (input '{var.name}') matches nothing in the first "
-                f"{len(sample)} rows of loading_params.datasets[{ds.index}] ('{ds.path}')"
+                f"{len(sample)} rows of {ds.key} ('{ds.path}')"
                 + (f": {errors[0]}" if errors else "")
                 + (f" (did you mean '{hint[0]}'?)" if hint else "")
                 + f"; row 0 is {shown}. Fix the key, or set default: (a value for rows without it) or optional: true"
@@ -335,13 +338,15 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
             hint = difflib.get_close_matches(name, [str(k) for k in sample[0]] if isinstance(sample[0], dict) else [], n=1)
             problems.append(
                 f"processing_params.preserve_columns: '{name}' is a column of none of the first {len(sample)} rows of "
-                f"loading_params.datasets[{ds.index}] ('{ds.path}')" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+                f"{ds.key} ('{ds.path}')" + (f" (did you mean '{hint[0]}'?)" if hint else "")
             )
     if not cfg.remove_columns:  # the rows' columns go into the records: one named like a workflow field would be overwritten
-        from mirageflow.prompts.templates import RESERVED_RECORD_FIELDS
+        from mirageflow.prompts.templates import RESERVED_RECORD_FIELDS, same_index
 
         for name in RESERVED_RECORD_FIELDS:
-            if any(isinstance(row, dict) and name in row for row in sample):
+            # a source_index column holding each row's own index (MMIRAGE's recovery files) loses nothing
+            # (the sample is the dataset's first rows, in order)
+            if any(isinstance(row, dict) and name in row and not (name == "source_index" and same_index(row[name], i)) for i, row in enumerate(sample)):
                 problems.append(
                     f"processing_params.remove_columns: false, but the rows of loading_params.datasets[{ds.index}] "
                     f"('{ds.path}') have a column '{name}', which the workflow writes into every record (its value "
@@ -353,38 +358,17 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
 # --------------------------------------------------------------------------- models
 
 
-def _hub_cache(cfg: PipelineConfig, environ: Mapping[str, str]) -> Path:
-    hf_home = cfg.execution.hf_home
-    if hf_home:
-        return Path(os.path.expanduser(hf_home)) / "hub"
-    if environ.get("HF_HUB_CACHE"):
-        return Path(environ["HF_HUB_CACHE"])
-    return Path(os.path.expanduser(environ.get("HF_HOME") or "~/.cache/huggingface")) / "hub"
+def hub_model_states(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> list[hub_models.ModelState]:
+    """Each hub model id of the config: cached, to be downloaded by the driver, or not obtainable."""
+    environ = os.environ if environ is None else environ
+    cache = hub_models.cache_dir(cfg, environ)
+    return [hub_models.look_up(m, cache, environ) for m in hub_models.hub_models(cfg)]
 
 
-def _cached_model(cache: Path, model_id: str) -> Path | None:
-    """The newest snapshot of ``org/name`` in the Hugging Face cache that has a config.json."""
-    snaps = sorted(
-        (cache / f"models--{model_id.replace('/', '--')}" / "snapshots").glob("*/config.json"),
-        key=lambda p: p.stat().st_mtime,
-    )
-    return snaps[-1].parent if snaps else None
-
-
-def model_context(model_dir: Path) -> tuple[int, str] | None:
-    """(context length, where it was read) from a model directory's config.json, or None."""
-    try:
-        data = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for scope in (data, data.get("text_config") or {}, data.get("llm_config") or {}):
-        if not isinstance(scope, dict):
-            continue
-        for key in CONTEXT_KEYS:
-            value = scope.get(key)
-            if isinstance(value, int) and value > 0:
-                return value, f"{key} in {model_dir / 'config.json'}"
-    return None
+def hub_model_notes(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per hub model id that can be had (cached, or downloaded before any shard), for the driver's log and
+    `mmirage check` (the others are problems)."""
+    return hub_models.describe([s for s in hub_model_states(cfg, environ) if s.state != "cannot"])
 
 
 def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Mapping[str, str], built_models: tuple[str, ...]) -> list[str]:
@@ -400,33 +384,37 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
         return problems  # model_path is a name the server knows, not a local directory
     model_path = proc.server_args.model_path
     path = os.path.expanduser(model_path)
-    model_dir: Path | None = None
+    model_config: tuple[dict, str] | None = None  # (config.json, where it was read)
     if os.path.normpath(path) in {os.path.normpath(m) for m in built_models}:
-        model_dir = Path(path) if (Path(path) / "config.json").is_file() else None  # built by a rule otherwise
+        if model_files.path(path).is_file():  # built by a rule otherwise
+            model_config = model_files.read_with_source(path)
     elif os.path.isdir(path):
-        if not (Path(path) / "config.json").is_file():
+        if not model_files.path(path).is_file():
             problems.append(
                 f"{where}.server_args.model_path: directory '{path}' holds no model (no config.json); "
                 "point it at a Hugging Face model directory (config.json, tokenizer and weights)"
             )
         else:
-            model_dir = Path(path)
+            model_config = model_files.read_with_source(path)
     elif os.path.exists(path):
         problems.append(f"{where}.server_args.model_path: '{path}' is a file, not a model directory")
-    elif _HUB_ID.match(model_path) and not model_path.startswith("."):
-        cache = _hub_cache(cfg, environ)
-        model_dir = _cached_model(cache, model_path)
-        if model_dir is None:
-            problems.append(
-                f"{where}.server_args.model_path: '{model_path}' is not a directory, and this Hugging Face model "
-                f"id is not in the local cache ({cache}). No hub is reachable from the jobs and nothing is downloaded "
-                "(the schema: models are local): download it where a hub is reachable (huggingface-cli download "
-                f"{model_path} --local-dir DIR), then set model_path to DIR"
-            )
+    elif hub_models.is_hub_id(model_path, built_models):
+        model = hub_models.HubModel(proc.index, model_path, proc.server_args.revision)
+        state = hub_models.look_up(model, hub_models.cache_dir(cfg, environ), environ)
+        if state.state == "cannot":
+            problems.append(f"{where}.server_args.model_path: '{model.label}' {state.detail}")
+        elif state.config is not None:
+            source = str(state.snapshot / "config.json") if state.snapshot else f"config.json of {model.label} on the hub"
+            model_config = (state.config, source)
     else:
         problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
-    problems += _context_problems(cfg, proc, model_dir)
-    problems += _vision_problems(cfg, proc, model_dir)
+    if proc.server_args.revision and not hub_models.is_hub_id(model_path, built_models):
+        problems.append(
+            f"{where}.server_args.revision: '{proc.server_args.revision}' is a revision of a Hugging Face model id, but "
+            f"model_path '{model_path}' is a local path (a directory has no revisions): remove revision"
+        )
+    problems += _context_problems(cfg, proc, model_config)
+    problems += _vision_problems(cfg, proc, model_config)
     return problems
 
 
@@ -448,13 +436,11 @@ def _custom_problems(proc: CustomProcessor) -> list[str]:
     return [f"processors[{proc.index}].script_path: cannot import '{path}': {why}"]
 
 
-def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path | None) -> list[str]:
+def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: tuple[dict, str] | None) -> list[str]:
     """Image inputs sent to a model whose config.json declares no vision tower (a text-only model)."""
-    from mirageflow.prompts.images import is_vision_model
-
     images = [(j, v) for j, v in enumerate(cfg.inputs) if v.type == "image"]
     served = any(o.processor == proc.type for o in cfg.outputs)
-    if not images or not served or model_dir is None or is_vision_model(model_dir) is not False:
+    if not images or not served or model_config is None or model_files.is_vision_config(model_config[0]) is not False:
         return []
     return [
         f"processing_params.inputs[{j}].type: image input '{v.name}', but processors[{proc.index}].server_args.model_path "
@@ -464,13 +450,13 @@ def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path
     ]
 
 
-def _context_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_dir: Path | None) -> list[str]:
+def _context_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: tuple[dict, str] | None) -> list[str]:
     i = proc.index
     given = proc.server_args.extra_engine_args.get("context_length")
     if isinstance(given, int) and given > 0:
         context, source = given, f"processors[{i}].server_args.extra_engine_args.context_length"
     else:
-        found = model_context(model_dir) if model_dir is not None else None
+        found = model_files.context_length_of(*model_config) if model_config is not None else None
         if found is None:
             return []
         context, source = found

@@ -26,6 +26,11 @@ class DatasetConfig:
     split: str | None
     image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
     allow_images_outside_base: bool = False  # image paths may leave image_base_path (prompts/images.py)
+    where: str = ""  # its entry's key path, loading_params.datasets[i] (one entry is several datasets with {split: path})
+
+    @property
+    def key(self) -> str:
+        return self.where or f"loading_params.datasets[{self.index}]"
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class ServerArgs:
     disable_custom_all_reduce: bool = False
     # passed verbatim to the engine (SGLang's own arguments, transformers' dtype): not ours to type
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    # a Hugging Face model id's branch, tag or commit (mirageflow.hub_models resolves it to a snapshot; not an engine argument)
+    revision: str | None = None
 
     def engine_args(self) -> dict[str, Any]:
         """Every key but ``extra_engine_args``, as SGLang names its arguments (``--flag`` of its server)."""
@@ -97,6 +104,8 @@ class ProcessorConfig:
     max_retries: int = 5
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
+    max_concurrency: int | None = None  # openai: requests in flight (MMIRAGE's api_llm); None: the engine's default
+    retry_base_delay: float | None = None  # openai: first retry delay; None: the engine's default
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,7 @@ class ShardParams:
     max_inflight: int | None
     lease_timeout_seconds: float
     gpu_sample_interval_seconds: float = 0.5
+    request_cache: bool = True  # keep answers by request key (shard/request_cache.py)
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,9 @@ class PipelineConfig:
     custom_processors: dict[str, CustomProcessor] = field(default_factory=dict)
     dedup: DedupParams | None = None  # deduplication_params when enabled (data/dedup.py)
     execution: ExecutionParams = field(default_factory=ExecutionParams)
+    # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)
+    warnings: tuple[str, ...] = ()
+    fresh_answers: bool = False  # this run takes no answer from the request cache
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"

@@ -42,7 +42,9 @@ from typing import Any, Iterable, Iterator
 
 from mirageflow.config.types import DatasetConfig, DedupParams, OutputVar, PipelineConfig
 from mirageflow.data.writers import PartUnreadable, is_json_field, jsonl_line, write_merged
-from mirageflow.files import atomic_write_bytes, atomic_write_json
+from mirageflow.files import atomic_write_bytes, atomic_write_json, digest_of
+from mirageflow.errors import MirageflowError
+from mirageflow.state.layout import StateLayout, merged_dir
 
 DEDUP_SUBDIR = "deduplicated"
 MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same records
@@ -53,7 +55,7 @@ MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same reco
 LSH_WEIGHTS = (0.1, 0.9)
 
 
-class DedupError(RuntimeError):
+class DedupError(MirageflowError, RuntimeError):
     """The merged output cannot be deduplicated as it is; the message names the file."""
 
 
@@ -219,8 +221,8 @@ def dedup_dataset(cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, c
     """Write ``<output_dir>/deduplicated/``, the removed list and the counts; return the counts."""
     started = time.monotonic()
     fmt = ds.output_format
-    merged = Path(ds.output_dir) / "merged"
-    manifest_path = Path(cfg.state_dir) / "merged" / f"dataset_{ds.index}.json"
+    merged = merged_dir(ds.output_dir)
+    manifest_path = StateLayout(cfg.state_dir).merge_manifest(ds.index)
     try:
         merged_rows = json.loads(manifest_path.read_text(encoding="utf-8"))["rows"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -275,8 +277,8 @@ _PARAM_KEYS = ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle
 
 def dedup_outputs(cfg: PipelineConfig, ds: DatasetConfig) -> list[Path]:
     """What the dedup rule builds for dataset ``ds``: counts, removed list, deduplicated/."""
-    state = Path(cfg.state_dir) / "dedup"
-    return [state / f"dataset_{ds.index}.json", state / f"dataset_{ds.index}.removed.jsonl", Path(ds.output_dir) / DEDUP_SUBDIR]
+    paths = StateLayout(cfg.state_dir)
+    return [paths.dedup_counts(ds.index), paths.dedup_removed(ds.index), Path(ds.output_dir) / DEDUP_SUBDIR]
 
 
 def dedup_params_changed(cfg: PipelineConfig, ds: DatasetConfig) -> tuple[str, bool]:
@@ -284,8 +286,6 @@ def dedup_params_changed(cfg: PipelineConfig, ds: DatasetConfig) -> tuple[str, b
     were made with other ones, or are damaged): the dedup rule's stamp (state/inputs.py), so
     it runs again whatever the rerun triggers (the cluster profile's ``mtime`` would not see
     a parameter change)."""
-    from mirageflow.state.inputs import digest_of
-
     new = {k: getattr(cfg.dedup, k) for k in _PARAM_KEYS}
     counts_path = dedup_outputs(cfg, ds)[0]
     try:
@@ -330,7 +330,7 @@ def read_dedup_counts(state_dir: str | Path) -> list[dict]:
     """Every dataset's dedup counts in ``<state_dir>/dedup/`` (for the report), by dataset
     number; a file that cannot be read is listed with its error instead of failing the report."""
     found = []
-    for path in sorted(Path(state_dir, "dedup").glob("dataset_*.json"), key=lambda p: (len(p.name), p.name)):
+    for path in StateLayout(state_dir).dedup_count_files():
         try:
             counts = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(counts, dict):

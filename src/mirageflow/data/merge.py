@@ -15,20 +15,26 @@ from mirageflow.data.writers import (
     read_part_table,
     write_merged,
 )
+from mirageflow.errors import MirageflowError
+from mirageflow.state.layout import StateLayout, merged_dir, shard_output_dir
+from mirageflow.state.records import check_status, read
+from mirageflow.state.shards import is_done, job_fingerprint, stale_reason
 
 
-class MergeRefused(RuntimeError):
+class MergeRefused(MirageflowError, RuntimeError):
     pass
 
 
-def _damaged(e: Exception, shard_id: int, cfg: PipelineConfig) -> MergeRefused:
+def _damaged(e: Exception, shard_id: int, cfg) -> MergeRefused:
+    if getattr(cfg, "state_dir", None) is None:  # merge_directory: no pipeline state
+        return MergeRefused(f"{e}. The outputs of shard {shard_id} are damaged")
     return MergeRefused(
-        f"{e}. The outputs of shard {shard_id} are damaged: delete {cfg.shard_dir(shard_id)} (its checkpoint) "
+        f"{e}. The outputs of shard {shard_id} are damaged: delete {StateLayout(cfg.state_dir).shard_dir(shard_id)} (its checkpoint) "
         f"and the shard's output directory, rerun the workflow so shard {shard_id} runs again, then merge"
     )
 
 
-def _parquet_plan(parts: dict[int, list[Path]], cfg: PipelineConfig):
+def _parquet_plan(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState):
     """Every non-empty part's schema (from its footer), to plan one merged schema."""
     import pyarrow.parquet as pq
 
@@ -50,15 +56,16 @@ def _check_order(where, idx: list[int], last: int) -> None:
         raise MergeRefused(f"{where}: a source_index appears twice, or in the wrong shard; the shard outputs were mixed up")
 
 
-def _check_count(shard_id: int, found: int, expected: dict[int, int], cfg: PipelineConfig) -> None:
-    """A shard's parts must hold the records its status.json counted (nothing lost or added)."""
-    if found != expected[shard_id]:
+def _check_count(shard_id: int, found: int, expected: dict[int, int] | None, cfg) -> None:
+    """A shard's parts must hold the records its status.json counted (nothing lost or added;
+    ``expected`` None: no status.json to compare with, merge_directory)."""
+    if expected is not None and found != expected[shard_id]:
         raise _damaged(
             PartUnreadable(f"shard {shard_id}'s parts hold {found} records, its status.json counts {expected[shard_id]}"), shard_id, cfg
         )
 
 
-def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig, schema, out_dir: Path, expected: dict[int, int]):
+def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState, schema, out_dir: Path, expected: dict[int, int] | None):
     import pyarrow as pa
 
     last = -1
@@ -82,7 +89,7 @@ def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig, schema, o
         else:
             table = pa.concat_tables(tables).sort_by([("source_index", "ascending"), ("sample_index", "ascending")])
             idx = [i * n + k for i, k in zip(table.column("source_index").to_pylist(), table.column("sample_index").to_pylist())]
-        _check_order(out_dir / f"shard_{shard_id}", idx, last)
+        _check_order(shard_output_dir(out_dir, shard_id), idx, last)
         last = idx[-1]
         yield table
 
@@ -125,7 +132,7 @@ def _sample_unit(n: int):
     return key
 
 
-def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig, out_dir: Path, expected: dict[int, int]):
+def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState, out_dir: Path, expected: dict[int, int] | None):
     """Each shard's record lines, byte for byte as the parts hold them, in source order."""
     last = -1
     n = getattr(cfg, "n_samples", 1)
@@ -150,40 +157,44 @@ def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig, out_dir
             continue
         keyed.sort(key=lambda kv: kv[0])  # stable; parts are sorted runs, so this is a merge
         idx = [k for k, _ in keyed]
-        _check_order(out_dir / f"shard_{shard_id}", idx, last)
+        _check_order(shard_output_dir(out_dir, shard_id), idx, last)
         last = idx[-1]
         yield [line for _, line in keyed]
 
 
 def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
-    """Write merged/ for dataset ``ds``; refuse (nothing written) when any shard is not complete."""
-    missing, damaged, expected, parts = [], [], {}, {}
+    """Write merged/ for dataset ``ds``; refuse (nothing written) when any shard is not done
+    (the state contract's ``is_done``: a successful status.json of the current records fingerprint)."""
+    missing, stale, damaged, expected, parts = [], [], [], {}, {}
     out_dir = Path(ds.output_dir)
     fmt = ds.output_format
+    paths, fingerprint = StateLayout(cfg.state_dir), job_fingerprint(cfg)
     for shard_id in range(cfg.num_shards):
-        status_path = cfg.shard_dir(shard_id) / "status.json"
-        try:
-            status = json.loads(status_path.read_text(encoding="utf-8"))
-            if status.get("status") != "success" or status.get("num_shards") != cfg.num_shards:
-                missing.append(shard_id)
-                continue
-            # the parts its checkpoint listed, and how many records they hold (the accounting)
+        status_path = paths.status(shard_id)
+        status, why = read(status_path, lambda s: check_status(s, shard_id))
+        if why:
+            damaged.append(f"{status_path} ({why})")
+            continue
+        if not is_done(status, cfg.num_shards, fingerprint):
+            (stale if status is not None and stale_reason(status, fingerprint) else missing).append(shard_id)
+            continue
+        try:  # the parts its checkpoint listed, and how many records they hold (the accounting)
             entry = status["datasets"][ds.index]
             expected[shard_id] = int(entry["rows_processed"])
-            parts[shard_id] = [out_dir / f"shard_{shard_id}" / name for name in entry["parts"]]
-        except FileNotFoundError:
-            missing.append(shard_id)
-        except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            parts[shard_id] = [shard_output_dir(out_dir, shard_id) / name for name in entry["parts"]]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             damaged.append(f"{status_path} ({type(e).__name__}: {e})")
-    if missing or damaged:
+    if missing or stale or damaged:
         raise MergeRefused(
             f"cannot merge {ds.path}: "
             + (f"shard(s) {missing} of {cfg.num_shards} are not complete (no successful "
                f"{cfg.state_dir}/shard_<id>/status.json); run the workflow until every shard succeeds. " if missing else "")
+            + (f"shard(s) {stale} hold results of an earlier config (their status.json has another records "
+               "fingerprint); run the workflow to rerun them. " if stale else "")
             + (f"damaged status files: {'; '.join(damaged)}; delete them and rerun those shards" if damaged else "")
         )  # fmt: skip
 
-    out = out_dir / "merged"
+    out = merged_dir(out_dir)
     if fmt != "parquet":
         rows = write_merged(_jsonl_line_lists(parts, cfg, out_dir, expected), out, fmt)
         return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}
@@ -203,3 +214,100 @@ def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
         except ColumnNeedsJson as e:
             as_json.add(e.name)
     return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}
+
+
+# --------------------------------------------------------------------------- merge-dir (no config)
+
+
+class _NoState:
+    """What the merge needs of a config when there is none (``mmirage merge-dir``)."""
+
+    state_dir = None
+
+    def __init__(self, n_samples: int):
+        self.n_samples = n_samples
+
+
+def _shard_dirs(path: Path) -> dict[int, Path]:
+    found = {}
+    for p in path.glob("shard_*"):
+        suffix = p.name[len("shard_") :]
+        if p.is_dir() and suffix.isdigit():
+            found[int(suffix)] = p
+    return dict(sorted(found.items()))
+
+
+def _n_samples(parts: dict[int, list[Path]], fmt: str) -> int:
+    """1 + the largest sample_index of the records (1 without one): the key of a record is source_index * n + sample."""
+    import pyarrow.parquet as pq
+
+    top = -1
+    for paths in parts.values():
+        for p in paths:
+            if fmt == "parquet":
+                if "sample_index" not in pq.read_schema(p).names:
+                    return 1
+                column = pq.read_table(p, columns=["sample_index"]).column(0).to_pylist()
+                top = max([top, *[v for v in column if isinstance(v, int)]])
+            else:
+                with open(p, "rb") as f:
+                    for line in f:
+                        if line.strip():
+                            sample = json.loads(line).get("sample_index")
+                            if sample is None:
+                                return 1
+                            top = max(top, int(sample))
+    return top + 1 if top >= 0 else 1
+
+
+def merge_directory(input_dir: str | Path, output_dir: str | Path) -> list[dict]:
+    """``mmirage merge-dir``: merge the shard_<id>/ outputs found under ``input_dir`` into ``output_dir``.
+
+    ``input_dir`` holds shard_* folders (one dataset, merged into ``output_dir``) or
+    folders that do (each merged into ``output_dir/<its name>``), as MMIRAGE reads it.
+    Records are ordered by source_index (then sample_index) and a record found twice is
+    refused, as in the pipeline's merge; but without the pipeline's state the shards'
+    completeness cannot be checked (``mmirage merge --config C`` does). An output folder
+    that exists and is not empty is refused: nothing is replaced.
+    """
+    src, dest = Path(input_dir).expanduser().resolve(), Path(output_dir).expanduser().resolve()
+    if not src.is_dir():
+        raise MergeRefused(f"--input-dir {input_dir}: not a directory")
+    if dest == src or src in dest.parents:
+        raise MergeRefused(f"--output-dir {output_dir} is inside --input-dir {input_dir}: it would become input")
+    def has_parts(d: Path) -> bool:  # not a state_dir, whose shard_* folders hold no part files
+        return any(next(s.glob("part-*.*"), None) for s in _shard_dirs(d).values())
+
+    if _shard_dirs(src):
+        datasets = [(src, dest)]
+    else:
+        datasets = [(d, dest / d.name) for d in sorted(src.iterdir()) if d.is_dir() and not d.name.startswith(".") and has_parts(d)]
+    if not datasets:
+        raise MergeRefused(f"no shard_* folders in {input_dir} nor in its subfolders")
+    for _, out in datasets:
+        if out.exists() and any(out.iterdir()):
+            raise MergeRefused(f"{out} exists and is not empty: choose another --output-dir, or delete it")
+    reports = []
+    for dataset_dir, out in datasets:
+        parts = {i: sorted(d.glob("part-*.*")) for i, d in _shard_dirs(dataset_dir).items()}
+        formats = {p.suffix.lstrip(".") for paths in parts.values() for p in paths}
+        if len(formats) != 1 or not formats <= {"parquet", "jsonl"}:
+            raise MergeRefused(
+                f"{dataset_dir}: the shards hold {'no part files' if not formats else 'part files of ' + ', '.join(sorted(formats))}; "
+                "expected part-*.parquet or part-*.jsonl files, one format"
+            )
+        fmt = formats.pop()
+        cfg = _NoState(_n_samples(parts, fmt))
+        if fmt == "jsonl":
+            rows = write_merged(_jsonl_line_lists(parts, cfg, dataset_dir, None), out, fmt)
+        else:
+            schemas = _parquet_plan(parts, cfg)
+            as_json: set[str] = set()
+            while True:
+                try:
+                    rows = write_merged(_parquet_tables(parts, cfg, plan_schema(schemas, as_json), dataset_dir, None), out, fmt)
+                    break
+                except ColumnNeedsJson as e:
+                    as_json.add(e.name)
+        reports.append({"input_dir": str(dataset_dir), "output_dir": str(out), "shards": len(parts), "rows": rows, "format": fmt})
+    return reports

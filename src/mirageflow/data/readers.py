@@ -33,15 +33,15 @@ from typing import Any, Iterator, NamedTuple
 
 from mirageflow.config.types import DatasetConfig
 from mirageflow.data.sharding import shard_range
-from mirageflow.files import atomic_write_bytes, atomic_write_json, open_regular
-from mirageflow.prompts.templates import RowError
+from mirageflow.files import ContentCache, atomic_write_bytes, atomic_write_json, digest_of, open_regular, stat_key
+from mirageflow.errors import MirageflowError, RowError, RowErrorClass as E
 
 INDEX_VERSION = 3
 # Per shard in the offsets file: byte offset of its first row, that row's 1-based line number.
 SHARD_START = struct.Struct("<QQ")
 
 
-class DatasetReadError(OSError):
+class DatasetReadError(MirageflowError, OSError):
     """A dataset file cannot be read (not one row of it): the shard cannot go on. Names the file."""
 
 
@@ -54,7 +54,7 @@ class SourceRow(NamedTuple):  # a tuple: built once per row, cheaper than a froz
     value: Any  # the row mapping, or a RowError for an unreadable row
 
 
-def _parquet_files(path: str) -> list[str]:
+def parquet_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
@@ -69,7 +69,7 @@ def dataset_files(ds: DatasetConfig) -> list[str]:
     if ds.type == "jsonl":
         return [ds.path]
     if ds.type == "parquet":
-        return _parquet_files(ds.path)
+        return parquet_files(ds.path)
     return sorted(str(p) for p in Path(ds.path).rglob("*") if p.is_file())
 
 
@@ -98,8 +98,6 @@ def file_contents(ds: DatasetConfig) -> dict[str, list]:
     """Each dataset file's stat identity and SHA-256 of its bytes: {path: [[dev, inode, size,
     mtime_ns, ctime_ns], sha256]} (the index keeps it; mirageflow.state.inputs compares it
     with the files at DAG build, so an edit is seen whatever its mtime)."""
-    from mirageflow.state.inputs import stat_key
-
     out = {}
     for f in dataset_files(ds):
         with open_regular(f) as fh:
@@ -110,8 +108,6 @@ def file_contents(ds: DatasetConfig) -> dict[str, list]:
 
 def content_digest(header: dict) -> str | None:
     """The digest of an index's recorded file contents (None for an index without them)."""
-    from mirageflow.state.inputs import digest_of
-
     content = header.get("content")
     if not isinstance(content, dict):
         return None
@@ -122,8 +118,6 @@ def _content_unchanged(content: dict, ds: DatasetConfig, cache_path: str | os.Pa
     """The files are those indexed, by content: same paths, and for each file the same stat
     identity (inode, size, mtime, ctime) or, where it moved, the same SHA-256 (the driver's
     content cache at ``cache_path`` spares the hash of a file it already hashed)."""
-    from mirageflow.state.inputs import ContentCache
-
     files = dataset_files(ds)
     if sorted(files) != sorted(content):
         return False
@@ -153,7 +147,7 @@ def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig, content: dic
 # --------------------------------------------------------------------------- JSONL
 
 
-def _jsonl_count(path: str) -> int:
+def jsonl_count(path: str) -> int:
     rows = 0
     with open_regular(path) as f:
         for line in f:
@@ -219,25 +213,25 @@ def _jsonl_row(line: bytes, path: str, lineno: int):
         try:
             line.decode("utf-8-sig", "surrogatepass")
         except UnicodeDecodeError:
-            return RowError("read", "bad_row", f"{path}:{lineno}: not valid UTF-8 ({e})")
-        return RowError("read", "invalid_unicode", f"{path}:{lineno}: a lone UTF-16 surrogate encoded as UTF-8 bytes ({e})")
+            return RowError("read", E.BAD_ROW, f"{path}:{lineno}: not valid UTF-8 ({e})")
+        return RowError("read", E.INVALID_UNICODE, f"{path}:{lineno}: a lone UTF-16 surrogate encoded as UTF-8 bytes ({e})")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        return RowError("read", "bad_row", f"{path}:{lineno}: not valid JSON ({e})")
+        return RowError("read", E.BAD_ROW, f"{path}:{lineno}: not valid JSON ({e})")
     except Exception as e:  # RecursionError (deep nesting), MemoryError, ...: this row only
-        return RowError("read", "bad_row", f"{path}:{lineno}: cannot parse this line ({type(e).__name__}: {e})")
+        return RowError("read", E.BAD_ROW, f"{path}:{lineno}: cannot parse this line ({type(e).__name__}: {e})")
     if type(value) is not dict:
-        return RowError("read", "bad_row", f"{path}:{lineno}: line is a JSON {type(value).__name__}, not an object")
+        return RowError("read", E.BAD_ROW, f"{path}:{lineno}: line is a JSON {type(value).__name__}, not an object")
     # Only a line with a \\uD... escape can hold a lone surrogate now (the strict decoding
     # refused encoded ones): the common path pays a search of the line, not a walk of the value.
     if _UD_ESCAPE.search(line):
         try:
             where = lone_surrogate_at(value)
         except Exception as e:  # defensive: a row, never the shard
-            return RowError("read", "bad_row", f"{path}:{lineno}: cannot check this row ({type(e).__name__}: {e})")
+            return RowError("read", E.BAD_ROW, f"{path}:{lineno}: cannot check this row ({type(e).__name__}: {e})")
         if where is not None:
-            return RowError("read", "invalid_unicode", f"{path}:{lineno}: {where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)")
+            return RowError("read", E.INVALID_UNICODE, f"{path}:{lineno}: {where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)")
     return value
 
 
@@ -328,7 +322,7 @@ def _map_converter(t):
     return None
 
 
-def _arrow_rows(table, where: str, first: int) -> list:
+def arrow_rows(table, where: str, first: int) -> list:
     """``table``'s rows as dicts (MAPs converted); a row that cannot be converted (e.g. a
     timestamp beyond Python's datetime) is a RowError, the others are kept. ``first``: the
     dataset index of its first row, for messages."""
@@ -341,7 +335,7 @@ def _arrow_rows(table, where: str, first: int) -> list:
             try:
                 rows.extend(table.slice(i, 1).to_pylist())
             except Exception as e:
-                rows.append(RowError("read", "bad_row", f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})"))
+                rows.append(RowError("read", E.BAD_ROW, f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})"))
     if converters:
         for i, row in enumerate(rows):
             if isinstance(row, RowError):
@@ -350,7 +344,7 @@ def _arrow_rows(table, where: str, first: int) -> list:
                 for name, c in converters.items():
                     row[name] = c(row[name])
             except Exception as e:
-                rows[i] = RowError("read", "bad_row", f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})")
+                rows[i] = RowError("read", E.BAD_ROW, f"{where}: row {first + i} cannot be converted ({type(e).__name__}: {e})")
     return rows
 
 
@@ -404,9 +398,9 @@ def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[So
                         )
                         for i in range(a, b):
                             if not skip(i):
-                                yield SourceRow(i, RowError("read", "unreadable_row_group", why))
+                                yield SourceRow(i, RowError("read", E.UNREADABLE_ROW_GROUP, why))
                     else:
-                        rows = _arrow_rows(table.slice(a - rg_base, b - a), f"{path}", a)
+                        rows = arrow_rows(table.slice(a - rg_base, b - a), f"{path}", a)
                         for i, row in enumerate(rows, start=a):
                             if not skip(i):
                                 yield SourceRow(i, row)
@@ -419,7 +413,7 @@ def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[So
 # --------------------------------------------------------------------------- loadable
 
 
-def _load_hf(ds: DatasetConfig):
+def load_hf(ds: DatasetConfig):
     import datasets
 
     obj = datasets.load_from_disk(ds.path)
@@ -436,7 +430,7 @@ def _load_hf(ds: DatasetConfig):
 
 def _read_loadable(ds: DatasetConfig, start: int, stop: int, skip, chunk: int = 1024) -> Iterator[SourceRow]:
     try:
-        table = _load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
+        table = load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
         rows = len(table)
     except Exception as e:
         raise DatasetReadError(f"{ds.path}: cannot load this dataset ({type(e).__name__}: {e})") from e
@@ -459,7 +453,7 @@ def _read_loadable(ds: DatasetConfig, start: int, stop: int, skip, chunk: int = 
                 try:
                     values.append(table[i])
                 except Exception as e:
-                    values.append(RowError("read", "unreadable_rows", f"{ds.path}: row {i} cannot be read ({type(e).__name__}: {e})"))
+                    values.append(RowError("read", E.UNREADABLE_ROWS, f"{ds.path}: row {i} cannot be read ({type(e).__name__}: {e})"))
         for i, row in enumerate(values, start=a):
             if not skip(i):
                 yield SourceRow(i, row)
@@ -476,7 +470,6 @@ class ShardSlice(NamedTuple):
     offset: int = 0  # JSONL: byte offset of row `start`
     line: int = 0  # JSONL: its 1-based line number
     files: list | None = None  # Parquet: [{"path", "rows"}] of the whole dataset
-    content: str | None = None  # digest of the dataset's file contents when indexed (None: an older index)
 
 
 def offsets_path(index_path: str | Path) -> Path:
@@ -495,18 +488,18 @@ def write_index(ds: DatasetConfig, num_shards: int, path: str | Path) -> dict:
     header: dict[str, Any] = {"version": INDEX_VERSION, "path": ds.path, "type": ds.type, "num_shards": num_shards}
     table = b""
     if ds.type == "jsonl":
-        rows = _jsonl_count(ds.path)
+        rows = jsonl_count(ds.path)
         starts = [shard_range(rows, num_shards, s)[0] for s in range(num_shards)]
         found = _jsonl_starts(ds.path, starts)
         table = b"".join(SHARD_START.pack(*found[r]) for r in starts)
     elif ds.type == "parquet":
-        files = [{"path": f, "rows": _parquet_rows(f)} for f in _parquet_files(ds.path)]
+        files = [{"path": f, "rows": _parquet_rows(f)} for f in parquet_files(ds.path)]
         if not files:
             raise FileNotFoundError(f"no Parquet files at '{ds.path}'")
         rows = sum(f["rows"] for f in files)
         header["files"] = files
     else:
-        rows = len(_load_hf(ds))
+        rows = len(load_hf(ds))
     header["rows"] = rows
     header["fingerprint"] = fingerprint(ds)
     header["content"] = file_contents(ds)
@@ -527,9 +520,8 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
             f"(snakemake --forcerun index_dataset)"
         )
     start, stop = shard_range(header["rows"], num_shards, shard_id)
-    content = content_digest(header)
     if ds.type != "jsonl":
-        return ShardSlice(start, stop, files=header.get("files"), content=content)
+        return ShardSlice(start, stop, files=header.get("files"))
     table = offsets_path(path)
     with open(table, "rb") as f:
         f.seek(shard_id * SHARD_START.size)
@@ -537,7 +529,7 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
     if len(entry) != SHARD_START.size:
         raise ValueError(f"{table} has no entry for shard {shard_id}; rerun the index rule")
     offset, line = SHARD_START.unpack(entry)
-    return ShardSlice(start, stop, offset, line, content=content)
+    return ShardSlice(start, stop, offset, line)
 
 
 def read_shard(ds: DatasetConfig, shard: ShardSlice, skip=lambda i: False) -> Iterator[SourceRow]:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable
 
 from mirageflow.files import new_temp_dir, new_temp_file
+from mirageflow.errors import MirageflowError
 
 ENCODING_KEY = b"mirageflow.encoding"
 JSON_ENCODING = b"json"
@@ -197,7 +198,7 @@ def records_table(records: list[dict]):
 # --------------------------------------------------------------------------- one schema for many tables
 
 
-class ColumnNeedsJson(Exception):
+class ColumnNeedsJson(MirageflowError):
     """A column's values cannot be cast to the planned type without a change: store it as JSON."""
 
     def __init__(self, name: str, why: str):
@@ -317,7 +318,7 @@ def write_part(path: Path, records: list[dict], fmt: str) -> None:
         raise
 
 
-class PartUnreadable(OSError):
+class PartUnreadable(MirageflowError, OSError):
     """A part file cannot be read; the message names it."""
 
 

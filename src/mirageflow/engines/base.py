@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 from mirageflow.engines.chat_template import ChatTemplate
 from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import MirageflowError
 
 
 class Engine(abc.ABC):
@@ -139,7 +140,7 @@ class Engine(abc.ABC):
 # --------------------------------------------------------------------------- errors
 
 
-class EngineError(RuntimeError):
+class EngineError(MirageflowError, RuntimeError):
     """The engine cannot go on (it crashed, the server died, the endpoint is unusable): the
     shard fails with this message. Row-level problems are Completions with ``error_kind``."""
 

@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable
 from mirageflow.engines.base import EngineError, EngineStopped  # noqa: F401
 from mirageflow.engines.wire import Completion
 from mirageflow.engines.http_client import DeadlineExceeded, HTTPClient, Response, ResponseTooLarge, TransportError, dumps
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.redact import redact, redact_text  # noqa: F401 - the engines import them from here
 # EngineError and EngineStopped live in base (imported here for the engines' convenience).
 
@@ -57,17 +58,17 @@ def is_context_length_error(message: str) -> bool:
     return any(m in low for m in _CONTEXT_MARKERS)
 
 
-def error_kind(message: str, default: str = "invalid_request") -> str:
+def error_kind(message: str, default: str = E.INVALID_REQUEST) -> str:
     """The row-error class of an engine's message about one request."""
     if is_context_length_error(message):
-        return "context_length"
+        return E.CONTEXT_LENGTH
     low = message.lower()
     if any(m in low for m in _GRAMMAR_MARKERS):
-        return "grammar_error"
+        return E.GRAMMAR_ERROR
     return default
 
 
-def rejected(rid: int, message: str, default: str = "invalid_request") -> Completion:
+def rejected(rid: int, message: str, default: str = E.INVALID_REQUEST) -> Completion:
     """A request the engine refused or aborted (no tokens were generated): a row error."""
     return Completion(rid, "", 0, 0, "abort", error_kind(message, default), message)
 

@@ -49,12 +49,14 @@ try:
 except ImportError:  # pragma: no cover - a pinned dependency; the stdlib still works
     orjson = None
 
+from mirageflow.errors import MirageflowError
+
 HEADER_LIMIT = 64 * 1024  # status line + headers, and one chunk-size line
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _READ_SIZE = 64 * 1024
 
 
-class TransportError(Exception):
+class TransportError(MirageflowError):
     """No whole answer: refused, reset, closed early, malformed, too large or too late."""
 
 
@@ -66,7 +68,7 @@ class ResponseTooLarge(TransportError):
     pass
 
 
-class _Stale(Exception):
+class _Stale(MirageflowError):
     """A reused connection ended before any answer byte."""
 
 

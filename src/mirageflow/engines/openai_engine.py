@@ -43,7 +43,9 @@ prompt goes to ``POST {base_url}/completions`` as is.
   proxies (HTTP(S)_PROXY, NO_PROXY). ``base_url`` may carry a query string (kept on every
   request) and userinfo (Basic auth when no ``api_key_env``); messages and status files
   show it with the password and query values masked.
-- ``max_inflight``: 64 requests at once (``shard_params.max_inflight`` overrides).
+- ``max_inflight``: 64 requests at once, or ``processors[].max_concurrency`` (MMIRAGE's
+  api_llm; ``shard_params.max_inflight`` overrides either); ``retry_base_delay`` sets the
+  first retry's delay.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import os
 
 from mirageflow.config.types import ProcessorConfig
 from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, rejected
 from mirageflow.engines.http_client import HTTPClient, display_url
@@ -102,7 +105,10 @@ class OpenAIEngine(LoopEngine):
         self.base_url = (processor.base_url or "").rstrip("/")
         self.shown_url = display_url(self.base_url)  # what messages and status files show
         self.model = processor.model or processor.server_args.model_path
-        self.max_inflight = DEFAULT_MAX_INFLIGHT
+        # processors[].max_concurrency (MMIRAGE's api_llm) and retry_base_delay, when set
+        self.max_inflight = processor.max_concurrency or DEFAULT_MAX_INFLIGHT
+        if processor.retry_base_delay is not None:
+            self.retry_base_delay = processor.retry_base_delay
         self._client: HTTPClient | None = None
         self._whats: dict[str, str] = {}
         self._warned_usage = False
@@ -207,7 +213,7 @@ class OpenAIEngine(LoopEngine):
             message = f"{client.url(path)} answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return [rejected(request.id + k, message, "aborted" if response.status_code >= 500 else "invalid_request") for k in range(n)]
+            return [rejected(request.id + k, message, E.ABORTED if response.status_code >= 500 else E.INVALID_REQUEST) for k in range(n)]
         data = response.json()  # decoded by post_with_retries
         if not isinstance(data, dict):
             raise EngineError(f"{client.url(path)} answered JSON that is not an object: {response.text[:200]!r}")
@@ -235,7 +241,7 @@ class OpenAIEngine(LoopEngine):
                 request.id + k, text, int(usage.get("prompt_tokens") or 0) if k == 0 else 0, tokens, finish_reason(reason), reasoning=reasoning
             )  # fmt: skip
             if completion.finish_reason == "abort":
-                completion.error_kind = "aborted"
+                completion.error_kind = E.ABORTED
                 completion.error = f"the server ended the request with finish_reason {reason!r}"
             completions.append(completion)
         return completions

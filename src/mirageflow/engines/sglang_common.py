@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from mirageflow.config.types import ServerArgs
 from mirageflow.stats import formulas as stats
 from mirageflow.engines.wire import Completion, Request
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.engines.http import error_kind, rejected
 from mirageflow.engines.json_prefix import continuation_grammar
 
@@ -75,7 +76,7 @@ def completion_from_output(rid: int, out: Mapping) -> Completion:
     )
     if finish == "abort":
         message = str(reason.get("message") or "") if isinstance(reason, Mapping) else ""
-        completion.error_kind = error_kind(message, "aborted")
+        completion.error_kind = error_kind(message, E.ABORTED)
         completion.error = "the engine aborted the request" + (f": {message}" if message else "")
     return completion
 
@@ -93,7 +94,7 @@ def request_error(rid: int, error: Exception) -> Completion | None:
         return rejected(rid, str(error))
     status, detail = getattr(error, "status_code", None), getattr(error, "detail", None)
     if isinstance(status, int) and detail is not None:
-        return rejected(rid, f"SGLang aborted the request (status {status}): {detail}", "aborted")
+        return rejected(rid, f"SGLang aborted the request (status {status}): {detail}", E.ABORTED)
     return None
 
 
@@ -111,7 +112,7 @@ def image_inputs(request: Request, prompt_ids, image_token: str | None) -> tuple
 
     problem = placeholder_error(request.prompt, image_token, len(request.images))
     if problem:
-        return rejected(request.id, problem, "image_placeholders")
+        return rejected(request.id, problem, E.IMAGE_PLACEHOLDERS)
     text, text_tokens = request.prompt, None
     if prompt_ids is not None:
         bos = prompt_ids.tokenizer.bos_token if prompt_ids.bos is not None else None

@@ -60,6 +60,7 @@ from pathlib import Path
 from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.tokens import PromptTokenizer
 from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.engines.http import (
     FATAL_STATUS,
     EngineError,
@@ -313,7 +314,7 @@ class SGLangServerEngine(LoopEngine):
             message = f"SGLang server answered HTTP {response.status_code}: {error_message(response.content)}"
             if response.status_code in FATAL_STATUS:
                 raise EngineError(message)
-            return rejected(request.id, message, "aborted" if response.status_code >= 500 else "invalid_request")
+            return rejected(request.id, message, E.ABORTED if response.status_code >= 500 else E.INVALID_REQUEST)
         out = response.json()  # decoded by post_with_retries
         if isinstance(out, list):
             out = out[0]
@@ -396,7 +397,7 @@ def _request_failure(response) -> bool:
     """A 5xx that is this request's own failure, not the server's: SGLang answers a scheduler
     abort with its status (a grammar accept failure is a 500) and the message; retrying
     gives the same answer."""
-    return response.status_code == 500 and error_kind(error_message(response.content), "") in ("grammar_error", "context_length")
+    return response.status_code == 500 and error_kind(error_message(response.content), "") in (E.GRAMMAR_ERROR, E.CONTEXT_LENGTH)
 
 
 def _load_tokenizer(server_args: ServerArgs):

@@ -41,6 +41,7 @@ from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import Engine, EngineStopped
 from mirageflow.engines.tokens import PromptTokenizer
 from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
 
 log = logging.getLogger(__name__)
 
@@ -384,16 +385,16 @@ class TransformersEngine(Engine):
 
 def _too_long(rid: int, n_prompt: int, max_new: int, context: int) -> Completion:
     return Completion(
-        rid, "", n_prompt, 0, "abort", "context_length",
+        rid, "", n_prompt, 0, "abort", E.CONTEXT_LENGTH,
         f"prompt has {n_prompt} tokens; with max_new_tokens {max_new} it exceeds the model's context of {context}",
     )  # fmt: skip
 
 
 def _vision_processor(path: str, trust: bool):
     """The processor of a local vision-language model (config.json declares a vision tower), else None."""
-    from mirageflow.prompts.images import is_vision_model
+    from mirageflow import model_config
 
-    if not is_vision_model(path):
+    if not model_config.is_vision(path):
         return None
     from transformers import AutoProcessor
 
@@ -413,7 +414,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
     processor = engine.processor
     if processor is None:
         return [
-            Completion(r.id, "", 0, 0, "abort", "image_unsupported", f"{engine.server_args.model_path} is not a vision-language model (no vision tower in its config.json)")
+            Completion(r.id, "", 0, 0, "abort", E.IMAGE_UNSUPPORTED, f"{engine.server_args.model_path} is not a vision-language model (no vision tower in its config.json)")
             for r in requests
         ]
     token = getattr(processor, "image_token", None)
@@ -424,7 +425,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
     for i, r in enumerate(requests):
         problem = placeholder_error(r.prompt, token, len(r.images))
         if problem:
-            results[i] = Completion(r.id, "", 0, 0, "abort", "image_placeholders", problem)
+            results[i] = Completion(r.id, "", 0, 0, "abort", E.IMAGE_PLACEHOLDERS, problem)
             continue
         text = r.prompt
         while bos and text.startswith(bos):  # the processor's tokenizer adds it: one BOS
@@ -447,7 +448,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
             if engine.max_context and n + max_new > engine.max_context:
                 too_long.add(i)
                 results[i] = Completion(
-                    requests[i].id, "", int(n), 0, "abort", "context_length",
+                    requests[i].id, "", int(n), 0, "abort", E.CONTEXT_LENGTH,
                     f"prompt has {n} tokens with its images; with max_new_tokens {max_new} it exceeds the model's context of {engine.max_context}",
                 )  # fmt: skip
         if too_long:

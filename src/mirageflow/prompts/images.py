@@ -58,8 +58,7 @@ from typing import Any, Iterable, Mapping
 
 from mirageflow.config.types import DatasetConfig, PipelineConfig
 from mirageflow.files import NotRegularFile, open_regular
-from mirageflow.prompts.error_classes import IMAGE_OUTSIDE_BASE
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError, RowErrorClass as E
 
 STAGE = "image"
 DEFAULT_MAX_PIXELS = 36_000_000  # 6000 x 6000; Pillow's own bomb check starts at ~89 M
@@ -122,18 +121,18 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
         im = Image.open(io.BytesIO(data))
         width, height = im.size
         if width * height > max_pixels:
-            raise _error("image_too_large", name, source, f"{width}x{height} = {width * height} pixels, more than max_pixels ({max_pixels})")
+            raise _error(E.IMAGE_TOO_LARGE, name, source, f"{width}x{height} = {width * height} pixels, more than max_pixels ({max_pixels})")
         fmt = im.format
         im.load()
     except RowError:
         raise
     except Image.DecompressionBombError as e:
-        raise _error("image_too_large", name, source, _scrub(e)) from None
+        raise _error(E.IMAGE_TOO_LARGE, name, source, _scrub(e)) from None
     except UnidentifiedImageError:
         # never the bytes themselves: the file could be anything readable on the node
-        raise _error("image_unreadable", name, source, f"not an image Pillow can read ({len(data)} bytes in no image format it knows)") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"not an image Pillow can read ({len(data)} bytes in no image format it knows)") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated, corrupt
-        raise _error("image_unreadable", name, source, f"cannot decode the image ({type(e).__name__}: {_scrub(e)})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot decode the image ({type(e).__name__}: {_scrub(e)})") from None
     try:
         im, changed = _canonical(im, max_side)
         if changed or fmt not in _PASSTHROUGH:
@@ -148,7 +147,7 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
         else:
             mime = _PASSTHROUGH[fmt]
     except (OSError, ValueError, SyntaxError, EOFError, KeyError) as e:  # a corrupt EXIF block, an odd mode
-        raise _error("image_unreadable", name, source, f"cannot convert the image ({type(e).__name__}: {_scrub(e)})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot convert the image ({type(e).__name__}: {_scrub(e)})") from None
     return CanonicalImage(data, mime, im.width, im.height, hashlib.sha256(data).hexdigest(), source, im)
 
 
@@ -181,7 +180,7 @@ def _data_uri_bytes(value: str, name: str) -> bytes:
     m = _DATA_URI.match(value)
     shown = f"data:{m.group(1) or ''} URI ({len(value)} characters)" if m else f"data: URI ({len(value)} characters)"
     if not m:
-        raise _error("image_unreadable", name, shown, "malformed data: URI (expected data:<mime>;base64,<data>)")
+        raise _error(E.IMAGE_UNREADABLE, name, shown, "malformed data: URI (expected data:<mime>;base64,<data>)")
     payload = value[m.end() :]
     if not m.group(3):
         from urllib.parse import unquote_to_bytes
@@ -190,7 +189,7 @@ def _data_uri_bytes(value: str, name: str) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise _error("image_unreadable", name, shown, f"bad base64 in the data: URI ({_scrub(e)})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"bad base64 in the data: URI ({_scrub(e)})") from None
 
 
 def _fetch(url: str, name: str, max_bytes: int, deadline_seconds: float | None = None) -> bytes:
@@ -213,7 +212,7 @@ def _fetch(url: str, name: str, max_bytes: int, deadline_seconds: float | None =
             except Exception:  # noqa: BLE001 - best effort: the thread ends at its read timeout anyway
                 pass
         raise _error(
-            "image_remote_unreachable", name, url,
+            E.IMAGE_REMOTE_UNREACHABLE, name, url,
             f"the download did not finish within {deadline_seconds:g} s (the deadline for one remote image)",
         ) from None  # fmt: skip
 
@@ -233,24 +232,24 @@ def _download(url: str, name: str, max_bytes: int, deadline_seconds: float, stat
         with httpx2.stream("GET", url, timeout=per_op, follow_redirects=True) as response:
             state["response"] = response
             if response.status_code != 200:
-                raise _error("image_missing", name, url, f"the server answered HTTP {response.status_code}")
+                raise _error(E.IMAGE_MISSING, name, url, f"the server answered HTTP {response.status_code}")
             declared = response.headers.get("content-length")
             if declared and declared.isdigit() and int(declared) > max_bytes:
-                raise _error("image_too_large", name, url, f"{declared} bytes (Content-Length), more than max_bytes ({max_bytes})")
+                raise _error(E.IMAGE_TOO_LARGE, name, url, f"{declared} bytes (Content-Length), more than max_bytes ({max_bytes})")
             chunks, size = [], 0
             for chunk in response.iter_bytes():
                 if state["stop"]:
                     raise TimeoutError("past the deadline")
                 size += len(chunk)
                 if size > max_bytes:
-                    raise _error("image_too_large", name, url, f"more than max_bytes ({max_bytes}) bytes")
+                    raise _error(E.IMAGE_TOO_LARGE, name, url, f"more than max_bytes ({max_bytes}) bytes")
                 chunks.append(chunk)
             return b"".join(chunks)
     except RowError:
         raise
     except Exception as e:  # noqa: BLE001 - DNS, connection refused, timeout, TLS: the network
         raise _error(
-            "image_remote_unreachable", name, url,
+            E.IMAGE_REMOTE_UNREACHABLE, name, url,
             f"cannot download it ({type(e).__name__}: {_scrub(e)}); no network may be reachable from this job "
             "(cluster nodes often have none): download the images beforehand and use local paths",
         ) from None  # fmt: skip
@@ -261,21 +260,21 @@ def _read_file(path: str, shown: str, name: str, max_bytes: int) -> tuple[bytes,
     try:
         f = open_regular(path)
     except FileNotFoundError:
-        raise _error("image_missing", name, shown, "no such file") from None
+        raise _error(E.IMAGE_MISSING, name, shown, f"no such file ({path})") from None
     except NotRegularFile as e:
         kind = str(e).rsplit(" is ", 1)[-1]
-        raise _error("image_unreadable", name, shown, f"is {kind}") from None
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"is {kind}") from None
     except (OSError, ValueError) as e:
-        raise _error("image_unreadable", name, shown, f"cannot read it ({getattr(e, 'strerror', None) or _scrub(e)})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({getattr(e, 'strerror', None) or _scrub(e)})") from None
     with f:
         try:
             st = os.fstat(f.fileno())
             if st.st_size > max_bytes:
-                raise _error("image_too_large", name, shown, f"{st.st_size} bytes, more than max_bytes ({max_bytes})")
+                raise _error(E.IMAGE_TOO_LARGE, name, shown, f"{st.st_size} bytes, more than max_bytes ({max_bytes})")
             # the stat identity of what was read: a later edit of the file reruns the shard (state/inputs.py)
             return f.read(max_bytes + 1), [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         except OSError as e:
-            raise _error("image_unreadable", name, shown, f"cannot read it ({e.strerror or _scrub(e)})") from None
+            raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({e.strerror or _scrub(e)})") from None
 
 
 def _inside(path: str, root: str) -> bool:
@@ -343,7 +342,7 @@ class RowImages:
             value = variables.get(spec.name)
             values = value if isinstance(value, list | tuple) else [value]
             if not values:
-                raise _error("image_invalid_value", spec.name, "[]", "an empty list (no image)")
+                raise _error(E.IMAGE_INVALID_VALUE, spec.name, "[]", "an empty list (no image)")
             out[spec.name] = [self.load(v, spec, base, root) for v in values]
         return out
 
@@ -352,7 +351,7 @@ class RowImages:
         name = spec.name
         source, data = self._bytes(value, spec, base, root)
         if len(data) > spec.max_bytes:
-            raise _error("image_too_large", name, source, f"{len(data)} bytes, more than max_bytes ({spec.max_bytes})")
+            raise _error(E.IMAGE_TOO_LARGE, name, source, f"{len(data)} bytes, more than max_bytes ({spec.max_bytes})")
         return canonicalise(data, source, name, max_side=spec.max_side, max_pixels=spec.max_pixels)
 
     def _bytes(self, value: Any, spec: ImageInput, base: str, root: str | None = None) -> tuple[str, bytes]:
@@ -362,14 +361,14 @@ class RowImages:
             if raw:
                 if not isinstance(raw, bytes | bytearray | memoryview):
                     raise _error(
-                        "image_invalid_value", name, "{bytes, path}",
+                        E.IMAGE_INVALID_VALUE, name, "{bytes, path}",
                         f"'bytes' is a {type(raw).__name__}, not bytes (a Hugging Face Image feature holds the encoded file)",
                     )  # fmt: skip
                 return str(value.get("path") or "image bytes")[:200], bytes(raw)
             if value.get("path"):
                 value = value["path"]
             else:
-                raise _error("image_invalid_value", name, "{...}", f"an object without image bytes or path (keys: {sorted(map(str, value))[:10]})")
+                raise _error(E.IMAGE_INVALID_VALUE, name, "{...}", f"an object without image bytes or path (keys: {sorted(map(str, value))[:10]})")
         if isinstance(value, bytes | bytearray):
             return "image bytes", bytes(value)
         if hasattr(value, "save") and hasattr(value, "size"):  # a decoded PIL image (datasets' own decoding)
@@ -377,10 +376,10 @@ class RowImages:
             try:
                 value.save(buf, format="PNG")
             except (OSError, ValueError) as e:
-                raise _error("image_unreadable", name, "PIL image", f"cannot encode it ({e})") from None
+                raise _error(E.IMAGE_UNREADABLE, name, "PIL image", f"cannot encode it ({e})") from None
             return "PIL image", buf.getvalue()
         if not isinstance(value, str) or not value.strip():
-            raise _error("image_invalid_value", name, repr(value)[:60], "not an image path, data: URI, URL or image bytes")
+            raise _error(E.IMAGE_INVALID_VALUE, name, repr(value)[:60], "not an image path, data: URI, URL or image bytes")
         if value.startswith("data:"):
             return "data: URI", _data_uri_bytes(value, name)
         lower = value.lower()
@@ -389,12 +388,12 @@ class RowImages:
         if lower.startswith("file://"):
             value = value[len("file://") :]
         if "\0" in value:
-            raise _error("image_invalid_value", name, repr(value)[:60], "the path holds a NUL byte (no file can have that name)")
+            raise _error(E.IMAGE_INVALID_VALUE, name, repr(value)[:60], "the path holds a NUL byte (no file can have that name)")
         path = os.path.join(base, os.path.expanduser(value))
         real = os.path.realpath(path)
         if root is not None and not _inside(real, root):
             raise _error(
-                IMAGE_OUTSIDE_BASE, name, value,
+                E.IMAGE_OUTSIDE_BASE, name, value,
                 f"the path leads outside the dataset's image folder ({base}); image paths must stay inside "
                 "image_base_path (set loading_params.datasets[].allow_images_outside_base: true to allow any path)",
             )  # fmt: skip
@@ -430,7 +429,7 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
         if not isinstance(content, str) or _MARK_OPEN not in content:
             continue
         if message.get("role") != "user":
-            raise RowError("render", "template_error", f"image variables may only be used in the user prompt, not in a {message.get('role')} message")
+            raise RowError("render", E.TEMPLATE_ERROR, f"image variables may only be used in the user prompt, not in a {message.get('role')} message")
         found = True
         parts: list[dict] = []
         pos = 0
@@ -438,7 +437,7 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
             if m.start() > pos:
                 parts.append({"type": "text", "text": content[pos : m.start()]})
             if m.group(1) not in images:
-                raise RowError("render", "template_error", "an image variable was changed by a template filter; use it as a plain {{ name }}")
+                raise RowError("render", E.TEMPLATE_ERROR, "an image variable was changed by a template filter; use it as a plain {{ name }}")
             for image in images[m.group(1)]:
                 parts.append({"type": "image"})
                 placed.append(image)
@@ -446,12 +445,12 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
         if pos < len(content):
             parts.append({"type": "text", "text": content[pos:]})
         if any(_MARK_OPEN in p.get("text", "") or _MARK_CLOSE in p.get("text", "") for p in parts):
-            raise RowError("render", "template_error", "an image variable was changed by a template filter; use it as a plain {{ name }}")
+            raise RowError("render", E.TEMPLATE_ERROR, "an image variable was changed by a template filter; use it as a plain {{ name }}")
         message["content"] = parts
     if not found:
         users = [m for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
         if not users:
-            raise RowError("render", "template_error", "the row has images but no user turn to put them in")
+            raise RowError("render", E.TEMPLATE_ERROR, "the row has images but no user turn to put them in")
         ordered = [image for name in order for image in images.get(name, ())]
         users[-1]["content"] = [{"type": "image"} for _ in ordered] + [{"type": "text", "text": users[-1]["content"]}]
         placed = ordered
@@ -505,17 +504,3 @@ def placeholder_error(prompt: str, token: str | None, count: int) -> str | None:
     if found == count:
         return None
     return f"the rendered prompt holds {found} image placeholder(s) '{token}' for {count} image(s); the chat template must write one per image part"
-
-
-def is_vision_model(model_dir) -> bool | None:
-    """Whether a local model's config.json describes a vision-language model; None when unknown."""
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    return any(k in config for k in ("vision_config", "vision_tower", "visual", "mm_vision_tower", "image_token_index", "image_token_id"))

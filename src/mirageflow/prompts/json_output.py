@@ -15,6 +15,8 @@ from typing import Any
 
 import jsonschema
 
+from mirageflow.errors import MirageflowError, RowErrorClass as E
+
 _TYPES = {
     "str": "string", "string": "string",
     "int": "integer", "integer": "integer",
@@ -23,13 +25,13 @@ _TYPES = {
 }  # fmt: skip
 
 
-class SchemaError(ValueError):
+class SchemaError(MirageflowError, ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("; ".join(problems))
 
 
-class OutputError(ValueError):
+class OutputError(MirageflowError, ValueError):
     """The model's text is not a JSON object matching the output schema."""
 
     def __init__(self, kind: str, message: str):
@@ -198,12 +200,12 @@ def parse_answer(text: str, validator: "FastValidator | jsonschema.Draft7Validat
             value = None
         if value is None:
             if truncated:
-                raise OutputError("json_truncated", "JSON answer was cut off by max_new_tokens") from None
-            raise OutputError("json_parse", f"answer is not valid JSON: {text[:200]!r}") from None
+                raise OutputError(E.JSON_TRUNCATED, "JSON answer was cut off by max_new_tokens") from None
+            raise OutputError(E.JSON_PARSE, f"answer is not valid JSON: {text[:200]!r}") from None
     if not isinstance(value, dict):
-        raise OutputError("json_schema", f"answer is a JSON {type(value).__name__}, not an object")
+        raise OutputError(E.JSON_SCHEMA, f"answer is a JSON {type(value).__name__}, not an object")
     errors = sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         msgs = [f"{'.'.join(map(str, e.absolute_path)) or '<object>'}: {e.message}" for e in errors]
-        raise OutputError("json_schema", "; ".join(msgs))
+        raise OutputError(E.JSON_SCHEMA, "; ".join(msgs))
     return value

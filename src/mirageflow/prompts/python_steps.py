@@ -39,7 +39,6 @@ error. A set ``fallback_value`` is named in a WARNING in the shard's log.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import os
@@ -50,8 +49,10 @@ import jinja2
 from jinja2.runtime import new_context as _new_context
 
 from mirageflow.config.types import CustomProcessor, OutputVar
+from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.render_bounds import BoundedSandbox, RenderTimeout, RenderTooLarge, guarded, limit_message
-from mirageflow.prompts.templates import RowError, template_problems
+from mirageflow.prompts.templates import template_problems
+from mirageflow.prompts.user_code import FunctionMissing, load_function
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +81,6 @@ def predicate_problems(predicate: str, known, where: str, json_fields=None) -> l
     if not expr.strip():
         return [f"{where}: empty predicate (a Jinja2 expression such as 'score > 33')"]
     return template_problems("{{ (" + expr + ") }}", known, where, json_fields)
-
-
-class FunctionMissing(AttributeError):
-    """The script loads, but does not define the function (or it is not callable)."""
-
-
-def load_function(script_path: str, function_name: str):
-    """Import the script (as a module of its own, not in sys.modules) and return the function."""
-    name = "mirageflow_custom_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(script_path))[0])
-    spec = importlib.util.spec_from_file_location(name, script_path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"'{script_path}' cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, function_name, None)
-    if fn is None:
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise FunctionMissing(f"'{script_path}' defines no '{function_name}' (callables found: {', '.join(found) or 'none'})")
-    if not callable(fn):
-        raise FunctionMissing(f"'{function_name}' in '{script_path}' is a {type(fn).__name__}, not a function")
-    return fn
 
 
 # --------------------------------------------------------------------------- parent side
@@ -174,12 +154,12 @@ class FunctionPool:
 
             raise ShardFailed(f"{where}: a worker process of processor '{self.proc.type}' was stopped by {payload}")
         kind, message = {
-            "raised": ("custom_error", payload),
-            "bad_value": ("custom_bad_value", payload),
-            "timeout": ("custom_timeout", f"the call ran past timeout_ms ({self.proc.timeout_ms} ms)"),
-            "killed": ("custom_timeout", f"the call ran past timeout_ms ({self.proc.timeout_ms} ms) and ignored the alarm: its worker was killed"),
-            "crashed": ("custom_crashed", f"the worker process died ({payload}) during the call, and again when the row was retried alone on a new worker"),
-            "unsent": ("custom_error", f"the call could not be made: {payload}"),
+            "raised": (E.CUSTOM_ERROR, payload),
+            "bad_value": (E.CUSTOM_BAD_VALUE, payload),
+            "timeout": (E.CUSTOM_TIMEOUT, f"the call ran past timeout_ms ({self.proc.timeout_ms} ms)"),
+            "killed": (E.CUSTOM_TIMEOUT, f"the call ran past timeout_ms ({self.proc.timeout_ms} ms) and ignored the alarm: its worker was killed"),
+            "crashed": (E.CUSTOM_CRASHED, f"the worker process died ({payload}) during the call, and again when the row was retried alone on a new worker"),
+            "unsent": (E.CUSTOM_ERROR, f"the call could not be made: {payload}"),
         }[status]  # fmt: skip
         raise RowError("custom", kind, f"{where}: {message}")
 
@@ -291,12 +271,11 @@ class FilterStep:
             kind, message = limit_message(e)
             raise RowError("filter", kind, f"{self.where}: predicate '{self.predicate}': {message}") from None
         except Exception as e:
-            raise RowError("filter", "filter_error", f"{self.where}: predicate '{self.predicate}' raised {type(e).__name__}: {e}") from None
+            raise RowError("filter", E.FILTER_ERROR, f"{self.where}: predicate '{self.predicate}' raised {type(e).__name__}: {e}") from None
         if value is True or value is False:
             return value
         shown = "an undefined value" if isinstance(value, jinja2.Undefined) else f"{type(value).__name__} {value!r}"[:200]
-        raise RowError(
-            "filter", "filter_not_bool",
+        raise RowError("filter", E.FILTER_NOT_BOOL,
             f"{self.where}: predicate '{self.predicate}' gave {shown}, not true or false; write a comparison "
             "(e.g. verdict == 'yes', score > 33, text | length > 0)",
         )  # fmt: skip
@@ -348,6 +327,6 @@ def make_step(output: OutputVar, steps_for_llm, pools: dict[str, FunctionPool]):
 
 
 __all__ = [
-    "FILTERED", "CustomProcessor", "CustomStep", "FilterStep", "FunctionPool", "close_pools", "load_function", "make_step",
+    "FILTERED", "CustomProcessor", "CustomStep", "FilterStep", "FunctionPool", "close_pools", "FunctionMissing", "load_function", "make_step",
     "predicate_expression", "predicate_problems", "start_pools",
 ]  # fmt: skip

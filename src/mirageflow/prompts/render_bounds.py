@@ -36,7 +36,7 @@ from jinja2 import nodes
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from mirageflow.prompts.error_classes import TEMPLATE_TIMEOUT, TEMPLATE_TOO_LARGE
+from mirageflow.errors import RowErrorClass as E
 
 RENDER_TIMEOUT_SECONDS = 5.0
 MAX_RENDER_CHARS = 32 << 20  # 33.5 M characters: far above any model's context
@@ -47,8 +47,8 @@ MAX_INT_BITS = 1 << 16  # integers up to ~19,700 digits (Python prints at most 4
 MAX_STATIC_LOOP_ITERATIONS = 10_000_000
 WATCHDOG_INTERVAL_SECONDS = 0.1
 
-TIMEOUT_KIND = TEMPLATE_TIMEOUT
-TOO_LARGE_KIND = TEMPLATE_TOO_LARGE
+TIMEOUT_KIND = E.TEMPLATE_TIMEOUT
+TOO_LARGE_KIND = E.TEMPLATE_TOO_LARGE
 
 
 class RenderTimeout(BaseException):

@@ -78,6 +78,22 @@ def describe(units: list[list[int]], n: int) -> str:
     return str([f"row {a // n} sample {a % n}" + ("" if b == a + 1 else f" .. row {(b - 1) // n} sample {(b - 1) % n}") for a, b in units])
 
 
+def describe_count(units: int, n: int, rows: int | None = None) -> str:
+    """A count of finished units as the rows and samples it is: "8 rows"; with n > 1
+    "16 samples (8 rows complete)" (``rows``: the rows whose every sample is among them)."""
+    if n == 1:
+        return f"{units:,} row" + ("" if units == 1 else "s")
+    text = f"{units:,} sample" + ("" if units == 1 else "s")
+    return text + (f" ({rows:,} row{'' if rows == 1 else 's'} complete)" if rows is not None else "")
+
+
+def complete_rows(ranges: list[list[int]], n: int) -> int:
+    """Rows all of whose n units lie in ``ranges`` (sorted, disjoint [start, stop) unit ranges)."""
+    if n == 1:
+        return sum(b - a for a, b in ranges)
+    return sum(max(0, b // n - -(-a // n)) for a, b in ranges)
+
+
 def pending(ds_index: int, read, done, n: int, grouped: bool = False):
     """(dataset index, row, sample) for every unit of one dataset not committed yet, in
     source order; sample None when n == 1. ``read(skip=...)`` reads the shard's rows, skipping

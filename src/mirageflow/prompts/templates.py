@@ -18,6 +18,8 @@ the common shapes take fast paths with the same results as Jinja2/JMESPath:
 
 from __future__ import annotations
 
+import json
+
 import collections.abc as _abc
 import difflib
 import re
@@ -30,19 +32,12 @@ from jinja2 import meta, nodes
 from jinja2.runtime import new_context as _new_context
 
 from mirageflow.config.types import OutputVar
+from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.render_bounds import BoundedSandbox, RenderTimeout, RenderTooLarge, cost_problems, guarded, limit_message
 
 # Jinja2's immutable sandbox, with a render's size limits (mirageflow.prompts.render_bounds)
 _ENV = BoundedSandbox(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
 _LONE_EXPR = re.compile(r"^\s*\{\{(.*?)\}\}\s*$", re.S)
-
-
-class RowError(Exception):
-    """One row failed at one stage; the shard records it and goes on."""
-
-    def __init__(self, stage: str, kind: str, message: str, raw: str | None = None):
-        self.stage, self.kind, self.raw = stage, kind, raw
-        super().__init__(message)
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -59,7 +54,12 @@ _LOADERS = (nodes.Include, nodes.Extends, nodes.Import, nodes.FromImport)
 _TAG = {nodes.Include: "include", nodes.Extends: "extends", nodes.Import: "import", nodes.FromImport: "from ... import"}
 
 
-def _hint(name: str, choices: Iterable[str]) -> str:
+def template_variables(source: str) -> set[str]:
+    """The variables a template names (raises jinja2.TemplateSyntaxError when it does not parse)."""
+    return meta.find_undeclared_variables(_ENV.parse(source))
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
     found = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean '{found[0]}'?)" if found else ""
 
@@ -78,12 +78,12 @@ def sandbox_problems(ast, where: str) -> list[str]:
         problems.append(f"{where}: {{% {_TAG[type(node)]} %}} is not available: templates are self-contained strings (no template files are loaded)")
     for node in ast.find_all(nodes.Filter):
         if node.name not in _ENV.filters:
-            problems.append(f"{where}: unknown filter '{node.name}'" + _hint(node.name, _ENV.filters))
+            problems.append(f"{where}: unknown filter '{node.name}'" + did_you_mean(node.name, _ENV.filters))
         elif node.name == "attr" and node.args and isinstance(node.args[0], nodes.Const) and str(node.args[0].value).startswith("__"):
             problems.append(f"{where}: attribute '{node.args[0].value}' is blocked by the sandbox (dunder attributes are not accessible)")
     for node in ast.find_all(nodes.Test):
         if node.name not in _ENV.tests:
-            problems.append(f"{where}: unknown test '{node.name}'" + _hint(node.name, _ENV.tests))
+            problems.append(f"{where}: unknown test '{node.name}'" + did_you_mean(node.name, _ENV.tests))
     for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
         if isinstance(node, nodes.Getattr):
             name = node.attr
@@ -115,7 +115,7 @@ def _field_problems(ast, json_fields: Mapping[str, list[str]], roots: set[str], 
         if name not in fields and not name.startswith("_"):
             problems.append(
                 f"{where}: '{base.name}.{name}': output '{base.name}' has no field '{name}' in its output_schema "
-                f"(fields: {', '.join(fields)})" + _hint(name, fields)
+                f"(fields: {', '.join(fields)})" + did_you_mean(name, fields)
             )
     return problems
 
@@ -139,7 +139,7 @@ def template_problems(source: str, known: Iterable[str], where: str, json_fields
         return [f"{where}: template error: {getattr(e, 'message', None) or e}"]
     for name in sorted(undeclared):
         if name not in known:
-            problems.append(f"{where}: unknown variable '{name}'" + _hint(name, known))
+            problems.append(f"{where}: unknown variable '{name}'" + did_you_mean(name, known))
     if json_fields:
         problems += _field_problems(ast, json_fields, undeclared, where)
     problems += cost_problems(ast, where)
@@ -272,16 +272,16 @@ class Extractor:
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, Any]:
         if type(row) is not dict and not isinstance(row, _abc.Mapping):  # typing.Mapping's check costs ~5 us
-            raise RowError("extract", "bad_row", f"row is a {type(row).__name__}, not an object")
+            raise RowError("extract", E.BAD_ROW, f"row is a {type(row).__name__}, not an object")
         values = {}
         for name, expr, default, key in self._inputs:
             try:
                 value = expr.search(row)
             except Exception as e:  # e.g. a JMESPath function applied to the wrong type in this row
-                raise RowError("extract", "extract_error", f"input '{name}': key '{key}': {type(e).__name__}: {e}") from None
+                raise RowError("extract", E.EXTRACT_ERROR, f"input '{name}': key '{key}': {type(e).__name__}: {e}") from None
             if value is None:
                 if default is self._MISSING:
-                    raise RowError("extract", "missing_variable", f"input '{name}': key '{key}' not found in the row")
+                    raise RowError("extract", E.MISSING_VARIABLE, f"input '{name}': key '{key}' not found in the row")
                 value = default
             values[name] = value
         return values
@@ -294,7 +294,7 @@ def _render_error(where: str, e: BaseException) -> RowError:
     if isinstance(e, (RenderTimeout, RenderTooLarge)):  # past a render's limits: its own class
         kind, message = limit_message(e)
         return RowError("render", kind, f"{where}: {message}")
-    return RowError("render", "template_error", f"{where}: {type(e).__name__}: {e}")
+    return RowError("render", E.TEMPLATE_ERROR, f"{where}: {type(e).__name__}: {e}")
 
 
 class Template:
@@ -355,7 +355,7 @@ def _compile_value(shape: Any, where: str) -> Callable[[Mapping[str, Any]], Any]
             except (Exception, RenderTimeout, RenderTooLarge) as e:
                 raise _render_error(where, e) from None
             if isinstance(value, jinja2.Undefined):
-                raise RowError("render", "template_error", f"{where}: {lone.group(1).strip()!r} is undefined")
+                raise RowError("render", E.TEMPLATE_ERROR, f"{where}: {lone.group(1).strip()!r} is undefined")
             return value
 
         return evaluate
@@ -376,10 +376,22 @@ class RecordRenderer:
         self._output_names = output_names
         # columns kept in spite of remove_columns (null where a row lacks one: one schema for all parts)
         self._preserve = tuple(preserve_columns) if remove_columns else ()
+        # source_index: a built-in variable of output_schema (MMIRAGE renders it too); a field of
+        # that name must hold the row's index, which the workflow writes there (the merge orders by it)
+        self._uses_index = bool(output_schema) and "source_index" in json.dumps(output_schema, default=str)
+        self._index_field = isinstance(output_schema, Mapping) and "source_index" in output_schema
 
     def __call__(self, source_index: int, row: Mapping[str, Any], variables: Mapping[str, Any], sample_index: int | None = None) -> dict:
         if self._shape is not None:
+            if self._uses_index and "source_index" not in variables:
+                variables = {**variables, "source_index": source_index}
             rendered = self._shape(variables)
+            if self._index_field and not same_index(rendered.get("source_index"), source_index):
+                raise RowError(
+                    "render", "template_error",
+                    f"processing_params.output_schema.source_index: {rendered.get('source_index')!r} is not this row's "
+                    f"source_index {source_index}, which every record holds (the merge orders records by it)",
+                )  # fmt: skip
         else:
             rendered = {name: variables[name] for name in self._output_names}
         if not self._remove_columns:
@@ -394,13 +406,17 @@ class RecordRenderer:
         return record
 
 
+def same_index(value: Any, index: int) -> bool:
+    return value == index or (isinstance(value, str) and value.strip() == str(index))
+
+
 # ShareGPT's speaker names (``from``) -> chat roles; OpenAI-style rows use the roles themselves.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 CHAT_ROLES = ("system", "user", "assistant")
 
 
 def _conversation_error(name: str, message: str) -> RowError:
-    return RowError("render", "bad_conversation", f"input '{name}': {message}")
+    return RowError("render", E.BAD_CONVERSATION, f"input '{name}': {message}")
 
 
 def conversation_messages(value: Any, name: str, prompt_follows: bool) -> list[dict[str, str]]:

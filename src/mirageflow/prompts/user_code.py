@@ -19,6 +19,7 @@ be sent. ``mirageflow.prompts.python_steps.FunctionPool`` turns them into row er
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import multiprocessing
@@ -28,6 +29,8 @@ import signal
 import threading
 from multiprocessing.connection import wait as wait_for
 from typing import Any
+
+from mirageflow.errors import MirageflowError
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +85,33 @@ class _CallTimeout(BaseException):
     own ``except Exception`` does not swallow it."""
 
 
+class FunctionMissing(MirageflowError, AttributeError):
+    """The script loads, but does not define the function (or it is not callable)."""
+
+
+def load_function(script_path: str, function_name: str):
+    """Import the script (as a module of its own, not in sys.modules) and return the function."""
+    name = "mirageflow_custom_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(script_path))[0])
+    spec = importlib.util.spec_from_file_location(name, script_path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"'{script_path}' cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, function_name, None)
+    if fn is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise FunctionMissing(f"'{script_path}' defines no '{function_name}' (callables found: {', '.join(found) or 'none'})")
+    if not callable(fn):
+        raise FunctionMissing(f"'{function_name}' in '{script_path}' is a {type(fn).__name__}, not a function")
+    return fn
+
+
 def _alarm(signum, frame):
     raise _CallTimeout()
 
 
 def _load(script_path: str, function_name: str) -> None:
     global _FN, _LOAD_ERROR, _LOAD_KIND
-    from mirageflow.prompts.python_steps import FunctionMissing, load_function
-
     try:
         _FN = load_function(script_path, function_name)
     except FunctionMissing as e:
@@ -161,7 +183,7 @@ def worker_main(conn, script_path: str, function_name: str) -> None:
 # --------------------------------------------------------------------------- parent side
 
 
-class WorkerDied(Exception):
+class WorkerDied(MirageflowError):
     """The worker holding a batch ended (or was killed past its deadline) before answering."""
 
     def __init__(self, exitcode: int | None, killed: bool = False, started: bool = True):

@@ -1,300 +1,43 @@
 """Aggregate every shard's state into metrics.json, a Markdown summary and report.html.
 
-A shard is ``done`` (status.json with status success), ``running`` (progress.json or
-lease.json updated recently), ``failed`` (failure.json, or a progress.json that stopped
-updating mid-run: the job was killed) or ``pending`` (nothing yet). The aggregate has
-MMIRAGE's keys plus our additions; ``README.md`` ("Numbers in the report") defines them.
+Which shards are done, running, failed or pending is the state contract's answer
+(mirageflow.state.shards: a done shard's status.json belongs to the current records
+fingerprint); damaged state files are named in a warning and in the report, never a crash,
+and a damaged status.json makes ``write_report`` raise after writing the report, so the
+aggregate rule fails instead of claiming success. The aggregate has MMIRAGE's keys plus our
+additions; ``README.md`` ("Numbers in the report") defines them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import time
 from pathlib import Path
 
-from mirageflow.stats import formulas as stats
+from mirageflow.errors import MirageflowError, StateMismatch
 from mirageflow.files import atomic_write_json, atomic_write_text
+from mirageflow.numbers import fmt, is_number
+from mirageflow.report.wording import ROW_LABELS, scope_sentence, unit_note
+from mirageflow.state import layout as L
+from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note
+from mirageflow.state.shards import attempts_count, default_lease_timeout, shard_states
+from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
 
 STRAGGLER_FACTOR = 1.5  # a shard slower than 1.5 x the median runtime
-PROGRESS_STALE_SECONDS = 120.0  # progress.json is rewritten every 5 s while a shard lives
-DEFAULT_LEASE_TIMEOUT = 300.0
 
 
-# --------------------------------------------------------------------------- reading the state files
-#
-# Every state file is read through read_state_file: one that does not parse or has the wrong
-# shape is "damaged", named in a one-line warning and in the report, never a crash. A damaged
-# status.json never counts as done (the shard is failed, with the reason), and write_report
-# raises after writing the report, so the aggregate rule fails instead of claiming success.
-
-
-class DamagedStateError(ValueError):
+class DamagedStateError(MirageflowError, ValueError):
     """A shard's status.json exists but is damaged: the run is not complete, whatever Snakemake thinks."""
 
 
-def _is_num(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _show(value) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _check_numbers(d: dict, keys, prefix: str = "", required: bool = False) -> str | None:
-    for k in keys:
-        v = d.get(k)
-        if v is None and not required:
-            continue
-        if not _is_num(v):
-            return f"{prefix}{k} is {'missing' if k not in d else _show(v)}, not a number"
-    return None
-
-
-def _check_strings(d: dict, keys, prefix: str = "") -> str | None:
-    for k in keys:
-        if d.get(k) is not None and not isinstance(d[k], str):
-            return f"{prefix}{k} is {_show(d[k])}, not a string"
-    return None
-
-
-def _check_time(d: dict, key: str) -> str | None:
-    v = d.get(key)
-    try:
-        if isinstance(v, str) and stats.parse_time(v).tzinfo is not None:
-            return None
-    except ValueError:
-        pass
-    return f"{key} is {'missing' if key not in d else _show(v)}, not a timestamp with a UTC offset"
-
-
-def _check_hist(h) -> bool:
-    if h is None:
-        return True
-    if not isinstance(h, dict) or not isinstance(h.get("buckets"), list):
-        return False
-    if not all(isinstance(b, list) and len(b) == 3 and all(_is_num(x) for x in b) for b in h["buckets"]):
-        return False
-    return _is_num(h.get("rows")) and _is_num(h.get("sum")) and all(h.get(k) is None or _is_num(h[k]) for k in ("min", "max"))
-
-
-# stats keys the report does arithmetic on: each a number or null when present
-STATS_NUMBERS = (
-    "runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus", "rows_processed", "rows_failed",
-    "rows_filtered", "input_tokens", "model_load_seconds", "warmup_seconds", "generation_seconds", "write_seconds",
-    "engine_idle_seconds", "gpu_util_mean", "gpu_sampled_seconds", "gpu_energy_joules", "roofline_tokens_per_sec_per_gpu",
-)  # fmt: skip
-# ... and those a successful shard's figures cannot do without
-STATS_REQUIRED = ("runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus")
-
-
-def check_stats(st, required: tuple = ()) -> str | None:
-    """Why a ``stats`` dict (status.json or failure.json) cannot be used, or None."""
-    if not isinstance(st, dict):
-        return f"stats is {_show(st)}, not an object"
-    why = _check_numbers(st, required, "stats.", required=True) or _check_numbers(st, STATS_NUMBERS, "stats.")
-    if why:
-        return why
-    by_class = st.get("rows_failed_by_class")
-    if by_class is not None and not (isinstance(by_class, dict) and all(_is_num(v) for v in by_class.values())):
-        return "stats.rows_failed_by_class is not an object of counts"
-    gpus = st.get("gpus")
-    if gpus is not None and not (isinstance(gpus, list) and all(isinstance(g, dict) and (g.get("util_mean") is None or _is_num(g["util_mean"])) for g in gpus)):
-        return "stats.gpus is not a list of GPU objects"
-    if not _check_hist(st.get("output_tokens_per_row_hist")):
-        return "stats.output_tokens_per_row_hist is not a token histogram"
-    attempts = st.get("attempts")
-    if attempts is not None and not (isinstance(attempts, list) and all(isinstance(a, dict) for a in attempts)):
-        return "stats.attempts is not a list of attempt objects"
-    return None
-
-
-def check_status(status: dict, shard_id: int | None = None) -> str | None:
-    """Why a status.json cannot be used, or None. Only a successful one needs its stats and times."""
-    if not isinstance(status.get("status"), str):
-        return f"status is {'missing' if 'status' not in status else _show(status['status'])}, not a string"
-    if status.get("shard_id") is not None and shard_id is not None and status["shard_id"] != shard_id:
-        return f"shard_id is {_show(status['shard_id'])}, not {shard_id}"
-    if status.get("num_shards") is not None and not (isinstance(status["num_shards"], int) and not isinstance(status["num_shards"], bool)):
-        return f"num_shards is {_show(status['num_shards'])}, not an integer"
-    if status["status"] != "success":
-        return None
-    return (
-        _check_time(status, "started_at") or _check_time(status, "finished_at")
-        or _check_strings(status, ("hostname",))
-        or (None if status.get("hardware") is None or isinstance(status["hardware"], dict) else "hardware is not an object")
-        or check_stats(status.get("stats"), STATS_REQUIRED)
-    )  # fmt: skip
-
-
-def check_failure(failure: dict) -> str | None:
-    if not isinstance(failure.get("error"), str):
-        return f"error is {'missing' if 'error' not in failure else _show(failure['error'])}, not a string"
-    why = _check_strings(failure, ("signal", "hostname", "finished_at"))
-    if why:
-        return why
-    return None if failure.get("stats") is None else check_stats(failure["stats"])
-
-
-def check_lease(lease: dict) -> str | None:
-    return _check_numbers(lease, ("heartbeat",), required=True) or _check_strings(lease, ("hostname",))
-
-
-def read_state_file(path: str | Path, check=None) -> tuple[dict | None, str | None]:
-    """(content, None); (None, None) when the file is absent; (None, why) when it is damaged.
-
-    Damaged: unreadable, not JSON, not a JSON object, or ``check(content)`` says why not.
-    """
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:
-        return None, f"cannot read it ({e.strerror or e})"
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # also UnicodeDecodeError: random bytes
-        return None, f"not JSON ({str(e).splitlines()[0][:80]})" if raw.strip() else "empty file"
-    if not isinstance(data, dict):
-        return None, f"a JSON {type(data).__name__ if not isinstance(data, list) else 'array'}, not an object"
-    why = check(data) if check is not None else None
-    return (None, why) if why else (data, None)
-
-
-# what the report and `mmirage status` make of a damaged file
-DAMAGED_CONSEQUENCE = {
-    "status.json": "the shard is not counted as done (failed); delete the file and rerun the shard (mmirage retry)",
-    "failure.json": "the shard counts as failed, without its error and stats",
-    "progress.json": "ignored (the shard's state comes from its other files)",
-    "lease.json": "ignored (the shard's state comes from its other files)",
-    "gpu_samples.json": "ignored (no GPU timeline for the shard)",
-}
-
-
-def damaged_note(path: str | Path, why: str) -> str:
-    return f"damaged state file {path}: {why}"
-
-
-def load_statuses(state_dir: str | Path, num_shards: int) -> tuple[list[dict], list[int]]:
-    """Successful shards' status.json contents, and the ids of shards without one (or with a damaged one)."""
-    found, missing = [], []
-    for shard_id in range(num_shards):
-        path = Path(state_dir) / f"shard_{shard_id}" / "status.json"
-        status, why = read_state_file(path, lambda s: check_status(s, shard_id))
-        if status is None:
-            if why:
-                log.warning("%s; shard %d is not counted as done", damaged_note(path, why), shard_id)
-            missing.append(shard_id)
-            continue
-        _check_num_shards(status, path, num_shards)
-        if status.get("status") == "success":
-            found.append({"shard_id": shard_id, **status})
-        else:
-            missing.append(shard_id)
-    return found, missing
-
-
-def _check_num_shards(status: dict, path: Path, num_shards: int) -> None:
+def check_num_shards(status: dict, path: Path, num_shards: int) -> None:
+    """A status.json of a run with another num_shards refuses the report (StateMismatch)."""
     if status.get("num_shards", num_shards) != num_shards:
-        raise ValueError(
+        raise StateMismatch(
             f"{path} comes from a run with num_shards={status['num_shards']}, the config says {num_shards}; "
             "use a fresh state_dir (and output_dir) when changing num_shards"
         )
-
-
-def attempts_count(stats_: dict | None) -> int | None:
-    """How many attempts a shard's stats cover: the length of ``stats.attempts``; None in older files without it."""
-    attempts = (stats_ or {}).get("attempts")
-    return len(attempts) if isinstance(attempts, list) else None
-
-
-def shard_states(
-    state_dir: str | Path, num_shards: int, lease_timeout: float = DEFAULT_LEASE_TIMEOUT, now: float | None = None
-) -> list[dict]:
-    """One entry per shard: ``state`` (done | running | failed | pending) and what its files say.
-
-    Works from the files alone (on a login node or locally): a running shard rewrites
-    progress.json every few seconds and heartbeats lease.json; a failed one left
-    failure.json (error, signal) or a progress.json that stopped updating mid-run.
-    Damaged files are listed in the entry's ``damaged`` ([{file, path, reason}], only when
-    there are any) and otherwise ignored, except a damaged status.json or failure.json: the
-    shard is failed with ``error`` "damaged state file <path>: <why>" (unless it runs now).
-    ``failure`` holds a failed shard's failure.json (its ``stats`` count in the report).
-    """
-    from mirageflow.shard.progress import check_progress
-
-    now = time.time() if now is None else now
-    out = []
-    for shard_id in range(num_shards):
-        d = Path(state_dir) / f"shard_{shard_id}"
-        damaged = []
-
-        def read(name, check):
-            data, why = read_state_file(d / name, check)
-            if why:
-                damaged.append({"file": name, "path": str(d / name), "reason": why})
-            return data
-
-        status = read("status.json", lambda s: check_status(s, shard_id))
-        failure = read("failure.json", check_failure)
-        progress = read("progress.json", check_progress)
-        lease = read("lease.json", check_lease)
-        bad = {x["file"]: x for x in damaged}
-        entry = {"shard_id": shard_id, "state": "pending", "progress": progress}
-        lease_age = now - lease["heartbeat"] if lease and lease.get("heartbeat") is not None else None
-        progress_age = now - progress["updated_at_unix"] if progress and progress.get("updated_at_unix") is not None else None
-        progress_live = progress is not None and progress.get("phase") not in ("done", "failed") and progress_age is not None
-        if "progress.json" in bad and progress_age is None:  # a damaged progress.json still says when it was written
-            try:
-                progress_age = now - (d / "progress.json").stat().st_mtime
-            except OSError:
-                pass
-            progress_live = progress_age is not None and status is None
-        if status is not None and status.get("num_shards", num_shards) != num_shards:
-            entry["other_run_num_shards"] = status["num_shards"]
-        if status is not None and status.get("status") == "success" and status.get("num_shards", num_shards) == num_shards:
-            entry.update(state="done", status=status)
-        elif (lease_age is not None and lease_age < lease_timeout) or (progress_live and progress_age < PROGRESS_STALE_SECONDS):
-            entry.update(state="running", since_update_seconds=progress_age if progress_live else lease_age)
-            entry["host"] = (progress or lease or {}).get("hostname")
-            entry["slurm_job_id"] = (progress or lease or {}).get("slurm_job_id")
-        elif "status.json" in bad or (failure is None and "failure.json" in bad):
-            x = bad.get("status.json") or bad["failure.json"]
-            more = "not counted as done; delete it and rerun the shard (mmirage retry)" if x["file"] == "status.json" else "the shard failed"
-            entry.update(
-                state="failed", error=f"{damaged_note(x['path'], x['reason'])}; {more}", signal=None,
-                attempt=(progress or {}).get("attempt"), host=(progress or lease or {}).get("hostname"),
-                slurm_job_id=(progress or lease or {}).get("slurm_job_id"), finished_at=None,
-            )  # fmt: skip
-            if failure is not None:
-                entry["failure"] = failure
-        elif failure is not None:
-            entry.update(
-                state="failed", error=failure.get("error"), signal=failure.get("signal"), attempt=failure.get("attempt"),
-                host=failure.get("hostname"), slurm_job_id=failure.get("slurm_job_id"), finished_at=failure.get("finished_at"),
-                failure=failure,
-            )  # fmt: skip
-        elif progress_live:  # stopped updating without failure.json: SIGKILL, OOM killer, node failure
-            p = progress or {}
-            if progress is None:  # damaged
-                x = bad["progress.json"]
-                error = (f"{damaged_note(x['path'], x['reason'])}; no status.json or failure.json: stopped (killed?); "
-                         f"progress.json last written {stats.human_duration(progress_age)} ago")  # fmt: skip
-            else:
-                error = (f"stopped without a failure record in phase '{p.get('phase')}' (killed?); "
-                         f"progress.json last updated {stats.human_duration(progress_age)} ago")  # fmt: skip
-            entry.update(
-                state="failed", signal=None, attempt=p.get("attempt"), host=p.get("hostname") or (lease or {}).get("hostname"),
-                slurm_job_id=p.get("slurm_job_id"), finished_at=p.get("updated_at"), error=error,
-            )  # fmt: skip
-        if damaged:
-            entry["damaged"] = damaged
-        out.append(entry)
-    return out
 
 
 # which shards each figure of the aggregate covers (also in metrics.json, as "figure_scope")
@@ -416,6 +159,8 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
     hardware = [s.get("hardware") or {} for s in statuses]
     return {
         "total_shards": num_shards,
+        # records (samples) per source row: every rows_* count and the tokens histogram count records
+        "n_samples": max((int(s["stats"].get("n_samples") or 1) for s in statuses), default=1),
         "completed_shards": len(statuses),
         "missing_shards": missing,
         "running_shards": [s["shard_id"] for s in by_state["running"]],
@@ -481,41 +226,11 @@ def out_tokens_of(shards: list[dict]) -> int:
     return sum(s["stats"]["output_tokens"] for s in shards)
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.1f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
 # aggregate keys shown as tables of their own (or too long for one cell)
 _NOT_IN_TABLE = {
     "missing_shards", "running_shards", "pending_shards", "failed_shards", "stragglers", "output_tokens_per_row_hist",
     "rows_failed_by_class", "figure_scope", "damaged_state_files",
 }  # fmt: skip
-
-
-# the row counts' meaning, beside their keys (summary.md; report.html has its own labels)
-ROW_LABELS = {
-    "total_rows_processed": "rows ok",
-    "total_rows_failed": "rows failed",
-    "total_rows_filtered": "rows filtered (a filter step's predicate was false; not errors)",
-    "rows_processed_failed_shards": "rows ok in failed shards",
-}
-
-
-def scope_sentence(agg: dict) -> str:
-    """Which shards the figures cover, in one sentence (summary.md and report.html)."""
-    failed = agg.get("failed_shards") or []
-    text = (
-        f"Failed rows (total_rows_failed, rows_failed_by_class) count completed and failed shards: "
-        f"{_fmt(agg.get('rows_failed_completed_shards'))} in completed shards, "
-        f"{_fmt(agg.get('rows_failed_failed_shards'))} in {len(failed)} failed shard(s)"
-    )
-    if failed:
-        text += f" (which also committed {_fmt(agg.get('rows_processed_failed_shards'))} rows ok)"
-    return text + f"; every other figure covers the {agg['completed_shards']} completed shard(s) only."
 
 
 def _cell(value) -> str:
@@ -543,8 +258,9 @@ def summary_markdown(metrics: dict) -> str:
         if k in _NOT_IN_TABLE or (k.endswith("_human") and k[: -len("_human")] + "_seconds" in agg):
             continue  # a *_human figure is shown beside its *_seconds twin
         twin = k[: -len("_seconds")] + "_human" if k.endswith("_seconds") else None
-        shown = f"{_fmt(v)} s ({agg[twin]})" if twin in agg and _is_num(v) else _fmt(v)
-        lines.append(f"| `{k}` | {shown} | {ROW_LABELS.get(k, '')} |")
+        shown = f"{fmt(v)} s ({agg[twin]})" if twin in agg and is_number(v) else fmt(v)
+        label = ROW_LABELS.get(k, "") + (unit_note(agg) if k in ROW_LABELS else "")
+        lines.append(f"| `{k}` | {shown} | {label} |")
     if agg.get("rows_failed_by_class"):
         lines += ["", "Failed rows by error class (completed and failed shards): "
                   + ", ".join(f"{_cell(k)} {v:,}" for k, v in sorted(agg["rows_failed_by_class"].items(), key=lambda kv: -kv[1]))]  # fmt: skip
@@ -554,7 +270,7 @@ def summary_markdown(metrics: dict) -> str:
             error = _cell(f.get("error"))[:300]
             lines.append(
                 f"| {f['shard_id']} | {error} | {_cell(f.get('signal'))} | {_cell(f.get('host'))} | "
-                f"{_fmt(f.get('attempts'))} | {_fmt(f.get('rows_processed'))} | {_fmt(f.get('rows_failed'))} |"
+                f"{fmt(f.get('attempts'))} | {fmt(f.get('rows_processed'))} | {fmt(f.get('rows_failed'))} |"
             )
     if agg.get("stragglers"):
         lines += ["", f"Stragglers (> {STRAGGLER_FACTOR} x median runtime): "
@@ -568,8 +284,8 @@ def summary_markdown(metrics: dict) -> str:
                 lines.append(f"| {_cell(d['error'])} | | | | | | |")
                 continue
             lines.append(
-                f"| {_cell(d.get('dataset'))} | `{_cell(d.get('text_field'))}` | {_fmt(d.get('rows_in'))} | {_fmt(d.get('exact_duplicates_removed'))} | "
-                f"{_fmt(d.get('near_duplicates_removed'))} | {_fmt(d.get('rows_out'))} | {_fmt(d.get('rows_without_text'))} |"
+                f"| {_cell(d.get('dataset'))} | `{_cell(d.get('text_field'))}` | {fmt(d.get('rows_in'))} | {fmt(d.get('exact_duplicates_removed'))} | "
+                f"{fmt(d.get('near_duplicates_removed'))} | {fmt(d.get('rows_out'))} | {fmt(d.get('rows_without_text'))} |"
             )
     lines += [
         "", "## Shards (completed; each row covers all attempts of the shard)", "",
@@ -582,15 +298,25 @@ def summary_markdown(metrics: dict) -> str:
     ]  # fmt: skip
     for s in metrics["per_shard"]:
         st = s["stats"]
-        lines.append(f"| {s['shard_id']} | {_fmt(s.get('attempts'))} | " + " | ".join(_fmt(st.get(k)) for k in cells) + " |")
+        lines.append(f"| {s['shard_id']} | {fmt(s.get('attempts'))} | " + " | ".join(fmt(st.get(k)) for k in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
-    states = shard_states(state_dir, num_shards, lease_timeout)
+def compute_metrics(
+    state_dir: str | Path, num_shards: int, lease_timeout: float | None = None, fingerprint: str | None = None,
+    states: list[dict] | None = None,
+) -> dict:
+    """metrics.json's per_shard and aggregate, from the state files alone. ``lease_timeout``:
+    the config's shard_params.lease_timeout_seconds (None: the schema's default);
+    ``fingerprint``: the current records fingerprint (None: every status.json counts);
+    ``states``: the shards' states when the caller has just read them."""
+    if states is None:
+        lease_timeout = default_lease_timeout() if lease_timeout is None else lease_timeout
+        states = shard_states(state_dir, num_shards, lease_timeout, fingerprint)
+    paths = L.StateLayout(state_dir)
     for s in states:
         if s.get("other_run_num_shards") is not None:  # a status.json of another run refuses the report
-            _check_num_shards({"num_shards": s["other_run_num_shards"]}, Path(state_dir) / f"shard_{s['shard_id']}" / "status.json", num_shards)
+            check_num_shards({"num_shards": s["other_run_num_shards"]}, paths.status(s["shard_id"]), num_shards)
         for x in s.get("damaged") or []:
             log.warning("%s; %s", damaged_note(x["path"], x["reason"]), DAMAGED_CONSEQUENCE[x["file"]])
     statuses = [{**s["status"], "shard_id": s["shard_id"]} for s in states if s["state"] == "done"]
@@ -618,33 +344,38 @@ def compute_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float
     return {"per_shard": per_shard, "aggregate": agg}
 
 
-def full_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
+def full_metrics(
+    state_dir: str | Path, num_shards: int, lease_timeout: float | None = None, fingerprint: str | None = None
+) -> dict:
     """What metrics.json holds (the aggregate and `mmirage stats`): compute_metrics, plus
     the SLURM accounting and the dedup counts. Only here, not in compute_metrics: `mmirage
     status` must not wait on sacct."""
     from mirageflow.data.dedup import read_dedup_counts
     from mirageflow.report.slurm_accounting import cluster_accounting
 
-    metrics = compute_metrics(state_dir, num_shards, lease_timeout)
+    metrics = compute_metrics(state_dir, num_shards, lease_timeout, fingerprint)
     metrics["cluster_accounting"] = cluster_accounting(metrics)
     metrics["deduplication"] = read_dedup_counts(state_dir)  # [] unless deduplication_params.enabled
     return metrics
 
 
-def write_report(state_dir: str | Path, num_shards: int, html: bool = True, lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict:
+def write_report(
+    state_dir: str | Path, num_shards: int, html: bool = True, lease_timeout: float | None = None, fingerprint: str | None = None
+) -> dict:
     """Write metrics.json, summary.md and report.html (atomically, through data.writers).
 
     Raises DamagedStateError after writing them when a shard's status.json is damaged: the
     file exists, so Snakemake took the shard for done, but it is not; the aggregate rule fails.
     """
-    metrics = full_metrics(state_dir, num_shards, lease_timeout)
-    atomic_write_json(Path(state_dir) / "metrics.json", metrics)
-    atomic_write_text(Path(state_dir) / "summary.md", summary_markdown(metrics))
+    metrics = full_metrics(state_dir, num_shards, lease_timeout, fingerprint)
+    paths = L.StateLayout(state_dir)
+    atomic_write_json(paths.metrics, metrics)
+    atomic_write_text(paths.summary, summary_markdown(metrics))
     if html:
         from mirageflow.report.html import render_html
 
-        atomic_write_text(Path(state_dir) / "report.html", render_html(metrics, state_dir))
-    bad = [x for x in metrics["aggregate"]["damaged_state_files"] if x["file"] == "status.json"]
+        atomic_write_text(paths.report_html, render_html(metrics, state_dir))
+    bad = [x for x in metrics["aggregate"]["damaged_state_files"] if x["file"] == L.STATUS]
     if bad:
         raise DamagedStateError(
             "; ".join(damaged_note(x["path"], x["reason"]) for x in bad)

@@ -13,9 +13,12 @@ import json
 import logging
 from pathlib import Path
 
-from mirageflow.stats import formulas as stats
-from mirageflow.report.aggregate import DAMAGED_CONSEQUENCE, _is_num, damaged_note, read_state_file, scope_sentence
+from mirageflow import numbers
+from mirageflow.report.wording import scope_sentence
 from mirageflow.report.slurm_accounting import html_section
+from mirageflow.state import layout as L
+from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note, read
+from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +46,9 @@ def _esc(value) -> str:
 
 
 def _fmt(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.1f}"
-    if isinstance(value, int):
-        return f"{value:,}"
     if isinstance(value, (list, dict)):
         return json.dumps(value) if value else "none"
-    return str(value)
+    return numbers.fmt(value)
 
 
 def _png(fig) -> str:
@@ -106,39 +101,16 @@ def plot_shards(per_shard: list[dict], stragglers: set[int]) -> str | None:
     return _png(fig)
 
 
-def check_gpu_samples(data: dict) -> str | None:
-    """Why a gpu_samples.json object cannot be plotted, or None."""
-    t = data.get("t")
-    if t is None:
-        return None  # nothing sampled: no plot, nothing wrong
-    if not isinstance(t, list) or not all(_is_num(x) for x in t):
-        return "t is not a list of numbers"
-    util = data.get("util")
-    if not isinstance(util, list) or not all(isinstance(u, list) and len(u) == len(t) and all(v is None or _is_num(v) for v in u) for u in util):
-        return "util is not a list of per-GPU series as long as t"
-    duration = data.get("duration")
-    if duration is not None and not (isinstance(duration, list) and len(duration) == len(t) and all(_is_num(x) for x in duration)):
-        return "duration is not a list of numbers as long as t"
-    if data.get("interval_seconds") is not None and not _is_num(data["interval_seconds"]):
-        return "interval_seconds is not a number"
-    gpus = data.get("gpus")
-    if gpus is not None and not (isinstance(gpus, list) and all(isinstance(g, dict) for g in gpus)):
-        return "gpus is not a list of objects"
-    if data.get("started_at") is not None and not isinstance(data["started_at"], str):
-        return "started_at is not a string"
-    return None
-
-
 def load_gpu_samples(state_dir: str | Path, shard_ids: list[int], damaged: list[dict] | None = None) -> list[dict]:
     """The shards' GPU timelines; a damaged gpu_samples.json is skipped with a warning and added to ``damaged``."""
     out = []
     for shard_id in shard_ids:
-        path = Path(state_dir) / f"shard_{shard_id}" / "gpu_samples.json"
-        data, why = read_state_file(path, check_gpu_samples)
+        path = L.StateLayout(state_dir).gpu_samples(shard_id)
+        data, why = read(path)
         if why:
-            log.warning("%s; %s", damaged_note(path, why), DAMAGED_CONSEQUENCE["gpu_samples.json"])
+            log.warning("%s; %s", damaged_note(path, why), DAMAGED_CONSEQUENCE[L.GPU_SAMPLES])
             if damaged is not None:
-                damaged.append({"shard_id": shard_id, "file": "gpu_samples.json", "path": str(path), "reason": why})
+                damaged.append({"shard_id": shard_id, "file": L.GPU_SAMPLES, "path": str(path), "reason": why})
             continue
         if data and data.get("t"):
             out.append({**data, "shard_id": shard_id})
@@ -215,7 +187,7 @@ def plot_gpu_util(samples: list[dict]) -> str | None:
 
 def load_identity(state_dir: str | Path) -> dict | None:
     """What the run's records depend on (``<state_dir>/records.fingerprint``'s identity): model, sampling, outputs, datasets."""
-    data, why = read_state_file(Path(state_dir) / "records.fingerprint")
+    data, why = read(L.StateLayout(state_dir).fingerprint)
     identity = (data or {}).get("identity")
     return identity if isinstance(identity, dict) else None
 
@@ -266,8 +238,21 @@ def equal_width_bins(hist: dict, max_bins: int = 64) -> tuple[int, list[tuple[in
     return width, [(lo, lo + width, counts.get(lo, 0)) for lo in range(first, last + 1, width)]
 
 
-def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | None:
-    """Output tokens per row in equal-width bins, with the row's max_new_tokens marked."""
+def tokens_hist_labels(hist: dict, n_samples: int, width: int) -> tuple[str, str, str]:
+    """(title, x label, y label) of the tokens histogram: per row, or per sample with n_samples > 1
+    (the histogram counts records: a 60-row run with 2 samples has 120, not "120 rows")."""
+    unit = "row" if n_samples == 1 else "sample"
+    count = numbers.count(hist["rows"], unit)
+    if n_samples > 1 and hist["rows"] % n_samples == 0:
+        count += f" ({hist['rows'] // n_samples:,} rows x {n_samples})"
+    title = f"tokens per {unit}: {count}, mean {hist['mean']:.1f}, max {hist['max']}"
+    return title, f"output tokens per {unit} (all outputs of the {unit}; bins of {width})", f"{unit}s"
+
+
+def plot_tokens_per_row(hist: dict | None, limit: int | None = None, n_samples: int = 1) -> str | None:
+    """Output tokens per row in equal-width bins, with the row's max_new_tokens marked.
+
+    With n_samples > 1 the histogram counts samples (each is a record with its own outputs), and says so."""
     if not hist or not hist.get("rows"):
         return None
     width, bins = equal_width_bins(hist)
@@ -285,9 +270,10 @@ def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | No
     ax.set_xlim(0, right * 1.04 + 1)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(f"output tokens per row (all outputs of the row; bins of {width})")
-    ax.set_ylabel("rows")
-    ax.set_title(f"tokens per row: {hist['rows']:,} rows, mean {hist['mean']:.1f}, max {hist['max']}")
+    title, xlabel, ylabel = tokens_hist_labels(hist, n_samples, width)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     return _png(fig)
 
@@ -297,11 +283,9 @@ def plot_tokens_per_row(hist: dict | None, limit: int | None = None) -> str | No
 
 def load_histories(state_dir: str | Path, shard_ids: list[int]) -> list[dict]:
     """Each shard's progress samples (progress.json ``history``: [seconds, rows, tokens]) with its start time."""
-    from mirageflow.shard.progress import check_progress
-
     out = []
     for shard_id in shard_ids:
-        data, _why = read_state_file(Path(state_dir) / f"shard_{shard_id}" / "progress.json", check_progress)
+        data, _why = read(L.StateLayout(state_dir).progress(shard_id))
         if data and len(data.get("history") or []) >= 2:
             out.append({"shard_id": shard_id, "started_at": data.get("started_at"), "history": data["history"]})
     return out
@@ -373,7 +357,7 @@ def example_records(state_dir: str | Path, shard_ids: list[int], n: int = 3) -> 
     """The first records of the first shards that have any, read from their committed parts (checkpoint.json)."""
     out: list[dict] = []
     for shard_id in shard_ids[:50]:
-        data, _why = read_state_file(Path(state_dir) / f"shard_{shard_id}" / "checkpoint.json")
+        data, _why = read(L.StateLayout(state_dir).checkpoint(shard_id))
         for entry in ((data or {}).get("datasets") or {}).values():
             if not isinstance(entry, dict):
                 continue
@@ -420,7 +404,7 @@ def example_failed_rows(state_dir: str | Path, num_shards: int, n: int = 5, max_
     """The first row errors (errors.jsonl) of the first shards that have any, with their shard."""
     out: list[dict] = []
     for shard_id in range(min(num_shards, max_shards)):
-        path = Path(state_dir) / f"shard_{shard_id}" / "errors.jsonl"
+        path = L.StateLayout(state_dir).errors(shard_id)
         try:
             if path.stat().st_size == 0:
                 continue
@@ -520,6 +504,11 @@ LABELS = {
 _TABLE_SKIP = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files", "rows_failed_by_class"}
 
 
+def unit_note_sentence(agg: dict) -> str:
+    n = agg.get("n_samples") or 1
+    return "" if n == 1 else f" With n_samples {n}, each source row makes {n} records (samples): the row counts above and below count samples."
+
+
 def metrics_table_rows(agg: dict) -> list[tuple[str, str, object]]:
     """(label, key, value) rows of the metrics table: a ``*_seconds`` figure and its ``*_human``
     twin are one row ("600.0 s (00:10:00)"); metrics.json keeps both keys."""
@@ -584,7 +573,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         ("shards", lambda: plot_shards(per_shard, stragglers)),
         ("throughput", lambda: plot_throughput(load_histories(state_dir, sorted(done_ids + failed_ids)[:200]))),
         ("gpu", lambda: plot_gpu_util(samples)),
-        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"), row_token_limit(identity))),
+        ("tokens", lambda: plot_tokens_per_row(agg.get("output_tokens_per_row_hist"), row_token_limit(identity), agg.get("n_samples") or 1)),
         ("errors", lambda: plot_errors(agg.get("rows_failed_by_class") or {})),
     ):
         try:
@@ -596,12 +585,13 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     def pct(v):
         return "n/a" if v is None else f"{v:.1f} %"
 
+    units = "rows" if (agg.get("n_samples") or 1) == 1 else "samples"  # with n_samples > 1 the counts are records
     cards = [
         ("shards completed", f"{agg['completed_shards']} / {agg['total_shards']}"),
         ("wall clock", agg.get("wall_clock_runtime_human") or "n/a"),
-        ("rows ok (completed shards)", _fmt(agg.get("total_rows_processed"))),
-        ("rows failed (completed + failed shards)", _fmt(agg.get("total_rows_failed"))),
-        ("rows filtered", _fmt(agg.get("total_rows_filtered"))),
+        (f"{units} ok (completed shards)", _fmt(agg.get("total_rows_processed"))),
+        (f"{units} failed (completed + failed shards)", _fmt(agg.get("total_rows_failed"))),
+        (f"{units} filtered", _fmt(agg.get("total_rows_filtered"))),
         ("output tokens/s", _fmt(agg.get("tokens_per_sec"))),
         ("output tokens/s per GPU", _fmt(agg.get("tokens_per_sec_per_gpu"))),
         ("GPU-days per billion tokens", _fmt(agg.get("gpu_days_per_billion_tokens"))),
@@ -617,7 +607,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         f'<p class="sub">state directory <code>{_esc(state_dir)}</code>; generated {_esc(stats.utc_now()[:19])} UTC; '
         "definitions of every figure: README.md, section \"Numbers in the report\".</p>",
         '<div class="cards">' + "".join(_card(k, v) for k, v in cards) + "</div>",
-        f'<p class="note">{_esc(scope_sentence(agg))}</p>',
+        f'<p class="note">{_esc(scope_sentence(agg) + unit_note_sentence(agg))}</p>',
     ]
     if damaged:
         out.append('<h2>Damaged state files</h2><ul class="bad">')

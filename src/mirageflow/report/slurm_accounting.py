@@ -25,6 +25,8 @@ import re
 import shutil
 import subprocess
 
+from mirageflow.errors import MirageflowError
+
 log = logging.getLogger(__name__)
 
 SACCT_TIMEOUT = 60.0  # one call for all jobs; slurmdbd on a busy cluster can take a while
@@ -35,7 +37,7 @@ _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "P": 1024*
 _MB = 1024**2
 
 
-class AccountingUnavailable(RuntimeError):
+class AccountingUnavailable(MirageflowError, RuntimeError):
     """sacct cannot tell: the message is the one-line reason the report shows."""
 
 

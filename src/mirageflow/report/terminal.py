@@ -8,15 +8,24 @@ here may fail the run: every error is logged at debug level and swallowed.
 
 Live progress: a daemon thread reads the shards' ``progress.json`` files (the shards
 rewrite them every 5 s) and prints one line at most every ``interval`` seconds while a
-shard runs: shards done / running / failed, rows done / total, rows/s and tokens/s (the
-shards' windowed rates, summed), and an ETA at the current rate. The interval is 10 s
-when stderr is a terminal and 60 s otherwise (a SLURM driver's log);
-``$MIRAGEFLOW_PROGRESS_SECONDS`` overrides it (0 turns the lines off).
+shard runs: shards done / running / failed, rows done / total (and samples, with
+n_samples > 1; a percentage never passes 100 %), rows/s and tokens/s, and an ETA only
+where a rate was measured (else it says why not). A shard is done when the state
+contract says so (mirageflow.state.shards.is_done: its status.json belongs to the current
+records fingerprint), so an edited pipeline's stale shards are not counted. The rate is
+the running shards' windowed rates, summed, when every generating shard has one; else what
+this thread saw finish over its own last few minutes (shards whose rows finish in one
+batch report none until it returns). The interval is 10 s when stderr is a terminal and
+60 s otherwise (a SLURM driver's log); ``$MIRAGEFLOW_PROGRESS_SECONDS`` overrides it (0
+turns the lines off).
 
 The summary: shards done / failed, rows ok / failed by class, tokens/s, and where the
 merged output, report.html and the failed rows are; for each failed shard one paragraph
 from its failure.json (never a traceback: that stays in the shard's log), which says when
-a retry would fail the same way (every failed row failed on a deterministic error class).
+a retry would fail the same way (every failed row failed on a deterministic error class,
+``mirageflow.errors.RowErrorClass``). Jobs Snakemake saw fail are named too: a shard job
+that left no failure.json (its disk was full, its config file was damaged, it was killed)
+and jobs of other rules, each with the last error line of its log.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -31,7 +41,12 @@ from pathlib import Path
 from typing import Callable
 
 from mirageflow.config.types import PipelineConfig
-from mirageflow.prompts import error_classes
+from mirageflow.errors import DETERMINISTIC_CLASSES
+from mirageflow.numbers import fmt_rate, percent
+from mirageflow.shard.progress import RateWindow
+from mirageflow.state import layout as L
+from mirageflow.state.records import read
+from mirageflow.state.shards import PROGRESS_STALE_SECONDS, is_done, process_gone, progress_work, recorded_fingerprint, units_of
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -39,24 +54,7 @@ log = logging.getLogger(__name__)
 ENV_INTERVAL = "MIRAGEFLOW_PROGRESS_SECONDS"
 TTY_INTERVAL = 10.0
 LOG_INTERVAL = 60.0
-FRESH_SECONDS = 120.0  # a progress.json older than this belongs to no running shard
-
-# Row error classes a retry reproduces exactly: they depend on the config, the prompt or
-# the data, not on chance (json_schema: a greedy model answers the same again).
-DETERMINISTIC_CLASSES = frozenset(
-    {"template_error", "missing_variable", "extract_error", "json_schema", "chat_template", "bad_row", "context_length",
-     "invalid_unicode", "reasoning_truncated", "bad_conversation"}
-) | error_classes.DETERMINISTIC
-
-
-def _fmt_rate(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:,.2f}" if value < 10 else f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}" + ("" if n == 1 else "s")
+RATE_WINDOW = 180.0  # seconds of the run behind the driver's own rate (as the shards' progress.json)
 
 
 # --------------------------------------------------------------------------- failures
@@ -110,17 +108,21 @@ def _sentence(text: str) -> str:
 
 
 def failure_paragraph(shard: dict, state_dir: str | Path, retry_hint: str | None = None) -> str:
-    """One paragraph about a failed shard (an entry of report.shard_states or aggregate.failed_shards)."""
+    """One paragraph about a failed shard (an entry of state.shards.shard_states or aggregate.failed_shards)."""
     shard_id = shard["shard_id"]
     failure = shard.get("failure") or {}
     fst = failure.get("stats") or {}
     if not fst and shard.get("rows_failed_by_class") is not None:
         fst = {"rows_failed_by_class": shard.get("rows_failed_by_class")}
     error = shard.get("error") if shard.get("error") is not None else failure.get("error")
-    d = Path(state_dir)
+    paths = L.StateLayout(state_dir)
     text = _sentence(f"shard {shard_id} failed: {_short_error(error)}")
+    if not failure:  # no failure.json (killed, a full disk): what its log says last
+        last = last_error_line(paths.shard_log(shard_id))
+        if last:
+            text += " " + _sentence(f"The last error in its log: {last}")
     same = repeats_identically(fst, str(error or ""))
-    errors_path = d / f"shard_{shard_id}" / "errors.jsonl"
+    errors_path = paths.errors(shard_id)
     if same:
         example = first_row_error(errors_path, set(same.split(", ")))
         if example:
@@ -133,7 +135,7 @@ def failure_paragraph(shard: dict, state_dir: str | Path, retry_hint: str | None
         text += " It was stopped by a signal; run the same command again to resume from its last commit."
     elif retry_hint:
         text += f" {retry_hint}"
-    text += f" Log: {d / 'logs' / f'shard_{shard_id}.log'}"
+    text += f" Log: {paths.shard_log(shard_id)}"
     if _nonempty(errors_path):
         text += f"; failed rows: {errors_path}"
     return text + "."
@@ -159,28 +161,41 @@ def progress_interval(stream=None, environ=os.environ) -> float:
 class LiveProgress:
     """Reads the shards' progress.json files and makes one line of the run's progress.
 
-    A done shard (status.json) is read once and remembered; each tick stats every other
-    shard's progress.json and reads only the fresh ones, so a tick over 100,000 shards is
-    a stat per unfinished shard.
+    A done shard (``is_done``: a status.json of the current records fingerprint) is read
+    once and remembered; each tick stats every other shard's progress.json and reads only
+    the fresh ones, so a tick over 100,000 shards is a stat per unfinished shard. A
+    progress.json older than the records fingerprint belongs to an earlier config and is
+    ignored. ``fingerprint``: the current records fingerprint (None: every status.json counts).
     """
 
-    def __init__(self, state_dir: str | Path, num_shards: int, interval: float, emit: Callable[[str], None], clock: Callable[[], float] = time.time):
-        self.state_dir = Path(state_dir)
+    def __init__(
+        self, state_dir: str | Path, num_shards: int, interval: float, emit: Callable[[str], None],
+        clock: Callable[[], float] = time.time, n_samples: int = 1, fingerprint: str | None = None,
+    ):  # fmt: skip
+        self.paths = L.StateLayout(state_dir)
         self.num_shards = num_shards
         self.interval = interval
         self.emit = emit
         self.clock = clock
-        self._done_rows: dict[int, int] = {}  # shard -> rows, once status.json exists
+        self.n = max(1, n_samples)
+        self.fingerprint = fingerprint
+        self._done_units: dict[int, tuple[int, int]] = {}  # shard -> (samples, output tokens), once done
+        self._not_done: dict[int, float] = {}  # shard -> mtime of a status.json that is not done (stale, damaged)
         self._total_rows: int | None = None
+        self._window = RateWindow(RATE_WINDOW)  # what this thread saw finish, run-wide
+        try:  # progress written before the fingerprint last changed is an earlier config's
+            self._since = self.paths.fingerprint.stat().st_mtime if fingerprint is not None else 0.0
+        except OSError:
+            self._since = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: str | None = None
 
     def total_rows(self) -> int | None:
-        """Rows of the run, from the dataset indices (written by the index jobs)."""
+        """Source rows of the run, from the dataset indices (written by the index jobs)."""
         if self._total_rows is None:
             total = 0
-            for path in sorted((self.state_dir / "datasets").glob("dataset_*.index.json")):
+            for path in self.paths.dataset_indices():
                 try:
                     total += int(json.loads(path.read_text())["rows"])
                 except (OSError, ValueError, KeyError, TypeError):
@@ -188,74 +203,103 @@ class LiveProgress:
             self._total_rows = total if total else None
         return self._total_rows
 
-    def _done(self, shard_id: int, d: Path) -> bool:
-        if shard_id in self._done_rows:
+    def _done(self, shard_id: int) -> bool:
+        if shard_id in self._done_units:
             return True
+        path = self.paths.status(shard_id)
         try:
-            status = json.loads((d / "status.json").read_text())
-        except (OSError, ValueError):
+            mtime = path.stat().st_mtime
+        except OSError:
             return False
-        if not isinstance(status, dict) or status.get("status") != "success":
+        if self._not_done.get(shard_id) == mtime:  # a stale or damaged status.json, read already
+            return False
+        status, _why = read(path)
+        if not is_done(status, self.num_shards, self.fingerprint):
+            self._not_done[shard_id] = mtime
             return False
         st = status.get("stats") or {}
-        try:
-            self._done_rows[shard_id] = int((st.get("rows_processed") or 0) + (st.get("rows_failed") or 0) + (st.get("rows_filtered") or 0))
-        except (TypeError, ValueError):
-            self._done_rows[shard_id] = 0
+        self._done_units[shard_id] = (units_of(st), int(st.get("output_tokens") or 0))
         return True
 
     def line(self) -> str | None:
         """The progress line, or None when no shard runs now."""
         now = self.clock()
         running, failed = [], 0
-        rows_other = 0
+        other_samples = other_rows = other_tokens = 0  # shards not running, not done: failed ones, or done without status.json yet
         for shard_id in range(self.num_shards):
-            d = self.state_dir / f"shard_{shard_id}"
-            if self._done(shard_id, d):
+            if self._done(shard_id):
                 continue
-            path = d / "progress.json"
+            path = self.paths.progress(shard_id)
             try:
                 mtime = path.stat().st_mtime
             except OSError:
                 continue
-            try:
-                p = json.loads(path.read_text())
-            except (OSError, ValueError):
+            if mtime < self._since:
                 continue
-            if not isinstance(p, dict):
+            p, _why = read(path)
+            if p is None:
                 continue
             phase = p.get("phase")
-            fresh = now - mtime < FRESH_SECONDS
+            fresh = now - mtime < PROGRESS_STALE_SECONDS and not process_gone(p)
+            rows, samples, _ = progress_work(p, self.n)
             if phase == "failed" or (phase != "done" and not fresh):
                 failed += 1
-                rows_other += _int(p.get("rows_done"))
             elif phase != "done":
                 running.append(p)
-            else:  # done but status.json not seen yet
-                rows_other += _int(p.get("rows_done"))
+                continue
+            other_rows, other_samples, other_tokens = other_rows + rows, other_samples + samples, other_tokens + int(p.get("output_tokens") or 0)
         if not running:
             return None
-        done = len(self._done_rows)
-        rows = sum(self._done_rows.values()) + rows_other + sum(_int(p.get("rows_done")) for p in running)
+        done = len(self._done_units)
+        work = [progress_work(p, self.n) for p in running]
+        samples = sum(u for u, _ in self._done_units.values()) + other_samples + sum(w[1] for w in work)
+        rows = sum(u for u, _ in self._done_units.values()) // self.n + other_rows + sum(w[0] for w in work)
+        tokens = sum(t for _, t in self._done_units.values()) + other_tokens + sum(int(p.get("output_tokens") or 0) for p in running)
+        self._window.add(now, samples, tokens)
         total = self.total_rows()
-        rps = [p["rows_per_sec"] for p in running if _num(p.get("rows_per_sec"))]
-        tps = [p["tokens_per_sec"] for p in running if _num(p.get("tokens_per_sec"))]
-        rows_per_sec = sum(rps) if rps else None
+        if total:  # what the files say never adds up to more than the run has
+            rows, samples = min(rows, total), min(samples, total * self.n)
         parts = [f"shards {done}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")]
         phases = sorted({str(p.get("phase")) for p in running} - {"generating"})
         if len(running) == 1 and phases:
             seconds = running[0].get("phase_seconds")
-            parts[0] += f" ({phases[0]}" + (f" {seconds:.0f} s" if _num(seconds) else "") + ")"
+            parts[0] += f" ({phases[0]}" + (f" {seconds:.0f} s" if seconds is not None else "") + ")"
         elif phases:
             counts = {ph: sum(1 for p in running if p.get("phase") == ph) for ph in phases}
             parts[0] += " (" + ", ".join(f"{n} {ph}" for ph, n in counts.items()) + ")"
-        parts.append(f"rows {rows:,}/{total:,} ({100 * rows / total:.0f}%)" if total else f"rows {rows:,}")
-        parts.append(f"{_fmt_rate(rows_per_sec)} rows/s, {_fmt_rate(sum(tps) if tps else None)} tok/s")
-        eta = None
-        if total and rows_per_sec:
-            eta = max(0, total - rows) / rows_per_sec
-        parts.append(f"ETA {stats.human_duration(eta)}" if eta is not None else "ETA n/a")
+        inflight = sum(int(p.get("inflight") or 0) for p in running)
+        if self.n == 1:
+            text = f"rows {rows:,}/{total:,} ({percent(rows, total)})" if total else f"rows {rows:,}"
+        else:
+            text = (f"rows {rows:,}/{total:,}, samples {samples:,}/{total * self.n:,} ({percent(samples, total * self.n)})"
+                    if total else f"rows {rows:,}, samples {samples:,}")  # fmt: skip
+        parts.append(text + (f", {inflight:,} in flight" if inflight else ""))
+        rate, tokens_rate, why = self._rates(running)
+        unit = "rows" if self.n == 1 else "samples"
+        if rate is None:
+            parts.append(f"{unit}/s n/a ({why})")
+        else:
+            parts.append(f"{fmt_rate(rate)} {unit}/s, {fmt_rate(tokens_rate)} tok/s")
+        if rate and total:
+            parts.append(f"ETA {stats.human_duration(max(0, total * self.n - samples) / rate)}")
+        else:
+            parts.append("ETA n/a" + (" (no rate yet)" if rate is None else ""))
         return "mirageflow: " + " | ".join(parts)
+
+    def _rates(self, running: list[dict]) -> tuple[float | None, float | None, str]:
+        """(samples/s, tokens/s, why there is none): the running shards' own rates, summed, when
+        every generating shard has one; else what this thread saw finish in its window."""
+        generating = [p for p in running if p.get("phase") == "generating"]
+        own = [p.get("samples_per_sec") if p.get("samples_per_sec") is not None else p.get("rows_per_sec") for p in generating]
+        if generating and all(r for r in own):
+            tps = [p["tokens_per_sec"] for p in generating if p.get("tokens_per_sec") is not None]
+            return sum(own), (sum(tps) if tps else None), ""
+        rate, tokens_rate, covered = self._window.rates()
+        if rate:
+            return rate, tokens_rate, ""
+        if not generating:
+            return None, None, "not generating yet"
+        return None, None, "nothing finished yet" if covered < 1.0 else f"nothing finished in the last {covered:.0f} s"
 
     def tick(self) -> None:
         try:
@@ -284,26 +328,25 @@ class LiveProgress:
             self._thread = None
 
 
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(v) -> int:
-    return int(v) if _num(v) else 0
-
-
 # --------------------------------------------------------------------------- the summary
 
 
-def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = None) -> str:
-    """The run's end in a few lines (and one paragraph per failed shard)."""
-    from mirageflow.report.aggregate import compute_metrics, shard_states
+def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = None, failed_jobs: list[dict] = ()) -> str:
+    """The run's end in a few lines (and one paragraph per failed shard or job).
+
+    ``failed_jobs``: the jobs Snakemake saw fail (``failed_jobs(workflow)``): a shard job
+    that left no failure.json, and jobs of other rules, are named with their log's last error.
+    """
+    from mirageflow.report.aggregate import compute_metrics
+    from mirageflow.state.shards import count, shard_states
 
     state_dir = Path(pipeline.state_dir)
-    states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds)
-    metrics = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds)
+    paths = L.StateLayout(state_dir)
+    n = getattr(pipeline, "n_samples", 1) or 1
+    states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, recorded_fingerprint(state_dir))
+    metrics = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, states=states)
     agg = metrics["aggregate"]
-    counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "running", "failed", "pending")}
+    counts = count(states)
     head = "mirageflow: run finished" if ok and counts["done"] == pipeline.num_shards else "mirageflow: run FAILED" if not ok else "mirageflow: run stopped"
     lines = [f"{head} (state_dir {state_dir})"]
     shards = f"shards: {counts['done']} of {pipeline.num_shards} done"
@@ -312,34 +355,37 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
     if counts["running"]:
         shards += f", {counts['running']} still running"
     if counts["pending"]:
-        shards += f", {counts['pending']} not run"
+        stale = sum(1 for s in states if s.get("stale"))
+        shards += f", {counts['pending']} not run" + (f" ({stale} with a stale status.json of an earlier config)" if stale else "")
     lines.append("  " + shards)
     by_class = agg.get("rows_failed_by_class") or {}
     failed_rows = agg.get("total_rows_failed") or 0
     ok_rows = (agg.get("total_rows_processed") or 0) + (agg.get("rows_processed_failed_shards") or 0)
-    rows = f"rows: {ok_rows:,} ok, {failed_rows:,} failed"
+    unit = "rows" if n == 1 else "samples"
+    rows = f"{unit}: {ok_rows:,} ok, {failed_rows:,} failed"
     if by_class:
         rows += " (" + ", ".join(f"{k} {v:,}" for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])) + ")"
     if agg.get("total_rows_filtered"):
         rows += f", {agg['total_rows_filtered']:,} filtered"
+    if n > 1:
+        rows += f" ({n} samples per row: one record each)"
     lines.append("  " + rows)
     if agg.get("total_output_tokens"):
         tps = agg.get("tokens_per_sec")
         lines.append(
-            f"  output tokens: {agg['total_output_tokens']:,}, {_fmt_rate(tps)} tok/s over generation"
+            f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(tps)} tok/s over generation"
             + (f" (wall clock {agg['wall_clock_runtime_human']})" if agg.get("wall_clock_runtime_human") else "")
         )
     if counts["done"] == pipeline.num_shards:
         for ds in pipeline.datasets:
-            merged = Path(ds.output_dir) / "merged"
+            merged = L.merged_dir(ds.output_dir)
             if pipeline.merge and merged.exists():
                 lines.append(f"  merged output: {merged}/")
             else:
                 lines.append(f"  output: {Path(ds.output_dir)}/shard_<id>/ (not merged)")
-    report = state_dir / "report.html"
-    if report.exists():
-        lines.append(f"  report: {report} (summary.md, metrics.json beside it)")
-    with_errors = [s["shard_id"] for s in states if _nonempty(state_dir / f"shard_{s['shard_id']}" / "errors.jsonl")]
+    if paths.report_html.exists():
+        lines.append(f"  report: {paths.report_html} (summary.md, metrics.json beside it)")
+    with_errors = [s["shard_id"] for s in states if _nonempty(paths.errors(s["shard_id"]))]
     if failed_rows and with_errors:
         shown = ", ".join(map(str, with_errors[:10])) + (" ..." if len(with_errors) > 10 else "")
         lines.append(f"  failed rows: {state_dir}/shard_<id>/errors.jsonl (shards {shown})")
@@ -351,12 +397,78 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
         lines.append(failure_paragraph(s, state_dir, retry_hint=retry))
     if len(failed) > 20:
         lines.append(f"... and {len(failed) - 20} more failed shards: mmirage status --config {config_hint or '<config>'}")
-    if not ok and not failed:
+    named = {s["shard_id"] for s in failed}
+    others = [j for j in failed_jobs if not (j["rule"] == "shard" and _job_shard(j) in named)]
+    for job in others[:20]:
+        lines.append("")
+        lines.append(job_paragraph(job, states))
+    if not ok and not failed and not others:
         lines.append(
-            "No shard failed: a job of another rule failed (see Snakemake's error above; its log is in "
-            f"{state_dir / 'logs'}/)."
+            "No shard failed and Snakemake named no failed job: see Snakemake's error above (the logs are in "
+            f"{paths.logs_dir}/)."
         )
     return "\n".join(lines)
+
+
+def _job_shard(job: dict) -> int | None:
+    try:
+        return int(job["wildcards"]["shard"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def job_paragraph(job: dict, states: list[dict]) -> str:
+    """One paragraph about a job Snakemake saw fail, when the shard files do not tell it:
+    a shard job without failure.json, or a job of another rule; with its log's last error."""
+    shard = _job_shard(job) if job["rule"] == "shard" else None
+    log_path = next(iter(job.get("logs") or []), None)
+    error = last_error_line(Path(log_path)) if log_path else None
+    if shard is not None:
+        state = next((s["state"] for s in states if s["shard_id"] == shard), None)
+        text = f"shard {shard} failed: its job exited with an error and left no failure record (shard state now: {state})"
+    else:
+        where = ", ".join(f"{k}={v}" for k, v in (job.get("wildcards") or {}).items())
+        text = f"job {job['rule']}" + (f" ({where})" if where else "") + " failed"
+    text += f"; the last error in its log: {error}" if error else "; its log holds no error line (a full disk, or killed?)"
+    return _sentence(text) + (f" Log: {log_path}." if log_path else "")
+
+
+# a traceback's last line ("mirageflow.x.ShardFailed: ..."), or a logged ERROR line
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Failed|Busy|Refused|Interrupted|Unavailable|Mismatch)): (.*)")
+
+
+def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
+    """The last error a job's log says: a traceback's exception line, else its last ERROR line."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    logged = None
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        m = _EXCEPTION_LINE.match(line)
+        if m:  # the class without its module: "ShardFailed: ..."
+            return _short_error(f"{m.group(1)}: {m.group(2)}")
+        if logged is None and (" ERROR " in line or line.startswith("ERROR")):
+            logged = line
+    return _short_error(logged) if logged else None
+
+
+def failed_jobs(workflow) -> list[dict]:
+    """The jobs Snakemake saw fail in this run, as {rule, wildcards, logs} (group jobs opened).
+
+    From the scheduler the onerror hook runs after (``workflow.scheduler.failed``); empty
+    when this Snakemake does not have it."""
+    out = []
+    for job in getattr(getattr(workflow, "scheduler", None), "failed", None) or ():
+        for one in getattr(job, "jobs", None) or [job]:  # a group job holds its jobs
+            try:
+                out.append({"rule": one.rule.name, "wildcards": dict(one.wildcards_dict), "logs": [str(f) for f in one.log]})
+            except Exception:  # a job object of another shape: name nothing rather than fail the summary
+                log.debug("cannot read a failed job", exc_info=True)
+    return sorted(out, key=lambda j: (j["rule"] != "shard", j["rule"], _job_shard(j) or 0))
 
 
 # --------------------------------------------------------------------------- Snakefile handlers
@@ -394,7 +506,10 @@ def on_start(pipeline: PipelineConfig, workflow=None) -> None:
             return
         if _LIVE is not None:
             _LIVE.stop()
-        _LIVE = LiveProgress(pipeline.state_dir, pipeline.num_shards, interval, _emit)
+        _LIVE = LiveProgress(
+            pipeline.state_dir, pipeline.num_shards, interval, _emit,
+            n_samples=getattr(pipeline, "n_samples", 1), fingerprint=recorded_fingerprint(pipeline.state_dir),
+        )  # fmt: skip
         _LIVE.start()
     except Exception:
         log.debug("cannot start live progress", exc_info=True)
@@ -408,7 +523,7 @@ def _end(pipeline: PipelineConfig, workflow, ok: bool) -> None:
         _LIVE.stop()
         _LIVE = None
     try:
-        text = run_summary(pipeline, ok, _config_hint(workflow))
+        text = run_summary(pipeline, ok, _config_hint(workflow), [] if ok else failed_jobs(workflow))
     except Exception as e:  # the summary must never hide the run's own outcome
         log.debug("run summary failed", exc_info=True)
         text = f"mirageflow: no run summary ({type(e).__name__}: {e}); see `mmirage status`"

@@ -66,7 +66,9 @@ from mirageflow.config.types import PipelineConfig
 from mirageflow.config import records_identity
 from mirageflow.data.writers import write_part
 from mirageflow.files import atomic_write_json, atomic_write_text
-from mirageflow.prompts.samples import record_unit
+from mirageflow.prompts.samples import complete_rows, describe_count, record_unit
+from mirageflow.errors import MirageflowError
+from mirageflow.state import layout as L
 
 log = logging.getLogger(__name__)
 
@@ -87,25 +89,30 @@ TEMP_GRACE_SECONDS = 10.0
 HEARTBEAT_MAX_PERIOD = 30.0
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MirageflowError, RuntimeError):
     """The checkpoint cannot be used as it is; the message names the file and what to do."""
 
 
-def fingerprint(cfg: PipelineConfig, shard_ranges: dict[int, tuple[int, int]], inputs: dict | None = None) -> str:
+def fingerprint(cfg: PipelineConfig, shard_ranges: dict[int, tuple[int, int]], data: dict[int, list] | None = None) -> str:
     """Hash of what determines this shard's records: the config's records identity (model,
     sampling, prompts, schemas, datasets; the same one that reruns shards through
-    ``records.fingerprint``), the shard's row range in each dataset and, when known, what
-    its input files held (``inputs``: the datasets' content digests from their indexes, the
-    digest of the image files it read when they changed; mirageflow.state.inputs): an edit
-    of a dataset or an image recomputes the committed rows instead of resuming past them."""
+    ``records.fingerprint``), the shard's row range in each dataset and, in ``data``, each
+    dataset's content as its index saw it (``data_identity``): an edited row discards the
+    parts made from the old rows (the request cache answers the rows that did not change)."""
     material = {
         "version": FORMAT_VERSION,
         "records": records_identity(cfg),
         "rows": [shard_ranges[d.index] for d in cfg.datasets],
     }
-    if inputs:  # absent for indexes from before content digests: those checkpoints stay valid
-        material["inputs"] = inputs
+    if data is not None:
+        material["data"] = [data.get(d.index) for d in cfg.datasets]
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def data_identity(index_fingerprint: list[list]) -> list:
+    """A dataset's content from its index's file fingerprint: per file its size and SHA-256,
+    or its size and mtime where the file is too large to hash (data/readers.py)."""
+    return [[size, digest] if digest is not None else [size, mtime] for _, size, mtime, digest in index_fingerprint]
 
 
 def _error_line(entry: dict) -> str:
@@ -263,8 +270,8 @@ class Checkpoint:
         ``source_index * samples + sample_index`` (mirageflow/prompts/samples.py)."""
         self.shard_dir = Path(shard_dir)
         self.samples = samples
-        self.path = self.shard_dir / "checkpoint.json"
-        self.errors_path = self.shard_dir / "errors.jsonl"
+        self.path = self.shard_dir / L.CHECKPOINT
+        self.errors_path = self.shard_dir / L.ERRORS
         self.fingerprint = fingerprint
         self.datasets = {k: DatasetProgress(Path(d), fmt) for k, (d, fmt) in outputs.items()}
         self.attempts: list[dict] = []
@@ -535,8 +542,20 @@ class Checkpoint:
                 prog.failed = seen[key]
         self._write_errors(kept, mode="w")
 
-    def resumed_rows(self) -> int:
+    def committed_units(self) -> int:
+        """Units (rows; samples with n_samples > 1) committed: records, row errors and filtered rows."""
         return sum(len(p.done) + len(p.failed) + len(p.filtered) for p in self.datasets.values())
+
+    def complete_rows(self) -> int:
+        """Source rows whose every sample is committed (with one sample per row: committed_units)."""
+        return sum(
+            complete_rows(merge_ranges(merge_ranges(p.ranges("done"), p.ranges("failed")), p.ranges("filtered")), self.samples)
+            for p in self.datasets.values()
+        )
+
+    def describe_committed(self) -> str:
+        """What is committed, in rows and samples: "8 rows", "16 samples (8 rows complete)"."""
+        return describe_count(self.committed_units(), self.samples, self.complete_rows() if self.samples > 1 else None)
 
     def committed_before(self, dataset: int):
         """``skip(index)``: whether the row was committed when this was called (at resume).
@@ -636,7 +655,7 @@ def _part_indices(data: bytes, fmt: str) -> set[int]:
 # --------------------------------------------------------------------------- lease
 
 
-class ShardBusy(RuntimeError):
+class ShardBusy(MirageflowError, RuntimeError):
     pass
 
 
@@ -690,7 +709,7 @@ class Lease:
     """
 
     def __init__(self, shard_dir: Path, timeout: float):
-        self.path = Path(shard_dir) / "lease.json"
+        self.path = Path(shard_dir) / L.LEASE
         self.timeout = timeout
         # the token tells two Lease objects of one process (or a reused pid) apart
         self.me = {**_holder(), "token": uuid.uuid4().hex}

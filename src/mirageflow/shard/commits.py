@@ -18,10 +18,12 @@ from mirageflow.shard.failures import ShardFailed
 
 
 class CommitQueue:
-    def __init__(self, checkpoint, lease, params, timer, shard_id: int, before_write: Callable[[], None] = lambda: None):
+    def __init__(self, checkpoint, lease, params, timer, shard_id: int, before_write: Callable[[], None] = lambda: None, cache=None):
         """``before_write``: called on the event loop when a batch is taken, so that what it
-        records (the attempt's counters) is saved in the same manifest write as the rows."""
+        records (the attempt's counters) is saved in the same manifest write as the rows.
+        ``cache``: the request cache, whose new answers are committed with each batch."""
         self.checkpoint, self.lease, self.params, self.timer = checkpoint, lease, params, timer
+        self.cache = cache
         self.shard_id = shard_id
         self.before_write = before_write
         self._pending: dict[int, tuple[list, list, list]] = {}  # dataset -> (records, error entries, filtered indices)
@@ -72,6 +74,8 @@ class CommitQueue:
         self.lease.check()
         with self.timer.phase("write"):
             try:
+                if self.cache is not None:  # the answers first: a kill before the manifest loses no answer of a committed row
+                    self.cache.commit()
                 for ds_index, (records, errors, filtered) in batch.items():
                     self.checkpoint.commit(ds_index, records, errors, filtered)
                 if not batch:

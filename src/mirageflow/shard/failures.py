@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import signal
 
+from mirageflow.errors import MirageflowError
 
-class ShardFailed(RuntimeError):
+
+class ShardFailed(MirageflowError, RuntimeError):
     """The shard cannot succeed: error budget, accounting gap, engine crash, unwritable output."""
 
 
 class ShardInterrupted(ShardFailed):
     """SIGTERM/SIGINT: finished rows were committed; a rerun resumes."""
 
-    def __init__(self, signum: int, rows_done: int):
+    def __init__(self, signum: int, committed: str):
+        """``committed``: what the shard has committed, in words ("8 rows", "16 samples (8 rows complete)")."""
         self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}; {rows_done} rows committed, rerun to resume")
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; {committed} committed, rerun to resume")

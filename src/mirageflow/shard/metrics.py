@@ -28,13 +28,17 @@ SUMMED = (
     "runtime_seconds", "model_load_seconds", "warmup_seconds", "generation_seconds", "inference_runtime_seconds",
     "write_seconds", "engine_busy_seconds", "engine_idle_seconds", "engine_idle_gaps", "rows_computed", "requests",
     "input_tokens", "output_tokens", "gpu_seconds_allocated", "images", "image_tokens",
+    "requests_cached", "answers", "answers_length_cut", "json_answers",
 )  # fmt: skip
 
 
 class ShardMetrics:
     def __init__(self, cfg: PipelineConfig, attempt: int):
         self.cfg = cfg
+        # the shard's own attempt number (1, 2, ... over every run of the workflow, counted in
+        # the checkpoint); Snakemake's retry number of this job restarts at 1 in each run
         self.attempt = attempt
+        self.snakemake_attempt = attempt
         self.started_at, self.t0 = stats.utc_now(), time.monotonic()
         self.timer = stats.PhaseTimer()
         self.tracker = stats.InflightTracker()
@@ -42,15 +46,30 @@ class ShardMetrics:
         # images sent (one per placeholder, counted per request) and the prompt tokens they
         # became where the engine tells (transformers, SGLang); part of input_tokens
         self.images = self.image_tokens = 0
+        # answers taken from the request cache (not sent; their tokens are not this run's work)
+        self.requests_cached = 0
+        # every answer the engine or the cache gave, those cut by the length limit, those of
+        # JSON outputs: the quality counters of the canary and the report's findings
+        self.answers = self.answers_length_cut = self.json_answers = 0
         self.tokens_per_row = stats.TokenHistogram()
         self.sampler = gpu.GpuSampler(cfg.shard.gpu_sample_interval_seconds, sample=cfg.stats)
         self.num_gpus = stats.allocated_gpus()
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
 
-    def book(self, request, completion, sent: bool = True) -> None:
+    def book(self, request, completion, sent: bool = True, cached: bool = False) -> None:
         """Count one answer: its tokens, and the request and its images when ``sent`` (the
-        second and later choices of one request with n were not sent again)."""
+        second and later choices of one request with n were not sent again). ``cached``:
+        taken from the request cache, counted as an answer but not as tokens or a request."""
+        if completion.error_kind is None:
+            self.answers += 1
+            if completion.finish_reason == "length":
+                self.answers_length_cut += 1
+            if request.json_schema is not None:  # a JSON output's
+                self.json_answers += 1
+        if cached:
+            self.requests_cached += 1
+            return
         self.input_tokens += completion.prompt_tokens
         self.output_tokens += completion.completion_tokens
         if sent:
@@ -72,6 +91,7 @@ class ShardMetrics:
         occupancy = self.tracker.summary()
         return {
             "attempt": self.attempt,
+            "snakemake_attempt": self.snakemake_attempt,
             "started_at": self.started_at,
             "finished_at": None if outcome == "running" else stats.utc_now(),
             "outcome": outcome,
@@ -95,16 +115,22 @@ class ShardMetrics:
             "output_tokens": self.output_tokens,
             "images": self.images,
             "image_tokens": self.image_tokens,
+            "requests_cached": self.requests_cached,
+            "answers": self.answers,
+            "answers_length_cut": self.answers_length_cut,
+            "json_answers": self.json_answers,
             "num_gpus": self.num_gpus,
             "gpu_seconds_allocated": self.num_gpus * runtime,
             "output_tokens_per_row_hist": self.tokens_per_row.to_json(),
         }
 
     def begin_attempt(self, checkpoint) -> None:
-        """Add this attempt to the checkpoint's list; one left "running" there was killed."""
+        """Add this attempt to the checkpoint's list, numbered after the earlier ones; one left
+        "running" there was killed."""
         for earlier in checkpoint.attempts:
             if earlier.get("outcome") == "running":
                 earlier["outcome"] = "killed"
+        self.attempt = len(checkpoint.attempts) + 1
         self.checkpoint = checkpoint
         self.index = checkpoint.begin_attempt(self.attempt_entry(0))
 
@@ -128,6 +154,7 @@ class ShardMetrics:
         gpus = self.sampler.summary()
         return {
             **total,
+            "n_samples": self.cfg.n_samples,  # records per source row: the rows_* counts below count records
             "runtime_human": stats.human_duration(runtime),
             "peak_inflight": max((a.get("peak_inflight") or 0 for a in attempts), default=0),
             "rows_processed": done,

@@ -18,6 +18,7 @@ directory; the pipeline's state_dir and output_dirs are never read or written.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import tempfile
@@ -30,7 +31,8 @@ from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import EngineInfo
 from mirageflow.prompts import python_steps
 from mirageflow.prompts.images import RowImages
-from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import Extractor, RecordRenderer
 from mirageflow.shard.steps import OutputStep
 
 DEFAULT_ROWS = 3
@@ -81,18 +83,29 @@ class TemplateOnlyEngine(Engine):
 
 def first_rows(ds: DatasetConfig, n: int) -> list:
     """The dataset's first ``n`` rows as SourceRow (a dict, or a RowError for an unreadable row)."""
+    return list(iter_rows(ds, n))
+
+
+def _first_jsonl_rows(ds: DatasetConfig, n: int):
+    """The first ``n`` rows of a JSONL dataset, or all of them when the file has fewer."""
+    from mirageflow.data import readers
+
+    try:
+        yield from readers.read_shard(ds, readers.ShardSlice(0, n, 0, 1))
+    except readers.DatasetEndedEarly:
+        return
+
+
+def iter_rows(ds: DatasetConfig, n: int = sys.maxsize):
+    """The dataset's first ``n`` rows (default: all), read as they are consumed."""
     from mirageflow.data import readers
 
     if n <= 0:
-        return []
+        return iter(())
     if ds.type == "jsonl":
-        rows = []
-        try:  # the first n rows, or all of them when the file has fewer
-            for row in readers.read_shard(ds, readers.ShardSlice(0, n, 0, 1)):
-                rows.append(row)
-        except readers.DatasetEndedEarly:
-            pass
-        return rows
+        if n == sys.maxsize:  # all rows: the reader checks it reads exactly as many as the file has
+            return readers.read_shard(ds, readers.ShardSlice(0, readers.jsonl_count(ds.path), 0, 1))
+        return _first_jsonl_rows(ds, n)
     if ds.type == "parquet":
         import pyarrow.parquet as pq
 
@@ -103,9 +116,9 @@ def first_rows(ds: DatasetConfig, n: int) -> list:
             total += rows
             if total >= n:
                 break
-        return list(readers.read_shard(ds, readers.ShardSlice(0, min(n, total), files=files)))
-    total = len(readers._load_hf(ds))  # memory-mapped: the length costs nothing
-    return list(readers.read_shard(ds, readers.ShardSlice(0, min(n, total))))
+        return readers.read_shard(ds, readers.ShardSlice(0, min(n, total), files=files))
+    total = len(readers.load_hf(ds))  # memory-mapped: the length costs nothing
+    return readers.read_shard(ds, readers.ShardSlice(0, min(n, total)))
 
 
 def _plain(value: Any) -> Any:
@@ -175,30 +188,63 @@ async def _preview_row(row, extract, steps: list[OutputStep], render, generate: 
     return out
 
 
+class _Session:
+    """What a preview needs for its rows: the extractor, images, renderer and steps (engines
+    loaded with ``generate``, else their chat templates only); close() stops them."""
+
+    def __init__(self, cfg: PipelineConfig, generate: bool, log_dir: str | Path | None):
+        self.cfg, self.generate = cfg, generate
+        self.extract = Extractor(cfg.inputs)
+        self.row_images = RowImages.from_config(cfg)
+        self.render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"])
+        self.engines: dict[str, Engine] = {}
+        self.pools: dict[str, python_steps.FunctionPool] = {}
+        self._scratch = None
+        if generate and log_dir is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="mmirage-preview-")
+            log_dir = self._scratch.name
+        try:
+            if generate:
+                self.pools = python_steps.start_pools(cfg.custom_processors, cfg.outputs)
+            else:  # not started: the steps are shown, not run
+                self.pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
+            for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
+                processor = cfg.processors[name]
+                engine = registry.create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
+                self.engines[name] = engine
+                engine.load()
+            self.steps = [
+                python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], self.engines[o.processor]), self.pools)
+                for o in cfg.outputs
+            ]
+        except BaseException:
+            self.close()
+            raise
+
+    def rows(self, ds, source: list) -> list[dict]:
+        async def run():
+            load = (lambda v, i=ds.index: self.row_images(v, i)) if self.row_images else None
+            return await asyncio.gather(*(_preview_row(r, self.extract, self.steps, self.render, self.generate, load) for r in source))
+
+        return list(asyncio.run(run())) if source else []
+
+    def close(self) -> None:
+        python_steps.close_pools(self.pools)
+        for engine in self.engines.values():
+            try:
+                engine.close()
+            except Exception:
+                pass
+        if self._scratch is not None:
+            self._scratch.cleanup()
+
+
 def preview(cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None) -> dict:
     """{"datasets": [{index, path, rows: [...]}], "generated": bool, "engines": {...}}: what the runner would do
     with the first ``rows`` rows of each dataset (and, with ``generate``, what the engine answered)."""
-    extract = Extractor(cfg.inputs)
-    row_images = RowImages.from_config(cfg)
-    render = RecordRenderer(cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"])
-    engines: dict[str, Engine] = {}
-    pools: dict[str, python_steps.FunctionPool] = {}
-    scratch = None
-    if generate and log_dir is None:
-        scratch = tempfile.TemporaryDirectory(prefix="mmirage-preview-")
-        log_dir = scratch.name
+    session = _Session(cfg, generate, log_dir)
     try:
-        if generate:
-            pools = python_steps.start_pools(cfg.custom_processors, cfg.outputs)
-        else:  # not started: the steps are shown, not run
-            pools = {name: python_steps.FunctionPool(p) for name, p in cfg.custom_processors.items()}
-        for name in dict.fromkeys(o.processor for o in cfg.outputs if o.kind == "llm"):
-            processor = cfg.processors[name]
-            engine = registry.create_engine(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
-            engines[name] = engine
-            engine.load()
-        steps = [python_steps.make_step(o, lambda o: OutputStep(o, cfg.processors[o.processor], engines[o.processor]), pools) for o in cfg.outputs]
-        result = {"generated": generate, "engines": {n: e.info.backend for n, e in engines.items()}, "datasets": []}
+        result = {"generated": generate, "engines": {n: e.info.backend for n, e in session.engines.items()}, "datasets": []}
         for ds in cfg.datasets:
             entry: dict[str, Any] = {"index": ds.index, "path": ds.path, "rows": [], "error": None}
             try:
@@ -206,23 +252,59 @@ def preview(cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = Fals
             except Exception as e:  # the data cannot be read: say so, go on with the next dataset
                 entry["error"] = f"cannot read {ds.path}: {type(e).__name__}: {e}"
                 source = []
-
-            async def run(source=source):
-                load = (lambda v, i=ds.index: row_images(v, i)) if row_images else None
-                return await asyncio.gather(*(_preview_row(r, extract, steps, render, generate, load) for r in source))
-
-            entry["rows"] = list(asyncio.run(run())) if source else []
+            entry["rows"] = session.rows(ds, source)
             result["datasets"].append(entry)
         return result
     finally:
-        python_steps.close_pools(pools)
-        for engine in engines.values():
-            try:
-                engine.close()
-            except Exception:
-                pass
-        if scratch is not None:
-            scratch.cleanup()
+        session.close()
+
+
+EXPORT_CHUNK = 256  # rows rendered at a time by export_prompts
+
+
+def export_prompts(cfg: PipelineConfig, out: TextIO) -> dict:
+    """``mmirage run --export-prompts``: every row's requests, as the engines would receive them, to a JSONL file.
+
+    One line per row and LLM output: {"dataset", "source_index", "output", "processor",
+    "prompt" (the chat template applied; null when an OpenAI-compatible server applies
+    it), "messages", "sampling_params", "needs": the earlier outputs whose answers it
+    needs (shown as placeholders)}; a row that fails (a missing key, a template error) is a
+    line with its "error". Nothing is generated and no model is loaded (tokenizers only);
+    the pipeline's state and outputs are not touched. Returns the counts.
+    """
+    from mirageflow.prompts.templates import template_variables
+
+    def variables_of(source: str) -> set[str]:
+        return set(template_variables(source)) if source else set()
+
+    produced = {o.name for o in cfg.outputs if o.kind != "filter"}
+    needs = {
+        o.name: sorted(variables_of(o.prompt or "") & produced | variables_of(o.system or "") & produced)
+        for o in cfg.outputs if o.kind == "llm"
+    }  # fmt: skip
+    counts = {"rows": 0, "requests": 0, "row_errors": 0}
+    session = _Session(cfg, generate=False, log_dir=None)
+    try:
+        for ds in cfg.datasets:
+            source = iter_rows(ds)
+            while chunk := list(itertools.islice(source, EXPORT_CHUNK)):
+                for row in session.rows(ds, chunk):
+                    counts["rows"] += 1
+                    base = {"dataset": ds.index, "source_index": row["source_index"]}
+                    for o in row["outputs"]:
+                        if o["processor"] in ("filter", "custom") or "messages" not in o:
+                            continue
+                        counts["requests"] += 1
+                        out.write(json.dumps({
+                            **base, "output": o["name"], "processor": o["processor"], "prompt": o["prompt"],
+                            "messages": o["messages"], "sampling_params": o["sampling_params"], "needs": needs.get(o["name"], []),
+                        }, ensure_ascii=False, default=str) + "\n")  # fmt: skip
+                    if row["error"]:
+                        counts["row_errors"] += 1
+                        out.write(json.dumps({**base, "error": row["error"]}, ensure_ascii=False, default=str) + "\n")
+        return counts
+    finally:
+        session.close()
 
 
 # --------------------------------------------------------------------------- text

@@ -1,17 +1,23 @@
 """Live progress of a running shard: ``<state_dir>/shard_<id>/progress.json``, rewritten atomically.
 
-A thread asks the runner for a snapshot (rows done, output tokens, engine queue depth)
-every ``interval`` seconds and writes phase, rows done / total, rates over the last
-``window`` seconds (not since the start, so a slow model load or a resumed shard does not
-distort them), the ETA, and who runs the shard (host, pid, SLURM job). The file also
-updates while the engine loads, so ``mmirage status`` can tell a live shard from a dead one.
+A thread asks the runner for a snapshot (samples and rows finished, samples committed,
+output tokens, requests in flight, engine queue depth) every ``interval`` seconds and
+writes phase, done / total, rates over the last ``window`` seconds (not since the start,
+so a slow model load or a resumed shard does not distort them), the ETA, and who runs the
+shard (host, pid, SLURM job). The file also updates while the engine loads, so ``mmirage
+status`` can tell a live shard from a dead one.
+
+Units: a sample is one record of a row (``n_samples`` per row; with 1, a sample is a
+row). ``samples_*`` count finished samples (as soon as they finish, before their commit;
+``samples_committed`` is what is durable), ``rows_*`` source rows whose every sample
+finished. Both are bounded by their totals. A rate is measured over the window from
+samples that finished in it: when none did (a batch that has not returned yet), there is
+no rate and no ETA, and ``eta_note`` says why, instead of "0 rows/s".
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import socket
 import threading
@@ -20,54 +26,15 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
+from mirageflow.state.records import check_progress, read
+from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WINDOW = 180.0  # seconds of history behind the rates
 MAX_HISTORY = 240  # (t, rows, tokens) samples kept in progress.json; thinned by half when full
-
-
-# progress.json fields its readers (`mmirage status`, the report) compute with or print
-NUMBER_FIELDS = (
-    "phase_seconds", "rows_done", "rows_failed", "rows_total", "fraction_done", "output_tokens", "rows_per_sec",
-    "tokens_per_sec", "rate_window_seconds", "eta_seconds", "queue_depth", "inflight", "elapsed_seconds",
-    "updated_at_unix", "num_gpus", "attempt",
-)  # fmt: skip
-STRING_FIELDS = ("phase", "eta_human", "started_at", "updated_at", "hostname")
-
-
-def check_progress(state: dict) -> str | None:
-    """Why a progress.json object cannot be used (a field of the wrong type), or None.
-
-    ``phase`` is required; every other field may be missing or null, but the ones present
-    must have the type ``state()`` writes.
-    """
-    if not isinstance(state.get("phase"), str):
-        return f"phase is {'missing' if 'phase' not in state else json.dumps(state['phase'], default=str)[:40]}, not a string"
-    for k in NUMBER_FIELDS:
-        v = state.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            return f"{k} is {json.dumps(v, default=str)[:40]}, not a number"
-    for k in STRING_FIELDS:
-        v = state.get(k)
-        if v is not None and not isinstance(v, str):
-            return f"{k} is {json.dumps(v, default=str)[:40]}, not a string"
-    if state.get("slurm_job_id") is not None and not isinstance(state["slurm_job_id"], (str, int)):
-        return "slurm_job_id is not a string"
-    history = state.get("history")
-    if history is not None and not (
-        isinstance(history, list)
-        and all(isinstance(h, list) and len(h) == 3 and all(_finite(x) for x in h) for h in history)
-    ):
-        return "history is not a list of [seconds, rows, tokens] samples"
-    return None
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class History:
@@ -115,9 +82,7 @@ class History:
 
 def read_progress(path: str | os.PathLike) -> tuple[dict | None, str | None]:
     """(progress, None); (None, None) when there is no file; (None, why) when it is damaged."""
-    from mirageflow.report.aggregate import read_state_file
-
-    return read_state_file(path, check_progress)
+    return read(path, check_progress)
 
 
 class RateWindow:
@@ -150,9 +115,12 @@ class RateWindow:
 class ProgressReporter:
     """Writes progress.json every ``interval`` seconds from a thread, and at each phase change.
 
-    ``snapshot()`` returns a dict with ``rows_done`` (committed or finished, including rows
-    resumed from a checkpoint), and optionally ``rows_failed``, ``output_tokens``,
-    ``queue_depth`` and ``inflight``. It runs in the reporter's thread.
+    ``rows_total``: the shard's source rows; ``n_samples``: samples per row. ``snapshot()``
+    returns a dict with ``samples_done`` (finished, including those resumed from a
+    checkpoint; with one sample per row ``rows_done`` alone will do), and optionally
+    ``rows_done`` (rows whose every sample finished), ``samples_committed``,
+    ``rows_failed``, ``output_tokens``, ``queue_depth`` and ``inflight``. It runs in the
+    reporter's thread.
     """
 
     def __init__(
@@ -166,11 +134,13 @@ class ProgressReporter:
         window: float = DEFAULT_WINDOW,
         attempt: int | None = None,
         num_gpus: int | None = None,
+        n_samples: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.path = Path(path)
         self.shard_id = shard_id
         self.rows_total = rows_total
+        self.n_samples = n_samples
         self.snapshot = snapshot
         self.interval = interval
         self.attempt = attempt
@@ -224,36 +194,55 @@ class ProgressReporter:
             log.debug("progress snapshot failed: %s", e)
             snap = None
         now = self.clock()
+        n = self.n_samples
         with self._lock:
             if snap is not None and self.phase == "generating":
-                self.rates.add(now, snap.get("rows_done", 0), snap.get("output_tokens") or 0)
-            rows_per_sec, tokens_per_sec, covered = self.rates.rates()
+                self.rates.add(now, _samples(snap), snap.get("output_tokens") or 0)
+            samples_per_sec, tokens_per_sec, covered = self.rates.rates()
             phase, phase_since = self.phase, self._phase_since
             if snap is not None:
-                self.history.add(now - self.t0, snap.get("rows_done"), snap.get("output_tokens"))
+                self.history.add(now - self.t0, _samples(snap), snap.get("output_tokens"))
             history = self.history.to_json()
         snap = snap or {}
-        done = snap.get("rows_done")
-        total = self.rows_total
-        eta = None
-        if rows_per_sec and total is not None and done is not None and phase == "generating":
-            eta = max(0, total - done) / rows_per_sec
-        elif phase == "done":
+        samples_total = None if self.rows_total is None else self.rows_total * n
+        samples = _samples(snap) if snap else None
+        rows = snap.get("rows_done") if n > 1 else samples
+        if samples_total is not None and samples is not None:
+            samples, rows = min(samples, samples_total), None if rows is None else min(rows, self.rows_total)
+        if samples_per_sec == 0:  # nothing finished in the window: no rate to speak of
+            samples_per_sec = tokens_per_sec = None
+        eta, note = None, None
+        if phase == "done":
             eta = 0.0
+        elif phase != "generating":
+            note = f"not generating yet ({phase})"
+        elif samples_per_sec and samples_total is not None and samples is not None:
+            eta = max(0, samples_total - samples) / samples_per_sec
+        elif covered < 1.0:
+            note = "measuring the rate"
+        else:
+            inflight = snap.get("inflight")
+            note = f"nothing finished in the last {covered:.0f} s" + (f" ({inflight} in flight)" if inflight else "")
         return {
             "shard_id": self.shard_id,
             "phase": phase,
             "phase_seconds": now - phase_since,
-            "rows_done": done,
+            "n_samples": n,
+            "rows_done": rows,
+            "rows_total": self.rows_total,
+            "samples_done": samples,
+            "samples_total": samples_total,
+            "samples_committed": snap.get("samples_committed"),
             "rows_failed": snap.get("rows_failed"),
-            "rows_total": total,
-            "fraction_done": done / total if total and done is not None else (1.0 if total == 0 else None),
+            "fraction_done": samples / samples_total if samples_total and samples is not None else (1.0 if samples_total == 0 else None),
             "output_tokens": snap.get("output_tokens"),
-            "rows_per_sec": rows_per_sec,
+            "samples_per_sec": samples_per_sec,
+            "rows_per_sec": None if samples_per_sec is None else samples_per_sec / n,
             "tokens_per_sec": tokens_per_sec,
             "rate_window_seconds": covered,
             "eta_seconds": eta,
             "eta_human": stats.human_duration(eta),
+            "eta_note": note,
             "queue_depth": snap.get("queue_depth"),
             "inflight": snap.get("inflight"),
             "elapsed_seconds": now - self.t0,
@@ -265,7 +254,7 @@ class ProgressReporter:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "attempt": self.attempt,
             "num_gpus": self.num_gpus,
-            # [seconds since started_at, rows done, output tokens]: the attempt's throughput over time (report.html)
+            # [seconds since started_at, samples done, output tokens]: the attempt's throughput over time (report.html)
             "history": history,
         }
 
@@ -276,3 +265,9 @@ class ProgressReporter:
             self._failed_writes += 1
             if self._failed_writes == 1:
                 log.warning("cannot write %s: %s", self.path, e)
+
+
+def _samples(snap: dict) -> int:
+    """Samples finished in a snapshot (``rows_done`` where one sample is a row)."""
+    value = snap.get("samples_done")
+    return int(value if value is not None else snap.get("rows_done") or 0)

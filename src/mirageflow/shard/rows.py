@@ -6,6 +6,9 @@ sample of a row (``row_samples``, when ``grouped_step`` allows it). Each returns
 record or ``python_steps.FILTERED`` or None, RowError or None); an exception on the row path
 that is not the engine's becomes the row error ``internal_error``; the engine raising is
 ``EngineFailed`` (the shard cannot go on). Booking the outcome is the runner's.
+
+With a request cache (shard/request_cache.py), a step's request whose answer is kept is
+not sent, and an answer the step accepts is kept (``_answers``, ``_steps``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import traceback
 from mirageflow.prompts import python_steps
 from mirageflow.prompts import samples
 from mirageflow.data.readers import SourceRow
-from mirageflow.prompts.templates import RowError
+from mirageflow.errors import RowError, RowErrorClass as E
+from mirageflow.shard import request_cache
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.shard.steps import OutputStep
 
@@ -47,6 +51,8 @@ class RowPath:
         self.seeded = False  # whether requests carry per-sample seeds (set with the steps)
         self.grouped: int | None = None  # the step asked once per row for all its samples (grouped_step)
         self.internal_logged: set = set()
+        # the shard's request cache (None: off); a step with a cache_identity uses it
+        self.cache: request_cache.RequestCache | None = None
 
     def set_steps(self, steps: list) -> None:
         self.seeded = self.n > 1 or any(getattr(step, "base_seed", None) is not None for step in steps)
@@ -79,19 +85,21 @@ class RowPath:
                     if not await step.run(variables):
                         return python_steps.FILTERED
                     continue
-                sent = True
+                sent, key, cached = True, None, False
                 if answered is not None:
-                    (request, completion, sent), answered = answered, None
+                    (request, completion, sent, key, cached), answered = answered, None
                 else:
                     if self.seeded:
                         seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
                         request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
                     else:
                         request = step.request(row.index, variables, images=images)
-                    (completion,) = await self._generate_samples(step, request, 1, row)
-                m.book(request, completion, sent)
+                    (completion,), (key,), cached = await self._answers(step, request, 1, row)
+                m.book(request, completion, sent, cached)
                 row_tokens = (row_tokens or 0) + completion.completion_tokens
                 step.assign(variables, completion)
+                if key is not None:  # accepted: kept for a rerun
+                    self.cache.put(key, completion)
         finally:
             if row_tokens is not None:
                 m.tokens_per_row.add(row_tokens)
@@ -128,7 +136,7 @@ class RowPath:
             for run in samples.runs(todo):
                 seed = samples.sample_seed(step.base_seed, ds_index, row.index, run[0])
                 asked.append((run, step.request(row.index * self.n + run[0], variables, seed, images=images)))
-            answers = await asyncio.gather(*(self._generate_samples(step, request, len(run), row) for run, request in asked))
+            answers = await asyncio.gather(*(self._answers(step, request, len(run), row) for run, request in asked))
         except RowError as e:
             return [(k, None, e) for k in todo]
         except ShardFailed:
@@ -139,11 +147,26 @@ class RowPath:
         tails, native = steps[at:], step.engine.native_samples
         return await asyncio.gather(
             *(
-                self._outcome(row, k, self._steps(row, tails, dict(variables), images, ds_index, k, (request, completion, k == run[0] or not native)))
-                for (run, request), completions in zip(asked, answers)
-                for k, completion in zip(run, completions)
+                self._outcome(
+                    row, k, self._steps(row, tails, dict(variables), images, ds_index, k, (request, completion, k == run[0] or not native, key, cached))
+                )  # fmt: skip
+                for (run, request), (completions, keys, cached) in zip(asked, answers)
+                for k, completion, key in zip(run, completions, keys)
             )
         )
+
+    async def _answers(self, step: OutputStep, request, n: int, row: SourceRow) -> tuple[list, list, bool]:
+        """(the n completions of ``request``, the cache key to keep each under once accepted
+        or None, whether they came from the cache). Cached only when every sample's answer
+        is kept; a request that samples without a seed is never looked up nor kept."""
+        cache = self.cache
+        if cache is None or step.cache_identity is None or not request_cache.deterministic(request):
+            return await self._generate_samples(step, request, n, row), [None] * n, False
+        keys = request_cache.sample_keys(step.cache_identity, request, n, n > 1 and step.engine.native_samples)
+        found = [cache.get(key, request.id + k) for k, key in enumerate(keys)]
+        if all(c is not None for c in found):
+            return found, [None] * n, True
+        return await self._generate_samples(step, request, n, row), keys, False
 
     async def _generate_samples(self, step: OutputStep, request, n: int, row: SourceRow) -> list:
         """The engine's n completions of ``request`` (n = 1: ``generate_one``), its in-flight
@@ -167,4 +190,4 @@ class RowPath:
         if type(e) not in self.internal_logged:
             self.internal_logged.add(type(e))
             log.warning("row %d: unexpected %s (recorded as internal_error):\n%s", row.index, type(e).__name__, traceback.format_exc())
-        return RowError("row", "internal_error", f"{type(e).__name__}: {e}")
+        return RowError("row", E.INTERNAL_ERROR, f"{type(e).__name__}: {e}")

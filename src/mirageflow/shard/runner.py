@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import json
 import logging
 import os
 import signal
@@ -37,15 +38,17 @@ from tqdm import tqdm
 from mirageflow.prompts import python_steps
 from mirageflow.prompts import samples
 from mirageflow.stats import formulas as stats
-from mirageflow.shard.checkpoint import Checkpoint, Lease, fingerprint
-from mirageflow.config import PipelineConfig
-from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
+from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
+from mirageflow.shard import request_cache
+from mirageflow.config import PipelineConfig, processor_identity
+from mirageflow.data.readers import ShardSlice, SourceRow, content_digest, load_shard, read_shard, write_index
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine
-from mirageflow.engines.registry import create_engine
+from mirageflow.engines.registry import capabilities, create_engine
 from mirageflow.shard.progress import ProgressReporter
 from mirageflow.prompts.images import RowImages
-from mirageflow.prompts.templates import Extractor, RecordRenderer, RowError
+from mirageflow.errors import RowError
+from mirageflow.prompts.templates import Extractor, RecordRenderer
 from mirageflow.redact import redact_text
 from mirageflow.shard.accounting import check_accounting
 from mirageflow.shard.budget import ErrorBudget
@@ -55,13 +58,15 @@ from mirageflow.shard.metrics import ShardMetrics
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
 from mirageflow.shard.steps import OutputStep
-from mirageflow.state.inputs import CONTENT_CACHE, ContentCache, ImageRecorder, images_changed, write_shard_inputs
+from mirageflow.state import layout as L
+from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed
+from mirageflow.state.layout import StateLayout, shard_output_dir
 
 log = logging.getLogger(__name__)
 
 
 def index_path(state_dir: str | Path, dataset_index: int) -> Path:
-    return Path(state_dir) / "datasets" / f"dataset_{dataset_index}.index.json"
+    return StateLayout(state_dir).dataset_index(dataset_index)
 
 
 def index_datasets(cfg: PipelineConfig) -> None:
@@ -81,9 +86,10 @@ class ShardRunner:
         self.engine_factory = engine_factory
         self.engines: dict[str, Engine] = {}
         self.pools: dict[str, python_steps.FunctionPool] = {}  # custom processors' worker processes
-        self.shard_dir = cfg.shard_dir(shard_id)
+        paths = StateLayout(cfg.state_dir)
+        self.shard_dir = paths.shard_dir(shard_id)
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
-        self.log_dir = Path(cfg.state_dir) / "logs" / f"shard_{shard_id}"  # engine server logs
+        self.log_dir = paths.shard_server_logs(shard_id)
         self.metrics = ShardMetrics(cfg, attempt)
         self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/prompts/samples.py)
         render = RecordRenderer(
@@ -91,12 +97,17 @@ class ShardRunner:
         )  # fmt: skip
         # image inputs (VLMs): RowImages is false without any
         self.rows = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, self.metrics, self.n)
-        self.budget = ErrorBudget(self.params, shard_id, self.shard_dir / "errors.jsonl")
+        self.budget = ErrorBudget(self.params, shard_id, paths.errors(shard_id))
         self.checkpoint: Checkpoint | None = None
+        self.cache: request_cache.RequestCache | None = None
         self.commits: CommitQueue | None = None
         self.signals: StopSignals | None = None
         self.live: ProgressReporter | None = None
-        self.resumed = 0
+        self.resumed = 0  # units (samples; rows when n_samples is 1) committed before this attempt
+        self.resumed_rows = 0  # source rows whose every sample was committed before this attempt
+        self.rows_finished = 0  # source rows this attempt finished the last sample of (n_samples > 1)
+        self._row_left: dict[tuple[int, int], int] = {}  # (dataset, row) -> samples still to finish
+        self._committed: dict[int, Callable[[int], bool]] = {}  # dataset -> was this unit committed at resume
         self.abort: BaseException | None = None  # why feeding stopped early (first reason wins)
         self._stopping: asyncio.Event | None = None
         self._bar = None
@@ -105,30 +116,54 @@ class ShardRunner:
 
     def _restore(self, slices: list[ShardSlice]) -> None:
         ranges = {ds.index: (piece.start, piece.stop) for ds, piece in zip(self.cfg.datasets, slices)}
-        outputs = {ds.index: (Path(ds.output_dir) / f"shard_{self.shard_id}", ds.output_format) for ds in self.cfg.datasets}
-        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges, self._inputs(slices)), outputs, self.n)
+        outputs = {ds.index: (shard_output_dir(ds.output_dir, self.shard_id), ds.output_format) for ds in self.cfg.datasets}
+        data = {ds.index: self._data_identity(ds) for ds in self.cfg.datasets}
+        self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges, data), outputs, self.n)
         # rows made from image files that changed since are made again (state/inputs.py)
-        cache = ContentCache(Path(self.cfg.state_dir) / "datasets" / CONTENT_CACHE)  # the driver's hashes, read only
+        cache = ContentCache(StateLayout(self.cfg.state_dir).content_cache)  # the driver's hashes, read only
         changed = images_changed(self.shard_dir, cache) if self.rows.images else None
         if changed:
             log.warning("shard %d starts over: %s", self.shard_id, changed)
         cp.restore(retry_failed=self.cfg.retry_failed_rows, start_over=bool(changed))
         if self.rows.images:  # the image files it reads, by content: an edit of one reruns this shard
-            self.rows.images.recorder = ImageRecorder(self.shard_dir, fresh=cp.resumed_rows() == 0)
+            self.rows.images.recorder = ImageRecorder(self.shard_dir, fresh=cp.committed_units() == 0)
+        if self.params.request_cache:
+            self.cache = request_cache.RequestCache(self.shard_dir, lookups=not self.cfg.fresh_answers)
+            self.cache.restore()
+            self.rows.cache = self.cache
         self.metrics.begin_attempt(cp)
-        self.resumed = cp.resumed_rows()
+        self.live.attempt = self.metrics.attempt  # the shard's own attempt number, now that the earlier ones are known
+        self.resumed, self.resumed_rows = cp.committed_units(), cp.complete_rows()
+        self._committed = {ds.index: cp.committed_before(ds.index) for ds in self.cfg.datasets}
         self.budget.resume(
             sum(len(p.done) for p in cp.datasets.values()), cp.failed_classes(), sum(len(p.filtered) for p in cp.datasets.values())
         )  # fmt: skip
-        self.commits = CommitQueue(cp, self.lease, self.params, self.metrics.timer, self.shard_id, lambda: self.metrics.save_attempt(self.budget.computed))
+        self.commits = CommitQueue(
+            cp, self.lease, self.params, self.metrics.timer, self.shard_id, lambda: self.metrics.save_attempt(self.budget.computed), self.cache
+        )  # fmt: skip
         self.commits.on_failure = self._halt
         if self.resumed:
-            log.info("resuming shard %d: %d rows already committed are skipped", self.shard_id, self.resumed)
+            log.info("resuming shard %d: %s already committed are skipped", self.shard_id, cp.describe_committed())
 
-    def _inputs(self, slices: list[ShardSlice]) -> dict:
-        """What the shard's datasets held (checkpoint fingerprint): each one's content digest,
-        from its index (none for an index from before content digests)."""
-        return {"datasets": [piece.content for piece in slices]} if any(piece.content for piece in slices) else {}
+    def _data_identity(self, ds) -> list | str | None:
+        """The dataset's content as its index saw it (part of the checkpoint's fingerprint):
+        the digest of its files' SHA-256 (every size), or, for an index from before those,
+        the file fingerprint's sizes and hashes."""
+        try:
+            header = json.loads(index_path(self.cfg.state_dir, ds.index).read_text())
+            return content_digest(header) or data_identity(header["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError) as e:  # load_shard read it a moment ago
+            raise ShardFailed(f"cannot read the index of dataset {ds.index}: {e}") from e
+
+    def _cache_identities(self) -> dict[str, str]:
+        """Per processor, the engine identity of its requests' cache keys (shard/request_cache.py)."""
+        out = {}
+        for name, engine in self.engines.items():
+            proc = self.cfg.processors[name]
+            # a model this node loads (or its engine service does) has a revision to read; a remote server's is its name
+            revision = request_cache.model_revision(proc.server_args.model_path) if capabilities(proc.backend).loads_model else None
+            out[name] = request_cache.engine_identity(processor_identity(self.cfg, name), engine.info.backend, revision)
+        return out
 
     def _load_engines(self) -> None:
         self.live.set_phase("loading")
@@ -172,9 +207,24 @@ class ShardRunner:
                 entry["raw"] = exc.raw
             verdict = self.budget.record_failure(exc.kind)
             self.commits.add(ds_index, None, entry)
+        if sample is not None:
+            self._count_row(ds_index, row.index)
         self._bar.update(1)
         if verdict is not None:
             self._halt(verdict)
+
+    def _count_row(self, ds_index: int, row_index: int) -> None:
+        """One more sample of a row finished: count the row once its last pending sample has."""
+        key = (ds_index, row_index)
+        left = self._row_left.get(key)
+        if left is None:  # the row's first sample this attempt: the others committed before need not finish
+            committed = self._committed[ds_index]
+            left = sum(1 for k in range(self.n) if not committed(row_index * self.n + k))
+        if left <= 1:
+            self._row_left.pop(key, None)
+            self.rows_finished += 1
+        else:
+            self._row_left[key] = left - 1
 
     def _halt(self, exc: BaseException | None = None) -> None:
         """Stop feeding rows: the shard failed (exc) or was interrupted; rows in flight are cancelled."""
@@ -264,18 +314,24 @@ class ShardRunner:
         return check_accounting(self.cfg, self.checkpoint, slices, self.shard_id)
 
     def _run(self, slices: list[ShardSlice]) -> None:
-        self._start_progress(self.n * sum(piece.stop - piece.start for piece in slices))  # units
+        self._start_progress(sum(piece.stop - piece.start for piece in slices))  # source rows
         self._restore(slices)
         self._load_engines()
         steps = [
             python_steps.make_step(o, lambda o: OutputStep(o, self.cfg.processors[o.processor], self.engines[o.processor]), self.pools)
             for o in self.cfg.outputs
         ]  # fmt: skip
+        if self.cache is not None:
+            identities = self._cache_identities()
+            for step in steps:
+                if step.engine is not None:
+                    step.cache_identity = identities[step.output.processor]
         self.rows.set_steps(steps)
         self.live.set_phase("generating")
         self.metrics.sampler.start()
         self._bar = tqdm(
-            total=self.live.rows_total, initial=self.resumed, desc=f"shard {self.shard_id}", unit="row", file=sys.stderr, mininterval=2.0
+            total=self.live.rows_total * self.n, initial=self.resumed, desc=f"shard {self.shard_id}",
+            unit="row" if self.n == 1 else "sample", file=sys.stderr, mininterval=2.0,
         )  # fmt: skip
         # Take what is alive now (model, libraries: ~400k objects with transformers) out of
         # the cyclic GC's view: a full collection during generation would walk them all
@@ -306,7 +362,10 @@ class ShardRunner:
             engine.stop()
 
     def _interrupted(self, signum: int) -> ShardInterrupted:
-        return ShardInterrupted(signum, sum(self.budget.totals()))
+        """The shard's end on SIGTERM/SIGINT, saying what is committed as the resume will ("N rows")."""
+        if self.checkpoint is None:
+            return ShardInterrupted(signum, "nothing")
+        return ShardInterrupted(signum, self.checkpoint.describe_committed())
 
     # ------------------------------------------------------------------ attempts, observers
 
@@ -326,8 +385,8 @@ class ShardRunner:
 
     def _start_progress(self, rows_total: int) -> None:
         self.live = ProgressReporter(
-            self.shard_dir / "progress.json", self.shard_id, rows_total, lambda: _progress_snapshot(self),
-            attempt=self.metrics.attempt, num_gpus=self.metrics.num_gpus,
+            self.shard_dir / L.PROGRESS, self.shard_id, rows_total, lambda: _progress_snapshot(self),
+            attempt=self.metrics.attempt, num_gpus=self.metrics.num_gpus, n_samples=self.n,
         )  # fmt: skip
         self.live.start()
 
@@ -348,14 +407,21 @@ class ShardRunner:
                 log.exception("closing engine failed")
 
     def stats(self) -> dict:
-        return self.metrics.stats(self.budget, self.resumed)
+        out = self.metrics.stats(self.budget, self.resumed)
+        if self.cache is not None:  # what the request cache holds now, for the docs' size figures
+            out["request_cache"] = {"answers_kept": len(self.cache), "bytes": self.cache.disk_bytes()}
+        return out
 
 
 def _progress_snapshot(runner: ShardRunner) -> dict:
     """What progress.json shows of a running shard (called by the reporter's thread)."""
     depths = [d for d in (e.queue_depth() for e in list(runner.engines.values())) if d is not None]
+    samples = runner.resumed + runner.budget.computed
+    cp = runner.checkpoint
     return {
-        "rows_done": runner.resumed + runner.budget.computed,
+        "samples_done": samples,  # finished: committed, or handed to the writer
+        "rows_done": samples if runner.n == 1 else runner.resumed_rows + runner.rows_finished,
+        "samples_committed": cp.committed_units() if cp is not None else None,
         "rows_failed": sum(runner.budget.failed_now.values()),
         "output_tokens": runner.metrics.output_tokens,
         "queue_depth": sum(depths) if depths else None,
@@ -364,14 +430,21 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
 
 
 def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine) -> dict:
-    """Run one shard; write status.json on success, failure.json (and raise) on failure."""
-    shard_dir = cfg.shard_dir(shard_id)
+    """Run one shard; write status.json on success, failure.json (and raise) on failure.
+
+    Both record the records fingerprint they were made under (``records_fingerprint``): a
+    status.json of an earlier config is stale, not done (mirageflow.state.shards)."""
+    from mirageflow.state.shards import job_fingerprint
+
+    paths = StateLayout(cfg.state_dir)
+    shard_dir = paths.shard_dir(shard_id)
     shard_dir.mkdir(parents=True, exist_ok=True)
     runner = ShardRunner(cfg, shard_id, attempt, engine_factory)
     base = {
         "shard_id": shard_id,
         "num_shards": cfg.num_shards,
-        "attempt": attempt,
+        "records_fingerprint": job_fingerprint(cfg),
+        "attempt": attempt,  # Snakemake's, until the checkpoint tells the shard's own number
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
@@ -384,6 +457,7 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
         runner.finish_progress("failed")
         failure = {
             **base,
+            "attempt": runner.metrics.attempt,
             "status": "failed",
             "finished_at": stats.utc_now(),
             "error": redact_text(f"{type(e).__name__}: {e}"),
@@ -393,7 +467,7 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
             "stats": runner.stats(),
         }
         try:
-            atomic_write_json(shard_dir / "failure.json", failure)
+            atomic_write_json(paths.failure(shard_id), failure)
         except OSError as write_error:  # a full disk: the log keeps the record
             log.error("shard %d failed (%s) and its failure.json cannot be written: %s", shard_id, failure["error"], write_error)
         raise
@@ -401,6 +475,7 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
         runner.close()
     status = {
         **base,
+        "attempt": runner.metrics.attempt,
         "status": "success",
         "finished_at": stats.utc_now(),
         "error": None,
@@ -410,9 +485,8 @@ def run_shard(cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_facto
         "datasets": per_dataset,
         "stats": runner.stats(),
     }
-    (shard_dir / "failure.json").unlink(missing_ok=True)
-    write_shard_inputs(cfg, shard_id)  # what its records were made from: an edit reruns it (state/inputs.py)
-    atomic_write_json(shard_dir / "status.json", status)
+    paths.failure(shard_id).unlink(missing_ok=True)
+    atomic_write_json(paths.status(shard_id), status)
     runner.finish_progress("done")
     st = status["stats"]
     log.info(

@@ -24,7 +24,8 @@ from mirageflow.data.readers import lone_surrogate_at
 from mirageflow.config.types import OutputVar, ProcessorConfig
 from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import Completion, Request
-from mirageflow.prompts.templates import PromptBuilder, RowError
+from mirageflow.errors import RowError, RowErrorClass as E
+from mirageflow.prompts.templates import PromptBuilder
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -56,6 +57,8 @@ class OutputStep:
         self.server_templates = engine.templates_server_side
         self.keep_reasoning = output.keep_reasoning
         self.reasoning_name = f"{output.name}_reasoning"
+        # the engine identity of the request cache's keys (shard/request_cache.py); None: not cached
+        self.cache_identity: str | None = None
 
     def request(self, rid: int, variables: dict, seed: int | None = None, images: dict | None = None) -> Request:
         """``images``: the row's loaded image inputs (name -> list), put into the user turn."""
@@ -73,7 +76,7 @@ class OutputStep:
             try:
                 prompt = self.engine.chat_prompt(messages, self.processor.chat_template_kwargs) + prefix
             except Exception as e:  # a template that rejects this row's messages
-                raise RowError("render", "chat_template", f"chat template failed: {type(e).__name__}: {e}") from None
+                raise RowError("render", E.CHAT_TEMPLATE, f"chat template failed: {type(e).__name__}: {e}") from None
         # engines constrain JSON after the prefix (Request.response_prefix)
         return Request(rid, messages, prompt, self.sampling, self.schema_json, seed=seed, response_prefix=prefix, images=placed)
 
@@ -90,20 +93,18 @@ class OutputStep:
         if c.error_kind:
             raise RowError("generate", c.error_kind, c.error or c.error_kind)
         if c.finish_reason == "abort":
-            raise RowError("generate", "aborted", "the engine aborted the request", raw=c.text)
+            raise RowError("generate", E.ABORTED, "the engine aborted the request", raw=c.text)
         thought, answer, closed = split_reasoning(c.text or "")
         reasoning = "\n\n".join(r for r in (c.reasoning, thought) if r) or None
         if c.finish_reason == "length" and reasoning is not None and (not closed or not answer.strip()):
-            raise RowError(
-                "output", "reasoning_truncated",
+            raise RowError("output", E.REASONING_TRUNCATED,
                 f"output '{name}': the length limit (max_new_tokens) cut the answer while the model "
                 "was still reasoning; raise max_new_tokens or turn thinking off (chat_template_kwargs)",
                 raw=c.text,
             )  # fmt: skip
         if (not answer or answer.isspace()) and not self.output.allow_empty_output:
             # a reasoning-only answer, or one cut by the length limit before any text
-            raise RowError(
-                "output", "empty_output",
+            raise RowError("output", E.EMPTY_OUTPUT,
                 f"output '{name}': the engine returned no text (finish_reason {c.finish_reason!r})"
                 + (" besides its reasoning" if reasoning is not None else "")
                 + "; set allow_empty_output: true on this output to keep empty answers",
@@ -111,7 +112,7 @@ class OutputStep:
             )  # fmt: skip
         text = self.output.response_prefix + answer
         if lone_surrogate_at(text):
-            raise RowError("output", "invalid_unicode", f"output '{name}': the answer holds a lone surrogate (invalid Unicode)")
+            raise RowError("output", E.INVALID_UNICODE, f"output '{name}': the answer holds a lone surrogate (invalid Unicode)")
         if not self.output.is_json:
             return text, reasoning
         try:
@@ -119,5 +120,5 @@ class OutputStep:
         except json_output.OutputError as e:
             raise RowError("output", e.kind, f"output '{name}': {e}", raw=text) from None
         if "\\u" in text and lone_surrogate_at(value):  # JSON escapes can spell a lone surrogate
-            raise RowError("output", "invalid_unicode", f"output '{name}': the JSON answer holds a lone surrogate (\\ud800-\\udfff)", raw=text)
+            raise RowError("output", E.INVALID_UNICODE, f"output '{name}': the JSON answer holds a lone surrogate (\\ud800-\\udfff)", raw=text)
         return value, reasoning

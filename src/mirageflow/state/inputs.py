@@ -16,8 +16,8 @@ of, and a clock can be skewed. So what a job read is also identified by content:
   that resumes keeps the earlier lines); at DAG build each finished shard's files are
   checked the same way;
 - **the records identity** (mirageflow.config.records_identity: prompts, schemas, model,
-  sampling, datasets): each shard writes the digest it ran with to
-  ``<state_dir>/shard_<id>/inputs.json``;
+  sampling, datasets): each shard's status.json holds the fingerprint it ran under
+  (``records_fingerprint``; mirageflow.state.shards calls one of an earlier config stale);
 - **dedup parameters**: the counts file records them.
 
 A job whose inputs changed is *forced* (``ContentChanges.force``: its outputs go into the
@@ -38,72 +38,10 @@ import logging
 import os
 from pathlib import Path
 
-from mirageflow.files import atomic_write_bytes, open_regular
+from mirageflow.files import ContentCache, digest_of, stat_key  # noqa: F401 - file identity by content, used here and re-exported
+from mirageflow.state import layout as L
 
 log = logging.getLogger(__name__)
-
-DIGEST_CHARS = 16
-CONTENT_CACHE = "content.json"
-IMAGES_FILE = "images.jsonl"
-
-
-def stat_key(st: os.stat_result) -> list[int]:
-    """What identifies a file's version without reading it: inode, size, mtime, ctime (the
-    kernel sets ctime on every write, rename and ``utime``, so ``cp -p`` changes it). Not the
-    device: an NFS mount has another one on each node, the inode and times are the server's."""
-    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    with open_regular(path) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def digest_of(value) -> str:
-    """A short digest of a JSON-able value (a stamp's name)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:DIGEST_CHARS]
-
-
-class ContentCache:
-    """path -> (stat identity, sha256): a file is hashed again only when its stat identity changed."""
-
-    def __init__(self, path: str | os.PathLike | None):
-        self.path = Path(path) if path else None
-        self.entries: dict[str, list] = {}
-        self.changed = False
-        if self.path is not None:
-            try:
-                data = json.loads(self.path.read_text())
-                self.entries = {k: v for k, v in data.get("files", {}).items() if isinstance(v, list) and len(v) == 2}
-            except (OSError, ValueError, AttributeError):
-                self.entries = {}  # absent or damaged: rebuilt
-
-    def digest(self, path: str, known: tuple[list, str] | None = None) -> str | None:
-        """The file's SHA-256 (None when it cannot be read). ``known``: a (stat identity,
-        sha256) recorded elsewhere (an index) that spares the hash when it still holds."""
-        try:
-            key = stat_key(os.stat(path))
-        except (OSError, ValueError):
-            return None
-        if known is not None and list(known[0]) == key:
-            return known[1]
-        cached = self.entries.get(path)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        try:
-            sha = file_sha256(path)
-        except (OSError, ValueError):
-            return None
-        self.entries[path] = [key, sha]
-        self.changed = True
-        return sha
-
-    def save(self) -> None:
-        if self.path is not None and self.changed:
-            data = {"note": "SHA-256 of input files by stat identity (inode, size, mtime_ns, ctime_ns)", "files": self.entries}
-            atomic_write_bytes(self.path, (json.dumps(data) + "\n").encode(), durable=False)
-            self.changed = False
-
 
 # --------------------------------------------------------------------------- datasets
 
@@ -141,7 +79,7 @@ class ImageRecorder:
     def __init__(self, shard_dir: str | os.PathLike, fresh: bool):
         import threading
 
-        self.path = Path(shard_dir) / IMAGES_FILE
+        self.path = Path(shard_dir) / L.IMAGE_RECORDS
         self._seen: set = set()
         self._lock = threading.Lock()
         if fresh:  # a shard starting over: the files of earlier attempts are not its inputs any more
@@ -186,7 +124,7 @@ def read_image_records(path: str | os.PathLike) -> list[tuple[str, list, str]]:
 
 def images_changed(shard_dir: str | os.PathLike, cache: ContentCache) -> str | None:
     """Why a shard's records are out of date for the image files it read (None: they are not)."""
-    records = read_image_records(Path(shard_dir) / IMAGES_FILE)
+    records = read_image_records(Path(shard_dir) / L.IMAGE_RECORDS)
     then: dict[str, set] = {}
     for path, key, sha in records:
         then.setdefault(path, set()).add(sha)
@@ -200,21 +138,6 @@ def images_changed(shard_dir: str | os.PathLike, cache: ContentCache) -> str | N
 
 # --------------------------------------------------------------------------- at DAG build
 
-INPUTS_FILE = "inputs.json"
-
-
-def records_digest(cfg) -> str:
-    from mirageflow.state import pipeline
-
-    return pipeline.records_fingerprint(cfg)["sha256"][:DIGEST_CHARS]
-
-
-def write_shard_inputs(cfg, shard_id: int) -> None:
-    """What a finished shard's records were made from (its runner, before status.json)."""
-    data = {"records": records_digest(cfg), "note": "the records identity digest this shard ran with (state/inputs.py)"}
-    atomic_write_bytes(cfg.shard_dir(shard_id) / INPUTS_FILE, (json.dumps(data) + "\n").encode())
-
-
 class ContentChanges:
     """Which jobs must rerun because what they read changed (common.smk's input functions).
 
@@ -224,44 +147,35 @@ class ContentChanges:
 
     def __init__(self, cfg, main: bool):
         self.cfg, self.main = cfg, main
-        self.state = Path(cfg.state_dir)
-        self.cache = ContentCache(self.state / "datasets" / CONTENT_CACHE) if main else None
+        self.paths = L.StateLayout(cfg.state_dir)
+        self.cache = ContentCache(self.paths.content_cache) if main else None
         self.images = any(getattr(v, "type", "text") == "image" for v in cfg.inputs)
         self._records: str | None = None
-        self._legacy: str | None | bool = False
 
     def shard(self, shard_id: int) -> str | None:
-        """Why a finished shard must rerun: the records identity or an image it read changed."""
-        shard_dir = self.cfg.shard_dir(shard_id)
-        if not self.main or not (shard_dir / "status.json").exists():
-            return None  # runs anyway
+        """Why a finished shard must rerun: the records identity it ran under (its status.json's
+        ``records_fingerprint``) is not the config's, or an image file it read changed."""
+        from mirageflow.state.records import read
+        from mirageflow.state.shards import current_fingerprint, stale_reason
+
+        if not self.main:
+            return None
+        status, _why = read(self.paths.status(shard_id))
+        if status is None:
+            return None  # runs anyway (absent), or its damage is reported by the shard states
         if self._records is None:
-            self._records = records_digest(self.cfg)
-        try:
-            recorded = json.loads((shard_dir / INPUTS_FILE).read_text())["records"]
-        except (OSError, ValueError, KeyError, TypeError):
-            recorded = self._legacy_digest()  # a shard from before inputs.json: the pipeline's fingerprint file
-        if recorded is not None and recorded != self._records:
+            self._records = current_fingerprint(self.cfg)
+        if stale_reason(status, self._records):
             return "what can change its records changed (prompt, schema, model, sampling, dataset)"
         if self.images:
-            return images_changed(shard_dir, self.cache)
+            return images_changed(self.paths.shard_dir(shard_id), self.cache)
         return None
-
-    def _legacy_digest(self) -> str | None:
-        if self._legacy is False:
-            from mirageflow.state import pipeline
-
-            try:
-                self._legacy = json.loads(pipeline.fingerprint_path(self.state).read_text())["sha256"][:DIGEST_CHARS]
-            except (OSError, ValueError, KeyError, TypeError):
-                self._legacy = None
-        return self._legacy
 
     def dataset(self, ds_index: int) -> str | None:
         """Why a dataset must be indexed again: its files changed by content."""
         if not self.main:
             return None
-        index = self.state / "datasets" / f"dataset_{ds_index}.index.json"
+        index = self.paths.dataset_index(ds_index)
         return dataset_changed(self.cfg.datasets[ds_index], self.cache, index)
 
     def derived(self) -> str | None:
@@ -273,7 +187,7 @@ class ContentChanges:
 
         if not any(p.exists() for p in pipeline.derived_outputs(self.cfg)):
             return None
-        missing = next((i for i in range(self.cfg.num_shards) if not (self.cfg.shard_dir(i) / "status.json").exists()), None)
+        missing = next((i for i in range(self.cfg.num_shards) if not self.paths.status(i).exists()), None)
         return None if missing is None else f"shard {missing} has no status.json: they were built from earlier shards"
 
     def dedup(self, ds_index: int) -> str | None:

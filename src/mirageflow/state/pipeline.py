@@ -11,8 +11,8 @@
   (mirageflow.redact.secrets_out_of_config).
 - **The records fingerprint**: ``<state_dir>/records.fingerprint`` holds the hash of
   ``config.records_identity`` (what can change a shard's records) and the identity itself
-  for humans (the report shows it); each finished shard records the digest it ran with
-  (``shard_<id>/inputs.json``). An edit of a prompt, schema, model, sampling or dataset
+  for humans (the report shows it); each finished shard's status.json records the one it
+  ran with (``records_fingerprint``). An edit of a prompt, schema, model, sampling or dataset
   makes the driver force every shard whose digest differs, under any rerun trigger,
   ``mtime`` included; a cosmetic edit (comments, execution_params, shard_params, stats)
   changes nothing (mirageflow.state.inputs). The file is rewritten (onstart) only when its
@@ -50,16 +50,15 @@ from typing import Iterable
 
 from mirageflow.config.types import PipelineConfig
 from mirageflow.files import atomic_write_bytes
+from mirageflow.state import layout as L
+from mirageflow.errors import InputError
 
 log = logging.getLogger(__name__)
 
-CONFIGS_DIR = "configs"
 CONFIG_HASH_CHARS = 16
-FINGERPRINT_FILE = "records.fingerprint"
-OWNER_FILE = ".mirageflow-owner.json"
 
 
-class OwnershipError(ValueError):
+class OwnershipError(InputError, ValueError):
     """An output_dir already belongs to another pipeline (another state_dir)."""
 
 
@@ -87,7 +86,7 @@ def config_bytes(config: dict) -> bytes:
 def config_path(config: dict, state_dir: str | os.PathLike) -> Path:
     """``<state_dir>/configs/<sha256 prefix>.json``: where this exact config is (or will be) stored."""
     digest = hashlib.sha256(config_bytes(config)).hexdigest()[:CONFIG_HASH_CHARS]
-    return Path(state_dir) / CONFIGS_DIR / f"{digest}.json"
+    return L.StateLayout(state_dir).configs_dir / f"{digest}.json"
 
 
 def write_config(config: dict, state_dir: str | os.PathLike) -> Path:
@@ -106,12 +105,6 @@ def write_config(config: dict, state_dir: str | os.PathLike) -> Path:
         log.warning("%s cannot be read (%s): writing it again", path, e)
     atomic_write_bytes(path, data)
     return path
-
-
-def state_dir_of_config_file(path: str | os.PathLike) -> Path | None:
-    """The state_dir a workflow-written config file lives in (``<state_dir>/configs/x.json``), else None."""
-    p = Path(path)
-    return p.parent.parent if p.parent.name == CONFIGS_DIR else None
 
 
 # --------------------------------------------------------------------------- records fingerprint
@@ -133,7 +126,7 @@ def records_fingerprint(cfg: PipelineConfig) -> dict:
 
 
 def fingerprint_path(state_dir: str | os.PathLike) -> Path:
-    return Path(state_dir) / FINGERPRINT_FILE
+    return L.StateLayout(state_dir).fingerprint
 
 
 def _fingerprint_bytes(cfg: PipelineConfig) -> bytes:
@@ -164,7 +157,7 @@ def write_records_fingerprint(cfg: PipelineConfig) -> bool:
 
 
 def owner_path(output_dir: str | os.PathLike) -> Path:
-    return Path(output_dir) / OWNER_FILE
+    return L.owner_marker(output_dir)
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -225,10 +218,10 @@ def claim_output_dirs(cfg: PipelineConfig, config_file: str | os.PathLike | None
 
 def derived_outputs(cfg: PipelineConfig) -> list[Path]:
     """What the aggregate and merge rules build from the shards (files and directories)."""
-    state = Path(cfg.state_dir)
-    out = [state / "metrics.json", state / "summary.md", state / "report.html"]
-    out += [state / "merged" / f"dataset_{ds.index}.json" for ds in cfg.datasets]
-    out += [Path(ds.output_dir) / "merged" for ds in cfg.datasets]
+    paths = L.StateLayout(cfg.state_dir)
+    out = [paths.metrics, paths.summary, paths.report_html]
+    out += [paths.merge_manifest(ds.index) for ds in cfg.datasets]
+    out += [L.merged_dir(ds.output_dir) for ds in cfg.datasets]
     from mirageflow.data.dedup import dedup_outputs
 
     out += [p for ds in cfg.datasets for p in dedup_outputs(cfg, ds)]  # built from merged/
@@ -262,7 +255,8 @@ def remove_stale_derived_outputs(cfg: PipelineConfig) -> list[Path]:
     present = [p for p in derived_outputs(cfg) if p.exists()]
     if not present:
         return []
-    missing = next((i for i in range(cfg.num_shards) if not (cfg.shard_dir(i) / "status.json").exists()), None)
+    paths = L.StateLayout(cfg.state_dir)
+    missing = next((i for i in range(cfg.num_shards) if not paths.status(i).exists()), None)
     if missing is None:
         return []
     return remove_derived_outputs(cfg, f"shard {missing} has no status.json")

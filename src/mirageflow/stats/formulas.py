@@ -234,8 +234,9 @@ def model_memory_facts(model_path: str | os.PathLike | None) -> dict | None:
     kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes, from
     config.json. None when the path is not a local model directory.
     """
-    import json
     from pathlib import Path
+
+    from mirageflow import model_config
 
     if not model_path:
         return None
@@ -244,11 +245,10 @@ def model_memory_facts(model_path: str | os.PathLike | None) -> dict | None:
         return None
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     facts: dict = {"path": str(path), "weight_bytes": sum(f.stat().st_size for f in files) or None, "kv_bytes_per_token": None}
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    cfg = model_config.read(path)
+    if cfg is None:
         return facts
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model
+    cfg = model_config.language_config(cfg)  # multimodal configs nest the language model
     layers = cfg.get("num_hidden_layers")
     heads = cfg.get("num_attention_heads")
     kv_heads = cfg.get("num_key_value_heads") or heads

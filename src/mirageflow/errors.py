@@ -1,0 +1,116 @@
+"""The package's errors in one place: the base class, input errors, and the row errors.
+
+- ``MirageflowError``: the base of every exception this package raises on purpose (each
+  keeps its other base too, e.g. ``ConfigError`` is also a ``ValueError``), so a caller
+  can tell our errors from a bug or a library's.
+- ``InputError``: what the user gave (arguments, the config, the state_dir) cannot be
+  used and nothing was started: ``mmirage`` exits 2 with its message. The CLI catches
+  only these for exit 2, never any ``ValueError``.
+- ``RowError`` and ``RowErrorClass``: one row (or sample) failed at one stage; the shard
+  records it in ``errors.jsonl`` with its class and goes on. The class says what went
+  wrong and whether a retry can help (``deterministic``: the config, prompt or data decide
+  it, so a retry fails the same way). ``mmirage status``/``retry``, the run summary and the
+  README's list (``scripts/row_error_docs.py``) all read it from here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class MirageflowError(Exception):
+    """Base of the errors mirageflow raises on purpose."""
+
+
+class InputError(MirageflowError):
+    """The input (arguments, config, state_dir) cannot be used; nothing was started."""
+
+
+class StateMismatch(InputError, ValueError):
+    """The state_dir holds another run's state (another num_shards): it cannot be mixed with this one."""
+
+
+class RowErrorClass(enum.StrEnum):
+    """The class of a row error (``error`` in errors.jsonl, ``rows_failed_by_class``).
+
+    A ``str``: written to JSON as its value, equal to it (``RowErrorClass.BAD_ROW == "bad_row"``).
+    """
+
+    def __new__(cls, value: str, stage: str, deterministic: bool, meaning: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.stage = stage  # where in the row's way it happens
+        member.deterministic = deterministic  # a retry fails the same way: fix the config, prompt or data
+        member.meaning = meaning
+        return member
+
+    # reading the dataset
+    BAD_ROW = "bad_row", "read", True, "a malformed input row: not valid UTF-8 or JSON, not an object, a value that cannot be converted"
+    INVALID_UNICODE = "invalid_unicode", "read, output", True, "text with a lone UTF-16 surrogate, in the input row or in the model's answer"
+    UNREADABLE_ROW_GROUP = "unreadable_row_group", "read", False, "a Parquet row group that cannot be read (its rows fail; the file is named)"
+    UNREADABLE_ROWS = "unreadable_rows", "read", False, "rows of a loadable (save_to_disk) dataset that cannot be read"
+    # variables
+    EXTRACT_ERROR = "extract_error", "extract", True, "a JMESPath key failed on the row (e.g. a function on the wrong type)"
+    MISSING_VARIABLE = "missing_variable", "extract", True, "an input key is not in the row"
+    # prompts
+    TEMPLATE_ERROR = "template_error", "render", True, "a Jinja2 prompt or record template failed (an undefined variable, a filter's error)"
+    TEMPLATE_TIMEOUT = "template_timeout", "render", True, "a template's render ran past its time limit (a loop over a huge range)"
+    TEMPLATE_TOO_LARGE = "template_too_large", "render", True, "a template's render made, or would make, more than its size limits (output, operands, calls)"
+    BAD_CONVERSATION = "bad_conversation", "render", True, "a chat-message input is not a list of messages"
+    CHAT_TEMPLATE = "chat_template", "render", True, "the model's chat template refused the messages"
+    IMAGE_OUTSIDE_BASE = "image_outside_base", "image", True, "an image path that leads outside the dataset's image_base_path (allow_images_outside_base)"
+    IMAGE_MISSING = "image_missing", "image", False, "an image file or URL that is not there"
+    IMAGE_UNREADABLE = "image_unreadable", "image", False, "an image that cannot be read or decoded"
+    IMAGE_TOO_LARGE = "image_too_large", "image", False, "an image above max_bytes or max_pixels"
+    IMAGE_INVALID_VALUE = "image_invalid_value", "image", False, "an image input that is no path, URI, URL or image bytes"
+    IMAGE_REMOTE_UNREACHABLE = "image_remote_unreachable", "image", False, "an image URL that cannot be fetched"
+    # the engine
+    CONTEXT_LENGTH = "context_length", "generate", True, "the prompt is too long for the model's context or KV cache"
+    GRAMMAR_ERROR = "grammar_error", "generate", False, "the engine's JSON grammar failed on this request"
+    ABORTED = "aborted", "generate", False, "the engine aborted the request"
+    INVALID_REQUEST = "invalid_request", "generate", False, "the engine refused the request"
+    IMAGE_UNSUPPORTED = "image_unsupported", "generate", False, "images sent to a model that is not a vision-language model"
+    IMAGE_PLACEHOLDERS = "image_placeholders", "generate", False, "the prompt does not hold the model's image placeholder once per image"
+    # the answer
+    EMPTY_OUTPUT = "empty_output", "output", False, "the engine returned no text (reasoning only, or cut before any text)"
+    REASONING_TRUNCATED = "reasoning_truncated", "output", True, "the length limit cut the answer while the model was still reasoning"
+    JSON_PARSE = "json_parse", "output", False, "a JSON output's answer is not valid JSON"
+    JSON_SCHEMA = "json_schema", "output", True, "a JSON output's answer does not match its schema (a greedy model answers the same again)"
+    JSON_TRUNCATED = "json_truncated", "output", False, "a JSON answer cut off by max_new_tokens"
+    # filter and custom steps
+    FILTER_ERROR = "filter_error", "filter", False, "a filter predicate raised"
+    FILTER_NOT_BOOL = "filter_not_bool", "filter", False, "a filter predicate gave something other than true or false"
+    CUSTOM_ERROR = "custom_error", "custom", False, "a custom step's function raised (its message is kept)"
+    CUSTOM_TIMEOUT = "custom_timeout", "custom", False, "a custom step's call ran past timeout_ms"
+    CUSTOM_CRASHED = "custom_crashed", "custom", False, "a custom step's worker process died during the call"
+    CUSTOM_BAD_VALUE = "custom_bad_value", "custom", False, "a custom step's function returned a value that is not JSON"
+    # ours
+    INTERNAL_ERROR = "internal_error", "row", False, "any other exception on the row's path (a bug of ours; the traceback is in the log)"
+
+
+DETERMINISTIC_CLASSES = frozenset(c.value for c in RowErrorClass if c.deterministic)
+
+
+def is_deterministic(kind: str) -> bool:
+    """Whether a retry of a row failed with ``kind`` fails the same way (unknown classes: no)."""
+    return kind in DETERMINISTIC_CLASSES
+
+
+class RowError(MirageflowError):
+    """One row (or sample) failed at one stage; the shard records it and goes on.
+
+    ``kind`` must be a ``RowErrorClass`` (or its value): an unknown class is a bug, raised here.
+    """
+
+    def __init__(self, stage: str, kind: str, message: str, raw: str | None = None):
+        self.stage, self.kind, self.raw = stage, RowErrorClass(kind), raw
+        super().__init__(message)
+
+
+def row_error_table() -> str:
+    """The Markdown table of row error classes (README.md, between the row-errors markers)."""
+    lines = ["| class | where | a retry | what |", "|---|---|---|---|"]
+    for c in RowErrorClass:
+        retry = "fails the same way" if c.deterministic else "may succeed"
+        lines.append(f"| `{c.value}` | {c.stage} | {retry} | {c.meaning} |")
+    return "\n".join(lines)

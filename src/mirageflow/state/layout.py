@@ -1,0 +1,232 @@
+"""Where everything of a pipeline lives in its state directory (and beside its outputs).
+
+The one place that spells these paths: the shard job, the rules (workflow/rules/*.smk),
+the CLI, the report and the terminal all ask a ``StateLayout`` (a test checks that the
+rules' paths are these). Each id argument takes an int or a Snakemake wildcard
+(``"{shard}"``), so a rule's pattern and a job's file come from the same method::
+
+    <state_dir>/
+      configs/<sha256 prefix>.json       the config every job's command line names (state/pipeline.py)
+      records.fingerprint                what can change a record; the shards depend on it
+      datasets/dataset_<k>.index.json    a dataset's row count and where each shard starts
+      datasets/dataset_<k>.offsets.bin   (its per-shard table)
+      datasets/content.json              SHA-256 of input files by stat identity (state/inputs.py)
+      shard_<i>/status.json              written last, only on success (the shard rule's output)
+      shard_<i>/failure.json             why the last attempt failed
+      shard_<i>/progress.json            live progress of a running shard
+      shard_<i>/lease.json               who runs the shard now (heartbeats)
+      shard_<i>/checkpoint.json          committed parts and the attempts' counters
+      shard_<i>/errors.jsonl             failed rows
+      shard_<i>/gpu_samples.json         the GPU timeline (stats: true)
+      shard_<i>/images.jsonl             the image files it read, by content (state/inputs.py)
+      shard_<i>/damaged/, orphaned/      part files set aside at resume
+      hub_models/<slug>.json             a Hugging Face model the driver downloaded (hub_model rule)
+      engines/engine_<g>.json            an engine service's endpoint (shards_per_engine > 1)
+      engines/engine_<g>.stats.json      its loads
+      merged/dataset_<k>.json            the merge manifest
+      dedup/dataset_<k>.json, .removed.jsonl   deduplication counts and removed records
+      metrics.json, summary.md, report.html    the aggregate
+      logs/<job>.log, logs/attempts/     every job's log (the latest attempt, and all of them)
+      logs/shard_<i>/, logs/engine_<g>/  engine server logs
+
+    <output_dir>/shard_<i>/part-*.*      a shard's committed records
+    <output_dir>/merged/                 all records in source order
+    <output_dir>/.mirageflow-owner.json  which pipeline writes there
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the jobs import this module before anything heavy (their signal handlers)
+    from mirageflow.config.types import PipelineConfig
+
+Id = int | str  # a number, or a Snakemake wildcard such as "{shard}"
+
+# the files of a shard's state directory, by the name the report and warnings use
+STATUS = "status.json"
+FAILURE = "failure.json"
+PROGRESS = "progress.json"
+LEASE = "lease.json"
+CHECKPOINT = "checkpoint.json"
+ERRORS = "errors.jsonl"
+GPU_SAMPLES = "gpu_samples.json"
+IMAGE_RECORDS = "images.jsonl"
+CONTENT_CACHE = "content.json"  # in datasets/
+FINGERPRINT = "records.fingerprint"
+CONFIGS = "configs"
+LOGS = "logs"
+ATTEMPT_LOGS = "attempts"
+OWNER = ".mirageflow-owner.json"
+HUB_MODELS = "hub_models"
+MERGED = "merged"
+
+
+class StateLayout:
+    """The paths of one pipeline's state directory (``cfg.state_dir``), relative or absolute as given."""
+
+    def __init__(self, state_dir: str | os.PathLike):
+        self.root = Path(state_dir)
+
+    def __repr__(self) -> str:
+        return f"StateLayout({str(self.root)!r})"
+
+    # ------------------------------------------------------------------ the pipeline's files
+
+    @property
+    def configs_dir(self) -> Path:
+        return self.root / CONFIGS
+
+    @property
+    def fingerprint(self) -> Path:
+        return self.root / FINGERPRINT
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.md"
+
+    @property
+    def report_html(self) -> Path:
+        return self.root / "report.html"
+
+    def dataset_index(self, ds: Id) -> Path:
+        return self.root / "datasets" / f"dataset_{ds}.index.json"
+
+    def dataset_offsets(self, ds: Id) -> Path:
+        return self.root / "datasets" / f"dataset_{ds}.offsets.bin"
+
+    @property
+    def content_cache(self) -> Path:
+        return self.root / "datasets" / CONTENT_CACHE
+
+    def dataset_indices(self) -> list[Path]:
+        """The index files present now (one per dataset once the index jobs ran)."""
+        return sorted((self.root / "datasets").glob("dataset_*.index.json"), key=lambda p: (len(p.name), p.name))
+
+    def merge_manifest(self, ds: Id) -> Path:
+        return self.root / MERGED / f"dataset_{ds}.json"
+
+    def dedup_counts(self, ds: Id) -> Path:
+        return self.root / "dedup" / f"dataset_{ds}.json"
+
+    def dedup_removed(self, ds: Id) -> Path:
+        return self.root / "dedup" / f"dataset_{ds}.removed.jsonl"
+
+    def dedup_count_files(self) -> list[Path]:
+        """The dedup counts present now, by dataset number."""
+        return sorted((self.root / "dedup").glob("dataset_*.json"), key=lambda p: (len(p.name), p.name))
+
+    def hub_model_marker(self, slug: Id) -> Path:
+        """The hub_model rule's record of a downloaded Hugging Face model (mirageflow/hub_models.py)."""
+        return self.root / HUB_MODELS / f"{slug}.json"
+
+    def engine_endpoint(self, group: Id) -> Path:
+        return self.root / "engines" / f"engine_{group}.json"
+
+    def engine_stats(self, group: Id) -> Path:
+        return self.root / "engines" / f"engine_{group}.stats.json"
+
+    def engine_stats_files(self) -> list[Path]:
+        return sorted((self.root / "engines").glob("engine_*.stats.json"))
+
+    # ------------------------------------------------------------------ logs
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / LOGS
+
+    def log(self, job: str) -> Path:
+        """A job's log (the rule's ``log:``): ``shard_3``, ``index_dataset_0``, ``aggregate``..."""
+        return self.root / LOGS / f"{job}.log"
+
+    def shard_log(self, shard: Id) -> Path:
+        return self.log(f"shard_{shard}")
+
+    def engine_log(self, group: Id) -> Path:
+        return self.log(f"engine_{group}")
+
+    def shard_server_logs(self, shard: Id) -> Path:
+        """Where a shard's own engines keep their server logs."""
+        return self.root / LOGS / f"shard_{shard}"
+
+    def engine_server_logs(self, group: Id) -> Path:
+        """Where an engine service's engines keep their server logs."""
+        return self.root / LOGS / f"engine_{group}"
+
+    # ------------------------------------------------------------------ one shard
+
+    def shard_dir(self, shard: Id) -> Path:
+        return self.root / f"shard_{shard}"
+
+    def status(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / STATUS
+
+    def failure(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / FAILURE
+
+    def progress(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / PROGRESS
+
+    def lease(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / LEASE
+
+    def checkpoint(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / CHECKPOINT
+
+    def errors(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / ERRORS
+
+    def gpu_samples(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / GPU_SAMPLES
+
+    def image_records(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / IMAGE_RECORDS
+
+    def status_files(self, num_shards: int) -> list[str]:
+        """Every shard's status.json, as the aggregate and merge rules take them."""
+        return [str(self.status(i)) for i in range(num_shards)]
+
+
+def default_targets(cfg: PipelineConfig) -> list[str]:
+    """What the workflow's default target (rule all) builds from the shards: the report, each
+    dataset's merge manifest (execution_params.merge) and dedup counts (deduplication_params)."""
+    paths = StateLayout(cfg.state_dir)
+    targets = [str(paths.metrics), str(paths.summary)]
+    if cfg.merge:
+        targets += [str(paths.merge_manifest(ds.index)) for ds in cfg.datasets]
+    if cfg.dedup is not None:
+        targets += [str(paths.dedup_counts(ds.index)) for ds in cfg.datasets]
+    return targets
+
+
+# --------------------------------------------------------------------------- beside the outputs
+
+
+def shard_output_dir(output_dir: str | os.PathLike, shard: Id) -> Path:
+    """Where a shard commits a dataset's part files."""
+    return Path(output_dir) / f"shard_{shard}"
+
+
+def merged_dir(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / MERGED
+
+
+def owner_marker(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / OWNER
+
+
+def state_dir_of_shard_file(path: str | os.PathLike) -> Path:
+    """The state_dir of a file in a shard's directory (``<state_dir>/shard_<i>/x``)."""
+    return Path(path).parent.parent
+
+
+def state_dir_of_config_file(path: str | os.PathLike) -> Path | None:
+    """The state_dir a workflow-written config file lives in (``<state_dir>/configs/x.json``), else None."""
+    p = Path(path)
+    return p.parent.parent if p.parent.name == CONFIGS else None
