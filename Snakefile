@@ -23,15 +23,18 @@ include: "workflow/rules/shards.smk"
 include: "workflow/rules/engines.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/dedup.smk"
+include: "workflow/rules/fingerprint.smk"
 
 
-# What the driver prints: live progress while shards run, a summary when the run ends
-# (mirageflow/report/terminal.py). Snakemake runs these hooks in the driver only, never in a dry
-# run; each calls one function.
+# What the driver writes before the first job (the config file, owner markers, clean-up:
+# mirageflow/state/pipeline.py) and prints (live progress while shards run, a summary when
+# the run ends: mirageflow/report/terminal.py). Snakemake runs these hooks in the driver
+# only, never in a dry run or a lint.
 from mirageflow.report import terminal
 
 
 onstart:
+    pipeline_state.on_start(config, PIPELINE, workflow, CONTENT_CHANGES, logger)
     terminal.on_start(PIPELINE, workflow)
 
 

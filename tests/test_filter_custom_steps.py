@@ -124,10 +124,17 @@ def test_hostile_functions_are_row_errors_with_their_class_and_the_pool_goes_on(
     assert _call(pool, "next") == {"len": 4, "upper": "NEXT", "double": None}  # a replaced worker serves the next row
 
 
-def test_a_worker_stopped_by_sigterm_stops_the_shard_instead_of_failing_the_row(pool):
-    # scancel signals every process of the job: the row is not at fault, a rerun redoes it
+def test_a_worker_that_sigterms_itself_fails_its_row_and_a_cancelled_shard_stops(pool, monkeypatch):
+    # issue 22, item 6: the function's own SIGTERM is its row's error (retried once, then custom_crashed)
+    with pytest.raises(RowError) as e:
+        _call(pool, "term")
+    assert e.value.kind == "custom_crashed" and "killed by SIGTERM" in str(e.value)
+    # scancel signals every process of the job: when the shard got the signal too, the row is
+    # not at fault and the shard stops (a rerun redoes the row)
+    monkeypatch.setattr(pool, "stopping", lambda: True)
     with pytest.raises(ShardFailed, match="output 'lab': a worker process of processor 'custom' was stopped by signal SIGTERM"):
         _call(pool, "term")
+    monkeypatch.undo()
     assert _call(pool, "after") == {"len": 5, "upper": "AFTER", "double": None}
 
 
@@ -135,9 +142,9 @@ def test_a_crash_inside_a_batch_fails_only_its_row(pool, monkeypatch):
     sizes = []
     outcomes = FunctionPool._outcomes
 
-    async def counted(self, rows):
+    async def counted(self, worker, rows):
         sizes.append(len(rows))
-        return await outcomes(self, rows)
+        return await outcomes(self, worker, rows)
 
     monkeypatch.setattr(FunctionPool, "_outcomes", counted)
     qs = [f"r{i}" for i in range(7)] + ["crash"] + [f"s{i}" for i in range(4)]

@@ -5,8 +5,8 @@ tests/fakes/fake_http.py (a thread of this process), so a whole run takes second
 holding "TOO_LONG" gets a context-length error: that row fails.
 
 Both rerun-trigger settings are exercised: Snakemake's defaults and `--rerun-triggers mtime`
-(profiles/slurm), where only the mtime of `<state_dir>/records.fingerprint` can tell a
-shard that its config changed.
+(profiles/slurm), where mtimes alone cannot tell a shard that its config changed (the
+driver forces it: mirageflow/state/inputs.py).
 """
 
 from __future__ import annotations
@@ -96,10 +96,16 @@ def merged_rows(root: Path, out: str = "out") -> list[dict]:
     return [json.loads(line) for p in sorted((root / out / "merged").glob("*.jsonl")) for line in p.read_text().splitlines()]
 
 
-def age_fingerprint(root: Path, state: str = "state") -> None:
-    """Make the shards current again after a dry run of an edit (their outputs newer than the fingerprint)."""
-    past = time.time() - 3600
-    os.utime(root / state / "records.fingerprint", (past, past))
+def files_on_disk(root: Path) -> dict:
+    """Every file and directory under root (but Snakemake's own .snakemake/) with its mtime and size."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith(".snakemake") or rel == "pipeline.yaml":  # Snakemake's own; the config the helper writes
+            continue
+        st = p.lstat()
+        out[rel] = (st.st_mtime_ns, st.st_size)
+    return out
 
 
 # --------------------------------------------------------------------------- what the fingerprint covers (no Snakemake)
@@ -224,9 +230,10 @@ def test_reruns_follow_edits(tmp_path, server, trigger):
     for name in ("sampling", "output_schema", "model"):
         edited = copy.deepcopy(cfg)
         _edits()[name](edited)
+        before_dry_run = files_on_disk(tmp_path)
         proc = snakemake(tmp_path, edited, "-n", *flags)
         assert shard_jobs(proc) == 2, (name, proc.text[-3000:])
-        age_fingerprint(tmp_path)
+        assert files_on_disk(tmp_path) == before_dry_run  # issue 22, item 15: a dry run writes nothing
 
     edited = copy.deepcopy(cfg)
     _edits()["prompt"](edited)

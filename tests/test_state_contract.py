@@ -125,7 +125,7 @@ def test_the_rules_take_their_paths_from_the_layout(tmp_path, tiny_model):
         *paths.status_files(2), paths.dataset_index(0), paths.dataset_offsets(0), paths.metrics, paths.summary,
         paths.report_html, paths.merge_manifest(0), paths.dedup_counts(0), paths.dedup_removed(0), paths.fingerprint,
         paths.engine_endpoint(0), paths.shard_log(0), paths.shard_log(1), paths.engine_log(0), paths.log("aggregate"),
-        paths.log("index_dataset_0"), paths.log("merge_0"), paths.log("dedup_0"),
+        paths.log("index_dataset_0"), paths.log("merge_0"), paths.log("dedup_0"), paths.log("records_fingerprint"),
     }  # fmt: skip
     assert {str(p) for p in expected} <= named, {str(p) for p in expected} - named
     assert {p for p in named if p.startswith("state/")} <= {str(p) for p in expected}, "a rule names a state path the layout does not"
@@ -285,16 +285,16 @@ def _no_wrong_culprit(summary: str) -> None:
     assert "No shard failed" not in summary and "a job of another rule failed" not in summary
 
 
-def test_a_damaged_config_file_names_the_failed_jobs_and_the_cause(tmp_path, server):
+def test_a_damaged_config_file_is_written_again_before_the_jobs(tmp_path, server):
+    """Issue 22 item 16: the driver (onstart, before any job; a dry run writes nothing) writes
+    a damaged stored config again, so the jobs read the config, not the damage."""
     cfg = pipeline(tmp_path, server.url + "/v1")
-    snakemake(tmp_path, cfg, "--dry-run")  # the driver stores the config file
+    snakemake(tmp_path, cfg, "--until", "records_fingerprint")  # the driver stores the config file
     (stored,) = (tmp_path / "state/configs").glob("*.json")
     stored.write_text('{"processors": [')  # damaged after the driver wrote it
-    proc = snakemake(tmp_path, cfg, "--keep-going", check=False)
-    summary = summary_of(proc)
-    assert proc.returncode != 0
-    _no_wrong_culprit(summary)
-    assert "job index_dataset (ds=0) failed" in summary and "ConfigError" in summary and str(stored.name) in summary
+    proc = snakemake(tmp_path, cfg, "--keep-going")
+    assert "is damaged (not the config its name says): writing it again" in proc.text
+    assert "mirageflow: run finished" in summary_of(proc) and json.loads(stored.read_text())["processors"]
 
 
 def test_a_damaged_lease_names_the_shard_and_the_cause(tmp_path, server):
@@ -336,7 +336,7 @@ def test_a_full_disk_names_the_shard_and_the_cause(tmp_path, server, full_disk):
     names the shard's job and the error its log ends with."""
     cfg = pipeline(tmp_path, server.url + "/v1", num_shards=1)
     cfg["loading_params"]["datasets"][0]["output_dir"] = str(full_disk / "out")
-    snakemake(tmp_path, cfg, "--dry-run")  # the driver claims the output_dir while there is room
+    snakemake(tmp_path, cfg, "--until", "records_fingerprint")  # the driver claims the output_dir while there is room
     try:  # then the disk fills up: no room for a part file
         with open(full_disk / "filler", "wb") as f:
             while True:

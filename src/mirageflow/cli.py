@@ -81,10 +81,14 @@ def workflow_dir() -> Path:
 def _load(path: str, check_paths: bool = True):
     from mirageflow.config import ConfigError, load_config
 
+    from mirageflow.redact import register_config_secrets
+
     try:
-        return load_config(path, check_paths=check_paths)
+        cfg = load_config(path, check_paths=check_paths)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    register_config_secrets(cfg)
+    return cfg
 
 
 def snakemake_command(
@@ -791,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="mmirage: %(levelname)s: %(message)s")
     if args.log_level:
         logging.getLogger().setLevel(args.log_level)
+    from mirageflow.redact import install_log_redaction
+
+    install_log_redaction()  # no secret reaches a log line, whichever library writes it
     if extra and args.command in ("stats", "status", "check", "preview", "merge-dir"):
         print(f"mmirage {args.command}: takes no Snakemake arguments (got {' '.join(extra)})", file=sys.stderr)
         return EXIT_USAGE

@@ -54,8 +54,11 @@ class RowErrorClass(enum.StrEnum):
     MISSING_VARIABLE = "missing_variable", "extract", True, "an input key is not in the row"
     # prompts
     TEMPLATE_ERROR = "template_error", "render", True, "a Jinja2 prompt or record template failed (an undefined variable, a filter's error)"
+    TEMPLATE_TIMEOUT = "template_timeout", "render", True, "a template's render ran past its time limit (a loop over a huge range)"
+    TEMPLATE_TOO_LARGE = "template_too_large", "render", True, "a template's render made, or would make, more than its size limits (output, operands, calls)"
     BAD_CONVERSATION = "bad_conversation", "render", True, "a chat-message input is not a list of messages"
     CHAT_TEMPLATE = "chat_template", "render", True, "the model's chat template refused the messages"
+    IMAGE_OUTSIDE_BASE = "image_outside_base", "image", True, "an image path that leads outside the dataset's image_base_path (allow_images_outside_base)"
     IMAGE_MISSING = "image_missing", "image", False, "an image file or URL that is not there"
     IMAGE_UNREADABLE = "image_unreadable", "image", False, "an image that cannot be read or decoded"
     IMAGE_TOO_LARGE = "image_too_large", "image", False, "an image above max_bytes or max_pixels"

@@ -6,9 +6,13 @@ umask, and any default ACL), never with ``tempfile``'s private 0600 / 0700.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 from pathlib import Path
+
+from mirageflow.errors import MirageflowError
 
 
 def new_temp_file(path: Path) -> tuple[int, Path]:
@@ -75,3 +79,121 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True, only_if_ab
 def atomic_write_json(path: Path, obj, durable: bool = True, indent: int | None = 2) -> None:
     """``indent=None``: compact, and encoded by json's C encoder (several times faster)."""
     atomic_write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", durable)
+
+
+# --------------------------------------------------------------------------- inputs: regular files only
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+class NotRegularFile(MirageflowError, OSError):
+    """An input path is something else than a regular file (a FIFO, a device, a directory)."""
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def regular_file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` (symbolic links followed) cannot be read as an input file, or None.
+
+    Only ``stat``: a FIFO or a device is never opened (opening a FIFO for reading waits for
+    a writer, forever)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        return f"cannot be read ({getattr(e, 'strerror', None) or e})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return f"is {_kind(st.st_mode)}, not a regular file"
+
+
+def open_regular(path: str | os.PathLike, mode: str = "rb"):
+    """``open(path, mode)`` for reading, refusing anything but a regular file before any read.
+
+    Opened non-blocking (a FIFO opens at once instead of waiting for a writer), checked
+    with ``fstat`` (no race with a swapped path), then switched back to blocking reads.
+    Raises NotRegularFile (an OSError), FileNotFoundError, PermissionError, ...
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{os.fspath(path)} is {_kind(st.st_mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# --------------------------------------------------------------------------- file identity by content
+
+DIGEST_CHARS = 16
+
+
+def stat_key(st: os.stat_result) -> list[int]:
+    """What identifies a file's version without reading it: inode, size, mtime, ctime (the
+    kernel sets ctime on every write, rename and ``utime``, so ``cp -p`` changes it). Not the
+    device: an NFS mount has another one on each node, the inode and times are the server's."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    with open_regular(path) as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def digest_of(value) -> str:
+    """A short digest of a JSON-able value (a stamp's name)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:DIGEST_CHARS]
+
+
+class ContentCache:
+    """path -> (stat identity, sha256): a file is hashed again only when its stat identity changed."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = Path(path) if path else None
+        self.entries: dict[str, list] = {}
+        self.changed = False
+        if self.path is not None:
+            try:
+                data = json.loads(self.path.read_text())
+                self.entries = {k: v for k, v in data.get("files", {}).items() if isinstance(v, list) and len(v) == 2}
+            except (OSError, ValueError, AttributeError):
+                self.entries = {}  # absent or damaged: rebuilt
+
+    def digest(self, path: str, known: tuple[list, str] | None = None) -> str | None:
+        """The file's SHA-256 (None when it cannot be read). ``known``: a (stat identity,
+        sha256) recorded elsewhere (an index) that spares the hash when it still holds."""
+        try:
+            key = stat_key(os.stat(path))
+        except (OSError, ValueError):
+            return None
+        if known is not None and list(known[0]) == key:
+            return known[1]
+        cached = self.entries.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            sha = file_sha256(path)
+        except (OSError, ValueError):
+            return None
+        self.entries[path] = [key, sha]
+        self.changed = True
+        return sha
+
+    def save(self) -> None:
+        if self.path is not None and self.changed:
+            data = {"note": "SHA-256 of input files by stat identity (inode, size, mtime_ns, ctime_ns)", "files": self.entries}
+            atomic_write_bytes(self.path, (json.dumps(data) + "\n").encode(), durable=False)
+            self.changed = False

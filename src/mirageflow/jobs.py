@@ -171,7 +171,11 @@ _ATTEMPT_LOG: dict = {}  # this job's own log (the rule's log is a link Snakemak
 
 
 def _config(path: str, check_paths: bool = True) -> PipelineConfig:
-    return load_config(path, check_paths=check_paths)
+    from mirageflow.redact import register_config_secrets
+
+    cfg = load_config(path, check_paths=check_paths)
+    register_config_secrets(cfg)  # api keys, URL passwords and query values: masked wherever they show up
+    return cfg
 
 
 def attempt_log_path(log: str, now: float | None = None, pid: int | None = None) -> str:
@@ -212,6 +216,9 @@ def _log_to(path: str) -> str:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
     )
+    from mirageflow.redact import install_log_redaction
+
+    install_log_redaction()  # no secret in the log, whichever library writes the line (httpx's requests)
     return attempt
 
 
@@ -353,6 +360,15 @@ def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
     logging.info("deduplicated %s", json.dumps(result))
 
 
+def records_fingerprint(config: str, output: str) -> None:
+    """``<state_dir>/records.fingerprint`` where there is none (the driver keeps it current)."""
+    from mirageflow.state import pipeline as pipeline_state
+
+    cfg = _config(config, check_paths=False)
+    pipeline_state.write_records_fingerprint(cfg)
+    logging.info("wrote %s", output)
+
+
 def aggregate(config: str) -> None:
     from mirageflow.report.aggregate import write_report
     from mirageflow.state.shards import job_fingerprint
@@ -395,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("model", help="the model's slug (org--name[@revision])")
     p.add_argument("output", help="the marker written once it is complete")
     sub.add_parser("aggregate", help="write the metrics report")
+    p = sub.add_parser("fingerprint", help="write the records fingerprint the shards depend on")
+    p.add_argument("output")
     args = ap.parse_args(argv)
     _ATTEMPT_LOG["path"] = _log_to(args.log)
     if args.job == "index":
@@ -411,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
         hub_model(args.config, args.model, args.output)
     elif args.job == "dedup":
         dedup(args.config, args.dataset, args.counts, args.removed)
+    elif args.job == "fingerprint":
+        records_fingerprint(args.config, args.output)
     else:
         aggregate(args.config)
 

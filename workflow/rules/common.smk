@@ -1,7 +1,7 @@
-# Config validation (when Snakemake parses the workflow, before any job starts), the
-# pipeline's state files (mirageflow/state/pipeline.py) and path helpers. Every path in
-# the state_dir comes from STATE (mirageflow/state/layout.py), as for the jobs, the CLI
-# and the report; "{shard}"-style arguments make a rule's pattern.
+# Config validation (when Snakemake parses the workflow, before any job starts; it writes
+# nothing), the pipeline's state files (mirageflow/state/pipeline.py) and path helpers.
+# Every path in the state_dir comes from STATE (mirageflow/state/layout.py), as for the
+# jobs, the CLI and the report; "{shard}"-style arguments make a rule's pattern.
 import os
 import sys
 
@@ -18,8 +18,13 @@ from mirageflow.cluster import executor as cluster_executor
 from mirageflow.cluster import resources as cluster
 from mirageflow.state import layout as state_layout
 from mirageflow.state import pipeline as pipeline_state
+from mirageflow.state.inputs import ContentChanges
 from mirageflow.config import ConfigError
 from mirageflow.config.preflight import validate
+from mirageflow.redact import install_log_redaction, register_config_secrets
+
+# No secret (from the environment, a URL's password or query) in Snakemake's log or ours.
+install_log_redaction(logger)
 
 # The driver (and `mmirage check`) also runs the checks that read the data and model
 # files (mirageflow/config/preflight.py); a cluster job re-parsing this file validates the config only.
@@ -27,7 +32,16 @@ try:
     PIPELINE = validate(config, preflight=workflow.is_main_process)
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
+register_config_secrets(PIPELINE)
 
+# Parsing the workflow writes nothing (`snakemake -n` and `--lint` change nothing on disk):
+# the driver stores the config, claims the output_dirs and cleans up in the onstart hook
+# (the Snakefile: pipeline_state.prepare). Here it only refuses a foreign output_dir.
+if workflow.is_main_process:
+    try:
+        pipeline_state.check_output_owners(PIPELINE)
+    except pipeline_state.OwnershipError as e:
+        raise WorkflowError(f"mirageflow: {e}") from None
 
 STATE_DIR = PIPELINE.state_dir
 STATE = state_layout.StateLayout(STATE_DIR)
@@ -35,26 +49,18 @@ STATE = state_layout.StateLayout(STATE_DIR)
 SUBMITS_TO_CLUSTER = cluster_executor.submits_to_cluster(workflow)
 # The demo model, built by the smollm2_model rule (workflow/rules/models.smk).
 SMOLLM2_DIR = "resources/models/SmolLM2-135M-Instruct"
+# Secrets written literally in the config are not stored with it: the jobs get them from
+# the environment (local jobs and sbatch --export=ALL inherit the driver's).
+os.environ.update(pipeline_state.stored_config(config)[1])
 # The config as the jobs read it: <state_dir>/configs/<sha256 prefix>.json, on every job's
 # command line (`python -m mirageflow.jobs --config <file> ...`) through the job's
 # resources, not its params: a new config file alone reruns nothing.
 JOB_CONFIG = str(pipeline_state.config_path(config, STATE_DIR))
-# Input of every shard; rewritten only when what can change the records changes.
+# Input of every shard; rewritten (onstart) only when what can change the records changes.
 RECORDS_FINGERPRINT = str(STATE.fingerprint)
-# The driver stores the config, claims the output_dirs and updates the fingerprint; a
-# cluster job re-parsing this file only reads them.
-if workflow.is_main_process:
-    try:
-        for note in pipeline_state.prepare(config, PIPELINE, workflow.configfiles):
-            logger.info(note)
-        from mirageflow.data.dedup import remove_stale_dedup_outputs
-
-        for note in remove_stale_dedup_outputs(PIPELINE):
-            logger.info(note)
-    except (pipeline_state.OwnershipError, OSError) as e:
-        raise WorkflowError(
-            f"mirageflow: cannot write the pipeline's state files: {e}"
-        ) from None
+# What the jobs read, by content (mirageflow/state/inputs.py): a job whose records identity,
+# dataset or image files changed, whatever the mtimes say, is forced while the DAG is built.
+CONTENT_CHANGES = ContentChanges(PIPELINE, main=workflow.is_main_process)
 
 # Hugging Face model ids: the driver says which are cached and which its hub_model rule
 # downloads before any shard (mirageflow/hub_models.py); preflight refused the others.
@@ -87,6 +93,47 @@ def dataset_files(wildcards):
     from mirageflow.data.readers import dataset_files as files_of
 
     return files_of(PIPELINE.datasets[int(wildcards.ds)])
+
+
+# Input functions that add no file: each forces its job when what it read changed by
+# content (mirageflow/state/inputs.py), in memory, as `--forcerun` would.
+
+
+def dataset_changed(wildcards):
+    """The index job, when a dataset file's content changed since it was indexed."""
+    path = str(STATE.dataset_index(wildcards.ds))
+    CONTENT_CHANGES.force(
+        workflow, path, CONTENT_CHANGES.dataset(int(wildcards.ds)), logger
+    )
+    return []
+
+
+def shard_changed(wildcards):
+    """A finished shard, when its records identity or an image file it read changed."""
+    path = str(STATE.status(wildcards.shard))
+    CONTENT_CHANGES.force(
+        workflow, path, CONTENT_CHANGES.shard(int(wildcards.shard)), logger
+    )
+    return []
+
+
+def derived_changed(wildcards):
+    """The metrics report and merges, when a shard they were built from has no status file."""
+    why = CONTENT_CHANGES.derived()
+    for path in [str(STATE.metrics)] + [
+        str(STATE.merge_manifest(k)) for k in DATASET_IDS
+    ]:
+        CONTENT_CHANGES.force(workflow, path, why, logger)
+    return []
+
+
+def dedup_changed(wildcards):
+    """The dedup job, when deduplication_params changed since the dataset was deduplicated."""
+    path = str(STATE.dedup_counts(wildcards.ds))
+    CONTENT_CHANGES.force(
+        workflow, path, CONTENT_CHANGES.dedup(int(wildcards.ds)), logger
+    )
+    return []
 
 
 def index_files():

@@ -4,6 +4,8 @@
 rule index_dataset:
     input:
         dataset_files,
+        # no file: a dataset whose content changed whatever its mtime (cp -p, rsync -a) is indexed again
+        changed=dataset_changed,
     output:
         # The header (rows, files) and where each shard starts (see data/readers.py).
         index=str(STATE.dataset_index("{ds}")),
@@ -24,6 +26,8 @@ rule index_dataset:
 rule merge:
     input:
         status_files(),
+        # no file: made again when a shard it was built from has no status file
+        changed=derived_changed,
     output:
         str(STATE.merge_manifest("{ds}")),
     log:

@@ -6,6 +6,8 @@
 rule dedup:
     input:
         str(STATE.merge_manifest("{ds}")),
+        # no file: deduplication_params changed, it runs again whatever the rerun triggers
+        changed=dedup_changed,
     output:
         counts=str(STATE.dedup_counts("{ds}")),
         removed=str(STATE.dedup_removed("{ds}")),

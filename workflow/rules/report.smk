@@ -7,6 +7,8 @@ rule aggregate:
         status_files(),
         # the dedup counts go into the report (none unless deduplication_params.enabled)
         dedup_count_files(),
+        # no file: made again when a shard it was built from has no status file
+        changed=derived_changed,
     output:
         metrics=report(
             str(STATE.metrics),

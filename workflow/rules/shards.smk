@@ -6,9 +6,11 @@ rule shard:
     input:
         indices=index_files(),
         model=model_inputs(),
-        # Rewritten when a prompt, schema, model, sampling or dataset changes: reruns the
-        # shards under every rerun trigger, mtime included (mirageflow/state/pipeline.py).
+        # What can change the records, for humans (mirageflow/state/pipeline.py); an edit of
+        # it, or of an image file the shard read, forces the shard (no file, in memory), under
+        # every rerun trigger, mtime included (mirageflow/state/inputs.py).
         fingerprint=RECORDS_FINGERPRINT,
+        changed=shard_changed,
         # With shards_per_engine > 1: the endpoint of the engine service that serves this
         # shard; Snakemake runs the service with its shards and stops it after them
         # (workflow/rules/engines.smk).

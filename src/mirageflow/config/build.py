@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -35,6 +36,7 @@ from mirageflow.config.types import (
     ShardParams,
 )
 from mirageflow.data.dedup import produced_fields
+from mirageflow.files import regular_file_problem
 from mirageflow.engines import registry
 from mirageflow.prompts import json_output
 from mirageflow.prompts import python_steps
@@ -61,6 +63,7 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
     # source_index: built in (the row's index; prompts.RecordRenderer), unless a variable has the name
     names = variables.names if BUILTIN_INDEX in variables.names else [*variables.names, BUILTIN_INDEX]
     problems += prompts.record_template_problems(pp["output_schema"], names, "processing_params.output_schema", variables.json_fields)
+    problems += reserved_name_problems(pp)
     problems += _image_problems(cfg, inputs)
     problems += _sample_problems(pp, processors, outputs)
     execution, found = _execution(cfg["execution_params"], processors, outputs)
@@ -267,8 +270,9 @@ def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tu
     if p.get("server_args"):
         problems.append(f"{where}.server_args: a custom processor runs no model")
     script = os.path.expanduser(p.get("script_path") or "")
-    if check_paths and script and not os.path.isfile(script):
-        problems.append(f"{where}.script_path: Python file '{script}' does not exist" + ("" if not os.path.isdir(script) else " (it is a directory)"))
+    why = regular_file_problem(script) if check_paths and script else None
+    if why:  # a FIFO is named, never opened
+        problems.append(f"{where}.script_path: Python file '{script}' {why}")
     return CustomProcessor(
         p["type"], script, p.get("function_name") or "", p["max_workers"], p["start_method"], p["timeout_ms"],
         p["max_timeouts"], p["max_errors"], p["fallback_value"], index=i,
@@ -465,6 +469,7 @@ def _datasets(entries: list[dict], check_paths: bool) -> tuple[list[DatasetConfi
                 output_format=ds["output_format"],
                 split=ds["split"],
                 image_base_path=os.path.expanduser(ds["image_base_path"]) if ds.get("image_base_path") else None,
+                allow_images_outside_base=bool(ds.get("allow_images_outside_base", False)),
                 where=where,
             )
         )
@@ -494,7 +499,8 @@ def _split_datasets(ds: dict, where: str, problems: list[str]) -> list[tuple[str
 def _dataset_problems(ds: dict, where: str) -> list[str]:
     path, kind = os.path.expanduser(ds["path"]), ds["type"].lower()
     if kind == "jsonl" and not os.path.isfile(path):
-        return [f"{where}.path: JSONL file '{path}' does not exist"]
+        why = regular_file_problem(path) or "does not exist"
+        return [f"{where}.path: JSONL file '{path}' {why}"]
     if kind == "loadable" and not os.path.isdir(path):
         return [f"{where}.path: loadable dataset directory '{path}' does not exist"]
     if kind == "parquet" and not (os.path.isfile(path) or os.path.isdir(path) or glob.glob(path)):
@@ -853,6 +859,33 @@ def _image_problems(cfg: dict, inputs: list[InputVar]) -> list[str]:
                 continue
             for name in sorted(named & set(images)):
                 problems.append(f"processing_params.outputs[{i}].system: image input '{name}' can only be used in the prompt (the user turn)")
+    return problems
+
+
+def reserved_name_problems(pp: dict) -> list[str]:
+    """Inputs, outputs and output_schema fields named like a field the workflow writes into
+    every record (prompts.RESERVED_RECORD_FIELDS): the record would silently hold the
+    workflow's value instead of theirs. ``source_index`` is also MMIRAGE's built-in (the
+    row's index): an input of that name and an output_schema field that renders it are
+    accepted (prompts.RecordRenderer checks per row that the field is the row's index); an
+    output of that name, or a field that renders something else, is refused."""
+    reserved = prompts.RESERVED_RECORD_FIELDS
+    why = "is reserved: the workflow writes it into every record ({}); choose another name".format(", ".join(reserved))
+    problems = []
+    for kind in ("inputs", "outputs"):
+        for i, var in enumerate(pp.get(kind) or []):
+            if not isinstance(var, Mapping) or var.get("name") not in reserved or var.get("type") == "filter":
+                continue
+            if kind == "inputs" and var["name"] == BUILTIN_INDEX:
+                continue  # MMIRAGE's recovery configs: the row's own index column
+            problems.append(f"processing_params.{kind}[{i}].name: '{var['name']}' {why}")
+    shape = pp.get("output_schema")
+    if isinstance(shape, Mapping):
+        for key in shape:
+            if key == BUILTIN_INDEX and isinstance(shape[key], str) and re.search(rf"\b{BUILTIN_INDEX}\b", shape[key]):
+                continue  # `source_index: "{{ source_index }}"`: the row's index, as every record holds
+            if key in reserved:
+                problems.append(f"processing_params.output_schema.{key}: '{key}' {why}")
     return problems
 
 

@@ -23,6 +23,7 @@ import jsonschema
 import yaml
 
 from mirageflow.config.build import build
+from mirageflow.files import open_regular
 from mirageflow.config.types import PipelineConfig
 from mirageflow.errors import InputError
 
@@ -194,12 +195,27 @@ def load_config(
     cfg = expand_env(copy.deepcopy(dict(source)), os.environ if environ is None else environ, "", problems)
     cfg = coerce_scalars(cfg, schema(), schema())
     problems += _schema_problems(cfg, schema())
+    problems += nul_problems(cfg)
     if problems:
         raise ConfigError(problems, label)
     view, problems = build(cfg, check_paths)
     if problems:
         raise ConfigError(problems, label)
     return view
+
+
+def nul_problems(value: Any, path: str = "") -> list[str]:
+    """Strings holding a NUL byte outside the templates: no path, name or URL can hold one
+    (the operating system refuses it), so each is named here instead of failing later."""
+    if path == "processing_params":  # prompts and record templates are text for the model
+        return []
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in nul_problems(v, _join(path, k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in nul_problems(v, f"{path}[{i}]")]
+    if isinstance(value, str) and "\0" in value:
+        return [f"{path or '<top level>'}: holds a NUL byte (\\0), which no path, name or URL can hold: {value!r}"[:300]]
+    return []
 
 
 def read_config_file(path: str | os.PathLike) -> dict:
@@ -281,6 +297,7 @@ def records_identity(cfg: PipelineConfig) -> dict:
             {"path": d.path, "type": d.type, "split": d.split, "output_format": d.output_format, "output_dir": d.output_dir}
             # only when set: configs without images keep their fingerprint
             | ({"image_base_path": d.image_base_path} if d.image_base_path else {})
+            | ({"allow_images_outside_base": True} if d.allow_images_outside_base else {})
             for d in cfg.datasets
         ],
     }
@@ -301,7 +318,7 @@ def processor_identity(cfg: PipelineConfig, name: str) -> dict:
 
 def _file_sha256(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return hashlib.sha256(f.read()).hexdigest()
-    except OSError:  # load_config reported it
+    except (OSError, ValueError):  # load_config reported it
         return None

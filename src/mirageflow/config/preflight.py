@@ -44,12 +44,13 @@ from mirageflow import hub_models
 from mirageflow import model_config as model_files
 from mirageflow.config.loading import ConfigError, load_config
 from mirageflow.config.types import CustomProcessor, DatasetConfig, ImageGenProcessor, PipelineConfig, ProcessorConfig
+from mirageflow.files import open_regular
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
-from mirageflow.prompts import python_steps
 from mirageflow.state.layout import StateLayout
 
 SAMPLE_ROWS = 20
+IMPORT_TIMEOUT_SECONDS = 120.0  # a custom processor's script, imported once by the driver
 COUNT_JSONL_MAX_BYTES = 64 << 20  # newline count of a JSONL file up to this size (~20 ms)
 MAX_FILES_SNIFFED = 200
 PARQUET_MAGIC = b"PAR1"
@@ -170,9 +171,9 @@ def _json_prefix_problems(cfg: PipelineConfig) -> list[str]:
 
 def _head(path: str, n: int = 4) -> bytes | None:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # never a FIFO: opening one waits for a writer
             return f.read(n)
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
@@ -199,7 +200,7 @@ def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | 
     rows: list[dict] = []
     seen = 0
     first = None
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for line in f:
             if not line.strip():
                 continue
@@ -223,7 +224,7 @@ def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | 
     size = os.path.getsize(path)
     count = None
     if size <= COUNT_JSONL_MAX_BYTES:  # newlines (+1 for a last line without one): at least the rows
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read()
         count = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
     return [], rows, count
@@ -367,6 +368,18 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
                 f"processing_params.preserve_columns: '{name}' is a column of none of the first {len(sample)} rows of "
                 f"{ds.key} ('{ds.path}')" + (f" (did you mean '{hint[0]}'?)" if hint else "")
             )
+    if not cfg.remove_columns:  # the rows' columns go into the records: one named like a workflow field would be overwritten
+        from mirageflow.prompts.templates import RESERVED_RECORD_FIELDS, same_index
+
+        for name in RESERVED_RECORD_FIELDS:
+            # a source_index column holding each row's own index (MMIRAGE's recovery files) loses nothing
+            # (the sample is the dataset's first rows, in order)
+            if any(isinstance(row, dict) and name in row and not (name == "source_index" and same_index(row[name], i)) for i, row in enumerate(sample)):
+                problems.append(
+                    f"processing_params.remove_columns: false, but the rows of loading_params.datasets[{ds.index}] "
+                    f"('{ds.path}') have a column '{name}', which the workflow writes into every record (its value "
+                    "would be lost): set remove_columns: true (and preserve_columns for the columns to keep)"
+                )
     return problems
 
 
@@ -469,13 +482,16 @@ def _custom_problems(proc: CustomProcessor) -> list[str]:
     path = proc.script_path  # expanded by load_config
     if not proc.function_name or not os.path.isfile(path):
         return []  # load_config reported it
-    try:
-        python_steps.load_function(path, proc.function_name)
-    except (AttributeError, TypeError) as e:
-        return [f"processors[{proc.index}].function_name: {e}"]
-    except (Exception, SystemExit) as e:  # the user's script: a SyntaxError, an ImportError, a sys.exit at import
-        return [f"processors[{proc.index}].script_path: cannot import '{path}': {type(e).__name__}: {e}"]
-    return []
+    from mirageflow.prompts.user_code import load_problem
+
+    # in a process of its own: a script that exits, hangs or crashes at import cannot take the driver with it
+    problem = load_problem(path, proc.function_name, timeout=IMPORT_TIMEOUT_SECONDS)
+    if problem is None:
+        return []
+    kind, why = problem
+    if kind == "function":
+        return [f"processors[{proc.index}].function_name: {why}"]
+    return [f"processors[{proc.index}].script_path: cannot import '{path}': {why}"]
 
 
 def _vision_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: tuple[dict, str] | None) -> list[str]:

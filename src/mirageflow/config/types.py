@@ -25,6 +25,7 @@ class DatasetConfig:
     output_format: str
     split: str | None
     image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
+    allow_images_outside_base: bool = False  # image paths may leave image_base_path (prompts/images.py)
     where: str = ""  # its entry's key path, loading_params.datasets[i] (one entry is several datasets with {split: path})
 
     @property

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 from mirageflow.config.types import DatasetConfig, DedupParams, OutputVar, PipelineConfig
 from mirageflow.data.writers import PartUnreadable, is_json_field, jsonl_line, write_merged
-from mirageflow.files import atomic_write_bytes, atomic_write_json
+from mirageflow.files import atomic_write_bytes, atomic_write_json, digest_of
 from mirageflow.errors import MirageflowError
 from mirageflow.state.layout import StateLayout, merged_dir
 
@@ -279,6 +279,23 @@ def dedup_outputs(cfg: PipelineConfig, ds: DatasetConfig) -> list[Path]:
     """What the dedup rule builds for dataset ``ds``: counts, removed list, deduplicated/."""
     paths = StateLayout(cfg.state_dir)
     return [paths.dedup_counts(ds.index), paths.dedup_removed(ds.index), Path(ds.output_dir) / DEDUP_SUBDIR]
+
+
+def dedup_params_changed(cfg: PipelineConfig, ds: DatasetConfig) -> tuple[str, bool]:
+    """(digest of the current deduplication parameters, whether dataset ``ds``'s dedup outputs
+    were made with other ones, or are damaged): the dedup rule's stamp (state/inputs.py), so
+    it runs again whatever the rerun triggers (the cluster profile's ``mtime`` would not see
+    a parameter change)."""
+    new = {k: getattr(cfg.dedup, k) for k in _PARAM_KEYS}
+    counts_path = dedup_outputs(cfg, ds)[0]
+    try:
+        counts = json.loads(counts_path.read_text(encoding="utf-8"))
+        old = {k: counts[k] for k in _PARAM_KEYS}
+    except FileNotFoundError:
+        return digest_of(new), False  # never made: the rule runs anyway
+    except (OSError, ValueError, KeyError, TypeError):
+        old = None  # damaged: made again
+    return digest_of(new), old != new
 
 
 def remove_stale_dedup_outputs(cfg: PipelineConfig) -> list[str]:

@@ -33,7 +33,7 @@ from typing import Any, Iterator, NamedTuple
 
 from mirageflow.config.types import DatasetConfig
 from mirageflow.data.sharding import shard_range
-from mirageflow.files import atomic_write_bytes, atomic_write_json
+from mirageflow.files import ContentCache, atomic_write_bytes, atomic_write_json, digest_of, open_regular, stat_key
 from mirageflow.errors import MirageflowError, RowError, RowErrorClass as E
 
 INDEX_VERSION = 3
@@ -43,6 +43,10 @@ SHARD_START = struct.Struct("<QQ")
 
 class DatasetReadError(MirageflowError, OSError):
     """A dataset file cannot be read (not one row of it): the shard cannot go on. Names the file."""
+
+
+class DatasetEndedEarly(DatasetReadError):
+    """A dataset file has fewer rows than the slice asked for (changed after it was indexed)."""
 
 
 class SourceRow(NamedTuple):  # a tuple: built once per row, cheaper than a frozen dataclass
@@ -76,7 +80,7 @@ CONTENT_HASHED_MAX_BYTES = 16 << 20
 
 
 def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -90,9 +94,48 @@ def fingerprint(ds: DatasetConfig, hashed: bool = True) -> list[list]:
     return out
 
 
-def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig) -> bool:
-    """The files are those indexed: same paths, sizes and mtimes, or, where only an mtime
-    moved, the same content (a file rewritten with identical bytes)."""
+def file_contents(ds: DatasetConfig) -> dict[str, list]:
+    """Each dataset file's stat identity and SHA-256 of its bytes: {path: [[dev, inode, size,
+    mtime_ns, ctime_ns], sha256]} (the index keeps it; mirageflow.state.inputs compares it
+    with the files at DAG build, so an edit is seen whatever its mtime)."""
+    out = {}
+    for f in dataset_files(ds):
+        with open_regular(f) as fh:
+            key = stat_key(os.fstat(fh.fileno()))
+            out[f] = [key, hashlib.file_digest(fh, "sha256").hexdigest()]
+    return out
+
+
+def content_digest(header: dict) -> str | None:
+    """The digest of an index's recorded file contents (None for an index without them)."""
+    content = header.get("content")
+    if not isinstance(content, dict):
+        return None
+    return digest_of({p: v[1] if isinstance(v, list) and len(v) == 2 else None for p, v in content.items()})
+
+
+def _content_unchanged(content: dict, ds: DatasetConfig, cache_path: str | os.PathLike | None) -> bool:
+    """The files are those indexed, by content: same paths, and for each file the same stat
+    identity (inode, size, mtime, ctime) or, where it moved, the same SHA-256 (the driver's
+    content cache at ``cache_path`` spares the hash of a file it already hashed)."""
+    files = dataset_files(ds)
+    if sorted(files) != sorted(content):
+        return False
+    cache = ContentCache(cache_path)
+    for f in files:
+        key, sha = content[f]
+        if cache.digest(f, (key, sha)) != sha:
+            return False
+    return True
+
+
+def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig, content: dict | None = None, cache_path=None) -> bool:
+    """The files are those indexed: with ``content`` (the index's file contents) the same
+    bytes whatever the mtimes say; else (an index from before content hashes) same paths,
+    sizes and mtimes, or, where only an mtime moved, the same content (a file rewritten
+    with identical bytes)."""
+    if isinstance(content, dict):
+        return _content_unchanged(content, ds, cache_path)
     now = fingerprint(ds, hashed=False)
     if [e[:3] for e in indexed] == now:
         return True
@@ -106,7 +149,7 @@ def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig) -> bool:
 
 def jsonl_count(path: str) -> int:
     rows = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for line in f:
             if line.strip():
                 rows += 1
@@ -118,7 +161,7 @@ def _jsonl_starts(path: str, wanted: list[int]) -> dict[int, tuple[int, int]]:
     todo = deque(sorted(set(wanted)))  # popleft: O(1) per shard start
     found: dict[int, tuple[int, int]] = {}
     row = offset = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
                 while todo and todo[0] == row:
@@ -196,8 +239,8 @@ def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int, skip
     index = start
     loads = json.loads
     try:
-        f = open(path, "rb")
-    except OSError as e:
+        f = open_regular(path)
+    except (OSError, ValueError) as e:
         raise DatasetReadError(f"{path}: cannot open the dataset file ({e})") from e
     with f:
         try:
@@ -224,7 +267,7 @@ def _read_jsonl(path: str, start: int, stop: int, offset: int, lineno: int, skip
         except OSError as e:
             raise DatasetReadError(f"{path}: cannot read past line {lineno} ({e})") from e
     if index < stop:
-        raise DatasetReadError(
+        raise DatasetEndedEarly(
             f"{path}: ended at row {index}, but its index says the shard has rows up to {stop - 1}; "
             "the file changed after it was indexed: rerun so the index rule runs again"
         )
@@ -459,6 +502,7 @@ def write_index(ds: DatasetConfig, num_shards: int, path: str | Path) -> dict:
         rows = len(load_hf(ds))
     header["rows"] = rows
     header["fingerprint"] = fingerprint(ds)
+    header["content"] = file_contents(ds)
     atomic_write_bytes(offsets_path(path), table)
     atomic_write_json(path, header)
     return header
@@ -470,7 +514,7 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
     header = json.loads(path.read_text())
     if header.get("version") != INDEX_VERSION or header["num_shards"] != num_shards or header["path"] != ds.path:
         raise ValueError(f"{path} was built for another config or version; rerun its index rule")
-    if not unchanged_since_indexed(header["fingerprint"], ds):
+    if not unchanged_since_indexed(header["fingerprint"], ds, header.get("content"), path.parent / "content.json"):
         raise ValueError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
             f"(snakemake --forcerun index_dataset)"

@@ -13,8 +13,8 @@ How records are stored (the same rule for part files, ``read_parts`` and ``merge
   keys seen (a key an object lacks reads back as null). Otherwise (values of different
   types across rows: a string in one row and a number, bool, list or object in another;
   ints beyond int64; ints mixed with floats where an int is not exactly a double; bools
-  mixed with numbers; str mixed with bytes; an empty object) the whole column is stored
-  as JSON text: each value ``json.dumps(value, ensure_ascii=False)``, null stays null,
+  mixed with numbers; str mixed with bytes; an empty object; values nested deeper than
+  Parquet readers accept, ``MAX_PARQUET_DEPTH``) the whole column is stored as JSON text: each value ``json.dumps(value, ensure_ascii=False)``, null stays null,
   and the column's Parquet field metadata has ``mirageflow.encoding: json``
   (``is_json_field``), so ``json.loads`` gives the values back.
 """
@@ -136,16 +136,37 @@ def _values_kept(values: list, t) -> bool:
     return True
 
 
+# Parquet schema levels a reader accepts: pyarrow refuses ~100 ("schema too deeply nested"),
+# a struct is one level, a list two. A column nested deeper is stored as JSON text.
+MAX_PARQUET_DEPTH = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def parquet_depth(t) -> int:
+    """The Parquet schema levels Arrow type ``t`` takes."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        return 1 + max((parquet_depth(t.field(i).type) for i in range(t.num_fields)), default=0)
+    if pa.types.is_map(t):
+        return 2 + max(parquet_depth(t.key_type), parquet_depth(t.item_type))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return 2 + parquet_depth(t.value_type)
+    return 1
+
+
 def column_array(values: list):
     """(Arrow array, stored as JSON text?) for one column's values; never raises for a value type."""
     import pyarrow as pa
 
     try:
         arr = pa.array(values)
-    except Exception:  # ArrowInvalid / ArrowTypeError (mixed types), OverflowError (> int64), ...
+    except Exception:  # ArrowInvalid / ArrowTypeError (mixed types), OverflowError (> int64), RecursionError ...
         return json_array(values), True
     check = _check(arr.type)
     if check == "json" or (check == "values" and not _values_kept(values, arr.type)):
+        return json_array(values), True
+    if parquet_depth(arr.type) > MAX_PARQUET_DEPTH:  # a part no reader could open: JSON text, losslessly
         return json_array(values), True
     return arr, False
 

@@ -5,13 +5,22 @@ An image input (``processing_params.inputs[].type: image``) holds, per row, one 
 source or a list of them (several images per row):
 
 - a path, relative to ``datasets[].image_base_path`` or, without it, to the dataset's
-  folder (the JSONL/Parquet file's directory, the ``save_to_disk`` directory); absolute
-  paths are used as they are;
+  folder (the JSONL/Parquet file's directory, the ``save_to_disk`` directory). It must stay
+  inside that folder once ``..`` and symbolic links are resolved (an absolute path too),
+  else the row error ``image_outside_base``, unless the dataset sets
+  ``allow_images_outside_base: true``: a dataset row must not make the workflow read any
+  image on the node and send it to a (remote) endpoint. Only a regular file is read (a
+  FIFO or a device is refused before it is opened: reading a FIFO can wait forever);
 - a Hugging Face ``Image`` feature value (Parquet, ``save_to_disk``): ``{"bytes", "path"}``,
   bytes first;
 - a ``data:`` URI (``data:image/png;base64,...``);
-- an ``http(s)://`` URL, fetched with a 20 s timeout (a job without network gets the row
+- an ``http(s)://`` URL, fetched within ``REMOTE_DEADLINE_SECONDS`` in all (connection,
+  redirects and every byte: a server that trickles its answer is cut at the deadline, not
+  only one that stops) and at most ``max_bytes`` bytes (a job without network gets the row
   error ``image_remote_unreachable``, which says so).
+
+Error messages never quote the bytes of what was read (a path can name any file: its
+first bytes could be a password file's).
 
 Canonical form (``CanonicalImage``): EXIF orientation applied, RGB (alpha composited on
 white), the longest side at most ``max_side`` when set; the source bytes are kept when
@@ -21,9 +30,11 @@ nothing had to change (a plain RGB JPEG or PNG), else the result is re-encoded: 
 
 Hostile values are row errors (stage ``image``) naming the input and the source:
 ``image_missing`` (no such file), ``image_unreadable`` (not an image, truncated, a
-directory, bad base64), ``image_too_large`` (more than ``max_bytes`` bytes or
+directory, a FIFO, bad base64), ``image_too_large`` (more than ``max_bytes`` bytes or
 ``max_pixels`` pixels, checked before decoding: a decompression bomb is never decoded),
-``image_remote_unreachable`` and ``image_invalid_value`` (a number, an empty list...).
+``image_remote_unreachable`` (no answer, or not within the deadline), ``image_outside_base``
+(a path outside image_base_path) and ``image_invalid_value`` (a number, an empty list, a
+path with a NUL byte, an Image feature whose ``bytes`` are text...).
 
 Placement: the prompt names an image variable where its images go (``{{ photo }}``; a list
 variable puts all its images there); a prompt that names none gets every image input of
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import os
@@ -45,12 +57,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from mirageflow.config.types import DatasetConfig, PipelineConfig
+from mirageflow.files import NotRegularFile, open_regular
 from mirageflow.errors import RowError, RowErrorClass as E
 
 STAGE = "image"
 DEFAULT_MAX_PIXELS = 36_000_000  # 6000 x 6000; Pillow's own bomb check starts at ~89 M
 DEFAULT_MAX_BYTES = 20 << 20  # MMIRAGE's cap on remote images
-REMOTE_TIMEOUT_SECONDS = 20.0  # MMIRAGE's
+REMOTE_DEADLINE_SECONDS = 30.0  # one remote image, all included (connection, redirects, every byte)
+REMOTE_READ_TIMEOUT_SECONDS = 20.0  # MMIRAGE's timeout, now per connection and read
 _PASSTHROUGH = {"JPEG": "image/jpeg", "PNG": "image/png"}
 _DATA_URI = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[\w.+-]+)*)(;base64)?,", re.I)
 # Stands for an image variable while its prompt renders (private-use code points: never in
@@ -86,6 +100,14 @@ def _error(kind: str, name: str, source: str, message: str) -> RowError:
     return RowError(STAGE, kind, f"image input '{name}': {source}: {message}")
 
 
+_BYTES_LITERAL = re.compile(r"""b(['"]).*?(?<!\\)\1""")
+
+
+def _scrub(message: str) -> str:
+    """A library's message without any ``b'...'`` literal (the bytes it read), at most 300 characters."""
+    return _BYTES_LITERAL.sub("b'...'", str(message))[:300]
+
+
 # --------------------------------------------------------------------------- one image
 
 
@@ -105,11 +127,12 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
     except RowError:
         raise
     except Image.DecompressionBombError as e:
-        raise _error(E.IMAGE_TOO_LARGE, name, source, f"{e}") from None
+        raise _error(E.IMAGE_TOO_LARGE, name, source, _scrub(e)) from None
     except UnidentifiedImageError:
-        raise _error(E.IMAGE_UNREADABLE, name, source, f"not an image Pillow can read ({len(data)} bytes, starting {data[:8]!r})") from None
+        # never the bytes themselves: the file could be anything readable on the node
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"not an image Pillow can read ({len(data)} bytes in no image format it knows)") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated, corrupt
-        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot decode the image ({type(e).__name__}: {e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot decode the image ({type(e).__name__}: {_scrub(e)})") from None
     try:
         im, changed = _canonical(im, max_side)
         if changed or fmt not in _PASSTHROUGH:
@@ -124,7 +147,7 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
         else:
             mime = _PASSTHROUGH[fmt]
     except (OSError, ValueError, SyntaxError, EOFError, KeyError) as e:  # a corrupt EXIF block, an odd mode
-        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot convert the image ({type(e).__name__}: {e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot convert the image ({type(e).__name__}: {_scrub(e)})") from None
     return CanonicalImage(data, mime, im.width, im.height, hashlib.sha256(data).hexdigest(), source, im)
 
 
@@ -155,7 +178,7 @@ def _canonical(im, max_side: int | None):
 
 def _data_uri_bytes(value: str, name: str) -> bytes:
     m = _DATA_URI.match(value)
-    shown = value[:40] + ("..." if len(value) > 40 else "")
+    shown = f"data:{m.group(1) or ''} URI ({len(value)} characters)" if m else f"data: URI ({len(value)} characters)"
     if not m:
         raise _error(E.IMAGE_UNREADABLE, name, shown, "malformed data: URI (expected data:<mime>;base64,<data>)")
     payload = value[m.end() :]
@@ -166,18 +189,57 @@ def _data_uri_bytes(value: str, name: str) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise _error(E.IMAGE_UNREADABLE, name, shown, f"bad base64 in the data: URI ({e})") from None
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"bad base64 in the data: URI ({_scrub(e)})") from None
 
 
-def _fetch(url: str, name: str, max_bytes: int) -> bytes:
+def _fetch(url: str, name: str, max_bytes: int, deadline_seconds: float | None = None) -> bytes:
+    """The body of ``url``, within a total deadline: the download runs in a thread of its own
+    and is abandoned (its connection closed) when the deadline passes, however the server
+    trickles its answer."""
+    import concurrent.futures
+
+    deadline_seconds = REMOTE_DEADLINE_SECONDS if deadline_seconds is None else deadline_seconds
+    state: dict = {"response": None, "stop": False}
+    future = _fetch_pool().submit(_download, url, name, max_bytes, deadline_seconds, state)
+    try:
+        return future.result(timeout=deadline_seconds)
+    except concurrent.futures.TimeoutError:
+        state["stop"] = True
+        response = state["response"]
+        if response is not None:
+            try:
+                response.close()  # wakes the download thread up (its next read fails)
+            except Exception:  # noqa: BLE001 - best effort: the thread ends at its read timeout anyway
+                pass
+        raise _error(
+            E.IMAGE_REMOTE_UNREACHABLE, name, url,
+            f"the download did not finish within {deadline_seconds:g} s (the deadline for one remote image)",
+        ) from None  # fmt: skip
+
+
+@functools.cache
+def _fetch_pool():
+    import concurrent.futures
+
+    return concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="image-fetch")
+
+
+def _download(url: str, name: str, max_bytes: int, deadline_seconds: float, state: dict) -> bytes:
     import httpx2
 
+    per_op = min(REMOTE_READ_TIMEOUT_SECONDS, deadline_seconds)
     try:
-        with httpx2.stream("GET", url, timeout=REMOTE_TIMEOUT_SECONDS, follow_redirects=True) as response:
+        with httpx2.stream("GET", url, timeout=per_op, follow_redirects=True) as response:
+            state["response"] = response
             if response.status_code != 200:
                 raise _error(E.IMAGE_MISSING, name, url, f"the server answered HTTP {response.status_code}")
+            declared = response.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > max_bytes:
+                raise _error(E.IMAGE_TOO_LARGE, name, url, f"{declared} bytes (Content-Length), more than max_bytes ({max_bytes})")
             chunks, size = [], 0
             for chunk in response.iter_bytes():
+                if state["stop"]:
+                    raise TimeoutError("past the deadline")
                 size += len(chunk)
                 if size > max_bytes:
                     raise _error(E.IMAGE_TOO_LARGE, name, url, f"more than max_bytes ({max_bytes}) bytes")
@@ -186,28 +248,37 @@ def _fetch(url: str, name: str, max_bytes: int) -> bytes:
     except RowError:
         raise
     except Exception as e:  # noqa: BLE001 - DNS, connection refused, timeout, TLS: the network
-        raise _error(E.IMAGE_REMOTE_UNREACHABLE, name, url,
-            f"cannot download it ({type(e).__name__}: {e}); no network may be reachable from this job "
+        raise _error(
+            E.IMAGE_REMOTE_UNREACHABLE, name, url,
+            f"cannot download it ({type(e).__name__}: {_scrub(e)}); no network may be reachable from this job "
             "(cluster nodes often have none): download the images beforehand and use local paths",
         ) from None  # fmt: skip
 
 
-def _read_file(path: str, shown: str, name: str, max_bytes: int) -> bytes:
+def _read_file(path: str, shown: str, name: str, max_bytes: int) -> tuple[bytes, list[int]]:
+    """A regular file's bytes and stat identity (a FIFO or device is refused before it is opened)."""
     try:
-        size = os.stat(path).st_size
+        f = open_regular(path)
     except FileNotFoundError:
         raise _error(E.IMAGE_MISSING, name, shown, f"no such file ({path})") from None
-    except OSError as e:
-        raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({e.strerror or e})") from None
-    if os.path.isdir(path):
-        raise _error(E.IMAGE_UNREADABLE, name, shown, f"is a directory ({path})")
-    if size > max_bytes:
-        raise _error(E.IMAGE_TOO_LARGE, name, shown, f"{size} bytes, more than max_bytes ({max_bytes})")
-    try:
-        with open(path, "rb") as f:
-            return f.read(max_bytes + 1)
-    except OSError as e:
-        raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({e.strerror or e})") from None
+    except NotRegularFile as e:
+        kind = str(e).rsplit(" is ", 1)[-1]
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"is {kind}") from None
+    except (OSError, ValueError) as e:
+        raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({getattr(e, 'strerror', None) or _scrub(e)})") from None
+    with f:
+        try:
+            st = os.fstat(f.fileno())
+            if st.st_size > max_bytes:
+                raise _error(E.IMAGE_TOO_LARGE, name, shown, f"{st.st_size} bytes, more than max_bytes ({max_bytes})")
+            # the stat identity of what was read: a later edit of the file reruns the shard (state/inputs.py)
+            return f.read(max_bytes + 1), [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        except OSError as e:
+            raise _error(E.IMAGE_UNREADABLE, name, shown, f"cannot read it ({e.strerror or _scrub(e)})") from None
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 # --------------------------------------------------------------------------- a row's images
@@ -239,7 +310,15 @@ class RowImages:
 
     def __init__(self, inputs: Iterable[ImageInput], datasets: Iterable = ()):
         self.inputs = list(inputs)
+        datasets = list(datasets)
         self.bases = {ds.index: dataset_image_base(ds) for ds in datasets}
+        # where a path must stay (real paths), None where the dataset allows any
+        self.roots = {
+            ds.index: None if getattr(ds, "allow_images_outside_base", False) else os.path.realpath(self.bases[ds.index])
+            for ds in datasets
+        }
+        # called with (real path, stat identity, bytes) of every image file read (state.inputs.ImageRecorder)
+        self.recorder = None
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig) -> "RowImages":
@@ -256,31 +335,40 @@ class RowImages:
 
     def __call__(self, variables: Mapping[str, Any], ds_index: int = 0) -> dict[str, list[CanonicalImage]]:
         base = self.bases.get(ds_index, ".")
+        # built without datasets (a test, a tool): paths as given; a known dataset: confined
+        root = self.roots.get(ds_index, os.path.realpath(base) if self.roots else None)
         out = {}
         for spec in self.inputs:
             value = variables.get(spec.name)
             values = value if isinstance(value, list | tuple) else [value]
             if not values:
                 raise _error(E.IMAGE_INVALID_VALUE, spec.name, "[]", "an empty list (no image)")
-            out[spec.name] = [self.load(v, spec, base) for v in values]
+            out[spec.name] = [self.load(v, spec, base, root) for v in values]
         return out
 
-    def load(self, value: Any, spec: ImageInput, base: str = ".") -> CanonicalImage:
+    def load(self, value: Any, spec: ImageInput, base: str = ".", root: str | None = None) -> CanonicalImage:
+        """``root``: the real path image paths must stay in (None: anywhere)."""
         name = spec.name
-        source, data = self._bytes(value, spec, base)
+        source, data = self._bytes(value, spec, base, root)
         if len(data) > spec.max_bytes:
             raise _error(E.IMAGE_TOO_LARGE, name, source, f"{len(data)} bytes, more than max_bytes ({spec.max_bytes})")
         return canonicalise(data, source, name, max_side=spec.max_side, max_pixels=spec.max_pixels)
 
-    def _bytes(self, value: Any, spec: ImageInput, base: str) -> tuple[str, bytes]:
+    def _bytes(self, value: Any, spec: ImageInput, base: str, root: str | None = None) -> tuple[str, bytes]:
         name = spec.name
         if isinstance(value, Mapping):  # a Hugging Face Image feature: {"bytes", "path"}
-            if value.get("bytes"):
-                return str(value.get("path") or "image bytes"), bytes(value["bytes"])
+            raw = value.get("bytes")
+            if raw:
+                if not isinstance(raw, bytes | bytearray | memoryview):
+                    raise _error(
+                        E.IMAGE_INVALID_VALUE, name, "{bytes, path}",
+                        f"'bytes' is a {type(raw).__name__}, not bytes (a Hugging Face Image feature holds the encoded file)",
+                    )  # fmt: skip
+                return str(value.get("path") or "image bytes")[:200], bytes(raw)
             if value.get("path"):
                 value = value["path"]
             else:
-                raise _error(E.IMAGE_INVALID_VALUE, name, "{...}", f"an object without image bytes or path (keys: {sorted(value)})")
+                raise _error(E.IMAGE_INVALID_VALUE, name, "{...}", f"an object without image bytes or path (keys: {sorted(map(str, value))[:10]})")
         if isinstance(value, bytes | bytearray):
             return "image bytes", bytes(value)
         if hasattr(value, "save") and hasattr(value, "size"):  # a decoded PIL image (datasets' own decoding)
@@ -299,8 +387,20 @@ class RowImages:
             return value, _fetch(value, name, spec.max_bytes)
         if lower.startswith("file://"):
             value = value[len("file://") :]
+        if "\0" in value:
+            raise _error(E.IMAGE_INVALID_VALUE, name, repr(value)[:60], "the path holds a NUL byte (no file can have that name)")
         path = os.path.join(base, os.path.expanduser(value))
-        return value, _read_file(path, value, name, spec.max_bytes)
+        real = os.path.realpath(path)
+        if root is not None and not _inside(real, root):
+            raise _error(
+                E.IMAGE_OUTSIDE_BASE, name, value,
+                f"the path leads outside the dataset's image folder ({base}); image paths must stay inside "
+                "image_base_path (set loading_params.datasets[].allow_images_outside_base: true to allow any path)",
+            )  # fmt: skip
+        data, key = _read_file(real, value, name, spec.max_bytes)
+        if self.recorder is not None:
+            self.recorder(real, key, data)
+        return value, data
 
 
 # --------------------------------------------------------------------------- messages

@@ -13,15 +13,21 @@ missing JSON field, ``'a' > 3``) is the row error ``filter_error``.
 ``outputs[]: {name, type: custom}``): the function is called once per row with one
 argument, a dict of the variables so far (inputs and earlier outputs), and its return
 value (JSON-able: str, number, bool, None, lists and dicts of these) becomes the variable
-``name``. It runs in a pool of ``max_workers`` processes (pebble; ``start_method`` spawn by
-default), so the event loop that feeds the engine never waits on user code and a crash
-(``os._exit``, a segfault) kills one worker, which is replaced. Row errors, each with its
-class: ``custom_error`` (the function raised; its type and message), ``custom_timeout`` (a
-call ran past ``timeout_ms``: an alarm (SIGALRM) interrupts it and the worker goes on; code
-that does not return to Python is stopped by killing its worker), ``custom_crashed`` (the
-worker process died; it is replaced), ``custom_bad_value`` (the value is not JSON: a set,
-an object, NaN). Rows go to the workers in batches (``FunctionPool``), so the pool's cost
-per message is shared by the rows that arrived while every worker was busy.
+``name``. It runs in ``max_workers`` worker processes, each with a pipe of its own
+(mirageflow.prompts.user_code; ``start_method`` spawn by default), so the event loop that
+feeds the engine never waits on user code, and whatever the function does can only fail
+its row: an exception of any kind (``sys.exit``, ``KeyboardInterrupt`` included), a value
+that is not JSON or holds a lone surrogate, a worker that exits (``os._exit``), crashes,
+signals itself or is killed (the OOM killer; every worker at once) is a row error, the
+worker is replaced and the rows it held are retried once, alone, before they fail. Row
+errors, each with its class: ``custom_error`` (the function raised; its type and message),
+``custom_timeout`` (a call ran past ``timeout_ms``: an alarm (SIGALRM) interrupts it and
+the worker goes on; code that does not return to Python is stopped by killing its
+worker), ``custom_crashed`` (the worker process died, and died again on the retry),
+``custom_bad_value`` (the value is not JSON: a set, an object, NaN, a lone surrogate).
+Only a stop signal the shard itself received (scancel, Ctrl-C, a time limit) stops the
+shard instead. Rows go to the workers in batches (``FunctionPool``), so the cost per
+message is shared by the rows that arrived while every worker was busy.
 
 MMIRAGE's ``fallback_value``, ``max_errors`` and ``max_timeouts`` are accepted, so its
 files load, but they do not hide failures here: a failed call is always a row error in
@@ -33,7 +39,6 @@ error. A set ``fallback_value`` is named in a WARNING in the shard's log.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import os
@@ -42,16 +47,17 @@ import signal
 
 import jinja2
 from jinja2.runtime import new_context as _new_context
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mirageflow.config.types import CustomProcessor, OutputVar
 from mirageflow.errors import RowError, RowErrorClass as E
+from mirageflow.prompts.render_bounds import BoundedSandbox, RenderTimeout, RenderTooLarge, guarded, limit_message
 from mirageflow.prompts.templates import template_problems
+from mirageflow.prompts.user_code import FunctionMissing, load_function
 
 log = logging.getLogger(__name__)
 
-# The prompts' sandbox settings: same built-ins, same refusals, StrictUndefined.
-_ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
+# The prompts' sandbox settings: same built-ins, same refusals, StrictUndefined, same limits.
+_ENV = BoundedSandbox(undefined=jinja2.StrictUndefined, autoescape=False)
 _BRACED = re.compile(r"^\s*\{\{(.*)\}\}\s*$", re.S)
 
 class _Filtered:
@@ -61,8 +67,6 @@ class _Filtered:
 
 # What the row path returns for a row a filter dropped (no record, no error).
 FILTERED = _Filtered()
-# Seconds the pool may take to start its workers and import the script once at load.
-POOL_START_TIMEOUT = 300.0
 
 
 def predicate_expression(predicate: str) -> str:
@@ -79,90 +83,16 @@ def predicate_problems(predicate: str, known, where: str, json_fields=None) -> l
     return template_problems("{{ (" + expr + ") }}", known, where, json_fields)
 
 
-def load_function(script_path: str, function_name: str):
-    """Import the script (as a module of its own, not in sys.modules) and return the function."""
-    name = "mirageflow_custom_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(script_path))[0])
-    spec = importlib.util.spec_from_file_location(name, script_path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"'{script_path}' cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, function_name, None)
-    if fn is None:
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(f"'{script_path}' defines no '{function_name}' (callables found: {', '.join(found) or 'none'})")
-    if not callable(fn):
-        raise TypeError(f"'{function_name}' in '{script_path}' is a {type(fn).__name__}, not a function")
-    return fn
-
-
-# --------------------------------------------------------------------------- worker side
-
-_FN = None
-_LOAD_ERROR: str | None = None
-
-
-class _CallTimeout(BaseException):
-    """Raised in the worker by the timeout_ms alarm; not an Exception, so that the function's
-    own ``except Exception`` does not swallow it."""
-
-
-def _alarm(signum, frame):
-    raise _CallTimeout()
-
-
-def _init_worker(script_path: str, function_name: str) -> None:
-    """Each worker imports the script once (also a worker restarted after a timeout or crash)."""
-    global _FN, _LOAD_ERROR
-    try:
-        _FN = load_function(script_path, function_name)
-    except BaseException as e:  # reported by _loaded() at pool start, and by every call
-        _LOAD_ERROR = f"cannot load '{function_name}' from '{script_path}': {type(e).__name__}: {e}"
-
-
-def _loaded() -> str | None:
-    return _LOAD_ERROR
-
-
-def _call_many(batch: list[dict], timeout: float | None) -> list[tuple]:
-    """One outcome per row: ("ok", JSON text) | ("raised", message) | ("bad_value", message) |
-    ("timeout", ""). The user's exceptions are data here, so that a TimeoutError it raises is
-    not taken for the pool's own. timeout_ms is an alarm per call (the worker lives on); code
-    that ignores signals is stopped by the parent's backstop instead."""
-    if timeout:
-        signal.signal(signal.SIGALRM, _alarm)
-    return [_call(variables, timeout) for variables in batch]
-
-
-def _call(variables: dict, timeout: float | None) -> tuple:
-    if _LOAD_ERROR is not None:
-        return ("raised", _LOAD_ERROR)
-    try:
-        if timeout:
-            signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            value = _FN(variables)
-        finally:
-            if timeout:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-    except _CallTimeout:
-        return ("timeout", "")
-    except Exception as e:
-        return ("raised", f"{type(e).__name__}: {e}")
-    try:
-        # the value crosses as JSON text: what the parent gets is what the writer can write
-        return ("ok", json.dumps(value, allow_nan=False, ensure_ascii=False))
-    except (TypeError, ValueError) as e:
-        return ("bad_value", f"returned a value that is not JSON ({type(value).__name__}: {e})")
-
-
 # --------------------------------------------------------------------------- parent side
 
-# Exit codes of a worker stopped by SIGTERM/SIGHUP (a job being cancelled): the shard stops, no row
-# error. pebble's workers exit with the signal's number on SIGTERM.
-_STOP_CODES = (signal.SIGTERM, -signal.SIGTERM, -signal.SIGHUP)
-# Rows per message to a worker. A message costs ~0.2-1 ms of the pool's threads, pickling
-# and pipes (2-core machine): rows that wait while every worker is busy go together.
+# Exit codes of a worker stopped by a signal that also stops jobs (SIGTERM: scancel, a time
+# limit; SIGHUP; SIGINT): the shard is being stopped when it received one too.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+# Seconds a shard waits, after a worker died of such a signal, for its own to arrive (scancel
+# signals every process of the job at about the same time) before calling it the row's.
+STOP_GRACE_SECONDS = 1.0
+# Rows per message to a worker. A message costs ~0.2-1 ms of pickling, pipes and a thread
+# switch (2-core machine): rows that wait while every worker is busy go together.
 MAX_BATCH = 64
 # Seconds past timeout_ms x rows before a batch is stopped by killing its worker (code the
 # alarm cannot interrupt); its rows are then retried one per message.
@@ -170,29 +100,36 @@ BACKSTOP_SLACK = 5.0
 
 
 class FunctionPool:
-    """The worker processes of one custom processor; ``call`` is awaited on the event loop.
+    """The worker processes of one custom processor (mirageflow.prompts.user_code); ``call``
+    is awaited on the event loop.
 
-    Rows are sent in batches: up to 2 x max_workers messages in flight, and the rows that
-    arrive meanwhile wait and go together in the next one (up to MAX_BATCH), so the pool's
-    per-message cost is shared when rows come fast and nothing waits when they trickle. A
-    batch whose worker died (or that hit the backstop) is rerun one row per message, to
-    find the row that did it: the others' function may then run twice.
+    Rows are sent in batches: one batch per worker at a time, and the rows that arrive
+    meanwhile wait and go together in the next one (up to MAX_BATCH), so the per-message
+    cost is shared when rows come fast and nothing waits when they trickle. When a worker
+    dies (it exited, was killed, signalled itself, ran past the backstop) its batch is
+    retried once, one row per message, on the replaced worker: the row that did it fails
+    alone (``custom_crashed`` / ``custom_timeout``), the others' function may run twice.
+    Killing every worker at once is the same, per worker. A worker stopped by SIGTERM/
+    SIGHUP/SIGINT while the shard itself is being stopped (``stopping()`` true) stops the
+    shard instead: the job is being cancelled, a rerun redoes the rows.
     """
 
-    def __init__(self, proc: CustomProcessor):
+    def __init__(self, proc: CustomProcessor, stopping=None):
         self.proc = proc
         self.script_path = os.path.abspath(os.path.expanduser(proc.script_path))
         self.timeout = proc.timeout_ms / 1000.0 if proc.timeout_ms else None
-        self._pool = None
+        self.stopping = stopping or (lambda: False)  # whether the shard received a stop signal
+        self._workers: list = []
+        self._idle: list = []
         self._waiting: list[tuple[dict, asyncio.Future]] = []
-        self._in_flight = 0
         self._tasks: set[asyncio.Task] = set()
+        self._threads = None
 
     def start(self) -> None:
         """Start the workers and import the script in each; a script that does not load fails here, once."""
-        import multiprocessing
+        from concurrent.futures import ThreadPoolExecutor
 
-        import pebble  # imported by shards with a custom processor only
+        from mirageflow.prompts import user_code
 
         p = self.proc
         if p.fallback_value is not None:
@@ -200,20 +137,9 @@ class FunctionPool:
                 "processor '%s': fallback_value is not used: a failed call is a row error (errors.jsonl), never an "
                 "invented value in the records; return your fallback from %s itself to keep such rows", p.type, p.function_name,
             )  # fmt: skip
-        self._pool = pebble.ProcessPool(
-            p.max_workers, context=multiprocessing.get_context(p.start_method),
-            initializer=_init_worker, initargs=(self.script_path, p.function_name),
-        )  # fmt: skip
-        for future in [self._pool.schedule(_loaded) for _ in range(p.max_workers)]:
-            try:
-                error = future.result(timeout=POOL_START_TIMEOUT)
-            except Exception as e:  # the workers died before answering (start_method spawn re-imports __main__)
-                raise RuntimeError(
-                    f"processor '{p.type}': its worker processes (start_method {p.start_method}) did not start: "
-                    f"{type(e).__name__}: {e}; the log above has the workers' traceback"
-                ) from e
-            if error:
-                raise RuntimeError(f"processor '{p.type}': {error}")
+        self._workers = user_code.start_workers(self.script_path, p.function_name, p.max_workers, p.start_method, p.type)
+        self._idle = list(self._workers)
+        self._threads = ThreadPoolExecutor(max_workers=p.max_workers, thread_name_prefix=f"custom-{p.type}")
 
     async def call(self, variables: dict, where: str):
         """The function's value for this row; RowError when it raised, timed out, crashed or returned no JSON."""
@@ -232,30 +158,32 @@ class FunctionPool:
             "bad_value": (E.CUSTOM_BAD_VALUE, payload),
             "timeout": (E.CUSTOM_TIMEOUT, f"the call ran past timeout_ms ({self.proc.timeout_ms} ms)"),
             "killed": (E.CUSTOM_TIMEOUT, f"the call ran past timeout_ms ({self.proc.timeout_ms} ms) and ignored the alarm: its worker was killed"),
-            "crashed": (E.CUSTOM_CRASHED, f"the worker process died ({payload}) during the call"),
+            "crashed": (E.CUSTOM_CRASHED, f"the worker process died ({payload}) during the call, and again when the row was retried alone on a new worker"),
             "unsent": (E.CUSTOM_ERROR, f"the call could not be made: {payload}"),
         }[status]  # fmt: skip
         raise RowError("custom", kind, f"{where}: {message}")
 
     def _send(self) -> None:
-        """Hand waiting rows to free message slots (on the event loop)."""
-        slots = 2 * self.proc.max_workers - self._in_flight
-        while self._waiting and slots > 0:
-            size = min(MAX_BATCH, -(-len(self._waiting) // slots))
+        """Hand waiting rows to idle workers (on the event loop)."""
+        while self._waiting and self._idle:
+            size = min(MAX_BATCH, -(-len(self._waiting) // len(self._idle)))
             batch, self._waiting = self._waiting[:size], self._waiting[size:]
-            slots -= 1
-            self._in_flight += 1
-            task = asyncio.ensure_future(self._run_batch(batch))
+            worker = self._idle.pop()
+            task = asyncio.ensure_future(self._run_batch(worker, batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _run_batch(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+    async def _run_batch(self, worker, batch: list[tuple[dict, asyncio.Future]]) -> None:
         more = True  # send waiting rows when done (not when the loop is being shut down)
         try:
-            outcomes = await self._outcomes([v for v, _ in batch])
-            if len(outcomes) > 1 and any(o[0] in ("crashed", "killed", "unsent") for o in outcomes):
-                outcomes = await asyncio.gather(*(self._outcomes([v]) for v, _ in batch))  # find the row
-                outcomes = [o[0] for o in outcomes]
+            rows = [v for v, _ in batch]
+            outcomes = await self._outcomes(worker, rows)
+            if any(o[0] in ("crashed", "killed", "unsent") for o in outcomes) and (len(rows) > 1 or outcomes[0][0] == "crashed"):
+                # retried once, each row alone on this (replaced) worker: the row that did it
+                # fails alone; a row whose worker was killed by something else gets a second chance
+                outcomes = [(await self._outcomes(worker, [v]))[0] for v in rows]
+            if any(o[0] in ("crashed", "killed") for o in outcomes) and self.stopping():  # the job is being stopped meanwhile
+                outcomes = [("stopped", "a stop signal") if o[0] in ("crashed", "killed") else o for o in outcomes]
             for (_, future), outcome in zip(batch, outcomes):
                 if not future.done():  # a row cancelled meanwhile (the shard stops) is not waiting
                     future.set_result(outcome)
@@ -267,31 +195,46 @@ class FunctionPool:
                 more = False
                 raise
         finally:
-            self._in_flight -= 1
+            self._idle.append(worker)
             if more and self._waiting:
                 self._send()
 
-    async def _outcomes(self, rows: list[dict]) -> list[tuple]:
-        """The outcome of each row of one message; the whole message's when it failed as a whole."""
-        from pebble import ProcessExpired
+    async def _outcomes(self, worker, rows: list[dict]) -> list[tuple]:
+        """The outcome of each row of one message; the whole message's when its worker died."""
+        from mirageflow.prompts.user_code import WorkerDied
 
         backstop = None if self.timeout is None else self.timeout * len(rows) + BACKSTOP_SLACK
-        try:
-            return await asyncio.wrap_future(self._pool.schedule(_call_many, args=(rows, self.timeout), timeout=backstop))
-        except TimeoutError:  # the alarm did not stop it: the worker was killed
-            return [("killed", "")] * len(rows)
-        except ProcessExpired as e:
-            if e.exitcode in _STOP_CODES:  # stopped, not crashed: the job is being stopped
-                return [("stopped", f"signal {signal.Signals(abs(e.exitcode)).name}")] * len(rows)
-            return [("crashed", f"exit code {e.exitcode}")] * len(rows)
-        except Exception as e:  # the variables could not be sent (pickling)
-            return [("unsent", f"{type(e).__name__}: {e}")] * len(rows)
+        loop = asyncio.get_running_loop()
+        for attempt in range(2):
+            try:
+                return await loop.run_in_executor(self._threads, worker.run, rows, self.timeout, backstop)
+            except WorkerDied as e:
+                if not e.started and attempt == 0:  # it died between batches: these rows never ran
+                    continue
+                if e.killed:
+                    return [("killed", "")] * len(rows)
+                if e.exitcode is not None and -e.exitcode in _STOP_SIGNALS and await self._stopping():
+                    return [("stopped", f"signal {signal.Signals(-e.exitcode).name}")] * len(rows)
+                return [("crashed", str(e))] * len(rows)
+            except Exception as e:  # the variables could not be sent (pickling)
+                return [("unsent", f"{type(e).__name__}: {e}")] * len(rows)
+        return [("crashed", "it died before it could take the rows, twice")] * len(rows)
+
+    async def _stopping(self) -> bool:
+        """Whether the shard is being stopped; waits STOP_GRACE_SECONDS for its signal to arrive."""
+        for _ in range(int(STOP_GRACE_SECONDS / 0.05)):
+            if self.stopping():
+                return True
+            await asyncio.sleep(0.05)
+        return self.stopping()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.stop()  # every row is finished or abandoned by now
-            self._pool.join(timeout=10)
-            self._pool = None
+        for worker in self._workers:  # every row is finished or abandoned by now
+            worker.stop()
+        self._workers, self._idle = [], []
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
 
 
 # --------------------------------------------------------------------------- steps
@@ -316,12 +259,18 @@ class FilterStep:
     async def run(self, variables: dict) -> bool:
         return self.keep(variables)
 
+    def _evaluate(self, variables: dict):
+        ctx = _new_context(self._env, self._name, self._blocks, {**self._globals, **variables}, True, None)
+        for _ in self._root(ctx):
+            pass
+        return ctx.vars["result"]
+
     def keep(self, variables: dict) -> bool:
         try:
-            ctx = _new_context(self._env, self._name, self._blocks, {**self._globals, **variables}, True, None)
-            for _ in self._root(ctx):
-                pass
-            value = ctx.vars["result"]
+            value = guarded(self._evaluate, variables)
+        except (RenderTimeout, RenderTooLarge) as e:
+            kind, message = limit_message(e)
+            raise RowError("filter", kind, f"{self.where}: predicate '{self.predicate}': {message}") from None
         except Exception as e:
             raise RowError("filter", E.FILTER_ERROR, f"{self.where}: predicate '{self.predicate}' raised {type(e).__name__}: {e}") from None
         if value is True or value is False:
@@ -348,12 +297,13 @@ class CustomStep:
         return True
 
 
-def start_pools(processors: dict[str, CustomProcessor], outputs) -> dict[str, FunctionPool]:
-    """A started pool per custom processor that an output uses."""
+def start_pools(processors: dict[str, CustomProcessor], outputs, stopping=None) -> dict[str, FunctionPool]:
+    """A started pool per custom processor that an output uses. ``stopping()``: whether the
+    shard received a stop signal (tells a cancelled job from a worker that signalled itself)."""
     pools: dict[str, FunctionPool] = {}
     try:
         for name in dict.fromkeys(o.processor for o in outputs if o.kind == "custom"):
-            pools[name] = pool = FunctionPool(processors[name])
+            pools[name] = pool = FunctionPool(processors[name], stopping)
             pool.start()
     except BaseException:
         close_pools(pools)
@@ -379,6 +329,6 @@ def make_step(output: OutputVar, steps_for_llm, pools: dict[str, FunctionPool]):
 
 
 __all__ = [
-    "FILTERED", "CustomProcessor", "CustomStep", "FilterStep", "FunctionPool", "close_pools", "load_function", "make_step",
+    "FILTERED", "CustomProcessor", "CustomStep", "FilterStep", "FunctionPool", "close_pools", "FunctionMissing", "load_function", "make_step",
     "predicate_expression", "predicate_problems", "start_pools",
 ]  # fmt: skip

@@ -30,12 +30,13 @@ import jmespath
 import jmespath.exceptions
 from jinja2 import meta, nodes
 from jinja2.runtime import new_context as _new_context
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mirageflow.config.types import OutputVar
 from mirageflow.errors import RowError, RowErrorClass as E
+from mirageflow.prompts.render_bounds import BoundedSandbox, RenderTimeout, RenderTooLarge, cost_problems, guarded, limit_message
 
-_ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
+# Jinja2's immutable sandbox, with a render's size limits (mirageflow.prompts.render_bounds)
+_ENV = BoundedSandbox(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
 _LONE_EXPR = re.compile(r"^\s*\{\{(.*?)\}\}\s*$", re.S)
 
 
@@ -141,6 +142,7 @@ def template_problems(source: str, known: Iterable[str], where: str, json_fields
             problems.append(f"{where}: unknown variable '{name}'" + did_you_mean(name, known))
     if json_fields:
         problems += _field_problems(ast, json_fields, undeclared, where)
+    problems += cost_problems(ast, where)
     return problems
 
 
@@ -288,7 +290,10 @@ class Extractor:
 # --------------------------------------------------------------------------- templates
 
 
-def _render_error(where: str, e: Exception) -> RowError:
+def _render_error(where: str, e: BaseException) -> RowError:
+    if isinstance(e, (RenderTimeout, RenderTooLarge)):  # past a render's limits: its own class
+        kind, message = limit_message(e)
+        return RowError("render", kind, f"{where}: {message}")
     return RowError("render", E.TEMPLATE_ERROR, f"{where}: {type(e).__name__}: {e}")
 
 
@@ -319,8 +324,8 @@ class Template:
             else:
                 return "".join(out)
         try:
-            return self._render(variables)
-        except Exception as e:  # any template failure is this row's problem only
+            return guarded(self._render, variables)
+        except (Exception, RenderTimeout, RenderTooLarge) as e:  # any template failure is this row's problem only
             raise _render_error(self.where, e) from None
 
 
@@ -346,8 +351,8 @@ def _compile_value(shape: Any, where: str) -> Callable[[Mapping[str, Any]], Any]
                 if value is not _MISS:
                     return value
             try:
-                value = expr(vs)
-            except Exception as e:
+                value = guarded(expr, vs)
+            except (Exception, RenderTimeout, RenderTooLarge) as e:
                 raise _render_error(where, e) from None
             if isinstance(value, jinja2.Undefined):
                 raise RowError("render", E.TEMPLATE_ERROR, f"{where}: {lone.group(1).strip()!r} is undefined")
@@ -355,6 +360,11 @@ def _compile_value(shape: Any, where: str) -> Callable[[Mapping[str, Any]], Any]
 
         return evaluate
     return Template(shape, where).render
+
+
+# Fields the workflow writes into every record (sample_index with n_samples > 1): a variable,
+# output or output_schema field of that name would be overwritten, so the config refuses it.
+RESERVED_RECORD_FIELDS = ("source_index", "sample_index")
 
 
 class RecordRenderer:
@@ -379,7 +389,7 @@ class RecordRenderer:
             if self._uses_index and "source_index" not in variables:
                 variables = {**variables, "source_index": source_index}
             rendered = self._shape(variables)
-            if self._index_field and not _same_index(rendered.get("source_index"), source_index):
+            if self._index_field and not same_index(rendered.get("source_index"), source_index):
                 raise RowError(
                     "render", "template_error",
                     f"processing_params.output_schema.source_index: {rendered.get('source_index')!r} is not this row's "
@@ -401,7 +411,7 @@ class RecordRenderer:
         return record
 
 
-def _same_index(value: Any, index: int) -> bool:
+def same_index(value: Any, index: int) -> bool:
     return value == index or (isinstance(value, str) and value.strip() == str(index))
 
 

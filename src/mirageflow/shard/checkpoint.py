@@ -290,8 +290,9 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ resume
 
-    def restore(self, retry_failed: bool) -> None:
-        """Load committed progress, verified; or start clean when there is none or the fingerprint changed.
+    def restore(self, retry_failed: bool, start_over: bool = False) -> None:
+        """Load committed progress, verified; or start clean when there is none, the fingerprint
+        changed or ``start_over`` (an input file changed by content: mirageflow.state.inputs).
 
         Every part the manifest lists is checked (size, then sha256); the rows of a missing
         or damaged one are recomputed. Parts no manifest lists are moved aside to
@@ -303,7 +304,7 @@ class Checkpoint:
         self._remove_temp_files()
         saved = self._load_manifest()
         discard = False
-        if saved is not None and saved["fingerprint"] != self.fingerprint:
+        if saved is not None and (start_over or saved["fingerprint"] != self.fingerprint):
             n = sum(len(d["parts"]) for d in saved["datasets"].values())
             log.warning(
                 "checkpoint of %s was made with another model/prompt/schema/row range: discarding %d committed part(s)",

@@ -150,19 +150,26 @@ def first_rows(ds: DatasetConfig, n: int) -> list:
     return list(iter_rows(ds, n))
 
 
+def _first_jsonl_rows(ds: DatasetConfig, n: int):
+    """The first ``n`` rows of a JSONL dataset, or all of them when the file has fewer."""
+    from mirageflow.data import readers
+
+    try:
+        yield from readers.read_shard(ds, readers.ShardSlice(0, n, 0, 1))
+    except readers.DatasetEndedEarly:
+        return
+
+
 def iter_rows(ds: DatasetConfig, n: int = sys.maxsize):
     """The dataset's first ``n`` rows (default: all; fewer when it has fewer), read as they are consumed."""
     from mirageflow.data import readers
 
     if n <= 0:
         return iter(())
-    if ds.type == "jsonl":  # the rows there are, up to n: a shard's reader fails a file shorter than its slice
-        try:
-            with open(ds.path, "rb") as f:
-                present = sum(1 for _ in itertools.islice((line for line in f if line.strip()), n))
-        except OSError as e:
-            raise readers.DatasetReadError(f"{ds.path}: cannot open the dataset file ({e})") from e
-        return readers.read_shard(ds, readers.ShardSlice(0, present, 0, 1))
+    if ds.type == "jsonl":
+        if n == sys.maxsize:  # all rows: the reader checks it reads exactly as many as the file has
+            return readers.read_shard(ds, readers.ShardSlice(0, readers.jsonl_count(ds.path), 0, 1))
+        return _first_jsonl_rows(ds, n)
     if ds.type == "parquet":
         import pyarrow.parquet as pq
 
@@ -477,12 +484,17 @@ def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
                 w("variables:\n" + _indent(_dump(row["variables"]), "    ") + "\n")
             for o in row["outputs"]:
                 kind = "JSON output" if o["json"] else "output"
+                if o.get("kind") == "image_gen":
+                    w(f"image output '{o['name']}' (processor {o['processor']}): prompt (a preview generates no image):\n" + _indent(o["prompt"]) + "\n")
+                    continue
                 if o.get("kind", "llm") != "llm":
                     shown = _dump(o["value"]) if "value" in o else "(not run without --generate)"
                     w(f"{o['kind']} step '{o['name']}': {shown}\n")
                     continue
                 seed = f", seed {o['seed']}" if "seed" in o else ""
-                if o["prompt"] is not None:
+                if "messages" not in o:  # the row failed before its request was made (its error follows)
+                    w(f"{kind} '{o['name']}' (processor {o['processor']}): no request (the row failed before it)\n")
+                elif o.get("prompt") is not None:
                     w(f"{kind} '{o['name']}' (processor {o['processor']}{seed}): prompt as the engine receives it:\n")
                     w(_indent(o["prompt"]) + "\n")
                 else:

@@ -41,7 +41,7 @@ from mirageflow.stats import formulas as stats
 from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
 from mirageflow.shard import request_cache
 from mirageflow.config import PipelineConfig, processor_identity
-from mirageflow.data.readers import ShardSlice, SourceRow, load_shard, read_shard, write_index
+from mirageflow.data.readers import ShardSlice, SourceRow, content_digest, load_shard, read_shard, write_index
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import capabilities, create_engine
@@ -62,6 +62,7 @@ from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
 from mirageflow.shard.steps import OutputStep
 from mirageflow.state import layout as L
+from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed
 from mirageflow.state.layout import StateLayout, shard_output_dir
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,14 @@ class ShardRunner:
         outputs = {ds.index: (shard_output_dir(ds.output_dir, self.shard_id), ds.output_format) for ds in self.cfg.datasets}
         data = {ds.index: self._data_identity(ds) for ds in self.cfg.datasets}
         self.checkpoint = cp = Checkpoint(self.shard_dir, fingerprint(self.cfg, ranges, data), outputs, self.n)
-        cp.restore(retry_failed=self.cfg.retry_failed_rows)
+        # rows made from image files that changed since are made again (state/inputs.py)
+        cache = ContentCache(StateLayout(self.cfg.state_dir).content_cache)  # the driver's hashes, read only
+        changed = images_changed(self.shard_dir, cache) if self.rows.images else None
+        if changed:
+            log.warning("shard %d starts over: %s", self.shard_id, changed)
+        cp.restore(retry_failed=self.cfg.retry_failed_rows, start_over=bool(changed))
+        if self.rows.images:  # the image files it reads, by content: an edit of one reruns this shard
+            self.rows.images.recorder = ImageRecorder(self.shard_dir, fresh=cp.committed_units() == 0)
         if self.params.request_cache:
             self.cache = request_cache.RequestCache(self.shard_dir, lookups=not self.cfg.fresh_answers)
             self.cache.restore()
@@ -146,11 +154,13 @@ class ShardRunner:
         if self.resumed:
             log.info("resuming shard %d: %s already committed are skipped", self.shard_id, cp.describe_committed())
 
-    def _data_identity(self, ds) -> list | None:
-        """The dataset's content as its index saw it (part of the checkpoint's fingerprint)."""
+    def _data_identity(self, ds) -> list | str | None:
+        """The dataset's content as its index saw it (part of the checkpoint's fingerprint):
+        the digest of its files' SHA-256 (every size), or, for an index from before those,
+        the file fingerprint's sizes and hashes."""
         try:
             header = json.loads(index_path(self.cfg.state_dir, ds.index).read_text())
-            return data_identity(header["fingerprint"])
+            return content_digest(header) or data_identity(header["fingerprint"])
         except (OSError, ValueError, KeyError, TypeError) as e:  # load_shard read it a moment ago
             raise ShardFailed(f"cannot read the index of dataset {ds.index}: {e}") from e
 
@@ -167,7 +177,10 @@ class ShardRunner:
     def _load_engines(self) -> None:
         self.live.set_phase("loading")
         with self.metrics.timer.phase("load"):
-            self.pools = python_steps.start_pools(self.cfg.custom_processors, self.cfg.outputs)
+            # a custom step's worker dying of SIGTERM is the job's cancellation only when the shard got one too
+            self.pools = python_steps.start_pools(
+                self.cfg.custom_processors, self.cfg.outputs, stopping=lambda: bool(self.signals and self.signals.signum)
+            )  # fmt: skip
             for name in {o.processor for o in self.cfg.outputs if o.kind == "llm"}:
                 engine = self.engine_factory(self.cfg.processors[name], self.cfg.batch_size, log_dir=self.log_dir)
                 if self.params.max_inflight:  # engines size their pools at load
@@ -201,7 +214,7 @@ class ShardRunner:
             verdict = self.budget.record_ok()
             self.commits.add(ds_index, record, None)
         else:
-            entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": str(exc)}
+            entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": redact_text(str(exc))}
             if sample is not None:
                 entry["sample_index"] = sample
             if exc.raw is not None:
@@ -425,6 +438,9 @@ class ShardRunner:
 
     def close(self) -> None:
         python_steps.close_pools(self.pools)
+        recorder = getattr(self.rows.images, "recorder", None)
+        if recorder is not None:
+            recorder.close()
         for engine in [*self.engines.values(), *self.image_gens.values()]:
             try:
                 engine.close()

@@ -10,6 +10,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       records.fingerprint                what can change a record; the shards depend on it
       datasets/dataset_<k>.index.json    a dataset's row count and where each shard starts
       datasets/dataset_<k>.offsets.bin   (its per-shard table)
+      datasets/content.json              SHA-256 of input files by stat identity (state/inputs.py)
       shard_<i>/status.json              written last, only on success (the shard rule's output)
       shard_<i>/failure.json             why the last attempt failed
       shard_<i>/progress.json            live progress of a running shard
@@ -19,6 +20,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       shard_<i>/gpu_samples.json         the GPU timeline (stats: true)
       shard_<i>/batches.json, batches/   provider batches submitted, their requests and results (batch_api)
       shard_<i>/images.jsonl             images written, with size and SHA-256 (image_gen)
+      shard_<i>/input_images.jsonl       the image files it read, by content (state/inputs.py)
       shard_<i>/damaged/, orphaned/      part files set aside at resume
       hub_models/<slug>.json             a Hugging Face model the driver downloaded (hub_model rule)
       engines/engine_<g>.json            an engine service's endpoint (shards_per_engine > 1)
@@ -58,6 +60,8 @@ GPU_SAMPLES = "gpu_samples.json"
 BATCH_LEDGER = "batches.json"  # shard/ledger.py: a batch_api shard's provider batches
 BATCH_SPOOL = "batches"  # their requests (<key>.jsonl) and results (<key>.results.jsonl)
 IMAGE_LEDGER = "images.jsonl"  # shard/ledger.py: an image_gen shard's images written
+IMAGE_RECORDS = "input_images.jsonl"  # state/inputs.py: the image inputs a shard read, by content
+CONTENT_CACHE = "content.json"  # in datasets/
 FINGERPRINT = "records.fingerprint"
 CONFIGS = "configs"
 LOGS = "logs"
@@ -103,6 +107,10 @@ class StateLayout:
 
     def dataset_offsets(self, ds: Id) -> Path:
         return self.root / "datasets" / f"dataset_{ds}.offsets.bin"
+
+    @property
+    def content_cache(self) -> Path:
+        return self.root / "datasets" / CONTENT_CACHE
 
     def dataset_indices(self) -> list[Path]:
         """The index files present now (one per dataset once the index jobs ran)."""
@@ -217,6 +225,9 @@ class StateLayout:
 
     def image_ledger(self, shard: Id) -> Path:
         return self.shard_dir(shard) / IMAGE_LEDGER
+
+    def image_records(self, shard: Id) -> Path:
+        return self.shard_dir(shard) / IMAGE_RECORDS
 
     def status_files(self, num_shards: int) -> list[str]:
         """Every shard's status.json, as the aggregate and merge rules take them."""

@@ -1,16 +1,25 @@
 """What the workflow keeps next to a pipeline's results so reruns, edits and jobs stay honest.
 
 - **The config file**: the config Snakemake was given (after --configfile and --config),
-  as JSON, in ``<state_dir>/configs/<sha256 prefix>.json``: content-addressed, written once
-  (atomically, only if absent). Every job's command line names it (``python -m
-  mirageflow.jobs --config <file> ...``), so a printed command runs as is by hand; the job
-  validates it again, expanding ``$VAR`` in its own environment.
+  as JSON, in ``<state_dir>/configs/<sha256 prefix>.json``: content-addressed, written
+  atomically, and written again when what is there is not that content (damaged). Every
+  job's command line names it (``python -m mirageflow.jobs --config <file> ...``), so a
+  printed command runs as is by hand; the job validates it again, expanding ``$VAR`` in its
+  own environment. No secret is stored: a password or query value of a processor's URL, a
+  key named like a secret, a secret flag's value written literally in the config are moved
+  into ``MIRAGEFLOW_SECRET_<n>`` environment variables that the driver exports to its jobs
+  (mirageflow.redact.secrets_out_of_config).
 - **The records fingerprint**: ``<state_dir>/records.fingerprint`` holds the hash of
   ``config.records_identity`` (what can change a shard's records) and the identity itself
-  for humans. It is rewritten only when its content changes, and it is an input of the
-  shard rule: an edit of a prompt, schema, model, sampling or dataset makes it newer than
-  every status.json, so the shards rerun under any rerun trigger, ``mtime`` included; a
-  cosmetic edit (comments, execution_params, shard_params, stats) leaves it alone.
+  for humans (the report shows it); each finished shard's status.json records the one it
+  ran with (``records_fingerprint``). An edit of a prompt, schema, model, sampling or dataset
+  makes the driver force every shard whose digest differs, under any rerun trigger,
+  ``mtime`` included; a cosmetic edit (comments, execution_params, shard_params, stats)
+  changes nothing (mirageflow.state.inputs). The file is rewritten (onstart) only when its
+  content changes, and stays an input of the shard rule (a missing one is written by the
+  ``records_fingerprint`` rule).
+- **Content changes** (mirageflow.state.inputs): a dataset or image file whose content
+  changed, whatever its mtime, reruns the jobs that read it.
 - **The owner marker**: ``<output_dir>/.mirageflow-owner.json`` names the state_dir (and
   config) of the pipeline that writes there. A second pipeline (another state_dir) pointed
   at the same output_dir is refused before any job runs.
@@ -19,6 +28,12 @@
   driver when a shard's status.json is missing, so they never show a previous
   configuration's or a partial run's results as current, and the next run rebuilds them
   (and reruns the missing shards they depend on).
+
+When Snakemake parses the workflow (also for ``snakemake -n`` and ``--lint``) the driver
+only reads: it validates the config, refuses a foreign output_dir and computes which
+files the jobs need. What it writes (the config file, owner markers, removal of stale
+derived outputs and of a killed merge's temp directories, the content cache) it writes in
+``prepare``, from the onstart hook, which Snakemake runs only before real jobs.
 """
 
 from __future__ import annotations
@@ -54,9 +69,18 @@ def _utc_now() -> str:
 # --------------------------------------------------------------------------- the config file
 
 
+def stored_config(config: dict) -> tuple[dict, dict[str, str]]:
+    """(the config as it is stored: literal secrets replaced by ``${MIRAGEFLOW_SECRET_<n>}``,
+    {variable: secret} the jobs need in their environment)."""
+    from mirageflow.redact import secrets_out_of_config
+
+    return secrets_out_of_config(config)
+
+
 def config_bytes(config: dict) -> bytes:
-    """The config as the jobs read it: JSON, keys in the given order (record columns follow it)."""
-    return (json.dumps(config, ensure_ascii=False, default=str, indent=1) + "\n").encode()
+    """The config as the jobs read it: JSON, keys in the given order (record columns follow
+    it), without literal secrets (``stored_config``)."""
+    return (json.dumps(stored_config(config)[0], ensure_ascii=False, default=str, indent=1) + "\n").encode()
 
 
 def config_path(config: dict, state_dir: str | os.PathLike) -> Path:
@@ -66,10 +90,20 @@ def config_path(config: dict, state_dir: str | os.PathLike) -> Path:
 
 
 def write_config(config: dict, state_dir: str | os.PathLike) -> Path:
-    """Store the config at its content-addressed path (once: an existing file is left alone)."""
+    """Store the config at its content-addressed path: written when absent, written again
+    when the file there is not that content (damaged, truncated), else left alone."""
     path = config_path(config, state_dir)
-    if not path.exists():
-        atomic_write_bytes(path, config_bytes(config), only_if_absent=True)
+    data = config_bytes(config)
+    try:
+        if path.read_bytes() == data:
+            return path
+        log.warning("%s is damaged (not the config its name says): writing it again", path)
+    except FileNotFoundError:
+        atomic_write_bytes(path, data, only_if_absent=True)
+        return path
+    except OSError as e:
+        log.warning("%s cannot be read (%s): writing it again", path, e)
+    atomic_write_bytes(path, data)
     return path
 
 
@@ -95,11 +129,21 @@ def fingerprint_path(state_dir: str | os.PathLike) -> Path:
     return L.StateLayout(state_dir).fingerprint
 
 
+def _fingerprint_bytes(cfg: PipelineConfig) -> bytes:
+    from mirageflow.redact import redact
+
+    fp = records_fingerprint(cfg)
+    # for humans: secrets in the processors' settings (server_args) are masked; the hash is the real one
+    fp["identity"] = {**fp["identity"], "processors": redact(fp["identity"]["processors"])}
+    return (json.dumps(fp, indent=1, default=str) + "\n").encode()
+
+
 def write_records_fingerprint(cfg: PipelineConfig) -> bool:
-    """Write ``<state_dir>/records.fingerprint`` when its content differs (only then: its mtime
-    is what reruns the shards). Returns whether it was written."""
+    """Write ``<state_dir>/records.fingerprint`` when its content differs (only then: a
+    state_dir from before content-addressed fingerprints uses it as the shards' input).
+    Returns whether it was written."""
     path = fingerprint_path(cfg.state_dir)
-    data = (json.dumps(records_fingerprint(cfg), indent=1, default=str) + "\n").encode()
+    data = _fingerprint_bytes(cfg)
     try:
         if path.read_bytes() == data:
             return False
@@ -218,24 +262,66 @@ def remove_stale_derived_outputs(cfg: PipelineConfig) -> list[Path]:
     return remove_derived_outputs(cfg, f"shard {missing} has no status.json")
 
 
-# --------------------------------------------------------------------------- at DAG build
+def remove_temp_dirs(cfg: PipelineConfig) -> list[Path]:
+    """Temp directories a killed merge or dedup left next to its output (``.merged.<hex>``,
+    ``.merged.old``, ``.deduplicated.<hex>``): no job of this pipeline runs when the driver
+    calls this (Snakemake's lock), so none is in use."""
+    from mirageflow.data.dedup import DEDUP_SUBDIR
+
+    removed = []
+    for ds in cfg.datasets:
+        out = Path(ds.output_dir)
+        for name in ("merged", DEDUP_SUBDIR):
+            for tmp in out.glob(f".{name}.*"):
+                suffix = tmp.name[len(name) + 2 :]
+                if tmp.is_dir() and not tmp.is_symlink() and (suffix == "old" or (len(suffix) == 12 and suffix.isalnum())):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    removed.append(tmp)
+    return removed
 
 
-def prepare(config: dict, cfg: PipelineConfig, configfiles: Iterable[str] = ()) -> list[str]:
-    """What the driver does when Snakemake parses the workflow (common.smk), before the DAG:
-    refuse an output_dir owned by another pipeline, store the config file, claim the
-    output_dirs, update the records fingerprint, drop derived outputs that outlived a
-    shard. Returns notes for the user (what changed). Raises OwnershipError."""
+# --------------------------------------------------------------------------- before the first job
+
+
+def prepare(config: dict, cfg: PipelineConfig, configfiles: Iterable[str] = (), rerun_inputs=None) -> list[str]:
+    """What the driver writes before its first job (the onstart hook, never in a dry run or
+    a lint): refuse an output_dir owned by another pipeline, store (or repair) the config
+    file, claim the output_dirs, drop derived outputs that outlived a shard and the temp
+    directories of a killed merge, keep the content hashes computed at DAG build. Returns
+    notes for the user (what changed). Raises OwnershipError."""
     notes = []
     check_output_owners(cfg)
     path = write_config(config, cfg.state_dir)
     claim_output_dirs(cfg, path, configfiles)
-    if write_records_fingerprint(cfg):
-        notes.append(f"mirageflow: {fingerprint_path(cfg.state_dir)} updated (what can change the records changed)")
     removed = remove_stale_derived_outputs(cfg)
     if removed:
         notes.append(
             "mirageflow: a shard has no status.json; removed the results built from earlier shards: "
             + ", ".join(map(str, removed))
         )
+    if fingerprint_path(cfg.state_dir).exists() and write_records_fingerprint(cfg):  # a missing one: its rule writes it
+        notes.append(f"mirageflow: {fingerprint_path(cfg.state_dir)} updated (what can change the records changed)")
+    from mirageflow.data.dedup import remove_stale_dedup_outputs
+
+    notes += remove_stale_dedup_outputs(cfg)
+    temps = remove_temp_dirs(cfg)
+    if temps:
+        notes.append("mirageflow: removed the temp directories of a merge that was killed: " + ", ".join(map(str, temps)))
+    if rerun_inputs is not None:
+        rerun_inputs.save()
     return notes
+
+
+def on_start(config: dict, cfg, workflow, rerun_inputs, logger) -> None:
+    """The Snakefile's onstart hook (the driver, before its first job; never in a dry run):
+    ``prepare``, its notes logged; a failure stops the run naming what could not be written."""
+    from snakemake.exceptions import WorkflowError
+
+    from mirageflow.redact import install_log_redaction
+
+    install_log_redaction(logger)  # Snakemake's log handlers exist by now
+    try:
+        for note in prepare(config, cfg, getattr(workflow, "configfiles", ()), rerun_inputs):
+            logger.info(note)
+    except (OwnershipError, OSError) as e:
+        raise WorkflowError(f"mirageflow: cannot write the pipeline's state files: {e}") from None
