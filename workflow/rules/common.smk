@@ -65,6 +65,8 @@ CONTENT_CHANGES = ContentChanges(PIPELINE, main=workflow.is_main_process)
 # Hugging Face model ids: the driver says which are cached and which its hub_model rule
 # downloads before any shard (mirageflow/hub_models.py); preflight refused the others.
 HUB_MODELS = hub_models.hub_models(PIPELINE)
+# the markers of the models the hub_model rule must (again) download
+HUB_DOWNLOADS = set()
 if workflow.is_main_process:
     from mirageflow.config.preflight import hub_model_states
 
@@ -73,10 +75,8 @@ if workflow.is_main_process:
 
     for state in hub_model_states(PIPELINE):
         logger.info(f"mirageflow: {hub_models.describe([state])[0]}")
-        # a marker of a download whose snapshot has since left the cache: fetch it again
-        marker = hub_models.marker_path(STATE_DIR, state.model)
-        if state.state == "download" and marker.exists() and not workflow.dryrun:
-            marker.unlink()
+        if state.state == "download":
+            HUB_DOWNLOADS.add(str(hub_models.marker_path(STATE_DIR, state.model)))
 
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]
 
@@ -133,6 +133,19 @@ def dedup_changed(wildcards):
     CONTENT_CHANGES.force(
         workflow, path, CONTENT_CHANGES.dedup(int(wildcards.ds)), logger
     )
+    return []
+
+
+def hub_model_changed(wildcards):
+    """The hub_model job, when its marker outlived the snapshot (it left the cache): fetched
+    again (forced in memory: the marker is not deleted, a dry run changes nothing)."""
+    path = str(STATE.hub_model_marker(wildcards.model))
+    why = (
+        "its snapshot is not in the Hugging Face cache any more"
+        if path in HUB_DOWNLOADS
+        else None
+    )
+    CONTENT_CHANGES.force(workflow, path, why, logger)
     return []
 
 

@@ -19,6 +19,9 @@ rule smollm2_model:
 # download into execution_params.hf_home; a rerun after a killed download keeps the files it
 # finished. The shards read the snapshot offline (mirageflow/hub_models.py).
 rule hub_model:
+    input:
+        # no file: a marker whose snapshot left the cache is made again
+        changed=hub_model_changed,
     output:
         str(STATE.hub_model_marker("{model}")),
     log:
