@@ -319,7 +319,6 @@ def test_stats_off_records_hardware_without_sampling_or_logging(nvml, caplog):
 
 
 def test_shard_records_gpu_stats_hardware_samples_and_roofline(tmp_path, nvml, monkeypatch):
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_shard import PLAIN, ScriptedEngine, _setup
 
     from mirageflow.shard import run_shard

@@ -12,8 +12,7 @@ import pytest
 
 from mirageflow.shard.progress import ProgressReporter, RateWindow, check_progress, read_progress
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_shard import PLAIN, ScriptedEngine, _setup  # noqa: E402
+from test_shard import PLAIN, ScriptedEngine, _setup
 
 
 class Clock:

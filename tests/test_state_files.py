@@ -24,8 +24,7 @@ from mirageflow.report import aggregate as report
 from mirageflow.state.shards import shard_states
 from mirageflow.files import atomic_write_json
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_report import _images, make_state  # noqa: E402
+from test_report import _images, make_state
 
 NOT_JSON = {
     "array": b"[]",
