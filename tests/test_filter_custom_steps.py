@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fakes.fake_http import FakeServer
 from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
-from test_shard import EngineCrash, ScriptedEngine
+from fakes.engines import EngineCrash, ScriptedEngine
 
 from mirageflow.config import ConfigError, load_config
 from mirageflow.data.writers import read_parts
