@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_workflow
 from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.config import ConfigError, ServerArgs, load_config
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import PromptBuilder, conversation_messages
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 OPENAI = [
     {"role": "system", "content": "Be brief."},
@@ -190,7 +192,7 @@ def test_workflow_sends_each_rows_conversation_and_records_bad_ones(tmp_path, se
         },
     }  # fmt: skip
     before = len(server.records)
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
 
     sent = {}
     for r in server.records[before:]:

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_workflow, shard_jobs
 from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, shard_jobs, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.config import ConfigError, load_config
 from mirageflow.data.dedup import (
@@ -33,6 +33,8 @@ from mirageflow.data.dedup import (
     shingles,
 )
 from mirageflow.data.writers import is_json_field, records_table, write_merged
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 BASE = "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence near the barn."
 NEAR = BASE.replace("farmer", "farmers")  # one character more: Jaccard of 5-shingles ~0.95
@@ -288,7 +290,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
         },
         "deduplication_params": {"enabled": True, "text_field": "text"},
     }  # fmt: skip
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     kept = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/deduplicated").glob("*.parquet"))])
     assert kept.column("id").to_pylist() == [0, 1, 4]
     merged = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/merged").glob("*.parquet"))])
@@ -306,7 +308,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
 
     # a parameter change reruns the dedup rule only (not the shards), whatever the rerun triggers
     cfg["deduplication_params"]["fuzzy"] = False
-    proc = snakemake(tmp_path, cfg, "--rerun-triggers", "mtime")
+    proc = run_workflow(tmp_path, cfg, "--rerun-triggers", "mtime")
     assert shard_jobs(proc) == 0 and "rule dedup:" in proc.text
     counts = json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())
     assert (counts["near_duplicates_removed"], counts["rows_out"]) == (0, 4)

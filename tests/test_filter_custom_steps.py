@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
+from conftest import run_workflow
 from fakes.engines import EngineCrash, ScriptedEngine
+from fakes.fake_http import FakeServer
 
 from mirageflow.config import ConfigError, load_config
 from mirageflow.data.writers import read_parts
@@ -19,6 +19,8 @@ from mirageflow.config.preflight import preflight_problems
 from mirageflow.errors import RowError
 from mirageflow.prompts.python_steps import CustomProcessor, FilterStep, FunctionPool
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 SCRIPT = '''
 import math, os, signal, time
@@ -412,7 +414,7 @@ def test_llm_json_score_filter_and_custom_step_through_snakemake(tmp_path, serve
             "output_schema": {"title": "{{ title }}", "s": "{{ s }}"},
         },
     }  # fmt: skip
-    snakemake(tmp_path, pipeline)
+    run_workflow(tmp_path, pipeline)
     merged = [json.loads(line) for f in sorted((tmp_path / "out" / "merged").glob("part-*.jsonl")) for line in f.read_text().splitlines()]
     assert [(r["title"], r["s"]) for r in merged] == [("abcd", 41), ("abcdefgh", 81), ("abcdef", 61)]
     metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_workflow
 from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.data.writers import is_json_field
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 BIG = 2**63 + 5  # above int64
 
@@ -98,7 +100,7 @@ def same(got, want, fmt: str) -> bool:
 def test_hostile_rows_every_row_accounted_for_and_every_field_kept(tmp_path, server, fmt):
     lines, expected_errors = hostile_lines()
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    snakemake(tmp_path, pipeline(server, fmt))
+    run_workflow(tmp_path, pipeline(server, fmt))
 
     errors = {}
     for shard in range(3):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_workflow
 
 from mirageflow import cli
 from mirageflow.config import ConfigError, load_config
@@ -333,11 +332,7 @@ def test_mmirage_check_exits_2_with_the_key(cfg, tmp_path, capsys, clean_env, na
 @pytest.mark.parametrize("name", SNAKEMAKE_SAMPLE)
 def test_snakemake_dry_run_refuses_with_the_same_key(cfg, tmp_path, clean_env, name):
     key, path = _hostile(cfg, tmp_path, name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-         "--configfile", str(path), "-n", "--cores", "1"],
-        capture_output=True, text=True, env={**os.environ, "HF_HOME": str(tmp_path / "hf-home")},
-    )  # fmt: skip
+    proc = run_workflow(tmp_path, path.read_text(), "-n", check=False, env={**os.environ, "HF_HOME": str(tmp_path / "hf-home")})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert f"  - {key}: " in out, out[-3000:]
@@ -350,11 +345,7 @@ def test_valid_config_passes_both(cfg, tmp_path, capsys, clean_env):
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     assert cli.main(["check", "--config", str(path)]) == cli.EXIT_OK
     assert "valid" in capsys.readouterr().out
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-         "--configfile", str(path), "-n", "--cores", "1"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    proc = run_workflow(tmp_path, cfg, "-n", check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 

@@ -28,6 +28,8 @@ from mirageflow.shard import ShardFailed, index_datasets, run_shard
 from mirageflow.shard import request_cache as rc
 from mirageflow.engines.wire import Completion, Request
 
+pytestmark = pytest.mark.usefixtures("no_proxy")
+
 ROWS = 6
 
 
@@ -36,12 +38,6 @@ def server():
     s = FakeServer().start()
     yield s
     s.stop()
-
-
-@pytest.fixture(autouse=True)
-def no_proxy(monkeypatch):
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
