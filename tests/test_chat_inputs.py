@@ -13,6 +13,7 @@ import json
 
 import pytest
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.config import ConfigError, ServerArgs, load_config
@@ -36,11 +37,12 @@ SHAREGPT = [
 
 
 def pipeline_dict(outputs: list[dict], processor: dict | None = None) -> dict:
-    return {
-        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://h:1/v1", "server_args": {"model_path": "m"}, **(processor or {})}],
-        "loading_params": {"datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out"}]},
-        "processing_params": {"inputs": [{"name": "conv", "key": "conversations"}, {"name": "topic", "key": "topic"}], "outputs": outputs},
-    }  # fmt: skip
+
+    return pipeline_config(
+        model="m", state_dir=None, num_shards=None, dataset={"type": "jsonl"}, outputs=outputs,
+        inputs=[{"name": "conv", "key": "conversations"}, "topic"],
+        processor={"backend": "openai", "base_url": "http://h:1/v1", **(processor or {})},
+    )  # fmt: skip
 
 
 def builder(**output) -> PromptBuilder:

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import run_workflow, shard_jobs
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.config import ConfigError, load_config
@@ -214,14 +215,13 @@ def test_damaged_inputs_name_the_file(tmp_path):
 
 
 def pipeline_dict(dedup: dict, merge: bool = True, remove_columns: bool = True) -> dict:
-    return {
-        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://h:1/v1", "server_args": {"model_path": "m"}}],
-        "loading_params": {"datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out"}]},
-        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "answer", "prompt": "{{ q }}"}],
-                              "remove_columns": remove_columns, "output_schema": {"question": "{{ q }}", "answer": "{{ answer }}"}},
-        "execution_params": {"merge": merge},
-        "deduplication_params": dedup,
-    }  # fmt: skip
+
+    return pipeline_config(
+        model="m", state_dir=None, num_shards=None, dataset={"type": "jsonl"}, outputs=[{"name": "answer", "prompt": "{{ q }}"}],
+        processor={"backend": "openai", "base_url": "http://h:1/v1"},
+        processing={"remove_columns": remove_columns, "output_schema": {"question": "{{ q }}", "answer": "{{ answer }}"}},
+        execution_params={"merge": merge}, deduplication_params=dedup,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(

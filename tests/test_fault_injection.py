@@ -14,31 +14,23 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 
 ROWS = 48
 NUM_SHARDS = 2
 
 
 def _config(root: Path, model: Path) -> dict:
+
     data = root / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question number {i}"}) + "\n" for i in range(ROWS)))
-    return {
-        "processors": [{
-            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 48},
-        }],
-        "loading_params": {
-            "state_dir": "state", "num_shards": NUM_SHARDS, "batch_size": 2,
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": "out"}],
-        },
-        "shard_params": {"checkpoint_rows": 3, "checkpoint_seconds": 1, "checkpoint_min_seconds": 0},
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}],
-            "outputs": [{"name": "a", "prompt": "Answer: {{ q }}"}],
-            "remove_columns": True,
-            "output_schema": {"q": "{{ q }}", "a": "{{ a }}"},
-        },
-    }  # fmt: skip
+    return pipeline_config(
+        data, model=model, num_shards=NUM_SHARDS, loading={"batch_size": 2},
+        outputs=[{"name": "a", "prompt": "Answer: {{ q }}"}],
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 48}},
+        processing={"remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        shard_params={"checkpoint_rows": 3, "checkpoint_seconds": 1, "checkpoint_min_seconds": 0},
+    )  # fmt: skip
 
 
 def _merged(root: Path) -> list[dict]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 from fakes.engines import EngineCrash, ScriptedEngine
 from fakes.fake_http import FakeServer
 
@@ -214,22 +215,18 @@ def test_a_script_that_does_not_load_fails_the_pool_at_start(tmp_path):
 
 
 def _pipeline(tmp_path: Path, outputs: list, script: Path | None = None, function: str = "label") -> dict:
+
     data = tmp_path / "in.jsonl"
     if not data.exists():
         data.write_text(json.dumps({"q": "x"}) + "\n")
-    processors = [{"type": "llm", "server_args": {"model_path": "unused"}}]
+    cfg = pipeline_config(
+        data, outputs=outputs, state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=None,
+        processing={"remove_columns": True, "output_schema": {"q": "{{ q }}"}},
+        shard_params={"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+    )  # fmt: skip
     if script is not None:
-        processors.append({"type": "custom", "script_path": str(script), "function_name": function, "max_workers": 2})
-    return {
-        "processors": processors,
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
-        },
-        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
-        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": outputs, "remove_columns": True,
-                              "output_schema": {"q": "{{ q }}"}},
-    }  # fmt: skip
+        cfg["processors"].append({"type": "custom", "script_path": str(script), "function_name": function, "max_workers": 2})
+    return cfg
 
 
 SCORE = {"name": "score", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": {"n": "int"}}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.data.writers import is_json_field
@@ -52,22 +53,14 @@ def server():
 
 
 def pipeline(server, fmt: str) -> dict:
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 3}, "max_retries": 0, "request_timeout": 30,
-        }],
-        "loading_params": {
-            "state_dir": "state", "num_shards": 3,
-            "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out", "output_format": fmt}],
-        },
-        "shard_params": {"max_error_rate": 0.7},
-        "processing_params": {
-            "inputs": [{"name": "title", "key": "title"}],
-            "outputs": [{"name": "answer", "prompt": "Say something about {{ title }}"}],
-            "remove_columns": False,
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        inputs=["title"], outputs=[{"name": "answer", "prompt": "Say something about {{ title }}"}], model="fake-model",
+        num_shards=3, dataset={"type": "jsonl", "output_format": fmt}, processing={"remove_columns": False},
+        processor={"backend": "openai", "base_url": server.url + "/v1", "default_sampling_params": {"max_new_tokens": 3},
+                   "max_retries": 0, "request_timeout": 30},
+        shard_params={"max_error_rate": 0.7},
+    )  # fmt: skip
 
 
 def merged_records(out: Path, fmt: str) -> list[dict]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_hub import FakeHub, HubRepo, repo_from_dir
 
 from mirageflow import hub_models
@@ -49,25 +50,18 @@ def _free_port() -> int:
 
 
 def _config(tmp_path: Path, model: str = REPO_ID, **server_args) -> dict:
+
     data = tmp_path / "in.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(6)))
-    return {
-        "processors": [{
-            "type": "llm", "backend": "transformers", "server_args": {"model_path": model, **server_args},
-            "default_sampling_params": {"max_new_tokens": 4, "temperature": 0},
-        }],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"), "num_shards": 2,
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [{"name": "answer", "prompt": "Say: {{ text }}"}],
-            "output_schema": {"text": "{{ text }}", "answer": "{{ answer }}"},
-        },
-        "execution_params": {"hf_home": str(tmp_path / "hf")},
-    }  # fmt: skip
+    return pipeline_config(
+        data, inputs=["text"], outputs=[{"name": "answer", "prompt": "Say: {{ text }}"}],
+        state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=2, dataset={"output_format": "jsonl"},
+        processor={"backend": "transformers", "server_args": {"model_path": model, **server_args},
+                   "default_sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        processing={"output_schema": {"text": "{{ text }}", "answer": "{{ answer }}"}},
+        execution_params={"hf_home": str(tmp_path / "hf")},
+    )  # fmt: skip
 
 
 def _problems(cfg: dict, environ: dict) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 
 from mirageflow import cli
 from mirageflow.config import ConfigError, load_config
@@ -50,24 +51,18 @@ def parquet(tmp_path) -> Path:
 
 @pytest.fixture
 def cfg(tmp_path, model, jsonl) -> dict:
-    return {
-        "processors": [{"type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-                        "default_sampling_params": {"max_new_tokens": 16}}],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "datasets": [{"path": str(jsonl), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
-            "num_shards": 3,
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}, {"name": "difficulty", "key": "meta.difficulty"}],
-            "outputs": [
-                {"name": "card", "output_type": "JSON", "output_schema": {"subject": "str", "category": "str"},
-                 "prompt": "File {{ text }} ({{ difficulty }})"},
-                {"name": "summary", "prompt": "Summarise {{ text }} about {{ card.subject }}"},
-            ],
-            "output_schema": {"text": "{{ text }}", "subject": "{{ card.subject }}", "summary": "{{ summary }}"},
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        jsonl, model=model, state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=3,
+        inputs=["text", {"name": "difficulty", "key": "meta.difficulty"}],
+        outputs=[
+            {"name": "card", "output_type": "JSON", "output_schema": {"subject": "str", "category": "str"},
+             "prompt": "File {{ text }} ({{ difficulty }})"},
+            {"name": "summary", "prompt": "Summarise {{ text }} about {{ card.subject }}"},
+        ],
+        processor={"backend": "transformers", "default_sampling_params": {"max_new_tokens": 16}},
+        processing={"output_schema": {"text": "{{ text }}", "subject": "{{ card.subject }}", "summary": "{{ summary }}"}},
+    )  # fmt: skip
 
 
 def problems(cfg: dict, **environ) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from fakes.configs import pipeline_config
 from fakes.fake_http import Behaviour, FakeServer
 
 from mirageflow.config import load_config
@@ -45,28 +46,22 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def pipeline(root: Path, server: FakeServer, rows: list[dict] | None = None, num_shards: int = 1) -> dict:
+
     data = root / "in.jsonl"
     if rows is not None or not data.exists():
         write_rows(data, rows or [{"text": f"passage {i}"} for i in range(ROWS)])
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 5, "temperature": 0.0}, "max_retries": 0, "request_timeout": 30,
-        }],
-        "loading_params": {
-            "state_dir": str(root / "state"), "num_shards": num_shards,
-            "datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(root / "out"), "output_format": "jsonl"}],
-        },
-        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [
-                {"name": "summary", "prompt": "Summarise: {{ text }}"},
-                {"name": "title", "prompt": "Title for {{ text }}: {{ summary }}"},  # every request distinct
-            ],
-            "output_schema": {"summary": "{{ summary }}", "title": "{{ title }}"},
-        },
-    }  # fmt: skip
+    return pipeline_config(
+        data, inputs=["text"], model="fake-model", state_dir=root / "state", output_dir=root / "out", num_shards=num_shards,
+        outputs=[
+            {"name": "summary", "prompt": "Summarise: {{ text }}"},
+            {"name": "title", "prompt": "Title for {{ text }}: {{ summary }}"},  # every request distinct
+        ],
+        dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": server.url + "/v1", "default_sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+                   "max_retries": 0, "request_timeout": 30},
+        processing={"output_schema": {"summary": "{{ summary }}", "title": "{{ title }}"}},
+        shard_params={"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+    )  # fmt: skip
 
 
 def run(raw: dict, shard: int = 0, reindex: bool = True) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_workflow, shard_jobs
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.state import pipeline as pipeline_state
@@ -49,21 +50,14 @@ def write_rows(path: Path) -> Path:
 
 
 def pipeline(root: Path, server: FakeServer, state: str = "state", out: str = "out") -> dict:
+
     write_rows(root / "in.jsonl")
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 5}, "max_retries": 0, "request_timeout": 30,
-        }],
-        "loading_params": {
-            "state_dir": state, "num_shards": 2,
-            "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": out, "output_format": "jsonl"}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}, {"name": "flag", "key": "flag"}],
-            "outputs": [{"name": "answer", "prompt": "Summarise: {{ text }}"}],
-        },
-    }  # fmt: skip
+    return pipeline_config(
+        inputs=["text", "flag"], outputs=[{"name": "answer", "prompt": "Summarise: {{ text }}"}], model="fake-model",
+        state_dir=state, output_dir=out, num_shards=2, dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": server.url + "/v1", "default_sampling_params": {"max_new_tokens": 5},
+                   "max_retries": 0, "request_timeout": 30},
+    )  # fmt: skip
 
 
 def mtimes(root: Path, state: str = "state") -> dict:
@@ -116,16 +110,14 @@ def _cosmetic() -> dict:
 
 @pytest.fixture
 def base_cfg(tmp_path) -> dict:
+
     write_rows(tmp_path / "other.jsonl")
     data = write_rows(tmp_path / "in.jsonl")
-    return {
-        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://h:1/v1", "server_args": {"model_path": "fake-model"},
-                        "default_sampling_params": {"max_new_tokens": 5}}],
-        "loading_params": {"state_dir": str(tmp_path / "state"), "num_shards": 2,
-                           "datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}]},
-        "processing_params": {"inputs": [{"name": "text", "key": "text"}, {"name": "flag", "key": "flag"}],
-                              "outputs": [{"name": "answer", "prompt": "Summarise: {{ text }}"}]},
-    }  # fmt: skip
+    return pipeline_config(
+        data, inputs=["text", "flag"], outputs=[{"name": "answer", "prompt": "Summarise: {{ text }}"}], model="fake-model",
+        state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=2, dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": "http://h:1/v1", "default_sampling_params": {"max_new_tokens": 5}},
+    )  # fmt: skip
 
 
 def _fingerprint(raw: dict, cwd: Path) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.config import load_config
@@ -48,23 +49,16 @@ def no_proxy(monkeypatch):
 
 
 def pipeline(root: Path, base_url: str, num_shards: int = 2) -> dict:
+
     data = root / "in.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"passage {i}"}) + "\n" for i in range(ROWS)))
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": base_url, "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 5}, "max_retries": 0, "request_timeout": 10,
-        }],
-        "loading_params": {
-            "state_dir": "state", "num_shards": num_shards,
-            "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out", "output_format": "jsonl"}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [{"name": "answer", "prompt": "Summarise: {{ text }}"}],
-        },
-    }  # fmt: skip
+    return pipeline_config(
+        inputs=["text"], outputs=[{"name": "answer", "prompt": "Summarise: {{ text }}"}], model="fake-model",
+        num_shards=num_shards, dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": base_url, "default_sampling_params": {"max_new_tokens": 5},
+                   "max_retries": 0, "request_timeout": 10},
+    )  # fmt: skip
 
 
 def mmirage(root: Path, *args: str) -> subprocess.CompletedProcess:

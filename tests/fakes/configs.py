@@ -26,9 +26,9 @@ def pipeline_config(
     inputs: list[str | dict] = ("q",),
     outputs: list[dict] = tuple(PLAIN),
     model: str | Path = "unused",
-    state_dir: str | Path = "state",
+    state_dir: str | Path | None = "state",
     output_dir: str | Path = "out",
-    num_shards: int = 1,
+    num_shards: int | None = 1,
     processor: dict | None = None,
     dataset: dict | None = None,
     loading: dict | None = None,
@@ -38,15 +38,17 @@ def pipeline_config(
     """A pipeline config dict. ``inputs``: names (each read from the row key of that name) or
     ``{"name", "key"}`` dicts; ``processor``/``dataset``/``loading``/``processing``: keys added to
     ``processors[0]``, ``loading_params.datasets[0]``, ``loading_params``, ``processing_params``;
-    ``**sections``: top-level sections as given (``shard_params={...}``, ``execution_params={...}``)."""
+    ``**sections``: top-level sections as given (``shard_params={...}``, ``execution_params={...}``).
+    ``state_dir=None`` or ``num_shards=None`` leaves the key out (the schema's default)."""
+    loading_params = {
+        "state_dir": None if state_dir is None else str(state_dir),
+        "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(output_dir), **(dataset or {})}],
+        "num_shards": num_shards,
+    }
+    loading_params = {k: v for k, v in loading_params.items() if v is not None} | (loading or {})
     return {
         "processors": [{"type": "llm", "server_args": {"model_path": str(model)}, **(processor or {})}],
-        "loading_params": {
-            "state_dir": str(state_dir),
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(output_dir), **(dataset or {})}],
-            "num_shards": num_shards,
-            **(loading or {}),
-        },
+        "loading_params": loading_params,
         "processing_params": {
             "inputs": [{"name": i, "key": i} if isinstance(i, str) else dict(i) for i in inputs],
             "outputs": [dict(o) for o in outputs],
