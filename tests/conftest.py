@@ -57,10 +57,25 @@ def smollm2_model(tmp_path_factory) -> Path:
     return out
 
 
-def run_workflow(workdir: Path, config: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the workflow as a user would: `python -m snakemake` with a config file, in workdir."""
+def run_workflow(
+    workdir: Path,
+    config: dict | str,
+    *extra: str,
+    check: bool = True,
+    env: dict | None = None,
+    background: bool = False,
+    stdout=subprocess.PIPE,
+):
+    """Run the workflow as a user would: `python -m snakemake --cores 1` with workdir/pipeline.yaml.
+
+    ``config`` is written there first (a dict as YAML, or YAML text as it is); ``extra`` goes on the
+    command line (``"-n"``, ``"--unlock"``, ...); ``env`` replaces the environment. By default it
+    waits and returns the CompletedProcess with ``.text`` (stdout + stderr), raising with the
+    output's tail when ``check`` and it failed. ``background=True`` returns the Popen at once, in a
+    session of its own (``os.killpg`` ends the driver and its jobs together), stderr merged into
+    ``stdout`` (a text pipe unless given, e.g. ``subprocess.DEVNULL``)."""
     cfg_path = workdir / "pipeline.yaml"
-    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cfg_path.write_text(config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False))
     cmd = [
         sys.executable, "-m", "snakemake",
         "--snakefile", str(REPO / "Snakefile"),
@@ -69,10 +84,26 @@ def run_workflow(workdir: Path, config: dict, *extra: str, check: bool = True) -
         "--cores", "1",
         *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if background:
+        return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc.text = proc.stdout + proc.stderr
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def shard_jobs(proc: subprocess.CompletedProcess) -> int:
+    """Shard jobs Snakemake ran or (dry run) would run."""
+    return proc.text.count("rule shard:")
+
+
+@pytest.fixture
+def no_proxy(monkeypatch):
+    """No proxy variables: requests to the fake servers on 127.0.0.1 go straight there. A module
+    that talks to them applies it to every test: ``pytestmark = pytest.mark.usefixtures("no_proxy")``."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture

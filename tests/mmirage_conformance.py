@@ -160,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", default=str(HERE.parent / "src"), help="the source tree whose `mmirage check` is measured")
     ap.add_argument("-v", action="store_true", help="print each refusal")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent / "src"))
     from fakes.fake_hub import FakeHub
     from mirageflow.model_prep import build_tiny_llama, build_tiny_vlm
 

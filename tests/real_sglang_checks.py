@@ -17,7 +17,6 @@ from pathlib import Path
 
 warnings.simplefilter("ignore")
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # fakes.make_sglang_facts
 
 RESULTS: dict = {}
 

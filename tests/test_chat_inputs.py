@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.config import ConfigError, ServerArgs, load_config
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import PromptBuilder, conversation_messages
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 OPENAI = [
     {"role": "system", "content": "Be brief."},
@@ -34,11 +37,12 @@ SHAREGPT = [
 
 
 def pipeline_dict(outputs: list[dict], processor: dict | None = None) -> dict:
-    return {
-        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://h:1/v1", "server_args": {"model_path": "m"}, **(processor or {})}],
-        "loading_params": {"datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out"}]},
-        "processing_params": {"inputs": [{"name": "conv", "key": "conversations"}, {"name": "topic", "key": "topic"}], "outputs": outputs},
-    }  # fmt: skip
+
+    return pipeline_config(
+        model="m", state_dir=None, num_shards=None, dataset={"type": "jsonl"}, outputs=outputs,
+        inputs=[{"name": "conv", "key": "conversations"}, "topic"],
+        processor={"backend": "openai", "base_url": "http://h:1/v1", **(processor or {})},
+    )  # fmt: skip
 
 
 def builder(**output) -> PromptBuilder:
@@ -190,7 +194,7 @@ def test_workflow_sends_each_rows_conversation_and_records_bad_ones(tmp_path, se
         },
     }  # fmt: skip
     before = len(server.records)
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
 
     sent = {}
     for r in server.records[before:]:

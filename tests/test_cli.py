@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes.configs import pipeline_config
 
 from mirageflow import cli
 from mirageflow.files import atomic_write_json
@@ -24,23 +25,13 @@ def mmirage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _pipeline(model, num_shards: int = 1, rows: int = 6, bad_lines: int = 1, **shard_params) -> dict:
-    return {
-        "processors": [{
-            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 6},
-        }],
-        "loading_params": {
-            "state_dir": "state",
-            "datasets": [{"path": "in.jsonl", "type": "JSONL", "output_dir": "out"}],
-            "num_shards": num_shards, "batch_size": 4,
-        },
-        "shard_params": {"max_error_rate": 0.5, **shard_params},
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}],
-            "outputs": [{"name": "a", "prompt": "Answer briefly: {{ q }}"}],
-            "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"},
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        model=model, num_shards=num_shards, loading={"batch_size": 4}, outputs=[{"name": "a", "prompt": "Answer briefly: {{ q }}"}],
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 6}},
+        processing={"remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        shard_params={"max_error_rate": 0.5, **shard_params},
+    )  # fmt: skip
 
 
 def _workdir(root: Path, config: dict, rows: int = 6, bad_lines: int = 1) -> Path:

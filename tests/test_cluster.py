@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from fakes.configs import pipeline_config
 
 from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config
@@ -12,13 +13,13 @@ from mirageflow.config import ConfigError, load_config
 
 @pytest.fixture
 def cfg(tmp_path) -> dict:
+
     data = tmp_path / "in.jsonl"
     data.write_text('{"q": "x"}\n')
-    return {
-        "processors": [{"type": "llm", "server_args": {"model_path": "org/model", "tp_size": 2, "dp_size": 2}}],
-        "loading_params": {"datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(tmp_path / "out")}]},
-        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}]},
-    }
+    return pipeline_config(
+        data, state_dir=None, output_dir=tmp_path / "out", num_shards=None, dataset={"type": "jsonl"},
+        processor={"server_args": {"model_path": "org/model", "tp_size": 2, "dp_size": 2}},
+    )
 
 
 def resources(cfg: dict, job: str = "shard", **ep) -> dict:

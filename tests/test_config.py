@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes.configs import pipeline_config
 
 from mirageflow.config import ConfigError, ServerArgs, load_config
 
@@ -25,17 +26,12 @@ def jsonl(tmp_path) -> Path:
 
 @pytest.fixture
 def cfg(tmp_path, jsonl) -> dict:
+
     """A minimal valid config dict reading the tmp JSONL file."""
-    return {
-        "processors": [{"type": "llm", "server_args": {"model_path": "org/model"}}],
-        "loading_params": {
-            "datasets": [{"path": str(jsonl), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "question", "key": "question"}],
-            "outputs": [{"name": "answer", "prompt": "Answer: {{ question }}"}],
-        },
-    }
+    return pipeline_config(
+        jsonl, model="org/model", state_dir=None, output_dir=tmp_path / "out", num_shards=None,
+        inputs=["question"], outputs=[{"name": "answer", "prompt": "Answer: {{ question }}"}],
+    )
 
 
 def load(cfg: dict, **environ):

@@ -10,8 +10,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fakes.configs import merge_config
+from fakes.runs import finish_shard
 
-from mirageflow.config import DatasetConfig, load_config
+from mirageflow.config import DatasetConfig
 from mirageflow.data.merge import MergeRefused, merge_dataset
 from mirageflow.data.readers import SHARD_START, load_shard, offsets_path, read_shard, write_index
 from mirageflow.data.sharding import shard_range
@@ -372,44 +374,8 @@ def test_atomic_write_json(tmp_path):
 # --------------------------------------------------------------------------- merge
 
 
-def pipeline(tmp_path, num_shards: int, fmt: str = "parquet"):
-    src = write_jsonl(tmp_path / "in.jsonl", [{"q": "x"}])
-    cfg = {
-        "processors": [{"type": "llm", "server_args": {"model_path": "m"}}],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "num_shards": num_shards,
-            "datasets": [{"path": str(src), "type": "JSONL", "output_dir": str(tmp_path / "out"), "output_format": fmt}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}],
-            "outputs": [{"name": "a", "prompt": "{{ q }}"}],
-        },
-    }
-    c = load_config(cfg, environ={})
-    return c, c.datasets[0]
-
-
-def finish_shard(cfg, ds, shard_id: int, rows: list[dict], status: str = "success", num_shards: int | None = None, per_part: int = 2):
-    """A shard's parts and its status.json, as the runner leaves them (parts listed, records counted)."""
-    out = Path(ds.output_dir) / f"shard_{shard_id}"
-    out.mkdir(parents=True, exist_ok=True)
-    names = []
-    for n, start in enumerate(range(0, len(rows), per_part)):
-        names.append(f"part-{n:05d}.{ds.output_format}")
-        write_part(out / names[-1], rows[start : start + per_part], ds.output_format)
-    status_doc = {
-        "status": status,
-        "num_shards": cfg.num_shards if num_shards is None else num_shards,
-        "started_at": "2025-01-01T10:00:00+00:00", "finished_at": "2025-01-01T10:01:00+00:00",
-        "stats": {"runtime_seconds": 60.0, "inference_runtime_seconds": 50.0, "output_tokens": 0, "num_gpus": 0},
-        "datasets": [{"parts": names, "rows_processed": len(rows)} if d.index == ds.index else {"parts": [], "rows_processed": 0} for d in cfg.datasets],
-    }
-    atomic_write_json(cfg.shard_dir(shard_id) / "status.json", status_doc)
-
-
 def test_merge_refuses_when_a_status_is_missing(tmp_path):
-    cfg, ds = pipeline(tmp_path, 3)
+    cfg, ds = merge_config(tmp_path, 3)
     finish_shard(cfg, ds, 0, records(0, 3))
     finish_shard(cfg, ds, 2, records(5, 7))
     with pytest.raises(MergeRefused, match=r"shard\(s\) \[1\] of 3 are not complete"):
@@ -419,7 +385,7 @@ def test_merge_refuses_when_a_status_is_missing(tmp_path):
 
 @pytest.mark.parametrize("status, num_shards", [("failed", None), ("running", None), ("success", 5)])
 def test_merge_refuses_unsuccessful_or_foreign_status(tmp_path, status, num_shards):
-    cfg, ds = pipeline(tmp_path, 2)
+    cfg, ds = merge_config(tmp_path, 2)
     finish_shard(cfg, ds, 0, records(0, 2))
     finish_shard(cfg, ds, 1, records(2, 4), status=status, num_shards=num_shards)
     with pytest.raises(MergeRefused, match=r"\[1\]"):
@@ -429,7 +395,7 @@ def test_merge_refuses_unsuccessful_or_foreign_status(tmp_path, status, num_shar
 def test_merge_in_source_order(tmp_path):
     import datasets
 
-    cfg, ds = pipeline(tmp_path, 4)
+    cfg, ds = merge_config(tmp_path, 4)
     # written out of order; shard 2 wrote nothing (all its rows failed)
     finish_shard(cfg, ds, 3, records(8, 11))
     finish_shard(cfg, ds, 0, records(0, 5))
@@ -453,7 +419,7 @@ def test_merge_in_source_order(tmp_path):
 
 
 def test_merge_jsonl(tmp_path):
-    cfg, ds = pipeline(tmp_path, 2, fmt="jsonl")
+    cfg, ds = merge_config(tmp_path, 2, fmt="jsonl")
     finish_shard(cfg, ds, 0, records(0, 3))
     finish_shard(cfg, ds, 1, records(3, 4))
     assert merge_dataset(cfg, ds)["rows"] == 4
@@ -463,7 +429,7 @@ def test_merge_jsonl(tmp_path):
 
 
 def test_merge_refuses_mixed_up_source_order(tmp_path):
-    cfg, ds = pipeline(tmp_path, 2)
+    cfg, ds = merge_config(tmp_path, 2)
     finish_shard(cfg, ds, 0, records(3, 6))
     finish_shard(cfg, ds, 1, records(0, 3))
     with pytest.raises(MergeRefused, match="in the wrong shard"):
@@ -472,7 +438,7 @@ def test_merge_refuses_mixed_up_source_order(tmp_path):
 
 
 def test_merge_sorts_parts_written_in_completion_order_and_refuses_duplicates(tmp_path):
-    cfg, ds = pipeline(tmp_path, 1)
+    cfg, ds = merge_config(tmp_path, 1)
     finish_shard(cfg, ds, 0, [*records(2, 4), *records(0, 2)])
     assert merge_dataset(cfg, ds)["rows"] == 4
     assert pd.read_parquet(Path(ds.output_dir) / "merged")["source_index"].tolist() == [0, 1, 2, 3]
@@ -484,7 +450,7 @@ def test_merge_sorts_parts_written_in_completion_order_and_refuses_duplicates(tm
 def test_merge_unifies_column_types_across_shards(tmp_path):
     import datasets
 
-    cfg, ds = pipeline(tmp_path, 3)
+    cfg, ds = merge_config(tmp_path, 3)
     # each shard infers its own types: all-null (type null), int, float, a column only one shard has
     finish_shard(cfg, ds, 0, [{"source_index": 0, "answer": None, "n": 1}])
     finish_shard(cfg, ds, 1, [{"source_index": 1, "answer": "x", "n": 2.5}])
@@ -503,7 +469,7 @@ def test_merge_unifies_column_types_across_shards(tmp_path):
 
 
 def test_merge_stores_incompatible_column_types_as_json(tmp_path):
-    cfg, ds = pipeline(tmp_path, 2)
+    cfg, ds = merge_config(tmp_path, 2)
     finish_shard(cfg, ds, 0, [{"source_index": 0, "answer": 1}])
     finish_shard(cfg, ds, 1, [{"source_index": 1, "answer": "one"}])
     assert merge_dataset(cfg, ds)["rows"] == 2

@@ -31,7 +31,8 @@ from mirageflow.data.sharding import shard_range
 from mirageflow.data.writers import read_parts, write_part
 from mirageflow.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from mirageflow.errors import RowError
-from test_data import finish_shard, pipeline
+from fakes.configs import merge_config
+from fakes.runs import finish_shard
 
 JSON_META = {b"mirageflow.encoding": b"json"}
 
@@ -269,7 +270,7 @@ def test_parquet_map_columns_are_lossless_end_to_end(tmp_path):
     assert [r["dm"] for r in rows] == [[["k", 1], ["k", 2]], {"k": 1}, None, {}]
 
     # through a part file and the merge (records carry the row's columns, as remove_columns: false does)
-    cfg, ds = pipeline(tmp_path, 2)
+    cfg, ds = merge_config(tmp_path, 2)
     records = [{**r, "source_index": i} for i, r in enumerate(rows)]
     finish_shard(cfg, ds, 0, records[:2])
     finish_shard(cfg, ds, 1, records[2:])
@@ -367,7 +368,7 @@ def test_jsonl_part_is_lossless(tmp_path):
 
 
 def test_jsonl_merge_keeps_every_line_byte_for_byte(tmp_path):
-    cfg, ds = pipeline(tmp_path, 2, fmt="jsonl")
+    cfg, ds = merge_config(tmp_path, 2, fmt="jsonl")
     rows = [
         {"id": 2**64 + 1, "text": "grüße", "source_index": 0},
         {"id": 1, "x": 1.0, "source_index": 1},
@@ -389,7 +390,7 @@ def test_jsonl_merge_keeps_every_line_byte_for_byte(tmp_path):
 
 def test_parquet_merge_type_changes_across_parts_and_shards_are_lossless(tmp_path):
     """Each part has one type per column (one row per part); the types differ across parts."""
-    cfg, ds = pipeline(tmp_path, 3)
+    cfg, ds = merge_config(tmp_path, 3)
     rows = [
         {"source_index": 0, "answer": 1, "n": 2**60 + 1, "same": "a", "widen": 1},
         {"source_index": 1, "answer": "one", "n": 7, "same": "b", "widen": 2},  # 2nd part of shard 0
@@ -411,7 +412,7 @@ def test_parquet_merge_type_changes_across_parts_and_shards_are_lossless(tmp_pat
 
 
 def test_parquet_merge_of_big_ints_and_floats_across_shards(tmp_path):
-    cfg, ds = pipeline(tmp_path, 2)
+    cfg, ds = merge_config(tmp_path, 2)
     finish_shard(cfg, ds, 0, [{"source_index": 0, "score": 2**60 + 1}])
     finish_shard(cfg, ds, 1, [{"source_index": 1, "score": 0.5}])
     assert merge_dataset(cfg, ds)["rows"] == 2
@@ -421,7 +422,7 @@ def test_parquet_merge_of_big_ints_and_floats_across_shards(tmp_path):
 
 
 def test_parquet_merge_keeps_json_encoded_parts_as_they_are(tmp_path):
-    cfg, ds = pipeline(tmp_path, 2)
+    cfg, ds = merge_config(tmp_path, 2)
     rows = [
         {"source_index": 0, "n": 1, "t": "a"},
         {"source_index": 1, "n": 2**64, "t": "b"},  # a JSON part: an int beyond int64
@@ -439,7 +440,7 @@ def test_parquet_merge_keeps_json_encoded_parts_as_they_are(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_merge_names_a_damaged_part(tmp_path, fmt):
-    cfg, ds = pipeline(tmp_path, 2, fmt=fmt)
+    cfg, ds = merge_config(tmp_path, 2, fmt=fmt)
     finish_shard(cfg, ds, 0, [{"source_index": i, "text": f"r{i}" * 50} for i in range(4)])
     finish_shard(cfg, ds, 1, [{"source_index": i, "text": f"r{i}" * 50} for i in range(4, 6)])
     part = Path(ds.output_dir) / "shard_0" / f"part-00001.{fmt}"
@@ -478,7 +479,7 @@ def test_files_follow_the_umask(tmp_path, umask, fmt):
         assert mode(tmp_path / "a" / name) == file_mode, name
     assert mode(tmp_path / "a") == dir_mode
 
-    cfg, ds = pipeline(tmp_path, 2, fmt=fmt)
+    cfg, ds = merge_config(tmp_path, 2, fmt=fmt)
     finish_shard(cfg, ds, 0, [{"source_index": 0, "t": "a"}])
     finish_shard(cfg, ds, 1, [{"source_index": 1, "t": "b"}])
     assert mode(Path(ds.output_dir) / "shard_0" / f"part-00000.{fmt}") == file_mode
@@ -490,7 +491,7 @@ def test_files_follow_the_umask(tmp_path, umask, fmt):
 
 def test_merge_refuses_when_a_shards_parts_do_not_hold_what_its_status_counted(tmp_path):
     """Before: deleting a damaged part and rerunning gave a merged/ with its rows silently missing."""
-    cfg, ds = pipeline(tmp_path, 2, fmt="jsonl")
+    cfg, ds = merge_config(tmp_path, 2, fmt="jsonl")
     finish_shard(cfg, ds, 0, [{"q": f"r{i}", "source_index": i} for i in range(4)])
     finish_shard(cfg, ds, 1, [{"q": f"r{i}", "source_index": i} for i in range(4, 8)])
     (Path(ds.output_dir) / "shard_1" / "part-00001.jsonl").write_text("")  # two records lost

@@ -18,8 +18,9 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_workflow, shard_jobs
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, shard_jobs, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.config import ConfigError, load_config
 from mirageflow.data.dedup import (
@@ -33,6 +34,8 @@ from mirageflow.data.dedup import (
     shingles,
 )
 from mirageflow.data.writers import is_json_field, records_table, write_merged
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 BASE = "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence near the barn."
 NEAR = BASE.replace("farmer", "farmers")  # one character more: Jaccard of 5-shingles ~0.95
@@ -212,14 +215,13 @@ def test_damaged_inputs_name_the_file(tmp_path):
 
 
 def pipeline_dict(dedup: dict, merge: bool = True, remove_columns: bool = True) -> dict:
-    return {
-        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://h:1/v1", "server_args": {"model_path": "m"}}],
-        "loading_params": {"datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out"}]},
-        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "answer", "prompt": "{{ q }}"}],
-                              "remove_columns": remove_columns, "output_schema": {"question": "{{ q }}", "answer": "{{ answer }}"}},
-        "execution_params": {"merge": merge},
-        "deduplication_params": dedup,
-    }  # fmt: skip
+
+    return pipeline_config(
+        model="m", state_dir=None, num_shards=None, dataset={"type": "jsonl"}, outputs=[{"name": "answer", "prompt": "{{ q }}"}],
+        processor={"backend": "openai", "base_url": "http://h:1/v1"},
+        processing={"remove_columns": remove_columns, "output_schema": {"question": "{{ q }}", "answer": "{{ answer }}"}},
+        execution_params={"merge": merge}, deduplication_params=dedup,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -288,7 +290,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
         },
         "deduplication_params": {"enabled": True, "text_field": "text"},
     }  # fmt: skip
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     kept = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/deduplicated").glob("*.parquet"))])
     assert kept.column("id").to_pylist() == [0, 1, 4]
     merged = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/merged").glob("*.parquet"))])
@@ -306,7 +308,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
 
     # a parameter change reruns the dedup rule only (not the shards), whatever the rerun triggers
     cfg["deduplication_params"]["fuzzy"] = False
-    proc = snakemake(tmp_path, cfg, "--rerun-triggers", "mtime")
+    proc = run_workflow(tmp_path, cfg, "--rerun-triggers", "mtime")
     assert shard_jobs(proc) == 0 and "rule dedup:" in proc.text
     counts = json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())
     assert (counts["near_duplicates_removed"], counts["rows_out"]) == (0, 4)

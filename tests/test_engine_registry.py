@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fakes.configs import pipeline_config
 
 from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
 from mirageflow.config import loading
@@ -244,17 +245,16 @@ def echo_backend(monkeypatch):
 
 
 def _echo_pipeline(tmp_path: Path, **processor) -> dict:
+
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(3)))
-    return {
-        "processors": [{"type": "llm", "backend": "echo", "base_url": "http://echo:1/v1", "server_args": {"model_path": "echo-model"},
-                        "default_sampling_params": {"temperature": 0.7}, **processor}],
-        "loading_params": {"state_dir": str(tmp_path / "state"), "num_shards": 1,
-                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}]},
-        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "Say: {{ q }}"}],
-                              "n_samples": 2, "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
-        "execution_params": {"merge": False},
-    }  # fmt: skip
+    return pipeline_config(
+        data, model="echo-model", state_dir=tmp_path / "state", output_dir=tmp_path / "out",
+        outputs=[{"name": "a", "prompt": "Say: {{ q }}"}],
+        processor={"backend": "echo", "base_url": "http://echo:1/v1", "default_sampling_params": {"temperature": 0.7}, **processor},
+        processing={"n_samples": 2, "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        execution_params={"merge": False},
+    )  # fmt: skip
 
 
 def test_a_backend_registered_at_run_time_is_validated_checked_previewed_and_run(echo_backend, tmp_path):

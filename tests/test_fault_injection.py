@@ -8,46 +8,29 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
-from conftest import REPO, run_workflow
+from conftest import run_workflow
+from fakes.configs import pipeline_config
 
 ROWS = 48
 NUM_SHARDS = 2
 
 
 def _config(root: Path, model: Path) -> dict:
+
     data = root / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question number {i}"}) + "\n" for i in range(ROWS)))
-    return {
-        "processors": [{
-            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 48},
-        }],
-        "loading_params": {
-            "state_dir": "state", "num_shards": NUM_SHARDS, "batch_size": 2,
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": "out"}],
-        },
-        "shard_params": {"checkpoint_rows": 3, "checkpoint_seconds": 1, "checkpoint_min_seconds": 0},
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}],
-            "outputs": [{"name": "a", "prompt": "Answer: {{ q }}"}],
-            "remove_columns": True,
-            "output_schema": {"q": "{{ q }}", "a": "{{ a }}"},
-        },
-    }  # fmt: skip
-
-
-def _snakemake(workdir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-        "--configfile", str(workdir / "pipeline.yaml"), "--cores", "1", *extra,
-    ]  # fmt: skip
+    return pipeline_config(
+        data, model=model, num_shards=NUM_SHARDS, loading={"batch_size": 2},
+        outputs=[{"name": "a", "prompt": "Answer: {{ q }}"}],
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 48}},
+        processing={"remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        shard_params={"checkpoint_rows": 3, "checkpoint_seconds": 1, "checkpoint_min_seconds": 0},
+    )  # fmt: skip
 
 
 def _merged(root: Path) -> list[dict]:
@@ -64,11 +47,10 @@ def reference(tiny_model, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("trial", range(3))
 def test_sigkill_of_the_whole_workflow_then_recovery_loses_and_duplicates_nothing(trial, tiny_model, reference, tmp_path):
     cfg = _config(tmp_path, tiny_model)
-    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(cfg))
     rng = random.Random(1000 + trial)
     kills = 0
     for _ in range(2):  # up to two kills per trial, at seeded random moments
-        proc = subprocess.Popen(_snakemake(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = run_workflow(tmp_path, cfg, background=True, stdout=subprocess.DEVNULL)
         time.sleep(rng.uniform(4.0, 14.0))
         if proc.poll() is not None:
             break
@@ -87,8 +69,7 @@ def test_sigkill_of_the_whole_workflow_then_recovery_loses_and_duplicates_nothin
 def test_sigterm_to_a_shard_job_records_why_and_the_rerun_resumes(tiny_model, tmp_path):
     cfg = _config(tmp_path, tiny_model)
     cfg["loading_params"]["num_shards"] = 1
-    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen(_snakemake(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = run_workflow(tmp_path, cfg, background=True)
     lease, manifest = tmp_path / "state/shard_0/lease.json", tmp_path / "state/shard_0/checkpoint.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait until the shard has committed some rows
@@ -101,7 +82,7 @@ def test_sigterm_to_a_shard_job_records_why_and_the_rerun_resumes(tiny_model, tm
     pid = json.loads(lease.read_text())["pid"]
     started = time.monotonic()
     os.kill(pid, signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0].decode()
+    out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
     assert time.monotonic() - started < 15, "the shard did not stop within seconds"
     failure = json.loads((tmp_path / "state/shard_0/failure.json").read_text())

@@ -9,9 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import run_workflow
+from fakes.configs import pipeline_config
+from fakes.engines import EngineCrash, ScriptedEngine
 from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
-from test_shard import EngineCrash, ScriptedEngine
 
 from mirageflow.config import ConfigError, load_config
 from mirageflow.data.writers import read_parts
@@ -19,6 +20,8 @@ from mirageflow.config.preflight import preflight_problems
 from mirageflow.errors import RowError
 from mirageflow.prompts.python_steps import CustomProcessor, FilterStep, FunctionPool
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 SCRIPT = '''
 import math, os, signal, time
@@ -219,22 +222,18 @@ def test_a_script_that_does_not_load_fails_the_pool_at_start(tmp_path):
 
 
 def _pipeline(tmp_path: Path, outputs: list, script: Path | None = None, function: str = "label") -> dict:
+
     data = tmp_path / "in.jsonl"
     if not data.exists():
         data.write_text(json.dumps({"q": "x"}) + "\n")
-    processors = [{"type": "llm", "server_args": {"model_path": "unused"}}]
+    cfg = pipeline_config(
+        data, outputs=outputs, state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=None,
+        processing={"remove_columns": True, "output_schema": {"q": "{{ q }}"}},
+        shard_params={"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+    )  # fmt: skip
     if script is not None:
-        processors.append({"type": "custom", "script_path": str(script), "function_name": function, "max_workers": 2})
-    return {
-        "processors": processors,
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
-        },
-        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
-        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": outputs, "remove_columns": True,
-                              "output_schema": {"q": "{{ q }}"}},
-    }  # fmt: skip
+        cfg["processors"].append({"type": "custom", "script_path": str(script), "function_name": function, "max_workers": 2})
+    return cfg
 
 
 SCORE = {"name": "score", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": {"n": "int"}}
@@ -419,7 +418,7 @@ def test_llm_json_score_filter_and_custom_step_through_snakemake(tmp_path, serve
             "output_schema": {"title": "{{ title }}", "s": "{{ s }}"},
         },
     }  # fmt: skip
-    snakemake(tmp_path, pipeline)
+    run_workflow(tmp_path, pipeline)
     merged = [json.loads(line) for f in sorted((tmp_path / "out" / "merged").glob("part-*.jsonl")) for line in f.read_text().splitlines()]
     assert [(r["title"], r["s"]) for r in merged] == [("abcd", 41), ("abcdefgh", 81), ("abcdef", 61)]
     metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())

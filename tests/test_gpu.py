@@ -319,8 +319,8 @@ def test_stats_off_records_hardware_without_sampling_or_logging(nvml, caplog):
 
 
 def test_shard_records_gpu_stats_hardware_samples_and_roofline(tmp_path, nvml, monkeypatch):
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_shard import PLAIN, ScriptedEngine, _setup
+    from fakes.configs import PLAIN, shard_config
+    from fakes.engines import ScriptedEngine
 
     from mirageflow.shard import run_shard
 
@@ -331,7 +331,7 @@ def test_shard_records_gpu_stats_hardware_samples_and_roofline(tmp_path, nvml, m
     (model / "config.json").write_text(json.dumps(QWEN3_4B_CONFIG))
     with open(model / "model.safetensors", "wb") as f:  # sparse: the size is what counts
         f.truncate(8_044_936_192)
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
     object.__setattr__(cfg, "stats", True)
     object.__setattr__(cfg, "processors", {"llm": dataclasses.replace(cfg.processors["llm"], server_args=ServerArgs(str(model)))})
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "one two three"))

@@ -9,14 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gpu_carry  # scripts/gpu_carry.py (pytest puts scripts/ on the path: pyproject.toml)
+import gpu_check  # scripts/gpu_check.py
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import gpu_carry  # noqa: E402 - scripts/gpu_carry.py
-import gpu_check  # noqa: E402 - scripts/gpu_check.py
 
 NAMES = (
     "python", "torch", "transformers", "carried_wheels", "tokenizer", "model_shape", "model_parameters", "model_weight_bytes",

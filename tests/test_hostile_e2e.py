@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
-from test_reruns import no_proxy, snakemake  # noqa: F401 - a fixture, and the snakemake runner
 
 from mirageflow.data.writers import is_json_field
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 BIG = 2**63 + 5  # above int64
 
@@ -50,22 +53,14 @@ def server():
 
 
 def pipeline(server, fmt: str) -> dict:
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 3}, "max_retries": 0, "request_timeout": 30,
-        }],
-        "loading_params": {
-            "state_dir": "state", "num_shards": 3,
-            "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out", "output_format": fmt}],
-        },
-        "shard_params": {"max_error_rate": 0.7},
-        "processing_params": {
-            "inputs": [{"name": "title", "key": "title"}],
-            "outputs": [{"name": "answer", "prompt": "Say something about {{ title }}"}],
-            "remove_columns": False,
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        inputs=["title"], outputs=[{"name": "answer", "prompt": "Say something about {{ title }}"}], model="fake-model",
+        num_shards=3, dataset={"type": "jsonl", "output_format": fmt}, processing={"remove_columns": False},
+        processor={"backend": "openai", "base_url": server.url + "/v1", "default_sampling_params": {"max_new_tokens": 3},
+                   "max_retries": 0, "request_timeout": 30},
+        shard_params={"max_error_rate": 0.7},
+    )  # fmt: skip
 
 
 def merged_records(out: Path, fmt: str) -> list[dict]:
@@ -98,7 +93,7 @@ def same(got, want, fmt: str) -> bool:
 def test_hostile_rows_every_row_accounted_for_and_every_field_kept(tmp_path, server, fmt):
     lines, expected_errors = hostile_lines()
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    snakemake(tmp_path, pipeline(server, fmt))
+    run_workflow(tmp_path, pipeline(server, fmt))
 
     errors = {}
     for shard in range(3):

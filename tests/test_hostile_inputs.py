@@ -110,7 +110,7 @@ def test_item1_a_fifo_jsonl_is_not_opened_by_the_reader(tmp_path):
 
 
 class _Trickle(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         body = png()
         self.send_response(200)
         self.send_header("Content-Type", "image/png")
@@ -157,7 +157,7 @@ def test_item2_a_declared_oversized_answer_is_refused_before_its_body(monkeypatc
     """Item 2 (size cap): a Content-Length above max_bytes is refused without reading the body."""
 
     class Big(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(200)
             self.send_header("Content-Length", str(10**12))
             self.end_headers()

@@ -69,7 +69,7 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if frozen.is_set():
                 time.sleep(3600)
             if self.path == "/health":
@@ -80,7 +80,7 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
                     "engines": {"llm": {"info": {"backend": "transformers", "model_path": "m"}, "max_inflight": 4, "chat_template": None}},
                 })  # fmt: skip
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             frozen.set()
             time.sleep(3600)
 
@@ -115,7 +115,7 @@ def test_item17_an_answer_that_is_not_json_is_retried_then_fails_naming_the_url(
     calls = []
 
     class Proxy(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - a proxy's error page, with status 200
+        def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             calls.append(self.path)
             body = b"<html><body>502 upstream</body></html>"

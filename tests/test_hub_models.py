@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_hub import FakeHub, HubRepo, repo_from_dir
 
 from mirageflow import hub_models
@@ -49,25 +50,18 @@ def _free_port() -> int:
 
 
 def _config(tmp_path: Path, model: str = REPO_ID, **server_args) -> dict:
+
     data = tmp_path / "in.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(6)))
-    return {
-        "processors": [{
-            "type": "llm", "backend": "transformers", "server_args": {"model_path": model, **server_args},
-            "default_sampling_params": {"max_new_tokens": 4, "temperature": 0},
-        }],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"), "num_shards": 2,
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [{"name": "answer", "prompt": "Say: {{ text }}"}],
-            "output_schema": {"text": "{{ text }}", "answer": "{{ answer }}"},
-        },
-        "execution_params": {"hf_home": str(tmp_path / "hf")},
-    }  # fmt: skip
+    return pipeline_config(
+        data, inputs=["text"], outputs=[{"name": "answer", "prompt": "Say: {{ text }}"}],
+        state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=2, dataset={"output_format": "jsonl"},
+        processor={"backend": "transformers", "server_args": {"model_path": model, **server_args},
+                   "default_sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        processing={"output_schema": {"text": "{{ text }}", "answer": "{{ answer }}"}},
+        execution_params={"hf_home": str(tmp_path / "hf")},
+    )  # fmt: skip
 
 
 def _problems(cfg: dict, environ: dict) -> list[str]:
@@ -173,16 +167,6 @@ def test_download_resumes_a_dropped_connection_with_a_range_request(tmp_path):
         hub.stop()
 
 
-def _snakemake(workdir: Path, cfg: dict, env: dict, *extra: str) -> subprocess.Popen:
-    path = workdir / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-         "--configfile", str(path), "--cores", "1", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-
-
 def test_workflow_fetches_once_resumes_after_a_kill_and_shards_run_offline(tiny_model, tmp_path):
     repo = repo_from_dir(tiny_model)
     hub = FakeHub({REPO_ID: repo}).start()
@@ -191,14 +175,14 @@ def test_workflow_fetches_once_resumes_after_a_kill_and_shards_run_offline(tiny_
     cfg = _config(tmp_path)
     try:
         # the dry run says what will happen, and downloads nothing
-        dry = _snakemake(tmp_path, cfg, env, "-n")
+        dry = run_workflow(tmp_path, cfg, "-n", env=env, background=True)
         out, _ = dry.communicate(timeout=300)
         assert dry.returncode == 0, out[-3000:]
         assert f"'{REPO_ID}' will be downloaded from {hub.url}" in out and "hub_model" in out
         assert not (tmp_path / "hf").exists()
 
         hub.bytes_per_second = 256 * 1024  # the weights take ~6 s: kill the driver half-way through them
-        run = _snakemake(tmp_path, cfg, env)
+        run = run_workflow(tmp_path, cfg, env=env, background=True)
         deadline = time.monotonic() + 240
         half = len(repo.files["model.safetensors"]) // 2
         while hub.sending.get("model.safetensors", 0) < half:
@@ -217,9 +201,9 @@ def test_workflow_fetches_once_resumes_after_a_kill_and_shards_run_offline(tiny_
         assert all(n == 1 for n in small.values()), small
 
         hub.bytes_per_second = None
-        unlock = _snakemake(tmp_path, cfg, env, "--unlock")  # the documented recovery after a killed driver
+        unlock = run_workflow(tmp_path, cfg, "--unlock", env=env, background=True)  # the documented recovery after a killed driver
         assert unlock.wait(timeout=300) == 0
-        again = _snakemake(tmp_path, cfg, env, "--rerun-incomplete")
+        again = run_workflow(tmp_path, cfg, "--rerun-incomplete", env=env, background=True)
         out, _ = again.communicate(timeout=600)
         assert again.returncode == 0, out[-4000:]
         # finished files were kept; the cut file was fetched again, once
@@ -236,7 +220,7 @@ def test_workflow_fetches_once_resumes_after_a_kill_and_shards_run_offline(tiny_
         assert status["engines"]["llm"]["model_path"] == str(snapshot)
         # a second run fetches nothing and runs nothing
         requests = len(hub.requests)
-        rerun = _snakemake(tmp_path, cfg, env)
+        rerun = run_workflow(tmp_path, cfg, env=env, background=True)
         out, _ = rerun.communicate(timeout=300)
         assert rerun.returncode == 0 and "Nothing to be done" in out, out[-3000:]
         assert len(hub.requests) == requests  # the model is cached: the driver asks the hub nothing

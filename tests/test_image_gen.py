@@ -230,7 +230,6 @@ def test_backend_sglang_refuses_clearly_without_a_diffusion_server(tmp_path, mon
 
 @pytest.mark.real_sglang
 def test_the_real_sglang_package_has_the_flags_and_takes_the_request_we_send():
-    sys.path.insert(0, str(HERE))
     import real_sglang_env
 
     error = real_sglang_env.check()

@@ -18,6 +18,7 @@ from PIL import Image
 
 from conftest import run_workflow
 from fakes import drive, stand_in_command
+from fakes.configs import pipeline_config
 from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.prompts import images
 from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
@@ -342,18 +343,14 @@ def test_tiny_vlm_generates_from_images_on_the_cpu(tiny_vlm):
 
 
 def _vlm_config(model, data, check_paths=True, **input_fields) -> dict:
-    return {
-        "processors": [{"type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-                        "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 6}}],
-        "loading_params": {"state_dir": "state", "datasets": [{"path": str(data), "type": "JSONL", "output_dir": "out/jsonl"}],
-                           "num_shards": 2, "batch_size": 4},
-        "shard_params": {"max_error_rate": 0.9},
-        "processing_params": {
-            "inputs": [{"name": "photo", "key": "image", "type": "image", **input_fields}, {"name": "q", "key": "question"}],
-            "outputs": [{"name": "answer", "prompt": "{{ q }} {{ photo }} Answer briefly."}],
-            "remove_columns": False,
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        data, model=model, output_dir="out/jsonl", num_shards=2, loading={"batch_size": 4},
+        inputs=[{"name": "photo", "key": "image", "type": "image", **input_fields}, {"name": "q", "key": "question"}],
+        outputs=[{"name": "answer", "prompt": "{{ q }} {{ photo }} Answer briefly."}],
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 6}},
+        processing={"remove_columns": False}, shard_params={"max_error_rate": 0.9},
+    )  # fmt: skip
 
 
 def test_config_checks_name_the_key(tmp_path, tiny_model, tiny_vlm):

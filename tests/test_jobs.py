@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes.configs import pipeline_config
 
 from mirageflow import jobs
 from mirageflow.state import pipeline as pipeline_state
@@ -20,21 +21,16 @@ from mirageflow.state import pipeline as pipeline_state
 
 @pytest.fixture
 def pipeline(tmp_path) -> dict:
+
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(4)))
-    return {
-        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://127.0.0.1:9/v1", "server_args": {"model_path": "m"}}],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "num_shards": 2,
-            "datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}],
-            "outputs": [{"name": "a", "prompt": "costs $$5 for ${NAME:-you}: {{ q }}"}],
-            "output_schema": {"z": "{{ a }}", "q": "{{ q }}"},
-        },
-    }  # fmt: skip
+    return pipeline_config(
+        data, model="m", state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=2,
+        outputs=[{"name": "a", "prompt": "costs $$5 for ${NAME:-you}: {{ q }}"}],
+        dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": "http://127.0.0.1:9/v1"},
+        processing={"output_schema": {"z": "{{ a }}", "q": "{{ q }}"}},
+    )  # fmt: skip
 
 
 def job(*args: str, cwd: Path, umask: int | None = None, **popen) -> subprocess.Popen:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_workflow
+from fakes.configs import pipeline_config
 
 from mirageflow import cli
 from mirageflow.config import ConfigError, load_config
@@ -51,24 +51,18 @@ def parquet(tmp_path) -> Path:
 
 @pytest.fixture
 def cfg(tmp_path, model, jsonl) -> dict:
-    return {
-        "processors": [{"type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-                        "default_sampling_params": {"max_new_tokens": 16}}],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "datasets": [{"path": str(jsonl), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
-            "num_shards": 3,
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}, {"name": "difficulty", "key": "meta.difficulty"}],
-            "outputs": [
-                {"name": "card", "output_type": "JSON", "output_schema": {"subject": "str", "category": "str"},
-                 "prompt": "File {{ text }} ({{ difficulty }})"},
-                {"name": "summary", "prompt": "Summarise {{ text }} about {{ card.subject }}"},
-            ],
-            "output_schema": {"text": "{{ text }}", "subject": "{{ card.subject }}", "summary": "{{ summary }}"},
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        jsonl, model=model, state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=3,
+        inputs=["text", {"name": "difficulty", "key": "meta.difficulty"}],
+        outputs=[
+            {"name": "card", "output_type": "JSON", "output_schema": {"subject": "str", "category": "str"},
+             "prompt": "File {{ text }} ({{ difficulty }})"},
+            {"name": "summary", "prompt": "Summarise {{ text }} about {{ card.subject }}"},
+        ],
+        processor={"backend": "transformers", "default_sampling_params": {"max_new_tokens": 16}},
+        processing={"output_schema": {"text": "{{ text }}", "subject": "{{ card.subject }}", "summary": "{{ summary }}"}},
+    )  # fmt: skip
 
 
 def problems(cfg: dict, **environ) -> list[str]:
@@ -333,11 +327,7 @@ def test_mmirage_check_exits_2_with_the_key(cfg, tmp_path, capsys, clean_env, na
 @pytest.mark.parametrize("name", SNAKEMAKE_SAMPLE)
 def test_snakemake_dry_run_refuses_with_the_same_key(cfg, tmp_path, clean_env, name):
     key, path = _hostile(cfg, tmp_path, name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-         "--configfile", str(path), "-n", "--cores", "1"],
-        capture_output=True, text=True, env={**os.environ, "HF_HOME": str(tmp_path / "hf-home")},
-    )  # fmt: skip
+    proc = run_workflow(tmp_path, path.read_text(), "-n", check=False, env={**os.environ, "HF_HOME": str(tmp_path / "hf-home")})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert f"  - {key}: " in out, out[-3000:]
@@ -350,11 +340,7 @@ def test_valid_config_passes_both(cfg, tmp_path, capsys, clean_env):
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     assert cli.main(["check", "--config", str(path)]) == cli.EXIT_OK
     assert "valid" in capsys.readouterr().out
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-         "--configfile", str(path), "-n", "--cores", "1"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    proc = run_workflow(tmp_path, cfg, "-n", check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes.configs import pipeline_config
 
 from mirageflow import cli
 from mirageflow.shard import preview
@@ -19,21 +20,17 @@ from mirageflow.config import load_config
 
 
 def _config(model, outputs=None, rows=None) -> dict:
-    return {
-        "processors": [{
-            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 5},
-        }],
-        "loading_params": {"state_dir": "state", "datasets": [{"path": "in.jsonl", "type": "JSONL", "output_dir": "out"}], "num_shards": 2, "batch_size": 4},
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}, {"name": "level", "key": "meta.level"}],
-            "outputs": outputs or [
-                {"name": "a", "prompt": "Answer briefly: {{ q }}", "system": "You are terse (level {{ level }})."},
-                {"name": "b", "prompt": "Rephrase: {{ a }}"},
-            ],
-            "remove_columns": True, "output_schema": {"question": "{{ q }}", "answer": "{{ a }}", "again": "{{ b }}"},
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        model=model, num_shards=2, loading={"batch_size": 4},
+        inputs=["q", {"name": "level", "key": "meta.level"}],
+        outputs=outputs or [
+            {"name": "a", "prompt": "Answer briefly: {{ q }}", "system": "You are terse (level {{ level }})."},
+            {"name": "b", "prompt": "Rephrase: {{ a }}"},
+        ],
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 5}},
+        processing={"remove_columns": True, "output_schema": {"question": "{{ q }}", "answer": "{{ a }}", "again": "{{ b }}"}},
+    )  # fmt: skip
 
 
 def _workdir(root: Path, cfg: dict) -> Path:

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from mirageflow.shard.progress import ProgressReporter, RateWindow, check_progress, read_progress
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_shard import PLAIN, ScriptedEngine, _setup  # noqa: E402
+from fakes.configs import PLAIN, shard_config
+from fakes.engines import ScriptedEngine
 
 
 class Clock:
@@ -179,7 +177,7 @@ class QueueEngine(ScriptedEngine):
 
 
 def test_runner_writes_progress_through_the_phases(tmp_path):
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(5)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(5)], PLAIN)
     engine = QueueEngine(lambda p: "a b")
     engine.shard_dir = cfg.shard_dir(0)
     engine.seen = []
@@ -199,7 +197,7 @@ def test_runner_writes_progress_through_the_phases(tmp_path):
 def test_runner_marks_progress_failed(tmp_path):
     from mirageflow.shard import ShardFailed, run_shard
 
-    cfg = _setup(tmp_path, [{"q": "a"}, {"q": "b"}], [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": ["x"]}])
+    cfg = shard_config(tmp_path, [{"q": "a"}, {"q": "b"}], [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": ["x"]}])
     with pytest.raises(ShardFailed):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "not json"))
     assert json.loads((cfg.shard_dir(0) / "progress.json").read_text())["phase"] == "failed"

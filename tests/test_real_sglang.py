@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import real_sglang_env
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import real_sglang_env  # noqa: E402
 
 pytestmark = pytest.mark.real_sglang
 

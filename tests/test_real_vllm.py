@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+import real_vllm_env
 from conftest import REPO, run_workflow
 
 from mirageflow.engines.http import free_port, parse_prometheus
@@ -34,8 +35,6 @@ from mirageflow.engines.server_process import ServerProcess
 from mirageflow.engines.vllm_server import iomp_preload
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import real_vllm_env  # noqa: E402
 
 pytestmark = pytest.mark.real_vllm
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import base64
 import json
-import math
 import os
 import random
 import re
@@ -12,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from fakes.runs import GPU, make_state, report_images
 from browser import dom, near, pixels, screenshot
 
 from mirageflow.numbers import fmt
@@ -19,71 +18,11 @@ from mirageflow.report import aggregate as report
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 
-GPU = "NVIDIA H100 80GB HBM3"
-
-
-def make_state(root: Path, num_shards: int = 6, gpu_samples: bool = True, seed: int = 1) -> Path:
-    """A finished-looking GPU run, by hand: shard 4 a straggler, the last shard failed."""
-    rng = random.Random(seed)
-    state = root / "state"
-    for shard in range(num_shards - 1):
-        runtime = 1800.0 if shard == 4 else 600.0 + 20 * shard
-        load, gen = 60.0, runtime - 80.0
-        hist = stats.TokenHistogram()
-        for _ in range(500):
-            hist.add(int(rng.lognormvariate(5.3, 0.5)))
-        util = 92.0 - 3 * shard
-        hist = hist.to_json()  # its sum is counted when it is read
-        status = {
-            "shard_id": shard, "num_shards": num_shards, "status": "success", "attempt": 1,
-            "hostname": f"gpu{shard:03d}", "started_at": f"2025-03-01T10:{shard:02d}:00+00:00",
-            "finished_at": f"2025-03-01T{10 + int((shard * 60 + runtime) // 3600):02d}:{int((shard * 60 + runtime) % 3600 // 60):02d}:00+00:00",
-            "hardware": {"gpu_name": GPU, "driver_version": "570.86.15"},
-            "stats": {
-                "runtime_seconds": runtime, "model_load_seconds": load, "warmup_seconds": 5.0,
-                "generation_seconds": gen, "inference_runtime_seconds": gen - 2, "write_seconds": 3.0,
-                "engine_idle_seconds": 4.0, "rows_processed": 500, "rows_failed": shard % 3,
-                "rows_failed_by_class": {"json_parse": shard % 3} if shard % 3 else {},
-                "input_tokens": 500 * 300, "output_tokens": hist["sum"], "num_gpus": 2,
-                "tokens_per_sec": hist["sum"] / (gen - 2),
-                "tokens_per_sec_per_gpu": hist["sum"] / (gen - 2) / 2,
-                "gpu_util_mean": util, "gpu_util_min": 0.0, "gpu_util_max": 100.0, "gpu_util_samples": 2 * int(gen / 0.5),
-                "gpu_sampled_seconds": gen, "gpu_energy_joules": 700.0 * 2 * gen,
-                "gpus": [{"index": i, "uuid": f"GPU-{shard}-{i}", "name": GPU, "util_mean": util} for i in range(2)],
-                "roofline_tokens_per_sec_per_gpu": 400.0,
-                "output_tokens_per_row_hist": hist,
-            },
-        }  # fmt: skip
-        atomic_write_json(state / f"shard_{shard}" / "status.json", status)
-        if gpu_samples:
-            n = 120
-            t = [gen * i / n for i in range(n)]
-            series = [
-                [max(0.0, min(100.0, util + 6 * math.sin(i / 7 + g) - (40 if i in (30, 31, 80) else 0))) for i in range(n)]
-                for g in range(2)
-            ]
-            atomic_write_json(state / f"shard_{shard}" / "gpu_samples.json", {
-                "shard_id": shard, "started_at": f"2025-03-01T10:{shard:02d}:{int(load):02d}+00:00"
-                if load < 60 else f"2025-03-01T10:{shard + 1:02d}:00+00:00",
-                "interval_seconds": 0.5, "gpus": [{"index": g, "uuid": f"GPU-{shard}-{g}", "name": GPU} for g in range(2)],
-                "t": t, "duration": [gen / n] * n, "util": series, "memory_used_mb": [[70000.0] * n] * 2,
-            })  # fmt: skip
-    atomic_write_json(state / f"shard_{num_shards - 1}" / "failure.json", {
-        "shard_id": num_shards - 1, "status": "failed", "attempt": 3, "hostname": "gpu099", "slurm_job_id": "77",
-        "error": "EngineCrashed: the SGLang server exited with status -9 (out of memory?)", "signal": None,
-    })  # fmt: skip
-    return state
-
-
-def _images(page: str) -> list[bytes]:
-    return [base64.b64decode(m) for m in re.findall(r'src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"', page)]
-
-
 def test_report_html_embeds_plots_and_metrics(tmp_path):
     state = make_state(tmp_path)
     metrics = report.write_report(state, 6)
     page = (state / "report.html").read_text()
-    images = _images(page)
+    images = report_images(page)
     assert len(images) == 4  # shards, GPU utilisation, tokens per row, errors
     assert all(img.startswith(b'<svg xmlns="http://www.w3.org/2000/svg"') and img.endswith(b"</svg>") and len(img) > 1500 for img in images)
     for img in images:  # well-formed XML, nothing fetched
@@ -114,14 +53,14 @@ def test_report_without_gpu_samples_says_so(tmp_path):
     report.write_report(state, 6)
     page = (state / "report.html").read_text()
     assert "No GPU samples" in page
-    assert len(_images(page)) == 3
+    assert len(report_images(page)) == 3
 
 
 def test_report_of_an_empty_state_dir(tmp_path):
     report.write_report(tmp_path, 2)
     page = (tmp_path / "report.html").read_text()
     assert "No completed shard yet" in page and "No GPU samples" in page and "No failed rows" in page
-    assert _images(page) == []
+    assert report_images(page) == []
     assert "pending: 0, 1" in page
 
 
@@ -168,7 +107,7 @@ def test_a_failed_shards_rows_count_as_failed_rows(tmp_path):
     assert agg["total_rows_processed"] == 0 and agg["completed_shards"] == 0  # completed-shard figures as before
     page = (state / "report.html").read_text()
     assert "every row of shard 0: 25 of 25 rows failed" in page
-    assert "No failed rows" not in page and len(_images(page)) == 1  # the failed-rows plot
+    assert "No failed rows" not in page and len(report_images(page)) == 1  # the failed-rows plot
     assert '<div class="v">25</div><div class="k">rows failed' in page
     summary = (state / "summary.md").read_text()
     assert "| `total_rows_failed` | 25 |" in summary and "empty_output 25" in summary
@@ -312,7 +251,7 @@ def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
     _with_progress_and_records(state)
     report.write_report(state, 6)
     page = (state / "report.html").read_text()
-    assert len(_images(page)) == 5  # + throughput over time
+    assert len(report_images(page)) == 5  # + throughput over time
     assert 'alt="rows done and output tokens/s per shard over time"' in page
     assert "A step at zero is a window in which no tokens were added" in page  # the caption says what zero means
     assert "<h2>Example records</h2>" in page and "answer &lt;0&gt;" in page and "answer &lt;2&gt;" in page
@@ -453,7 +392,7 @@ def test_report_of_many_shards_renders_in_a_browser(tmp_path):
         })  # fmt: skip
     report.write_report(state, 48)
     page = state / "report.html"
-    html_images = len(_images(page.read_text()))
+    html_images = len(report_images(page.read_text()))
     parsed = dom(page)
     assert parsed.count("<img ") == html_images == 5 and parsed.count("<figcaption>") == 5  # each plot with its caption
     assert "A step at zero is a window in which no tokens were added" in parsed and "both panels show the run" in parsed

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from fakes.configs import pipeline_config
 from fakes.fake_http import Behaviour, FakeServer
 
 from mirageflow.config import load_config
@@ -27,6 +28,8 @@ from mirageflow.data.writers import read_parts
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 from mirageflow.shard import request_cache as rc
 from mirageflow.engines.wire import Completion, Request
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 ROWS = 6
 
@@ -38,39 +41,27 @@ def server():
     s.stop()
 
 
-@pytest.fixture(autouse=True)
-def no_proxy(monkeypatch):
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def write_rows(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def pipeline(root: Path, server: FakeServer, rows: list[dict] | None = None, num_shards: int = 1) -> dict:
+
     data = root / "in.jsonl"
     if rows is not None or not data.exists():
         write_rows(data, rows or [{"text": f"passage {i}"} for i in range(ROWS)])
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 5, "temperature": 0.0}, "max_retries": 0, "request_timeout": 30,
-        }],
-        "loading_params": {
-            "state_dir": str(root / "state"), "num_shards": num_shards,
-            "datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(root / "out"), "output_format": "jsonl"}],
-        },
-        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [
-                {"name": "summary", "prompt": "Summarise: {{ text }}"},
-                {"name": "title", "prompt": "Title for {{ text }}: {{ summary }}"},  # every request distinct
-            ],
-            "output_schema": {"summary": "{{ summary }}", "title": "{{ title }}"},
-        },
-    }  # fmt: skip
+    return pipeline_config(
+        data, inputs=["text"], model="fake-model", state_dir=root / "state", output_dir=root / "out", num_shards=num_shards,
+        outputs=[
+            {"name": "summary", "prompt": "Summarise: {{ text }}"},
+            {"name": "title", "prompt": "Title for {{ text }}: {{ summary }}"},  # every request distinct
+        ],
+        dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": server.url + "/v1", "default_sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+                   "max_retries": 0, "request_timeout": 30},
+        processing={"output_schema": {"summary": "{{ summary }}", "title": "{{ title }}"}},
+        shard_params={"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+    )  # fmt: skip
 
 
 def run(raw: dict, shard: int = 0, reindex: bool = True) -> dict:

@@ -21,11 +21,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_workflow, shard_jobs
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.state import pipeline as pipeline_state
 from mirageflow.config import load_config, records_identity
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 TRIGGERS = {"default": (), "mtime": ("--rerun-triggers", "mtime")}
 ROWS = 8  # 2 shards of 4; rows 0 and 1 (shard 0) carry the TOO_LONG marker in `flag`
@@ -38,12 +41,6 @@ def server():
     s.stop()
 
 
-@pytest.fixture(autouse=True)
-def no_proxy(monkeypatch):
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def write_rows(path: Path) -> Path:
     if path.exists():  # rewriting it would make the dataset's index stale
         return path
@@ -53,39 +50,14 @@ def write_rows(path: Path) -> Path:
 
 
 def pipeline(root: Path, server: FakeServer, state: str = "state", out: str = "out") -> dict:
+
     write_rows(root / "in.jsonl")
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 5}, "max_retries": 0, "request_timeout": 30,
-        }],
-        "loading_params": {
-            "state_dir": state, "num_shards": 2,
-            "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": out, "output_format": "jsonl"}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}, {"name": "flag", "key": "flag"}],
-            "outputs": [{"name": "answer", "prompt": "Summarise: {{ text }}"}],
-        },
-    }  # fmt: skip
-
-
-def snakemake(root: Path, cfg: dict | str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m snakemake --configfile pipeline.yaml --cores 1 ...` in root; cfg may be YAML text."""
-    text = cfg if isinstance(cfg, str) else yaml.safe_dump(cfg, sort_keys=False)
-    (root / "pipeline.yaml").write_text(text)
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(root),
-           "--configfile", str(root / "pipeline.yaml"), "--cores", "1", *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    proc.text = proc.stdout + proc.stderr
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.text[-8000:]}")
-    return proc
-
-
-def shard_jobs(proc) -> int:
-    """Shard jobs Snakemake ran or (dry run) would run."""
-    return proc.text.count("rule shard:")
+    return pipeline_config(
+        inputs=["text", "flag"], outputs=[{"name": "answer", "prompt": "Summarise: {{ text }}"}], model="fake-model",
+        state_dir=state, output_dir=out, num_shards=2, dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": server.url + "/v1", "default_sampling_params": {"max_new_tokens": 5},
+                   "max_retries": 0, "request_timeout": 30},
+    )  # fmt: skip
 
 
 def mtimes(root: Path, state: str = "state") -> dict:
@@ -144,16 +116,14 @@ def _cosmetic() -> dict:
 
 @pytest.fixture
 def base_cfg(tmp_path) -> dict:
+
     write_rows(tmp_path / "other.jsonl")
     data = write_rows(tmp_path / "in.jsonl")
-    return {
-        "processors": [{"type": "llm", "backend": "openai", "base_url": "http://h:1/v1", "server_args": {"model_path": "fake-model"},
-                        "default_sampling_params": {"max_new_tokens": 5}}],
-        "loading_params": {"state_dir": str(tmp_path / "state"), "num_shards": 2,
-                           "datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}]},
-        "processing_params": {"inputs": [{"name": "text", "key": "text"}, {"name": "flag", "key": "flag"}],
-                              "outputs": [{"name": "answer", "prompt": "Summarise: {{ text }}"}]},
-    }  # fmt: skip
+    return pipeline_config(
+        data, inputs=["text", "flag"], outputs=[{"name": "answer", "prompt": "Summarise: {{ text }}"}], model="fake-model",
+        state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=2, dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": "http://h:1/v1", "default_sampling_params": {"max_new_tokens": 5}},
+    )  # fmt: skip
 
 
 def _fingerprint(raw: dict, cwd: Path) -> str:
@@ -210,7 +180,7 @@ def test_fingerprint_file_is_rewritten_only_when_it_changes(base_cfg, tmp_path):
 def test_reruns_follow_edits(tmp_path, server, trigger):
     flags = TRIGGERS[trigger]
     cfg = pipeline(tmp_path, server)
-    first = snakemake(tmp_path, cfg, *flags)
+    first = run_workflow(tmp_path, cfg, *flags)
     assert shard_jobs(first) == 2
     done = mtimes(tmp_path)
     before = merged_rows(tmp_path)
@@ -222,7 +192,7 @@ def test_reruns_follow_edits(tmp_path, server, trigger):
     for edit in _cosmetic().values():
         edit(cosmetic)
     cosmetic["processors"][0]["base_url"] = cfg["processors"][0]["base_url"]  # the server that answers
-    proc = snakemake(tmp_path, "# a comment\n" + yaml.safe_dump(cosmetic, sort_keys=False), *flags)
+    proc = run_workflow(tmp_path, "# a comment\n" + yaml.safe_dump(cosmetic, sort_keys=False), *flags)
     assert "Nothing to be done" in proc.text and shard_jobs(proc) == 0, proc.text[-3000:]
     assert mtimes(tmp_path) == done
 
@@ -231,19 +201,19 @@ def test_reruns_follow_edits(tmp_path, server, trigger):
         edited = copy.deepcopy(cfg)
         _edits()[name](edited)
         before_dry_run = files_on_disk(tmp_path)
-        proc = snakemake(tmp_path, edited, "-n", *flags)
+        proc = run_workflow(tmp_path, edited, "-n", *flags)
         assert shard_jobs(proc) == 2, (name, proc.text[-3000:])
         assert files_on_disk(tmp_path) == before_dry_run  # issue 22, item 15: a dry run writes nothing
 
     edited = copy.deepcopy(cfg)
     _edits()["prompt"](edited)
-    proc = snakemake(tmp_path, edited, *flags)
+    proc = run_workflow(tmp_path, edited, *flags)
     assert shard_jobs(proc) == 2 and "Nothing to be done" not in proc.text
     assert all(mtimes(tmp_path)[k] > done[k] for k in done)
     prompts = [r["body"]["messages"][-1]["content"] for r in server.records[-ROWS:]]
     assert sorted(prompts) == sorted(f"Condense: passage {i}" for i in range(ROWS))
     assert len(merged_rows(tmp_path)) == ROWS
-    proc = snakemake(tmp_path, edited, *flags)
+    proc = run_workflow(tmp_path, edited, *flags)
     assert "Nothing to be done" in proc.text
 
 
@@ -252,7 +222,7 @@ def test_reruns_follow_edits(tmp_path, server, trigger):
 
 def test_second_pipeline_on_the_same_output_dir_is_refused(tmp_path, server):
     a = pipeline(tmp_path, server, state="state_a", out="shared_out")
-    snakemake(tmp_path, a)
+    run_workflow(tmp_path, a)
     rows = merged_rows(tmp_path, "shared_out")
     files = {p: p.read_bytes() for p in (tmp_path / "shared_out").rglob("*") if p.is_file()}
     owner = json.loads((tmp_path / "shared_out" / ".mirageflow-owner.json").read_text())
@@ -261,7 +231,7 @@ def test_second_pipeline_on_the_same_output_dir_is_refused(tmp_path, server):
     b = pipeline(tmp_path, server, state="state_b", out="shared_out")
     b["processing_params"]["outputs"][0]["prompt"] = "Other: {{ text }}"
     for extra in (("-n",), ()):
-        proc = snakemake(tmp_path, b, *extra, check=False)
+        proc = run_workflow(tmp_path, b, *extra, check=False)
         assert proc.returncode != 0 and shard_jobs(proc) == 0
         assert "loading_params.datasets[0].output_dir: 'shared_out' belongs to another pipeline" in proc.text
         assert str(tmp_path / "state_a") in proc.text and str(tmp_path / "state_b") in proc.text
@@ -271,9 +241,9 @@ def test_second_pipeline_on_the_same_output_dir_is_refused(tmp_path, server):
 
     # the owner, edited, goes on as before
     a["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
-    proc = snakemake(tmp_path, a)
+    proc = run_workflow(tmp_path, a)
     assert shard_jobs(proc) == 2
-    assert "Nothing to be done" in snakemake(tmp_path, a).text
+    assert "Nothing to be done" in run_workflow(tmp_path, a).text
 
 
 # --------------------------------------------------------------------------- never a stale success
@@ -286,7 +256,7 @@ def test_failed_shard_is_rerun_and_nothing_stale_remains(tmp_path, server, trigg
     done"), and no metrics or merged output of the previous prompt may remain meanwhile."""
     flags = TRIGGERS[trigger]
     cfg = pipeline(tmp_path, server)
-    snakemake(tmp_path, cfg, *flags)
+    run_workflow(tmp_path, cfg, *flags)
     state, out = tmp_path / "state", tmp_path / "out"
     derived = [state / "metrics.json", state / "summary.md", state / "report.html", state / "merged" / "dataset_0.json", out / "merged"]
     assert all(p.exists() for p in derived)
@@ -294,13 +264,13 @@ def test_failed_shard_is_rerun_and_nothing_stale_remains(tmp_path, server, trigg
     failing = copy.deepcopy(cfg)
     failing["processing_params"]["outputs"][0]["prompt"] = "Summarise: {{ text }} {{ flag }}"  # rows 0-1: TOO_LONG
     failing["shard_params"] = {"max_error_rate": 0}
-    proc = snakemake(tmp_path, failing, "--forcerun", "shard", *flags, check=False)
+    proc = run_workflow(tmp_path, failing, "--forcerun", "shard", *flags, check=False)
     assert proc.returncode != 0 and "Error in rule shard" in proc.text
     assert not (state / "shard_0" / "status.json").exists()
     assert json.loads((state / "shard_0" / "failure.json").read_text())["status"] == "failed"
     assert not any(p.exists() for p in derived), [p for p in derived if p.exists()]
 
-    proc = snakemake(tmp_path, failing, *flags, check=False)
+    proc = run_workflow(tmp_path, failing, *flags, check=False)
     assert "Nothing to be done" not in proc.text and proc.returncode != 0
     assert "rule shard:" in proc.text and "wildcards: shard=0" in proc.text
 
@@ -320,7 +290,7 @@ def test_failed_shard_is_rerun_and_nothing_stale_remains(tmp_path, server, trigg
     # fixed: the next run completes and everything derived is rebuilt from the current shards
     fixed = copy.deepcopy(failing)
     fixed["shard_params"] = {"max_error_rate": 0.5}
-    proc = snakemake(tmp_path, fixed, *flags)
+    proc = run_workflow(tmp_path, fixed, *flags)
     assert all(p.exists() for p in derived)
     metrics = json.loads((state / "metrics.json").read_text())["aggregate"]
     assert metrics["completed_shards"] == 2 and metrics["total_rows_failed"] == 2
@@ -331,8 +301,8 @@ def test_driver_drops_results_that_outlived_a_shard(tmp_path, server):
     """A shard whose status.json vanished without its job cleaning up (killed before it
     started, deleted by hand): the next run rebuilds it and the results depending on it."""
     cfg = pipeline(tmp_path, server)
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     (tmp_path / "state" / "shard_1" / "status.json").unlink()
-    proc = snakemake(tmp_path, cfg)
+    proc = run_workflow(tmp_path, cfg)
     assert "Nothing to be done" not in proc.text and "wildcards: shard=1" in proc.text
     assert (tmp_path / "state" / "metrics.json").exists() and len(merged_rows(tmp_path)) == ROWS

@@ -5,66 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from fakes.configs import PLAIN, shard_config
+from fakes.engines import EngineCrash, ScriptedEngine
+from fakes.runs import row_errors
 
 from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.files import atomic_write_json
-from mirageflow.engines.base import Engine
-from mirageflow.engines.wire import Completion, EngineInfo
+from mirageflow.engines.wire import Completion
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
-
-
-class ScriptedEngine(Engine):
-    """Answers each prompt with ``answer(prompt)``; records what it was asked."""
-
-    def __init__(self, answer):
-        self.answer = answer
-        self.prompts: list[str] = []
-        self.closed = False
-        self.info = EngineInfo(backend="scripted", model_path="none")
-
-    def load(self):
-        pass
-
-    def chat_prompt(self, messages, kwargs):
-        return "|".join(f"{m['role']}:{m['content']}" for m in messages)
-
-    async def generate_one(self, r):
-        self.prompts.append(r.prompt)
-        result = self.answer(r.prompt)
-        if isinstance(result, Completion):
-            result.id = r.id
-            return result
-        return Completion(r.id, result, len(r.prompt), len(result.split()), "stop")
-
-    def close(self):
-        self.closed = True
-
-
-def _setup(tmp_path, rows, outputs, output_schema=None, num_shards=1):
-    data = tmp_path / "in.jsonl"
-    data.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    cfg = load_config({
-        "processors": [{"type": "llm", "server_args": {"model_path": "unused"}}],
-        "loading_params": {
-            "state_dir": str(tmp_path / "state"),
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
-            "num_shards": num_shards,
-        },
-        "shard_params": {"max_error_rate": 1.0, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}],
-            "outputs": outputs,
-            "remove_columns": True,
-            "output_schema": output_schema or {"q": "{{ q }}", "a": "{{ a }}"},
-        },
-    })  # fmt: skip
-    index_datasets(cfg)
-    return cfg
-
-
-def _errors(cfg, shard=0):
-    return [json.loads(line) for line in (cfg.shard_dir(shard) / "errors.jsonl").read_text().splitlines()]
 
 
 JSON_OUTPUT = {"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": {"n": {"type": "int", "min": 0, "max": 9}}}
@@ -72,7 +21,7 @@ JSON_OUTPUT = {"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_
 
 def test_json_outputs_are_validated_and_bad_ones_become_row_errors(tmp_path):
     answers = {"ok": '{"n": 3}', "fenced": '```json\n{"n": 4}\n```', "big": '{"n": 12}', "word": "three", "cut": '{"n": '}
-    cfg = _setup(tmp_path, [{"q": q} for q in answers], [JSON_OUTPUT])
+    cfg = shard_config(tmp_path, [{"q": q} for q in answers], [JSON_OUTPUT])
 
     def answer(prompt):
         key = prompt.split(":", 1)[1]
@@ -83,7 +32,7 @@ def test_json_outputs_are_validated_and_bad_ones_become_row_errors(tmp_path):
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
     records = read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist()
     assert records == [{"q": "ok", "a": {"n": 3}, "source_index": 0}, {"q": "fenced", "a": {"n": 4}, "source_index": 1}]
-    errors = {e["source_index"]: e for e in _errors(cfg)}
+    errors = {e["source_index"]: e for e in row_errors(cfg)}
     assert errors[2]["error"] == "json_schema" and "12 is greater than the maximum of 9" in errors[2]["message"]
     assert errors[3]["error"] == "json_parse" and errors[3]["raw"] == "three"
     assert errors[4]["error"] == "json_truncated"
@@ -98,7 +47,7 @@ def test_later_outputs_see_earlier_ones_and_system_prompts(tmp_path):
         {"name": "a", "prompt": "first {{ q }}", "system": "be brief"},
         {"name": "b", "prompt": "second {{ a }}"},
     ]
-    cfg = _setup(tmp_path, [{"q": "x"}], outputs, {"b": "{{ b }}"})
+    cfg = shard_config(tmp_path, [{"q": "x"}], outputs, {"b": "{{ b }}"})
     engine = ScriptedEngine(lambda p: p.rsplit(":", 1)[1].upper())
     run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
     assert engine.prompts == ["system:be brief|user:first x", "user:second FIRST X"]
@@ -107,7 +56,7 @@ def test_later_outputs_see_earlier_ones_and_system_prompts(tmp_path):
 
 
 def test_generation_errors_are_row_errors(tmp_path):
-    cfg = _setup(tmp_path, [{"q": "long"}, {"q": "fine"}], [{"name": "a", "prompt": "{{ q }}"}])
+    cfg = shard_config(tmp_path, [{"q": "long"}, {"q": "fine"}], [{"name": "a", "prompt": "{{ q }}"}])
 
     def answer(prompt):
         if "long" in prompt:
@@ -115,12 +64,12 @@ def test_generation_errors_are_row_errors(tmp_path):
         return "ok"
 
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
-    assert [e["error"] for e in _errors(cfg)] == ["context_length"]
+    assert [e["error"] for e in row_errors(cfg)] == ["context_length"]
     assert status["stats"]["rows_processed"] == 1
 
 
 def test_a_shard_where_every_row_fails_fails_loudly(tmp_path):
-    cfg = _setup(tmp_path, [{"q": "a"}, {"other": 1}, "[1, 2]"], [JSON_OUTPUT])
+    cfg = shard_config(tmp_path, [{"q": "a"}, {"other": 1}, "[1, 2]"], [JSON_OUTPUT])
     engine = ScriptedEngine(lambda p: "not json")
     with pytest.raises(ShardFailed, match=r"every row of shard 0: 3 of 3 rows failed \(.*json_parse: 1"):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
@@ -128,11 +77,11 @@ def test_a_shard_where_every_row_fails_fails_loudly(tmp_path):
     assert not (cfg.shard_dir(0) / "status.json").exists()
     failure = json.loads((cfg.shard_dir(0) / "failure.json").read_text())
     assert failure["status"] == "failed" and "every row" in failure["error"]
-    assert sorted(e["error"] for e in _errors(cfg)) == ["bad_row", "json_parse", "missing_variable"]
+    assert sorted(e["error"] for e in row_errors(cfg)) == ["bad_row", "json_parse", "missing_variable"]
 
 
 def test_empty_shard_succeeds_with_zero_rows(tmp_path):
-    cfg = _setup(tmp_path, [{"q": "only"}], [{"name": "a", "prompt": "{{ q }}"}], num_shards=2)
+    cfg = shard_config(tmp_path, [{"q": "only"}], [{"name": "a", "prompt": "{{ q }}"}], num_shards=2)
     status = run_shard(cfg, 1, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert status["stats"]["rows_processed"] == 0 and status["datasets"][0]["row_range"] == [1, 1]
 
@@ -167,7 +116,7 @@ class GatedEngine(ScriptedEngine):
 
 
 def test_the_window_stays_full_from_one_dataset_into_the_next(tmp_path):
-    cfg = _setup(tmp_path, [{"q": f"a{i}"} for i in range(6)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"a{i}"} for i in range(6)], PLAIN)
     second = tmp_path / "second.jsonl"
     second.write_text("".join(json.dumps({"q": f"b{i}"}) + "\n" for i in range(6)))
     raw = json.loads(json.dumps(cfg.raw))
@@ -183,10 +132,6 @@ def test_the_window_stays_full_from_one_dataset_into_the_next(tmp_path):
 
 
 # --------------------------------------------------------------------------- checkpoints and resume
-
-
-class EngineCrash(RuntimeError):
-    pass
 
 
 def _crash_after(n: int):
@@ -206,12 +151,9 @@ def _records(tmp_path):
     return sorted(table.to_pylist(), key=lambda r: r["source_index"])
 
 
-PLAIN = [{"name": "a", "prompt": "{{ q }}"}]
-
-
 def test_a_rerun_resumes_from_the_last_commit_without_redoing_rows(tmp_path):
     rows = [{"q": f"r{i}"} for i in range(9)]
-    cfg = _setup(tmp_path, rows, PLAIN)
+    cfg = shard_config(tmp_path, rows, PLAIN)
     with pytest.raises(ShardFailed, match="engine 'llm' failed on row .*: EngineCrash: engine died"):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(_crash_after(5)))
     committed = {r["source_index"] for r in _records(tmp_path)}
@@ -247,7 +189,7 @@ def test_a_stopped_shard_logs_its_error_once_and_numbers_its_attempts(tmp_path, 
             raise EngineCrash("engine died")
         return "x"
 
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(9)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(9)], PLAIN)
     with caplog.at_level("ERROR", logger="asyncio"):
         for _ in range(2):
             with pytest.raises(ShardFailed, match="EngineCrash"):
@@ -261,7 +203,7 @@ def test_a_stopped_shard_logs_its_error_once_and_numbers_its_attempts(tmp_path, 
 
 
 def test_orphan_part_from_a_crash_between_rename_and_manifest_is_discarded(tmp_path):
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(4)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(4)], PLAIN)
     run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     orphan = tmp_path / "out" / "shard_0" / "part-00099.parquet"
     orphan.write_bytes((tmp_path / "out" / "shard_0" / "part-00000.parquet").read_bytes())
@@ -273,9 +215,9 @@ def test_orphan_part_from_a_crash_between_rename_and_manifest_is_discarded(tmp_p
 
 def test_changed_prompt_discards_old_parts(tmp_path, caplog):
     rows = [{"q": f"r{i}"} for i in range(4)]
-    cfg = _setup(tmp_path, rows, PLAIN)
+    cfg = shard_config(tmp_path, rows, PLAIN)
     run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "old"))
-    cfg2 = _setup(tmp_path, rows, [{"name": "a", "prompt": "new {{ q }}"}])
+    cfg2 = shard_config(tmp_path, rows, [{"name": "a", "prompt": "new {{ q }}"}])
     engine = ScriptedEngine(lambda p: p.rsplit(":", 1)[1])
     run_shard(cfg2, 0, engine_factory=lambda p, b, **kw: engine)
     assert len(engine.prompts) == 4
@@ -285,27 +227,27 @@ def test_changed_prompt_discards_old_parts(tmp_path, caplog):
 
 def test_retry_failed_rows_recomputes_only_the_failures(tmp_path):
     rows = [{"q": f"r{i}"} for i in range(6)]
-    cfg = _setup(tmp_path, rows, [JSON_OUTPUT])
+    cfg = shard_config(tmp_path, rows, [JSON_OUTPUT])
     flaky = lambda p: '{"n": 1}' if p.endswith(("r0", "r2", "r4")) else "oops"  # noqa: E731
     first = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(flaky))
     assert first["stats"]["rows_failed"] == 3
-    rerun = _setup(tmp_path, rows, [JSON_OUTPUT])
+    rerun = shard_config(tmp_path, rows, [JSON_OUTPUT])
     object.__setattr__(rerun, "retry_failed_rows", True)
     engine = ScriptedEngine(lambda p: '{"n": 2}')
     status = run_shard(rerun, 0, engine_factory=lambda p, b, **kw: engine)
     assert sorted(p.rsplit(":", 1)[1] for p in engine.prompts) == ["r1", "r3", "r5"]
     assert [r["a"]["n"] for r in _records(tmp_path)] == [1, 2, 1, 2, 1, 2]
-    assert status["stats"]["rows_failed"] == 0 and _errors(cfg) == []
+    assert status["stats"]["rows_failed"] == 0 and row_errors(cfg) == []
 
 
 def test_error_budget_fails_the_shard_and_keeps_committed_rows(tmp_path):
     rows = [{"q": "ok"}, {"q": "ok"}, {"x": 1}, {"x": 2}, {"x": 3}, {"q": "ok"}]
-    cfg = _setup(tmp_path, rows, PLAIN)
+    cfg = shard_config(tmp_path, rows, PLAIN)
     # in source order (prefix-aware feeding would ask the failing rows last)
     object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_errors": 2, "prefix_order": "none"}))
     with pytest.raises(ShardFailed, match=r"error budget exceeded in shard 0: 3 of 5 rows failed \(missing_variable: 3\)"):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
-    assert [e["source_index"] for e in _errors(cfg)] == [2, 3, 4]
+    assert [e["source_index"] for e in row_errors(cfg)] == [2, 3, 4]
     assert {0, 1} <= {r["source_index"] for r in _records(tmp_path)} <= {0, 1, 5}  # rows that finished stay
 
 
@@ -314,7 +256,7 @@ def test_full_disk_fails_clearly_and_keeps_earlier_parts(tmp_path, monkeypatch):
 
     from mirageflow.shard import checkpoint
 
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(6)], PLAIN)
     real, calls = checkpoint.write_part, {"n": 0}
 
     def write_part(path, records, fmt):
@@ -335,7 +277,7 @@ def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint.shutil, "which", lambda name: None)  # no squeue: job 42 may be alive
 
-    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": "a"}], PLAIN)
     cfg.shard_dir(0).mkdir(parents=True)
     atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": __import__("time").time()})
     with pytest.raises(ShardBusy, match=r"shard_0 is being run by host node7 pid 1 \(SLURM job 42\)"):
@@ -364,7 +306,7 @@ def test_sigterm_commits_finished_rows_records_why_and_stops(tmp_path):
                 await asyncio.sleep(30)  # would hang without the signal handling
             return Completion(r.id, "x", 1, 1, "stop")
 
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(20)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(20)], PLAIN)
     object.__setattr__(cfg, "shard", type(cfg.shard)(**{**vars(cfg.shard), "max_inflight": 1}))
     engine = SlowEngine(None)
     with pytest.raises(ShardInterrupted):
@@ -390,7 +332,7 @@ def test_each_kind_of_bad_row_is_recorded_with_its_class_and_good_rows_all_kept(
         {"q": "good2"},
     ]  # fmt: skip
     output = {**JSON_OUTPUT, "prompt": "{{ q if q is string else q.word }}"}
-    cfg = _setup(tmp_path, rows, [output])
+    cfg = shard_config(tmp_path, rows, [output])
 
     def answer(prompt):
         key = prompt.split(":", 1)[1]
@@ -403,18 +345,18 @@ def test_each_kind_of_bad_row_is_recorded_with_its_class_and_good_rows_all_kept(
         }.get(key, '{"n": 5}')
 
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
-    got = {e["source_index"]: (e["stage"], e["error"]) for e in _errors(cfg)}
+    got = {e["source_index"]: (e["stage"], e["error"]) for e in row_errors(cfg)}
     assert got == {
         1: ("read", "bad_row"), 2: ("read", "bad_row"), 3: ("extract", "missing_variable"),
         4: ("render", "template_error"), 5: ("generate", "context_length"), 6: ("generate", "aborted"),
         7: ("output", "json_parse"), 8: ("output", "json_schema"), 9: ("output", "json_truncated"),
     }  # fmt: skip
-    errors = {e["source_index"]: e for e in _errors(cfg)}
+    errors = {e["source_index"]: e for e in row_errors(cfg)}
     assert "in.jsonl:2" in errors[1]["message"] and errors[8]["raw"] == '{"n": "three"}'
     assert [r["source_index"] for r in _records(tmp_path)] == [0, 10]
     assert status["stats"]["rows_failed"] == 9 and sum(status["stats"]["rows_failed_by_class"].values()) == 9
 
-    strict = _setup(tmp_path, rows, [output])
+    strict = shard_config(tmp_path, rows, [output])
     object.__setattr__(strict, "shard", type(strict.shard)(**{**vars(strict.shard), "max_error_rate": 0.5}))
     with pytest.raises(ShardFailed, match="error budget exceeded in shard 0: 9 of 11 rows failed"):
         run_shard(strict, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(answer))
@@ -430,7 +372,7 @@ def test_sigterm_while_the_engine_loads_is_recorded_too(tmp_path):
         def load(self):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": "a"}], PLAIN)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(ShardInterrupted):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: SlowLoad(lambda p: "x"))
@@ -442,7 +384,7 @@ def test_a_lease_whose_slurm_job_has_ended_is_taken_over(tmp_path, monkeypatch):
     import os
     import time
 
-    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": "a"}], PLAIN)
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     squeue = fake_bin / "squeue"
@@ -460,7 +402,7 @@ def test_a_lease_of_an_earlier_run_of_this_requeued_slurm_job_is_taken_over(tmp_
     import os
     import time
 
-    cfg = _setup(tmp_path, [{"q": "a"}], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": "a"}], PLAIN)
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "squeue").write_text("#!/bin/sh\necho RUNNING\n")
@@ -569,7 +511,7 @@ def test_rows_that_will_fail_are_fed_last_in_their_block_not_first(tmp_path):
     mid-run check (after min_rows_for_error_rate rows) would see more of them than in source
     order: 10 % failing rows, spread, pass a 12 % budget checked after 20 rows."""
     rows = [{"x": i} if i % 10 == 5 else {"q": f"r{i}"} for i in range(100)]
-    cfg = _setup(tmp_path, rows, PLAIN)
+    cfg = shard_config(tmp_path, rows, PLAIN)
     shard = {**vars(cfg.shard), "max_error_rate": 0.12, "min_rows_for_error_rate": 20, "max_inflight": 8, "prefix_order": "window"}
     object.__setattr__(cfg, "shard", type(cfg.shard)(**shard))
     status = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_shard import ScriptedEngine, _errors, _setup
+from fakes.configs import shard_config
+from fakes.engines import ScriptedEngine
+from fakes.runs import row_errors
 
 from mirageflow.data import readers
 from mirageflow.data.writers import read_parts
@@ -24,7 +26,7 @@ def _engine(answer=lambda p: "ans"):
 def test_a_reader_that_raises_mid_shard_fails_it_naming_the_dataset(tmp_path, monkeypatch):
     """Before: the exception ended the workers, a gather swallowed it, and the shard 'succeeded'
     with the rest of its rows missing."""
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(10)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(10)], PLAIN)
     real = readers.read_shard
 
     def broken(ds, piece, skip=lambda i: False):
@@ -42,7 +44,7 @@ def test_a_reader_that_raises_mid_shard_fails_it_naming_the_dataset(tmp_path, mo
 
 
 def test_a_reader_that_silently_drops_rows_fails_the_accounting(tmp_path, monkeypatch):
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(10)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(10)], PLAIN)
     real = readers.read_shard
 
     def dropping(ds, piece, skip):
@@ -56,7 +58,7 @@ def test_a_reader_that_silently_drops_rows_fails_the_accounting(tmp_path, monkey
 
 def test_odd_rows_are_row_errors_naming_the_row_and_the_rest_succeed(tmp_path):
     rows = [{"q": "fine", "t": "abc"}, {"q": "num", "t": 7}, {"q": "ok", "t": "de"}]
-    cfg = _setup(tmp_path, rows, PLAIN)
+    cfg = shard_config(tmp_path, rows, PLAIN)
     raw = json.loads(json.dumps(cfg.raw))
     raw["processing_params"]["inputs"].append({"name": "n", "key": "length(t)"})
     raw["processing_params"]["outputs"][0]["prompt"] = "{{ q }} {{ n }}"
@@ -64,14 +66,14 @@ def test_odd_rows_are_row_errors_naming_the_row_and_the_rest_succeed(tmp_path):
 
     cfg = load_config(raw)
     status = run_shard(cfg, 0, engine_factory=_engine())
-    [error] = _errors(cfg)
+    [error] = row_errors(cfg)
     assert (error["source_index"], error["error"], error["stage"]) == (1, "extract_error", "extract")
     assert "length(t)" in error["message"]
     assert status["stats"]["rows_processed"] == 2
 
 
 def test_an_unexpected_exception_on_the_row_path_is_that_rows_error(tmp_path, monkeypatch):
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(4)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(4)], PLAIN)
     real = RecordRenderer.__call__
 
     def render(self, index, row, variables):
@@ -81,7 +83,7 @@ def test_an_unexpected_exception_on_the_row_path_is_that_rows_error(tmp_path, mo
 
     monkeypatch.setattr(RecordRenderer, "__call__", render)
     status = run_shard(cfg, 0, engine_factory=_engine())
-    [error] = _errors(cfg)
+    [error] = row_errors(cfg)
     assert (error["source_index"], error["error"]) == (2, "internal_error")
     assert "TypeError: unhashable type" in error["message"]
     assert status["stats"]["rows_processed"] == 3
@@ -89,14 +91,14 @@ def test_an_unexpected_exception_on_the_row_path_is_that_rows_error(tmp_path, mo
 
 def test_empty_answers_are_an_error_class_unless_allowed(tmp_path):
     answers = {"a": "text", "b": "", "c": "  \n", "d": "more"}
-    cfg = _setup(tmp_path, [{"q": q} for q in answers], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": q} for q in answers], PLAIN)
     status = run_shard(cfg, 0, engine_factory=_engine(lambda p: answers[p.rsplit(":", 1)[1]]))
-    assert sorted((e["source_index"], e["error"]) for e in _errors(cfg)) == [(1, "empty_output"), (2, "empty_output")]
+    assert sorted((e["source_index"], e["error"]) for e in row_errors(cfg)) == [(1, "empty_output"), (2, "empty_output")]
     assert status["stats"]["rows_failed_by_class"] == {"empty_output": 2}
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()
-    cfg = _setup(allowed, [{"q": q} for q in answers], [{**PLAIN[0], "allow_empty_output": True}])
+    cfg = shard_config(allowed, [{"q": q} for q in answers], [{**PLAIN[0], "allow_empty_output": True}])
     run_shard(cfg, 0, engine_factory=_engine(lambda p: answers[p.rsplit(":", 1)[1]]))
     assert [r["a"] for r in read_parts(allowed / "out" / "shard_0", "parquet").to_pylist()] == ["text", "", "  \n", "more"]
 
@@ -104,15 +106,15 @@ def test_empty_answers_are_an_error_class_unless_allowed(tmp_path):
 def test_a_lone_surrogate_in_an_answer_is_a_row_error(tmp_path):
     json_out = [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": ["s"]}]
     answers = {"good": '{"s": "fine"}', "escaped": '{"s": "bad \\ud800 here"}'}
-    cfg = _setup(tmp_path, [{"q": q} for q in answers], json_out)
+    cfg = shard_config(tmp_path, [{"q": q} for q in answers], json_out)
     status = run_shard(cfg, 0, engine_factory=_engine(lambda p: answers[p.rsplit(":", 1)[1]]))
-    [error] = _errors(cfg)
+    [error] = row_errors(cfg)
     assert (error["source_index"], error["error"]) == (1, "invalid_unicode")
     assert status["stats"]["rows_processed"] == 1
 
 
 def test_an_engine_that_raises_fails_the_shard(tmp_path):
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(3)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(3)], PLAIN)
 
     def answer(prompt):
         raise RuntimeError("CUDA error: device-side assert")
@@ -124,7 +126,7 @@ def test_an_engine_that_raises_fails_the_shard(tmp_path):
 
 def test_stats_add_up_over_attempts(tmp_path):
     """Before: a resumed shard's status counted only its last attempt (0 output tokens, tok/s n/a)."""
-    cfg = _setup(tmp_path, [{"q": f"r{i}"} for i in range(8)], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(8)], PLAIN)
     raw = json.loads(json.dumps(cfg.raw))
     raw["shard_params"].update(max_errors=2, max_error_rate=1.0)
     from mirageflow.config import load_config
@@ -152,7 +154,7 @@ def test_stats_add_up_over_attempts(tmp_path):
 
 
 def test_secrets_in_an_engine_error_are_not_written_to_failure_json(tmp_path):
-    cfg = _setup(tmp_path, [{"q": "r0"}], PLAIN)
+    cfg = shard_config(tmp_path, [{"q": "r0"}], PLAIN)
 
     def answer(prompt):
         raise ConnectionError("cannot reach http://user:hunter2@node:30000/v1 (--api-key=sk-secret)")
@@ -188,11 +190,11 @@ def test_reasoning_is_never_the_answer_and_a_cut_while_thinking_is_its_own_class
         "server_cut": ("", "length", "still thinking"),
         "only": "<think>hmm</think>\n",
     }
-    cfg = _setup(tmp_path, [{"q": q} for q in answers], [THINK_JSON])
+    cfg = shard_config(tmp_path, [{"q": q} for q in answers], [THINK_JSON])
     status = run_shard(cfg, 0, engine_factory=_thinking(answers))
     records = read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist()
     assert [(r["q"], r["a"]) for r in records] == [("think", {"n": 3}), ("plain", {"n": 4}), ("server", {"n": 5})]
-    errors = {e["source_index"]: e["error"] for e in _errors(cfg)}
+    errors = {e["source_index"]: e["error"] for e in row_errors(cfg)}
     assert errors == {3: "reasoning_truncated", 4: "reasoning_truncated", 5: "empty_output"}
     assert status["stats"]["rows_failed_by_class"] == {"reasoning_truncated": 2, "empty_output": 1}
 
@@ -204,7 +206,7 @@ def test_keep_reasoning_sets_the_reasoning_variable(tmp_path):
         "plain": "maybe",
     }
     outputs = [{"name": "a", "prompt": "{{ q }}", "keep_reasoning": True}]
-    cfg = _setup(tmp_path, [{"q": q} for q in answers], outputs, {"q": "{{ q }}", "a": "{{ a }}", "why": "{{ a_reasoning }}"})
+    cfg = shard_config(tmp_path, [{"q": q} for q in answers], outputs, {"q": "{{ q }}", "a": "{{ a }}", "why": "{{ a_reasoning }}"})
     run_shard(cfg, 0, engine_factory=_thinking(answers))
     records = sorted(read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist(), key=lambda r: r["source_index"])  # parts: in completion order
     assert [(r["a"], r["why"]) for r in records] == [("yes", "because"), ("no", "a server's reasoning"), ("maybe", None)]
@@ -214,4 +216,4 @@ def test_the_reasoning_variable_exists_only_with_keep_reasoning(tmp_path):
     from mirageflow.config import ConfigError
 
     with pytest.raises(ConfigError, match="unknown variable 'a_reasoning'"):
-        _setup(tmp_path, [{"q": "x"}], PLAIN, {"a": "{{ a }}", "why": "{{ a_reasoning }}"})
+        shard_config(tmp_path, [{"q": "x"}], PLAIN, {"a": "{{ a }}", "why": "{{ a_reasoning }}"})

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 
 from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config
@@ -27,30 +28,15 @@ from mirageflow.engines.shared import SharedEngine
 
 
 def _pipeline(tmp_path: Path, model: Path, rows: int, shards: int, k: int, new_tokens: int = 4) -> dict:
+
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"title": f"Title number {i}"}) + "\n" for i in range(rows)))
-    return {
-        "processors": [
-            {
-                "type": "llm",
-                "backend": "transformers",
-                "server_args": {"model_path": str(model)},
-                "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens},
-                "torch_threads": 1,
-            }
-        ],
-        "loading_params": {
-            "state_dir": "state",
-            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": "out", "output_format": "jsonl"}],
-            "num_shards": shards,
-            "batch_size": 4,
-        },
-        "processing_params": {
-            "inputs": [{"name": "title", "key": "title"}],
-            "outputs": [{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
-        },
-        "execution_params": {"shards_per_engine": k, "merge": False},
-    }
+    return pipeline_config(
+        data, model=model, num_shards=shards, loading={"batch_size": 4}, dataset={"output_format": "jsonl"}, inputs=["title"],
+        outputs=[{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens}, "torch_threads": 1},
+        execution_params={"shards_per_engine": k, "merge": False},
+    )  # fmt: skip
 
 
 def _records(workdir: Path) -> dict[int, str]:
@@ -202,14 +188,12 @@ def test_an_engine_killed_mid_run_fails_its_shards_clearly_and_a_rerun_completes
 
 
 def _cfg(tmp_path: Path, **ep) -> dict:
+
     data = tmp_path / "in.jsonl"
     data.write_text('{"q": "x"}\n')
-    return {
-        "processors": [{"type": "llm", "server_args": {"model_path": "org/model"}}],
-        "loading_params": {"datasets": [{"path": str(data), "type": "jsonl", "output_dir": str(tmp_path / "out")}], "num_shards": 16},
-        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}]},
-        "execution_params": ep,
-    }
+    return pipeline_config(
+        data, model="org/model", state_dir=None, output_dir=tmp_path / "out", num_shards=16, dataset={"type": "jsonl"}, execution_params=ep
+    )
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "two"])

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_workflow
+from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.config import load_config
@@ -48,34 +49,16 @@ def no_proxy(monkeypatch):
 
 
 def pipeline(root: Path, base_url: str, num_shards: int = 2) -> dict:
+
     data = root / "in.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"passage {i}"}) + "\n" for i in range(ROWS)))
-    return {
-        "processors": [{
-            "type": "llm", "backend": "openai", "base_url": base_url, "server_args": {"model_path": "fake-model"},
-            "default_sampling_params": {"max_new_tokens": 5}, "max_retries": 0, "request_timeout": 10,
-        }],
-        "loading_params": {
-            "state_dir": "state", "num_shards": num_shards,
-            "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out", "output_format": "jsonl"}],
-        },
-        "processing_params": {
-            "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [{"name": "answer", "prompt": "Summarise: {{ text }}"}],
-        },
-    }  # fmt: skip
-
-
-def snakemake(root: Path, cfg: dict, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    (root / "pipeline.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(root),
-           "--configfile", str(root / "pipeline.yaml"), "--cores", "1", *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    proc.text = proc.stdout + proc.stderr
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.text[-8000:]}")
-    return proc
+    return pipeline_config(
+        inputs=["text"], outputs=[{"name": "answer", "prompt": "Summarise: {{ text }}"}], model="fake-model",
+        num_shards=num_shards, dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "openai", "base_url": base_url, "default_sampling_params": {"max_new_tokens": 5},
+                   "max_retries": 0, "request_timeout": 10},
+    )  # fmt: skip
 
 
 def mmirage(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -114,7 +97,7 @@ def test_the_rules_take_their_paths_from_the_layout(tmp_path, tiny_model):
     cfg["processors"] = [{"type": "llm", "backend": "transformers", "server_args": {"model_path": str(tiny_model)}}]
     cfg["deduplication_params"] = {"enabled": True, "text_field": "answer"}
     cfg["execution_params"] = {"shards_per_engine": 2}  # the engine service's endpoint is an input of the shards
-    proc = snakemake(tmp_path, cfg, "--dry-run")
+    proc = run_workflow(tmp_path, cfg, "--dry-run")
     named = {  # every path a job block names: its inputs, outputs and log
         path.removesuffix(" (service)")
         for kind, paths_ in re.findall(r"\n\s+(input|output|log): ([^\n]*)", proc.text)
@@ -228,7 +211,7 @@ def test_progress_json_saying_failed_without_failure_json_is_a_failed_shard(tmp_
 
 def test_after_a_config_edit_stale_shards_are_not_done_for_anyone(tmp_path, server, monkeypatch):
     cfg = pipeline(tmp_path, server.url + "/v1")
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     edited = copy.deepcopy(cfg)
     edited["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))
@@ -246,7 +229,7 @@ def test_after_a_config_edit_stale_shards_are_not_done_for_anyone(tmp_path, serv
     live = LiveProgress("state", 2, 1.0, lambda s: None, fingerprint=shards.recorded_fingerprint("state"))
     assert [live._done(i) for i in range(2)] == [False, False]
     # the rerun makes them current again
-    snakemake(tmp_path, edited)
+    run_workflow(tmp_path, edited)
     assert "done 2, running 0, failed 0, pending 0" in mmirage(tmp_path, "status", "--config", "pipeline.yaml").stdout
 
 
@@ -256,7 +239,7 @@ def test_after_a_config_edit_stale_shards_are_not_done_for_anyone(tmp_path, serv
 def test_retry_runs_exactly_the_shards_it_names(tmp_path, server):
     """After a prompt edit, two shards failed: retry names all four (two failed, two stale) and Snakemake runs those."""
     cfg = pipeline(tmp_path, server.url + "/v1", num_shards=4)
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     edited = copy.deepcopy(cfg)
     edited["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))
@@ -289,10 +272,10 @@ def test_a_damaged_config_file_is_written_again_before_the_jobs(tmp_path, server
     """Issue 22 item 16: the driver (onstart, before any job; a dry run writes nothing) writes
     a damaged stored config again, so the jobs read the config, not the damage."""
     cfg = pipeline(tmp_path, server.url + "/v1")
-    snakemake(tmp_path, cfg, "--until", "records_fingerprint")  # the driver stores the config file
+    run_workflow(tmp_path, cfg, "--until", "records_fingerprint")  # the driver stores the config file
     (stored,) = (tmp_path / "state/configs").glob("*.json")
     stored.write_text('{"processors": [')  # damaged after the driver wrote it
-    proc = snakemake(tmp_path, cfg, "--keep-going")
+    proc = run_workflow(tmp_path, cfg, "--keep-going")
     assert "is damaged (not the config its name says): writing it again" in proc.text
     assert "mirageflow: run finished" in summary_of(proc) and json.loads(stored.read_text())["processors"]
 
@@ -302,7 +285,7 @@ def test_a_damaged_lease_names_the_shard_and_the_cause(tmp_path, server):
     lease = tmp_path / "state/shard_1/lease.json"
     lease.parent.mkdir(parents=True)
     lease.write_text("{not json")
-    proc = snakemake(tmp_path, cfg, "--keep-going", check=False)
+    proc = run_workflow(tmp_path, cfg, "--keep-going", check=False)
     summary = summary_of(proc)
     _no_wrong_culprit(summary)
     assert "shard 1 failed:" in summary and "lease.json is damaged" in summary and "shards: 1 of 2 done, 1 failed" in summary
@@ -312,7 +295,7 @@ def test_a_lost_engine_names_the_shard_and_the_cause(tmp_path):
     gone = FakeServer().start()
     url = gone.url + "/v1"
     gone.stop()  # nothing answers there any more
-    proc = snakemake(tmp_path, pipeline(tmp_path, url), "--keep-going", check=False)
+    proc = run_workflow(tmp_path, pipeline(tmp_path, url), "--keep-going", check=False)
     summary = summary_of(proc)
     _no_wrong_culprit(summary)
     assert "shard 0 failed:" in summary and "shard 1 failed:" in summary and "Connect" in summary
@@ -336,7 +319,7 @@ def test_a_full_disk_names_the_shard_and_the_cause(tmp_path, server, full_disk):
     names the shard's job and the error its log ends with."""
     cfg = pipeline(tmp_path, server.url + "/v1", num_shards=1)
     cfg["loading_params"]["datasets"][0]["output_dir"] = str(full_disk / "out")
-    snakemake(tmp_path, cfg, "--until", "records_fingerprint")  # the driver claims the output_dir while there is room
+    run_workflow(tmp_path, cfg, "--until", "records_fingerprint")  # the driver claims the output_dir while there is room
     try:  # then the disk fills up: no room for a part file
         with open(full_disk / "filler", "wb") as f:
             while True:
@@ -346,7 +329,7 @@ def test_a_full_disk_names_the_shard_and_the_cause(tmp_path, server, full_disk):
         pass
     (tmp_path / "state/shard_0").mkdir(parents=True)
     (tmp_path / "state/shard_0/failure.json").mkdir()  # as full as the output disk: failure.json cannot be written
-    proc = snakemake(tmp_path, cfg, check=False)
+    proc = run_workflow(tmp_path, cfg, check=False)
     summary = summary_of(proc)
     _no_wrong_culprit(summary)
     assert "shard 0 failed" in summary and "No space left on device" in summary, summary

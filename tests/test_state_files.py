@@ -24,8 +24,7 @@ from mirageflow.report import aggregate as report
 from mirageflow.state.shards import shard_states
 from mirageflow.files import atomic_write_json
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_report import _images, make_state  # noqa: E402
+from fakes.runs import make_state, report_images
 
 NOT_JSON = {
     "array": b"[]",
@@ -155,7 +154,7 @@ def test_damaged_gpu_samples_json_gets_a_note_and_the_other_shards_are_plotted(t
     report.write_report(root / "state", 4)
     page = (root / "state/report.html").read_text()
     assert f"damaged state file {path}" in page
-    assert len(_images(page)) == 4  # shards, GPU utilisation (shards 0 and 2), tokens per row, errors
+    assert len(report_images(page)) == 4  # shards, GPU utilisation (shards 0 and 2), tokens per row, errors
     warned = [r.getMessage() for r in caplog.records if "gpu_samples.json" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith(f"damaged state file {path}: ") and "\n" not in warned[0]
 

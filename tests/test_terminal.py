@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import run_workflow
+from fakes.configs import pipeline_config
 
 from mirageflow.report import terminal
 from mirageflow.files import atomic_write_json
@@ -226,17 +227,12 @@ def test_run_summary_counts_shards_and_rows_and_says_where_things_are(tmp_path, 
 
 
 def _pipeline(model, prompt: str, rows: int = 6) -> dict:
-    return {
-        "processors": [{
-            "type": "llm", "backend": "transformers", "server_args": {"model_path": str(model)},
-            "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
-        }],
-        "loading_params": {"state_dir": "state", "datasets": [{"path": "in.jsonl", "type": "JSONL", "output_dir": "out"}], "num_shards": 2, "batch_size": 4},
-        "processing_params": {
-            "inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": prompt}],
-            "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"},
-        },
-    }  # fmt: skip
+
+    return pipeline_config(
+        model=model, num_shards=2, loading={"batch_size": 4}, outputs=[{"name": "a", "prompt": prompt}],
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 4}},
+        processing={"remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+    )  # fmt: skip
 
 
 def _data(root: Path, rows: int = 6) -> None:

@@ -29,7 +29,7 @@ the ``cpu_engine`` section of BENCHMARKS.md is regenerated.
 
 from __future__ import annotations
 
-from _common import git_rev, machine, shard_answers, transformers_processor, write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, shard_answers, transformers_processor, write_section
 
 import os
 

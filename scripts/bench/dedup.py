@@ -28,10 +28,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
-from mirageflow.data.dedup import DedupParams, dedup_dataset, normalize, shingles  # noqa: E402
-from mirageflow.data.writers import records_table, write_merged  # noqa: E402
+from mirageflow.data.dedup import DedupParams, dedup_dataset, normalize, shingles
+from mirageflow.data.writers import records_table, write_merged
 
 
 def jaccard(a: str, b: str) -> float:

@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-from _engines import SimulatedBatchEngine  # noqa: E402
+import _common as C
+from _engines import SimulatedBatchEngine
 
 
 class TimedEngine(SimulatedBatchEngine):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-from mirageflow.prompts import images  # noqa: E402
+from mirageflow.prompts import images
 
 
 def photo(rotated: bool) -> bytes:

@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-from _engines import InstantEngine  # noqa: E402
+import _common as C
+from _engines import InstantEngine
 
 PLAIN_COMPLETION = "The passage describes how the river model results change energy policy in one short sentence."
 JSON_COMPLETION = json.dumps({"question": "What does the passage describe?", "answer": "How the river model results change energy policy."})

@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-import _vllm  # noqa: E402
+import _common as C
+import _vllm
 
-from mirageflow.config import load_config  # noqa: E402
-from mirageflow.engines.server_metrics import VLLM  # noqa: E402
-from mirageflow.shard import index_datasets, run_shard  # noqa: E402
+from mirageflow.config import load_config
+from mirageflow.engines.server_metrics import VLLM
+from mirageflow.shard import index_datasets, run_shard
 
 MODES = ["none", "window", "shard"]
 

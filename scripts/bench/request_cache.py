@@ -38,13 +38,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 sys.path.insert(0, str(C.ROOT / "tests"))
-from fakes.fake_http import Behaviour, FakeServer  # noqa: E402
+from fakes.fake_http import Behaviour, FakeServer
 
-from mirageflow.engines.wire import Completion  # noqa: E402
-from mirageflow.shard import request_cache as rc  # noqa: E402
+from mirageflow.engines.wire import Completion
+from mirageflow.shard import request_cache as rc
 
 SHARDS = 4
 LONG_ANSWER_BYTES = 1000  # ~200 tokens of English

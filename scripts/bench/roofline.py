@@ -27,7 +27,7 @@ GPU, no model. Printed last, one per line, ``name: value``.
 
 from __future__ import annotations
 
-from _common import write_section  # noqa: E402 - sibling module of this script
+from _common import write_section
 
 import argparse
 import datetime as dt

@@ -27,7 +27,7 @@ own error.
 
 from __future__ import annotations
 
-from _common import git_rev, machine, shard_answers, write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, shard_answers, write_section
 
 import argparse
 import datetime as dt

@@ -33,7 +33,7 @@ disk, with ``gpu_hours_loading_1000_shards_*`` computed from it); rerun this wit
 
 from __future__ import annotations
 
-from _common import git_rev, machine, machine_lines, now, print_figures, transformers_processor, write_jsonl, write_section  # noqa: E402 - sibling module
+from _common import git_rev, machine, machine_lines, now, print_figures, transformers_processor, write_jsonl, write_section
 
 import argparse
 import json

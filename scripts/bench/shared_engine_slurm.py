@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_rev, machine, machine_lines, now, print_figures, write_jsonl, write_section  # noqa: E402 - sibling module
-from shared_engine import K, _config  # noqa: E402 - sibling script: the same pipeline
+from _common import git_rev, machine, machine_lines, now, print_figures, write_jsonl, write_section
+from shared_engine import K, _config
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))

@@ -39,7 +39,7 @@ line, ``name: value``; the ``snakemake_scale`` section of BENCHMARKS.md is regen
 
 from __future__ import annotations
 
-from _common import git_rev, machine, transformers_processor, write_section  # noqa: E402 - sibling module of this script
+from _common import git_rev, machine, transformers_processor, write_section
 
 import argparse
 import datetime as dt

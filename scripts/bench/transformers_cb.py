@@ -24,7 +24,7 @@ BENCHMARKS.md is regenerated.
 
 from __future__ import annotations
 
-from _common import git_rev, machine, shard_answers, transformers_processor, write_section  # noqa: E402 - sibling module
+from _common import git_rev, machine, shard_answers, transformers_processor, write_section
 
 import os
 
@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cpu_engine import make_texts, smollm2_model, tiny_model  # noqa: E402 - sibling module
+from cpu_engine import make_texts, smollm2_model, tiny_model
 
 SECTION = "transformers_cb"
 

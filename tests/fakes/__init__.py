@@ -1,4 +1,4 @@
-"""Stand-ins for SGLang and HTTP inference servers, for tests without a GPU or sglang.
+"""Stand-ins (SGLang, HTTP inference servers, an engine) and the tests' shared scaffolding; no GPU or sglang needed.
 
 - ``fake_sglang.py``: a module injected as ``sglang`` (``Engine(**kwargs)``,
   ``generate``/``async_generate``, ``meta_info``, ``tokenizer_manager.tokenizer``,
@@ -11,6 +11,10 @@
 - ``fake_vllm_server.py``: the same for ``vllm_server`` (vLLM's ``/health``, ``/version`` and
   metric names).
 - ``fake_grammar.py``: how both SGLang fakes answer ``json_schema`` and ``ebnf`` requests.
+- ``engines.py``: ``ScriptedEngine``, an in-process engine whose answers come from a function.
+- ``configs.py``: ``pipeline_config``, the one builder of pipeline config dicts, and the shard
+  and merge set-ups built on it.
+- ``runs.py``: a run's state files written by hand (for the report, the merge, ``mmirage status``).
 """
 
 from __future__ import annotations

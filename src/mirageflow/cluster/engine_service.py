@@ -61,10 +61,6 @@ IDLE_EXIT_SECONDS = 600.0
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 422: "Unprocessable Entity", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
-def endpoint_path(state_dir: str | Path, group: int) -> Path:
-    return StateLayout(state_dir).engine_endpoint(group)
-
-
 def stats_path(state_dir: str | Path, group: int) -> Path:
     return StateLayout(state_dir).engine_stats(group)
 

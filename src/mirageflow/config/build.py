@@ -43,7 +43,6 @@ from mirageflow.prompts import python_steps
 from mirageflow.prompts import templates as prompts
 
 DEFAULT_STATE_SUBDIR = ".mirageflow-state"
-MAX_SHARDS = 1_000_000  # the schema's maximum of loading_params.num_shards
 
 
 def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:

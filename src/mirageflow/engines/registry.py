@@ -172,10 +172,6 @@ def _torch_cuda() -> tuple[bool, str]:
         return False, f"{build}: {type(e).__name__}: {e}"
 
 
-def cuda_available() -> bool:
-    return _torch_cuda()[0]
-
-
 def select_backend(backend: str, environ: Mapping[str, str] | None = None) -> Selection:
     """The backend to run. ``auto`` -> sglang when the sglang package is installed and torch
     can use a GPU; vllm_server when vllm is installed there instead; else transformers; the

@@ -224,7 +224,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         _charge_value(result)
         return result
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja2's signature (names that never clash)
+    def call(__self, __context, __obj, *args, **kwargs):
         _check_call(__obj, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
         _charge_value(result)

@@ -284,7 +284,7 @@ class Checkpoint:
             # now, not at the first commit: pyarrow, and pandas on the first Table.from_pylist,
             # take ~0.6 s to import, a stall of the event loop mid-generation
             import pyarrow as pa
-            import pyarrow.parquet  # noqa: F401
+            import pyarrow.parquet
 
             pa.Table.from_pylist([{"warm_up": 1}])
 

@@ -262,11 +262,6 @@ def owner_marker(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / OWNER
 
 
-def state_dir_of_shard_file(path: str | os.PathLike) -> Path:
-    """The state_dir of a file in a shard's directory (``<state_dir>/shard_<i>/x``)."""
-    return Path(path).parent.parent
-
-
 def state_dir_of_config_file(path: str | os.PathLike) -> Path | None:
     """The state_dir a workflow-written config file lives in (``<state_dir>/configs/x.json``), else None."""
     p = Path(path)
