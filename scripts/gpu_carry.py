@@ -70,10 +70,11 @@ wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 
 # Third-party distributions the shard job of the check's pipeline imports from our code (a
 # plain output, Parquet records, stats on; python -X importtime: the imports made by a
-# mirageflow module or at top level). A JSON output would add xgrammar (compiled, CUDA;
+# mirageflow module or at top level; orjson: the state and HTTP JSON, a compiled wheel for
+# the machine's Python). A JSON output would add xgrammar (compiled, CUDA;
 # not carried: the check has no JSON output), image inputs pillow, custom steps pebble.
 SHARD_JOB_DISTRIBUTIONS = (
-    "jinja2", "jmespath", "jsonschema", "nvidia-ml-py", "pandas", "pyarrow", "pyyaml", "tabulate", "torch", "tqdm",
+    "jinja2", "jmespath", "jsonschema", "nvidia-ml-py", "orjson", "pandas", "pyarrow", "pyyaml", "tabulate", "torch", "tqdm",
     "transformers",
 )  # fmt: skip
 

@@ -53,8 +53,8 @@ def test_the_check_runs_on_the_cpu_and_prints_every_figure(carried, tmp_path):
     assert set(NAMES) <= set(fig), set(NAMES) - set(fig)
     prompts, tokens = 16, 8
     assert fig["model_shape"] == "tiny (Qwen3 architecture)" and fig["tokenizer"] == "tiny (offline)"
-    assert fig["carried_wheels"] == "jmespath, jsonschema, jsonschema_specifications, referencing, rpds_py"
-    assert fig["shard_job_imports_missing_on_gpu_machine"] == "jmespath, jsonschema"
+    assert fig["carried_wheels"] == "jmespath, jsonschema, jsonschema_specifications, orjson, referencing, rpds_py"
+    assert fig["shard_job_imports_missing_on_gpu_machine"] == "jmespath, jsonschema, orjson"
     assert int(fig["pipeline_requests_continuous_batching"]) == prompts  # every request through the manager
     assert int(fig["pipeline_output_tokens"]) == int(fig["bare_output_tokens"]) == prompts * tokens  # fixed lengths
     ours, bare, ratio = float(fig["pipeline_tokens_per_sec"]), float(fig["bare_tokens_per_sec"]), float(fig["pipeline_vs_bare_ratio"])
@@ -81,7 +81,7 @@ def test_without_a_gpu_it_fails_loudly_at_the_first_step(tmp_path):
 def test_carried_set_is_what_the_gpu_machine_lacks():
     # jsonschema's own requirements come along (rpds-py compiled: its cp312 manylinux wheel); attrs and
     # typing-extensions are there
-    assert list(gpu_carry.missing_on_gpu_machine()) == ["jmespath", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py"]
+    assert list(gpu_carry.missing_on_gpu_machine()) == ["jmespath", "jsonschema", "jsonschema-specifications", "orjson", "referencing", "rpds-py"]
     assert gpu_carry.missing_on_gpu_machine(roots=("torch", "transformers", "pyarrow")) == {}
 
 

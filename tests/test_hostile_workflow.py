@@ -15,11 +15,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_workflow, shard_jobs
 from fakes.fake_http import FakeServer
-from test_reruns import files_on_disk, merged_rows, no_proxy, shard_jobs, snakemake  # noqa: F401 - no_proxy: a fixture
+from fakes.runs import files_on_disk, merged_rows
 
 from mirageflow.data.writers import is_json_field
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 TRIGGERS = {"default": (), "mtime": ("--rerun-triggers", "mtime")}
 
@@ -76,7 +78,7 @@ def test_item12_no_secret_from_the_url_or_the_environment_reaches_disk(tmp_path,
     cfg = pipeline(tmp_path, server)
     host = server.url.split("://", 1)[1]
     cfg["processors"][0]["base_url"] = f"http://alice:{secret_pw}@{host}/v1"
-    proc = snakemake(tmp_path, cfg, "--printshellcmds")
+    proc = run_workflow(tmp_path, cfg, "--printshellcmds")
     assert shard_jobs(proc) == 2 and len(merged_rows(tmp_path)) == 6
     assert server.records[-1]["headers"].get("Authorization", "").startswith("Basic ")  # the password was used
     stored = list((tmp_path / "state" / "configs").glob("*.json"))
@@ -131,7 +133,7 @@ def test_item13_a_dataset_edited_with_an_old_mtime_reruns(tmp_path, server, trig
     under --rerun-triggers mtime; merged/ kept the old text. Now the content decides."""
     flags = TRIGGERS[trigger]
     cfg = pipeline(tmp_path, server)
-    snakemake(tmp_path, cfg, *flags)
+    run_workflow(tmp_path, cfg, *flags)
     data = tmp_path / "in.jsonl"
     st = data.stat()
     edited = tmp_path / "edited.jsonl"
@@ -139,14 +141,14 @@ def test_item13_a_dataset_edited_with_an_old_mtime_reruns(tmp_path, server, trig
     os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns))
     subprocess.run(["cp", "-p", str(edited), str(data)], check=True)  # same size, same mtime
     assert data.stat().st_mtime_ns == st.st_mtime_ns
-    dry = snakemake(tmp_path, cfg, "-n", *flags)
+    dry = run_workflow(tmp_path, cfg, "-n", *flags)
     assert "rule index_dataset" in dry.text and shard_jobs(dry) == 2, dry.text[-2000:]
-    snakemake(tmp_path, cfg, *flags)
+    run_workflow(tmp_path, cfg, *flags)
     assert "Summarise: PASSAGE X" in [r["body"]["messages"][-1]["content"] for r in server.records]
     assert any(r["text"] == "PASSAGE X" for r in merged_rows(tmp_path)) or any(
         "PASSAGE X" in json.dumps(r) for r in merged_rows(tmp_path)
     )
-    assert "Nothing to be done" in snakemake(tmp_path, cfg, *flags).text
+    assert "Nothing to be done" in run_workflow(tmp_path, cfg, *flags).text
 
 
 @pytest.mark.parametrize("trigger", sorted(TRIGGERS))
@@ -169,20 +171,20 @@ def test_item13_an_image_whose_content_changed_reruns_its_shard(tmp_path, server
     cfg = pipeline(tmp_path, server, rows=[{"text": f"p{i}", "img": f"img/{i}.png"} for i in range(4)])
     cfg["processing_params"]["inputs"].append({"name": "img", "key": "img", "type": "image"})
     cfg["processing_params"]["outputs"][0]["prompt"] = "{{ img }} Describe: {{ text }}"
-    snakemake(tmp_path, cfg, *flags)
+    run_workflow(tmp_path, cfg, *flags)
     done = {i: (tmp_path / f"state/shard_{i}/status.json").stat().st_mtime_ns for i in range(2)}
     target = tmp_path / "img" / "3.png"  # a row of shard 1
     st = target.stat()
     target.write_bytes(png((0, 0, 255)))
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # content changed, mtime as before
-    dry = snakemake(tmp_path, cfg, "-n", *flags)
+    dry = run_workflow(tmp_path, cfg, "-n", *flags)
     assert shard_jobs(dry) == 1 and "wildcards: shard=1" in dry.text, dry.text[-2000:]
     sent = len(server.records)
-    snakemake(tmp_path, cfg, *flags)
+    run_workflow(tmp_path, cfg, *flags)
     assert (tmp_path / "state/shard_0/status.json").stat().st_mtime_ns == done[0]
     assert (tmp_path / "state/shard_1/status.json").stat().st_mtime_ns > done[1]
     assert len(server.records) - sent == 2  # shard 1's two rows, made again
-    assert "Nothing to be done" in snakemake(tmp_path, cfg, *flags).text
+    assert "Nothing to be done" in run_workflow(tmp_path, cfg, *flags).text
 
 
 # --------------------------------------------------------------------------- item 14
@@ -201,7 +203,7 @@ def test_item14_reserved_record_names_are_refused_at_dag_build(tmp_path, server,
     silently overwritten by the row index; now the DAG build refuses it, naming the key."""
     cfg = pipeline(tmp_path, server)
     edit(cfg)
-    proc = snakemake(tmp_path, cfg, "-n", check=False)
+    proc = run_workflow(tmp_path, cfg, "-n", check=False)
     assert proc.returncode != 0 and f"{key}: '" in proc.text and "is reserved" in proc.text, proc.text[-2000:]
     assert not (tmp_path / "state").exists()
 
@@ -213,23 +215,23 @@ def test_item15_a_dry_run_and_a_lint_change_nothing_on_disk(tmp_path, server):
     """Item 15: `snakemake -n` deleted merged/ and metrics.json when a shard had no
     status.json, and `snakemake --lint` wrote three files. Both now leave the disk as it is."""
     cfg = pipeline(tmp_path, server)
-    proc = snakemake(tmp_path, cfg, "-n")
+    proc = run_workflow(tmp_path, cfg, "-n")
     assert shard_jobs(proc) == 2 and not (tmp_path / "state").exists() and not (tmp_path / "out").exists()
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     (tmp_path / "state" / "shard_1" / "status.json").unlink()
     before = files_on_disk(tmp_path)
-    proc = snakemake(tmp_path, cfg, "-n")
+    proc = run_workflow(tmp_path, cfg, "-n")
     assert "wildcards: shard=1" in proc.text
     assert files_on_disk(tmp_path) == before
     assert (tmp_path / "out" / "merged").exists() and (tmp_path / "state" / "metrics.json").exists()
-    proc = snakemake(tmp_path, cfg, "--lint", check=False)
+    proc = run_workflow(tmp_path, cfg, "--lint", check=False)
     assert files_on_disk(tmp_path) == before, proc.text[-2000:]
     other = tmp_path / "fresh"
     other.mkdir()
-    snakemake(other, pipeline(other, server), "--lint", check=False)
+    run_workflow(other, pipeline(other, server), "--lint", check=False)
     assert sorted(p.name for p in other.iterdir() if not p.name.startswith(".snakemake")) == ["in.jsonl", "pipeline.yaml"]
     # the real run does what the dry run showed
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     assert len(merged_rows(tmp_path)) == 6
 
 
@@ -238,7 +240,7 @@ def test_item16_a_damaged_stored_config_is_rebuilt_and_merge_temp_dirs_cleaned(t
     rerun failed until it was deleted by hand), and .merged.<hex> temp dirs of a killed merge
     were never cleaned. The driver now rebuilds the one and removes the others."""
     cfg = pipeline(tmp_path, server)
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     (stored,) = (tmp_path / "state" / "configs").glob("*.json")
     good = stored.read_bytes()
     stored.write_text('{"processors": [')  # truncated
@@ -246,7 +248,7 @@ def test_item16_a_damaged_stored_config_is_rebuilt_and_merge_temp_dirs_cleaned(t
     leftover.mkdir()
     (leftover / "part-00000.jsonl").write_text("{}\n")
     (tmp_path / "state" / "shard_0" / "status.json").unlink()  # something to run
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     assert stored.read_bytes() == good
     assert not leftover.exists()
     assert len(merged_rows(tmp_path)) == 6
@@ -266,7 +268,7 @@ def test_item19_a_row_nested_200_levels_deep_writes_a_readable_part(tmp_path, se
     cfg = pipeline(tmp_path, server, rows=rows, fmt="parquet")
     cfg["processing_params"]["remove_columns"] = False
     cfg["loading_params"]["num_shards"] = 1
-    snakemake(tmp_path, cfg)
+    run_workflow(tmp_path, cfg)
     files = sorted((tmp_path / "out" / "merged").glob("*.parquet"))
     table = pq.read_table(files[0])
     assert is_json_field(table.schema.field("meta"))

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from conftest import REPO, run_workflow, shard_jobs
 from fakes.configs import pipeline_config
+from fakes.runs import files_on_disk, merged_rows
 from fakes.fake_http import FakeServer
 
 from mirageflow.state import pipeline as pipeline_state
@@ -62,22 +63,6 @@ def pipeline(root: Path, server: FakeServer, state: str = "state", out: str = "o
 
 def mtimes(root: Path, state: str = "state") -> dict:
     return {p.relative_to(root).as_posix(): p.stat().st_mtime_ns for p in sorted((root / state).glob("shard_*/status.json"))}
-
-
-def merged_rows(root: Path, out: str = "out") -> list[dict]:
-    return [json.loads(line) for p in sorted((root / out / "merged").glob("*.jsonl")) for line in p.read_text().splitlines()]
-
-
-def files_on_disk(root: Path) -> dict:
-    """Every file and directory under root (but Snakemake's own .snakemake/) with its mtime and size."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if rel.startswith(".snakemake") or rel == "pipeline.yaml":  # Snakemake's own; the config the helper writes
-            continue
-        st = p.lstat()
-        out[rel] = (st.st_mtime_ns, st.st_size)
-    return out
 
 
 # --------------------------------------------------------------------------- what the fingerprint covers (no Snakemake)

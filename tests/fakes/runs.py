@@ -96,3 +96,19 @@ def row_errors(cfg, shard: int = 0) -> list[dict]:
 def report_images(page: str) -> list[bytes]:
     """The SVG figures embedded in report.html, decoded."""
     return [base64.b64decode(m) for m in re.findall(r'src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"', page)]
+
+
+def merged_rows(root: Path, out: str = "out") -> list[dict]:
+    return [json.loads(line) for p in sorted((root / out / "merged").glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def files_on_disk(root: Path) -> dict:
+    """Every file and directory under root (but Snakemake's own .snakemake/) with its mtime and size."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith(".snakemake") or rel == "pipeline.yaml":  # Snakemake's own; the config the helper writes
+            continue
+        st = p.lstat()
+        out[rel] = (st.st_mtime_ns, st.st_size)
+    return out
