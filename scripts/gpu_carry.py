@@ -44,7 +44,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # The GPU test machine's Python packages (pip list of its image, read 2026-11-17, as the
 # workplace's notes give it; Python 3.12.3, torch 2.11.0, transformers 5.17.0,
 # huggingface_hub 1.33.0, tokenizers 0.23.2, safetensors 0.8.0, numpy 2.5.2).
-GPU_MACHINE_PACKAGES = frozenset("""
+GPU_MACHINE_PACKAGES = frozenset(
+    """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
@@ -66,7 +67,8 @@ sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server 
 tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
 torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop
 wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
-""".split())
+""".split()
+)
 
 # Third-party distributions the shard job of the check's pipeline imports from our code (a
 # plain output, Parquet records, stats on; python -X importtime: the imports made by a

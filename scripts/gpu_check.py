@@ -166,7 +166,9 @@ def environment(c: Check) -> str | None:
     if cuda:
         c.figure("gpu", torch.cuda.get_device_name(0))
     elif not ALLOW_CPU:
-        raise StepFailed(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device: no GPU, a CPU build, or a driver older than it needs")
+        raise StepFailed(
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device: no GPU, a CPU build, or a driver older than it needs"
+        )
     notes = []
     try:
         import pynvml
@@ -197,12 +199,16 @@ def carried_wheels(c: Check) -> str | None:
         run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", str(SITE),
              *map(str, wheels)], timeout=120, what="pip install of the carried wheels")  # fmt: skip
     elif not ALLOW_CPU:
-        raise StepFailed(f"no wheels in {CARRY / 'wheels'}: run `python scripts/gpu_carry.py` where there is network and carry build/gpu-carry")
+        raise StepFailed(
+            f"no wheels in {CARRY / 'wheels'}: run `python scripts/gpu_carry.py` where there is network and carry build/gpu-carry"
+        )
     else:
         note = "no carried wheels: this environment's packages"
     c.figure("carried_wheels", ", ".join(w.name.split("-")[0] for w in wheels) or None, "none carried")
     probe = "import jmespath, jsonschema, mirageflow.config; print(jsonschema.__file__); print(jmespath.__file__)"
-    files = run([sys.executable, "-c", probe], timeout=120, env=child_env(), what="importing our package with the carried wheels").stdout.split()
+    files = run(
+        [sys.executable, "-c", probe], timeout=120, env=child_env(), what="importing our package with the carried wheels"
+    ).stdout.split()
     if wheels and not all(f.startswith(str(SITE)) for f in files):
         raise StepFailed(f"jsonschema/jmespath were not imported from the carried wheels ({SITE}): {files}")
     if str(SITE) not in sys.path and SITE.exists():
@@ -222,7 +228,9 @@ def tokenizer(c: Check) -> str | None:
     note = None
     if not (src / "tokenizer.json").exists():
         if not ALLOW_CPU:
-            raise StepFailed(f"no tokenizer in {src}: run `python scripts/gpu_carry.py` (SmolLM2's tokenizer files) and carry build/gpu-carry")
+            raise StepFailed(
+                f"no tokenizer in {src}: run `python scripts/gpu_carry.py` (SmolLM2's tokenizer files) and carry build/gpu-carry"
+            )
         from mirageflow.model_prep import _train_tiny_tokenizer
 
         src = c.work / "tokenizer"
@@ -398,7 +406,9 @@ def pipeline(c: Check) -> str | None:
         if failure.exists():
             sys.stderr.write(failure.read_text()[-4000:])
         if shard_log.exists():
-            sys.stderr.write("".join(line for line in shard_log.read_text().splitlines(True) if not line.startswith("import time:"))[-6000:])
+            sys.stderr.write(
+                "".join(line for line in shard_log.read_text().splitlines(True) if not line.startswith("import time:"))[-6000:]
+            )
         raise
     finally:
         smi.stop()
@@ -428,7 +438,9 @@ def pipeline(c: Check) -> str | None:
     if cb.get("requests") != n:
         problems.append(f"{cb.get('requests')} of {n} requests went through continuous batching: {cb}")
     if c.facts["device"] == "cuda" and (eng["device"] == "cpu" or st["num_gpus"] != 1 or st.get("gpu_util_mean") is None):
-        problems.append(f"not measured on the GPU: engine device {eng['device']!r}, num_gpus {st['num_gpus']}, gpu_util_mean {st.get('gpu_util_mean')}")
+        problems.append(
+            f"not measured on the GPU: engine device {eng['device']!r}, num_gpus {st['num_gpus']}, gpu_util_mean {st.get('gpu_util_mean')}"
+        )
     if problems:
         raise StepFailed("; ".join(problems))
     return None
@@ -493,7 +505,10 @@ def bare(c: Check) -> str | None:
     c.need("status")  # after the pipeline: its GPU memory is free again
     n, new, running = c.facts["prompts"], c.facts["new_tokens"], c.facts["running"]
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False) for t in prompts(n)]
+    ids = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for t in prompts(n)
+    ]
     dropped = drop_from_page_cache(model_dir)  # the pipeline's load read it: from disk again
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # as the engine: float32 on a CPU
@@ -505,7 +520,8 @@ def bare(c: Check) -> str | None:
     c.figure("bare_model_load_page_cache_drop_requested", dropped)
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=tok.pad_token_id)
     manager = model.init_continuous_batching(
-        generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**manager_config(running, device, model.config.max_position_embeddings))
+        generation_config=gen,
+        continuous_batching_config=ContinuousBatchingConfig(**manager_config(running, device, model.config.max_position_embeddings)),
     )
     if device == "cuda":
         manager.warmup()

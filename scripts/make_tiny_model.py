@@ -1,4 +1,5 @@
 """Build the tiny random test model: python scripts/make_tiny_model.py OUT_DIR"""
+
 import sys
 from pathlib import Path
 

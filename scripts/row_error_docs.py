@@ -1,7 +1,7 @@
 """Regenerate README.md's table of row error classes from mirageflow.errors.RowErrorClass.
 
-    python scripts/row_error_docs.py          # rewrite the table
-    python scripts/row_error_docs.py --check  # exit 1 when the README is out of date
+python scripts/row_error_docs.py          # rewrite the table
+python scripts/row_error_docs.py --check  # exit 1 when the README is out of date
 """
 
 from __future__ import annotations

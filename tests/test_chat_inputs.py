@@ -37,7 +37,6 @@ SHAREGPT = [
 
 
 def pipeline_dict(outputs: list[dict], processor: dict | None = None) -> dict:
-
     return pipeline_config(
         model="m", state_dir=None, num_shards=None, dataset={"type": "jsonl"}, outputs=outputs,
         inputs=[{"name": "conv", "key": "conversations"}, "topic"],
@@ -92,7 +91,10 @@ def test_a_prompt_after_the_conversation_is_its_last_user_turn():
     assert msgs == [*OPENAI[:3], {"role": "user", "content": "Now answer about cats."}]
     with pytest.raises(RowError, match="ends with a system turn"):
         builder(conversation="conv").messages({"conv": OPENAI[:1], "topic": "x"})
-    assert builder(conversation="conv", prompt="Q").messages({"conv": OPENAI[:1], "topic": "x"}) == [OPENAI[0], {"role": "user", "content": "Q"}]
+    assert builder(conversation="conv", prompt="Q").messages({"conv": OPENAI[:1], "topic": "x"}) == [
+        OPENAI[0],
+        {"role": "user", "content": "Q"},
+    ]
 
 
 def test_the_outputs_system_prompt_replaces_the_conversations_own():
@@ -144,7 +146,10 @@ def test_transformers_renders_the_whole_conversation_through_the_chat_template(t
     from mirageflow.engines.transformers_engine import TransformersEngine
     from mirageflow.shard.steps import OutputStep
 
-    cfg = load_config(pipeline_dict([{"name": "a", "conversation": "conv"}], {"backend": "transformers", "server_args": {"model_path": str(tiny_model)}}), check_paths=False)
+    cfg = load_config(
+        pipeline_dict([{"name": "a", "conversation": "conv"}], {"backend": "transformers", "server_args": {"model_path": str(tiny_model)}}),
+        check_paths=False,
+    )
     engine = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=1, torch_threads=1)
     engine.load()
     try:

@@ -74,7 +74,9 @@ def test_the_manifest_records_each_parts_size_checksum_and_rows(tmp_path):
     assert saved["format"] == MANIFEST_VERSION == 2 and saved["fingerprint"] == FP
     d = saved["datasets"]["0"]
     data = (_out(tmp_path) / "part-00000.parquet").read_bytes()
-    assert d["parts"] == [{"name": "part-00000.parquet", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rows": [[3, 6], [7, 8], [9, 10]]}]
+    assert d["parts"] == [
+        {"name": "part-00000.parquet", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rows": [[3, 6], [7, 8], [9, 10]]}
+    ]
     assert d["done"] == [[3, 6], [7, 8], [9, 10]] and d["failed"] == [[6, 7]] and d["fmt"] == "parquet"
 
 
@@ -189,7 +191,9 @@ def test_a_manifest_from_a_newer_version_is_refused_with_the_file_named(tmp_path
     assert _parts_on_disk(tmp_path) == ["part-00000.parquet"]
 
 
-@pytest.mark.parametrize("line", ['{"dataset": 0, "source_index": 12, "sta', "\udcff-not-utf8", "[1, 2]", '{"dataset": 5, "source_index": 12, "error": "x"}'])
+@pytest.mark.parametrize(
+    "line", ['{"dataset": 0, "source_index": 12, "sta', "\udcff-not-utf8", "[1, 2]", '{"dataset": 5, "source_index": 12, "error": "x"}']
+)
 def test_damaged_error_lines_are_skipped_and_their_rows_recomputed(tmp_path, caplog, line):
     ck = _ckpt(tmp_path)
     ck.restore(retry_failed=False)
@@ -340,6 +344,7 @@ def test_heartbeat_io_errors_are_logged_not_fatal(tmp_path, monkeypatch, caplog)
     lease = Lease(tmp_path, 0.4)
     lease.acquire()
     try:
+
         def disk_full(path, obj, **kw):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
 

@@ -25,7 +25,6 @@ def mmirage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _pipeline(model, num_shards: int = 1, rows: int = 6, bad_lines: int = 1, **shard_params) -> dict:
-
     return pipeline_config(
         model=model, num_shards=num_shards, loading={"batch_size": 4}, outputs=[{"name": "a", "prompt": "Answer briefly: {{ q }}"}],
         processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 6}},
@@ -194,7 +193,11 @@ def test_retry_plan_forces_only_done_shards_with_failed_rows(half, monkeypatch):
     assert cli.retry_plan(cfg, failed_rows=False)["with_failed_rows"] == []
     plan = cli.retry_plan(cfg, failed_rows=True)
     assert {k: plan[k] for k in ("unfinished", "running", "with_failed_rows", "damaged_status", "stale")} == {
-        "unfinished": [1, 2, 3], "running": [2], "with_failed_rows": [0], "damaged_status": [], "stale": [],
+        "unfinished": [1, 2, 3],
+        "running": [2],
+        "with_failed_rows": [0],
+        "damaged_status": [],
+        "stale": [],
     }
 
 
@@ -309,7 +312,9 @@ def test_status_prints_whole_errors_and_does_not_suggest_a_retry_that_would_fail
     summary = json.loads(mmirage(half, "status", "--config", "pipeline.yaml", "--json").stdout)
     assert summary["failures_repeat"] == {"1": "template_error"} and summary["shards"][1]["repeats_identically"] == "template_error"
     # a failure a retry can fix still gets the suggestion
-    atomic_write_json(half / "state/shard_3/failure.json", {"shard_id": 3, "status": "failed", "error": "EngineFailed: lost the server", "signal": None})
+    atomic_write_json(
+        half / "state/shard_3/failure.json", {"shard_id": 3, "status": "failed", "error": "EngineFailed: lost the server", "signal": None}
+    )
     out = mmirage(half, "status", "--config", "pipeline.yaml").stdout
     assert "retry the failed shards (the others) with: mmirage retry --config pipeline.yaml" in out
 
@@ -324,7 +329,11 @@ def test_retry_exits_non_zero_when_shards_are_still_failed(half, monkeypatch, ca
     (half / "state/shard_1/failure.json").unlink()
     assert cli.main(["retry", "--config", "pipeline.yaml"]) == cli.EXIT_OK
     assert len(ran) == 4  # the shards named, then (nothing failed any more) the report without any shard
-    assert ran[-2][ran[-2].index("--cores") + 2 :][:3] == ["state/shard_1/status.json", "state/shard_2/status.json", "state/shard_3/status.json"]
+    assert ran[-2][ran[-2].index("--cores") + 2 :][:3] == [
+        "state/shard_1/status.json",
+        "state/shard_2/status.json",
+        "state/shard_3/status.json",
+    ]
     assert "--allowed-rules" in ran[-1] and not any("shard_" in a for a in ran[-1])
 
 

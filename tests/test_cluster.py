@@ -13,11 +13,14 @@ from mirageflow.config import ConfigError, load_config
 
 @pytest.fixture
 def cfg(tmp_path) -> dict:
-
     data = tmp_path / "in.jsonl"
     data.write_text('{"q": "x"}\n')
     return pipeline_config(
-        data, state_dir=None, output_dir=tmp_path / "out", num_shards=None, dataset={"type": "jsonl"},
+        data,
+        state_dir=None,
+        output_dir=tmp_path / "out",
+        num_shards=None,
+        dataset={"type": "jsonl"},
         processor={"server_args": {"model_path": "org/model", "tp_size": 2, "dp_size": 2}},
     )
 
@@ -39,7 +42,15 @@ def problems(cfg: dict, **ep) -> list[str]:
 
 @pytest.mark.parametrize(
     "limit, minutes",
-    [("00:00:01", 1), ("00:30:00", 30), ("00:30:01", 31), ("11:59:59", 720), ("1-00:00:00", 1440), ("2-01:02:00", 2942), ("100:00:00", 6000)],
+    [
+        ("00:00:01", 1),
+        ("00:30:00", 30),
+        ("00:30:01", 31),
+        ("11:59:59", 720),
+        ("1-00:00:00", 1440),
+        ("2-01:02:00", 2942),
+        ("100:00:00", 6000),
+    ],
 )
 def test_minutes_rounds_up(limit, minutes):
     assert cluster.minutes(limit) == minutes
@@ -51,7 +62,9 @@ def test_minutes_refuses_malformed(limit):
         cluster.minutes(limit)
 
 
-@pytest.mark.parametrize("mem, mb", [("200G", 204800), ("200g", 204800), ("64000M", 64000), ("512", 512), (512, 512), ("1T", 1048576), ("1500K", 2)])
+@pytest.mark.parametrize(
+    "mem, mb", [("200G", 204800), ("200g", 204800), ("64000M", 64000), ("512", 512), (512, 512), ("1T", 1048576), ("1500K", 2)]
+)
 def test_mem_mb(mem, mb):
     assert cluster.mem_mb(mem) == mb
 
@@ -128,7 +141,10 @@ def test_shard_resources_from_every_key(cfg):
     assert [runtime(None, a) for a in (1, 2, 3)] == [60, 120, 150]
 
 
-@pytest.mark.parametrize("limit, seconds", [("00:01:00", 6), ("00:00:30", 6), ("00:10:00", 60), ("00:30:00", 180), ("00:50:00", 300), ("11:59:59", 300), ("2-00:00:00", 300)])
+@pytest.mark.parametrize(
+    "limit, seconds",
+    [("00:01:00", 6), ("00:00:30", 6), ("00:10:00", 60), ("00:30:00", 180), ("00:50:00", 300), ("11:59:59", 300), ("2-00:00:00", 300)],
+)
 def test_shards_get_sigterm_before_their_time_limit(cfg, limit, seconds):
     """A tenth of the (first attempt's) limit, 5 s to 5 min: enough to commit and write failure.json."""
     assert resources(cfg, time_limit=limit)["slurm_extra"] == f"--signal=TERM@{seconds}"

@@ -26,11 +26,15 @@ def jsonl(tmp_path) -> Path:
 
 @pytest.fixture
 def cfg(tmp_path, jsonl) -> dict:
-
     """A minimal valid config dict reading the tmp JSONL file."""
     return pipeline_config(
-        jsonl, model="org/model", state_dir=None, output_dir=tmp_path / "out", num_shards=None,
-        inputs=["question"], outputs=[{"name": "answer", "prompt": "Answer: {{ question }}"}],
+        jsonl,
+        model="org/model",
+        state_dir=None,
+        output_dir=tmp_path / "out",
+        num_shards=None,
+        inputs=["question"],
+        outputs=[{"name": "answer", "prompt": "Answer: {{ question }}"}],
     )
 
 
@@ -179,7 +183,10 @@ def test_wrong_type_names_key_path(cfg):
 def test_missing_required_key(cfg):
     del cfg["processing_params"]["outputs"][0]["prompt"]
     # an LLM output needs a prompt unless it sends a row's conversation (test_chat_inputs.py)
-    assert only_problem(cfg) == "processing_params.outputs[0].prompt: required key is missing (or set conversation to send a row's chat messages)"
+    assert (
+        only_problem(cfg)
+        == "processing_params.outputs[0].prompt: required key is missing (or set conversation to send a row's chat messages)"
+    )
 
 
 def test_missing_required_section(cfg):
@@ -235,9 +242,7 @@ def test_system_template_is_checked(cfg):
 
 
 def test_template_locals_are_not_unknown_variables(cfg):
-    cfg["processing_params"]["outputs"][0]["prompt"] = (
-        "{% set q = question %}{% for i in range(2) %}{{ loop.index }} {{ q }}{% endfor %}"
-    )
+    cfg["processing_params"]["outputs"][0]["prompt"] = "{% set q = question %}{% for i in range(2) %}{{ loop.index }} {{ q }}{% endfor %}"
     load(cfg)
 
 
@@ -480,7 +485,18 @@ def test_redact_covers_url_passwords_and_api_key_flags():
     from mirageflow.redact import redact, redact_text
 
     argv = ["python", "-m", "sglang.launch_server", "--api-key", "sk-1", "--api-key=sk-2", "--hf-token", "hf_3", "--port", "30000"]
-    assert redact(argv) == ["python", "-m", "sglang.launch_server", "--api-key", "***", "--api-key=***", "--hf-token", "***", "--port", "30000"]
+    assert redact(argv) == [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--api-key",
+        "***",
+        "--api-key=***",
+        "--hf-token",
+        "***",
+        "--port",
+        "30000",
+    ]
     info = {"base_url": "http://user:pa:ss@node:30000/v1", "api_key": "sk-1", "engine_args": {"hf_token": "x", "tp_size": 2}}
     assert redact(info) == {"base_url": "http://user:***@node:30000/v1", "api_key": "***", "engine_args": {"hf_token": "***", "tp_size": 2}}
     text = "POST https://u:secret@h/v1/chat/completions failed; server: sglang --api-key abc --api-key=def; Authorization: Bearer sk-9"
@@ -556,7 +572,10 @@ def test_empty_output_dir_is_an_error(cfg):
 
 def test_state_dir_under_a_regular_file(cfg, jsonl):
     cfg["loading_params"]["state_dir"] = str(jsonl / "state")
-    assert only_problem(cfg) == f"loading_params.state_dir: '{jsonl}' is a file, not a directory, so '{jsonl / 'state'}' cannot be created under it"
+    assert (
+        only_problem(cfg)
+        == f"loading_params.state_dir: '{jsonl}' is a file, not a directory, so '{jsonl / 'state'}' cannot be created under it"
+    )
     assert load_config(cfg, environ={}, check_paths=False).state_dir == str(jsonl / "state")  # status/stats still read it
 
 
@@ -574,7 +593,9 @@ def test_output_dir_equal_to_input_file_or_inside_input_dir(cfg, jsonl, tmp_path
     assert f"loading_params.datasets[0].output_dir: '{jsonl}' is the input file '{jsonl}' itself (datasets[0].path)" in problems_of(cfg)
     (tmp_path / "pq").mkdir()
     ds.update(path=str(tmp_path / "pq"), type="parquet", output_dir=str(tmp_path / "pq" / "out"))
-    assert only_problem(cfg).startswith(f"loading_params.datasets[0].output_dir: '{tmp_path / 'pq' / 'out'}' is inside input dataset directory")
+    assert only_problem(cfg).startswith(
+        f"loading_params.datasets[0].output_dir: '{tmp_path / 'pq' / 'out'}' is inside input dataset directory"
+    )
 
 
 def test_default_state_dir_is_per_pipeline(cfg, tmp_path):

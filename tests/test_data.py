@@ -298,9 +298,7 @@ def test_loadable_dataset(tmp_path):
 def test_loadable_dataset_dict_needs_split(tmp_path):
     import datasets
 
-    dd = datasets.DatasetDict(
-        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}
-    )
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])})
     dd.save_to_disk(str(tmp_path / "hf"))
     with pytest.raises(ValueError, match=r"set loading_params\.datasets\[0\]\.split"):
         write_index(dataset(tmp_path / "hf", "loadable"), 1, tmp_path / "i.index.json")

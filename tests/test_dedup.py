@@ -179,12 +179,22 @@ def test_samples_of_one_row_are_named_by_their_sample_index(tmp_path):
     write_manifest(cfg, 3)
     dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
     [removed] = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert removed == {"row": 2, "source_index": 0, "kind": "exact", "duplicate_of_row": 0, "duplicate_of": 0, "sample_index": 2, "duplicate_of_sample": 0}
+    assert removed == {
+        "row": 2,
+        "source_index": 0,
+        "kind": "exact",
+        "duplicate_of_row": 0,
+        "duplicate_of": 0,
+        "sample_index": 2,
+        "duplicate_of_sample": 0,
+    }
 
 
 def test_a_missing_text_column_keeps_every_row(tmp_path):
     cfg, ds = dataset(tmp_path, "parquet")
-    write_merged([pa.Table.from_pylist([{"a": 1, "source_index": 0}, {"a": 1, "source_index": 1}])], Path(ds.output_dir) / "merged", "parquet")
+    write_merged(
+        [pa.Table.from_pylist([{"a": 1, "source_index": 0}, {"a": 1, "source_index": 1}])], Path(ds.output_dir) / "merged", "parquet"
+    )
     write_manifest(cfg, 2)
     counts = dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
     assert (counts["rows_out"], counts["rows_without_text"]) == (2, 2)
@@ -215,7 +225,6 @@ def test_damaged_inputs_name_the_file(tmp_path):
 
 
 def pipeline_dict(dedup: dict, merge: bool = True, remove_columns: bool = True) -> dict:
-
     return pipeline_config(
         model="m", state_dir=None, num_shards=None, dataset={"type": "jsonl"}, outputs=[{"name": "answer", "prompt": "{{ q }}"}],
         processor={"backend": "openai", "base_url": "http://h:1/v1"},
@@ -253,7 +262,16 @@ def test_valid_configs():
 
 
 def test_changed_parameters_remove_the_old_outputs(tmp_path):
-    cfg = load_config(pipeline_dict({"enabled": True, "text_field": "answer"}) | {"loading_params": {"state_dir": str(tmp_path / "s"), "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": str(tmp_path / "o")}]}}, check_paths=False)
+    cfg = load_config(
+        pipeline_dict({"enabled": True, "text_field": "answer"})
+        | {
+            "loading_params": {
+                "state_dir": str(tmp_path / "s"),
+                "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": str(tmp_path / "o")}],
+            }
+        },
+        check_paths=False,
+    )
     counts = tmp_path / "s/dedup/dataset_0.json"
     counts.parent.mkdir(parents=True)
     (tmp_path / "o/deduplicated").mkdir(parents=True)
@@ -317,7 +335,9 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
     # `mmirage merge` deduplicates too when enabled (and still never starts a shard)
     for path in (tmp_path / "state/dedup").iterdir():
         path.unlink()
-    proc = subprocess.run([sys.executable, "-m", "mirageflow.cli", "merge", "--config", "pipeline.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mirageflow.cli", "merge", "--config", "pipeline.yaml"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--allowed-rules merge dedup" in proc.stderr and "rule shard:" not in proc.stdout + proc.stderr
     assert json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())["rows_out"] == 4

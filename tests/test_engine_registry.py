@@ -245,7 +245,6 @@ def echo_backend(monkeypatch):
 
 
 def _echo_pipeline(tmp_path: Path, **processor) -> dict:
-
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(3)))
     return pipeline_config(
@@ -270,7 +269,9 @@ def test_a_backend_registered_at_run_time_is_validated_checked_previewed_and_run
     with pytest.raises(ConfigError, match=r"execution_params\.shards_per_engine: .*uses backend echo \(a remote server, nothing to load\)"):
         load_config(shared, environ={})
     not_native = _echo_pipeline(tmp_path, backend="transformers", native_n=True)
-    with pytest.raises(ConfigError, match=r"native_n: only the echo, openai and vllm_server backends send one request with n; backend 'transformers'"):
+    with pytest.raises(
+        ConfigError, match=r"native_n: only the echo, openai and vllm_server backends send one request with n; backend 'transformers'"
+    ):
         load_config(not_native, environ={})
 
     # preflight: no model directory to look for (echo-model is the server's name), its API key is

@@ -146,7 +146,10 @@ def test_generation_json_schema_chat_template_and_tokens(fake_sglang):
     assert [c.id for c in completions] == list(range(10))
     assert all(c.text == '{"answer": "fake"}' for c in completions if c.id % 2)
     assert all(c.finish_reason in ("stop", "length") and c.error_kind is None for c in completions)
-    assert all(c.completion_tokens > 0 and c.prompt_tokens == len(tok(requests[c.id].prompt, add_special_tokens=False)["input_ids"]) for c in completions)
+    assert all(
+        c.completion_tokens > 0 and c.prompt_tokens == len(tok(requests[c.id].prompt, add_special_tokens=False)["input_ids"])
+        for c in completions
+    )
     assert fake.shutdown_calls == 1
 
 
@@ -256,6 +259,7 @@ def test_stop_fails_outstanding_and_later_requests(fake_sglang, monkeypatch):
     engine = SGLangEngine(processor(extra={"max_running_requests": 2}))
     engine.load()
     try:
+
         def stop_once_running():  # not on a timer: under load the timer fired before any request
             deadline = time.monotonic() + 30
             while not (fake_sglang.ENGINES and fake_sglang.ENGINES[0].running) and time.monotonic() < deadline:

@@ -19,9 +19,7 @@ def engine(tiny_model):
 
 def _requests(engine, texts, **params):
     params = {"temperature": 0.0, "max_new_tokens": 6, **params}
-    return [
-        Request(i, None, engine.chat_prompt([{"role": "user", "content": t}], {}), params) for i, t in enumerate(texts)
-    ]
+    return [Request(i, None, engine.chat_prompt([{"role": "user", "content": t}], {}), params) for i, t in enumerate(texts)]
 
 
 def test_batched_generation_counts_tokens_and_keeps_ids(engine):
@@ -65,9 +63,7 @@ def test_prompt_longer_than_context_is_a_per_request_error(engine):
 
 def test_chat_template_kwargs_reach_the_template(engine):
     template = engine.tokenizer.chat_template
-    engine.tokenizer.chat_template = (
-        "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}" + template
-    )
+    engine.tokenizer.chat_template = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}" + template
     vars(engine).pop("_chat_template", None)  # compiled once, at first use: recompile this one
     try:
         msgs = [{"role": "user", "content": "hi"}]
@@ -169,7 +165,9 @@ def test_rows_with_and_without_a_schema_share_a_batch(engine):
 
     reqs = _requests(engine, ["alpha", "beta", "gamma"], max_new_tokens=40)
     reqs[1].json_schema = json.dumps(_SCHEMA)
-    reqs[2].json_schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False})
+    reqs[2].json_schema = json.dumps(
+        {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    )
     alone = engine.generate(_requests(engine, ["alpha"], max_new_tokens=40))[0]
     a, b, c = engine.generate(reqs)
     assert a.text == alone.text  # the unconstrained row is untouched by its neighbours' grammars

@@ -95,7 +95,9 @@ def test_launch_feed_scrape_and_stop(fast, monkeypatch, tmp_path):
                         "--tensor-parallel-size", "1", "--max-num-seqs", "4"]  # fmt: skip
         assert json.loads(re.search(r"fake vllm env: (.*)", log).group(1)) == {"VLLM_CPU_KVCACHE_SPACE": "2"}
         server_pid = engine.process.pid
-        one = drive(engine, [Request(i, messages(i), None, {"max_new_tokens": 5}, json.dumps(SCHEMA) if i == 0 else None) for i in range(6)])
+        one = drive(
+            engine, [Request(i, messages(i), None, {"max_new_tokens": 5}, json.dumps(SCHEMA) if i == 0 else None) for i in range(6)]
+        )
         three = drive(engine, [Request(10, messages(10), None, {"max_new_tokens": 5}, seed=40), Request(11, messages(0), None, {})])
         import asyncio
 
@@ -261,7 +263,18 @@ def test_an_engine_service_serves_a_launched_vllm_to_its_shards(fast, tmp_path):
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
     endpoint = tmp_path / "state" / "engines" / "engine_0.json"
-    cmd = [sys.executable, "-m", "mirageflow.jobs", "--config", str(path), "--log", str(tmp_path / "engine.log"), "engine", "0", str(endpoint)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mirageflow.jobs",
+        "--config",
+        str(path),
+        "--log",
+        str(tmp_path / "engine.log"),
+        "engine",
+        "0",
+        str(endpoint),
+    ]
     proc = subprocess.Popen(cmd, env=os.environ.copy())
     try:
         client = SharedEngine(load_config(raw, check_paths=False).processors["llm"], 4, endpoint=endpoint)

@@ -97,7 +97,11 @@ def _outcome(fn):
         return type(e).__name__, str(e)
 
 
-@pytest.mark.parametrize("template", [CHATML, LLAMA3, MISTRAL, QWEN_LIKE, {"default": LLAMA3, "tool_use": CHATML}], ids=["chatml", "llama3", "mistral", "qwen-like", "dict"])
+@pytest.mark.parametrize(
+    "template",
+    [CHATML, LLAMA3, MISTRAL, QWEN_LIKE, {"default": LLAMA3, "tool_use": CHATML}],
+    ids=["chatml", "llama3", "mistral", "qwen-like", "dict"],
+)
 def test_chat_template_renders_exactly_as_transformers(tokenizer, template):
     from mirageflow.engines.chat_template import ChatTemplate
 
@@ -159,7 +163,14 @@ TEMPLATES = [
     "{%- if n > 1 %}big{% endif %} {{- text -}} ",
 ]
 VARIABLES = [
-    {"text": "hello", "a": 1, "b": None, "qa": {"question": "Q?", "answer": True, "items": "key", "_private": 5}, "deep": {"x": {"y": 2.5}}, "n": 3},
+    {
+        "text": "hello",
+        "a": 1,
+        "b": None,
+        "qa": {"question": "Q?", "answer": True, "items": "key", "_private": 5},
+        "deep": {"x": {"y": 2.5}},
+        "n": 3,
+    },
     {"text": "é <b>", "a": [1, 2], "b": {"k": "v"}, "qa": {"question": 0}, "deep": {"x": 7}, "n": 0, "range": "shadowed"},
     {"text": "", "a": False, "b": "", "qa": "not a dict", "deep": None, "n": 2},
 ]
@@ -181,7 +192,9 @@ def test_prompt_templates_render_as_jinja2(source):
             assert got[0] == "RowError" and want[1] in got[1], (source, variables, got, want)
 
 
-@pytest.mark.parametrize("expr", ["{{ qa }}", "{{ qa.question }}", "{{ qa.items }}", "{{ deep.x.y }}", " {{ n }} ", "{{ missing }}", "{{ n * 2 }}"])
+@pytest.mark.parametrize(
+    "expr", ["{{ qa }}", "{{ qa.question }}", "{{ qa.items }}", "{{ deep.x.y }}", " {{ n }} ", "{{ missing }}", "{{ n * 2 }}"]
+)
 def test_lone_expressions_keep_their_type(expr):
     evaluate = prompts._compile_value(expr, "where")
     compiled = _PLAIN.compile_expression(prompts._LONE_EXPR.match(expr).group(1), undefined_to_none=False)
@@ -245,11 +258,27 @@ SCHEMAS = [
     [],
 ]
 VALUES = [
-    {}, {"question": "q", "answer": "a"}, {"question": 1, "answer": "a"}, {"question": "q"}, {"question": "q", "answer": "a", "extra": [1]},
-    {"n": 1, "x": 0.5, "ok": True, "s": ""}, {"n": 1.0, "x": 2, "ok": False, "s": "x"}, {"n": 1.5, "x": 0, "ok": True, "s": "x"},
-    {"n": True, "x": 0, "ok": True, "s": "x"}, {"n": 1, "x": True, "ok": True, "s": "x"}, {"n": 1, "x": -2, "ok": True, "s": "x"},
-    {"n": 1, "x": 2.0001, "ok": 1, "s": "x"}, {"n": 1, "x": float("nan"), "ok": True, "s": "x"}, {"n": float("inf"), "x": 1, "ok": True, "s": None},
-    {"k": 0}, {"k": 9}, {"k": 10}, {"k": -1}, {"k": 9.0}, {"k": "3"}, {"k": None},
+    {},
+    {"question": "q", "answer": "a"},
+    {"question": 1, "answer": "a"},
+    {"question": "q"},
+    {"question": "q", "answer": "a", "extra": [1]},
+    {"n": 1, "x": 0.5, "ok": True, "s": ""},
+    {"n": 1.0, "x": 2, "ok": False, "s": "x"},
+    {"n": 1.5, "x": 0, "ok": True, "s": "x"},
+    {"n": True, "x": 0, "ok": True, "s": "x"},
+    {"n": 1, "x": True, "ok": True, "s": "x"},
+    {"n": 1, "x": -2, "ok": True, "s": "x"},
+    {"n": 1, "x": 2.0001, "ok": 1, "s": "x"},
+    {"n": 1, "x": float("nan"), "ok": True, "s": "x"},
+    {"n": float("inf"), "x": 1, "ok": True, "s": None},
+    {"k": 0},
+    {"k": 9},
+    {"k": 10},
+    {"k": -1},
+    {"k": 9.0},
+    {"k": "3"},
+    {"k": None},
 ]
 
 
@@ -263,7 +292,9 @@ def test_fast_validator_agrees_with_jsonschema(spec):
         assert messages(fast) == messages(slow), value
         assert fast.is_valid(value) == slow.is_valid(value), value
         text = json.dumps(value)
-        assert _outcome(lambda: json_output.parse_answer(text, fast, False)) == _outcome(lambda: json_output.parse_answer(text, slow, False))
+        assert _outcome(lambda: json_output.parse_answer(text, fast, False)) == _outcome(
+            lambda: json_output.parse_answer(text, slow, False)
+        )
 
 
 # --------------------------------------------------------------------------- checkpoint ranges

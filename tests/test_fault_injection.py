@@ -21,7 +21,6 @@ NUM_SHARDS = 2
 
 
 def _config(root: Path, model: Path) -> dict:
-
     data = root / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question number {i}"}) + "\n" for i in range(ROWS)))
     return pipeline_config(

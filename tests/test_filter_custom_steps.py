@@ -23,7 +23,7 @@ from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 
-SCRIPT = '''
+SCRIPT = """
 import math, os, signal, time
 
 def label(v):
@@ -43,7 +43,7 @@ def label(v):
         return math.nan
     score = v.get("score")
     return {"len": len(q), "upper": q.upper(), "double": None if score is None else 2 * score["n"]}
-'''
+"""
 
 
 def _script(tmp_path: Path) -> Path:
@@ -222,7 +222,6 @@ def test_a_script_that_does_not_load_fails_the_pool_at_start(tmp_path):
 
 
 def _pipeline(tmp_path: Path, outputs: list, script: Path | None = None, function: str = "label") -> dict:
-
     data = tmp_path / "in.jsonl"
     if not data.exists():
         data.write_text(json.dumps({"q": "x"}) + "\n")
@@ -242,19 +241,34 @@ SCORE = {"name": "score", "output_type": "JSON", "prompt": "{{ q }}", "output_sc
 @pytest.mark.parametrize(
     "outputs, with_script, problem",
     [
-        ([SCORE, {"name": "f", "type": "filter", "predicate": "scroe.n > 33"}], False,
-         "processing_params.outputs[1].predicate: unknown variable 'scroe' (did you mean 'score'?)"),
-        ([SCORE, {"name": "f", "type": "filter", "predicate": "score.m > 33"}], False,
-         "processing_params.outputs[1].predicate: 'score.m': output 'score' has no field 'm'"),
-        ([{"name": "f", "type": "filter", "predicate": "lab > 1"}, {"name": "lab", "type": "custom"}], True,
-         "processing_params.outputs[0].predicate: unknown variable 'lab'"),  # a later output is not known yet
+        (
+            [SCORE, {"name": "f", "type": "filter", "predicate": "scroe.n > 33"}],
+            False,
+            "processing_params.outputs[1].predicate: unknown variable 'scroe' (did you mean 'score'?)",
+        ),
+        (
+            [SCORE, {"name": "f", "type": "filter", "predicate": "score.m > 33"}],
+            False,
+            "processing_params.outputs[1].predicate: 'score.m': output 'score' has no field 'm'",
+        ),
+        (
+            [{"name": "f", "type": "filter", "predicate": "lab > 1"}, {"name": "lab", "type": "custom"}],
+            True,
+            "processing_params.outputs[0].predicate: unknown variable 'lab'",
+        ),  # a later output is not known yet
         ([{"name": "f", "type": "filter"}], False, "processing_params.outputs[0].predicate: required key is missing"),
         ([{"name": "f", "type": "filter", "predicate": "q > (1"}], False, "processing_params.outputs[0].predicate: template syntax error"),
-        ([{"name": "f", "type": "filter", "predicate": "q", "prompt": "{{ q }}"}], False,
-         "processing_params.outputs[0].prompt: only LLM outputs have a prompt (this output's type is filter)"),
+        (
+            [{"name": "f", "type": "filter", "predicate": "q", "prompt": "{{ q }}"}],
+            False,
+            "processing_params.outputs[0].prompt: only LLM outputs have a prompt (this output's type is filter)",
+        ),
         ([{"name": "lab", "type": "custom"}], False, "processing_params.outputs[0].type: no 'custom' processor is defined"),
-        ([{"name": "a", "prompt": "{{ q }}", "predicate": "q"}], False,
-         "processing_params.outputs[0].predicate: only outputs of type filter have a predicate"),
+        (
+            [{"name": "a", "prompt": "{{ q }}", "predicate": "q"}],
+            False,
+            "processing_params.outputs[0].predicate: only outputs of type filter have a predicate",
+        ),
     ],
 )
 def test_config_mistakes_in_steps_are_named_by_key(tmp_path, outputs, with_script, problem):
@@ -433,7 +447,9 @@ def test_llm_json_score_filter_and_custom_step_through_snakemake(tmp_path, serve
 
 
 def test_a_pipeline_of_python_steps_only_needs_no_engine(tmp_path):
-    cfg = _pipeline(tmp_path, [{"name": "lab", "type": "custom"}, {"name": "keep", "type": "filter", "predicate": "lab.len > 1"}], _script(tmp_path))
+    cfg = _pipeline(
+        tmp_path, [{"name": "lab", "type": "custom"}, {"name": "keep", "type": "filter", "predicate": "lab.len > 1"}], _script(tmp_path)
+    )
     cfg["processors"] = cfg["processors"][1:]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"q": q}) + "\n" for q in ["a", "bb", "ccc"]))
     cfg["processing_params"]["output_schema"] = {"q": "{{ q }}", "n": "{{ lab.len }}"}

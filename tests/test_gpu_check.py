@@ -45,7 +45,9 @@ def carried(tmp_path_factory) -> Path:
 
 def test_the_check_runs_on_the_cpu_and_prints_every_figure(carried, tmp_path):
     env = {**os.environ, "GPU_CHECK_ALLOW_CPU": "1", "GPU_CHECK_CARRY": str(carried), "PYTHON": sys.executable}
-    proc = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "work")], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "work")], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     summary = proc.stdout.split("== summary", 1)[1].split("== figures", 1)[0]
     assert summary.count("\nOK ") == 10 and "FAILED" not in summary
@@ -81,7 +83,14 @@ def test_without_a_gpu_it_fails_loudly_at_the_first_step(tmp_path):
 def test_carried_set_is_what_the_gpu_machine_lacks():
     # jsonschema's own requirements come along (rpds-py compiled: its cp312 manylinux wheel); attrs and
     # typing-extensions are there
-    assert list(gpu_carry.missing_on_gpu_machine()) == ["jmespath", "jsonschema", "jsonschema-specifications", "orjson", "referencing", "rpds-py"]
+    assert list(gpu_carry.missing_on_gpu_machine()) == [
+        "jmespath",
+        "jsonschema",
+        "jsonschema-specifications",
+        "orjson",
+        "referencing",
+        "rpds-py",
+    ]
     assert gpu_carry.missing_on_gpu_machine(roots=("torch", "transformers", "pyarrow")) == {}
 
 
@@ -106,7 +115,11 @@ def test_importtime_attributes_imports_to_our_code():
         "import time:       10 |         10 |   json.decoder",
         "import time:       10 |         10 | json",
     ])  # fmt: skip
-    assert gpu_check.importtime_distributions(text) == {"transformers": "mirageflow.config", "jsonschema": "mirageflow.config", "tabulate": "(top level)"}
+    assert gpu_check.importtime_distributions(text) == {
+        "transformers": "mirageflow.config",
+        "jsonschema": "mirageflow.config",
+        "tabulate": "(top level)",
+    }
 
 
 def test_the_gpu_profile_is_the_slurm_profile_but_the_memory_fudge_flag():

@@ -53,7 +53,6 @@ def server():
 
 
 def pipeline(server, fmt: str) -> dict:
-
     return pipeline_config(
         inputs=["title"], outputs=[{"name": "answer", "prompt": "Say something about {{ title }}"}], model="fake-model",
         num_shards=3, dataset={"type": "jsonl", "output_format": fmt}, processing={"remove_columns": False},
@@ -81,8 +80,10 @@ def same(got, want, fmt: str) -> bool:
     so a key an object lacks reads back as null (the documented storage rule)."""
     if isinstance(want, dict) and isinstance(got, dict):
         extra = set(got) - set(want)
-        return set(want) <= set(got) and all(same(got[k], want[k], fmt) for k in want) and (
-            fmt == "parquet" and all(got[k] is None for k in extra) or not extra
+        return (
+            set(want) <= set(got)
+            and all(same(got[k], want[k], fmt) for k in want)
+            and (fmt == "parquet" and all(got[k] is None for k in extra) or not extra)
         )
     if isinstance(want, list) and isinstance(got, list):
         return len(got) == len(want) and all(same(g, w, fmt) for g, w in zip(got, want))

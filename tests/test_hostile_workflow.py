@@ -119,7 +119,9 @@ def test_item12_the_log_filter_catches_a_library_line(caplog):
 
     from mirageflow.redact import RedactingFilter
 
-    record = logging.LogRecord("httpx", logging.INFO, __file__, 1, 'HTTP Request: POST %s "%s"', ("http://u:s3cr3t@h/v1?k=qq9", "200 OK"), None)
+    record = logging.LogRecord(
+        "httpx", logging.INFO, __file__, 1, 'HTTP Request: POST %s "%s"', ("http://u:s3cr3t@h/v1?k=qq9", "200 OK"), None
+    )
     RedactingFilter().filter(record)
     assert "s3cr3t" not in record.getMessage() and "qq9" not in record.getMessage()
 
@@ -145,9 +147,7 @@ def test_item13_a_dataset_edited_with_an_old_mtime_reruns(tmp_path, server, trig
     assert "rule index_dataset" in dry.text and shard_jobs(dry) == 2, dry.text[-2000:]
     run_workflow(tmp_path, cfg, *flags)
     assert "Summarise: PASSAGE X" in [r["body"]["messages"][-1]["content"] for r in server.records]
-    assert any(r["text"] == "PASSAGE X" for r in merged_rows(tmp_path)) or any(
-        "PASSAGE X" in json.dumps(r) for r in merged_rows(tmp_path)
-    )
+    assert any(r["text"] == "PASSAGE X" for r in merged_rows(tmp_path)) or any("PASSAGE X" in json.dumps(r) for r in merged_rows(tmp_path))
     assert "Nothing to be done" in run_workflow(tmp_path, cfg, *flags).text
 
 
@@ -195,7 +195,10 @@ def test_item13_an_image_whose_content_changed_reruns_its_shard(tmp_path, server
     [
         (lambda c: c["processing_params"]["outputs"][0].update(name="source_index"), "processing_params.outputs[0].name"),
         (lambda c: c["processing_params"]["inputs"].append({"name": "sample_index", "key": "text"}), "processing_params.inputs[1].name"),
-        (lambda c: c["processing_params"].update(output_schema={"source_index": "{{ answer }}"}), "processing_params.output_schema.source_index"),
+        (
+            lambda c: c["processing_params"].update(output_schema={"source_index": "{{ answer }}"}),
+            "processing_params.output_schema.source_index",
+        ),
     ],
 )
 def test_item14_reserved_record_names_are_refused_at_dag_build(tmp_path, server, edit, key):
@@ -294,7 +297,9 @@ def test_item20_a_yaml_merge_key_of_scalars_is_named_by_mmirage(tmp_path):
     """Item 20: `<<: [1, 2]` in the YAML gave a bare WorkflowError; `mmirage check` and the
     mmirage commands that start Snakemake name the line and the problem."""
     (tmp_path / "p.yaml").write_text("processors:\n  - <<: [1, 2]\n")
-    proc = subprocess.run([sys.executable, "-m", "mirageflow.cli", "check", "--config", "p.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mirageflow.cli", "check", "--config", "p.yaml"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "expected a mapping for merging" in proc.stderr and "line 2" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -328,7 +333,9 @@ def test_item18_preview_never_tracebacks(tmp_path, server):
     assert "--- row 0 ---" in proc.stdout and "--- row 2 ---" in proc.stdout  # all 3 rows, not "up to 922..."
     assert "bad_conversation" in proc.stdout and "image_invalid_value" in proc.stdout
 
-    (tmp_path / "steps.py").write_text("import sys\ndef f(v):\n    if v['text'] == 'nul':\n        sys.exit(3)\n    return v['text'].upper()\n")
+    (tmp_path / "steps.py").write_text(
+        "import sys\ndef f(v):\n    if v['text'] == 'nul':\n        sys.exit(3)\n    return v['text'].upper()\n"
+    )
     only_steps = copy.deepcopy(cfg)
     only_steps["processors"] = [{"type": "custom", "script_path": "steps.py", "function_name": "f"}]
     only_steps["processing_params"]["inputs"] = [{"name": "text", "key": "text"}]

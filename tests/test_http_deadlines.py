@@ -15,6 +15,7 @@ import pytest
 from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import EngineError, Request
 
+
 def _serve(handler_class) -> http.server.ThreadingHTTPServer:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
     server.daemon_threads = True

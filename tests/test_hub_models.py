@@ -50,7 +50,6 @@ def _free_port() -> int:
 
 
 def _config(tmp_path: Path, model: str = REPO_ID, **server_args) -> dict:
-
     data = tmp_path / "in.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(6)))

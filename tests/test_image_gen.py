@@ -53,7 +53,9 @@ def _config(tmp_path: Path, processor: dict, texts=TEXTS, **output) -> dict:
         },
         "processing_params": {
             "inputs": [{"name": "text", "key": "text"}],
-            "outputs": [{"name": "pic", "type": "image_gen", "prompt": "A drawing of {{ text }}", "width": 32, "height": 48, "seed": 5, **output}],
+            "outputs": [
+                {"name": "pic", "type": "image_gen", "prompt": "A drawing of {{ text }}", "width": 32, "height": 48, "seed": 5, **output}
+            ],
             "remove_columns": True,
             "output_schema": {"caption": "{{ text }}", "image": "{{ pic }}"},
         },
@@ -62,7 +64,11 @@ def _config(tmp_path: Path, processor: dict, texts=TEXTS, **output) -> dict:
 
 
 def _external(srv: FakeImages, **extra) -> dict:
-    return {"backend": "external", "external": {"base_url": srv.url + "/v1", "timeout_seconds": 0.5, "max_concurrent_requests": 4, **extra}, "max_retries": 1}
+    return {
+        "backend": "external",
+        "external": {"base_url": srv.url + "/v1", "timeout_seconds": 0.5, "max_concurrent_requests": 4, **extra},
+        "max_retries": 1,
+    }
 
 
 def _run(raw: dict) -> dict:
@@ -74,7 +80,10 @@ def _run(raw: dict) -> dict:
 def _records(tmp_path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
-    return sorted((r for f in (tmp_path / "out" / "shard_0").glob("part-*.parquet") for r in pq.read_table(f).to_pylist()), key=lambda r: r["source_index"])
+    return sorted(
+        (r for f in (tmp_path / "out" / "shard_0").glob("part-*.parquet") for r in pq.read_table(f).to_pylist()),
+        key=lambda r: r["source_index"],
+    )
 
 
 def _errors(tmp_path: Path) -> dict[int, str]:
@@ -119,7 +128,12 @@ def test_the_same_seed_gives_the_same_image_on_a_rerun_and_for_any_sharding(tmp_
     import pyarrow.parquet as pq
 
     one = {r["source_index"]: r["pic_seed"] for r in _records(first)}
-    two = {r["source_index"]: r["pic_seed"] for d in (second / "out").glob("shard_*") for f in d.glob("*.parquet") for r in pq.read_table(f).to_pylist()}
+    two = {
+        r["source_index"]: r["pic_seed"]
+        for d in (second / "out").glob("shard_*")
+        for f in d.glob("*.parquet")
+        for r in pq.read_table(f).to_pylist()
+    }
     assert one == two and len(set(one.values())) == 4
 
 
@@ -206,7 +220,15 @@ def test_backend_sglang_launches_the_diffusion_server_and_stops_it(tmp_path, mon
     model = tmp_path / "model"
     model.mkdir()
     (model / "model_index.json").write_text("{}")
-    processor = {"backend": "sglang", "sglang": {"model_path": str(model), "num_gpus": 2, "server_command": [sys.executable, str(FAKES / "fake_images.py")], "startup_timeout_seconds": 60}}
+    processor = {
+        "backend": "sglang",
+        "sglang": {
+            "model_path": str(model),
+            "num_gpus": 2,
+            "server_command": [sys.executable, str(FAKES / "fake_images.py")],
+            "startup_timeout_seconds": 60,
+        },
+    }
     raw = _config(tmp_path, processor, ["a cat", "a dog"])
     status = _run(raw)
     info = status["engines"]["image_gen"]
@@ -224,7 +246,10 @@ def test_backend_sglang_refuses_clearly_without_a_diffusion_server(tmp_path, mon
         pytest.skip("sglang is installed here")
     assert "sglang package is not installed" in sglang_diffusion_missing()
     gen = SGLangDiffusionServer(ImageGenProcessor(type="image_gen", backend="sglang", model_path=str(tmp_path)), tmp_path)
-    with pytest.raises(GeneratorFailed, match=r"image_gen backend sglang: the sglang package is not installed here \(pip install \"sglang\[diffusion\]==0.5.23\""):
+    with pytest.raises(
+        GeneratorFailed,
+        match=r"image_gen backend sglang: the sglang package is not installed here \(pip install \"sglang\[diffusion\]==0.5.23\"",
+    ):
         gen.load()
 
 
@@ -241,7 +266,11 @@ def test_the_real_sglang_package_has_the_flags_and_takes_the_request_we_send():
     # the launcher we run and the flags we pass (its parser imports GPU-only packages: read, not run)
     assert (site / "multimodal_gen" / "runtime" / "launch_server.py").is_file()
     source = (site / "multimodal_gen" / "runtime" / "server_args" / "server_args.py").read_text()
-    flags = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("--")}
+    flags = {
+        n.value
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("--")
+    }
     assert {"--model-path", "--host", "--port", "--num-gpus"} <= flags and "--dtype" not in flags
     assert '@health_router.get("/health")' in (site / "multimodal_gen" / "runtime" / "entrypoints" / "http_server.py").read_text()
     body = request_body(ImageJob("a cat", "blurry", 64, 48, 7, {"num_inference_steps": 3, "guidance_scale": 4.0}), "m")
@@ -260,7 +289,9 @@ def test_the_real_sglang_package_has_the_flags_and_takes_the_request_we_send():
         "ImageResponse(**answer)\n"
         "print('ok')\n"
     )
-    out = subprocess.run([str(real_sglang_env.PYTHON), "-c", code, json.dumps(body), json.dumps(answer)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [str(real_sglang_env.PYTHON), "-c", code, json.dumps(body), json.dumps(answer)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -271,8 +302,10 @@ def _raw(processor: dict | None = None, **output) -> dict:
     return {
         "processors": [{"type": "image_gen", **(processor or {"external": {"base_url": "http://x/v1"}})}],
         "loading_params": {"datasets": [{"path": "in.jsonl", "type": "JSONL", "output_dir": "out"}]},
-        "processing_params": {"inputs": [{"name": "t", "key": "t"}, {"name": "im", "key": "im", "type": "image"}],
-                              "outputs": [{"name": "pic", "type": "image_gen", "prompt": "{{ t }}", **output}]},  # fmt: skip
+        "processing_params": {
+            "inputs": [{"name": "t", "key": "t"}, {"name": "im", "key": "im", "type": "image"}],
+            "outputs": [{"name": "pic", "type": "image_gen", "prompt": "{{ t }}", **output}],
+        },  # fmt: skip
     }
 
 
@@ -281,14 +314,30 @@ def _raw(processor: dict | None = None, **output) -> dict:
     [
         (None, {"output_mode": "pil"}, "processing_params.outputs[0].output_mode: 'pil' keeps images in memory"),
         (None, {"filename_template": "{{ nope }}"}, "processing_params.outputs[0].filename_template: unknown variable 'nope'"),
-        (None, {"prompt": "{{ im }} in oil"}, "processing_params.outputs[0].prompt: image input(s) im: image generation takes text prompts only"),
+        (
+            None,
+            {"prompt": "{{ im }} in oil"},
+            "processing_params.outputs[0].prompt: image input(s) im: image generation takes text prompts only",
+        ),
         (None, {"output_type": "JSON"}, "processing_params.outputs[0].output_type: an image_gen output is an image file"),
         (None, {"response_prefix": "x"}, "processing_params.outputs[0].response_prefix: only LLM outputs have a response_prefix"),
-        ({"external": {"base_url": "http://x/v1", "api_key": "sk-live"}}, {}, "processors[0].external.api_key: a key written in the config"),
+        (
+            {"external": {"base_url": "http://x/v1", "api_key": "sk-live"}},
+            {},
+            "processors[0].external.api_key: a key written in the config",
+        ),
         ({"backend": "diffusers"}, {}, "processors[0].pipeline_args: required key is missing (backend diffusers)"),
         ({"backend": "openai", "external": {"base_url": "http://x"}}, {}, "processors[0].backend: 'openai' runs language models"),
-        ({"external": {"base_url": "http://x"}, "default_sampling_params": {"max_new_tokens": 5}}, {}, "processors[0].default_sampling_params.max_new_tokens: not an image generation parameter"),
-        ({"backend": "sglang", "sglang": {"model_path": "m", "dtype": "float16"}}, {}, "processors[0].sglang.dtype: sglang 0.5.23's diffusion server has no --dtype"),
+        (
+            {"external": {"base_url": "http://x"}, "default_sampling_params": {"max_new_tokens": 5}},
+            {},
+            "processors[0].default_sampling_params.max_new_tokens: not an image generation parameter",
+        ),
+        (
+            {"backend": "sglang", "sglang": {"model_path": "m", "dtype": "float16"}},
+            {},
+            "processors[0].sglang.dtype: sglang 0.5.23's diffusion server has no --dtype",
+        ),
     ],
 )
 def test_image_gen_config_mistakes_are_refused_with_the_key(processor, output, problem):
@@ -300,7 +349,10 @@ def test_image_gen_config_mistakes_are_refused_with_the_key(processor, output, p
 def test_gpus_of_an_image_pipeline_follow_its_backend():
     assert shard_gpus(load_config(_raw(), check_paths=False)) == 0  # an external server: nothing on the node
     assert shard_gpus(load_config(_raw({"backend": "diffusers", "pipeline_args": {"model_path": "m"}}), check_paths=False)) == 1
-    assert shard_gpus(load_config(_raw({"backend": "diffusers", "pipeline_args": {"model_path": "m", "device": "cpu"}}), check_paths=False)) == 0
+    assert (
+        shard_gpus(load_config(_raw({"backend": "diffusers", "pipeline_args": {"model_path": "m", "device": "cpu"}}), check_paths=False))
+        == 0
+    )
 
 
 def test_preview_shows_an_image_outputs_prompt_and_generates_nothing(tmp_path, server):

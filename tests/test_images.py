@@ -47,16 +47,26 @@ def exif_rotated_jpeg() -> bytes:
 
 def bomb_png(width=60000, height=60000) -> bytes:
     """A valid PNG header claiming 3.6 G pixels (a decompression bomb), with almost no data."""
+
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def load(value, base=".", **spec):
-    return images.RowImages([images.ImageInput("photo", **spec)])({"photo": value}, 0) if base == "." else images.RowImages(
-        [images.ImageInput("photo", **spec)], [type("D", (), {"index": 0, "path": str(base), "image_base_path": None})()]
-    )({"photo": value}, 0)
+    return (
+        images.RowImages([images.ImageInput("photo", **spec)])({"photo": value}, 0)
+        if base == "."
+        else images.RowImages(
+            [images.ImageInput("photo", **spec)], [type("D", (), {"index": 0, "path": str(base), "image_base_path": None})()]
+        )({"photo": value}, 0)
+    )
 
 
 def error_of(value, **spec) -> RowError:
@@ -191,7 +201,13 @@ def test_images_go_where_the_prompt_names_them_inside_the_user_turn():
                 {"role": "user", "content": images.marked({"q": "x"}, row)["logo"] + " then " + images.marked({}, row)["photo"] + " what?"}]  # fmt: skip
     placed = images.attach(messages, row, row)
     assert placed == [c, a, b]
-    assert messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": " then "}, {"type": "image"}, {"type": "image"}, {"type": "text", "text": " what?"}]
+    assert messages[1]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": " then "},
+        {"type": "image"},
+        {"type": "image"},
+        {"type": "text", "text": " what?"},
+    ]
     assert messages[0] == {"role": "system", "content": "be brief"}
 
     plain = [{"role": "user", "content": "Describe."}]  # a prompt naming no image: all, first, in input order
@@ -343,7 +359,6 @@ def test_tiny_vlm_generates_from_images_on_the_cpu(tiny_vlm):
 
 
 def _vlm_config(model, data, check_paths=True, **input_fields) -> dict:
-
     return pipeline_config(
         data, model=model, output_dir="out/jsonl", num_shards=2, loading={"batch_size": 4},
         inputs=[{"name": "photo", "key": "image", "type": "image", **input_fields}, {"name": "q", "key": "question"}],
@@ -369,7 +384,10 @@ def test_config_checks_name_the_key(tmp_path, tiny_model, tiny_vlm):
     assert "processing_params.outputs[0].system: image input 'photo' can only be used in the prompt" in text
     assert "processing_params.inputs[1].max_side: only image inputs have max_side" in text
 
-    with pytest.raises(ConfigError, match=r"processing_params.inputs\[0\].type: image input 'photo', but processors\[0\].server_args.model_path .* is a text-only model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"processing_params.inputs\[0\].type: image input 'photo', but processors\[0\].server_args.model_path .* is a text-only model",
+    ):
         validate(_vlm_config(tiny_model, data))
     validate(_vlm_config(tiny_vlm, data))  # a VLM passes
 
@@ -394,7 +412,9 @@ def test_workflow_with_image_paths_and_an_hf_image_column(tmp_path, tiny_vlm):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     features = datasets.Features({"picture": datasets.Image(), "question": datasets.Value("string")})
-    hf = datasets.Dataset.from_dict({"picture": [{"bytes": png(color=BLUE), "path": None}] * 3, "question": ["a", "b", "c"]}, features=features)
+    hf = datasets.Dataset.from_dict(
+        {"picture": [{"bytes": png(color=BLUE), "path": None}] * 3, "question": ["a", "b", "c"]}, features=features
+    )
     hf.to_parquet(str(tmp_path / "hf.parquet"))
 
     cfg = _vlm_config(tiny_vlm, data, max_side=24)
@@ -426,10 +446,16 @@ def test_preview_shows_where_the_images_go(tmp_path, tiny_vlm):
 
     (tmp_path / "red.png").write_bytes(png(color=RED))
     data = tmp_path / "rows.jsonl"
-    data.write_text(json.dumps({"image": "red.png", "question": "Color?"}) + "\n" + json.dumps({"image": "gone.png", "question": "?"}) + "\n")
+    data.write_text(
+        json.dumps({"image": "red.png", "question": "Color?"}) + "\n" + json.dumps({"image": "gone.png", "question": "?"}) + "\n"
+    )
     result = preview.preview(load_config(_vlm_config(tiny_vlm, data)), rows=2)
     ok, missing = result["datasets"][0]["rows"]
     (out,) = ok["outputs"]
-    assert out["messages"][-1]["content"] == [{"type": "text", "text": "Color? "}, {"type": "image"}, {"type": "text", "text": " Answer briefly."}]
+    assert out["messages"][-1]["content"] == [
+        {"type": "text", "text": "Color? "},
+        {"type": "image"},
+        {"type": "text", "text": " Answer briefly."},
+    ]
     assert out["prompt"].count("<image>") == 1 and out["images"][0]["source"] == "red.png"
     assert missing["error"]["error"] == "image_missing" and "gone.png" in missing["error"]["message"]

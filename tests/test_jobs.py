@@ -21,7 +21,6 @@ from mirageflow.state import pipeline as pipeline_state
 
 @pytest.fixture
 def pipeline(tmp_path) -> dict:
-
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(4)))
     return pipeline_config(
@@ -76,7 +75,9 @@ def test_a_config_far_beyond_the_old_environment_limit_is_fine(pipeline, tmp_pat
 def test_printed_command_runs_by_hand(pipeline, tmp_path):
     """What Snakemake prints (`python -m mirageflow.jobs --config <file> --log <log> ...`) needs nothing else."""
     path = pipeline_state.write_config(pipeline, tmp_path / "state")
-    proc = run_job("--config", str(path), "--log", "state/logs/index_dataset_0.log", "index", "0", "state/datasets/dataset_0.index.json", cwd=tmp_path)
+    proc = run_job(
+        "--config", str(path), "--log", "state/logs/index_dataset_0.log", "index", "0", "state/datasets/dataset_0.index.json", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stdout
     assert json.loads((tmp_path / "state/datasets/dataset_0.index.json").read_text())["rows"] == 4
     assert "indexed" in (tmp_path / "state/logs/index_dataset_0.log").read_text()

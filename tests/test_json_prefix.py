@@ -46,7 +46,7 @@ def test_the_rest_of_the_answer_completes_any_prefix_of_it(cut):
 
 
 def test_a_prefix_no_valid_answer_starts_with_is_refused():
-    for prefix in ('{"score": ', '[', '{"answer": 1', '{"answer": "x"}'):
+    for prefix in ('{"score": ', "[", '{"answer": 1', '{"answer": "x"}'):
         with pytest.raises(ValueError, match="does not start any JSON value valid against"):
             continuation_grammar(SCHEMA, prefix)
 
@@ -59,7 +59,7 @@ def test_a_pretty_printed_prefix_gets_the_free_whitespace_grammar():
 def test_recursive_and_left_recursive_rules():
     nested = json.dumps({"type": "object", "properties": {"child": {"$ref": "#"}, "v": {"type": "integer"}}})
     grammar = continuation_grammar(nested, '{"child": {"child": {')
-    assert accepts(grammar, '"v": 1}}}') and accepts(grammar, '}}}') and not accepts(grammar, '}}')
+    assert accepts(grammar, '"v": 1}}}') and accepts(grammar, "}}}") and not accepts(grammar, "}}")
     left = 'root ::= root "a" | "b"\n'  # b a*, through a left-recursive rule
     assert accepts(derivative_ebnf(left, "ba"), "aa") and accepts(derivative_ebnf(left, "ba"), "")
     assert derivative_ebnf(left, "a") is None

@@ -54,7 +54,9 @@ def _run(ws: Path, env: dict, config: str) -> None:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "mirageflow.cli", "run", "--config", config], cwd=ws, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mirageflow.cli", "run", "--config", config], cwd=ws, env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
 
 
@@ -89,7 +91,12 @@ def test_the_filter_example_runs_end_to_end(conformance):
     assert (stats["rows_processed"], stats["rows_filtered"], stats["rows_failed"]) == (30, 20, 0)
 
 
-BATCH_FILES = ["config_mock_openai_batch", "config_mock_openai_batch_vision", "config_mock_anthropic_batch", "config_mock_anthropic_batch_vision"]
+BATCH_FILES = [
+    "config_mock_openai_batch",
+    "config_mock_openai_batch_vision",
+    "config_mock_anthropic_batch",
+    "config_mock_anthropic_batch_vision",
+]
 IMAGES_PORT = 30010  # config_mock_image_gen_local.yaml's external.base_url
 
 

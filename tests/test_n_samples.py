@@ -284,7 +284,10 @@ def test_native_n_on_a_server_without_n_fails_the_shard_naming_the_key(tmp_path)
     try:
         cfg = load_config(_raw(tmp_path, [{"q": "a"}], _openai(server), n=2))
         index_datasets(cfg)
-        with pytest.raises(ShardFailed, match=r"n=2 with choice indexes \[0\], not 0..1 once each: the server does not support n; set processors\[\]\.native_n: false"):
+        with pytest.raises(
+            ShardFailed,
+            match=r"n=2 with choice indexes \[0\], not 0..1 once each: the server does not support n; set processors\[\]\.native_n: false",
+        ):
             run_shard(cfg, 0)
     finally:
         server.stop()
@@ -315,7 +318,10 @@ def test_native_n_refuses_choices_that_are_not_one_per_sample(tmp_path, monkeypa
         return Answer()
 
     monkeypatch.setattr(openai_engine, "post_with_retries", post)
-    cfg = load_config(_raw(tmp_path, [{"q": "a"}], {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "server_args": {"model_path": "m"}}, n=2), check_paths=False)
+    cfg = load_config(
+        _raw(tmp_path, [{"q": "a"}], {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "server_args": {"model_path": "m"}}, n=2),
+        check_paths=False,
+    )
     engine = openai_engine.OpenAIEngine(cfg.processors["llm"])
     engine.load()
     try:
@@ -328,7 +334,10 @@ def test_native_n_refuses_choices_that_are_not_one_per_sample(tmp_path, monkeypa
 
 def test_native_n_is_refused_on_a_backend_without_it(tmp_path):
     raw = _raw(tmp_path, [{"q": "a"}], {"backend": "transformers", "server_args": {"model_path": "m"}, "native_n": True})
-    with pytest.raises(ConfigError, match=r"processors\[0\]\.native_n: only the openai and vllm_server backends send one request with n; backend 'transformers'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"processors\[0\]\.native_n: only the openai and vllm_server backends send one request with n; backend 'transformers'",
+    ):
         load_config(raw, check_paths=False)
     raw["processors"][0]["native_n"] = False
     load_config(raw, check_paths=False)

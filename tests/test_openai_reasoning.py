@@ -65,5 +65,8 @@ def test_an_answer_cut_while_thinking_is_reasoning_truncated(tmp_path, field):
     finally:
         server.stop()
     assert records == [] and [e["error"] for e in errors] == ["reasoning_truncated"] * 4
-    assert all(e["message"].startswith("output 'a': the length limit (max_new_tokens) cut the answer while the model was still reasoning") for e in errors)
+    assert all(
+        e["message"].startswith("output 'a': the length limit (max_new_tokens) cut the answer while the model was still reasoning")
+        for e in errors
+    )
     assert status["stats"]["rows_failed_by_class"] == {"reasoning_truncated": 4}

@@ -51,7 +51,6 @@ def parquet(tmp_path) -> Path:
 
 @pytest.fixture
 def cfg(tmp_path, model, jsonl) -> dict:
-
     return pipeline_config(
         jsonl, model=model, state_dir=tmp_path / "state", output_dir=tmp_path / "out", num_shards=3,
         inputs=["text", {"name": "difficulty", "key": "meta.difficulty"}],
@@ -346,7 +345,11 @@ def test_valid_config_passes_both(cfg, tmp_path, capsys, clean_env):
 
 @pytest.mark.parametrize(
     "content, expected",
-    [(b"processors: [\xff]\n", "is not UTF-8 text (byte 0xff at offset 13, line 1)"), (None, "does not exist"), (b"- a\n", "must hold a YAML mapping")],
+    [
+        (b"processors: [\xff]\n", "is not UTF-8 text (byte 0xff at offset 13, line 1)"),
+        (None, "does not exist"),
+        (b"- a\n", "must hold a YAML mapping"),
+    ],
 )
 def test_mmirage_check_unreadable_config_file(tmp_path, capsys, content, expected):
     path = tmp_path / "c.yaml"

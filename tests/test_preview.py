@@ -20,7 +20,6 @@ from mirageflow.config import load_config
 
 
 def _config(model, outputs=None, rows=None) -> dict:
-
     return pipeline_config(
         model=model, num_shards=2, loading={"batch_size": 4},
         inputs=["q", {"name": "level", "key": "meta.level"}],
@@ -97,7 +96,10 @@ def test_preview_command_prints_and_never_touches_the_pipelines_state_or_outputs
     first = rows[0]
     assert first["outputs"][0]["completion_tokens"] > 0 and isinstance(first["outputs"][0]["answer"], str)
     assert first["record"]["answer"] == first["outputs"][0]["value"] == first["outputs"][0]["answer"]
-    assert first["record"]["again"] == first["outputs"][1]["answer"] and "Rephrase: " + first["outputs"][0]["answer"] in first["outputs"][1]["prompt"]
+    assert (
+        first["record"]["again"] == first["outputs"][1]["answer"]
+        and "Rephrase: " + first["outputs"][0]["answer"] in first["outputs"][1]["prompt"]
+    )
     assert rows[1]["error"]["error"] == "missing_variable"
     assert snapshot() == before  # state_dir and output_dir exactly as they were
     assert sorted(p.name for p in root.iterdir()) == ["in.jsonl", "out", "pipeline.yaml", "state"]
@@ -212,9 +214,11 @@ def test_preview_records_are_exactly_what_a_shard_writes(tmp_path, native_n):
     assert written[0]["answer"] != written[1]["answer"]  # each sample its own draw (its own seed)
     assert [u.get("filtered", False) for u in units] == [False] * 4 + [True] * 2 + [False] * 2
     errors = [json.loads(line) for line in (cfg.shard_dir(0) / "errors.jsonl").read_text().splitlines()]
-    assert sorted((e["source_index"], e["sample_index"], e["error"]) for e in errors) == [
-        (u["source_index"], u["sample_index"], u["error"]["error"]) for u in units if u["error"]
-    ] == [(3, 0, "missing_variable"), (3, 1, "missing_variable")]
+    assert (
+        sorted((e["source_index"], e["sample_index"], e["error"]) for e in errors)
+        == [(u["source_index"], u["sample_index"], u["error"]["error"]) for u in units if u["error"]]
+        == [(3, 0, "missing_variable"), (3, 1, "missing_variable")]
+    )
     # the first output's prompt, per sample with its seed; with native n one request per row asks for both samples
     first = units[1]["outputs"]
     assert [o["name"] for o in first] == ["keep", "a", "b"] and first[0]["value"] is True
@@ -224,7 +228,13 @@ def test_preview_records_are_exactly_what_a_shard_writes(tmp_path, native_n):
     # without --generate: the same records' fields and samples, the answers as placeholders
     shown = preview.preview(cfg, rows=10)["datasets"][0]["rows"]
     assert [(u["source_index"], u["sample_index"]) for u in shown] == [(u["source_index"], u["sample_index"]) for u in units]
-    assert shown[1]["record"] == {"id": "A", "answer": "<a: not generated>", "again": "<b: not generated>", "source_index": 0, "sample_index": 1}
+    assert shown[1]["record"] == {
+        "id": "A",
+        "answer": "<a: not generated>",
+        "again": "<b: not generated>",
+        "source_index": 0,
+        "sample_index": 1,
+    }
     assert shown[1]["outputs"][1]["seed"] == first[1]["seed"] and shown[1]["outputs"][1]["messages"] == first[1]["messages"]
 
 

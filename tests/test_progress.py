@@ -197,7 +197,9 @@ def test_runner_writes_progress_through_the_phases(tmp_path):
 def test_runner_marks_progress_failed(tmp_path):
     from mirageflow.shard import ShardFailed, run_shard
 
-    cfg = shard_config(tmp_path, [{"q": "a"}, {"q": "b"}], [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": ["x"]}])
+    cfg = shard_config(
+        tmp_path, [{"q": "a"}, {"q": "b"}], [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": ["x"]}]
+    )
     with pytest.raises(ShardFailed):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "not json"))
     assert json.loads((cfg.shard_dir(0) / "progress.json").read_text())["phase"] == "failed"

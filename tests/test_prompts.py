@@ -73,9 +73,7 @@ def test_null_without_default_is_missing():
 
 
 def test_falsy_values_are_not_replaced_by_default():
-    extract = Extractor(
-        [var("score", "meta.score", 99), var("empty", "meta.empty", "x"), var("flag", "meta.flag", True)]
-    )
+    extract = Extractor([var("score", "meta.score", 99), var("empty", "meta.empty", "x"), var("flag", "meta.flag", True)])
     assert extract(ROW) == {"score": 0, "empty": "", "flag": False}
 
 

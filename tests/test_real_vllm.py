@@ -203,7 +203,9 @@ def test_n_samples_with_native_n_on_and_off_and_seeds(server, tmp_path):
     per_sample, per_sample_delta = _run(tmp_path / "False-7", config(False, 7), server)
     other_seed, _ = _run(tmp_path / "True-8", config(True, 8))
     n, st = len(rows) * 3, native.status["stats"]
-    assert len(native.records) == n and [(r["source_index"], r["sample_index"]) for r in native.records] == [(i, k) for i in range(4) for k in range(3)]
+    assert len(native.records) == n and [(r["source_index"], r["sample_index"]) for r in native.records] == [
+        (i, k) for i in range(4) for k in range(3)
+    ]
     assert native.records == per_sample.records  # vLLM seeds choice i with seed + i: the same draws either way
     assert native.records != other_seed.records
     assert (st["requests"], per_sample.status["stats"]["requests"]) == (len(rows), n)

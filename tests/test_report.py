@@ -18,6 +18,7 @@ from mirageflow.report import aggregate as report
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 
+
 def test_report_html_embeds_plots_and_metrics(tmp_path):
     state = make_state(tmp_path)
     metrics = report.write_report(state, 6)
@@ -31,7 +32,13 @@ def test_report_html_embeds_plots_and_metrics(tmp_path):
         ET.fromstring(img)
         assert b"href" not in img and b"<script" not in img
     agg = metrics["aggregate"]
-    for key in ("tokens_per_sec_per_gpu", "gpu_days_per_billion_tokens", "mean_gpu_util_pct", "p95_shard_runtime_seconds", "roofline_fraction"):
+    for key in (
+        "tokens_per_sec_per_gpu",
+        "gpu_days_per_billion_tokens",
+        "mean_gpu_util_pct",
+        "p95_shard_runtime_seconds",
+        "roofline_fraction",
+    ):
         assert f"<code>{key}</code>" in page
     assert fmt(agg["total_output_tokens"]) in page
     assert "EngineCrashed: the SGLang server exited" in page  # the failed shard, with its error
@@ -234,7 +241,9 @@ def _with_progress_and_records(state: Path, num_shards: int = 6) -> None:
         })  # fmt: skip
     out = state.parent / "out" / "shard_0"
     out.mkdir(parents=True)
-    (out / "part-00000.jsonl").write_text("".join(json.dumps({"q": f"question {i}", "a": f"answer <{i}>", "source_index": i}) + "\n" for i in range(5)))
+    (out / "part-00000.jsonl").write_text(
+        "".join(json.dumps({"q": f"question {i}", "a": f"answer <{i}>", "source_index": i}) + "\n" for i in range(5))
+    )
     atomic_write_json(state / "shard_0" / "checkpoint.json", {
         "format": 2, "datasets": {"0": {"out_dir": str(out), "fmt": "jsonl", "parts": [{"name": "part-00000.jsonl"}]}},
     })  # fmt: skip
@@ -256,7 +265,9 @@ def test_report_has_throughput_over_time_examples_and_failed_rows(tmp_path):
     assert "A step at zero is a window in which no tokens were added" in page  # the caption says what zero means
     assert "<h2>Example records</h2>" in page and "answer &lt;0&gt;" in page and "answer &lt;2&gt;" in page
     assert "answer &lt;3&gt;" not in page  # a few, not all
-    assert "<h2>Failed rows (examples)</h2>" in page and "answer is not valid JSON #0" in page and "JSON #4" in page and "JSON #5" not in page
+    assert (
+        "<h2>Failed rows (examples)</h2>" in page and "answer is not valid JSON #0" in page and "JSON #4" in page and "JSON #5" not in page
+    )
     assert "{oops" in page
 
 
@@ -421,4 +432,3 @@ def test_with_several_samples_the_report_counts_samples_and_says_so(tmp_path):
     summary = (state / "summary.md").read_text()
     assert "| `total_rows_processed` |" in summary and "rows ok (samples: 2 records per source row)" in summary
     assert "each source row makes 2 records (samples)" in (state / "report.html").read_text()
-

@@ -46,7 +46,6 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def pipeline(root: Path, server: FakeServer, rows: list[dict] | None = None, num_shards: int = 1) -> dict:
-
     data = root / "in.jsonl"
     if rows is not None or not data.exists():
         write_rows(data, rows or [{"text": f"passage {i}"} for i in range(ROWS)])
@@ -237,7 +236,9 @@ def test_a_local_models_revision_is_part_of_the_key(tmp_path):
     assert rc.model_revision("a-server-side-name") is None
     ident = {"backend": "transformers", "server_args": {"model_path": str(model)}}
     req = Request(0, None, "hi", {"temperature": 0.0}, None)
-    assert rc.request_key(rc.engine_identity(ident, "transformers", one), req) != rc.request_key(rc.engine_identity(ident, "transformers", two), req)
+    assert rc.request_key(rc.engine_identity(ident, "transformers", one), req) != rc.request_key(
+        rc.engine_identity(ident, "transformers", two), req
+    )
     # the row's id is not part of the key; the seed, the schema and the prefix are
     key = rc.request_key("e", req)
     assert rc.request_key("e", Request(9, None, "hi", {"temperature": 0.0}, None)) == key

@@ -51,7 +51,6 @@ def write_rows(path: Path) -> Path:
 
 
 def pipeline(root: Path, server: FakeServer, state: str = "state", out: str = "out") -> dict:
-
     write_rows(root / "in.jsonl")
     return pipeline_config(
         inputs=["text", "flag"], outputs=[{"name": "answer", "prompt": "Summarise: {{ text }}"}], model="fake-model",
@@ -69,39 +68,79 @@ def mtimes(root: Path, state: str = "state") -> dict:
 
 
 def _edits() -> dict:
-    def prompt(c): c["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
-    def system(c): c["processing_params"]["outputs"][0]["system"] = "Be brief."
-    def inputs(c): c["processing_params"]["inputs"][0]["key"] = "flag"
-    def output_schema(c): c["processing_params"]["output_schema"] = {"a": "{{ answer }}"}
+    def prompt(c):
+        c["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
+
+    def system(c):
+        c["processing_params"]["outputs"][0]["system"] = "Be brief."
+
+    def inputs(c):
+        c["processing_params"]["inputs"][0]["key"] = "flag"
+
+    def output_schema(c):
+        c["processing_params"]["output_schema"] = {"a": "{{ answer }}"}
+
     def output_type(c):
         c["processing_params"]["outputs"][0].update(output_type="JSON", output_schema={"summary": "str"})
-    def remove_columns(c): c["processing_params"]["remove_columns"] = True
-    def model(c): c["processors"][0]["server_args"]["model_path"] = "other-model"
-    def served_model(c): c["processors"][0]["model"] = "served-name"
-    def sampling(c): c["processors"][0]["default_sampling_params"]["max_new_tokens"] = 6
-    def temperature(c): c["processors"][0]["default_sampling_params"]["temperature"] = 0.3
-    def output_sampling(c): c["processing_params"]["outputs"][0]["sampling_params"] = {"top_p": 0.5}
-    def chat_kwargs(c): c["processors"][0]["chat_template_kwargs"] = {"enable_thinking": False}
-    def dataset_path(c): c["loading_params"]["datasets"][0]["path"] = "other.jsonl"
-    def output_dir(c): c["loading_params"]["datasets"][0]["output_dir"] = "out2"
-    def output_format(c): c["loading_params"]["datasets"][0]["output_format"] = "parquet"
+
+    def remove_columns(c):
+        c["processing_params"]["remove_columns"] = True
+
+    def model(c):
+        c["processors"][0]["server_args"]["model_path"] = "other-model"
+
+    def served_model(c):
+        c["processors"][0]["model"] = "served-name"
+
+    def sampling(c):
+        c["processors"][0]["default_sampling_params"]["max_new_tokens"] = 6
+
+    def temperature(c):
+        c["processors"][0]["default_sampling_params"]["temperature"] = 0.3
+
+    def output_sampling(c):
+        c["processing_params"]["outputs"][0]["sampling_params"] = {"top_p": 0.5}
+
+    def chat_kwargs(c):
+        c["processors"][0]["chat_template_kwargs"] = {"enable_thinking": False}
+
+    def dataset_path(c):
+        c["loading_params"]["datasets"][0]["path"] = "other.jsonl"
+
+    def output_dir(c):
+        c["loading_params"]["datasets"][0]["output_dir"] = "out2"
+
+    def output_format(c):
+        c["loading_params"]["datasets"][0]["output_format"] = "parquet"
+
     return {f.__name__: f for f in (prompt, system, inputs, output_schema, output_type, remove_columns, model, served_model,
                                     sampling, temperature, output_sampling, chat_kwargs, dataset_path, output_dir, output_format)}  # fmt: skip
 
 
 def _cosmetic() -> dict:
-    def execution_params(c): c["execution_params"] = {"account": "a1", "time_limit": "01:00:00", "mem": "8G", "merge": True}
-    def shard_params(c): c["shard_params"] = {"checkpoint_rows": 3, "max_error_rate": 0.5, "max_inflight": 4}
-    def stats(c): c["stats"] = True
-    def retry_failed_rows(c): c["retry_failed_rows"] = True
-    def timeouts(c): c["processors"][0].update(request_timeout=99, max_retries=2, base_url="http://elsewhere:1/v1")
-    def mmirage_keys(c): c["loading_params"]["shard_id"] = "$SLURM_ARRAY_TASK_ID"
+    def execution_params(c):
+        c["execution_params"] = {"account": "a1", "time_limit": "01:00:00", "mem": "8G", "merge": True}
+
+    def shard_params(c):
+        c["shard_params"] = {"checkpoint_rows": 3, "max_error_rate": 0.5, "max_inflight": 4}
+
+    def stats(c):
+        c["stats"] = True
+
+    def retry_failed_rows(c):
+        c["retry_failed_rows"] = True
+
+    def timeouts(c):
+        c["processors"][0].update(request_timeout=99, max_retries=2, base_url="http://elsewhere:1/v1")
+
+    def mmirage_keys(c):
+        c["loading_params"]["shard_id"] = "$SLURM_ARRAY_TASK_ID"
+
     return {f.__name__: f for f in (execution_params, shard_params, stats, retry_failed_rows, timeouts, mmirage_keys)}
 
 
 @pytest.fixture
 def base_cfg(tmp_path) -> dict:
-
     write_rows(tmp_path / "other.jsonl")
     data = write_rows(tmp_path / "in.jsonl")
     return pipeline_config(

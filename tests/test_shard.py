@@ -279,7 +279,9 @@ def test_a_second_copy_of_a_running_shard_fails_clearly(tmp_path, monkeypatch):
 
     cfg = shard_config(tmp_path, [{"q": "a"}], PLAIN)
     cfg.shard_dir(0).mkdir(parents=True)
-    atomic_write_json(cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": __import__("time").time()})
+    atomic_write_json(
+        cfg.shard_dir(0) / "lease.json", {"hostname": "node7", "pid": 1, "slurm_job_id": "42", "heartbeat": __import__("time").time()}
+    )
     with pytest.raises(ShardBusy, match=r"shard_0 is being run by host node7 pid 1 \(SLURM job 42\)"):
         run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda p: "x"))
     assert json.loads((cfg.shard_dir(0) / "lease.json").read_text())["hostname"] == "node7"  # not removed

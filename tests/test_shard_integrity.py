@@ -51,7 +51,10 @@ def test_a_reader_that_silently_drops_rows_fails_the_accounting(tmp_path, monkey
         return (r for r in real(ds, piece, skip) if r.index not in (3, 4, 7))
 
     monkeypatch.setattr("mirageflow.shard.runner.read_shard", dropping)
-    with pytest.raises(ShardFailed, match=r"should be 10 records \+ row errors \+ filtered rows, found 7 \+ 0 \+ 0; rows neither written nor recorded: \[\[3, 5\], \[7, 8\]\]"):
+    with pytest.raises(
+        ShardFailed,
+        match=r"should be 10 records \+ row errors \+ filtered rows, found 7 \+ 0 \+ 0; rows neither written nor recorded: \[\[3, 5\], \[7, 8\]\]",
+    ):
         run_shard(cfg, 0, engine_factory=_engine())
     assert not (cfg.shard_dir(0) / "status.json").exists()
 
@@ -208,7 +211,9 @@ def test_keep_reasoning_sets_the_reasoning_variable(tmp_path):
     outputs = [{"name": "a", "prompt": "{{ q }}", "keep_reasoning": True}]
     cfg = shard_config(tmp_path, [{"q": q} for q in answers], outputs, {"q": "{{ q }}", "a": "{{ a }}", "why": "{{ a_reasoning }}"})
     run_shard(cfg, 0, engine_factory=_thinking(answers))
-    records = sorted(read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist(), key=lambda r: r["source_index"])  # parts: in completion order
+    records = sorted(
+        read_parts(tmp_path / "out" / "shard_0", "parquet").to_pylist(), key=lambda r: r["source_index"]
+    )  # parts: in completion order
     assert [(r["a"], r["why"]) for r in records] == [("yes", "because"), ("no", "a server's reasoning"), ("maybe", None)]
 
 

@@ -35,7 +35,9 @@ def test_budget_rate_applies_only_after_min_rows():
     assert b.record_ok() is None
     assert b.record_failure("json_parse") is None
     verdict = b.record_failure("empty_output")  # 3 of 4 > 0.5
-    assert isinstance(verdict, ShardFailed) and "error budget exceeded in shard 7: 3 of 4 rows failed (json_parse: 2, empty_output: 1)" in str(verdict)
+    assert isinstance(
+        verdict, ShardFailed
+    ) and "error budget exceeded in shard 7: 3 of 4 rows failed (json_parse: 2, empty_output: 1)" in str(verdict)
 
 
 def test_budget_counts_earlier_attempts_and_max_errors():
@@ -179,9 +181,18 @@ def test_metrics_sum_over_attempts_and_rate_from_the_sums():
     time.sleep(0.01)
     m.tracker.completed()
     m.tokens_per_row.add(10)
-    earlier = {"attempt": 1, "outcome": "killed", "output_tokens": 60, "input_tokens": 1, "requests": 6, "rows_computed": 6,
-               "inference_runtime_seconds": 1.0, "runtime_seconds": 5.0, "peak_inflight": 9,
-               "output_tokens_per_row_hist": {"buckets": [[10, 11, 6]], "rows": 6, "sum": 60, "min": 10, "max": 10, "mean": 10.0}}
+    earlier = {
+        "attempt": 1,
+        "outcome": "killed",
+        "output_tokens": 60,
+        "input_tokens": 1,
+        "requests": 6,
+        "rows_computed": 6,
+        "inference_runtime_seconds": 1.0,
+        "runtime_seconds": 5.0,
+        "peak_inflight": 9,
+        "output_tokens_per_row_hist": {"buckets": [[10, 11, 6]], "rows": 6, "sum": 60, "min": 10, "max": 10, "mean": 10.0},
+    }
     budget = ErrorBudget(_params(), 0, "e")
     budget.resume(6, Counter())
     budget.record_ok()

@@ -28,7 +28,6 @@ from mirageflow.engines.shared import SharedEngine
 
 
 def _pipeline(tmp_path: Path, model: Path, rows: int, shards: int, k: int, new_tokens: int = 4) -> dict:
-
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"title": f"Title number {i}"}) + "\n" for i in range(rows)))
     return pipeline_config(
@@ -62,7 +61,18 @@ def _start_engine(tmp_path: Path, cfg: dict, env: dict | None = None) -> tuple[s
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(cfg))
     endpoint = tmp_path / "state" / "engines" / "engine_0.json"
-    cmd = [sys.executable, "-m", "mirageflow.jobs", "--config", str(path), "--log", str(tmp_path / "engine.log"), "engine", "0", str(endpoint)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mirageflow.jobs",
+        "--config",
+        str(path),
+        "--log",
+        str(tmp_path / "engine.log"),
+        "engine",
+        "0",
+        str(endpoint),
+    ]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     return proc, endpoint
 
@@ -188,7 +198,6 @@ def test_an_engine_killed_mid_run_fails_its_shards_clearly_and_a_rerun_completes
 
 
 def _cfg(tmp_path: Path, **ep) -> dict:
-
     data = tmp_path / "in.jsonl"
     data.write_text('{"q": "x"}\n')
     return pipeline_config(
@@ -263,7 +272,10 @@ def test_a_frozen_service_fails_its_requests_within_the_heartbeat_deadline(tmp_p
         assert engine.max_inflight == 4
         frozen.set()
         t0 = time.monotonic()
-        with pytest.raises(EngineError, match=r"engine service .*engine_0\.json stopped answering \(DeadlineExceeded: no whole answer .*/health within 1 s\)"):
+        with pytest.raises(
+            EngineError,
+            match=r"engine service .*engine_0\.json stopped answering \(DeadlineExceeded: no whole answer .*/health within 1 s\)",
+        ):
             engine.generate([Request(0, None, "prompt", {})])
         assert time.monotonic() - t0 < 0.2 + 1.0 + 2.0
         with pytest.raises(EngineError, match="stopped answering"):  # and every later request, at once

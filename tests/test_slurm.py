@@ -83,9 +83,7 @@ def runs(cluster, tiny_model, servers, tmp_path_factory):
         ),
         servers["slow"].url + "/v1", max_inflight=1, checkpoint_rows=1, checkpoint_min_seconds=0,
     )  # fmt: skip
-    faults = Run(
-        faults_dir, faults_cfg, "--retries", "0", env=slurm_cluster.fault_env(faults_dir, {"0": {"1": "hang"}})
-    )
+    faults = Run(faults_dir, faults_cfg, "--retries", "0", env=slurm_cluster.fault_env(faults_dir, {"0": {"1": "hang"}}))
     many_cfg = slurm_cluster.openai_pipeline(
         slurm_cluster.pipeline_config(
             tiny_model, slurm_cluster.write_rows(many_dir / "in.jsonl", MANY_SHARDS), MANY_SHARDS, gpus=0, mem="300M"
@@ -247,9 +245,7 @@ def test_shards_at_their_time_limit_get_sigterm_commit_and_record_it(runs):
 def test_rerun_resumes_the_failed_shards_as_a_job_array(runs, servers):
     faults = runs["faults"]
     assert faults.proc.returncode is not None
-    committed = sum(
-        _committed(json.loads(f.read_text())) for f in (faults.workdir / "state").glob("shard_*/failure.json")
-    )
+    committed = sum(_committed(json.loads(f.read_text())) for f in (faults.workdir / "state").glob("shard_*/failure.json"))
     servers["slow"].behaviour.latency = 0.0
     t0 = time.monotonic()
     rerun = Run(faults.workdir, _config_of(faults), name="rerun")  # arrays: the profile's default
@@ -274,9 +270,7 @@ def test_rerun_resumes_the_failed_shards_as_a_job_array(runs, servers):
 
 
 def test_invalid_config_fails_on_the_login_node_before_any_submission(cluster, tiny_model, tmp_path):
-    cfg = slurm_cluster.pipeline_config(
-        tiny_model, slurm_cluster.write_rows(tmp_path / "in.jsonl", 2), 1, slurm_extra="--gres=gpu:2"
-    )
+    cfg = slurm_cluster.pipeline_config(tiny_model, slurm_cluster.write_rows(tmp_path / "in.jsonl", 2), 1, slurm_extra="--gres=gpu:2")
     run = Run(tmp_path, cfg)
     assert run.wait(120) != 0
     assert "execution_params.slurm_extra: sets the generic resources (GRES)" in run.output

@@ -63,7 +63,9 @@ def _out(tmp_path: Path, name: str, text: str) -> Path:
     return path
 
 
-NO_DBD = 'case "$*" in *--completion*) cat {out}; printf "%s" "{err}" >&2;; *) echo "Slurm accounting storage is disabled" >&2; exit 1;; esac'
+NO_DBD = (
+    'case "$*" in *--completion*) cat {out}; printf "%s" "{err}" >&2;; *) echo "Slurm accounting storage is disabled" >&2; exit 1;; esac'
+)
 
 
 def _metrics(job_ids: dict[int, str], failed: dict[int, str] | None = None) -> dict:

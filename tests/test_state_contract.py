@@ -49,7 +49,6 @@ def no_proxy(monkeypatch):
 
 
 def pipeline(root: Path, base_url: str, num_shards: int = 2) -> dict:
-
     data = root / "in.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"passage {i}"}) + "\n" for i in range(ROWS)))
@@ -90,7 +89,17 @@ def test_the_rules_take_their_paths_from_the_layout(tmp_path, tiny_model):
     """Every output Snakemake plans is a path of StateLayout, and the rule files spell none by hand."""
     for rules in [REPO / "Snakefile", *sorted((REPO / "workflow" / "rules").glob("*.smk"))]:
         strings = re.findall(r"""["']([^"'\n]*)["']""", rules.read_text())  # one-line string literals (paths are)
-        for literal in ("status.json", "failure.json", "shard_{", "index.json", "metrics.json", "report.html", "logs/", "merged/", "dedup/"):
+        for literal in (
+            "status.json",
+            "failure.json",
+            "shard_{",
+            "index.json",
+            "metrics.json",
+            "report.html",
+            "logs/",
+            "merged/",
+            "dedup/",
+        ):
             found = [x for x in strings if literal in x and not x.startswith("resources/")]  # the demo model is no state
             assert not found, f"{rules.name} spells {literal!r}: take it from StateLayout"
     cfg = pipeline(tmp_path, "unused")
@@ -306,7 +315,10 @@ def full_disk(tmp_path):
     """A 256 KiB tmpfs, filled: needs root (CI runs as root); skipped elsewhere."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode
+    ):
         pytest.skip("cannot mount a small tmpfs (not root)")
     try:
         yield mount

@@ -36,7 +36,12 @@ NOT_JSON = {
 }
 # parse, but the wrong shape for each file
 WRONG_SHAPE = {
-    "status.json": {"status": "success", "stats": [], "started_at": "2025-03-01T10:00:00+00:00", "finished_at": "2025-03-01T10:10:00+00:00"},
+    "status.json": {
+        "status": "success",
+        "stats": [],
+        "started_at": "2025-03-01T10:00:00+00:00",
+        "finished_at": "2025-03-01T10:10:00+00:00",
+    },
     "failure.json": {"error": 5, "stats": {"rows_failed": "many"}},
     "progress.json": {"phase": "generating", "updated_at_unix": "a minute ago", "fraction_done": [0.5]},
     "lease.json": {"hostname": ["n1"], "heartbeat": "now"},
@@ -182,7 +187,9 @@ def test_a_failure_json_without_stats_or_error_text_is_shown(tmp_path, capsys, m
     """The early-stop record (stats null) and an empty error both print."""
     root = _workdir(tmp_path / "w", 2)
     atomic_write_json(root / "state/shard_0/failure.json", {"shard_id": 0, "attempt": "2", "error": "", "signal": "SIGTERM", "stats": None})
-    atomic_write_json(root / "state/shard_1/failure.json", {"shard_id": 1, "error": "stopped by SIGINT before the shard started", "stats": None})
+    atomic_write_json(
+        root / "state/shard_1/failure.json", {"shard_id": 1, "error": "stopped by SIGINT before the shard started", "stats": None}
+    )
     monkeypatch.chdir(root)
     assert cli.main(["status", "--config", "pipeline.yaml"]) == cli.EXIT_FAILED
     out = capsys.readouterr().out

@@ -325,7 +325,9 @@ def test_model_memory_facts_from_a_model_dir(tmp_path):
 
 
 def test_model_memory_facts_defaults_head_dim_and_kv_heads(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "torch_dtype": "float32"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "torch_dtype": "float32"})
+    )
     assert stats.model_memory_facts(tmp_path)["kv_bytes_per_token"] == 2 * 2 * 4 * 64 * 4
     assert stats.model_memory_facts(tmp_path)["weight_bytes"] is None
 
@@ -334,7 +336,9 @@ def test_roofline_figures_null_when_unknown():
     model = {"weight_bytes": 8.04e9, "kv_bytes_per_token": 147_456}
     known = stats.roofline_figures(model, "NVIDIA H200", 256, 256 * 100, 256 * 824, 256, 9000.0)
     assert known["roofline_mean_context"] == pytest.approx(100 + 412)
-    assert known["roofline_tokens_per_sec_per_gpu"] == pytest.approx(stats.decode_roofline_tokens_per_sec(8.04e9, 147_456, 256, 512, 4.8e12))
+    assert known["roofline_tokens_per_sec_per_gpu"] == pytest.approx(
+        stats.decode_roofline_tokens_per_sec(8.04e9, 147_456, 256, 512, 4.8e12)
+    )
     assert known["roofline_fraction"] == pytest.approx(9000.0 / known["roofline_tokens_per_sec_per_gpu"])
     for args in [(None, "NVIDIA H200"), (model, None), (model, "NVIDIA H100 80GB HBM3 MIG 3g.40gb")]:
         assert stats.roofline_figures(*args, 256, 100, 100, 10, 9000.0)["roofline_fraction"] is None
@@ -398,7 +402,19 @@ def test_energy_and_roofline_aggregate_over_the_shards_that_know_them():
 
 
 def _done(shard_id, runtime, gpus, num_shards):
-    return shard_status(shard_id, "2025-01-01T10:00:00+00:00", "2025-01-01T11:00:00+00:00", runtime, 1.0, runtime - 1, 10, 1, 100, gpus, num_shards=num_shards)
+    return shard_status(
+        shard_id,
+        "2025-01-01T10:00:00+00:00",
+        "2025-01-01T11:00:00+00:00",
+        runtime,
+        1.0,
+        runtime - 1,
+        10,
+        1,
+        100,
+        gpus,
+        num_shards=num_shards,
+    )
 
 
 def test_gpu_hours_remaining_projection():
@@ -418,8 +434,12 @@ def test_gpu_hours_remaining_projection():
 def test_shard_states_from_files(tmp_path):
     now = 1_800_000_000.0
     write_status(tmp_path, {**SHARD_0, "num_shards": 6})
-    atomic_write_json(tmp_path / "shard_1" / "failure.json", {"error": "ShardFailed: budget", "signal": None, "attempt": 2, "hostname": "n1"})
-    atomic_write_json(tmp_path / "shard_2" / "progress.json", {"phase": "generating", "updated_at_unix": now - 3, "rows_done": 5, "rows_total": 10})
+    atomic_write_json(
+        tmp_path / "shard_1" / "failure.json", {"error": "ShardFailed: budget", "signal": None, "attempt": 2, "hostname": "n1"}
+    )
+    atomic_write_json(
+        tmp_path / "shard_2" / "progress.json", {"phase": "generating", "updated_at_unix": now - 3, "rows_done": 5, "rows_total": 10}
+    )
     atomic_write_json(tmp_path / "shard_3" / "progress.json", {"phase": "generating", "updated_at_unix": now - 3600, "hostname": "n3"})
     atomic_write_json(tmp_path / "shard_4" / "lease.json", {"hostname": "n4", "pid": 1, "heartbeat": now - 10})
     atomic_write_json(tmp_path / "shard_4" / "failure.json", {"error": "an earlier attempt", "signal": "SIGTERM"})  # retried now

@@ -98,7 +98,10 @@ def test_item9_preflight_refuses_what_it_can_see(source, found):
 
 
 def test_ordinary_templates_render_as_before():
-    assert Template("{% for i in range(3) %}{{ i }}{% endfor %} {{ text|upper }} {{ '%5d' % 7 }}", "p").render({"text": "hi"}) == "012 HI     7"
+    assert (
+        Template("{% for i in range(3) %}{{ i }}{% endfor %} {{ text|upper }} {{ '%5d' % 7 }}", "p").render({"text": "hi"})
+        == "012 HI     7"
+    )
     assert template_problems("{% for x in items %}{% for y in x %}{{ y }}{% endfor %}{% endfor %}", ["items"], "p") == []
 
 

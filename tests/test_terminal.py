@@ -133,7 +133,9 @@ def test_hooks_do_nothing_outside_the_driver(tmp_path, monkeypatch):
     printed = []
     monkeypatch.setattr(terminal, "_emit", lambda text, error=False: printed.append(text))
     monkeypatch.setenv(terminal.ENV_INTERVAL, "1")
-    pipeline = SimpleNamespace(state_dir=str(tmp_path), num_shards=1, datasets=[], merge=True, shard=SimpleNamespace(lease_timeout_seconds=300))
+    pipeline = SimpleNamespace(
+        state_dir=str(tmp_path), num_shards=1, datasets=[], merge=True, shard=SimpleNamespace(lease_timeout_seconds=300)
+    )
     job = SimpleNamespace(is_main_process=False, configfiles=["p.yaml"])
     terminal.on_start(pipeline, job)
     assert terminal._LIVE is None
@@ -156,7 +158,11 @@ def test_hooks_do_nothing_outside_the_driver(tmp_path, monkeypatch):
     "by_class, error, expected",
     [
         ({"template_error": 13}, "ShardFailed: every row of shard 0: 13 of 13 rows failed (template_error: 13)", "template_error"),
-        ({"missing_variable": 3, "json_schema": 1}, "ShardFailed: error budget exceeded in shard 0: 4 of 10 rows failed", "missing_variable, json_schema"),
+        (
+            {"missing_variable": 3, "json_schema": 1},
+            "ShardFailed: error budget exceeded in shard 0: 4 of 10 rows failed",
+            "missing_variable, json_schema",
+        ),
         ({"template_error": 3, "empty_output": 1}, "ShardFailed: error budget exceeded ... rows failed", None),  # empty_output: chance
         ({"template_error": 3}, "EngineFailed: engine 'llm' failed on row 4: ConnectError", None),  # not the rows' fault
         ({}, "OSError: no model at /x", None),
@@ -227,7 +233,6 @@ def test_run_summary_counts_shards_and_rows_and_says_where_things_are(tmp_path, 
 
 
 def _pipeline(model, prompt: str, rows: int = 6) -> dict:
-
     return pipeline_config(
         model=model, num_shards=2, loading={"batch_size": 4}, outputs=[{"name": "a", "prompt": prompt}],
         processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 4}},

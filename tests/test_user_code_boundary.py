@@ -24,7 +24,7 @@ from mirageflow.prompts.python_steps import CustomProcessor, FunctionPool
 from mirageflow.errors import RowError
 from mirageflow.shard import index_datasets, run_shard
 
-SCRIPT = '''
+SCRIPT = """
 import os, signal, sys, time
 
 def f(v):
@@ -47,7 +47,7 @@ def f(v):
     if q.startswith("slow"):
         time.sleep(1.0)
     return q.upper()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,8 @@ def test_item6_a_real_cancellation_stops_the_shard_instead_of_failing_rows(tmp_p
     cfg = _config(tmp_path, script, ["slow"] * 6)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     runner = tmp_path / "run.py"
-    runner.write_text(textwrap.dedent(f"""
+    runner.write_text(
+        textwrap.dedent(f"""
         import json
         from mirageflow.config import load_config
         from mirageflow.shard import index_datasets, run_shard
@@ -127,8 +128,11 @@ def test_item6_a_real_cancellation_stops_the_shard_instead_of_failing_rows(tmp_p
             cfg = load_config(json.loads(open({str(tmp_path / "cfg.json")!r}).read()))
             index_datasets(cfg)
             run_shard(cfg, 0)
-    """))
-    proc = subprocess.Popen([sys.executable, str(runner)], start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    """)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(runner)], start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    )
     time.sleep(6)  # workers started (spawn) and the first slow rows running
     os.killpg(proc.pid, signal.SIGTERM)  # the shard and its workers, as scancel does
     assert proc.wait(60) != 0

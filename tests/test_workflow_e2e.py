@@ -116,7 +116,9 @@ def test_every_shard_writes_status_with_stats(finished_run):
 
 def test_bad_rows_are_recorded_not_dropped_silently(finished_run):
     root, _ = finished_run
-    errors = [json.loads(line) for s in range(NUM_SHARDS) for line in (root / "state" / f"shard_{s}" / "errors.jsonl").read_text().splitlines()]
+    errors = [
+        json.loads(line) for s in range(NUM_SHARDS) for line in (root / "state" / f"shard_{s}" / "errors.jsonl").read_text().splitlines()
+    ]
     by_index = {e["source_index"]: e for e in errors}
     assert set(by_index) == {2, 4}
     assert by_index[2]["error"] == "bad_row" and "in.jsonl:4" in by_index[2]["message"]

@@ -77,7 +77,15 @@ class SimulatedBatchEngine(_TokenizerEngine):
     restarts with the next request. Counters: ``steps``, ``tokens``, ``busy_seconds``.
     """
 
-    def __init__(self, lengths: dict[int, int], capacity: int = 256, step_seconds: float = 0.002, tokenizer_path=None, chat: str = "none", max_inflight: int | None = None):
+    def __init__(
+        self,
+        lengths: dict[int, int],
+        capacity: int = 256,
+        step_seconds: float = 0.002,
+        tokenizer_path=None,
+        chat: str = "none",
+        max_inflight: int | None = None,
+    ):
         super().__init__(tokenizer_path, chat, max_inflight or 2 * capacity)
         self.lengths, self.capacity, self.step_seconds = lengths, capacity, step_seconds
         self.steps = self.tokens = 0
@@ -138,7 +146,15 @@ class SimulatedBatchEngine(_TokenizerEngine):
 class SlowEngine(_TokenizerEngine):
     """Answers after ``delay`` seconds (uniform in the given range); logs finished ids."""
 
-    def __init__(self, delay=(0.002, 0.008), log_path: str | None = None, seed: int = 0, max_inflight: int = 64, tokenizer_path=None, chat: str = "none"):
+    def __init__(
+        self,
+        delay=(0.002, 0.008),
+        log_path: str | None = None,
+        seed: int = 0,
+        max_inflight: int = 64,
+        tokenizer_path=None,
+        chat: str = "none",
+    ):
         super().__init__(tokenizer_path, chat, max_inflight)
         self.delay, self.log_path = delay, log_path
         self.rng = random.Random(seed)

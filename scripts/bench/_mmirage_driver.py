@@ -29,7 +29,11 @@ class Engine:  # the fake: same answer for every prompt, no waiting
 
     def generate(self, prompt=None, sampling_params=None, image_data=None, **kw):
         return [
-            {"text": completion, "output_ids": [], "meta_info": {"prompt_tokens": len(p) // 4, "completion_tokens": completion_tokens, "finish_reason": {"type": "stop"}}}
+            {
+                "text": completion,
+                "output_ids": [],
+                "meta_info": {"prompt_tokens": len(p) // 4, "completion_tokens": completion_tokens, "finish_reason": {"type": "stop"}},
+            }
             for p in prompt
         ]
 
@@ -82,7 +86,19 @@ def main():
     rows = sum(_count_rows(ds) for ds in processed)
     vers = {p: metadata.version(p) for p in ("mmirage", "datasets", "transformers", "jinja2", "jmespath", "pyarrow")}
     vers["python"] = sys.version.split()[0]
-    print(json.dumps({"rows": rows, "load_s": t1 - t0, "map_s": t2 - t1, "save_s": t3 - t2, "cpu_s": cpu, "versions": vers, "sample": processed[0][0]}))
+    print(
+        json.dumps(
+            {
+                "rows": rows,
+                "load_s": t1 - t0,
+                "map_s": t2 - t1,
+                "save_s": t3 - t2,
+                "cpu_s": cpu,
+                "versions": vers,
+                "sample": processed[0][0],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -104,7 +104,11 @@ def throughput(rows: int, repeats: int, tokenizer: str, work: Path) -> dict:
 def _shard_config(data: Path, work: Path) -> dict:
     return {
         "processors": [{"type": "llm", "server_args": {"model_path": "unused"}, "apply_chat_template": False}],
-        "loading_params": {"state_dir": str(work / "state"), "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(work / "out")}], "num_shards": 1},
+        "loading_params": {
+            "state_dir": str(work / "state"),
+            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(work / "out")}],
+            "num_shards": 1,
+        },
         "shard_params": {"checkpoint_rows": KILL_CHECKPOINT_ROWS, "checkpoint_min_seconds": 0},
         "processing_params": {
             "inputs": [{"name": "text", "key": "text"}, {"name": "id", "key": "id"}],
@@ -138,7 +142,9 @@ def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     log1, log2 = tdir / "run1", tdir / "run2"
     gen1 = tdir / "run1.generated"
     rng = random.Random(seed * 1000 + trial)
-    proc = subprocess.Popen([sys.executable, me, "--child", str(cfg_path), str(log1), str(trial)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, me, "--child", str(cfg_path), str(log1), str(trial)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while not gen1.exists() or gen1.stat().st_size == 0:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -155,7 +161,9 @@ def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     committed1 = sum(b - a for d in manifest["datasets"].values() for key in ("done", "failed") for a, b in d[key])
 
     # second run to completion (a dead holder's lease on this host is taken over)
-    out = subprocess.run([sys.executable, me, "--child", str(cfg_path), str(log2), str(trial + 1000)], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, me, "--child", str(cfg_path), str(log2), str(trial + 1000)], env=env, capture_output=True, text=True
+    )
     if out.returncode != 0:
         raise RuntimeError(f"trial {trial}: the rerun failed:\n{out.stderr[-3000:]}")
     computed2 = _ids(tdir / "run2.generated")
@@ -238,7 +246,16 @@ def main() -> None:
             for name, rs in tp.items()
         ]
         kill_rows = [
-            [t["trial"], f"{t['killed_after_s']:.2f}", t["generated_before_kill"], t["finished_before_kill"], t["committed_before_kill"], t["computed_by_rerun"], t["recomputed"], t["regenerated"]]
+            [
+                t["trial"],
+                f"{t['killed_after_s']:.2f}",
+                t["generated_before_kill"],
+                t["finished_before_kill"],
+                t["committed_before_kill"],
+                t["computed_by_rerun"],
+                t["recomputed"],
+                t["regenerated"],
+            ]
             for t in trials
         ]
         body = f"""## Checkpoint cost (`scripts/bench/checkpoint_cost.py`)

@@ -95,7 +95,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     args = ap.parse_args()
-    cmd = "python scripts/bench/dedup.py" + ("" if args.rows == 20000 else f" --rows {args.rows}") + ("" if args.repeats == 3 else f" --repeats {args.repeats}")
+    cmd = (
+        "python scripts/bench/dedup.py"
+        + ("" if args.rows == 20000 else f" --rows {args.rows}")
+        + ("" if args.repeats == 3 else f" --repeats {args.repeats}")
+    )
     info = C.machine("mirageflow", "datasketch", "pyarrow", "numpy")
     pinned = C.pin_to_one_core()
     records, kinds = make_records(args.rows, seed=0)

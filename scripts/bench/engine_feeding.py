@@ -75,7 +75,9 @@ def passage(v):
 
 def config(data: Path, work: Path, tokenizer: str, cap: int, step: tuple[float, int] | None = None) -> dict:
     """``step``: (seconds, workers) of a custom step before the LLM output, else none."""
-    processors = [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.7, "max_new_tokens": cap}}]
+    processors = [
+        {"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.7, "max_new_tokens": cap}}
+    ]
     outputs = [{"name": "answer", "prompt": "Answer the question about this passage: {{ text }}"}]
     if step is not None:
         work.mkdir(parents=True, exist_ok=True)
@@ -84,7 +86,11 @@ def config(data: Path, work: Path, tokenizer: str, cap: int, step: tuple[float, 
         outputs = [{"name": "clean", "type": "custom"}, {"name": "answer", "prompt": "Answer the question about this passage: {{ clean }}"}]
     return {
         "processors": processors,
-        "loading_params": {"state_dir": str(work / "state"), "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(work / "out")}], "num_shards": 1},
+        "loading_params": {
+            "state_dir": str(work / "state"),
+            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(work / "out")}],
+            "num_shards": 1,
+        },
         "processing_params": {
             "inputs": [{"name": "text", "key": "text"}],
             "outputs": outputs,
@@ -209,7 +215,19 @@ def main() -> None:
     if not args.no_write:
         cmd = "python scripts/bench/engine_feeding.py" + "".join(f" {a}" for a in sys.argv[1:])
         rows_md = [
-            [name, r["requests"], f"{r['tokens']:,}", f"{r['window_s']:.2f}", r["steps"], f"{r['ideal_steps']:.0f}", r["drain_steps"], f"{r['tokens_per_sec']:,.0f}", f"{r['fraction_of_ideal']:.3f}", f"{r['step_occupancy']:.3f}", f"{r['occupancy_while_fed']:.3f}"]
+            [
+                name,
+                r["requests"],
+                f"{r['tokens']:,}",
+                f"{r['window_s']:.2f}",
+                r["steps"],
+                f"{r['ideal_steps']:.0f}",
+                r["drain_steps"],
+                f"{r['tokens_per_sec']:,.0f}",
+                f"{r['fraction_of_ideal']:.3f}",
+                f"{r['step_occupancy']:.3f}",
+                f"{r['occupancy_while_fed']:.3f}",
+            ]
             for name, r in (
                 ("ours (ShardRunner, window 2 x C)", ours),
                 (f"ours + Python step ({args.python_step_workers} workers, {args.python_step_ms:g} ms wait a call)", stepped),
@@ -227,7 +245,7 @@ call per batch of {args.batch}, as MMIRAGE does) over the first {min(args.baseli
 (a Python function per row in {args.python_step_workers} worker processes, each call also waiting {args.python_step_ms:g} ms; the
 prompt uses its value), so every request waits for it: whether the engine stays fed while
 Python steps run.
-Ideal = the engine always full = {figures['ideal_tokens_per_sec']:,.0f} tokens/s. Fraction of ideal =
+Ideal = the engine always full = {figures["ideal_tokens_per_sec"]:,.0f} tokens/s. Fraction of ideal =
 tokens * step / (C * window from first request to last completion); step occupancy =
 tokens / (steps run * C). The end of a run, when the last long sequences finish alone
 (the drain, after the last request joined), counts against both; the last column leaves it out.

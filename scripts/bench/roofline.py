@@ -61,7 +61,9 @@ PUBLISHED = [
 ]
 
 
-def roofline(batch: float, mean_context: float, bandwidth: float, weight_bytes: float = WEIGHT_BYTES, kv: float = KV_BYTES_PER_TOKEN) -> float:
+def roofline(
+    batch: float, mean_context: float, bandwidth: float, weight_bytes: float = WEIGHT_BYTES, kv: float = KV_BYTES_PER_TOKEN
+) -> float:
     """Decode ceiling in output tokens/s per GPU (memory-bandwidth bound)."""
     return batch * bandwidth / (weight_bytes + batch * mean_context * kv)
 

@@ -152,7 +152,10 @@ def run_side(name: str, args, work: Path) -> dict:
         raise SystemExit(f"the {name} side failed (exit {proc.returncode}); its output is above")
     out = json.loads(result.read_text())
     out["process_s"] = time.perf_counter() - t0
-    print(f"[{name}] {out['tok_s']:.1f} output tok/s ({out['tokens']} tokens in {out['seconds']:.2f} s; process {out['process_s']:.0f} s)", file=sys.stderr)
+    print(
+        f"[{name}] {out['tok_s']:.1f} output tok/s ({out['tokens']} tokens in {out['seconds']:.2f} s; process {out['process_s']:.0f} s)",
+        file=sys.stderr,
+    )
     return out
 
 

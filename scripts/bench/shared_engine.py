@@ -147,7 +147,7 @@ def main() -> None:
         ]  # fmt: skip
         body = f"""## Shared engine: per-shard fixed cost with and without one engine for 8 shards
 
-Command: `{cmd}` (commit {git_rev()}, {started}; load average {info['loadavg_at_start']} at start, {load_end} at end: a shared
+Command: `{cmd}` (commit {git_rev()}, {started}; load average {info["loadavg_at_start"]} at start, {load_end} at end: a shared
 2-CPU machine, so wall times include waiting for the CPU).
 
 {machine_lines(info)}
@@ -160,11 +160,11 @@ Medians of {args.repeats} run(s) per mode, modes alternating.
 |---|---|---|---|---|---|---|---|
 {chr(10).join("| " + " | ".join(r) + " |" for r in rows)}
 
-Sharing cuts the per-shard fixed cost {u['fixed_per_shard_s'] / s['fixed_per_shard_s']:.1f}x: shared it is
-{s['fixed_per_shard_s'] / u['fixed_per_shard_s']:.2f} of the unshared cost measured in the same conditions (target: at most
+Sharing cuts the per-shard fixed cost {u["fixed_per_shard_s"] / s["fixed_per_shard_s"]:.1f}x: shared it is
+{s["fixed_per_shard_s"] / u["fixed_per_shard_s"]:.2f} of the unshared cost measured in the same conditions (target: at most
 0.25). The target in seconds, a quarter of the 9.4 s measured on a quieter machine (section snakemake_scale: 2.0 s of
-job overhead + 7.3 s of load), is 2.35 s: {"met" if s['fixed_per_shard_s'] <= 2.35 else "not met in this run"} ({s['fixed_per_shard_s']:.2f} s,
-with one load taking {s['engine_load_s']:.1f} s here instead of about 7 s). What is left per shard is its share of the one load
+job overhead + 7.3 s of load), is 2.35 s: {"met" if s["fixed_per_shard_s"] <= 2.35 else "not met in this run"} ({s["fixed_per_shard_s"]:.2f} s,
+with one load taking {s["engine_load_s"]:.1f} s here instead of about 7 s). What is left per shard is its share of the one load
 and its own process (Python, imports without torch, config validation, checkpoint, status.json) next to Snakemake's scheduling.
 
 On paper, {args.paper_shards:,} shards of Qwen3-4B on H200s, assuming {args.load_seconds:.0f} s per model load (not

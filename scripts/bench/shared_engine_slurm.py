@@ -106,7 +106,7 @@ def main() -> None:
         ]
         body = f"""## Shared engine on the test SLURM: per-shard fixed cost (allocation time outside generation)
 
-Command: `{cmd}` (commit {git_rev()}, {started}; load average {info['loadavg_at_start']} at start).
+Command: `{cmd}` (commit {git_rev()}, {started}; load average {info["loadavg_at_start"]} at start).
 
 {machine_lines(info)}
 The tiny test model through `profiles/slurm` on the one-node SLURM of `tests/slurm_cluster.py` (2 real CPUs), the
@@ -118,7 +118,7 @@ shared, the group job's elapsed - its longest generation. Elapsed times are SLUR
 |---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-Shared, a shard costs {s['fixed_per_shard_s'] / u['fixed_per_shard_s']:.2f} of the unshared allocation time outside generation
+Shared, a shard costs {s["fixed_per_shard_s"] / u["fixed_per_shard_s"]:.2f} of the unshared allocation time outside generation
 (target: at most 0.25). An unshared SLURM shard also pays the plugin's Snakemake starts inside its job (two per
 plain job, three per array task); in the group job they are paid once for the engine and its {K} shards.
 """

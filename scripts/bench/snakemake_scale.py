@@ -201,7 +201,10 @@ def dry_runs(root: Path, model: Path, dataset: Path, shard_counts: list[int], re
                 m = measure(snakemake(dirs[n], *flags, "--cores", "1"), dirs[n])
                 m["jobs"] = job_count(m.pop("output"))
                 runs[n, mode].append(m)
-                print(f"[dry-run {n} shards, {mode}] {m['wall_s']:.1f} s wall, {m['cpu_s']:.1f} s CPU, {m['max_rss_mb']:.0f} MB, {m['jobs']} jobs", file=sys.stderr)
+                print(
+                    f"[dry-run {n} shards, {mode}] {m['wall_s']:.1f} s wall, {m['cpu_s']:.1f} s CPU, {m['max_rss_mb']:.0f} MB, {m['jobs']} jobs",
+                    file=sys.stderr,
+                )
     out = {}
     for n in shard_counts:
         out[n] = {mode: summarize(runs[n, mode]) for mode in DRY_MODES}
@@ -416,7 +419,11 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
             f"| per shard: inference_runtime_seconds, median | {run['inference_median_s']:.3f} |",
             f"| per shard: runtime_seconds, median | {run['runtime_median_s']:.2f} |",
         ]
-    lines += ["", "Figures (the script's last lines):", "", "```"] + [f"{k}: {v}" for k, v in figures(dry, parse, run, parsed, probe).items()] + ["```"]
+    lines += (
+        ["", "Figures (the script's last lines):", "", "```"]
+        + [f"{k}: {v}" for k, v in figures(dry, parse, run, parsed, probe).items()]
+        + ["```"]
+    )
     return "\n".join(lines)
 
 
@@ -451,7 +458,10 @@ def main() -> None:
         run = local_run(root, model, args.run_shards, args.rows_per_shard) if args.run_shards else None
     load1 = os.getloadavg()[0]
     if not args.no_write:
-        write_section(SECTION, section(cmd, machine("snakemake", "snakemake-executor-plugin-slurm"), args, dry, parse, run, parsed, (load0, load1), probe))
+        write_section(
+            SECTION,
+            section(cmd, machine("snakemake", "snakemake-executor-plugin-slurm"), args, dry, parse, run, parsed, (load0, load1), probe),
+        )
     for k, v in figures(dry, parse, run, parsed, probe).items():
         print(f"{k}: {v}")
 

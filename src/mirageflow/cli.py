@@ -56,6 +56,8 @@ def default_slurm_profile(plugin_version: str | None = None) -> Path:
         major_minor = ()
     old = len(major_minor) == 2 and major_minor < (2, 7)
     return workflow_dir() / "profiles" / ("slurm-gpu" if old else "slurm")
+
+
 class UsageError(InputError):
     """Bad arguments or config: mmirage exits 2, nothing started."""
 
@@ -161,7 +163,9 @@ def cmd_run(args) -> int:
     cfg = _load(args.config)  # fail fast, with exit code 2, before Snakemake starts
     if args.export_prompts is not None:
         if args.shard_id is not None or args.force_retry or args.extra:
-            raise UsageError("--export-prompts writes the requests and runs nothing: it takes no --shard-id, --force-retry or Snakemake arguments")
+            raise UsageError(
+                "--export-prompts writes the requests and runs nothing: it takes no --shard-id, --force-retry or Snakemake arguments"
+            )
         return export_prompts(cfg, args.export_prompts)
     flags = _retries(cfg, args.force_retry)
     if args.shard_id is not None:  # MMIRAGE: one shard, on this machine, whatever the mode says
@@ -169,7 +173,10 @@ def cmd_run(args) -> int:
         target = str(StateLayout(cfg.state_dir).status(shard))
         return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, targets=[target], flags=flags, extra=args.extra))
     if _on_slurm(cfg, args):
-        print("mmirage: execution_params.mode is slurm: the shards go to SLURM, as with mmirage submit (--local runs them here)", file=sys.stderr)
+        print(
+            "mmirage: execution_params.mode is slurm: the shards go to SLURM, as with mmirage submit (--local runs them here)",
+            file=sys.stderr,
+        )
         return _run(snakemake_command(args.config, stats=args.stats, profile=_slurm_profile(args), flags=flags, extra=args.extra))
     return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, flags=flags, extra=args.extra))
 
@@ -195,7 +202,7 @@ def export_prompts(cfg, where: str) -> int:
         return EXIT_FAILED
     print(
         f"mmirage: wrote {counts['requests']} request(s) of {counts['rows']} row(s) to {path}"
-        + (f" ({counts['row_errors']} row(s) with an error: lines with \"error\")" if counts["row_errors"] else ""),
+        + (f' ({counts["row_errors"]} row(s) with an error: lines with "error")' if counts["row_errors"] else ""),
         file=sys.stderr,
     )
     print(path)
@@ -223,9 +230,7 @@ def retry_plan(cfg: PipelineConfig, failed_rows: bool) -> dict:
     states = states_of(cfg)
     unfinished = [s["shard_id"] for s in states if s["state"] != "done"]
     running = [s["shard_id"] for s in states if s["state"] == "running"]
-    with_failed_rows = [
-        s["shard_id"] for s in states if s["state"] == "done" and (s["status"]["stats"].get("rows_failed") or 0) > 0
-    ]
+    with_failed_rows = [s["shard_id"] for s in states if s["state"] == "done" and (s["status"]["stats"].get("rows_failed") or 0) > 0]
     # a damaged status.json: not done, but Snakemake sees the file and would not rerun the shard unforced
     damaged = [s["shard_id"] for s in states if s["state"] == "failed" and any(x["file"] == L.STATUS for x in s.get("damaged") or [])]
     return {
@@ -297,7 +302,10 @@ def cmd_retry(args) -> int:
 
 
 def _dry_run(extra: list[str]) -> bool:
-    return any(a in ("-n", "--dry-run", "--dryrun") or (a.startswith("-") and not a.startswith("--") and "n" in a[1:] and a[1:].isalpha()) for a in extra)
+    return any(
+        a in ("-n", "--dry-run", "--dryrun") or (a.startswith("-") and not a.startswith("--") and "n" in a[1:] and a[1:].isalpha())
+        for a in extra
+    )
 
 
 def cmd_stats(args) -> int:
@@ -387,8 +395,11 @@ def status_summary(cfg: PipelineConfig) -> dict:
         "gpu_hours_remaining_estimate": gpu_hours_remaining(statuses, states, cfg.num_shards),
         "shards": [
             {k: v for k, v in s.items() if k not in ("status", "failure")}
-            | ({"runtime_seconds": s["status"]["stats"]["runtime_seconds"], "samples_done": units_of(s["status"]["stats"])}
-               if s["state"] == "done" else {})
+            | (
+                {"runtime_seconds": s["status"]["stats"]["runtime_seconds"], "samples_done": units_of(s["status"]["stats"])}
+                if s["state"] == "done"
+                else {}
+            )
             | ({"repeats_identically": repeats[s["shard_id"]]} if s["shard_id"] in repeats else {})
             for s in states
         ],
@@ -424,8 +435,12 @@ def _status_line(s: dict, n_samples: int = 1) -> str:
         detail = f"{fmt(s.get('runtime_seconds'))} s"
     elif s.get("stale"):
         detail = s["stale"]
-    where = " ".join(x for x in (s.get("host") or p.get("hostname") or "", f"job {s['slurm_job_id']}" if s.get("slurm_job_id") else "") if x)
-    return f"{s['shard_id']:>6}  {s['state']:<8} {done:>13}  {detail}" + (f"  ({where})" if where and s["state"] not in ("done", "pending") else "")
+    where = " ".join(
+        x for x in (s.get("host") or p.get("hostname") or "", f"job {s['slurm_job_id']}" if s.get("slurm_job_id") else "") if x
+    )
+    return f"{s['shard_id']:>6}  {s['state']:<8} {done:>13}  {detail}" + (
+        f"  ({where})" if where and s["state"] not in ("done", "pending") else ""
+    )
 
 
 def _warn_damaged(shards: list[dict]) -> None:
@@ -434,7 +449,10 @@ def _warn_damaged(shards: list[dict]) -> None:
 
     for s in shards:
         for x in s.get("damaged") or []:
-            print(f"mmirage: WARNING: {damaged_note(x['path'], x['reason'])}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}", file=sys.stderr)
+            print(
+                f"mmirage: WARNING: {damaged_note(x['path'], x['reason'])}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}",
+                file=sys.stderr,
+            )
 
 
 def _missing_state_dir(cfg: PipelineConfig, config: str) -> str | None:
@@ -700,7 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("run", "run the pipeline on this machine (snakemake --cores N); through SLURM when execution_params.mode is slurm", cmd_run)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
-    p.add_argument("--cores", default="1", metavar="N", help="cores for Snakemake; each shard job takes one (default 1: one shard at a time; 'all')")
+    p.add_argument(
+        "--cores", default="1", metavar="N", help="cores for Snakemake; each shard job takes one (default 1: one shard at a time; 'all')"
+    )
     p.add_argument("--shard-id", type=int, metavar="N", help="run only shard N, on this machine, whatever execution_params.mode says")
     p.add_argument(
         "--force-retry", action="store_true",
@@ -712,11 +732,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(P ending in .jsonl) or P/exported_prompts.<run id>.jsonl",
     )  # fmt: skip
     p.add_argument("--local", action="store_true", help="run on this machine even when execution_params.mode is slurm")
-    p.add_argument("--profile", metavar="DIR", help="with execution_params.mode slurm: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="with execution_params.mode slurm: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)",
+    )
 
     p = command("submit", "submit the pipeline's jobs to SLURM (snakemake --profile profiles/slurm); waits for them", cmd_submit)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
-    p.add_argument("--profile", metavar="DIR", help="Snakemake profile (default: the checkout's profiles/slurm; profiles/slurm-gpu under the GPU install's SLURM plugin 2.6)")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="Snakemake profile (default: the checkout's profiles/slurm; profiles/slurm-gpu under the GPU install's SLURM plugin 2.6)",
+    )
     p.add_argument("--shard-ids", metavar="I,J", help="submit only these shards (comma-separated ids)")
     p.add_argument(
         "--wait", action="store_true",
@@ -727,9 +755,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
     p.add_argument("--failed-rows", action="store_true", help="also recompute the failed rows (errors.jsonl) of shards that finished")
     p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")
-    p.add_argument("--submit", action="store_true", help="retry through SLURM (the submit profile); the default when execution_params.mode is slurm")
+    p.add_argument(
+        "--submit", action="store_true", help="retry through SLURM (the submit profile); the default when execution_params.mode is slurm"
+    )
     p.add_argument("--local", action="store_true", help="retry on this machine even when execution_params.mode is slurm")
-    p.add_argument("--profile", metavar="DIR", help="through SLURM: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)")
+    p.add_argument(
+        "--profile", metavar="DIR", help="through SLURM: Snakemake profile (default profiles/slurm, or profiles/slurm-gpu as for submit)"
+    )
     yes(p)
 
     p = command("stats", "print the metrics JSON {per_shard, aggregate} from the state directory (no Snakemake)", cmd_stats)
@@ -745,15 +777,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", "--output-root", dest="output_dir", metavar="ROOT",
         help="also put each dataset's merged records in ROOT/<its output_dir's name> (a folder there must be empty or absent)",
     )  # fmt: skip
-    p.add_argument("--output-path", metavar="FILE", help="MMIRAGE's, for batch_api configs only; ignored here (batch_api shards write real records)")
+    p.add_argument(
+        "--output-path", metavar="FILE", help="MMIRAGE's, for batch_api configs only; ignored here (batch_api shards write real records)"
+    )
 
     p = command("merge-dir", "merge the shard_* outputs under a directory, without a config", cmd_merge_dir, config=False)
     p.add_argument("--input-dir", required=True, metavar="D", help="a dataset's output_dir (with shard_* folders), or a folder of them")
-    p.add_argument("--output-dir", required=True, metavar="O", help="where the merged dataset(s) go (O, or O/<dataset>); must be empty or absent")
+    p.add_argument(
+        "--output-dir", required=True, metavar="O", help="where the merged dataset(s) go (O, or O/<dataset>); must be empty or absent"
+    )
 
-    p = command("preview", "try the prompts on the first rows of each dataset: the records a shard would write, one per sample (answers with --generate)", cmd_preview)
+    p = command(
+        "preview",
+        "try the prompts on the first rows of each dataset: the records a shard would write, one per sample (answers with --generate)",
+        cmd_preview,
+    )
     p.add_argument("--rows", type=int, default=3, metavar="N", help="rows per dataset (default 3)")
-    p.add_argument("--generate", action="store_true", help="load the configured engine and generate those rows (scratch dir; the pipeline's state and outputs are untouched)")
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="load the configured engine and generate those rows (scratch dir; the pipeline's state and outputs are untouched)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = command(

@@ -46,8 +46,18 @@ class RowErrorClass(enum.StrEnum):
 
     # reading the dataset
     BAD_ROW = "bad_row", "read", True, "a malformed input row: not valid UTF-8 or JSON, not an object, a value that cannot be converted"
-    INVALID_UNICODE = "invalid_unicode", "read, output", True, "text with a lone UTF-16 surrogate, in the input row or in the model's answer"
-    UNREADABLE_ROW_GROUP = "unreadable_row_group", "read", False, "a Parquet row group that cannot be read (its rows fail; the file is named)"
+    INVALID_UNICODE = (
+        "invalid_unicode",
+        "read, output",
+        True,
+        "text with a lone UTF-16 surrogate, in the input row or in the model's answer",
+    )
+    UNREADABLE_ROW_GROUP = (
+        "unreadable_row_group",
+        "read",
+        False,
+        "a Parquet row group that cannot be read (its rows fail; the file is named)",
+    )
     UNREADABLE_ROWS = "unreadable_rows", "read", False, "rows of a loadable (save_to_disk) dataset that cannot be read"
     # variables
     EXTRACT_ERROR = "extract_error", "extract", True, "a JMESPath key failed on the row (e.g. a function on the wrong type)"
@@ -55,10 +65,20 @@ class RowErrorClass(enum.StrEnum):
     # prompts
     TEMPLATE_ERROR = "template_error", "render", True, "a Jinja2 prompt or record template failed (an undefined variable, a filter's error)"
     TEMPLATE_TIMEOUT = "template_timeout", "render", True, "a template's render ran past its time limit (a loop over a huge range)"
-    TEMPLATE_TOO_LARGE = "template_too_large", "render", True, "a template's render made, or would make, more than its size limits (output, operands, calls)"
+    TEMPLATE_TOO_LARGE = (
+        "template_too_large",
+        "render",
+        True,
+        "a template's render made, or would make, more than its size limits (output, operands, calls)",
+    )
     BAD_CONVERSATION = "bad_conversation", "render", True, "a chat-message input is not a list of messages"
     CHAT_TEMPLATE = "chat_template", "render", True, "the model's chat template refused the messages"
-    IMAGE_OUTSIDE_BASE = "image_outside_base", "image", True, "an image path that leads outside the dataset's image_base_path (allow_images_outside_base)"
+    IMAGE_OUTSIDE_BASE = (
+        "image_outside_base",
+        "image",
+        True,
+        "an image path that leads outside the dataset's image_base_path (allow_images_outside_base)",
+    )
     IMAGE_MISSING = "image_missing", "image", False, "an image file or URL that is not there"
     IMAGE_UNREADABLE = "image_unreadable", "image", False, "an image that cannot be read or decoded"
     IMAGE_TOO_LARGE = "image_too_large", "image", False, "an image above max_bytes or max_pixels"
@@ -85,16 +105,41 @@ class RowErrorClass(enum.StrEnum):
     CUSTOM_CRASHED = "custom_crashed", "custom", False, "a custom step's worker process died during the call"
     CUSTOM_BAD_VALUE = "custom_bad_value", "custom", False, "a custom step's function returned a value that is not JSON"
     # provider batch APIs (engines/batch_api.py): the provider's error codes, mapped
-    CONTENT_FILTER = "content_filter", "generate", False, "the provider's content policy (or a diffusers safety checker) refused the request or its image"
-    REQUEST_TOO_LARGE = "request_too_large", "generate", True, "a request larger than a batch may hold (max_chunk_bytes, the provider's limit)"
+    CONTENT_FILTER = (
+        "content_filter",
+        "generate",
+        False,
+        "the provider's content policy (or a diffusers safety checker) refused the request or its image",
+    )
+    REQUEST_TOO_LARGE = (
+        "request_too_large",
+        "generate",
+        True,
+        "a request larger than a batch may hold (max_chunk_bytes, the provider's limit)",
+    )
     RATE_LIMITED = "rate_limited", "generate", False, "the provider rate-limited the request inside its batch"
-    PROVIDER_ERROR = "provider_error", "generate", False, "the provider failed the request (a server error, an answer of an unexpected shape)"
+    PROVIDER_ERROR = (
+        "provider_error",
+        "generate",
+        False,
+        "the provider failed the request (a server error, an answer of an unexpected shape)",
+    )
     BATCH_REJECTED = "batch_rejected", "generate", False, "the provider refused the whole batch (its reason is kept)"
     BATCH_EXPIRED = "batch_expired", "generate", False, "the batch expired before running the request, twice (it was resubmitted once)"
-    BATCH_CANCELLED = "batch_cancelled", "generate", False, "the batch was cancelled before running the request, twice (it was resubmitted once)"
+    BATCH_CANCELLED = (
+        "batch_cancelled",
+        "generate",
+        False,
+        "the batch was cancelled before running the request, twice (it was resubmitted once)",
+    )
     # image generation (prompts/image_outputs.py, imagegen/)
     IMAGE_TIMEOUT = "image_timeout", "image output", False, "no image within the processor's timeout_seconds"
-    IMAGE_UNDECODABLE = "image_undecodable", "image output", False, "the answer is not an image Pillow can read (no data, bad base64, a broken file)"
+    IMAGE_UNDECODABLE = (
+        "image_undecodable",
+        "image output",
+        False,
+        "the answer is not an image Pillow can read (no data, bad base64, a broken file)",
+    )
     IMAGE_GENERATION_FAILED = "image_generation_failed", "image output", False, "the image server or pipeline failed on this request"
     IMAGE_NAME_TAKEN = "image_name_taken", "image output", True, "filename_template names a file that exists and is not this row's image"
     # ours

@@ -151,7 +151,9 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
         "or set model_path to a local model directory"
     )  # fmt: skip
     if _true(environ.get("HF_HUB_OFFLINE")):
-        return ModelState(model, "cannot", f"is not in the cache {cache}, and HF_HUB_OFFLINE is set here, so it cannot be downloaded: {fetch_fix}")
+        return ModelState(
+            model, "cannot", f"is not in the cache {cache}, and HF_HUB_OFFLINE is set here, so it cannot be downloaded: {fetch_fix}"
+        )
     from huggingface_hub import HfApi, hf_hub_url
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -173,7 +175,9 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
         )  # fmt: skip
     except RevisionNotFoundError:
         return ModelState(
-            model, "cannot", f"has no revision '{model.revision}' on {endpoint} (server_args.revision): use a branch, tag or commit of {page}"
+            model,
+            "cannot",
+            f"has no revision '{model.revision}' on {endpoint} (server_args.revision): use a branch, tag or commit of {page}",
         )
     except RepositoryNotFoundError:
         return ModelState(
@@ -181,7 +185,9 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
             f"is not a model on {endpoint} (a typo? a private repo needs HF_TOKEN), and not a local directory",
         )  # fmt: skip
     except Exception as e:  # connection refused, timeout, DNS, a 5xx, not JSON: the driver says so, never crashes
-        if not (isinstance(e, (HfHubHTTPError, OSError, ValueError)) or type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore")):
+        if not (
+            isinstance(e, (HfHubHTTPError, OSError, ValueError)) or type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore")
+        ):
             raise
         what = type(e).__name__ + (f": {str(e).splitlines()[0]}" if str(e) else "")
         return ModelState(

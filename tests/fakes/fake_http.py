@@ -222,9 +222,18 @@ def _handler(server: FakeServer):
             elif self.path in ("/server_info", "/get_server_info"):
                 with server.lock:  # what tests of a stand-in process need to see
                     generates = [r["body"] for r in server.records if r["path"] == "/generate"]
-                self._send(200, {"version": "0.5.23+fake", "peak_in_flight": server.peak_in_flight, "answered": server.answered,
-                                 "generate_requests": len(generates), "input_ids": [b.get("input_ids") for b in generates],
-                                 "texts": [b.get("text") for b in generates], "image_data": [b.get("image_data") for b in generates]})
+                self._send(
+                    200,
+                    {
+                        "version": "0.5.23+fake",
+                        "peak_in_flight": server.peak_in_flight,
+                        "answered": server.answered,
+                        "generate_requests": len(generates),
+                        "input_ids": [b.get("input_ids") for b in generates],
+                        "texts": [b.get("text") for b in generates],
+                        "image_data": [b.get("image_data") for b in generates],
+                    },
+                )
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -297,7 +306,11 @@ def _handler(server: FakeServer):
                     return 400, {"error": {"message": f"fake: {text.count(IMAGE_TOKEN)} placeholders for {len(images)} image_data items"}}
                 p += len(images) * (TOKENS_PER_IMAGE - 1)
             if "SCHED_TOO_LONG" in text:  # scheduler abort with status 400 -> ValueError -> 400
-                return 400, {"error": {"message": "Input length (5000 tokens) exceeds the maximum allowed length (4096 tokens). Use a shorter input or enable --allow-auto-truncate."}}
+                return 400, {
+                    "error": {
+                        "message": "Input length (5000 tokens) exceeds the maximum allowed length (4096 tokens). Use a shorter input or enable --allow-auto-truncate."
+                    }
+                }
             if "TOO_LONG" in text:
                 return 400, {"error": {"message": CONTEXT_ERROR}}
             if "GRAMMAR_FAIL" in text:  # HTTPException(500) -> FastAPI's {"detail"}
@@ -318,7 +331,12 @@ def _handler(server: FakeServer):
             chat = self.path == "/v1/chat/completions"
             for message in body.get("messages") or [] if chat else []:
                 if isinstance(message.get("content"), list) and not all(_valid_part(p) for p in message["content"]):
-                    return 400, {"object": "error", "message": f"invalid content part in {message['content']}", "type": "BadRequestError", "code": 400}
+                    return 400, {
+                        "object": "error",
+                        "message": f"invalid content part in {message['content']}",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    }
             source = json.dumps(body.get("messages")) if chat else body.get("prompt", "")
             if "TOO_LONG" in source:
                 return 400, {"object": "error", "message": CONTEXT_ERROR, "type": "BadRequestError", "code": 400}
@@ -350,7 +368,13 @@ def _handler(server: FakeServer):
                 server.cache_hits += p * choices_n if source in server.seen_prompts else 0  # not among one request's choices
                 server.seen_prompts.add(source)
             usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
-            return 200, {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"), "choices": choices, "usage": usage}
+            return 200, {
+                "id": "cmpl-fake",
+                "object": "chat.completion" if chat else "text_completion",
+                "model": body.get("model"),
+                "choices": choices,
+                "usage": usage,
+            }
 
     return Handler
 

@@ -223,7 +223,7 @@ def _handler(hub: FakeHub):
 
         def _cdn(self, repo_id: str, sha: str):
             repo = hub.repos.get(repo_id)
-            for name, data in (repo.files.items() if repo else ()):
+            for name, data in repo.files.items() if repo else ():
                 if hashlib.sha256(data).hexdigest() == sha:
                     return self._body(data, {"ETag": f'"{sha}"'}, name)
             self._json(404, {"error": "no such object"})
@@ -232,7 +232,7 @@ def _handler(hub: FakeHub):
             start = 0
             range_header = self.headers.get("Range")
             if range_header and range_header.startswith("bytes=") and range_header.endswith("-"):
-                start = int(range_header[len("bytes="):-1])
+                start = int(range_header[len("bytes=") : -1])
             self.send_response(206 if start else 200)
             for k, v in headers.items():
                 self.send_header(k, v)
@@ -248,7 +248,7 @@ def _handler(hub: FakeHub):
             sent = 0
             try:
                 for pos in range(start, end, CHUNK):
-                    chunk = data[pos:min(pos + CHUNK, end)]
+                    chunk = data[pos : min(pos + CHUNK, end)]
                     self.wfile.write(chunk)
                     self.wfile.flush()
                     sent += len(chunk)

@@ -117,7 +117,16 @@ def _handler(server: FakeImages):
             if "SLOW" in prompt:
                 time.sleep(b.slow_seconds)
             if "FAIL_POLICY" in prompt:
-                return self._send(400, {"error": {"message": "Your request was rejected as a result of our safety system.", "type": "image_generation_user_error", "code": "content_policy_violation"}})
+                return self._send(
+                    400,
+                    {
+                        "error": {
+                            "message": "Your request was rejected as a result of our safety system.",
+                            "type": "image_generation_user_error",
+                            "code": "content_policy_violation",
+                        }
+                    },
+                )
             if "FAIL_SERVER" in prompt:
                 return self._send(500, {"error": {"message": "internal error", "code": None}})
             width, height = (int(x) for x in str(body.get("size") or "64x64").split("x"))

@@ -195,8 +195,7 @@ class TokenizerManager:
                 loop.add_signal_handler(signal.SIGQUIT, kill_process_tree, os.getpid())
         elif self.event_loop is not loop:
             raise RuntimeError(
-                "fake sglang: the tokenizer manager's handle loop is bound to another event loop "
-                "(real SGLang would hang here)"
+                "fake sglang: the tokenizer manager's handle loop is bound to another event loop (real SGLang would hang here)"
             )
 
 
@@ -218,8 +217,10 @@ class Engine:
         if threading.current_thread() is threading.main_thread():
             handler = kwargs.get("custom_sigquit_handler")
             if handler is None:
+
                 def handler(signum, frame):  # launch_phase_sigquit_handler
                     kill_process_tree(os.getpid())
+
             signal.signal(signal.SIGQUIT, handler)
             self.sigquit_handler = handler
         if kwargs["model_path"] == "fail-load":
@@ -227,7 +228,11 @@ class Engine:
         if kwargs["model_path"] == "crash-at-load":
             # the scheduler logs its traceback, signals its parent and exits; the parent's
             # _wait_for_scheduler_ready then notices the dead process
-            print("fake sglang scheduler: torch.OutOfMemoryError: CUDA out of memory while allocating the KV cache", file=__import__("sys").stderr, flush=True)
+            print(
+                "fake sglang scheduler: torch.OutOfMemoryError: CUDA out of memory while allocating the KV cache",
+                file=__import__("sys").stderr,
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGQUIT)
             time.sleep(0.05)
             raise RuntimeError(
@@ -312,7 +317,9 @@ class Engine:
             if not single:
                 raise NotImplementedError("fake sglang: image_data with a batch of prompts is not simulated")
             n_images = _check_images(tokenizer.decode(ids[0]), image_data)
-        self.calls.append({"prompt": prompt, "input_ids": ids[0] if single else ids, "sampling_params": sampling_params, "image_data": image_data})
+        self.calls.append(
+            {"prompt": prompt, "input_ids": ids[0] if single else ids, "sampling_params": sampling_params, "image_data": image_data}
+        )
         extra = n_images * (TOKENS_PER_IMAGE - 1)
         outs = await asyncio.gather(*(self._one(tokenizer.decode(x), len(x) + extra, sp) for x, sp in zip(ids, params)))
         return outs[0] if single else list(outs)
@@ -339,7 +346,11 @@ class Engine:
             raise HTTPException(500, "Grammar accept_token failed: token 1234 is not accepted by the grammar")
         if "CRASH" in prompt:
             # the scheduler dies: it logs, signals its parent, and this request never answers
-            print("fake sglang scheduler: Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access", file=__import__("sys").stderr, flush=True)
+            print(
+                "fake sglang scheduler: Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access",
+                file=__import__("sys").stderr,
+                flush=True,
+            )
             threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGQUIT)).start()
             await asyncio.get_running_loop().create_future()
         start = time.monotonic()

@@ -81,9 +81,13 @@ def finish_shard(cfg, ds, shard_id: int, rows: list[dict], status: str = "succes
     status_doc = {
         "status": status,
         "num_shards": cfg.num_shards if num_shards is None else num_shards,
-        "started_at": "2025-01-01T10:00:00+00:00", "finished_at": "2025-01-01T10:01:00+00:00",
+        "started_at": "2025-01-01T10:00:00+00:00",
+        "finished_at": "2025-01-01T10:01:00+00:00",
         "stats": {"runtime_seconds": 60.0, "inference_runtime_seconds": 50.0, "output_tokens": 0, "num_gpus": 0},
-        "datasets": [{"parts": names, "rows_processed": len(rows)} if d.index == ds.index else {"parts": [], "rows_processed": 0} for d in cfg.datasets],
+        "datasets": [
+            {"parts": names, "rows_processed": len(rows)} if d.index == ds.index else {"parts": [], "rows_processed": 0}
+            for d in cfg.datasets
+        ],
     }
     atomic_write_json(cfg.shard_dir(shard_id) / "status.json", status_doc)
 

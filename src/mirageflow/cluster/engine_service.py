@@ -58,7 +58,14 @@ from mirageflow.state.layout import StateLayout
 log = logging.getLogger(__name__)
 
 IDLE_EXIT_SECONDS = 600.0
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 422: "Unprocessable Entity", 500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    422: "Unprocessable Entity",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 def stats_path(state_dir: str | Path, group: int) -> Path:
@@ -324,7 +331,9 @@ class EngineService:
         self.state = "ready"
         self._write_endpoint(self.port)
         self.write_stats()
-        log.info("engine group %d ready on port %d: load %.1f s, warm-up %.1f s", self.group, self.port, self.load_seconds, self.warmup_seconds)
+        log.info(
+            "engine group %d ready on port %d: load %.1f s, warm-up %.1f s", self.group, self.port, self.load_seconds, self.warmup_seconds
+        )
         try:
             await self._done.wait()
         finally:

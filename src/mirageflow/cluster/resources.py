@@ -125,9 +125,7 @@ def execution_problems(ep: dict, where: str = "execution_params") -> list[str]:
             except ValueError as e:
                 problems.append(f"{where}.{key}: {e}")
     if "time_limit" in limits and "max_time_limit" in limits and limits["max_time_limit"] < limits["time_limit"]:
-        problems.append(
-            f"{where}.max_time_limit: {ep['max_time_limit']} is shorter than time_limit {ep['time_limit']}"
-        )
+        problems.append(f"{where}.max_time_limit: {ep['max_time_limit']} is shorter than time_limit {ep['time_limit']}")
     if ep.get("mem") is not None:
         try:
             mem_mb(ep["mem"])
@@ -138,10 +136,7 @@ def execution_problems(ep: dict, where: str = "execution_params") -> list[str]:
     if ep.get("slurm_extra"):
         what = forbidden_slurm_option(ep["slurm_extra"])
         if what:
-            problems.append(
-                f"{where}.slurm_extra: sets the {what}, which the workflow sets from execution_params "
-                "(see docs/cluster.md)"
-            )
+            problems.append(f"{where}.slurm_extra: sets the {what}, which the workflow sets from execution_params (see docs/cluster.md)")
     return problems
 
 
@@ -170,9 +165,7 @@ def waits_on_batches(pipeline: PipelineConfig) -> bool:
 
     used = [pipeline.processors[name] for name in dict.fromkeys(o.processor for o in pipeline.outputs) if name in pipeline.processors]
     return (
-        any(p.batch is not None for p in used)
-        and not any(capabilities(p.backend).loads_model for p in used)
-        and _image_gpus(pipeline) == 0
+        any(p.batch is not None for p in used) and not any(capabilities(p.backend).loads_model for p in used) and _image_gpus(pipeline) == 0
     )
 
 

@@ -36,9 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def _scontrol_show_job(jobid: str) -> str:
-    return subprocess.run(
-        ["scontrol", "show", "job", "--oneliner", jobid], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
+    return subprocess.run(["scontrol", "show", "job", "--oneliner", jobid], capture_output=True, text=True, timeout=30, check=True).stdout
 
 
 def job_end_and_limit(text: str) -> tuple[float, int] | None:

@@ -170,7 +170,9 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         for key in _IMAGE_PARAMS if key in p["default_sampling_params"]
     ]  # fmt: skip
     if p["backend"] in _IMAGE_ONLY_BACKENDS:
-        problems.append(f"{where}.backend: '{p['backend']}' is an image_gen backend; a language model runs on auto, transformers, sglang, sglang_server or openai")
+        problems.append(
+            f"{where}.backend: '{p['backend']}' is an image_gen backend; a language model runs on auto, transformers, sglang, sglang_server or openai"
+        )
     if p.get("script_path") or p.get("function_name"):
         problems.append(f"{where}: script_path and function_name belong to processors of type custom, not '{p['type']}'")
     if p["type"] in taken:
@@ -245,7 +247,9 @@ def _api_llm_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> t
     problems = []
     backend = API_LLM_BACKEND if p["backend"] == registry.AUTO else p["backend"]
     if registry.capabilities(backend).loads_model:
-        problems.append(f"{where}.backend: an api_llm processor is an OpenAI-compatible endpoint (backend {API_LLM_BACKEND}), not '{backend}'")
+        problems.append(
+            f"{where}.backend: an api_llm processor is an OpenAI-compatible endpoint (backend {API_LLM_BACKEND}), not '{backend}'"
+        )
     if not p.get("model"):
         problems.append(f"{where}.model: required by type api_llm (the model name the endpoint serves, e.g. gpt-4o-mini)")
     for key in ("server_args", "script_path", "function_name", "server_command"):
@@ -304,9 +308,13 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         problems.append(f"{where}.max_chunk_bytes: {chunk_bytes} is above {provider}'s limit of {max_bytes} bytes per batch")
     chunk_requests = p.get("max_requests_per_chunk") or max_requests
     if chunk_requests > max_requests:
-        problems.append(f"{where}.max_requests_per_chunk: {chunk_requests} is above {provider}'s limit of {max_requests} requests per batch")
+        problems.append(
+            f"{where}.max_requests_per_chunk: {chunk_requests} is above {provider}'s limit of {max_requests} requests per batch"
+        )
     facts = BATCH_PROVIDER_FACTS[provider]
-    problems += [f"{where}.{key}: a setting of the other provider's batch API; provider is {provider}" for key in facts["foreign"] if key in p]
+    problems += [
+        f"{where}.{key}: a setting of the other provider's batch API; provider is {provider}" for key in facts["foreign"] if key in p
+    ]
     # OpenAI's max_tokens in the sampling params: max_new_tokens (one name, as for api_llm)
     sampling = _max_tokens(dict(p["default_sampling_params"]), f"{where}.default_sampling_params", "batch_api", problems)
     problems += [
@@ -374,14 +382,18 @@ def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
     block = p.get(block_of[backend])
     if block is None:
         return None, problems + [f"{where}.{block_of[backend]}: required key is missing (backend {backend})"]
-    problems += [f"{where}.{key}: backend is {backend}; {key} is for backend {b}" for b, key in block_of.items() if b != backend and key in p]
+    problems += [
+        f"{where}.{key}: backend is {backend}; {key} is for backend {b}" for b, key in block_of.items() if b != backend and key in p
+    ]
     params = dict(p["default_sampling_params"])
     problems += [
         f"{where}.default_sampling_params.{key}: not an image generation parameter (image_gen takes {', '.join(_IMAGE_PARAMS)})"
         for key in params if key not in _IMAGE_PARAMS
     ]  # fmt: skip
     if block.get("dtype"):
-        problems.append(f"{where}.sglang.dtype: sglang 0.5.23's diffusion server has no --dtype flag; pass its own flags in extra_server_args")
+        problems.append(
+            f"{where}.sglang.dtype: sglang 0.5.23's diffusion server has no --dtype flag; pass its own flags in extra_server_args"
+        )
     key = block.get("api_key")
     if key not in (None, "", "EMPTY"):
         problems.append(
@@ -510,7 +522,9 @@ def _dataset_problems(ds: dict, where: str) -> list[str]:
 def _state_dir(lp: dict, datasets: list[DatasetConfig]) -> tuple[str, list[str]]:
     """loading_params.state_dir, or the default under the first output_dir."""
     # (the first entry's output_dir: with splits, the folder above the splits' own)
-    state_dir = os.path.expanduser(lp["state_dir"]) if "state_dir" in lp else default_state_dir(os.path.expanduser(lp["datasets"][0]["output_dir"]))
+    state_dir = (
+        os.path.expanduser(lp["state_dir"]) if "state_dir" in lp else default_state_dir(os.path.expanduser(lp["datasets"][0]["output_dir"]))
+    )
     if state_dir.strip():
         return state_dir, []
     return state_dir, [
@@ -561,7 +575,9 @@ def _unusable_dir(path: str) -> str | None:
             return None
         probe = parent
     if not os.path.isdir(probe):
-        return f"'{probe}' is a file, not a directory" + ("" if probe == os.path.abspath(path) else f", so '{path}' cannot be created under it")
+        return f"'{probe}' is a file, not a directory" + (
+            "" if probe == os.path.abspath(path) else f", so '{path}' cannot be created under it"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"'{probe}' is not writable" + ("" if probe == os.path.abspath(path) else f", so '{path}' cannot be created")
     return None
@@ -602,8 +618,15 @@ def _inputs(entries: list[dict]) -> tuple[list[InputVar], list[str]]:
             problems.append(f"{where}.key: {e}")
         inputs.append(
             InputVar(
-                var["name"], var["key"], "default" in var, var.get("default"), bool(var.get("optional", False)),
-                var["type"], var.get("max_side"), var.get("max_pixels"), var.get("max_bytes"),
+                var["name"],
+                var["key"],
+                "default" in var,
+                var.get("default"),
+                bool(var.get("optional", False)),
+                var["type"],
+                var.get("max_side"),
+                var.get("max_pixels"),
+                var.get("max_bytes"),
             )
         )
         if var["type"] != "image":
@@ -720,7 +743,10 @@ def _conversation_problems(out: dict, where: str, input_names: list[str], known:
     problems = []
     if name not in input_names:
         why = "an output is text or a JSON object, not a list of messages" if name in known else "no such input"
-        problems.append(f"{where}.conversation: '{name}' must name an input variable holding the chat messages ({why})" + prompts.did_you_mean(name, input_names))
+        problems.append(
+            f"{where}.conversation: '{name}' must name an input variable holding the chat messages ({why})"
+            + prompts.did_you_mean(name, input_names)
+        )
     proc = processors.get(out["type"])
     if proc is not None and not proc.apply_chat_template:
         problems.append(f"{where}.conversation: needs processors[].apply_chat_template: true (a conversation is sent as chat messages)")
@@ -746,7 +772,9 @@ def _filter_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, lis
     if out.get("predicate") is None:
         problems.append(f"{where}.predicate: required key is missing (a filter keeps the rows where it is true, e.g. 'score > 33')")
     else:
-        problems += python_steps.predicate_problems(out["predicate"], scope.variables.names, f"{where}.predicate", scope.variables.json_fields)
+        problems += python_steps.predicate_problems(
+            out["predicate"], scope.variables.names, f"{where}.predicate", scope.variables.json_fields
+        )
     return _python_step(out), problems
 
 
@@ -768,7 +796,16 @@ def _python_step(out: dict) -> OutputVar:
     return OutputVar(out["name"], kind, None, None, "", False, None, {}, kind=kind, predicate=out.get("predicate"))
 
 
-_IMAGE_OUTPUT_KEYS = ("output_mode", "filename_template", "width", "height", "seed", "guidance_scale", "num_inference_steps", "negative_prompt")
+_IMAGE_OUTPUT_KEYS = (
+    "output_mode",
+    "filename_template",
+    "width",
+    "height",
+    "seed",
+    "guidance_scale",
+    "num_inference_steps",
+    "negative_prompt",
+)
 # What a filename_template may use besides the row's variables (prompts/image_outputs.py).
 IMAGE_NAME_VARIABLES = ("__shard_id", "__sample_index", "__source_index", "__dataset", "__output_name", "__source_hash")
 DEFAULT_FILENAME_TEMPLATE = "generated_{{ __shard_id }}_{{ __sample_index }}_{{ __source_hash }}"
@@ -805,7 +842,9 @@ def _image_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, list
             if used:
                 problems.append(f"{where}.{key}: image input(s) {', '.join(used)}: image generation takes text prompts only")
     template = out.get("filename_template") or DEFAULT_FILENAME_TEMPLATE
-    problems += prompts.template_problems(template, [*known, *IMAGE_NAME_VARIABLES], f"{where}.filename_template", scope.variables.json_fields)
+    problems += prompts.template_problems(
+        template, [*known, *IMAGE_NAME_VARIABLES], f"{where}.filename_template", scope.variables.json_fields
+    )
     for name in (out["name"], f"{out['name']}_seed", f"{out['name']}_path"):
         if name in known:
             problems.append(f"{where}.name: variable '{name}' is already defined")
@@ -857,7 +896,9 @@ def _image_problems(cfg: dict, inputs: list[InputVar]) -> list[str]:
             except Exception:  # noqa: BLE001 - a syntax error is reported by template_problems
                 continue
             for name in sorted(named & set(images)):
-                problems.append(f"processing_params.outputs[{i}].system: image input '{name}' can only be used in the prompt (the user turn)")
+                problems.append(
+                    f"processing_params.outputs[{i}].system: image input '{name}' can only be used in the prompt (the user turn)"
+                )
     return problems
 
 

@@ -64,10 +64,7 @@ def expand_env(value: Any, environ: Mapping[str, str], path: str, problems: list
     the schema.
     """
     if isinstance(value, dict):
-        return {
-            k: v if not_expanded(_join(path, k)) else expand_env(v, environ, _join(path, k), problems)
-            for k, v in value.items()
-        }
+        return {k: v if not_expanded(_join(path, k)) else expand_env(v, environ, _join(path, k), problems) for k, v in value.items()}
     if isinstance(value, list):
         return [expand_env(v, environ, f"{path}[{i}]", problems) for i, v in enumerate(value)]
     if not isinstance(value, str) or "$" not in value:
@@ -285,13 +282,10 @@ def records_identity(cfg: PipelineConfig) -> dict:
     raw = cfg.raw
     identity = {
         "version": RECORDS_IDENTITY_VERSION,
-        "processors": [
-            {k: v for k, v in p.items() if k not in _PROCESSOR_OPERATIONAL_KEYS} for p in raw["processors"]
-        ],
+        "processors": [{k: v for k, v in p.items() if k not in _PROCESSOR_OPERATIONAL_KEYS} for p in raw["processors"]],
         # n_samples/preserve_columns at their defaults leave the identity as before they existed
         "processing_params": {
-            k: v for k, v in raw["processing_params"].items()
-            if not (k == "n_samples" and v == 1 or k == "preserve_columns" and not v)
+            k: v for k, v in raw["processing_params"].items() if not (k == "n_samples" and v == 1 or k == "preserve_columns" and not v)
         },
         "datasets": [
             {"path": d.path, "type": d.type, "split": d.split, "output_format": d.output_format, "output_dir": d.output_dir}

@@ -217,10 +217,11 @@ def _inspect_jsonl(path: str, where: str) -> tuple[list[str], list[dict], int | 
     if seen and not rows:
         text = first.decode("utf-8", "replace").strip()
         what = "a JSON array or pretty-printed JSON, not one object per line" if text[:1] in "[{" else "not JSON Lines"
-        return [
-            f"{where}.path: none of the first {seen} non-empty lines of '{path}' is a JSON object: {what} "
-            f"(first line: {text[:80]!r})"
-        ], [], None
+        return (
+            [f"{where}.path: none of the first {seen} non-empty lines of '{path}' is a JSON object: {what} (first line: {text[:80]!r})"],
+            [],
+            None,
+        )
     size = os.path.getsize(path)
     count = None
     if size <= COUNT_JSONL_MAX_BYTES:  # newlines (+1 for a last line without one): at least the rows
@@ -245,7 +246,13 @@ def _inspect_parquet(path: str, where: str) -> tuple[list[str], list[dict], int 
     if not files and os.path.isdir(path):
         jsonl = sorted(glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
         if jsonl:
-            return [f"{where}.type: directory '{path}' has no .parquet files but JSONL files ({jsonl[0]}, ...): set type: JSONL with one file each"], [], None
+            return (
+                [
+                    f"{where}.type: directory '{path}' has no .parquet files but JSONL files ({jsonl[0]}, ...): set type: JSONL with one file each"
+                ],
+                [],
+                None,
+            )
         return [f"{where}.path: directory '{path}' holds no .parquet files"], [], None
     problems = []
     for f in files[:MAX_FILES_SNIFFED]:
@@ -374,7 +381,10 @@ def _key_problems(cfg: PipelineConfig, ds: DatasetConfig, sample: list[dict]) ->
         for name in RESERVED_RECORD_FIELDS:
             # a source_index column holding each row's own index (MMIRAGE's recovery files) loses nothing
             # (the sample is the dataset's first rows, in order)
-            if any(isinstance(row, dict) and name in row and not (name == "source_index" and same_index(row[name], i)) for i, row in enumerate(sample)):
+            if any(
+                isinstance(row, dict) and name in row and not (name == "source_index" and same_index(row[name], i))
+                for i, row in enumerate(sample)
+            ):
                 problems.append(
                     f"processing_params.remove_columns: false, but the rows of loading_params.datasets[{ds.index}] "
                     f"('{ds.path}') have a column '{name}', which the workflow writes into every record (its value "
@@ -453,7 +463,9 @@ def _image_processor_problems(cfg: PipelineConfig, proc: ImageGenProcessor, envi
     if proc.backend == "external":
         name = proc.api_key_env
         if name and not environ.get(name):
-            return [f"{where}.external.api_key_env: environment variable ${name} is not set (or empty) here; export {name}=... before starting the run"]
+            return [
+                f"{where}.external.api_key_env: environment variable ${name} is not set (or empty) here; export {name}=... before starting the run"
+            ]
         return []
     key = f"{where}.{'pipeline_args' if proc.backend == 'diffusers' else 'sglang'}.model_path"
     path = proc.model_path or ""
@@ -519,7 +531,13 @@ def _context_problems(cfg: PipelineConfig, proc: ProcessorConfig, model_config: 
             return []
         context, source = found
     default = proc.sampling_params.get("max_new_tokens")
-    checks = [(f"processors[{i}].default_sampling_params.max_new_tokens", default if default is not None else DEFAULT_MAX_NEW_TOKENS, default is None)]
+    checks = [
+        (
+            f"processors[{i}].default_sampling_params.max_new_tokens",
+            default if default is not None else DEFAULT_MAX_NEW_TOKENS,
+            default is None,
+        )
+    ]
     for j, out in enumerate(cfg.outputs):
         value = out.sampling_params.get("max_new_tokens")
         if value is not None and out.processor == proc.type:

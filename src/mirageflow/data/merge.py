@@ -45,7 +45,9 @@ def _parquet_plan(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState):
                 meta = pq.read_metadata(p)
                 schema = meta.schema.to_arrow_schema()
             except Exception as e:
-                raise _damaged(PartUnreadable(f"{p}: cannot read this Parquet part file ({type(e).__name__}: {e})"), shard_id, cfg) from None
+                raise _damaged(
+                    PartUnreadable(f"{p}: cannot read this Parquet part file ({type(e).__name__}: {e})"), shard_id, cfg
+                ) from None
             if meta.num_rows:
                 schemas.append(schema)
     return schemas
@@ -126,7 +128,9 @@ def _sample_unit(n: int):
         except (ValueError, TypeError, KeyError) as e:
             raise PartUnreadable(f"{where}: not a JSON record with a source_index and a sample_index ({type(e).__name__}: {e})") from None
         if type(index) is not int or type(sample) is not int or not 0 <= sample < n:
-            raise PartUnreadable(f"{where}: source_index {index!r}, sample_index {sample!r}: not integers, or a sample beyond n_samples {n}")
+            raise PartUnreadable(
+                f"{where}: source_index {index!r}, sample_index {sample!r}: not integers, or a sample beyond n_samples {n}"
+            )
         return index * n + sample
 
     return key
@@ -275,6 +279,7 @@ def merge_directory(input_dir: str | Path, output_dir: str | Path) -> list[dict]
         raise MergeRefused(f"--input-dir {input_dir}: not a directory")
     if dest == src or src in dest.parents:
         raise MergeRefused(f"--output-dir {output_dir} is inside --input-dir {input_dir}: it would become input")
+
     def has_parts(d: Path) -> bool:  # not a state_dir, whose shard_* folders hold no part files
         return any(next(s.glob("part-*.*"), None) for s in _shard_dirs(d).values())
 

@@ -231,7 +231,9 @@ def _jsonl_row(line: bytes, path: str, lineno: int):
         except Exception as e:  # defensive: a row, never the shard
             return RowError("read", E.BAD_ROW, f"{path}:{lineno}: cannot check this row ({type(e).__name__}: {e})")
         if where is not None:
-            return RowError("read", E.INVALID_UNICODE, f"{path}:{lineno}: {where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)")
+            return RowError(
+                "read", E.INVALID_UNICODE, f"{path}:{lineno}: {where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)"
+            )
     return value
 
 
@@ -299,8 +301,11 @@ def _map_converter(t):
             return [[k, x] for k, x in pairs]
 
         return convert_map
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or (
-        hasattr(pa.types, "is_list_view") and (pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
+    if (
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_fixed_size_list(t)
+        or (hasattr(pa.types, "is_list_view") and (pa.types.is_list_view(t) or pa.types.is_large_list_view(t)))
     ):
         inner = _map_converter(t.value_type)
         if inner is None:
@@ -355,11 +360,12 @@ def _open_parquet(path: str, rows: int):
         pf = pq.ParquetFile(path)
         found = pf.metadata.num_rows
     except Exception as e:
-        raise DatasetReadError(f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun") from e
+        raise DatasetReadError(
+            f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun"
+        ) from e
     if found != rows:
         raise DatasetReadError(
-            f"{path}: has {found} rows, its index says {rows}; the file changed after it was indexed: "
-            "rerun so the index rule runs again"
+            f"{path}: has {found} rows, its index says {rows}; the file changed after it was indexed: rerun so the index rule runs again"
         )
     return pf
 
@@ -370,7 +376,9 @@ def _parquet_rows(path: str) -> int:
     try:
         return pq.ParquetFile(path).metadata.num_rows
     except Exception as e:
-        raise DatasetReadError(f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun") from e
+        raise DatasetReadError(
+            f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun"
+        ) from e
 
 
 def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[SourceRow]:
@@ -516,8 +524,7 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
         raise ValueError(f"{path} was built for another config or version; rerun its index rule")
     if not unchanged_since_indexed(header["fingerprint"], ds, header.get("content"), path.parent / "content.json"):
         raise ValueError(
-            f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again "
-            f"(snakemake --forcerun index_dataset)"
+            f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again (snakemake --forcerun index_dataset)"
         )
     start, stop = shard_range(header["rows"], num_shards, shard_id)
     if ds.type != "jsonl":

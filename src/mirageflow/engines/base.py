@@ -114,7 +114,9 @@ class Engine(abc.ABC):
         return list(
             await asyncio.gather(
                 *(
-                    self.generate_one(dataclasses.replace(request, id=request.id + k, seed=None if request.seed is None else request.seed + k))
+                    self.generate_one(
+                        dataclasses.replace(request, id=request.id + k, seed=None if request.seed is None else request.seed + k)
+                    )
                     for k in range(n)
                 )
             )

@@ -127,7 +127,9 @@ class BatchApiEngine(LoopEngine):
         name = self.processor.api_key_env
         key = os.environ.get(name) if name else None
         if name and not key:
-            raise EngineError(f"batch_api: the environment variable {name} (processors[].api_key_env) is not set or empty; export the API key in it")
+            raise EngineError(
+                f"batch_api: the environment variable {name} (processors[].api_key_env) is not set or empty; export the API key in it"
+            )
         provider = self.settings.provider
         base_url = self.processor.base_url or os.environ.get(BASE_URL_ENV[provider]) or DEFAULT_BASE_URL[provider]
         self.provider = PROVIDERS[provider](self.processor, base_url, key)
@@ -144,7 +146,9 @@ class BatchApiEngine(LoopEngine):
         )  # fmt: skip
 
     async def _open_client(self, httpx2) -> None:
-        self._control = httpx2.AsyncClient(headers=self.provider.headers(), timeout=float(self.processor.request_timeout), follow_redirects=True)
+        self._control = httpx2.AsyncClient(
+            headers=self.provider.headers(), timeout=float(self.processor.request_timeout), follow_redirects=True
+        )
 
     def _details(self) -> dict:
         return {
@@ -170,7 +174,9 @@ class BatchApiEngine(LoopEngine):
                 found = await self.provider.find(self._control, key)
                 if found:
                     log.warning("batch chunk %s: created as %s before the last attempt stopped; waiting for it", key, found)
-                    await self._record(key, state="submitted", batch_id=found, submitted_ts=time.time(), submitted_at=utc_now(), adopted=True)
+                    await self._record(
+                        key, state="submitted", batch_id=found, submitted_ts=time.time(), submitted_at=utc_now(), adopted=True
+                    )
                     state = "submitted"
                 else:
                     log.warning("batch chunk %s was sealed but never submitted: its rows are submitted again", key)
@@ -281,7 +287,9 @@ class BatchApiEngine(LoopEngine):
         try:
             return self.provider.outcomes(line, rid)
         except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
-            return Outcome(cid, _failed(rid, "provider_error", f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}"))
+            return Outcome(
+                cid, _failed(rid, "provider_error", f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}")
+            )
 
     @staticmethod
     def _gave_up(rid: int, why: str) -> Completion:
@@ -417,7 +425,11 @@ class BatchApiEngine(LoopEngine):
         entry = self.ledger.entries[key]
         batch_id = entry["batch_id"]
         delay, failing_since, cancelled_at = self.settings.poll_seconds, None, None
-        deadline = float(entry.get("submitted_ts") or time.time()) + WINDOW_SECONDS.get(self.settings.completion_window, 86400.0) + self.settings.deadline_grace_seconds
+        deadline = (
+            float(entry.get("submitted_ts") or time.time())
+            + WINDOW_SECONDS.get(self.settings.completion_window, 86400.0)
+            + self.settings.deadline_grace_seconds
+        )
         while True:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, self.settings.poll_max_seconds)
@@ -426,7 +438,9 @@ class BatchApiEngine(LoopEngine):
             except EngineError as e:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > POLL_OUTAGE_SECONDS:
-                    raise EngineError(f"batch {batch_id}: status polls failed for {POLL_OUTAGE_SECONDS:.0f} s: {e}; rerun the shard to re-attach") from e
+                    raise EngineError(
+                        f"batch {batch_id}: status polls failed for {POLL_OUTAGE_SECONDS:.0f} s: {e}; rerun the shard to re-attach"
+                    ) from e
                 log.warning("batch %s: status poll failed (%s); trying again in %.0f s", batch_id, e, delay)
                 continue
             failing_since = None
@@ -470,7 +484,9 @@ class BatchApiEngine(LoopEngine):
             else:
                 again.append(cid)
         if again:
-            log.warning("batch %s %s: %d request(s) did not run; submitting them once more", entry.get("batch_id"), state.status, len(again))
+            log.warning(
+                "batch %s %s: %d request(s) did not run; submitting them once more", entry.get("batch_id"), state.status, len(again)
+            )
             lines = await asyncio.to_thread(self._spool_lines, key, set(again))
             for cid in again:
                 if cid in lines:

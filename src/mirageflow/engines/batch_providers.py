@@ -97,7 +97,9 @@ async def call(client, method: str, url: str, *, what: str, attempts: int, base_
             last = f"no answer within {timeout:g} s" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
         else:
             if response.status_code in FATAL_STATUS:
-                raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)} (check the API key and base_url)")
+                raise EngineError(
+                    f"{what}: HTTP {response.status_code}: {error_message(response.content)} (check the API key and base_url)"
+                )
             if response.status_code not in RETRY_STATUS:
                 return response
             last = f"HTTP {response.status_code}: {error_message(response.content, 200)}"
@@ -239,7 +241,12 @@ class OpenAIBatches(Provider):
             raise ProviderRefused(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
         file_id = _json(response, what).get("id")
         metadata = {**self.settings.metadata, "mirageflow_chunk": key}
-        body = {"input_file_id": file_id, "endpoint": self.settings.endpoint, "completion_window": self.settings.completion_window, "metadata": metadata}
+        body = {
+            "input_file_id": file_id,
+            "endpoint": self.settings.endpoint,
+            "completion_window": self.settings.completion_window,
+            "metadata": metadata,
+        }
         what = f"POST {redact_text(self.base_url)}/batches"
         response = await call(client, "POST", f"{self.base_url}/batches", what=what, json=body, **self.retry_args())
         if not 200 <= response.status_code < 300:
@@ -294,7 +301,11 @@ class OpenAIBatches(Provider):
 
     def refused_outcomes(self, state: BatchState) -> str:
         errors = (state.raw.get("errors") or {}).get("data") or []
-        said = "; ".join(f"{e.get('code')}: {e.get('message')}" + (f" (line {e['line']})" if e.get("line") else "") for e in errors[:5] if isinstance(e, dict))
+        said = "; ".join(
+            f"{e.get('code')}: {e.get('message')}" + (f" (line {e['line']})" if e.get("line") else "")
+            for e in errors[:5]
+            if isinstance(e, dict)
+        )
         return f"OpenAI refused the batch ({state.status}): {said or 'no reason given'}"
 
     def outcomes(self, line: dict, rid: int) -> Outcome:
@@ -379,7 +390,16 @@ class AnthropicBatches(Provider):
                         image = next(images)
                         if image.mime not in _ANTHROPIC_MEDIA:
                             raise ValueError(f"Anthropic takes {', '.join(sorted(_ANTHROPIC_MEDIA))} images, not {image.mime}")
-                        blocks.append({"type": "image", "source": {"type": "base64", "media_type": image.mime, "data": base64.b64encode(image.data).decode("ascii")}})
+                        blocks.append(
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": image.mime,
+                                    "data": base64.b64encode(image.data).decode("ascii"),
+                                },
+                            }
+                        )
                     else:
                         blocks.append({"type": "text", "text": part.get("text", "")})
                 content = blocks
@@ -446,12 +466,16 @@ class AnthropicBatches(Provider):
             error = result.get("error") or {}
             inner = error.get("error") if isinstance(error.get("error"), dict) else error  # the ErrorResponse wrapper
             message = str(inner.get("message") or inner.get("type") or "errored")
-            return Outcome(cid, _failed(rid, _classify(None, None, inner.get("type"), message), f"Anthropic batch: {inner.get('type')}: {message}"))
+            return Outcome(
+                cid, _failed(rid, _classify(None, None, inner.get("type"), message), f"Anthropic batch: {inner.get('type')}: {message}")
+            )
         if kind != "succeeded":
             return Outcome(cid, _failed(rid, "provider_error", f"Anthropic batch: unknown result type {kind!r}"))
         message = result.get("message") or {}
         text = "".join(b.get("text", "") for b in message.get("content") or [] if isinstance(b, dict) and b.get("type") == "text")
-        thinking = "".join(b.get("thinking", "") for b in message.get("content") or [] if isinstance(b, dict) and b.get("type") == "thinking")
+        thinking = "".join(
+            b.get("thinking", "") for b in message.get("content") or [] if isinstance(b, dict) and b.get("type") == "thinking"
+        )
         usage = message.get("usage") or {}
         stop = message.get("stop_reason")
         completion = Completion(

@@ -78,7 +78,9 @@ class ChatTemplate:
             from transformers import PreTrainedTokenizerBase
 
             cls = type(tokenizer)
-            if cls.apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template or not isinstance(tokenizer, PreTrainedTokenizerBase):
+            if cls.apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template or not isinstance(
+                tokenizer, PreTrainedTokenizerBase
+            ):
                 return
             source = tokenizer.get_chat_template()
             if not isinstance(source, str):

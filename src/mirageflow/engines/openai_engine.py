@@ -234,7 +234,9 @@ class OpenAIEngine(LoopEngine):
             log.warning("%s reports no usage; token counts will be 0", self.shown_url)
         # usage covers the request: the prompt was read once, and the choices' tokens are
         # shared out by the length of their text (exact in total, estimated per sample)
-        generated = split_tokens(int(usage.get("completion_tokens") or 0), [len(text) + len(reasoning or "") for text, reasoning, _ in answers])
+        generated = split_tokens(
+            int(usage.get("completion_tokens") or 0), [len(text) + len(reasoning or "") for text, reasoning, _ in answers]
+        )
         completions = []
         for k, ((text, reasoning, reason), tokens) in enumerate(zip(answers, generated)):
             completion = Completion(

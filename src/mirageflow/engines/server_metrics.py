@@ -47,7 +47,11 @@ class MetricNames:
 
     @property
     def counters(self) -> list[str]:
-        return list(dict.fromkeys([self.prompt_tokens, self.generation_tokens, self.requests, self.cache_queries, self.cache_hits, self.preemptions]))
+        return list(
+            dict.fromkeys(
+                [self.prompt_tokens, self.generation_tokens, self.requests, self.cache_queries, self.cache_hits, self.preemptions]
+            )
+        )
 
     @property
     def gauges(self) -> list[str]:

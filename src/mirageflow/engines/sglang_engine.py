@@ -92,7 +92,9 @@ class SGLangEngine(LoopEngine):
         try:
             import sglang
         except ImportError as e:
-            raise EngineError(f"backend sglang needs the sglang package (GPU only): {SGLANG_INSTALL}; or use backend transformers ({e})") from e
+            raise EngineError(
+                f"backend sglang needs the sglang package (GPU only): {SGLANG_INSTALL}; or use backend transformers ({e})"
+            ) from e
         kwargs = engine_kwargs(self.server_args)
         shown = redact(kwargs)
         if threading.current_thread() is threading.main_thread():

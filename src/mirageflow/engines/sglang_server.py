@@ -150,7 +150,9 @@ class SGLangServerEngine(LoopEngine):
             if self.processor.apply_chat_template:
                 self.tokenizer = _load_tokenizer(self.server_args)  # while the server boots
                 self._prompt_ids = PromptTokenizer(self.tokenizer)
-            started = self.server.wait_healthy(self.base_url, "/health_generate", float(self.processor.server_start_timeout), self.health_poll_interval)
+            started = self.server.wait_healthy(
+                self.base_url, "/health_generate", float(self.processor.server_start_timeout), self.health_poll_interval
+            )
             self._start_loop("sglang-server-client")  # versions: not requests
             self._control = HTTPClient(self.base_url, timeout=10.0, trust_env=False)
             # requests run in the caller's loop (LoopEngine._on_caller_loop), at most max_inflight at once

@@ -134,7 +134,9 @@ class SharedEngine(LoopEngine):
                         if r.status_code != 503:
                             raise EngineError(f"the {self._where()} failed to load: {self._error_of(r)}")
             if loop.time() > deadline:
-                raise EngineError(f"the {self._where()} was not ready after {self.wait_seconds:.0f} s (state: {(ep or {}).get('state', 'no endpoint file')})")
+                raise EngineError(
+                    f"the {self._where()} was not ready after {self.wait_seconds:.0f} s (state: {(ep or {}).get('state', 'no endpoint file')})"
+                )
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 1.0)
         served = await self._json(await self._control.get("/info"))

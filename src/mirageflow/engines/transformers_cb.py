@@ -110,7 +110,9 @@ def start(engine, mode, running) -> tuple["ContinuousBatcher | None", dict]:
     if not on:
         return None, {"enabled": False, "reason": "off (cpu)" if mode == "auto" else "off (configured)"}
     running = running or (DEFAULT_RUNNING_CUDA if engine.device == "cuda" else engine.batch_size)
-    batcher = ContinuousBatcher(engine.model, engine.tokenizer, engine.eos_ids, engine.default_params, running, engine.device, engine.max_context)
+    batcher = ContinuousBatcher(
+        engine.model, engine.tokenizer, engine.eos_ids, engine.default_params, running, engine.device, engine.max_context
+    )
     return batcher, batcher.stats
 
 
@@ -135,7 +137,8 @@ class ContinuousBatcher:
         shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
         cb_model = copy.deepcopy(model, shared)
         self.manager = cb_model.init_continuous_batching(
-            generation_config=GenerationConfig(**gen), continuous_batching_config=ContinuousBatchingConfig(**manager_config(running, device, max_context))
+            generation_config=GenerationConfig(**gen),
+            continuous_batching_config=ContinuousBatchingConfig(**manager_config(running, device, max_context)),
         )
         self.attn_implementation = cb_model.config._attn_implementation
         self.on_cuda = device == "cuda"

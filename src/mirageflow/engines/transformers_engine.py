@@ -117,7 +117,9 @@ class TransformersEngine(Engine):
         # a vision-language model: its processor (images -> pixels, placeholders expanded)
         # and its image-text-to-text class; text-only requests use the same model
         self.processor = _vision_processor(path, trust)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust) if self.processor is None else self.processor.tokenizer
+        self.tokenizer = (
+            AutoTokenizer.from_pretrained(path, trust_remote_code=trust) if self.processor is None else self.processor.tokenizer
+        )
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -129,7 +131,9 @@ class TransformersEngine(Engine):
         self.model = model_class.from_pretrained(path, **kwargs).to(device).eval()
         self.device = device
         config = self.model.config
-        self.max_context = getattr(config, "max_position_embeddings", None) or getattr(getattr(config, "text_config", None), "max_position_embeddings", None)
+        self.max_context = getattr(config, "max_position_embeddings", None) or getattr(
+            getattr(config, "text_config", None), "max_position_embeddings", None
+        )
         self.eos_ids = self._eos_ids()
         self.info = EngineInfo(
             backend="transformers",
@@ -365,7 +369,6 @@ class TransformersEngine(Engine):
             results.append(Completion(req.id, text, int(n_prompt), n, finish))
         return results
 
-
     def _grammar_processor(self, batch: list[Request]):
         """A logits processor constraining each row with a schema to JSON valid against it.
 
@@ -375,9 +378,7 @@ class TransformersEngine(Engine):
             import xgrammar
 
             vocab = self.model.get_output_embeddings().weight.shape[0]  # may exceed len(tokenizer) (padding)
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=vocab, stop_token_ids=sorted(self.eos_ids) or None
-            )
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab, stop_token_ids=sorted(self.eos_ids) or None)
             self._grammar_compiler = xgrammar.GrammarCompiler(info, max_threads=1)  # caches compiled schemas
             self.info.versions["xgrammar"] = _version("xgrammar")
         compile_schema = self._grammar_compiler.compile_json_schema
@@ -416,7 +417,15 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
     processor = engine.processor
     if processor is None:
         return [
-            Completion(r.id, "", 0, 0, "abort", E.IMAGE_UNSUPPORTED, f"{engine.server_args.model_path} is not a vision-language model (no vision tower in its config.json)")
+            Completion(
+                r.id,
+                "",
+                0,
+                0,
+                "abort",
+                E.IMAGE_UNSUPPORTED,
+                f"{engine.server_args.model_path} is not a vision-language model (no vision tower in its config.json)",
+            )
             for r in requests
         ]
     token = getattr(processor, "image_token", None)
@@ -501,7 +510,9 @@ def _grammar_logits_processor(grammars: list, prefixes: list[str]):
                     # (the row then fails its schema, as before)
                     if prefix not in _WARNED_PREFIXES:
                         _WARNED_PREFIXES.add(prefix)
-                        log.warning("response prefix %r does not start a JSON value of the schema; rows with it are not constrained", prefix)
+                        log.warning(
+                            "response prefix %r does not start a JSON value of the schema; rows with it are not constrained", prefix
+                        )
                     self.matchers[i] = None
             self.vocab = next(g for g in grammars if g is not None).tokenizer_info.vocab_size
             self.bitmask = xgrammar.allocate_token_bitmask(len(grammars), self.vocab)

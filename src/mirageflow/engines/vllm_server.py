@@ -153,7 +153,9 @@ class VLLMServerEngine(Engine):
         log.info("starting the vLLM server on port %d (log: %s)", self.port, self.server.log_path)
         self.server.start(on_exit=self._on_exit)
         try:
-            started = self.server.wait_healthy(self.base_url, "/health", float(self.processor.server_start_timeout), self.health_poll_interval)
+            started = self.server.wait_healthy(
+                self.base_url, "/health", float(self.processor.server_start_timeout), self.health_poll_interval
+            )
             log.info("the vLLM server is ready after %.1f s", started)
             client_processor = dataclasses.replace(
                 self.processor, backend="openai", base_url=f"{self.base_url}/v1", model=self.served_model, api_key_env=None

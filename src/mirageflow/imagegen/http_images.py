@@ -222,7 +222,18 @@ class SGLangDiffusionServer(ExternalImages):
     def command(self, port: int) -> list[str]:
         p = self.processor
         launcher = list(p.server_command) if p.server_command else [sys.executable, *SGLANG_LAUNCHER]
-        return [*launcher, "--model-path", p.model_path, "--host", "127.0.0.1", "--port", str(port), "--num-gpus", str(p.num_gpus), *p.extra_server_args]
+        return [
+            *launcher,
+            "--model-path",
+            p.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-gpus",
+            str(p.num_gpus),
+            *p.extra_server_args,
+        ]
 
     def load(self) -> None:
         if not self.processor.server_command:

@@ -125,7 +125,9 @@ class ImageStep:
         prompt = self.prompt.render(variables)
         negative = self.negative.render(variables) if self.negative else self.default_negative
         base = self.output.image.seed
-        seed = samples.sample_seed(base, unit.dataset, unit.source_index, unit.sample) if base is not None or self.shard.samples > 1 else None
+        seed = (
+            samples.sample_seed(base, unit.dataset, unit.source_index, unit.sample) if base is not None or self.shard.samples > 1 else None
+        )
         context = {
             **variables, "__shard_id": self.shard.shard_id, "__sample_index": self.shard.sample_index(unit),
             "__source_index": unit.source_index, "__dataset": unit.dataset, "__output_name": name,

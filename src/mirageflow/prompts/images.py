@@ -111,7 +111,9 @@ def _scrub(message: str) -> str:
 # --------------------------------------------------------------------------- one image
 
 
-def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> CanonicalImage:
+def canonicalise(
+    data: bytes, source: str, name: str, *, max_side: int | None = None, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> CanonicalImage:
     """Decode, check and canonicalise one encoded image; RowError for a hostile one."""
     from PIL import Image, UnidentifiedImageError
 
@@ -121,7 +123,9 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
         im = Image.open(io.BytesIO(data))
         width, height = im.size
         if width * height > max_pixels:
-            raise _error(E.IMAGE_TOO_LARGE, name, source, f"{width}x{height} = {width * height} pixels, more than max_pixels ({max_pixels})")
+            raise _error(
+                E.IMAGE_TOO_LARGE, name, source, f"{width}x{height} = {width * height} pixels, more than max_pixels ({max_pixels})"
+            )
         fmt = im.format
         im.load()
     except RowError:
@@ -130,7 +134,9 @@ def canonicalise(data: bytes, source: str, name: str, *, max_side: int | None = 
         raise _error(E.IMAGE_TOO_LARGE, name, source, _scrub(e)) from None
     except UnidentifiedImageError:
         # never the bytes themselves: the file could be anything readable on the node
-        raise _error(E.IMAGE_UNREADABLE, name, source, f"not an image Pillow can read ({len(data)} bytes in no image format it knows)") from None
+        raise _error(
+            E.IMAGE_UNREADABLE, name, source, f"not an image Pillow can read ({len(data)} bytes in no image format it knows)"
+        ) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated, corrupt
         raise _error(E.IMAGE_UNREADABLE, name, source, f"cannot decode the image ({type(e).__name__}: {_scrub(e)})") from None
     try:
@@ -314,8 +320,7 @@ class RowImages:
         self.bases = {ds.index: dataset_image_base(ds) for ds in datasets}
         # where a path must stay (real paths), None where the dataset allows any
         self.roots = {
-            ds.index: None if getattr(ds, "allow_images_outside_base", False) else os.path.realpath(self.bases[ds.index])
-            for ds in datasets
+            ds.index: None if getattr(ds, "allow_images_outside_base", False) else os.path.realpath(self.bases[ds.index]) for ds in datasets
         }
         # called with (real path, stat identity, bytes) of every image file read (state.inputs.ImageRecorder)
         self.recorder = None
@@ -368,7 +373,9 @@ class RowImages:
             if value.get("path"):
                 value = value["path"]
             else:
-                raise _error(E.IMAGE_INVALID_VALUE, name, "{...}", f"an object without image bytes or path (keys: {sorted(map(str, value))[:10]})")
+                raise _error(
+                    E.IMAGE_INVALID_VALUE, name, "{...}", f"an object without image bytes or path (keys: {sorted(map(str, value))[:10]})"
+                )
         if isinstance(value, bytes | bytearray):
             return "image bytes", bytes(value)
         if hasattr(value, "save") and hasattr(value, "size"):  # a decoded PIL image (datasets' own decoding)
@@ -429,7 +436,9 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
         if not isinstance(content, str) or _MARK_OPEN not in content:
             continue
         if message.get("role") != "user":
-            raise RowError("render", E.TEMPLATE_ERROR, f"image variables may only be used in the user prompt, not in a {message.get('role')} message")
+            raise RowError(
+                "render", E.TEMPLATE_ERROR, f"image variables may only be used in the user prompt, not in a {message.get('role')} message"
+            )
         found = True
         parts: list[dict] = []
         pos = 0
@@ -437,7 +446,9 @@ def attach(messages: list[dict], images: Mapping[str, list[CanonicalImage]], ord
             if m.start() > pos:
                 parts.append({"type": "text", "text": content[pos : m.start()]})
             if m.group(1) not in images:
-                raise RowError("render", E.TEMPLATE_ERROR, "an image variable was changed by a template filter; use it as a plain {{ name }}")
+                raise RowError(
+                    "render", E.TEMPLATE_ERROR, "an image variable was changed by a template filter; use it as a plain {{ name }}"
+                )
             for image in images[m.group(1)]:
                 parts.append({"type": "image"})
                 placed.append(image)

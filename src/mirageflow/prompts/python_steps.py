@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 _ENV = BoundedSandbox(undefined=jinja2.StrictUndefined, autoescape=False)
 _BRACED = re.compile(r"^\s*\{\{(.*)\}\}\s*$", re.S)
 
+
 class _Filtered:
     def __repr__(self) -> str:
         return "FILTERED"

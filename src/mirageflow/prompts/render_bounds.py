@@ -380,18 +380,28 @@ def cost_problems(ast, where: str) -> list[str]:
             n = left if left is not None else right
             if n is not None and n > MAX_RENDER_CHARS:
                 problems.append(f"{where}: repeats a value {n:,} times; a render may make at most {MAX_RENDER_CHARS:,} characters")
-        elif isinstance(node, nodes.Pow) and left is not None and right is not None and abs(left) > 1 and right * left.bit_length() > MAX_INT_BITS:
+        elif (
+            isinstance(node, nodes.Pow)
+            and left is not None
+            and right is not None
+            and abs(left) > 1
+            and right * left.bit_length() > MAX_INT_BITS
+        ):
             problems.append(f"{where}: {left} ** {right} is a number too large to compute in a render")
     for node in ast.find_all((nodes.Call, nodes.Filter)):
         for arg in [*node.args, *(kw.value for kw in node.kwargs)]:
             n = _const_int(arg)
             if n is not None and abs(n) > MAX_RENDER_CHARS:
-                problems.append(f"{where}: an argument of {n:,} (a width or count) is beyond the {MAX_RENDER_CHARS:,} characters a render may make")
+                problems.append(
+                    f"{where}: an argument of {n:,} (a width or count) is beyond the {MAX_RENDER_CHARS:,} characters a render may make"
+                )
     for node in ast.find_all(nodes.Const):
         if isinstance(node.value, str) and ("{" in node.value or "%" in node.value):
             for m in _WIDTH.finditer(node.value):
                 if int(m.group(0)) > MAX_RENDER_CHARS:
-                    problems.append(f"{where}: a format width of {int(m.group(0)):,} is beyond the {MAX_RENDER_CHARS:,} characters a render may make")
+                    problems.append(
+                        f"{where}: a format width of {int(m.group(0)):,} is beyond the {MAX_RENDER_CHARS:,} characters a render may make"
+                    )
     return list(dict.fromkeys(problems))
 
 

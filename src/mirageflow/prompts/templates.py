@@ -75,7 +75,9 @@ def sandbox_problems(ast, where: str) -> list[str]:
     """
     problems = []
     for node in ast.find_all(_LOADERS):
-        problems.append(f"{where}: {{% {_TAG[type(node)]} %}} is not available: templates are self-contained strings (no template files are loaded)")
+        problems.append(
+            f"{where}: {{% {_TAG[type(node)]} %}} is not available: templates are self-contained strings (no template files are loaded)"
+        )
     for node in ast.find_all(nodes.Filter):
         if node.name not in _ENV.filters:
             problems.append(f"{where}: unknown filter '{node.name}'" + did_you_mean(node.name, _ENV.filters))
@@ -453,17 +455,21 @@ def conversation_messages(value: Any, name: str, prompt_follows: bool) -> list[d
                 raise _conversation_error(name, f"message {i} has unknown speaker 'from': {speaker!r} (known: {', '.join(SHAREGPT_ROLES)})")
         else:
             raise _conversation_error(
-                name, f"message {i} needs either 'role' and 'content' (OpenAI) or 'from' and 'value' (ShareGPT), it has keys {sorted(map(str, m))}"
+                name,
+                f"message {i} needs either 'role' and 'content' (OpenAI) or 'from' and 'value' (ShareGPT), it has keys {sorted(map(str, m))}",
             )
         if not isinstance(content, str):
-            raise _conversation_error(name, f"message {i} ({role}): '{key}' is {'missing' if content is None else 'a ' + type(content).__name__}, not text")
+            raise _conversation_error(
+                name, f"message {i} ({role}): '{key}' is {'missing' if content is None else 'a ' + type(content).__name__}, not text"
+            )
         if role == "system" and i:
             raise _conversation_error(name, f"message {i}: a system message may only be the first message")
         msgs.append({"role": role, "content": content})
     if not prompt_follows and msgs[-1]["role"] != "user":
         raise _conversation_error(
-            name, f"ends with a{'n' if msgs[-1]['role'] == 'assistant' else ''} {msgs[-1]['role']} turn: nothing for the model to answer "
-            "(the last message must be the user's, or set the output's prompt to add a last user turn)"
+            name,
+            f"ends with a{'n' if msgs[-1]['role'] == 'assistant' else ''} {msgs[-1]['role']} turn: nothing for the model to answer "
+            "(the last message must be the user's, or set the output's prompt to add a last user turn)",
         )
     return msgs
 

@@ -176,9 +176,7 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
         "rows_failed_failed_shards": rows_failed_failed,
         "rows_processed_failed_shards": int(sum(f["rows_processed"] or 0 for f in failed)),
         "figure_scope": FIGURE_SCOPE,
-        "damaged_state_files": [
-            {"shard_id": s["shard_id"], **x} for s in states or [] for x in s.get("damaged") or []
-        ],
+        "damaged_state_files": [{"shard_id": s["shard_id"], **x} for s in states or [] for x in s.get("damaged") or []],
         "wall_clock_runtime_seconds": wall,
         "wall_clock_runtime_human": stats.human_duration(wall),
         "sum_shard_runtime_seconds": sum(runtimes),
@@ -200,7 +198,9 @@ def aggregate(statuses: list[dict], num_shards: int, missing: list[int], states:
         "total_input_tokens": int(_sum(statuses, "input_tokens")),
         # a request's prompt counted once per choice, as vLLM's counters do (more than
         # total_input_tokens only under native n); older status files: as input_tokens
-        "total_input_tokens_each_choice": int(sum(s["stats"].get("input_tokens_each_choice", s["stats"].get("input_tokens")) or 0 for s in statuses)),
+        "total_input_tokens_each_choice": int(
+            sum(s["stats"].get("input_tokens_each_choice", s["stats"].get("input_tokens")) or 0 for s in statuses)
+        ),
         "total_output_tokens": out_tokens,
         "sum_model_load_seconds": _sum(statuses, "model_load_seconds"),
         "sum_warmup_seconds": _sum(statuses, "warmup_seconds"),
@@ -258,7 +258,10 @@ def summary_markdown(metrics: dict) -> str:
         lines += findings_markdown(metrics["findings"])
     if agg.get("damaged_state_files"):
         lines += ["## Damaged state files", ""]
-        lines += [f"- {_cell(damaged_note(x['path'], x['reason']))}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}" for x in agg["damaged_state_files"]]
+        lines += [
+            f"- {_cell(damaged_note(x['path'], x['reason']))}; {DAMAGED_CONSEQUENCE.get(x['file'], 'ignored')}"
+            for x in agg["damaged_state_files"]
+        ]
         lines.append("")
     lines += ["| metric | value | what |", "|---|---|---|"]
     for k, v in agg.items():
@@ -272,7 +275,13 @@ def summary_markdown(metrics: dict) -> str:
         lines += ["", "Failed rows by error class (completed and failed shards): "
                   + ", ".join(f"{_cell(k)} {v:,}" for k, v in sorted(agg["rows_failed_by_class"].items(), key=lambda kv: -kv[1]))]  # fmt: skip
     if agg.get("failed_shards"):
-        lines += ["", "## Failed shards", "", "| shard | error | signal | host | attempts | rows ok | rows failed |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Failed shards",
+            "",
+            "| shard | error | signal | host | attempts | rows ok | rows failed |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for f in agg["failed_shards"]:
             error = _cell(f.get("error"))[:300]
             lines.append(
@@ -311,7 +320,10 @@ def summary_markdown(metrics: dict) -> str:
 
 
 def compute_metrics(
-    state_dir: str | Path, num_shards: int, lease_timeout: float | None = None, fingerprint: str | None = None,
+    state_dir: str | Path,
+    num_shards: int,
+    lease_timeout: float | None = None,
+    fingerprint: str | None = None,
     states: list[dict] | None = None,
 ) -> dict:
     """metrics.json's per_shard and aggregate, from the state files alone. ``lease_timeout``:
@@ -355,9 +367,7 @@ def compute_metrics(
     return {"per_shard": per_shard, "aggregate": agg}
 
 
-def full_metrics(
-    state_dir: str | Path, num_shards: int, lease_timeout: float | None = None, fingerprint: str | None = None
-) -> dict:
+def full_metrics(state_dir: str | Path, num_shards: int, lease_timeout: float | None = None, fingerprint: str | None = None) -> dict:
     """What metrics.json holds (the aggregate and `mmirage stats`): compute_metrics, plus
     the SLURM accounting and the dedup counts. Only here, not in compute_metrics: `mmirage
     status` must not wait on sacct."""

@@ -221,7 +221,8 @@ def load_dominates(f: RunFigures):
     shared = f.agg.get("shared_engines")
     return (
         f"model load took {_pct(load / runtime)} of the shards' runtime ({load:.0f} s of {runtime:.0f} s"
-        + (", engines already shared" if shared else ", each shard loads its own engine") + ")",
+        + (", engines already shared" if shared else ", each shard loads its own engine")
+        + ")",
         f"load share > {_pct(LOAD_MAX_SHARE)}",
     )
 
@@ -280,7 +281,7 @@ def findings_markdown(findings: list[dict]) -> list[str]:
     """summary.md's Findings section (its lines)."""
     lines = ["## Findings", ""]
     if not findings:
-        return lines + ["None: no figure crossed a threshold (README.md, \"Findings\").", ""]
+        return lines + ['None: no figure crossed a threshold (README.md, "Findings").', ""]
     for x in findings:
         lines.append(f"- **{x['title']}** ({x['id']}): {x['evidence']} [threshold: {x['threshold']}]. "
                      f"Change `{x['config_key']}`: {x['remedy']}.")  # fmt: skip
@@ -290,7 +291,7 @@ def findings_markdown(findings: list[dict]) -> list[str]:
 def findings_text(findings: list[dict]) -> str:
     """`mmirage stats --diagnose`'s output."""
     if not findings:
-        return "no findings: no figure crossed a threshold (README.md, \"Findings\")\n"
+        return 'no findings: no figure crossed a threshold (README.md, "Findings")\n'
     out = []
     for x in findings:
         out += [f"{x['title']} [{x['id']}]", f"  evidence:  {x['evidence']}", f"  threshold: {x['threshold']}",
@@ -306,7 +307,7 @@ def findings_html(findings: list[dict]) -> str:
         return '<h2 id="findings">Findings</h2><p class="note">None: no figure crossed a threshold (README.md, "Findings").</p>'
     items = "".join(
         f"<li><b>{escape(x['title'])}</b> <code>{escape(x['id'])}</code>: {escape(x['evidence'])} "
-        f"<span class=\"note\">[threshold: {escape(x['threshold'])}]</span><br>change <code>{escape(x['config_key'])}</code>: "
+        f'<span class="note">[threshold: {escape(x["threshold"])}]</span><br>change <code>{escape(x["config_key"])}</code>: '
         f"{escape(x['remedy'])}.</li>"
         for x in findings
     )

@@ -79,7 +79,12 @@ def plot_shards(per_shard: list[dict], stragglers: set[int]) -> str | None:
     other = [max(0.0, s["runtime_seconds"] - a - b - c) for s, a, b, c in zip(st, load, warm, gen)]
     bottom = [0.0] * len(x)
     edges = ["#b42318" if i in stragglers else None for i in ids]
-    for values, label, color in ((load, "engine load", "#9aa5b8"), (warm, "warm-up", "#f0b429"), (gen, "generation", "#3b6fb6"), (other, "other", "#d8dde6")):
+    for values, label, color in (
+        (load, "engine load", "#9aa5b8"),
+        (warm, "warm-up", "#f0b429"),
+        (gen, "generation", "#3b6fb6"),
+        (other, "other", "#d8dde6"),
+    ):
         if any(values):
             runtime.bars(left, values, 0.8, bottom, color, edges, label)
             bottom = [b + v for b, v in zip(bottom, values)]
@@ -398,7 +403,9 @@ def plot_throughput(histories: list[dict], unit: str = "rows") -> str | None:
     done = rows_done_series(histories)
     many = len(series) > MANY_SHARDS
     xlabel = "minutes since the first shard started"
-    rows = Panel(f"{unit} done over time, " + (f"all {len(done)} shards together" if many else "per shard"), xlabel, f"{unit} done (cumulative)")
+    rows = Panel(
+        f"{unit} done over time, " + (f"all {len(done)} shards together" if many else "per shard"), xlabel, f"{unit} done (cumulative)"
+    )
     tokens = Panel(
         f"output tokens/s, all {len(series)} shards together" if many else "output tokens/s per shard, over windows with work", xlabel, "tokens/s"
     )  # fmt: skip
@@ -564,8 +571,12 @@ def _examples_html(state_dir, done_ids: list[int], num_shards: int) -> list[str]
         log.exception("reading failed rows failed")
         errors = []
     if errors:
-        out.append('<p class="note">The first failed rows of the first shards with any (<code>&lt;state_dir&gt;/shard_&lt;id&gt;/errors.jsonl</code>).</p>')
-        out.append("<table><tr><th>shard</th><th>dataset</th><th>source index</th><th>stage</th><th>error class</th><th>message</th><th>model text</th></tr>")
+        out.append(
+            '<p class="note">The first failed rows of the first shards with any (<code>&lt;state_dir&gt;/shard_&lt;id&gt;/errors.jsonl</code>).</p>'
+        )
+        out.append(
+            "<table><tr><th>shard</th><th>dataset</th><th>source index</th><th>stage</th><th>error class</th><th>message</th><th>model text</th></tr>"
+        )
         for e in errors:
             out.append(
                 f"<tr><td class=n>{_esc(e.get('shard_id'))}</td><td class=n>{_esc(e.get('dataset', ''))}</td>"
@@ -598,12 +609,21 @@ LABELS = {
     "gpu_days_per_billion_tokens": "GPU-days per billion output tokens",
     "total_input_tokens_each_choice": "input tokens, a prompt counted once per choice (as vLLM counts under native n)",
 }
-_TABLE_SKIP = {"output_tokens_per_row_hist", "failed_shards", "figure_scope", "damaged_state_files", "rows_failed_by_class", "inference_servers"}
+_TABLE_SKIP = {
+    "output_tokens_per_row_hist",
+    "failed_shards",
+    "figure_scope",
+    "damaged_state_files",
+    "rows_failed_by_class",
+    "inference_servers",
+}
 
 
 def unit_note_sentence(agg: dict) -> str:
     n = agg.get("n_samples") or 1
-    return "" if n == 1 else f" With n_samples {n}, each source row makes {n} records (samples): the row counts above and below count samples."
+    return (
+        "" if n == 1 else f" With n_samples {n}, each source row makes {n} records (samples): the row counts above and below count samples."
+    )
 
 
 def metrics_table_rows(agg: dict) -> list[tuple[str, str, object]]:
@@ -648,12 +668,19 @@ def _dedup_html(dedup: list[dict] | None) -> list[str]:
         return []
     cols = [("text field", "text_field"), ("rows in", "rows_in"), ("exact duplicates removed", "exact_duplicates_removed"),
             ("near duplicates removed", "near_duplicates_removed"), ("rows out", "rows_out"), ("rows without text", "rows_without_text")]  # fmt: skip
-    out = ["<h2>Deduplication (after merge)</h2>", "<table><tr><th>dataset</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in cols) + "</tr>"]
+    out = [
+        "<h2>Deduplication (after merge)</h2>",
+        "<table><tr><th>dataset</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in cols) + "</tr>",
+    ]
     for d in dedup:
         if "error" in d:
             out.append(f"<tr class=bad><td colspan={len(cols) + 1}>{_esc(d['error'])}</td></tr>")
             continue
-        out.append(f"<tr><td class=n>{_esc(_fmt(d.get('dataset')))}</td>" + "".join(f"<td class=n>{_esc(_fmt(d.get(k)))}</td>" for _, k in cols) + "</tr>")
+        out.append(
+            f"<tr><td class=n>{_esc(_fmt(d.get('dataset')))}</td>"
+            + "".join(f"<td class=n>{_esc(_fmt(d.get(k)))}</td>" for _, k in cols)
+            + "</tr>"
+        )
     out.append("</table>")
     return out
 
@@ -669,7 +696,7 @@ def _servers_html(per_shard: list[dict], total: dict | None) -> list[str]:
 
     out = [
         "<h2>Inference servers' own figures</h2>",
-        f'<p class="note">From each launched server\'s <code>/metrics</code> over the shard\'s last attempt. '
+        f"<p class=\"note\">From each launched server's <code>/metrics</code> over the shard's last attempt. "
         f"Prefix-cache hit rate over all: {_esc(rate(total.get('prefix_cache_hit_rate')))}; longest queue "
         f"{_esc(_fmt(total.get('queue_length_max')))}; preemptions {_esc(_fmt(total.get('preemptions')))}; token totals "
         f"reconciled with the server's counters for {total['token_totals_reconciled']} of {total['engines']} engines.</p>",
@@ -742,7 +769,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         f"<style>{CSS}</style></head><body>",
         f"<h1>{_esc(title)}</h1>",
         f'<p class="sub">state directory <code>{_esc(state_dir)}</code>; generated {_esc(stats.utc_now()[:19])} UTC; '
-        "definitions of every figure: README.md, section \"Numbers in the report\".</p>",
+        'definitions of every figure: README.md, section "Numbers in the report".</p>',
         '<div class="cards">' + "".join(_card(k, v) for k, v in cards) + "</div>",
         f'<p class="note">{_esc(scope_sentence(agg) + unit_note_sentence(agg))}</p>',
     ]
@@ -751,8 +778,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     if damaged:
         out.append('<h2>Damaged state files</h2><ul class="bad">')
         out += [
-            f"<li>{_esc(damaged_note(x['path'], x['reason']))}; {_esc(DAMAGED_CONSEQUENCE.get(x['file'], 'ignored'))}</li>"
-            for x in damaged
+            f"<li>{_esc(damaged_note(x['path'], x['reason']))}; {_esc(DAMAGED_CONSEQUENCE.get(x['file'], 'ignored'))}</li>" for x in damaged
         ]
         out.append("</ul>")
     unfinished = [
@@ -816,7 +842,9 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     out.append("<h2>Metrics</h2><table><tr><th>metric</th><th>key in metrics.json</th><th>value</th></tr>")
     for label, key, value in metrics_table_rows(agg):
         cls = "n" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
-        out.append(f"<tr><td>{_esc(label)}</td><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value) if not isinstance(value, str) else value)}</td></tr>")
+        out.append(
+            f"<tr><td>{_esc(label)}</td><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value) if not isinstance(value, str) else value)}</td></tr>"
+        )
     out.append("</table>")
     out += _dedup_html(metrics.get("deduplication"))
     out.append("<table><tr><th>the figures of</th><th>cover</th></tr>")
@@ -834,7 +862,11 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     if len(per_shard) > MAX_SHARD_ROWS:
         out.append(f'<p class="note">The first {MAX_SHARD_ROWS} of {len(per_shard)} shards; all are in metrics.json.</p>')
     out.append('<p class="note">Completed shards; each row covers all attempts of the shard.</p>')
-    out.append("<table><tr><th>shard</th><th>attempts</th><th>host</th><th>GPU</th><th>engine</th>" + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns) + "</tr>")
+    out.append(
+        "<table><tr><th>shard</th><th>attempts</th><th>host</th><th>GPU</th><th>engine</th>"
+        + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns)
+        + "</tr>"
+    )
     for s in per_shard[:MAX_SHARD_ROWS]:
         st = s["stats"]
         mark = ' title="straggler"' if s["shard_id"] in stragglers else ""

@@ -133,7 +133,9 @@ class Panel:
         def py(y):
             return top + height - (y - y0) / (y1 - y0) * height
 
-        out = [f'<rect x="{left:.1f}" y="{top:.1f}" width="{width:.1f}" height="{height:.1f}" fill="white" stroke="#9aa5b8" stroke-width="0.8"/>']
+        out = [
+            f'<rect x="{left:.1f}" y="{top:.1f}" width="{width:.1f}" height="{height:.1f}" fill="white" stroke="#9aa5b8" stroke-width="0.8"/>'
+        ]
         for v, label in yt:
             y = py(v)
             if top - 0.5 <= y <= top + height + 0.5:
@@ -143,8 +145,12 @@ class Panel:
             x = px(v)
             if left - 0.5 <= x <= left + width + 0.5:
                 if not self.ygrid_only:
-                    out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top:.1f}" y2="{top + height:.1f}" stroke="#eef2f7" stroke-width="0.7"/>')
-                out.append(f'<text x="{x:.1f}" y="{top + height + 13:.1f}" font-size="10" text-anchor="middle" {FONT}>{escape(label)}</text>')
+                    out.append(
+                        f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top:.1f}" y2="{top + height:.1f}" stroke="#eef2f7" stroke-width="0.7"/>'
+                    )
+                out.append(
+                    f'<text x="{x:.1f}" y="{top + height + 13:.1f}" font-size="10" text-anchor="middle" {FONT}>{escape(label)}</text>'
+                )
         clip = f"clip{id(self)}"
         out.append(f'<clipPath id="{clip}"><rect x="{left:.1f}" y="{top:.1f}" width="{width:.1f}" height="{height:.1f}"/></clipPath>')
         out.append(f'<g clip-path="url(#{clip})">')
@@ -154,8 +160,12 @@ class Panel:
                 c, d = py(m[4]), py(m[2])
                 fill = m[5]
                 edge = m[6] if m[0] == "rect" else None
-                stroke = f' stroke="{edge}" stroke-width="1.5"' if edge else (' stroke="white" stroke-width="0.4"' if m[0] == "rect" else "")
-                out.append(f'<rect x="{min(a, b):.2f}" y="{min(c, d):.2f}" width="{abs(b - a):.2f}" height="{abs(d - c):.2f}" fill="{fill}"{stroke}/>')
+                stroke = (
+                    f' stroke="{edge}" stroke-width="1.5"' if edge else (' stroke="white" stroke-width="0.4"' if m[0] == "rect" else "")
+                )
+                out.append(
+                    f'<rect x="{min(a, b):.2f}" y="{min(c, d):.2f}" width="{abs(b - a):.2f}" height="{abs(d - c):.2f}" fill="{fill}"{stroke}/>'
+                )
             elif m[0] == "line":
                 for run in _runs(m[1], m[2]):
                     if len(run) < 2:  # a lone sample between gaps draws no line (as matplotlib)
@@ -164,18 +174,28 @@ class Panel:
                     out.append(f'<polyline points="{points}" fill="none" stroke="{m[3]}" stroke-width="{m[4]}" stroke-opacity="{m[5]}"/>')
             elif m[0] == "vline":
                 x = px(m[1])
-                out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top:.1f}" y2="{top + height:.1f}" stroke="{m[2]}" stroke-width="1.2" stroke-dasharray="5,3"/>')
+                out.append(
+                    f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top:.1f}" y2="{top + height:.1f}" stroke="{m[2]}" stroke-width="1.2" stroke-dasharray="5,3"/>'
+                )
                 if m[3]:
                     anchor, dx = ("end", -3) if x > left + 0.7 * width else ("start", 3)
-                    out.append(f'<text x="{x + dx:.1f}" y="{top + 11:.1f}" font-size="10" fill="{m[2]}" text-anchor="{anchor}" {FONT}>{escape(m[3])}</text>')
+                    out.append(
+                        f'<text x="{x + dx:.1f}" y="{top + 11:.1f}" font-size="10" fill="{m[2]}" text-anchor="{anchor}" {FONT}>{escape(m[3])}</text>'
+                    )
         out.append("</g>")
         if self.title:
-            out.append(f'<text x="{left + width / 2:.1f}" y="{top - 8:.1f}" font-size="12" text-anchor="middle" {FONT}>{escape(self.title)}</text>')
+            out.append(
+                f'<text x="{left + width / 2:.1f}" y="{top - 8:.1f}" font-size="12" text-anchor="middle" {FONT}>{escape(self.title)}</text>'
+            )
         if self.xlabel:
-            out.append(f'<text x="{left + width / 2:.1f}" y="{top + height + 28:.1f}" font-size="10.5" text-anchor="middle" {FONT}>{escape(self.xlabel)}</text>')
+            out.append(
+                f'<text x="{left + width / 2:.1f}" y="{top + height + 28:.1f}" font-size="10.5" text-anchor="middle" {FONT}>{escape(self.xlabel)}</text>'
+            )
         if self.ylabel:
             cx, cy = left - 40, top + height / 2
-            out.append(f'<text x="{cx:.1f}" y="{cy:.1f}" font-size="10.5" text-anchor="middle" transform="rotate(-90 {cx:.1f} {cy:.1f})" {FONT}>{escape(self.ylabel)}</text>')
+            out.append(
+                f'<text x="{cx:.1f}" y="{cy:.1f}" font-size="10.5" text-anchor="middle" transform="rotate(-90 {cx:.1f} {cy:.1f})" {FONT}>{escape(self.ylabel)}</text>'
+            )
         return out
 
 
@@ -190,7 +210,9 @@ class Figure:
         margin_left, margin_right, margin_top, margin_bottom = self.margin_left, 12, 26, 40
         n = len(self.panels)
         cell = self.width / n
-        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" viewBox="0 0 {self.width} {self.height}">']
+        out = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" viewBox="0 0 {self.width} {self.height}">'
+        ]
         for i, panel in enumerate(self.panels):
             legend = self.legend_width if panel.legend else 0
             left = i * cell + margin_left

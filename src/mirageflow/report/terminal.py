@@ -247,7 +247,11 @@ class LiveProgress:
             elif phase != "done":
                 running.append(p)
                 continue
-            other_rows, other_samples, other_tokens = other_rows + rows, other_samples + samples, other_tokens + int(p.get("output_tokens") or 0)
+            other_rows, other_samples, other_tokens = (
+                other_rows + rows,
+                other_samples + samples,
+                other_tokens + int(p.get("output_tokens") or 0),
+            )
         if not running:
             return None
         done = len(self._done_units)
@@ -347,7 +351,13 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
     metrics = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, states=states)
     agg = metrics["aggregate"]
     counts = count(states)
-    head = "mirageflow: run finished" if ok and counts["done"] == pipeline.num_shards else "mirageflow: run FAILED" if not ok else "mirageflow: run stopped"
+    head = (
+        "mirageflow: run finished"
+        if ok and counts["done"] == pipeline.num_shards
+        else "mirageflow: run FAILED"
+        if not ok
+        else "mirageflow: run stopped"
+    )
     lines = [f"{head} (state_dir {state_dir})"]
     shards = f"shards: {counts['done']} of {pipeline.num_shards} done"
     if counts["failed"]:
@@ -403,10 +413,7 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
         lines.append("")
         lines.append(job_paragraph(job, states))
     if not ok and not failed and not others:
-        lines.append(
-            "No shard failed and Snakemake named no failed job: see Snakemake's error above (the logs are in "
-            f"{paths.logs_dir}/)."
-        )
+        lines.append(f"No shard failed and Snakemake named no failed job: see Snakemake's error above (the logs are in {paths.logs_dir}/).")
     return "\n".join(lines)
 
 
@@ -434,7 +441,9 @@ def job_paragraph(job: dict, states: list[dict]) -> str:
 
 
 # a traceback's last line ("mirageflow.x.ShardFailed: ..."), or a logged ERROR line
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Failed|Busy|Refused|Interrupted|Unavailable|Mismatch)): (.*)")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Failed|Busy|Refused|Interrupted|Unavailable|Mismatch)): (.*)"
+)
 
 
 def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:

@@ -676,7 +676,11 @@ def _holder_dead(holder: dict) -> bool:
     exists, or it was an earlier run of this very SLURM job (requeued after preemption or a
     node failure: SLURM ended that run before starting this one)."""
     own_job = os.environ.get("SLURM_JOB_ID")
-    if own_job and str(holder.get("slurm_job_id")) == own_job and (holder.get("hostname"), holder.get("pid")) != (socket.gethostname(), os.getpid()):
+    if (
+        own_job
+        and str(holder.get("slurm_job_id")) == own_job
+        and (holder.get("hostname"), holder.get("pid")) != (socket.gethostname(), os.getpid())
+    ):
         return True
     if holder.get("hostname") == socket.gethostname():
         try:

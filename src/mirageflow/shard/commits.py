@@ -108,9 +108,7 @@ class CommitQueue:
         period = self.params.checkpoint_seconds
         while True:
             await asyncio.sleep(min(period, 1.0))
-            if time.monotonic() - self._last_commit >= period or (
-                self.pending_rows >= self.params.checkpoint_rows and self._allowed()
-            ):
+            if time.monotonic() - self._last_commit >= period or (self.pending_rows >= self.params.checkpoint_rows and self._allowed()):
                 self.commit_soon()
 
     async def drain(self) -> None:

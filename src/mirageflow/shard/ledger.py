@@ -111,7 +111,11 @@ class BatchLedger:
         """Create or update one chunk's entry, durably, before the caller goes on."""
         with self._lock:
             self.entries.setdefault(key, {}).update(fields)
-            text = json.dumps({"format": LEDGER_FORMAT, "fingerprint": self.fingerprint, "next": self._next, "batches": self.entries}, indent=1, default=str)
+            text = json.dumps(
+                {"format": LEDGER_FORMAT, "fingerprint": self.fingerprint, "next": self._next, "batches": self.entries},
+                indent=1,
+                default=str,
+            )
             self.dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path, text + "\n")
 
@@ -123,7 +127,19 @@ class BatchLedger:
 
     def summary(self) -> list[dict]:
         """Each batch for status.json (engines.<name>.details.batches): ids, states, counts, tokens."""
-        keys = ("batch_id", "state", "status", "requests", "bytes", "round", "submitted_at", "ended_at", "input_tokens", "output_tokens", "counts")
+        keys = (
+            "batch_id",
+            "state",
+            "status",
+            "requests",
+            "bytes",
+            "round",
+            "submitted_at",
+            "ended_at",
+            "input_tokens",
+            "output_tokens",
+            "counts",
+        )
         with self._lock:
             return [{"chunk": k, **{f: e.get(f) for f in keys if f in e}} for k, e in self.entries.items()]
 

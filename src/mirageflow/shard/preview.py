@@ -237,7 +237,12 @@ class UnitTrace:
         out = []
         for step, variables, outcome in self.steps.get((row_index, sample), []):
             name = step.output.name
-            entry: dict[str, Any] = {"name": name, "kind": step.output.kind, "processor": step.output.processor, "json": step.output.is_json}
+            entry: dict[str, Any] = {
+                "name": name,
+                "kind": step.output.kind,
+                "processor": step.output.processor,
+                "json": step.output.is_json,
+            }
             if step.output.kind == "image_gen":  # its prompt shown, never generated: a preview writes no file
                 entry["prompt"] = outcome[0]
                 out.append(entry)
@@ -250,7 +255,9 @@ class UnitTrace:
             request, completion = outcome
             entry["messages"] = request.messages
             if request.images:  # in placeholder order
-                entry["images"] = [{"source": im.source, "width": im.width, "height": im.height, "sha256": im.sha256} for im in request.images]
+                entry["images"] = [
+                    {"source": im.source, "width": im.width, "height": im.height, "sha256": im.sha256} for im in request.images
+                ]
             entry["prompt"] = request.prompt  # None: the server applies its chat template to the messages
             entry["sampling_params"] = request.sampling_params
             if request.seed is not None:  # this sample's own seed (prompts/samples.py)
@@ -332,7 +339,11 @@ class _Session:
                             f"processor '{name}' sends its requests to {processor.batch.provider}'s batch API, whose answers take up "
                             "to 24 h: preview without --generate shows its requests"
                         )
-                    engine = engine_factory(processor, cfg.batch_size, log_dir=Path(log_dir) / name) if generate else TemplateOnlyEngine(processor)
+                    engine = (
+                        engine_factory(processor, cfg.batch_size, log_dir=Path(log_dir) / name)
+                        if generate
+                        else TemplateOnlyEngine(processor)
+                    )
                     self.engines[name] = engine
                     engine.load()
             steps = [python_steps.make_step(o, lambda o: _model_step(cfg, o, self.engines), self.pools) for o in cfg.outputs]
@@ -358,7 +369,11 @@ class _Session:
 
 
 def preview(
-    cfg: PipelineConfig, rows: int = DEFAULT_ROWS, generate: bool = False, log_dir: str | Path | None = None, engine_factory=registry.create_engine
+    cfg: PipelineConfig,
+    rows: int = DEFAULT_ROWS,
+    generate: bool = False,
+    log_dir: str | Path | None = None,
+    engine_factory=registry.create_engine,
 ) -> dict:
     """{"datasets": [{index, path, rows: [...]}], "generated": bool, "n_samples": n, "engines": {...}}:
     the records a shard would write for the first ``rows`` rows of each dataset, one entry per
@@ -366,7 +381,12 @@ def preview(
     engine answered)."""
     session = _Session(cfg, generate, log_dir, engine_factory)
     try:
-        result = {"generated": generate, "n_samples": cfg.n_samples, "engines": {n: e.info.backend for n, e in session.engines.items()}, "datasets": []}
+        result = {
+            "generated": generate,
+            "n_samples": cfg.n_samples,
+            "engines": {n: e.info.backend for n, e in session.engines.items()},
+            "datasets": [],
+        }
         for ds in cfg.datasets:
             entry: dict[str, Any] = {"index": ds.index, "path": ds.path, "rows": [], "error": None}
             try:
@@ -485,7 +505,11 @@ def print_preview(result: dict, out: TextIO = sys.stdout) -> None:
             for o in row["outputs"]:
                 kind = "JSON output" if o["json"] else "output"
                 if o.get("kind") == "image_gen":
-                    w(f"image output '{o['name']}' (processor {o['processor']}): prompt (a preview generates no image):\n" + _indent(o["prompt"]) + "\n")
+                    w(
+                        f"image output '{o['name']}' (processor {o['processor']}): prompt (a preview generates no image):\n"
+                        + _indent(o["prompt"])
+                        + "\n"
+                    )
                     continue
                 if o.get("kind", "llm") != "llm":
                     shown = _dump(o["value"]) if "value" in o else "(not run without --generate)"

@@ -79,7 +79,6 @@ class History:
         return [list(s) for s in self.samples]
 
 
-
 def read_progress(path: str | os.PathLike) -> tuple[dict | None, str | None]:
     """(progress, None); (None, None) when there is no file; (None, why) when it is damaged."""
     return read(path, check_progress)

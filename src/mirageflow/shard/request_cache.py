@@ -254,7 +254,9 @@ class RequestCache:
                 self._aside("orphaned", path, f"not listed in {self.manifest.name}", None)
         self._write_manifest()
         if self._answers:
-            log.info("request cache of %s: %d answer(s) kept in %d segment(s)", self.dir.parent.name, len(self._answers), len(self.segments))
+            log.info(
+                "request cache of %s: %d answer(s) kept in %d segment(s)", self.dir.parent.name, len(self._answers), len(self.segments)
+            )
 
     def _verified(self, path: Path, seg: dict) -> list[list]:
         """The segment's entries, when its size, checksum and count are the manifest's."""
@@ -290,7 +292,9 @@ class RequestCache:
             n += 1
             aside = self.manifest.with_name(f"{MANIFEST}.damaged-{_utc_stamp()}-{n}")
         os.replace(self.manifest, aside)
-        log.warning("%s is damaged (%s): renamed to %s; its segments are set aside and their answers asked again", self.manifest, problem, aside)
+        log.warning(
+            "%s is damaged (%s): renamed to %s; its segments are set aside and their answers asked again", self.manifest, problem, aside
+        )
         return []
 
     def _aside(self, kind: str, path: Path, why: str, entries: int | None) -> None:

@@ -196,7 +196,9 @@ class RowPath:
             for _ in range(n):
                 m.tracker.completed()
         if len(completions) != n:  # an engine's bug, not a row's
-            raise EngineFailed(f"engine '{step.output.processor}' returned {len(completions)} completions for {n} samples of row {row.index}")
+            raise EngineFailed(
+                f"engine '{step.output.processor}' returned {len(completions)} completions for {n} samples of row {row.index}"
+            )
         return completions
 
     def internal_error(self, row: SourceRow, e: Exception) -> RowError:

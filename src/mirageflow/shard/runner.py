@@ -214,7 +214,13 @@ class ShardRunner:
             verdict = self.budget.record_ok()
             self.commits.add(ds_index, record, None)
         else:
-            entry = {"dataset": ds_index, "source_index": row.index, "stage": exc.stage, "error": exc.kind, "message": redact_text(str(exc))}
+            entry = {
+                "dataset": ds_index,
+                "source_index": row.index,
+                "stage": exc.stage,
+                "error": exc.kind,
+                "message": redact_text(str(exc)),
+            }
             if sample is not None:
                 entry["sample_index"] = sample
             if exc.raw is not None:
@@ -255,7 +261,9 @@ class ShardRunner:
         for ds, piece in zip(self.cfg.datasets, slices):
             try:
                 read = functools.partial(read_shard, ds, piece)
-                yield from samples.pending(ds.index, read, self.checkpoint.committed_before(ds.index), self.n, self.rows.grouped is not None)
+                yield from samples.pending(
+                    ds.index, read, self.checkpoint.committed_before(ds.index), self.n, self.rows.grouped is not None
+                )
             except Exception as e:  # a row that could be isolated is a RowError value, not an exception
                 raise ShardFailed(f"cannot read dataset {ds.index} ({ds.path}), shard {self.shard_id}: {type(e).__name__}: {e}") from e
 
@@ -532,7 +540,10 @@ def run_shard(
         "status": "success",
         "finished_at": stats.utc_now(),
         "error": None,
-        "engines": {**{name: vars(e.info) for name, e in runner.engines.items()}, **{name: g.info for name, g in runner.image_gens.items()}},
+        "engines": {
+            **{name: vars(e.info) for name, e in runner.engines.items()},
+            **{name: g.info for name, g in runner.image_gens.items()},
+        },
         # the inference servers' own figures (their /metrics) beside our counters; null without
         "server_metrics": runner.metrics.server_figures(runner.engines),
         "hardware": runner.metrics.hardware(),

@@ -120,5 +120,7 @@ class OutputStep:
         except json_output.OutputError as e:
             raise RowError("output", e.kind, f"output '{name}': {e}", raw=text) from None
         if "\\u" in text and lone_surrogate_at(value):  # JSON escapes can spell a lone surrogate
-            raise RowError("output", E.INVALID_UNICODE, f"output '{name}': the JSON answer holds a lone surrogate (\\ud800-\\udfff)", raw=text)
+            raise RowError(
+                "output", E.INVALID_UNICODE, f"output '{name}': the JSON answer holds a lone surrogate (\\ud800-\\udfff)", raw=text
+            )
         return value, reasoning

@@ -138,6 +138,7 @@ def images_changed(shard_dir: str | os.PathLike, cache: ContentCache) -> str | N
 
 # --------------------------------------------------------------------------- at DAG build
 
+
 class ContentChanges:
     """Which jobs must rerun because what they read changed (common.smk's input functions).
 

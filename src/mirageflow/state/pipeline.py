@@ -296,8 +296,7 @@ def prepare(config: dict, cfg: PipelineConfig, configfiles: Iterable[str] = (), 
     removed = remove_stale_derived_outputs(cfg)
     if removed:
         notes.append(
-            "mirageflow: a shard has no status.json; removed the results built from earlier shards: "
-            + ", ".join(map(str, removed))
+            "mirageflow: a shard has no status.json; removed the results built from earlier shards: " + ", ".join(map(str, removed))
         )
     if fingerprint_path(cfg.state_dir).exists() and write_records_fingerprint(cfg):  # a missing one: its rule writes it
         notes.append(f"mirageflow: {fingerprint_path(cfg.state_dir)} updated (what can change the records changed)")

@@ -186,7 +186,9 @@ def check_stats(st, required: tuple = ()) -> str | None:
     if by_class is not None and not (isinstance(by_class, dict) and all(is_number(v) for v in by_class.values())):
         return "stats.rows_failed_by_class is not an object of counts"
     gpus = st.get("gpus")
-    if gpus is not None and not (isinstance(gpus, list) and all(isinstance(g, dict) and (g.get("util_mean") is None or is_number(g["util_mean"])) for g in gpus)):
+    if gpus is not None and not (
+        isinstance(gpus, list) and all(isinstance(g, dict) and (g.get("util_mean") is None or is_number(g["util_mean"])) for g in gpus)
+    ):
         return "stats.gpus is not a list of GPU objects"
     if not _check_hist(st.get("output_tokens_per_row_hist")):
         return "stats.output_tokens_per_row_hist is not a token histogram"
@@ -268,7 +270,9 @@ def check_gpu_samples(data: dict) -> str | None:
     if not isinstance(t, list) or not all(is_number(x) for x in t):
         return "t is not a list of numbers"
     util = data.get("util")
-    if not isinstance(util, list) or not all(isinstance(u, list) and len(u) == len(t) and all(v is None or is_number(v) for v in u) for u in util):
+    if not isinstance(util, list) or not all(
+        isinstance(u, list) and len(u) == len(t) and all(v is None or is_number(v) for v in u) for u in util
+    ):
         return "util is not a list of per-GPU series as long as t"
     duration = data.get("duration")
     if duration is not None and not (isinstance(duration, list) and len(duration) == len(t) and all(is_number(x) for x in duration)):

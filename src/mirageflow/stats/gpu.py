@@ -254,7 +254,11 @@ class GpuSampler:
                 try:
                     util = float(nv.nvmlDeviceGetUtilizationRates(dev.handle).gpu)
                 except nv.NVMLError as e:
-                    if isinstance(e, getattr(nv, "NVMLError_NotSupported", ())) or "MIG" in (dev.name or "") or dev.entry.startswith("MIG-"):
+                    if (
+                        isinstance(e, getattr(nv, "NVMLError_NotSupported", ()))
+                        or "MIG" in (dev.name or "")
+                        or dev.entry.startswith("MIG-")
+                    ):
                         dev.util_supported = False
                         self._warn_once(
                             f"util:{dev.entry}", "GPU utilisation and energy are not available on %s (%s; MIG slices have neither): null",
