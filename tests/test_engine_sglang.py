@@ -288,7 +288,7 @@ def test_missing_sglang_is_a_clear_error(monkeypatch):
 
 
 def test_every_backend_is_registered():
-    assert set(BACKENDS) == {"transformers", "sglang", "sglang_server", "vllm_server", "openai", "shared"}
+    assert set(BACKENDS) == {"transformers", "sglang", "sglang_server", "vllm_server", "openai", "batch_api", "shared"}
     for name, cls in (("sglang_server", "SGLangServerEngine"), ("openai", "OpenAIEngine")):
         proc = processor()
         proc = ProcessorConfig(**{**vars(proc), "backend": name, "base_url": "http://127.0.0.1:1/v1"})
