@@ -83,6 +83,14 @@ class Behaviour:
     flavour: str = "sglang"
 
 
+class _ListeningServer(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: a shard opening 64 connections at once overflows
+    # it, and Linux then drops handshakes it has already answered, so some requests are
+    # never read (seen as "no answer within request_timeout"). Real servers (uvicorn, vLLM,
+    # SGLang) listen with a backlog of 2048.
+    request_queue_size = 1024
+
+
 class FakeServer:
     def __init__(self, behaviour: Behaviour | None = None, host: str = "127.0.0.1", port: int = 0):
         self.behaviour = behaviour or Behaviour()
@@ -98,7 +106,7 @@ class FakeServer:
         # (whole prompts only; the choices of one request are computed together, no hit)
         self.choice_prompt_tokens = self.cache_hits = self.answered_choices = 0
         self.seen_prompts: set[str] = set()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd = _ListeningServer((host, port), _handler(self))
         self.httpd.daemon_threads = True
         self.thread: threading.Thread | None = None
 
