@@ -54,6 +54,8 @@ import threading
 import time
 from pathlib import Path
 
+import orjson
+
 from mirageflow.engines.wire import Completion, Request
 from mirageflow.errors import MirageflowError
 from mirageflow.files import atomic_write_text, new_temp_file
@@ -76,7 +78,13 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
+    """The bytes a key hashes: sorted-key compact JSON. orjson (~10x faster than json: this
+    runs once per request on the row path); text orjson refuses (a lone surrogate) takes
+    json's spelling, the same every time for the same request."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS, default=str)
+    except (orjson.JSONEncodeError, TypeError):
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
 
 
 def _sha256(data: bytes) -> str:
@@ -173,7 +181,11 @@ def sample_keys(identity: str, request: Request, n: int, native: bool) -> list[s
 
 
 def _entry(key: str, c: Completion) -> str:
-    return json.dumps([key, c.text, c.reasoning, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.image_tokens], ensure_ascii=False)
+    value = [key, c.text, c.reasoning, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.image_tokens]
+    try:
+        return orjson.dumps(value).decode()
+    except (orjson.JSONEncodeError, TypeError):  # a lone surrogate: json's escape
+        return json.dumps(value, ensure_ascii=False)
 
 
 def _utc_stamp() -> str:
