@@ -49,8 +49,10 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
+
+from fakes.fake_http import LocalHTTPServer
 
 
 @dataclass
@@ -117,11 +119,10 @@ def _check_anthropic_parts(messages) -> str | None:
     return None
 
 
-class FakeBatchAPI:
+class FakeBatchAPI(LocalHTTPServer):
     def __init__(self, trouble: Trouble | None = None):
         self.trouble = trouble or Trouble()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.httpd.daemon_threads = True
+        self.listen("127.0.0.1", 0, _handler(self))
         self.lock = threading.Lock()
         self.files: dict[str, bytes] = {}
         self.batches: dict[str, dict] = {}  # id -> batch state (both providers)
@@ -130,20 +131,6 @@ class FakeBatchAPI:
         self.batches_created = 0
         self.polls = 0
         self.requests_seen = 0
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> "FakeBatchAPI":
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
     # ------------------------------------------------------------------ answers
 

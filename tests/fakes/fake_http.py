@@ -91,7 +91,31 @@ class _ListeningServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
 
-class FakeServer:
+class LocalHTTPServer:
+    """A fake's HTTP server on this machine, served by a thread of this process (the part
+    every fake shares): ``listen`` in ``__init__``, then ``start()`` / ``url`` / ``stop()``."""
+
+    def listen(self, host: str, port: int, handler) -> None:
+        self.httpd = _ListeningServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self):
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeServer(LocalHTTPServer):
     def __init__(self, behaviour: Behaviour | None = None, host: str = "127.0.0.1", port: int = 0):
         self.behaviour = behaviour or Behaviour()
         self.records: list[dict] = []
@@ -106,23 +130,7 @@ class FakeServer:
         # (whole prompts only; the choices of one request are computed together, no hit)
         self.choice_prompt_tokens = self.cache_hits = self.answered_choices = 0
         self.seen_prompts: set[str] = set()
-        self.httpd = _ListeningServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
-        self.thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> "FakeServer":
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.listen(host, port, _handler(self))
 
     def next_action(self) -> str:
         with self.lock:

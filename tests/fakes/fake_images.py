@@ -28,7 +28,12 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+try:
+    from fakes.fake_http import LocalHTTPServer
+except ImportError:  # run as a script from tests/fakes (an SGLang diffusion server stand-in)
+    from fake_http import LocalHTTPServer
 
 
 @dataclass
@@ -50,28 +55,13 @@ def png(width: int, height: int, seed: int | None) -> bytes:
     return buf.getvalue()
 
 
-class FakeImages:
+class FakeImages(LocalHTTPServer):
     def __init__(self, behaviour: Behaviour | None = None, host: str = "127.0.0.1", port: int = 0):
         self.behaviour = behaviour or Behaviour()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
+        self.listen(host, port, _handler(self))
         self.requests = 0
         self.lock = threading.Lock()
         self.started = time.monotonic()
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> "FakeImages":
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _handler(server: FakeImages):
