@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from generated_block import write_or_check  # scripts/, this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "config" / "README.md"
@@ -44,17 +45,7 @@ def table() -> str:
 
 
 def main() -> int:
-    text = README.read_text()
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    new = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
-    if "--check" in sys.argv:
-        if new != text:
-            print(f"{README} is out of date: run python scripts/schema_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(new)
-    return 0
+    return write_or_check(README, BEGIN, END, table(), "scripts/schema_docs.py", sys.argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from fakes.deadlines import run_with_deadline
 from PIL import Image
 
 from mirageflow.prompts import images
@@ -39,29 +40,13 @@ def error_of(value, dataset) -> RowError:
     return e.value
 
 
-def _run_with_deadline(fn, seconds: float):
-    """fn() in a thread; (finished, result or exception) after at most ``seconds``."""
-    out: dict = {}
-
-    def target():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            out["value"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    return not t.is_alive(), out.get("value")
-
-
 # --------------------------------------------------------------------------- item 1
 
 
 def test_item1_a_fifo_image_path_is_refused_without_being_opened(tmp_path):
     """Item 1: an image path that is a FIFO blocked in open() forever; now a row error at once."""
     os.mkfifo(tmp_path / "pipe.png")
-    finished, result = _run_with_deadline(lambda: load("pipe.png", _Dataset(tmp_path / "d.jsonl")), 10)
+    finished, result = run_with_deadline(lambda: load("pipe.png", _Dataset(tmp_path / "d.jsonl")), 10)
     assert finished, "loading a FIFO image hung"
     assert isinstance(result, RowError) and result.kind == "image_unreadable", result
     assert "FIFO" in str(result) and "not a regular file" in str(result)
@@ -85,7 +70,7 @@ def test_item1_a_fifo_dataset_or_script_is_refused_at_dag_build(tmp_path):
             load_config(cfg)
         return str(e.value)
 
-    finished, text = _run_with_deadline(check, 20)
+    finished, text = run_with_deadline(check, 20)
     assert finished, "the config check hung on a FIFO"
     assert "datasets[0].path" in text and "FIFO" in text, text
     assert "processors[0].script_path" in text and "FIFO" in text, text
@@ -101,7 +86,7 @@ def test_item1_a_fifo_jsonl_is_not_opened_by_the_reader(tmp_path):
     def read():
         return list(readers.read_shard(ds, readers.ShardSlice(0, 3, 0, 1)))
 
-    finished, result = _run_with_deadline(read, 10)
+    finished, result = run_with_deadline(read, 10)
     assert finished, "reading a FIFO dataset hung"
     assert isinstance(result, OSError) and "not a regular file" in str(result), result
 
@@ -146,7 +131,7 @@ def test_item2_a_trickling_image_server_is_cut_at_the_total_deadline(trickle_url
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.setattr(images, "REMOTE_DEADLINE_SECONDS", 1.5, raising=False)
     started = time.monotonic()
-    finished, result = _run_with_deadline(lambda: load(trickle_url, _Dataset("d.jsonl")), 15)
+    finished, result = run_with_deadline(lambda: load(trickle_url, _Dataset("d.jsonl")), 15)
     took = time.monotonic() - started
     assert finished and took < 5, f"the download of a trickling URL ran {took:.1f} s"
     assert isinstance(result, RowError) and result.kind == "image_remote_unreachable", result

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from fakes.deadlines import run_with_deadline
 
 from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import EngineError, Request
@@ -30,21 +31,6 @@ def _processor(backend: str, **fields) -> ProcessorConfig:
     )  # fmt: skip
     defaults.update(fields)
     return ProcessorConfig(**defaults)
-
-
-def _in_thread(fn, seconds: float):
-    out: dict = {}
-
-    def target():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            out["value"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    return not t.is_alive(), out.get("value")
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +86,7 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
         from fakes import drive
 
         request = Request(0, [{"role": "user", "content": "hi"}], "hi", {"max_new_tokens": 3}, None)
-        finished, result = _in_thread(lambda: drive(engine, [request]), 120)
+        finished, result = run_with_deadline(lambda: drive(engine, [request]), 120)
         assert finished, "a frozen engine service hung its shard for 120 s"
         assert isinstance(result, EngineError) and str(endpoint) in str(result), result
     finally:
@@ -138,7 +124,7 @@ def test_item17_an_answer_that_is_not_json_is_retried_then_fails_naming_the_url(
         from fakes import drive
 
         request = Request(0, [{"role": "user", "content": "hi"}], None, {"max_new_tokens": 3}, None)
-        finished, result = _in_thread(lambda: drive(engine, [request]), 60)
+        finished, result = run_with_deadline(lambda: drive(engine, [request]), 60)
         assert finished
         error = result if isinstance(result, BaseException) else getattr(result[0], "error", None)
         assert error is not None and "127.0.0.1" in str(error) and "JSON" in str(error), result
