@@ -31,6 +31,7 @@ include: "workflow/rules/fingerprint.smk"
 # the run ends: mirageflow/report/terminal.py). Snakemake runs these hooks in the driver
 # only, never in a dry run or a lint.
 from mirageflow.report import terminal
+from mirageflow.cluster.scheduler_timers import cancel_scheduler_timers
 
 
 onstart:
@@ -38,12 +39,16 @@ onstart:
     terminal.on_start(PIPELINE, workflow)
 
 
+# The scheduler has returned: its rate-limit timers would hold the exit for up to a
+# second (mirageflow/cluster/scheduler_timers.py).
 onsuccess:
     terminal.on_success(PIPELINE, workflow)
+    cancel_scheduler_timers()
 
 
 onerror:
     terminal.on_error(PIPELINE, workflow)
+    cancel_scheduler_timers()
 
 
 rule all:

@@ -247,3 +247,36 @@ def test_snakemake_profile_environment_variable_names_the_executor(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("SNAKEMAKE_PROFILE", "profiles/slurm")
     assert submits_to_cluster(SimpleNamespace(remote_exec=False), [SNAKEMAKE, "-n"]) is True
+
+
+# --------------------------------------------------------------------------- the driver's exit
+
+
+def test_the_schedulers_rate_limit_timer_is_cancelled_when_the_run_ends():
+    """Snakemake's own scheduler starts the timer (a non-daemon thread the interpreter would
+    wait for at exit); cancelling it ends its thread now, and other timers are left alone."""
+    import threading
+
+    from snakemake.scheduling.job_scheduler import JobScheduler
+
+    from mirageflow.cluster.scheduler_timers import cancel_scheduler_timers
+
+    class Scheduler:  # the one attribute the real method uses
+        _open_jobs = threading.Semaphore(0)
+
+    before = set(threading.enumerate())
+    JobScheduler._schedule_reevalutation(Scheduler(), 60)
+    (timer,) = set(threading.enumerate()) - before
+    assert isinstance(timer, threading.Timer) and not timer.daemon
+    ours = threading.Timer(60, lambda: None)
+    ours.start()
+    try:
+        assert cancel_scheduler_timers() == 1
+        timer.join(10)
+        assert not timer.is_alive()
+        assert ours.is_alive()  # not Snakemake's scheduler's: untouched
+        assert not Scheduler._open_jobs.acquire(blocking=False)  # cancelled, never fired
+        assert cancel_scheduler_timers() == 0
+    finally:
+        ours.cancel()
+        timer.cancel()

