@@ -451,7 +451,7 @@ def _asked(engine) -> list[str]:
 @pytest.mark.parametrize("mode", ["shard", "window", "none"])
 def test_rows_sharing_a_prompt_prefix_are_fed_together_and_written_as_before(tmp_path, mode):
     """One row in flight (a window of 1, blocks of 4 rows): ``shard`` asks each document's
-    rows one after another, ``window`` sorts each block of 4, ``none`` keeps the source
+    rows one after another, ``window`` sorts each block of 4 (a serpentine), ``none`` keeps the source
     order; the records are the same, in source order, whatever the feeding order."""
     cfg = _prefix_setup(tmp_path, mode)
     engine = ScriptedEngine(lambda p: "answer to " + p.rsplit("question ", 1)[1])
@@ -460,7 +460,8 @@ def test_rows_sharing_a_prompt_prefix_are_fed_together_and_written_as_before(tmp
     if mode == "shard":
         assert asked == sorted(SHUFFLED)  # A0 A1 A2 A3 B0 ... : each document's prefix once in a row
     elif mode == "window":
-        assert asked == [k for i in range(0, 12, 4) for k in sorted(SHUFFLED[i : i + 4])]
+        # blocks of 4, ascending and descending in turn: each block starts where the last ended
+        assert asked == [k for i in range(0, 12, 4) for k in sorted(SHUFFLED[i : i + 4], reverse=i % 8 == 4)]
     else:
         assert asked == SHUFFLED
     records = _records(tmp_path)
@@ -503,7 +504,8 @@ def test_prefix_order_keeps_source_order_when_a_python_step_comes_first():
     llm = Step(object())
     assert prefix_order.keyed_step([llm]) is llm
     units = [("b", 1), ("a", 2), ("b", 0), ("a", 1)]
-    assert list(prefix_order.ordered(units, lambda u: u[0], 2)) == [("a", 2), ("b", 1), ("a", 1), ("b", 0)]
+    # blocks of 2, ascending then descending (a serpentine: "b" twice in a row at the seam)
+    assert list(prefix_order.ordered(units, lambda u: u[0], 2)) == [("a", 2), ("b", 1), ("b", 0), ("a", 1)]
     assert list(prefix_order.ordered(units, lambda u: u[0], None)) == [("a", 2), ("a", 1), ("b", 1), ("b", 0)]
     assert list(prefix_order.ordered([], lambda u: u, None)) == []
 

@@ -9,7 +9,8 @@ prompts with long common prefixes next to each other (their common prefix decide
 order). ``shard_params.prefix_order``:
 
 - ``window`` (default): the pending units are read in blocks of ``block`` (a few in-flight
-  windows) and each block is fed sorted; memory holds one block.
+  windows) and each block is fed sorted, ascending and descending in turn (see ``ordered``);
+  memory holds one block.
 - ``shard``: the whole shard is read first and fed sorted: the best reuse, at the cost of
   holding every pending row of the shard in memory.
 - ``none``: source order.
@@ -37,21 +38,30 @@ MODES = ("none", "window", "shard")
 BLOCK_WINDOWS = 4  # a window-mode block: this many in-flight windows of units
 
 
+LAST = (1, "")  # the key of a row whose prompt cannot be rendered: after the others of its block
+
+
 def ordered(units: Iterable, key: Callable, block: int | None) -> Iterator:
-    """``units`` sorted by ``key`` within consecutive blocks of ``block`` (None: all at once);
-    stable, so equal keys keep their source order."""
+    """``units`` sorted by ``key`` within consecutive blocks of ``block`` (None: all at once).
+
+    Blocks alternate ascending and descending (a serpentine): a block starts with the
+    prefixes the previous one ended with, which the engine has just computed and still
+    holds, instead of jumping back to the start of the key space, which an LRU cache smaller
+    than a block has evicted by then. Rows keyed ``LAST`` stay at the end of every block.
+    Equal keys keep their source order in ascending blocks."""
     it = iter(units)
+    descending = False
     while True:
         chunk = list(itertools.islice(it, block)) if block else list(it)
         if not chunk:
             return
-        chunk.sort(key=key)
-        yield from chunk
+        keyed = sorted(((key(u), u) for u in chunk), key=lambda pair: pair[0])
+        if descending:
+            keyed = [p for p in reversed(keyed) if p[0] != LAST] + [p for p in keyed if p[0] == LAST]
+        yield from (u for _, u in keyed)
         if not block:
             return
-
-
-LAST = (1, "")  # the key of a row whose prompt cannot be rendered: after the others of its block
+        descending = not descending
 
 
 def prompt_key(extract, step) -> Callable:
