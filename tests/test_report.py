@@ -221,16 +221,16 @@ def test_tokens_per_row_bins_have_one_width_and_keep_every_row():
     assert equal_width_bins(small.to_json()) == (1, [(3, 4, 2), (4, 5, 0), (5, 6, 1), (6, 7, 0), (7, 8, 0), (8, 9, 0), (9, 10, 1)])
 
 
-def test_row_token_limit_from_the_records_identity(tmp_path):
-    from mirageflow.report.html import load_identity, row_token_limit
+def test_output_token_limits_from_the_records_identity(tmp_path):
+    from mirageflow.report.html import load_identity, output_token_limits
 
     identity = {
         "processors": [{"default_sampling_params": {"max_new_tokens": 256}}],
         "processing_params": {"outputs": [{"name": "a", "sampling_params": {}}, {"name": "b", "sampling_params": {"max_new_tokens": 64}}]},
     }
     atomic_write_json(tmp_path / "records.fingerprint", {"sha256": "x", "identity": identity})
-    assert row_token_limit(load_identity(tmp_path)) == 256 + 64
-    assert row_token_limit(None) is None and load_identity(tmp_path / "nowhere") is None
+    assert output_token_limits(load_identity(tmp_path)) == [("a", 256), ("b", 64)]
+    assert output_token_limits(None) is None and load_identity(tmp_path / "nowhere") is None
 
 
 def _with_progress_and_records(state: Path, num_shards: int = 6) -> None:

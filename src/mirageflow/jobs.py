@@ -166,7 +166,6 @@ from typing import Callable  # noqa: E402
 from mirageflow.config import PipelineConfig, load_config  # noqa: E402
 from mirageflow.files import atomic_write_json  # noqa: E402
 
-ATTEMPTS_DIR = "attempts"
 _ATTEMPT_LOG: dict = {}  # this job's own log (the rule's log is a link Snakemake removes on rerun)
 
 
@@ -183,7 +182,7 @@ def attempt_log_path(log: str, now: float | None = None, pid: int | None = None)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
     name = os.path.basename(log)
     stem = name[: -len(".log")] if name.endswith(".log") else name
-    return os.path.join(os.path.dirname(log), ATTEMPTS_DIR, f"{stem}.{stamp}.{pid or os.getpid()}.log")
+    return os.path.join(os.path.dirname(log), layout.ATTEMPT_LOGS, f"{stem}.{stamp}.{pid or os.getpid()}.log")
 
 
 def _log_to(path: str) -> str:

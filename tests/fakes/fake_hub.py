@@ -37,9 +37,11 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
+
+from fakes.fake_http import LocalHTTPServer
 
 LFS_MIN_BYTES = 100_000  # files at least this big are served as LFS files (weights)
 CHUNK = 16 * 1024
@@ -88,30 +90,26 @@ class FakeHub:
         self.requests: list[tuple[str, str, str | None, int]] = []
         self.sending: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self._cdn = ThreadingHTTPServer((host, 0), _handler(self))  # another origin, as the Hub's CDN
-        for server in (self._httpd, self._cdn):
-            server.daemon_threads = True
+        self._hub, self._cdn = LocalHTTPServer(), LocalHTTPServer()
+        self._hub.listen(host, port, _handler(self))
+        self._cdn.listen(host, 0, _handler(self))  # another origin, as the Hub's CDN
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._hub.url
 
     @property
     def cdn_url(self) -> str:
-        host, port = self._cdn.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._cdn.url
 
     def start(self) -> "FakeHub":
-        for server in (self._httpd, self._cdn):
-            threading.Thread(target=server.serve_forever, daemon=True).start()
+        self._hub.start()
+        self._cdn.start()
         return self
 
     def stop(self) -> None:
-        for server in (self._httpd, self._cdn):
-            server.shutdown()
-            server.server_close()
+        self._hub.stop()
+        self._cdn.stop()
 
     def record(self, method: str, path: str, range_header: str | None, sent: int) -> None:
         with self._lock:

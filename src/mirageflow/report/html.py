@@ -205,12 +205,6 @@ def output_token_limits(identity: dict | None) -> list[tuple[str, int]] | None:
         return None
 
 
-def row_token_limit(identity: dict | None) -> int | None:
-    """The most output tokens a row can have: each LLM output's max_new_tokens, summed (None when unknown)."""
-    limits = output_token_limits(identity)
-    return sum(n for _, n in limits) if limits else None
-
-
 def token_limit_label(limits: list[tuple[str, int]], unit: str = "row") -> str:
     """The histogram marker's label, per output and per row: "max_new_tokens 64 per output x 2 outputs = 128 per row"."""
     total = sum(n for _, n in limits)
