@@ -104,8 +104,24 @@ def test_the_canary_runs_only_its_rows_in_its_own_state_dir(tmp_path, server):
     assert verdict["passed"] and verdict["rows_processed"] == 3 and verdict["canary_rows"] == 3
     assert len(server.records) == 3  # shard 0 has 5 rows; the canary sent 3
     assert json.loads(paths.canary_verdict.read_text())["passed"]
-    assert not paths.shard_dir(0).exists() and not (tmp_path / "out").exists()  # the shards' own state is untouched
+    assert not (tmp_path / "out").exists()  # the shards' records are untouched
+    # shard 0's state holds only the canary's answers, handed over whole (no checkpoint, no status)
+    assert sorted(p.name for p in paths.shard_dir(0).iterdir()) == ["request_cache"]
+    assert verdict["answers_handed_to_shard_0"] == 3
     assert (StateLayout(paths.canary_state).status(0)).exists()
+
+
+def test_the_canary_never_replaces_a_request_cache_shard_0_already_has(tmp_path, server):
+    cfg = load_config(copy.deepcopy(pipeline(tmp_path, server, canary_rows=3)))
+    index_datasets(cfg)
+    paths = StateLayout(cfg.state_dir)
+    own = paths.shard_dir(0) / "request_cache"
+    own.mkdir(parents=True)
+    (own / "manifest.json").write_text('{"format": 1, "segments": []}\n')
+    verdict = C.run_canary(cfg, paths.canary_verdict)
+    assert verdict["passed"] and verdict["answers_handed_to_shard_0"] == 0
+    assert sorted(p.name for p in own.iterdir()) == ["manifest.json"]
+    assert (own / "manifest.json").read_text() == '{"format": 1, "segments": []}\n'
 
 
 def test_a_failed_canary_writes_its_verdict_elsewhere_and_a_retry_does_not_rerun_it(tmp_path, server):
@@ -129,11 +145,15 @@ def test_a_passing_canary_lets_the_shards_run(tmp_path, server):
     paths = StateLayout(tmp_path / "state")
     assert json.loads(paths.canary_verdict.read_text())["passed"]
     assert paths.status(0).exists() and paths.status(1).exists()
-    assert len(server.records) == 3 + ROWS  # the canary's 3, then every row
+    # the canary's 3, then every row but those 3: shard 0 has the canary's answers
+    assert len(server.records) == ROWS
+    assert json.loads(paths.status(0).read_text())["stats"]["requests_cached"] == 3
+    merged = [json.loads(line) for p in sorted((tmp_path / "out" / "merged").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    assert [r["source_index"] for r in merged] == list(range(ROWS)) and all(r["summary"] for r in merged)
     log = proc.stderr
     assert log.index("rule canary") < log.index("rule shard")
     again = run_workflow(tmp_path, pipeline(tmp_path, server))  # nothing to do: the verdict holds
-    assert "rule canary" not in again.stderr and len(server.records) == 3 + ROWS
+    assert "rule canary" not in again.stderr and len(server.records) == ROWS
 
 
 def test_a_failing_canary_stops_before_any_shard_with_its_message(tmp_path, server):

@@ -6,8 +6,9 @@ canary finds it first. The workflow's ``canary`` rule runs the real shard runner
 first N rows of shard 0, in a state directory of its own (``StateLayout.canary_state``:
 copies of the datasets' indices and the records fingerprint, ``shard_0/``, its request
 cache) and an output directory of its own (``canary_output``), then judges the shard's
-quality counters (``judge``) against the thresholds below. Passing, it writes
-``canary/verdict.json``, an input of every shard rule, so Snakemake starts no shard (and on
+quality counters (``judge``) against the thresholds below. Passing, it hands its request
+cache to shard 0 (``seed_shard_cache``: shard 0 then sends none of the canary's requests
+again) and writes ``canary/verdict.json``, an input of every shard rule, so Snakemake starts no shard (and on
 SLURM submits no array) before it exists; failing, it writes ``canary/failed.json`` and
 raises ``CanaryFailed`` naming each counter over its threshold and the key to change. No
 scheduler of ours: Snakemake's dependencies do the holding, under both profiles.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -158,9 +160,38 @@ def run_canary(cfg: PipelineConfig, verdict_path: str | Path, attempt: int = 1, 
     if not verdict["passed"]:
         return _failed(paths, verdict, rows, fingerprint)
     verdict.update(canary_rows=rows, records_fingerprint=fingerprint)
+    verdict["answers_handed_to_shard_0"] = seed_shard_cache(cfg, canary)
     atomic_write_json(Path(verdict_path), verdict)
     log.info("canary passed on %d rows: %s", rows, json.dumps(verdict["counters"]))
     return verdict
+
+
+def seed_shard_cache(cfg: PipelineConfig, canary: PipelineConfig) -> int:
+    """Give shard 0 the canary's request cache, so the canary's rows are not asked twice:
+    its answers are shard 0's first rows' answers (same requests, same keys). Only when
+    shard 0 has no request cache of its own yet (it has not started: every shard waits for
+    the verdict, written after this); the copy is made whole under a temporary name, then
+    renamed into place. Returns the answers handed over (0: none)."""
+    from mirageflow.shard.request_cache import CACHE_DIR, MANIFEST
+
+    source = StateLayout(canary.state_dir).shard_dir(0) / CACHE_DIR
+    target = StateLayout(cfg.state_dir).shard_dir(0) / CACHE_DIR
+    if not cfg.shard.request_cache or not (source / MANIFEST).exists():
+        return 0
+    if target.exists():
+        log.info("shard 0 has a request cache already (%s): the canary's answers are not handed over", target)
+        return 0
+    manifest = json.loads((source / MANIFEST).read_text())
+    names = [seg["name"] for seg in manifest.get("segments", [])]
+    tmp = target.with_name(f".{CACHE_DIR}.canary.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a copy a killed canary left
+    tmp.mkdir(parents=True)
+    for name in [*names, MANIFEST]:
+        shutil.copyfile(source / name, tmp / name)
+    os.replace(tmp, target)
+    handed = sum(seg.get("entries", 0) for seg in manifest.get("segments", []))
+    log.info("canary: %d answers handed to shard 0's request cache (%s)", handed, target)
+    return handed
 
 
 def _failed(paths: StateLayout, verdict: dict, rows: int, fingerprint: str) -> dict:
