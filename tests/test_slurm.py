@@ -4,17 +4,20 @@ A one-node SLURM with fake GPUs (tests/slurm_cluster.py) is started when absent;
 root or the slurm-wlm/munge packages these tests skip and say why. Three workflows run side
 by side to keep the suite short:
 
-- run "ok" (tiny model): 3 shards, every SLURM option set from execution_params, submitted
-  as one job array (the profile's default); shard 2's first attempt fails, the profile's
-  retry resubmits it alone with twice the time limit.
+- run "ok" (tiny model): 3 shards, every SLURM option set from execution_params, one
+  sbatch each (the profile's default: no job arrays); shard 2's first attempt fails, the
+  profile's retry resubmits it alone with twice the time limit, and no other shard is
+  reported failed or resubmitted (with arrays they would be: plugin #447, docs/cluster.md).
 - run "faults" (`--retries 0`, the `openai` backend against a slow fake server): shard 0's
-  array task is cancelled with scancel while it runs; shards 1 and 2 are too slow for their
+  job is cancelled with scancel while it runs; shards 1 and 2 are too slow for their
   1-minute time limit and get SIGTERM before it (`--signal`), commit what they finished and
-  write failure.json. The driver reports all failed; a rerun (again one array) completes
-  them, resuming from the checkpoints: every row exactly once, none computed twice.
-- run "many" (`openai`, fast): 6 shards with the array chunk and the submission rate cut
-  to 2, the setting that hangs plugin 2.8 when they differ: 3 array submissions, all done.
-  It and "ok" start once the slow shards have committed a row (2 CPUs here).
+  write failure.json. The driver reports all failed; a rerun with job arrays turned on as
+  the profile documents (one array) completes them, resuming from the checkpoints: every
+  row exactly once, none computed twice.
+- run "many" (`openai`, fast): 6 shards with job arrays on, the array chunk and the
+  submission rate cut to 2, the setting that hangs plugin 2.8 when they differ: 3 array
+  submissions, all done. It and "ok" start once the slow shards have committed a row
+  (2 CPUs here).
 
 A fourth run on its own: 2 shards sharing one engine service (shards_per_engine: 2), one
 group job that loads the tiny model once.
@@ -50,6 +53,20 @@ OK_EXEC = {
 }  # gpus unset: tp_size 2 x dp_size 1 = 2 GPUs per shard
 SLOW_ROWS, SLOW_LATENCY = 90, 2.5  # 3 shards, 30 rows each x 2.5 s, one at a time: past a 1-minute limit
 MANY_SHARDS, CHUNK = 6, 2
+
+
+def _array_opt_in(profile) -> list[str]:
+    """The flags a profile's comment gives to turn job arrays on (they are off by default)."""
+    (line,) = re.findall(r"^#\s+(--slurm-array-jobs .*)$", profile.read_text(), re.MULTILINE)
+    return line.split()
+
+
+ARRAYS = _array_opt_in(slurm_cluster.REPO / "profiles" / "slurm" / "profile.yaml")
+
+
+def _arrays(chunk: int) -> list[str]:
+    """The documented opt-in (ARRAYS) with the array chunk and the submission rate both ``chunk``."""
+    return ["--slurm-array-jobs", "shard", "--slurm-array-limit", str(chunk), "--max-jobs-per-timespan", f"{chunk}/1s"]
 
 
 @pytest.fixture(scope="module")
@@ -92,19 +109,18 @@ def runs(cluster, tiny_model, servers, tmp_path_factory):
     )
     many = ok = None
     try:
-        # Shard 0's array task is running its shard step: cancel it mid-run (an array task
-        # by <array id>_<task>: SLURM 22.05 refuses the task's own job id).
+        # Shard 0's job is running its shard step: cancel it mid-run.
         slurm_cluster.wait_for(faults_dir / "faults" / "shard0.attempt1.hang", 300, faults)
         subprocess.run(["scancel", faults.submitted_jobs()[0][-1]], check=True)
         # The others start once the slow shards run, so that their starts do not eat the
         # slow shards' minute (2 CPUs here).
         slurm_cluster.wait_for_any([faults_dir / "state" / f"shard_{i}" / "checkpoint.json" for i in (1, 2)], 300, faults)
-        many = Run(many_dir, many_cfg, "--slurm-array-limit", str(CHUNK), "--max-jobs-per-timespan", f"{CHUNK}/1s")
-        # --latency-wait as the profile's (120 s): in plugin 2.8's arrays every task's outer
-        # Snakemake checks the *first* task's output (snakemake-executor-plugin-slurm#447), and
-        # here the first task is the one that fails; the others wait for its retry's status.json
-        # instead of being reported failed and resubmitted (docs/cluster.md)
-        ok = Run(ok_dir, ok_cfg, "--latency-wait", "120", env=slurm_cluster.fault_env(ok_dir, {"2": {"1": "fail"}}))
+        many = Run(many_dir, many_cfg, *_arrays(CHUNK))
+        # The tests' --latency-wait (5 s), not the profile's 120 s: with job arrays (plugin
+        # 2.8, snakemake-executor-plugin-slurm#447) the shards that end more than that before
+        # the array's failing first task would be reported failed; one sbatch per shard has
+        # no such check (test_failed_attempt_is_retried_alone_with_a_longer_time_limit)
+        ok = Run(ok_dir, ok_cfg, env=slurm_cluster.fault_env(ok_dir, {"2": {"1": "fail"}}))
         ok.wait(600)
         faults.wait(600)
         many.wait(600)
@@ -157,8 +173,8 @@ def test_report_has_sacct_accounting_of_the_shard_jobs(runs):
 def test_sbatch_requests_come_from_execution_params(runs):
     ok = runs["ok"]
     shard_calls = [c for c in ok.sbatch_calls() if "--comment rule_shard_" in c]
-    assert len(shard_calls) == 2, ok.sbatch_calls()  # 3 shards in one array + 1 retry
-    assert "--array=1-3" in shard_calls[0] and "--array" not in shard_calls[1]
+    assert len(shard_calls) == 4, ok.sbatch_calls()  # one sbatch per shard + 1 retry
+    assert not [c for c in shard_calls if "--array" in c], shard_calls
     for call in shard_calls:
         for flag in (
             "-A mf-acct", "-p gpu", "--qos=normal", "-C fakegpu", "--mem 1024", "--gpus=2", "--cpus-per-task=2",
@@ -179,10 +195,11 @@ def test_sbatch_requests_come_from_execution_params(runs):
 
 
 def test_shards_go_out_as_job_arrays_in_fewer_sbatch_calls(runs):
-    """The profile's arrays: 6 shards, chunk 2 -> 3 array submissions (plus the index job), all complete.
+    """Job arrays turned on as the profile documents: 6 shards, chunk 2 -> 3 array submissions
+    (plus the index job), all complete.
 
-    The submission rate equals the chunk (as in the profile: 1000 and 1000/1s), so the first
-    batch (2 shards while 4 more wait) goes out instead of being held back forever.
+    The submission rate equals the chunk (as in the documented opt-in: 40 and 40/1s), so the
+    first batch (2 shards while 4 more wait) goes out instead of being held back forever.
     """
     many = runs["many"]
     assert many.proc.returncode == 0, many.output[-6000:]
@@ -198,7 +215,7 @@ def test_shards_go_out_as_job_arrays_in_fewer_sbatch_calls(runs):
     assert agg["completed_shards"] == MANY_SHARDS and agg["total_rows_processed"] == MANY_SHARDS
 
 
-def test_failed_attempt_is_retried_with_a_longer_time_limit(runs):
+def test_failed_attempt_is_retried_alone_with_a_longer_time_limit(runs):
     ok = runs["ok"]
     first, second = ok.shard_jobs(2)
     assert (first["JobState"], first["TimeLimit"]) == ("FAILED", TIME_LIMIT)
@@ -210,14 +227,24 @@ def test_failed_attempt_is_retried_with_a_longer_time_limit(runs):
     (attempt,) = status["stats"]["attempts"]
     assert (attempt["attempt"], attempt["snakemake_attempt"], attempt["slurm_job_id"]) == (1, 2, second["JobId"])
     assert status["attempt"] == 1 and status["slurm_job_id"] == second["JobId"]
+    # The shards that succeeded ran once and were never reported failed, although they ended
+    # long before shard 2's retry (with job arrays they would be: plugin #447, docs/cluster.md)
     assert [len(ok.shard_jobs(s)) for s in (0, 1)] == [1, 1]
+    assert re.findall(r"SLURM-job '([^']+)' failed", ok.output) == [first["JobId"]], ok.output[-6000:]
+    # every error block (the driver's, and the inner ones of the failed job's log it prints)
+    reported = re.findall(r"^Error in rule shard:\n(?:    .*\n)*?    output: (\S+)", ok.output, re.MULTILINE)
+    assert reported and set(reported) == {"state/shard_2/status.json"}, reported
+    assert "MissingOutputException" not in ok.output
+    for shard in (0, 1):
+        status = json.loads((ok.workdir / "state" / f"shard_{shard}" / "status.json").read_text())
+        assert [a["snakemake_attempt"] for a in status["stats"]["attempts"]] == [1], status["stats"]["attempts"]
 
 
 def test_cancelled_shard_is_reported_failed(runs):
     faults = runs["faults"]
     assert faults.proc.returncode != 0
     (cancelled,) = faults.shard_jobs(0)
-    assert cancelled["JobState"] == "CANCELLED" and cancelled["ArrayTaskId"] in ("1", "2", "3")
+    assert cancelled["JobState"] == "CANCELLED" and "ArrayTaskId" not in cancelled  # a plain job
     assert f"SLURM-job '{faults.submitted_jobs()[0][0]}' failed, SLURM status is: 'CANCELLED'" in faults.output
     assert not [f for f in faults.left if f.endswith(("status.json", "metrics.json"))], faults.left
 
@@ -225,26 +252,18 @@ def test_cancelled_shard_is_reported_failed(runs):
 def test_shards_at_their_time_limit_get_sigterm_commit_and_record_it(runs):
     """`--signal=TERM@6` (a tenth of 1 minute): the shards stop themselves before SLURM kills them.
 
-    The plugin runs the first task of an array outside any job step, where `--signal` does
-    not reach: mirageflow.cluster.time_limit (called by the shard job) covers it. Until the job
-    entry point calls it, that task runs into the limit (TIMEOUT) and is only reported.
+    A plain job runs the shard in a job step, where `--signal` reaches it. (With job arrays the
+    plugin runs an array's first task outside any job step: mirageflow.cluster.time_limit,
+    called by the shard job, covers that task; tests/test_time_limit.py.)
     """
     faults = runs["faults"]
-    wired = "arm_time_limit_signal" in (slurm_cluster.REPO / "src" / "mirageflow" / "jobs.py").read_text()
-    checked = []
     for shard in (1, 2):
         (slow,) = faults.shard_jobs(shard)
-        assert slow["TimeLimit"] == "00:01:00", slow
-        first_task = slow.get("ArrayTaskId") == "1"
-        if first_task and not wired:
-            print(f"\nshard {shard}: first array task, no job step, time_limit.arm_time_limit_signal not called: {slow['JobState']}")
-            continue
+        assert slow["TimeLimit"] == "00:01:00" and "ArrayTaskId" not in slow, slow
         assert slow["JobState"] == "FAILED", slow  # not TIMEOUT: it stopped first
         failure = json.loads((faults.workdir / "state" / f"shard_{shard}" / "failure.json").read_text())
         assert failure["signal"] == "SIGTERM" and failure["slurm_job_id"] == slow["JobId"], failure
         assert 0 < _committed(failure) < SLOW_ROWS // 3, failure["error"]
-        checked.append(shard)
-    assert checked, "no slow shard ran in a job step"
     assert "failed, SLURM status is: 'FAILED'" in faults.output
 
 
@@ -254,7 +273,9 @@ def test_rerun_resumes_the_failed_shards_as_a_job_array(runs, servers):
     committed = sum(_committed(json.loads(f.read_text())) for f in (faults.workdir / "state").glob("shard_*/failure.json"))
     servers["slow"].behaviour.latency = 0.0
     t0 = time.monotonic()
-    rerun = Run(faults.workdir, _config_of(faults), name="rerun")  # arrays: the profile's default
+    # Job arrays on as the profile documents; the profile's --latency-wait (120 s), so that
+    # a task ending before the array's first one is not reported failed (plugin #447)
+    rerun = Run(faults.workdir, _config_of(faults), *ARRAYS, "--latency-wait", "120", name="rerun")
     assert rerun.wait(600) == 0, rerun.output[-6000:]
     print(f"\nSLURM rerun: {time.monotonic() - t0:.0f}s")
     calls = rerun.sbatch_calls()
@@ -326,16 +347,27 @@ def _config_of(run: Run) -> dict:
     return yaml.safe_load((run.workdir / "pipeline.yaml").read_text())
 
 
-def test_profile_submits_shards_as_arrays_without_the_plugin_hang():
-    """No cluster needed: arrays on; no job cap; submission rate = array chunk (docs/cluster.md)."""
+def test_profiles_submit_one_sbatch_per_shard_and_document_the_array_opt_in():
+    """No cluster needed: job arrays off by default (snakemake-executor-plugin-slurm#447,
+    docs/cluster.md), a polite submission rate, and the opt-in that the profiles and
+    docs/cluster.md give: no job cap, submission rate = array chunk <= 40 (plugin 2.8 hangs
+    or runs the wrong shards otherwise)."""
     import yaml
 
-    profile = yaml.safe_load((slurm_cluster.REPO / "profiles" / "slurm" / "profile.yaml").read_text())
-    assert profile["slurm-array-jobs"] == "shard" and profile["jobs"] == "unlimited"
-    assert profile["max-jobs-per-timespan"] == f"{profile['slurm-array-limit']}/1s"
+    for name in ("slurm", "slurm-gpu"):
+        path = slurm_cluster.REPO / "profiles" / name / "profile.yaml"
+        profile = yaml.safe_load(path.read_text())
+        assert not [k for k in profile if k.startswith("slurm-array")], path
+        assert profile["jobs"] == "unlimited"  # the arrays need it when turned on
+        rate, per = profile["max-jobs-per-timespan"].split("/")
+        assert per == "1s" and 1 <= int(rate) <= 20, path  # one sbatch (a slurmctld RPC) per shard
+        assert _array_opt_in(path) == ARRAYS, path
+    chunk = int(ARRAYS[ARRAYS.index("--slurm-array-limit") + 1])
+    assert ARRAYS == _arrays(chunk)  # arrays of `shard`, rate == chunk
     # plugin 2.8: more tasks overflow the sbatch line (128 KiB per argument) and its stdin
     # fallback runs the array's first shard in every task (profiles/slurm/profile.yaml)
-    assert 1 <= profile["slurm-array-limit"] <= 40
+    assert 1 <= chunk <= 40
+    assert " ".join(ARRAYS) in (slurm_cluster.REPO / "docs" / "cluster.md").read_text()
 
 
 def test_every_profile_entry_is_commented():

@@ -8,14 +8,15 @@ growth from 200 to 1,000 shards side by side).
 Runs the workflow (`python -m snakemake --profile profiles/slurm`) on the one-node SLURM of
 tests/slurm_cluster.py (started when absent; needs root and slurm-wlm) with a cheap engine:
 the `openai` backend against tests/fakes/fake_http.py's server in this process, so the
-figures are the workflow's and the scheduler's, not a model's. The profile is used as is
-(job arrays, no job cap, submission rate = array chunk) except for what the test cluster
-needs: squeue instead of sacct (no slurmdbd) and 1-second polling. The benchmark's jobs
-run at the lowest SLURM priority (`--nice=1000000`, so a test's jobs on the same cluster go
+figures are the workflow's and the scheduler's, not a model's. The profile is used with
+job arrays turned on as it documents (`--slurm-array-jobs shard --slurm-array-limit N
+--max-jobs-per-timespan N/1s`, N = --array-limit; arrays are off by default) and otherwise
+as is, except for what the test cluster needs: squeue instead of sacct (no slurmdbd) and
+1-second polling. The benchmark's jobs run at the lowest SLURM priority (`--nice=1000000`, so a test's jobs on the same cluster go
 first), each array capped at --throttle running tasks (`scontrol update ArrayTaskThrottle`)
 and, with `nice -n 10` on the command, at a low CPU priority too (the cluster propagates it).
-`--no-arrays` runs the same with one sbatch per shard (`--slurm-array-jobs none --jobs 1000
---max-jobs-per-timespan 100/1s`) for comparison.
+`--no-arrays` also runs the profile as is (one sbatch per shard, at most 10 a second) for
+comparison.
 
 Measured: successful sbatch submissions (the plugin's log: plain jobs and whole arrays),
 wall time from the driver's start to its exit (report and merge written) and to the
@@ -71,7 +72,7 @@ def throttle_arrays(run: slurm_cluster.Run, tasks: int) -> None:
 STDIN_FALLBACK = "Array sbatch command exceeds argument-length limits"
 
 
-def run_once(root: Path, shards: int, rows_per_shard: int, arrays: bool, timeout: float, throttle: int = 0, array_limit: int = 0) -> dict:
+def run_once(root: Path, shards: int, rows_per_shard: int, arrays: bool, timeout: float, throttle: int = 0, array_limit: int = 40) -> dict:
     server = FakeServer().start()
     try:
         workdir = root / f"{'arrays' if arrays else 'plain'}-{shards}"
@@ -91,9 +92,9 @@ def run_once(root: Path, shards: int, rows_per_shard: int, arrays: bool, timeout
             server.url + "/v1",
             max_inflight=2,  # a few rows per shard: no point in more
         )
-        extra = [] if arrays else ["--slurm-array-jobs", "none", "--jobs", "1000", "--max-jobs-per-timespan", "100/1s"]
-        if arrays and array_limit:  # the chunk and the rate together, as profiles/slurm says
-            extra = ["--slurm-array-limit", str(array_limit), "--max-jobs-per-timespan", f"{array_limit}/1s"]
+        extra = []  # one sbatch per shard: the profile as is
+        if arrays:  # the opt-in that profiles/slurm documents: the chunk and the rate together
+            extra = ["--slurm-array-jobs", "shard", "--slurm-array-limit", str(array_limit), "--max-jobs-per-timespan", f"{array_limit}/1s"]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         node_before = slurm_cluster.node_cpu_seconds()
         t0, t0_epoch = time.monotonic(), time.time()
@@ -127,7 +128,7 @@ def run_once(root: Path, shards: int, rows_per_shard: int, arrays: bool, timeout
             "completed_shards": metrics.get("completed_shards"),
             "rows_processed": metrics.get("total_rows_processed"),
             "requests": len(server.records),
-            "array_limit": (array_limit or 1000) if arrays else None,
+            "array_limit": array_limit if arrays else None,
             "stdin_fallback": STDIN_FALLBACK in run.output,
             "accounting": acct.get("source") or f"unavailable: {acct.get('reason')}",
             "accounting_states": (acct.get("totals") or {}).get("states"),
@@ -140,8 +141,8 @@ def run_once(root: Path, shards: int, rows_per_shard: int, arrays: bool, timeout
 
 def _submission(r: dict) -> str:
     if not r["arrays"]:
-        return "one sbatch per shard"
-    how = "job arrays (profile default)" if r["array_limit"] == 1000 else f"job arrays of {r['array_limit']}"
+        return "one sbatch per shard (profile default)"
+    how = f"job arrays of {r['array_limit']}"
     return how + (" **broken: stdin fallback**" if r["stdin_fallback"] else "")
 
 
@@ -154,7 +155,8 @@ def section(cmd: str, mach: dict, results: list[dict]) -> str:
         f"{mach['versions'].get('snakemake-executor-plugin-slurm')}; load average at start {mach['loadavg_at_start']}.",
         "",
         "The one-node test SLURM of `tests/slurm_cluster.py` (16 CPUs declared on this machine, so tasks",
-        "compete for its real CPUs), `profiles/slurm` as is except squeue status checks and 1-second polling;",
+        "compete for its real CPUs), `profiles/slurm` with job arrays turned on as it documents (chunk and rate",
+        "`--array-limit`; one sbatch per shard, the profile's default, in rows that say so), squeue status checks and 1-second polling;",
         "the jobs at the lowest SLURM priority and each array capped at `--throttle` running tasks (other work",
         "shared the machine and its test cluster: see the load average);",
         "engine: the `openai` backend against a fake server in the benchmark's process (no model). Wall time",
@@ -182,7 +184,7 @@ def section(cmd: str, mach: dict, results: list[dict]) -> str:
         "job step, the rule), a plain job twice: with shards of a few rows the wall time here is those starts",
         "on 2 real CPUs, not the scheduler. The sbatch count is what arrays change: one per chunk of shards.",
         "",
-        "The profile's chunk of 1,000 does not work with snakemake-executor-plugin-slurm 2.8: an array's sbatch",
+        "The plugin's default chunk of 1,000 does not work with snakemake-executor-plugin-slurm 2.8: an array's sbatch",
         "line carries every task's command (~1.6 kB each here), so past ~80 tasks it exceeds the 128 KiB a",
         "single argument may have (E2BIG); the plugin then retries through a /dev/stdin script that puts",
         "`--slurm-jobstep-array-execs` on a line of its own, and every task of the array runs its first shard",
@@ -214,8 +216,8 @@ def main() -> None:
     ap.add_argument("--no-arrays", action="store_true", help="also run with one sbatch per shard")
     ap.add_argument("--timeout", type=float, default=3 * 3600)
     ap.add_argument(
-        "--array-limit", type=int, default=0,
-        help="tasks per array (--slurm-array-limit and --max-jobs-per-timespan N/1s); 0: the profile's 1000",
+        "--array-limit", type=int, default=40,
+        help="tasks per array (--slurm-array-limit and --max-jobs-per-timespan N/1s); default: the profile's documented 40",
     )  # fmt: skip
     ap.add_argument(
         "--throttle",

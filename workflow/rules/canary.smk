@@ -1,7 +1,7 @@
 # The canary (execution_params.canary_rows): shard 0's first rows, run and judged before
 # any shard starts (mirageflow/shard/canary.py). Every shard waits for its verdict file,
-# which exists only when the canary passed: Snakemake's own dependencies hold the array
-# (on SLURM nothing of it is submitted before), no scheduler of ours.
+# which exists only when the canary passed: Snakemake's own dependencies hold the shards
+# (on SLURM none is submitted before), no scheduler of ours.
 
 
 rule canary:

@@ -1,7 +1,7 @@
 """The canary (``execution_params.canary_rows: N``): shard 0's first N rows, run before any shard.
 
 A prompt that makes the model loop, a schema it cannot fill, a max_new_tokens too short:
-each shard of the array would find the same problem, after thousands of GPU-hours. The
+each shard would find the same problem, after thousands of GPU-hours. The
 canary finds it first. The workflow's ``canary`` rule runs the real shard runner on the
 first N rows of shard 0, in a state directory of its own (``StateLayout.canary_state``:
 copies of the datasets' indices and the records fingerprint, ``shard_0/``, its request
@@ -9,7 +9,7 @@ cache) and an output directory of its own (``canary_output``), then judges the s
 quality counters (``judge``) against the thresholds below. Passing, it hands its request
 cache to shard 0 (``seed_shard_cache``: shard 0 then sends none of the canary's requests
 again) and writes ``canary/verdict.json``, an input of every shard rule, so Snakemake starts no shard (and on
-SLURM submits no array) before it exists; failing, it writes ``canary/failed.json`` and
+SLURM submits none) before it exists; failing, it writes ``canary/failed.json`` and
 raises ``CanaryFailed`` naming each counter over its threshold and the key to change. No
 scheduler of ours: Snakemake's dependencies do the holding, under both profiles.
 
