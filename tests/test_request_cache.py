@@ -321,6 +321,20 @@ def test_a_commit_that_fails_keeps_its_answers_for_the_next(tmp_path, monkeypatc
     assert again.get("a" * 64, 5) == Completion(5, "yes", 3, 1, "stop")
 
 
+def test_answers_holding_unicode_line_breaks_are_read_back(tmp_path):
+    """JSON leaves U+2028, U+2029 and U+0085 unescaped: a segment's lines are split at its newlines only."""
+    cache = rc.RequestCache(tmp_path)
+    cache.restore()
+    answers = {"a" * 64: Completion(0, "one\u2028two\u2029three\x85four", 3, 1, "stop"), "b" * 64: Completion(1, "plain", 2, 1, "stop")}
+    for key, c in answers.items():
+        cache.put(key, c)
+    cache.commit()
+    again = rc.RequestCache(tmp_path)
+    again.restore()
+    assert [again.get(key, c.id) for key, c in answers.items()] == list(answers.values())
+    assert not (again.dir / "damaged").exists()
+
+
 SHARD_JOB = """
 import sys
 from mirageflow.config import load_config

@@ -279,7 +279,8 @@ class RequestCache:
         if digest != seg["sha256"]:
             raise CacheDamaged(f"sha256 {digest[:12]}..., {MANIFEST} says {seg['sha256'][:12]}...")
         try:
-            entries = [json.loads(line) for line in data.decode("utf-8", "surrogatepass").splitlines()]
+            # split at the newlines written, not splitlines(): an answer holds U+2028 or U+0085 as it is
+            entries = [json.loads(line) for line in data.decode("utf-8", "surrogatepass").split("\n")[:-1]]
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CacheDamaged(f"unreadable: {e}") from None
         if len(entries) != seg["entries"] or not all(_good_entry(e) for e in entries):
