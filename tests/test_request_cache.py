@@ -247,6 +247,149 @@ def test_a_local_models_revision_is_part_of_the_key(tmp_path):
                 rc.request_key("e", Request(0, None, "hi", {"temperature": 0.0}, None, response_prefix="{"))}) == 4  # fmt: skip
 
 
+# --------------------------------------------------------------------------- keys and entries pinned
+
+# Computed by mirageflow at 941180d (before RequestKeys): a key that changes would make every
+# answer kept on users' disks unreachable, so these never change without CACHE_VERSION.
+PINNED_IDENTITY = "4361c56d6a8cabe9638aafd4a63b2f00d3cefe0343ca077634eb3eacbb06fd31"
+PINNED_KEYS = {
+    "prompt": "79d89722ed2d6e78e2d796bb7a0a23023cbf45974109f10a695a239155b95958",
+    "messages": "6ecdcd359c0a80a2796f359474f8fe6c711366a61f4ca160c21535cbaf3dd550",
+    "images": "fa42acad4e79e356537ba61280366ef70bc6bafde4c78e404a5e52cc5ae86345",
+    "surrogate": "9dd4618536fd9b919d0371c1e6191bac5015feeb34ada9d86cd3757724f6299a",
+    "floats": "d1782d43c1f1852ee650f20bf043beb71c22896b9a545bce63113e4e0cebf2e6",
+}
+PINNED_CHOICE_1_OF_3 = "adcc7170bd8af55879e09c5bb788fc9391021c4d1399d092e701fdd79154ffbe"  # of "prompt"
+PINNED_NATIVE = [  # of "messages", n 3, native
+    "fe9ee119b751f06514ea68dfc224b687cb62491be8288a7baeefac367e0b05c9",
+    "2a7cd515dd092f03f2d959362e40aad60e05ee76478911de4561c57912d3cf65",
+    "2f0487427b41ebaaec69871aa97fe62a3870b642baf8d5ae1b875ca98bec185a",
+]
+PINNED_SEEDED = [  # of "messages", n 3, a request per sample (seed 7, 8, 9)
+    "6ecdcd359c0a80a2796f359474f8fe6c711366a61f4ca160c21535cbaf3dd550",
+    "30226ee77c9ac58fc75003655fbf5fabb909fd08b7d100d73298d21be1224dd7",
+    "ddf1d15e92bc5d87f6f6d45079576e7c7bf35afd8bcfaa8671d6a53d0d7be44c",
+]
+
+
+class _Image:
+    sha256 = "ab" * 32
+
+
+def _pinned_requests() -> dict[str, Request]:
+    """Each request's sampling dict is its own (as a step's is), schema and prefix the step's."""
+    return {
+        "prompt": Request(0, None, 'Summarise: héllo \u2028 "q"', {"temperature": 0.0, "max_new_tokens": 64}),
+        "messages": Request(3, [{"role": "user", "content": "hi ✓"}, {"role": "assistant", "content": "{"}], None,
+                            {"temperature": 0, "top_p": 1.0, "stop": ["\n"]}, '{"type":"object"}', response_prefix="{", seed=7),
+        "images": Request(1, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], None,
+                          {"temperature": 0.0}, None, images=[_Image(), _Image()]),
+        "surrogate": Request(2, None, "bad \ud800 text", {"temperature": 0.0}),  # orjson refuses it: json's spelling
+        "floats": Request(2, None, "p", {"temperature": 0.0, "top_p": 0.95, "big": 10**20, "neg": -1.5e-7,
+                                         "nested": {"b": [1, None, True], "a": "z"}}, seed=0),
+    }  # fmt: skip
+
+
+def _step_keys(request: Request) -> rc.RequestKeys:
+    return rc.RequestKeys(PINNED_IDENTITY, request.sampling_params, request.json_schema, request.response_prefix)
+
+
+def test_keys_are_the_ones_kept_on_disk_since_the_cache_began():
+    identity = rc.engine_identity(
+        {"type": "llm", "server_args": {"model_path": "m"}, "default_sampling_params": {"temperature": 0.0}}, "sglang", "hub:abc"
+    )
+    assert identity == PINNED_IDENTITY
+    requests = _pinned_requests()
+    for name, request in requests.items():
+        assert rc.request_key(PINNED_IDENTITY, request) == PINNED_KEYS[name], name
+        keys = _step_keys(request)
+        assert keys.key(request) == PINNED_KEYS[name], name
+        assert keys.sample_keys(request, 1, False) == [PINNED_KEYS[name]], name
+        # a request whose fixed parts are not the step's (another sampling dict) takes request_key
+        other = Request(request.id, request.messages, request.prompt, dict(request.sampling_params), request.json_schema,
+                        request.response_prefix, request.seed, request.images)  # fmt: skip
+        assert keys.key(other) == PINNED_KEYS[name], name
+    prompt, messages = requests["prompt"], requests["messages"]
+    assert rc.request_key(PINNED_IDENTITY, prompt, (1, 3)) == _step_keys(prompt).key(prompt, (1, 3)) == PINNED_CHOICE_1_OF_3
+    assert rc.sample_keys(PINNED_IDENTITY, messages, 3, True) == _step_keys(messages).sample_keys(messages, 3, True) == PINNED_NATIVE
+    assert rc.sample_keys(PINNED_IDENTITY, messages, 3, False) == _step_keys(messages).sample_keys(messages, 3, False) == PINNED_SEEDED
+
+
+def test_step_keys_are_request_keys_for_hostile_requests():
+    """Whatever a row puts in a request (the prompt, the messages, the images, the seed), the
+    step's keys are request_key's: compared on requests orjson takes and ones it refuses."""
+    # 1e-7: json spells it 1e-07, orjson 1e-7, so a key that took the other path than request_key shows
+    sampling = {"temperature": 0.0, "stop": ["</s>", "\u2028"], "x": {"b": 1e-7, "a": [None, False]}}
+    deep: list = ["leaf"]
+    for _ in range(251):  # orjson nests at most 255 levels: these messages alone fit, inside the key material not
+        deep = [deep]
+    prompts = ["", "plain", 'q"u\\o\nte', "é ✓ 漢字 \U0001f600", "\x00\x1f\x7f", "lone \udfff", None]
+    messages = [[{"role": "user", "content": "m"}], [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}],
+                [{"role": "user", "content": deep}], [{"role": "user", "content": {2: "non-str key"}}], None]  # fmt: skip
+    for schema, prefix in ((None, ""), ('{"type": "object"}', "{"), ('{"a": "\\u00e9"}', "é\ud800")):
+        keys = rc.RequestKeys("e" * 64, sampling, schema, prefix)
+        for prompt in prompts:
+            for msgs in messages:
+                for seed in (None, 0, -3, 2**63, 10**30):
+                    for images in (None, [], [_Image()]):
+                        request = Request(4, msgs, prompt, sampling, schema, prefix, seed, images)
+                        for choice in (None, (0, 2), (1, 2)):
+                            assert keys.key(request, choice) == rc.request_key("e" * 64, request, choice), (prompt, msgs, seed)
+                        if seed is None or seed < 2**62:
+                            assert keys.sample_keys(request, 3, False) == rc.sample_keys("e" * 64, request, 3, False)
+
+
+def test_step_keys_say_which_requests_are_deterministic():
+    for sampling in ({"temperature": 0.0}, {"temperature": 0}, {"temperature": 0.7}, {}, {"temperature": True}):
+        keys = rc.RequestKeys("e", sampling, None, "")
+        for seed in (None, 3):
+            request = Request(0, None, "p", sampling, seed=seed)
+            assert keys.deterministic(request) == rc.deterministic(request), (sampling, seed)
+    bad = {"temperature": "warm"}
+    keys = rc.RequestKeys("e", bad, None, "")  # the row that sends it fails, not the step
+    with pytest.raises(ValueError):
+        keys.deterministic(Request(0, None, "p", bad))
+    assert keys.deterministic(Request(0, None, "p", bad, seed=1))
+
+
+# A segment and its manifest as mirageflow at 941180d wrote them for these answers.
+OLD_SEGMENT = (
+    b'["aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","plain \xc3\xa9 \xe2\x9c\x93 \xe2\x80\xa8 \\"q\\"",null,12,5,"stop",null]\n'
+    b'["bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", "lone \xed\xa0\x80 surrogate", "why\\n", 3, 4, "length", 7]\n'
+    b'["cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc","",null,0,0,"stop",null]\n'
+)
+OLD_MANIFEST = (
+    '{"format":1,"segments":[{"name":"seg-00000.jsonl","bytes":328,'
+    '"sha256":"787c6e891ed180c6d8a075baa589efaa26e44449bfa4a8f9bcc77d1ba390ff61","entries":3}]}\n'
+)
+OLD_ANSWERS = {
+    "a" * 64: Completion(0, 'plain é ✓ \u2028 "q"', 12, 5, "stop"),
+    "b" * 64: Completion(1, "lone \ud800 surrogate", 3, 4, "length", reasoning="why\n", image_tokens=7),
+    "c" * 64: Completion(2, "", 0, 0, "stop"),
+}
+
+
+def test_segments_are_written_as_before_and_old_ones_read(tmp_path):
+    """New entries are byte for byte what 941180d wrote (so it reads them), and its entries are read."""
+    cache = rc.RequestCache(tmp_path / "new")
+    cache.restore()
+    for key, c in OLD_ANSWERS.items():
+        cache.put(key, c)
+    cache.commit()
+    assert (cache.dir / "seg-00000.jsonl").read_bytes() == OLD_SEGMENT
+    assert cache.manifest.read_text() == OLD_MANIFEST
+    old = tmp_path / "old" / rc.CACHE_DIR
+    old.mkdir(parents=True)
+    (old / "seg-00000.jsonl").write_bytes(OLD_SEGMENT)
+    (old / rc.MANIFEST).write_text(OLD_MANIFEST)
+    again = rc.RequestCache(tmp_path / "old")
+    again.restore()
+    assert len(again) == 3
+    for i, (key, c) in enumerate(OLD_ANSWERS.items()):
+        assert again.get(key, c.id) == c
+    assert not (old / "damaged").exists() and not (old / "orphaned").exists()
+
+
 # --------------------------------------------------------------------------- hostile state
 
 
@@ -319,6 +462,20 @@ def test_a_commit_that_fails_keeps_its_answers_for_the_next(tmp_path, monkeypatc
     again = rc.RequestCache(tmp_path)
     again.restore()
     assert again.get("a" * 64, 5) == Completion(5, "yes", 3, 1, "stop")
+
+
+def test_answers_holding_unicode_line_breaks_are_read_back(tmp_path):
+    """JSON leaves U+2028, U+2029 and U+0085 unescaped: a segment's lines are split at its newlines only."""
+    cache = rc.RequestCache(tmp_path)
+    cache.restore()
+    answers = {"a" * 64: Completion(0, "one\u2028two\u2029three\x85four", 3, 1, "stop"), "b" * 64: Completion(1, "plain", 2, 1, "stop")}
+    for key, c in answers.items():
+        cache.put(key, c)
+    cache.commit()
+    again = rc.RequestCache(tmp_path)
+    again.restore()
+    assert [again.get(key, c.id) for key, c in answers.items()] == list(answers.values())
+    assert not (again.dir / "damaged").exists()
 
 
 SHARD_JOB = """

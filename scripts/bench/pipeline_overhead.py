@@ -3,6 +3,7 @@
     python scripts/bench/pipeline_overhead.py            # full run, ~10 min (+1-2 min once: MMIRAGE's venv)
     python scripts/bench/pipeline_overhead.py --rows 20000 --repeats 3 --no-mmirage
     python scripts/bench/pipeline_overhead.py --profile plain   # cProfile of our shard, top functions
+    python scripts/bench/pipeline_overhead.py --cache-cost --rows 20000 --repeats 4   # the request cache's cost per row
 
 An instant engine answers every request at once with a fixed completion (and token
 counts), so what is measured is the work that must never make a GPU wait: reading the
@@ -30,6 +31,7 @@ per row is reported as microseconds over ``plain``.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import glob
 import json
@@ -233,6 +235,23 @@ def profile(kind: str, rows: int, tokenizer: str, work: Path) -> None:
     print(f"rows/s (under cProfile): {res['rows_per_sec']:.0f}")
 
 
+def cache_cost(rows: int, repeats: int, tokenizer: str, work: Path) -> None:
+    """ours_plain with the request cache on and off (``shard_params.request_cache``), interleaved
+    in one process after a warm-up: what the cache costs per row (CPU of the shard process)."""
+    data = C.write_jsonl(work / "data.jsonl", C.make_rows(rows))
+    on = pipeline_config(data, work / "out", work / "state", "plain", tokenizer)
+    off = {**on, "shard_params": {"request_cache": False}}
+    run_ours(copy.deepcopy(on), tokenizer, "plain")
+    results: dict[str, list[dict]] = {"cache_on": [], "cache_off": []}
+    for _ in range(repeats):
+        for name, cfg in (("cache_on", on), ("cache_off", off)):
+            results[name].append(run_ours(copy.deepcopy(cfg), tokenizer, "plain"))
+    us = {name: C.median([1e6 / r["cpu_rows_per_sec"] for r in rs]) for name, rs in results.items()}
+    for name, rs in results.items():
+        print(f"ours_plain {name}: {C.fmt(C.median([r['rows_per_sec'] for r in rs]))} rows/s, {us[name]:.1f} us CPU per row")
+    print(f"request cache: {us['cache_on'] - us['cache_off']:.1f} us CPU per row")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=50_000)
@@ -242,6 +261,7 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="do not pin to one CPU")
     ap.add_argument("--profile", choices=["plain", "json"], help="cProfile our shard on this variant and exit")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    ap.add_argument("--cache-cost", action="store_true", help="ours_plain with the request cache on and off, interleaved, and exit")
     args = ap.parse_args()
 
     pinned = "not pinned" if args.no_pin else C.pin_to_one_core()
@@ -251,6 +271,9 @@ def main() -> None:
     try:
         if args.profile:
             profile(args.profile, args.rows, tokenizer, work)
+            return
+        if args.cache_cost:
+            cache_cost(args.rows, args.repeats, tokenizer, work)
             return
         mm_python = None if args.no_mmirage else mmirage_python()
         all_rows = C.make_rows(args.rows)

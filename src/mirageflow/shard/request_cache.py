@@ -44,6 +44,8 @@ lease guards it like the rest of the shard's state; shards never share a cache.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -158,6 +160,98 @@ def request_key(identity: str, request: Request, choice: tuple[int, int] | None 
     return _sha256(_canonical(material))
 
 
+_SORTED = orjson.OPT_SORT_KEYS
+
+
+def _member(name: str, value) -> bytes:
+    """``value`` as ``_canonical`` spells it as the member ``name`` of the key material: dumped
+    inside a one-member object, so orjson's nesting limit (255) counts the same levels."""
+    return orjson.dumps({name: value}, option=_SORTED, default=str)[len(name) + 4 : -1]
+
+
+class RequestKeys:
+    """``request_key`` and ``sample_keys`` for the requests of one step, without building and
+    sorting the key material per request. The material's canonical bytes are hashed member
+    by member in ``_canonical``'s (sorted) order, and what is fixed for the step is done once:
+    the engine identity, the sampling parameters, the JSON schema and the response prefix are
+    serialized, and the hash of the bytes before the prompt (or the messages) of a request
+    without a choice or images is kept, to be copied. The bytes hashed, and so the keys, are
+    ``request_key``'s (tests/test_request_cache.py pins them); a request whose fixed parts are
+    not the step's, or that orjson refuses (a lone surrogate, an integer past 64 bits), takes
+    ``request_key`` itself.
+
+    ``sampling`` is the step's dict (``OutputStep.sampling``), which every request of the
+    step carries and nothing changes once the step is built: it is recognized by identity.
+    """
+
+    def __init__(self, identity: str, sampling: dict, schema: str | None, prefix: str):
+        self.identity, self.sampling, self.schema, self.prefix = identity, sampling, schema, prefix
+        self._at_prompt = None  # None: request_key per request
+        try:
+            self._engine = b',"engine":' + orjson.dumps(identity) + b',"images":'
+            self._prefix = b',"prefix":' + orjson.dumps(prefix) + b',"prompt":'
+            self._tail = b',"sampling":' + _member("sampling", sampling) + b',"schema":' + orjson.dumps(schema) + b',"seed":'
+        except (orjson.JSONEncodeError, TypeError):
+            pass
+        else:
+            self._tail_no_seed = self._tail + b"null}"
+            # the hash of the bytes before the messages, and before the prompt, of a request without a choice or images
+            self._at_messages = hashlib.sha256(b'{"choice":null' + self._engine + b'null,"messages":')
+            self._at_prompt = self._at_messages.copy()
+            self._at_prompt.update(b"null" + self._prefix)
+        try:  # deterministic() of the step's requests without a seed
+            self._greedy: bool | None = deterministic(Request(0, None, "", sampling))
+        except (TypeError, ValueError):  # a temperature float() refuses: deterministic() per request (that row's error)
+            self._greedy = None
+
+    def deterministic(self, request: Request) -> bool:
+        """``deterministic(request)``."""
+        if request.seed is not None:
+            return True
+        return self._greedy if request.sampling_params is self.sampling and self._greedy is not None else deterministic(request)
+
+    def key(self, request: Request, choice: tuple[int, int] | None = None, seed: int | None = None) -> str:
+        """``request_key(identity, request, choice)``; ``seed``: of the request with this seed instead."""
+        if seed is None:
+            seed = request.seed
+        if (
+            self._at_prompt is not None and request.sampling_params is self.sampling
+            and request.json_schema == self.schema and request.response_prefix == self.prefix
+        ):  # fmt: skip
+            images, prompt = request.images, request.prompt
+            try:
+                if choice is None and not images:
+                    h = (self._at_messages if prompt is None else self._at_prompt).copy()
+                else:
+                    h = hashlib.sha256(
+                        b'{"choice":' + orjson.dumps(choice) + self._engine
+                        + (orjson.dumps([image_digest(i) for i in images]) if images else b"null") + b',"messages":'
+                    )  # fmt: skip
+                    if prompt is not None:
+                        h.update(b"null" + self._prefix)
+                if prompt is None:
+                    h.update(_member("messages", request.messages) + self._prefix + b"null")
+                else:
+                    h.update(orjson.dumps(prompt))
+                h.update(self._tail_no_seed if seed is None else self._tail + orjson.dumps(seed) + b"}")
+                return h.hexdigest()
+            except (orjson.JSONEncodeError, TypeError):
+                pass
+        if seed != request.seed:
+            request = dataclasses.replace(request, seed=seed)
+        return request_key(self.identity, request, choice)
+
+    def sample_keys(self, request: Request, n: int, native: bool) -> list[str]:
+        """``sample_keys(identity, request, n, native)``."""
+        if n == 1:
+            return [self.key(request)]
+        if native:
+            return [self.key(request, (k, n)) for k in range(n)]
+        if request.seed is None:
+            return [self.key(request)] * n
+        return [self.key(request, None, request.seed + k) for k in range(n)]
+
+
 def image_digest(image) -> str:
     """The SHA-256 of an image input's canonical bytes (prompts/images.CanonicalImage.sha256)."""
     return image.sha256
@@ -180,12 +274,19 @@ def sample_keys(identity: str, request: Request, n: int, native: bool) -> list[s
 # --------------------------------------------------------------------------- the cache
 
 
-def _entry(key: str, c: Completion) -> str:
-    value = [key, c.text, c.reasoning, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.image_tokens]
-    try:
-        return orjson.dumps(value).decode()
-    except (orjson.JSONEncodeError, TypeError):  # a lone surrogate: json's escape
-        return json.dumps(value, ensure_ascii=False)
+def _segment(pending: list[tuple[str, tuple]]) -> bytearray:
+    """A segment's bytes: a line ``[key, *answer]`` per kept answer, serialized here (the writer
+    thread) rather than per put, into one buffer (orjson's bytes, kept one per answer until a
+    join, cost more than the serializing)."""
+    data = bytearray()
+    for key, answer in pending:
+        value = (key, *answer)
+        try:
+            data += orjson.dumps(value)
+        except (orjson.JSONEncodeError, TypeError):  # a lone surrogate: json's spelling, the bytes as they are
+            data += json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        data += b"\n"
+    return data
 
 
 def _utc_stamp() -> str:
@@ -207,8 +308,10 @@ class RequestCache:
         self.manifest = self.dir / MANIFEST
         self.lookups = lookups
         self._answers: dict[str, tuple] = {}
-        self._pending: list[str] = []
-        self._lock = threading.Lock()  # put() on the event loop, commit() in the writer thread
+        # (key, answer) kept since the last commit: put() appends on the event loop (a deque's
+        # append and popleft are atomic), commit() takes them in the writer thread
+        self._pending: collections.deque[tuple[str, tuple]] = collections.deque()
+        self._lock = threading.Lock()  # one commit at a time
         self.segments: list[dict] = []
         self.next_segment = 0
         self.hits = self.stored = 0
@@ -231,10 +334,9 @@ class RequestCache:
 
     def put(self, key: str, c: Completion) -> None:
         """Keep an accepted answer (written with the next commit)."""
-        self._answers[key] = (c.text, c.reasoning, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.image_tokens)
-        line = _entry(key, c)
-        with self._lock:
-            self._pending.append(line)
+        answer = (c.text, c.reasoning, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.image_tokens)
+        self._answers[key] = answer
+        self._pending.append((key, answer))
         self.stored += 1
 
     # ------------------------------------------------------------------ disk
@@ -279,7 +381,8 @@ class RequestCache:
         if digest != seg["sha256"]:
             raise CacheDamaged(f"sha256 {digest[:12]}..., {MANIFEST} says {seg['sha256'][:12]}...")
         try:
-            entries = [json.loads(line) for line in data.decode("utf-8", "surrogatepass").splitlines()]
+            # split at the newlines written, not splitlines(): an answer holds U+2028 or U+0085 as it is
+            entries = [json.loads(line) for line in data.decode("utf-8", "surrogatepass").split("\n")[:-1]]
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CacheDamaged(f"unreadable: {e}") from None
         if len(entries) != seg["entries"] or not all(_good_entry(e) for e in entries):
@@ -331,13 +434,16 @@ class RequestCache:
     def commit(self) -> None:
         """Make the answers kept since the last commit durable: a new segment, then the manifest."""
         with self._lock:
-            lines, self._pending = self._pending, []
-        if not lines:
-            return
+            pending = self._pending
+            lines = [pending.popleft() for _ in range(len(pending))]
+            if lines:
+                self._write_segment(lines)
+
+    def _write_segment(self, lines: list[tuple[str, tuple]]) -> None:
         name = f"seg-{self.next_segment:05d}.jsonl"
         path = self.dir / name
-        data = ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")
         try:
+            data = _segment(lines)
             fd, tmp = new_temp_file(path)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -349,9 +455,8 @@ class RequestCache:
                 Path(tmp).unlink(missing_ok=True)
             self._add_segment({"name": name, "bytes": len(data), "sha256": _sha256(data), "entries": len(lines)})
             self._write_manifest()
-        except BaseException:
-            with self._lock:  # kept for the next commit
-                self._pending[:0] = lines
+        except BaseException:  # kept for the next commit, before any put since
+            self._pending.extendleft(reversed(lines))
             raise
 
     def _write_manifest(self) -> None:

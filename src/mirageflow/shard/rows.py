@@ -57,7 +57,7 @@ class RowPath:
         # (before its value is set) or whether a Python step kept the row; sample is a list
         # of sample indexes for a filter run once for a row's samples (row_samples)
         self.observe = None
-        # the shard's request cache (None: off); a step with a cache_identity uses it
+        # the shard's request cache (None: off); a step with cache_keys uses it
         self.cache: request_cache.RequestCache | None = None
 
     def set_steps(self, steps: list) -> None:
@@ -173,10 +173,16 @@ class RowPath:
         """(the n completions of ``request``, the cache key to keep each under once accepted
         or None, whether they came from the cache). Cached only when every sample's answer
         is kept; a request that samples without a seed is never looked up nor kept."""
-        cache = self.cache
-        if cache is None or step.cache_identity is None or not request_cache.deterministic(request):
+        cache, cache_keys = self.cache, step.cache_keys
+        if cache is None or cache_keys is None or not cache_keys.deterministic(request):
             return await self._generate_samples(step, request, n, row), [None] * n, False
-        keys = request_cache.sample_keys(step.cache_identity, request, n, n > 1 and step.engine.native_samples)
+        if n == 1:  # the plain path, without the lists
+            key = cache_keys.key(request)
+            found = cache.get(key, request.id)
+            if found is not None:
+                return [found], [None], True
+            return await self._generate_samples(step, request, 1, row), [key], False
+        keys = cache_keys.sample_keys(request, n, step.engine.native_samples)
         found = [cache.get(key, request.id + k) for k, key in enumerate(keys)]
         if all(c is not None for c in found):
             return found, [None] * n, True

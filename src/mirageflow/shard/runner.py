@@ -357,7 +357,7 @@ class ShardRunner:
             identities = self._cache_identities()
             for step in steps:
                 if step.engine is not None:
-                    step.cache_identity = identities[step.output.processor]
+                    step.use_cache(identities[step.output.processor])
         self.rows.set_steps(steps)
         self.live.set_phase("generating")
         self.metrics.sampler.start()

@@ -26,6 +26,7 @@ from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import Completion, Request
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.templates import PromptBuilder
+from mirageflow.shard.request_cache import RequestKeys
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -57,8 +58,12 @@ class OutputStep:
         self.server_templates = engine.templates_server_side
         self.keep_reasoning = output.keep_reasoning
         self.reasoning_name = f"{output.name}_reasoning"
-        # the engine identity of the request cache's keys (shard/request_cache.py); None: not cached
-        self.cache_identity: str | None = None
+        # the request cache's keys of this step's requests (shard/request_cache.py); None: not cached
+        self.cache_keys: RequestKeys | None = None
+
+    def use_cache(self, identity: str) -> None:
+        """Key this step's requests for the request cache, under the engine identity ``identity``."""
+        self.cache_keys = RequestKeys(identity, self.sampling, self.schema_json, self.output.response_prefix)
 
     def request(self, rid: int, variables: dict, seed: int | None = None, images: dict | None = None) -> Request:
         """``images``: the row's loaded image inputs (name -> list), put into the user turn."""
