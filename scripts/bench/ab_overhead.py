@@ -42,8 +42,12 @@ def main() -> None:
     ap.add_argument("base", type=Path, help="the other checkout (e.g. a worktree of main)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("bench_args", nargs="*", help="after --: pipeline_overhead.py's arguments")
-    args = ap.parse_args()
-    bench_args = args.bench_args or ["--no-mmirage", "--rows", "20000", "--repeats", "3"]
+    # split at "--" here: argparse gives the empty bench_args to the first positional chunk
+    # (the checkout), and then refuses what follows "--" as unrecognised
+    argv = sys.argv[1:]
+    bench_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    bench_args = bench_args or args.bench_args or ["--no-mmirage", "--rows", "20000", "--repeats", "3"]
     results: dict[str, dict[str, list]] = {"base": {}, "new": {}}
     for r in range(args.rounds):
         for side, checkout in (("base", args.base.resolve()), ("new", HERE)):
