@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,19 @@ def test_the_canary_never_replaces_a_request_cache_shard_0_already_has(tmp_path,
     assert verdict["passed"] and verdict["answers_handed_to_shard_0"] == 0
     assert sorted(p.name for p in own.iterdir()) == ["manifest.json"]
     assert (own / "manifest.json").read_text() == '{"format": 1, "segments": []}\n'
+
+
+def test_a_canary_cache_that_cannot_be_handed_over_leaves_shard_0_to_ask_again(tmp_path, server, caplog):
+    cfg = load_config(copy.deepcopy(pipeline(tmp_path, server, canary_rows=3)))
+    index_datasets(cfg)
+    paths = StateLayout(cfg.state_dir)
+    assert C.run_canary(cfg, paths.canary_verdict)["answers_handed_to_shard_0"] == 3
+    shutil.rmtree(paths.shard_dir(0))
+    canary_cache = StateLayout(paths.canary_state).shard_dir(0) / "request_cache"
+    (canary_cache / "manifest.json").write_text('{"format": 1, "segments": [{"name": "seg-99999.jsonl"}]}\n')  # a lost segment
+    assert C.seed_shard_cache(cfg, C.canary_config(cfg)) == 0
+    assert not paths.shard_dir(0).exists() or not any(paths.shard_dir(0).iterdir())  # nothing half-copied left
+    assert "seg-99999.jsonl" in caplog.text and "asks its rows again" in caplog.text
 
 
 def test_a_failed_canary_writes_its_verdict_elsewhere_and_a_retry_does_not_rerun_it(tmp_path, server):

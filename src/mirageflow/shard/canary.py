@@ -181,15 +181,21 @@ def seed_shard_cache(cfg: PipelineConfig, canary: PipelineConfig) -> int:
     if target.exists():
         log.info("shard 0 has a request cache already (%s): the canary's answers are not handed over", target)
         return 0
-    manifest = json.loads((source / MANIFEST).read_text())
-    names = [seg["name"] for seg in manifest.get("segments", [])]
     tmp = target.with_name(f".{CACHE_DIR}.canary.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a copy a killed canary left
-    tmp.mkdir(parents=True)
-    for name in [*names, MANIFEST]:
-        shutil.copyfile(source / name, tmp / name)
-    os.replace(tmp, target)
-    handed = sum(seg.get("entries", 0) for seg in manifest.get("segments", []))
+    try:
+        segments = json.loads((source / MANIFEST).read_text())["segments"]
+        tmp.mkdir(parents=True)
+        for name in [*(seg["name"] for seg in segments), MANIFEST]:
+            shutil.copyfile(source / name, tmp / name)
+        os.replace(tmp, target)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        # only a saving: shard 0 then asks the canary's rows again (its own cache checks what it reads)
+        log.warning("canary: its answers were not handed to shard 0 (%s: %s: %s); shard 0 asks its rows again",
+                    source / MANIFEST, type(e).__name__, e)  # fmt: skip
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 0
+    handed = sum(seg.get("entries", 0) for seg in segments)
     log.info("canary: %d answers handed to shard 0's request cache (%s)", handed, target)
     return handed
 
