@@ -21,6 +21,7 @@ from mirageflow.shard.runner import index_datasets
 from mirageflow.state.layout import StateLayout
 
 ROWS = 10
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 
 @pytest.fixture
@@ -28,12 +29,6 @@ def server():
     s = FakeServer().start()
     yield s
     s.stop()
-
-
-@pytest.fixture(autouse=True)
-def no_proxy(monkeypatch):
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def pipeline(root: Path, server: FakeServer, max_new_tokens: int = 50, canary_rows: int | None = 3) -> dict:

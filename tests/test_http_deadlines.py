@@ -12,16 +12,19 @@ import time
 
 import pytest
 from fakes.deadlines import run_with_deadline
+from fakes.fake_http import LocalHTTPServer
 
 from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import EngineError, Request
 
 
-def _serve(handler_class) -> http.server.ThreadingHTTPServer:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+pytestmark = pytest.mark.usefixtures("no_proxy")
+
+
+def _serve(handler_class) -> LocalHTTPServer:
+    server = LocalHTTPServer()
+    server.listen("127.0.0.1", 0, handler_class)
+    return server.start()
 
 
 def _processor(backend: str, **fields) -> ProcessorConfig:
@@ -31,12 +34,6 @@ def _processor(backend: str, **fields) -> ProcessorConfig:
     )  # fmt: skip
     defaults.update(fields)
     return ProcessorConfig(**defaults)
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch):
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp_path, monkeypatch):
@@ -77,7 +74,7 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
     server = _serve(Service)
     endpoint = tmp_path / "engine_0.json"
     endpoint.write_text(json.dumps({
-        "state": "ready", "host": "127.0.0.1", "port": server.server_address[1], "hostname": socket.gethostname(), "pid": os.getpid(),
+        "state": "ready", "host": "127.0.0.1", "port": server.httpd.server_address[1], "hostname": socket.gethostname(), "pid": os.getpid(),
     }))  # fmt: skip
     monkeypatch.setattr(shared, "HEARTBEAT_SECONDS", 0.5)
     engine = shared.SharedEngine(_processor("transformers"), 4, endpoint=endpoint)
@@ -91,7 +88,7 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
         assert isinstance(result, EngineError) and str(endpoint) in str(result), result
     finally:
         threading.Thread(target=engine.close, daemon=True).start()
-        server.shutdown()
+        server.stop()
 
 
 def test_item17_an_answer_that_is_not_json_is_retried_then_fails_naming_the_url(monkeypatch):
@@ -117,7 +114,7 @@ def test_item17_an_answer_that_is_not_json_is_retried_then_fails_naming_the_url(
 
     server = _serve(Proxy)
     monkeypatch.setattr(OpenAIEngine, "retry_base_delay", 0.01)
-    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    url = f"{server.url}/v1"
     engine = OpenAIEngine(_processor("openai", base_url=url, max_retries=2))
     engine.load()
     try:
@@ -131,4 +128,4 @@ def test_item17_an_answer_that_is_not_json_is_retried_then_fails_naming_the_url(
         assert len(calls) == 3  # the first try and max_retries retries
     finally:
         engine.close()
-        server.shutdown()
+        server.stop()

@@ -42,9 +42,7 @@ def server():
 
 
 @pytest.fixture(autouse=True)
-def no_proxy(monkeypatch):
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+def quiet_progress(no_proxy, monkeypatch):
     monkeypatch.setenv("MIRAGEFLOW_PROGRESS_SECONDS", "0")
 
 
