@@ -115,7 +115,7 @@ class ServerProcess:
         """Poll ``GET base_url + path`` until it answers 200; the seconds it took since start.
         EngineError (with the log's tail) when the process exits first or ``timeout``
         seconds pass."""
-        from mirageflow.engines.http_client import TransportError, get_blocking
+        from mirageflow.transport.http_client import TransportError, get_blocking
 
         base_url = base_url.rstrip("/")
         deadline = time.monotonic() + timeout
