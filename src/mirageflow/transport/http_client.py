@@ -344,7 +344,8 @@ class HTTPClient:
                     raise ValueError
             except ValueError:
                 raise TransportError(f"{self.display} answered a malformed Content-Length {headers['content-length'][:40]!r}") from None
-            self._check_size(length)
+            if length > self.max_body_bytes:
+                raise ResponseTooLarge(f"{self.display} declared a body of {length:,} bytes (Content-Length), over {self.max_body_bytes:,}")
             content = await reader.readexactly(length)
         else:  # the body ends with the connection
             content, keep = await self._until_eof(reader), False

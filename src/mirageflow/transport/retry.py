@@ -41,7 +41,12 @@ def classify(status: int) -> str:
 
 
 class RetriesExhausted(TransportError):
-    """Transient failures on every attempt: an outage."""
+    """Transient failures on every attempt: an outage. ``last_error``: the last attempt's
+    TransportError (no whole answer), else None (it answered a transient status)."""
+
+    def __init__(self, message: str, last_error: TransportError | None = None):
+        super().__init__(message)
+        self.last_error = last_error
 
 
 class PermanentStatus(TransportError):
@@ -132,14 +137,15 @@ async def with_retries(
     ``permanent_raises``), RetriesExhausted once the retries are spent, ResponseTooLarge at
     once (the same answer again on a retry). ``on_transport_error`` may raise instead of
     retrying (the server process is gone)."""
-    last = ""
+    last, last_error = "", None
     for n in range(policy.retries + 1):
-        retry_after = None
+        retry_after, last_error = None, None
         try:
             response = await attempt()
         except ResponseTooLarge:
             raise
         except TransportError as e:
+            last_error = e
             if isinstance(e, DeadlineExceeded):
                 last = f"no answer within {policy.timeout_name}={policy.timeout:g} s"
             else:
@@ -170,4 +176,6 @@ async def with_retries(
         delay = backoff_delay(n, policy.base_delay, policy.max_delay, retry_after)
         log.debug("%s: %s; retry %d/%d in %.2f s", what, last, n + 1, policy.retries, delay)
         await asyncio.sleep(delay)
-    raise RetriesExhausted(f"{what}: gave up after {policy.retries} retries ({policy.retries + 1} attempts); last error: {last}")
+    raise RetriesExhausted(
+        f"{what}: gave up after {policy.retries} retries ({policy.retries + 1} attempts); last error: {last}", last_error
+    )
