@@ -26,21 +26,19 @@ import asyncio
 import importlib.util
 import logging
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-from collections import deque
 from pathlib import Path
 
 from mirageflow.config.types import ImageGenProcessor
+from mirageflow.engines.base import EngineError
 from mirageflow.engines.http import free_port
+from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess
 from mirageflow.errors import MirageflowError
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob, decode_b64, decode_image
 from mirageflow.redact import redact, redact_text
 from mirageflow.transport.fetch import get_url
-from mirageflow.transport.http_client import DeadlineExceeded, HTTPClient, ResponseTooLarge, TransportError, dumps, get_blocking
+from mirageflow.transport.http_client import DeadlineExceeded, HTTPClient, ResponseTooLarge, TransportError, dumps
 from mirageflow.transport.retry import PermanentStatus, RetriesExhausted, RetryPolicy, error_message, send_with_retries
 
 log = logging.getLogger(__name__)
@@ -48,7 +46,6 @@ log = logging.getLogger(__name__)
 _POLICY_MARKERS = ("content_policy", "content policy", "safety", "moderation", "content_filter")
 SGLANG_LAUNCHER = ["-m", "sglang.multimodal_gen.runtime.launch_server"]
 SGLANG_INSTALL = 'pip install "sglang[diffusion]==0.5.23" (a GPU environment: see the README\'s GPU section)'
-LOG_TAIL_LINES = 30
 
 
 class GeneratorFailed(MirageflowError, RuntimeError):
@@ -199,7 +196,8 @@ def sglang_diffusion_missing() -> str | None:
 
 
 class SGLangDiffusionServer(ExternalImages):
-    """SGLang's diffusion server as a child of the shard job, in its own process group."""
+    """SGLang's diffusion server as a child of the shard job, launched, health-checked and
+    stopped (its whole process tree) by the one launcher, engines/server_process.py."""
 
     backend = "sglang"
     health_poll_interval = 0.2
@@ -209,8 +207,7 @@ class SGLangDiffusionServer(ExternalImages):
         super().__init__(processor)
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mirageflow-sglang-diffusion-"))
         self.log_path = self.log_dir / "sglang_diffusion_server.log"
-        self.process: subprocess.Popen | None = None
-        self._log_offset = 0
+        self.server: ServerProcess | None = None
 
     def command(self, port: int) -> list[str]:
         p = self.processor
@@ -235,78 +232,34 @@ class SGLangDiffusionServer(ExternalImages):
                 raise GeneratorFailed(f"image_gen backend sglang: {missing}")
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}/v1"
-        cmd = self.command(port)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        log.info("starting SGLang's diffusion server: %s (log: %s)", " ".join(redact(cmd)), self.log_path)
-        with open(self.log_path, "ab") as logf:
-            self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.server = ServerProcess("SGLang's diffusion server", self.command(port), self.log_path)
+        log.info("starting SGLang's diffusion server: %s (log: %s)", self.server.shown_command(), self.log_path)
+        self.server.start()
         try:
-            self._wait_healthy(f"http://127.0.0.1:{port}")
+            try:  # GET /health answers 200 once the server has warmed up (503 before)
+                self.server.wait_healthy(
+                    f"http://127.0.0.1:{port}", "/health", float(self.processor.startup_timeout_seconds), self.health_poll_interval,
+                    timeout_name="startup_timeout_seconds",
+                )  # fmt: skip
+            except EngineError as e:
+                raise GeneratorFailed(str(e)) from None
             super().load()
         except BaseException:
             self.close()
             raise
-        self.info.update({"server_command": redact(cmd), "log": str(self.log_path), "pid": self.process.pid})
-
-    def _wait_healthy(self, root: str) -> None:
-        """GET /health answers 200 once the server has warmed up (503 before)."""
-        deadline = time.monotonic() + float(self.processor.startup_timeout_seconds)
-        interval = self.health_poll_interval
-        while True:
-            rc = self.process.poll()
-            if rc is not None:
-                raise GeneratorFailed(f"SGLang's diffusion server exited with code {rc} before it became healthy{self._tail()}")
-            try:
-                if get_blocking(f"{root}/health", 5.0).status_code == 200:
-                    return
-            except TransportError:
-                pass
-            if time.monotonic() >= deadline:
-                raise GeneratorFailed(
-                    f"SGLang's diffusion server did not answer GET /health with 200 within "
-                    f"startup_timeout_seconds={self.processor.startup_timeout_seconds:g}{self._tail()}"
-                )
-            time.sleep(interval)
-            interval = min(interval * 1.5, 2.0)
-
-    def _tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self._log_offset)
-                lines = deque(f, maxlen=LOG_TAIL_LINES)
-        except OSError:
-            return ""
-        text = b"".join(lines).decode("utf-8", "replace").rstrip()
-        return f"; last {LOG_TAIL_LINES} lines of {self.log_path}:\n{redact_text(text)}" if text else f" ({self.log_path} is empty)"
+        self.info.update({"server_command": redact(self.server.command), "log": str(self.log_path), "pid": self.server.pid})
 
     def _why_gone(self) -> str:
-        rc = self.process.poll() if self.process is not None else None
-        return f": the server exited with code {rc}{self._tail()}" if rc is not None else ""
+        rc = self.server.poll() if self.server is not None else None
+        if rc is None:
+            return ""
+        return f": the server exited with code {rc}; last {LOG_TAIL_LINES} lines of {self.log_path}:\n{redact_text(self.server.tail())}"
 
     def stop(self) -> None:
-        self._terminate(wait=False)
-
-    def _terminate(self, wait: bool = True) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        if not wait:
-            return
-        try:
-            process.wait(timeout=self.kill_grace)
-        except subprocess.TimeoutExpired:
-            log.warning("SGLang's diffusion server did not stop within %.0f s of SIGTERM: killing it", self.kill_grace)
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # also children that outlived the leader
-        except ProcessLookupError:
-            pass
-        process.wait()
+        if self.server is not None:
+            self.server.terminate()
 
     def close(self) -> None:
         super().close()
-        self._terminate()
+        if self.server is not None:
+            self.server.kill(self.kill_grace)
