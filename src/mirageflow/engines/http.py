@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 from mirageflow.engines.base import EngineError, EngineStopped  # noqa: F401
 from mirageflow.engines.wire import Completion
 from mirageflow.transport.http_client import HTTPClient, Response, ResponseTooLarge, TransportError, dumps
-from mirageflow.transport.retry import PERMANENT_STATUS, RetryPolicy, send_with_retries
+from mirageflow.transport.retry import PERMANENT_STATUS, RetryPolicy, with_retries
 from mirageflow.transport.retry import RETRY_STATUS, backoff_delay, error_message  # noqa: F401 - the engines import them from here
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.redact import redact, redact_text  # noqa: F401 - the engines import them from here
@@ -123,10 +123,11 @@ async def post_with_retries(
     retryable status that is this request's own answer (SGLang's 500 for a grammar
     failure) is returned as is.
     """
+    data = dumps(body)  # once, whatever the number of attempts
     policy = RetryPolicy(max_retries, base_delay, max_delay, timeout, "request_timeout")
     try:
-        return await send_with_retries(
-            client, "POST", path, dumps(body), policy=policy, what=what, json_answer=True,
+        return await with_retries(
+            lambda: client.request("POST", path, data, timeout=timeout), policy=policy, what=what, json_answer=True,
             on_transport_error=on_transport_error, final=final,
         )  # fmt: skip
     except TransportError as e:  # retries spent, or an answer over the size limit
