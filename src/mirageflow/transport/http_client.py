@@ -345,7 +345,7 @@ class HTTPClient:
             except ValueError:
                 raise TransportError(f"{self.display} answered a malformed Content-Length {headers['content-length'][:40]!r}") from None
             if length > self.max_body_bytes:
-                raise ResponseTooLarge(f"{self.display} declared a body of {length:,} bytes (Content-Length), over {self.max_body_bytes:,}")
+                raise ResponseTooLarge(f"{self.display} answered a body over {self.max_body_bytes:,} bytes (Content-Length: {length:,})")
             content = await reader.readexactly(length)
         else:  # the body ends with the connection
             content, keep = await self._until_eof(reader), False
