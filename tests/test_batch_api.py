@@ -439,11 +439,11 @@ def test_a_batch_the_provider_refuses_to_poll_fails_the_shard_with_the_command_t
     assert f"mmirage retry --config <your config> --resubmit-batch {entry['batch_id']}" in message
     assert f"HTTP {status}" in message and api.polls <= 3
     # the command's change: the batch is abandoned, the rerun submits its requests again and finishes
-    from mirageflow.cli import _resubmit_batch, retry_plan
+    from mirageflow.cli import resubmit_batch, retry_plan
     from mirageflow.state.layout import StateLayout
 
     cfg = load_config(raw)
-    assert _resubmit_batch(cfg, StateLayout(cfg.state_dir), retry_plan(cfg, False), entry["batch_id"]) == 0
+    assert resubmit_batch(cfg, StateLayout(cfg.state_dir), retry_plan(cfg, False), entry["batch_id"]) == 0
     assert _ledger(tmp_path)[next(iter(_ledger(tmp_path)))]["state"] == "abandoned"
     api.trouble.poll_status = None
     _run(raw)

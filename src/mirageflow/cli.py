@@ -243,7 +243,7 @@ def _ids(ids: list[int]) -> str:
     return str(ids[:20])[:-1] + ", ...]" if len(ids) > 20 else str(ids)
 
 
-def _resubmit_batch(cfg, paths, plan: dict, batch_id: str) -> int:
+def resubmit_batch(cfg, paths, plan: dict, batch_id: str) -> int:
     """``retry --resubmit-batch ID``: the shards whose batches.json lists batch ``ID`` stop
     waiting for it (its entry marked abandoned); their rerun submits its requests again."""
     from mirageflow.shard.ledger import abandon_batch
@@ -287,7 +287,7 @@ def cmd_retry(args) -> int:
     plan = retry_plan(cfg, args.failed_rows)
     paths = StateLayout(cfg.state_dir)
     for batch_id in args.resubmit_batch or ():
-        rc = _resubmit_batch(cfg, paths, plan, batch_id)
+        rc = resubmit_batch(cfg, paths, plan, batch_id)
         if rc != EXIT_OK:
             return rc
     if args.resubmit_batch:
