@@ -419,6 +419,7 @@ def test_api_key_env_takes_precedence_over_userinfo_in_base_url(tmp_path, api, p
     raw["processors"][0]["base_url"] = raw["processors"][0]["base_url"].replace("http://", "http://user:pw@")
     _run(raw)
     assert len(_records(tmp_path)) + len(_errors(tmp_path)) == ROWS and api.batches_created >= 1
+    assert api.authorization_seen and not any((auth or "").startswith("Basic") for auth in api.authorization_seen)
 
 
 @pytest.mark.parametrize("provider,status", [("openai", 404), ("anthropic", 404), ("openai", 401), ("anthropic", 403)])

@@ -135,6 +135,7 @@ class FakeBatchAPI(LocalHTTPServer):
         self.batches_created = 0
         self.polls = 0
         self.requests_seen = 0
+        self.authorization_seen: list[str | None] = []  # each request's Authorization header (None: none)
 
     # ------------------------------------------------------------------ answers
 
@@ -376,6 +377,7 @@ def _handler(api: FakeBatchAPI):
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
         def _authorized(self) -> bool:
+            api.authorization_seen.append(self.headers.get("Authorization"))
             anthropic = self.path.startswith("/v1/messages")
             if anthropic:
                 if not self.headers.get("anthropic-version"):
