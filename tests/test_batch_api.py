@@ -387,3 +387,76 @@ def test_preview_shows_the_requests_and_does_not_submit_a_batch(tmp_path, api):
     with pytest.raises(RuntimeError, match="batch API, whose answers take up to 24 h: preview without --generate"):
         preview(cfg, rows=2, generate=True)
     assert api.batches_created == 0
+
+
+# --------------------------------------------------------------------------- the key, the transport (issue 33)
+
+
+@pytest.mark.parametrize("how", ["results_url", "redirect"])
+def test_anthropic_results_on_another_origin_are_fetched_without_the_key(tmp_path, api, how):
+    """Issue 33 item 1: a results_url on another port, or a 302 there, receives no x-api-key."""
+    from fakes.fake_batch_api import ResultsHost
+
+    stranger = ResultsHost(api).start()
+    try:
+        if how == "results_url":
+            api.trouble.results_base = stranger.url
+        else:
+            api.trouble.results_redirect = stranger.url
+        _run(_config(tmp_path, api, "anthropic"))
+        assert stranger.headers_seen, "the results were not fetched from the other origin"
+        for headers in stranger.headers_seen:
+            assert "x-api-key" not in headers and "authorization" not in headers, headers
+        assert len(_records(tmp_path)) + len(_errors(tmp_path)) == ROWS
+    finally:
+        stranger.stop()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_api_key_env_takes_precedence_over_userinfo_in_base_url(tmp_path, api, provider):
+    """Issue 33 item 3: base_url http://user:pw@host with api_key_env sends the key, not Basic auth."""
+    raw = _config(tmp_path, api, provider)
+    raw["processors"][0]["base_url"] = raw["processors"][0]["base_url"].replace("http://", "http://user:pw@")
+    _run(raw)
+    assert len(_records(tmp_path)) + len(_errors(tmp_path)) == ROWS and api.batches_created >= 1
+    assert api.authorization_seen and not any((auth or "").startswith("Basic") for auth in api.authorization_seen)
+
+
+@pytest.mark.parametrize("provider,status", [("openai", 404), ("anthropic", 404), ("openai", 401), ("anthropic", 403)])
+def test_a_batch_the_provider_refuses_to_poll_fails_the_shard_with_the_command_that_submits_again(tmp_path, api, provider, status):
+    """Issue 33 item 6: an unknown batch id (404) or a refused key (401/403) on a status poll is
+    permanent: the shard fails at once, naming batches.json, the batch id and the command that
+    submits again; that command's ledger change makes the rerun submit the requests again."""
+    from fakes.deadlines import run_with_deadline
+
+    raw = _config(tmp_path, api, provider)
+    api.trouble.poll_status = status
+    finished, result = run_with_deadline(lambda: _run(raw), 120)  # a guard against the old endless polling, not a timing
+    assert finished, "the shard kept polling a batch the provider answers permanently about"
+    assert isinstance(result, ShardFailed), result
+    (entry,) = _ledger(tmp_path).values()
+    message = str(result)
+    assert str(tmp_path / "state" / "shard_0" / "batches.json") in message and entry["batch_id"] in message
+    assert f"mmirage retry --config <your config> --resubmit-batch {entry['batch_id']}" in message
+    assert f"HTTP {status}" in message and api.polls <= 3
+    # the command's change: the batch is abandoned, the rerun submits its requests again and finishes
+    from mirageflow.cli import resubmit_batch, retry_plan
+    from mirageflow.state.layout import StateLayout
+
+    cfg = load_config(raw)
+    assert resubmit_batch(cfg, StateLayout(cfg.state_dir), retry_plan(cfg, False), entry["batch_id"]) == 0
+    assert _ledger(tmp_path)[next(iter(_ledger(tmp_path)))]["state"] == "abandoned"
+    api.trouble.poll_status = None
+    _run(raw)
+    assert api.batches_created == 2 and len(_records(tmp_path)) + len(_errors(tmp_path)) == ROWS
+
+
+def test_an_output_file_that_answers_404_says_the_file_is_gone_not_the_key(tmp_path, api):
+    """Issue 33 item 14: a batch output file answering 404 does not blame the key or base_url."""
+    api.trouble.file_status = 404
+    with pytest.raises(ShardFailed) as failed:
+        _run(_config(tmp_path, api, "openai"))
+    message = str(failed.value)
+    assert "HTTP 404" in message and "no longer has this file" in message and "output_file_id" in message
+    assert "check the API key" not in message and "check base_url" not in message
+    assert "batches.json" in message and "--resubmit-batch" in message

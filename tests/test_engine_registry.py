@@ -36,7 +36,7 @@ ENGINES = Path(base.__file__).parent
 SRC = ENGINES.parent
 # modules that are not engines: the interface, its wire types, helpers, the registry
 SHARED = {
-    "base", "wire", "chat_template", "tokens", "registry", "loop", "http", "http_client", "sglang_common", "json_prefix",
+    "base", "wire", "chat_template", "tokens", "registry", "loop", "http", "sglang_common", "json_prefix",
     "server_process", "server_metrics",
 }  # fmt: skip
 # parts of one backend, imported by that backend's module only

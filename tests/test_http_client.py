@@ -1,4 +1,4 @@
-"""engines/http_client.py against hostile servers (tests/fakes/raw_http.py: real sockets,
+"""transport/http_client.py against hostile servers (tests/fakes/raw_http.py: real sockets,
 answers scripted byte by byte), and post_with_retries on top of it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from fakes.raw_http import RawServer, answer
 from mirageflow.engines.http import EngineError, post_with_retries
-from mirageflow.engines.http_client import (
+from mirageflow.transport.http_client import (
     DeadlineExceeded,
     HTTPClient,
     ResponseTooLarge,

@@ -1,5 +1,5 @@
 """Issue 22, items 3 and 17: HTTP clients with deadlines (fixed by the HTTP transport of issue
-29, engines/http_client.py; these tests hold issue 22's cases)."""
+29, transport/http_client.py; these tests hold issue 22's cases)."""
 
 from __future__ import annotations
 

@@ -364,3 +364,20 @@ def test_preview_shows_an_image_outputs_prompt_and_generates_nothing(tmp_path, s
     assert [r["outputs"][0]["prompt"] for r in rows] == ["A drawing of a cat", "A drawing of a dog"]
     assert rows[0]["record"]["image"] == "<pic: not generated>" and server.requests == 0
     assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+
+
+def test_an_image_url_on_another_origin_is_fetched_without_the_key(tmp_path, server, monkeypatch):
+    """Issue 33 item 2: an answer {"data": [{"url": "<another host:port>/x.png"}]} makes the shard
+    fetch the image there without the Authorization header that goes to base_url."""
+    monkeypatch.setenv("IMAGES_TEST_KEY", "sk-images")
+    server.behaviour.api_key = "sk-images"
+    image_host = FakeImages().start()
+    try:
+        server.behaviour.url_base = image_host.url
+        texts = ["a cat", "a dog"]
+        _run(_config(tmp_path, {**_external(server, api_key_env="IMAGES_TEST_KEY")}, texts))
+        assert len(_records(tmp_path)) == 2 and not _errors(tmp_path)  # the images were fetched from the other origin
+        assert len(image_host.get_headers) == 2
+        assert all("authorization" not in h for h in image_host.get_headers), image_host.get_headers
+    finally:
+        image_host.stop()

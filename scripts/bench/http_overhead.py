@@ -19,7 +19,7 @@ measured run is a fresh process pinned to the other CPU:
   (e.g. a checkout of the code before a change), interleaved with ``pipeline``.
 - ``bare_<client>``: the same request bodies posted by 64 coroutines through one client and
   nothing else (the response decoded and its text and usage read): what the HTTP client alone
-  costs. ``ours`` is the engines' transport (mirageflow.engines.http_client);
+  costs. ``ours`` is the engines' transport (mirageflow.transport.http_client);
   ``ours_thread_hop`` the same with each request handed to a loop in another thread and
   back (how the engines ran requests before); ``httpx2`` (the client the engines used
   before) and ``aiohttp`` (when importable) are the libraries it was chosen against.
@@ -162,7 +162,7 @@ def request_bodies(data: Path) -> list[dict]:
 
 
 async def _bare_ours(url: str, bodies: list[dict]) -> None:
-    from mirageflow.engines.http_client import HTTPClient
+    from mirageflow.transport.http_client import HTTPClient
 
     client = HTTPClient(url + "/v1", max_connections=IN_FLIGHT, timeout=60.0)
     try:
@@ -220,7 +220,7 @@ async def _bare_ours_thread_hop(url: str, bodies: list[dict]) -> None:
     their requests ran in the caller's loop (LoopEngine._in_engine_loop)."""
     import threading
 
-    from mirageflow.engines.http_client import HTTPClient
+    from mirageflow.transport.http_client import HTTPClient
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -340,7 +340,7 @@ def main() -> None:
         if args.baseline_src:
             variants.append(("pipeline_baseline", str(Path(args.baseline_src).resolve())))
         for client in args.clients.split(","):
-            importable = subprocess.run([sys.executable, "-c", f"import {'mirageflow.engines.http_client' if client.startswith('ours') else client}"],
+            importable = subprocess.run([sys.executable, "-c", f"import {'mirageflow.transport.http_client' if client.startswith('ours') else client}"],
                                         env={**os.environ, "PYTHONPATH": str(C.ROOT / "src")}, capture_output=True).returncode == 0  # fmt: skip
             if importable:
                 variants.append((f"bare_{client}", None))
@@ -431,7 +431,7 @@ client CPU = the shard process's CPU (all threads) during the shard, per request
 after a warm-up shard of {WARM_UP_ROWS} rows in the same process (imports, first-use caches).
 `pipeline_baseline`: the same with {args.baseline_label if args.baseline_src else "another copy of the package (`--baseline-src`; not run here)"}.
 `bare_<client>`: the same request bodies from {IN_FLIGHT} coroutines through that client alone
-(answer decoded, text and usage read). `ours` is `mirageflow.engines.http_client`, the
+(answer decoded, text and usage read). `ours` is `mirageflow.transport.http_client`, the
 transport of every HTTP engine; `ours_thread_hop` the same with the client in another thread's
 loop and each request handed over and back (how the engines ran requests before: the hop's
 cost is the difference); `httpx2` and `aiohttp` are the libraries it was measured against.

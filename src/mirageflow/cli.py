@@ -243,6 +243,38 @@ def _ids(ids: list[int]) -> str:
     return str(ids[:20])[:-1] + ", ...]" if len(ids) > 20 else str(ids)
 
 
+def resubmit_batch(cfg, paths, plan: dict, batch_id: str) -> int:
+    """``retry --resubmit-batch ID``: the shards whose batches.json lists batch ``ID`` stop
+    waiting for it (its entry marked abandoned); their rerun submits its requests again."""
+    from mirageflow.shard.ledger import abandon_batch
+
+    found = []
+    for shard in range(cfg.num_shards):
+        ledger = paths.batch_ledger(shard)
+        if not ledger.exists():
+            continue
+        if shard in plan["running"]:
+            if any(e.get("batch_id") == batch_id for e in (json.loads(ledger.read_text()).get("batches") or {}).values()):
+                print(f"mmirage: shard {shard} is running (fresh lease): stop it before resubmitting batch {batch_id}", file=sys.stderr)
+                return EXIT_USAGE
+            continue
+        try:
+            keys = abandon_batch(ledger, batch_id)
+        except (OSError, ValueError) as e:
+            print(f"mmirage: cannot update {ledger}: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        if keys:
+            found.append(shard)
+            print(
+                f"mmirage: {ledger}: batch {batch_id} (chunk {', '.join(keys)}) abandoned: its requests are submitted again",
+                file=sys.stderr,
+            )
+    if not found:
+        print(f"mmirage: no batches.json under {cfg.state_dir} lists batch {batch_id}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
 def cmd_retry(args) -> int:
     """Rerun exactly the shards the plan names (their status.json as Snakemake's targets, each
     resuming from its checkpoint), then, once no shard is failed, build what the shards feed
@@ -254,6 +286,12 @@ def cmd_retry(args) -> int:
     cfg = _load(args.config)
     plan = retry_plan(cfg, args.failed_rows)
     paths = StateLayout(cfg.state_dir)
+    for batch_id in args.resubmit_batch or ():
+        rc = resubmit_batch(cfg, paths, plan, batch_id)
+        if rc != EXIT_OK:
+            return rc
+    if args.resubmit_batch:
+        plan = retry_plan(cfg, args.failed_rows)
     if plan["running"]:
         print(
             f"mmirage: shard(s) {_ids(plan['running'])} look alive (fresh progress.json/lease.json); their rerun waits for "
@@ -754,6 +792,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("retry", "rerun failed, missing and incomplete shards (resuming from their checkpoints)", cmd_retry)
     p.add_argument("--stats", action="store_true", help="sample GPU utilisation (config stats=true)")
     p.add_argument("--failed-rows", action="store_true", help="also recompute the failed rows (errors.jsonl) of shards that finished")
+    p.add_argument(
+        "--resubmit-batch", action="append", metavar="BATCH_ID",
+        help="batch_api: stop waiting for this provider batch (one the provider answers 401/403/404 about, as the shard's "
+        "failure says) and submit its requests again, paid again; repeatable",
+    )  # fmt: skip
     p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")
     p.add_argument(
         "--submit", action="store_true", help="retry through SLURM (the submit profile); the default when execution_params.mode is slurm"

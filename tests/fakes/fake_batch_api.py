@@ -63,6 +63,10 @@ class Trouble:
     cancel_at_end: set = field(default_factory=set)
     refuse: set = field(default_factory=set)  # ordinals of OpenAI batches whose input "fails validation" (status failed)
     api_key: str = "sk-test"
+    results_base: str | None = None  # Anthropic results_url on this origin (a ResultsHost), not the API's
+    results_redirect: str | None = None  # the API's results endpoint answers 302 to this origin
+    poll_status: int | None = None  # every status poll answers this (401: a rotated key, 404: an unknown id)
+    file_status: int | None = None  # every GET /v1/files/{id}/content answers this (404: the file is gone)
 
 
 def _prompt_of(messages) -> tuple[str, int]:
@@ -131,6 +135,7 @@ class FakeBatchAPI(LocalHTTPServer):
         self.batches_created = 0
         self.polls = 0
         self.requests_seen = 0
+        self.authorization_seen: list[str | None] = []  # each request's Authorization header (None: none)
 
     # ------------------------------------------------------------------ answers
 
@@ -340,7 +345,7 @@ class FakeBatchAPI(LocalHTTPServer):
             "id": b["id"], "type": "message_batch", "processing_status": b["status"], "request_counts": counts,
             "ended_at": "2026-01-01T00:00:00Z" if ended else None, "created_at": "2026-01-01T00:00:00Z",
             "expires_at": "2026-01-02T00:00:00Z", "cancel_initiated_at": None,
-            "results_url": f"{base}/v1/messages/batches/{b['id']}/results" if ended else None,
+            "results_url": f"{self.trouble.results_base or base}/v1/messages/batches/{b['id']}/results" if ended else None,
         }  # fmt: skip
 
 
@@ -372,6 +377,7 @@ def _handler(api: FakeBatchAPI):
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
         def _authorized(self) -> bool:
+            api.authorization_seen.append(self.headers.get("Authorization"))
             anthropic = self.path.startswith("/v1/messages")
             if anthropic:
                 if not self.headers.get("anthropic-version"):
@@ -404,9 +410,27 @@ def _handler(api: FakeBatchAPI):
                 return self._send(
                     200, {"object": "list", "data": page, "has_more": len(newest) > limit, "last_id": page[-1]["id"] if page else None}
                 )
+            if api.trouble.poll_status and (
+                parts[:2] == ["v1", "batches"] and len(parts) == 3 or parts[:3] == ["v1", "messages", "batches"] and len(parts) == 4
+            ):
+                api.polls += 1
+                return self._send(
+                    api.trouble.poll_status,
+                    {
+                        "type": "error",
+                        "error": {
+                            "type": "not_found_error" if api.trouble.poll_status == 404 else "authentication_error",
+                            "message": f"HTTP {api.trouble.poll_status} for {url.path}",
+                        },
+                    },
+                )
             if parts[:2] == ["v1", "batches"] and len(parts) == 3 and parts[2] in api.batches:
                 return self._send(200, api.openai_view(api.advance(parts[2])))
             if parts[:2] == ["v1", "files"] and len(parts) == 4 and parts[3] == "content" and parts[2] in api.files:
+                if api.trouble.file_status:
+                    return self._send(
+                        api.trouble.file_status, {"error": {"message": f"No such File object: {parts[2]}", "type": "invalid_request_error"}}
+                    )
                 return self._send(200, api.files[parts[2]], "application/octet-stream")
             if parts[:3] == ["v1", "messages", "batches"] and len(parts) == 4 and parts[3] in api.batches:
                 return self._send(200, api.anthropic_view(api.advance(parts[3]), api.url))
@@ -414,6 +438,12 @@ def _handler(api: FakeBatchAPI):
                 b = api.batches.get(parts[3])
                 if b is None or b["status"] != "ended":
                     return self._send(404, {"type": "error", "error": {"type": "not_found_error", "message": "no results yet"}})
+                if api.trouble.results_redirect:
+                    self.send_response(302)
+                    self.send_header("Location", f"{api.trouble.results_redirect}{url.path}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 return self._send(200, b["results"], "application/binary")
             self._send(404, {"error": {"message": f"no route {url.path}", "type": "invalid_request_error"}})
 
@@ -517,3 +547,32 @@ def _handler(api: FakeBatchAPI):
             self._send(404, {"error": {"message": f"no route {path}", "type": "invalid_request_error"}})
 
     return Handler
+
+
+class ResultsHost(LocalHTTPServer):
+    """Another origin (its own port) serving an API's Anthropic results without asking for a
+    key, as a storage host would: ``headers_seen`` records every request's headers."""
+
+    def __init__(self, api: FakeBatchAPI):
+        self.api, self.headers_seen = api, []
+        host = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):
+                pass
+
+            def do_GET(self):
+                host.headers_seen.append({k.lower(): v for k, v in self.headers.items()})
+                parts = urlparse(self.path).path.strip("/").split("/")
+                b = host.api.batches.get(parts[3]) if len(parts) == 5 else None
+                data = (b or {}).get("results")
+                status = 200 if data is not None else 404
+                data = data if data is not None else b"{}"
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.listen("127.0.0.1", 0, Handler)

@@ -43,6 +43,7 @@ class Behaviour:
     api_key: str | None = None
     warmup_seconds: float = 0.0
     bodies: list = field(default_factory=list)
+    url_base: str | None = None  # answer data[0].url on this origin (another FakeImages' /img/...) instead of b64_json
 
 
 def png(width: int, height: int, seed: int | None) -> bytes:
@@ -62,6 +63,7 @@ class FakeImages(LocalHTTPServer):
         self.requests = 0
         self.lock = threading.Lock()
         self.started = time.monotonic()
+        self.get_headers: list[dict] = []  # the headers of every GET (an image host: was a key sent here?)
 
 
 def _handler(server: FakeImages):
@@ -82,6 +84,17 @@ def _handler(server: FakeImages):
             self.wfile.write(data)
 
         def do_GET(self):
+            with server.lock:
+                server.get_headers.append({k.lower(): v for k, v in self.headers.items()})
+            if self.path.startswith("/img/"):  # /img/<W>x<H>-<seed>.png: an image host
+                size, _, seed = self.path[5:].removesuffix(".png").partition("-")
+                width, height = (int(x) for x in size.split("x"))
+                data = png(width, height, int(seed) if seed.isdigit() else None)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                return self.wfile.write(data)
             if self.path == "/health":
                 ready = time.monotonic() - server.started >= b.warmup_seconds
                 return self._send(200 if ready else 503, {"status": "ok"} if ready else {"status": "warming up"})
@@ -124,6 +137,9 @@ def _handler(server: FakeImages):
                 data = base64.b64encode(b"this is not a png").decode()
             elif "NOT_B64" in prompt:
                 data = "%%% not base64 %%%"
+            elif b.url_base:
+                url = f"{b.url_base}/img/{width}x{height}-{body.get('seed')}.png"
+                return self._send(200, {"id": f"img-{count}", "created": int(time.time()), "data": [{"url": url}]})
             else:
                 data = base64.b64encode(png(width, height, body.get("seed"))).decode()
             self._send(200, {"id": f"img-{count}", "created": int(time.time()), "data": [{"b64_json": data, "revised_prompt": None}]})

@@ -1,5 +1,5 @@
 """A TCP server on 127.0.0.1 whose HTTP answers are scripted byte by byte: hostile servers
-for engines/http_client.py (chunked bodies, Connection: close, trickles, resets, garbage).
+for transport/http_client.py (chunked bodies, Connection: close, trickles, resets, garbage).
 
 ``RawServer(handler)`` runs ``handler(conn)`` in a thread for each accepted connection;
 ``conn.read_request()`` reads one request (None when the client closed), ``conn.send``,

@@ -11,7 +11,7 @@ a shard), warms them up and serves them on 127.0.0.1 until Snakemake terminates 
 
 The protocol is a small JSON one over HTTP/1.1 (stdlib asyncio streams: a few dozen lines,
 no server dependency; the requests are ours, on loopback; JSON by orjson, as the client's,
-engines/http_client.py):
+transport/http_client.py):
 
 - ``GET /health``: 200 ``{"state": "ready"}`` after load and warm-up; 503 while loading;
   500 with ``error`` when loading failed.
@@ -52,7 +52,7 @@ from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Request
-from mirageflow.engines.http_client import dumps, loads
+from mirageflow.transport.http_client import dumps, loads
 from mirageflow.state.layout import StateLayout
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ class EngineService:
         return 200, {"completion": dataclasses.asdict(completion)}
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """HTTP/1.1 with keep-alive and Content-Length bodies: what engines/http_client.py sends."""
+        """HTTP/1.1 with keep-alive and Content-Length bodies: what transport/http_client.py sends."""
         try:
             while True:
                 line = await reader.readline()

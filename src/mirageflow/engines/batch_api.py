@@ -16,8 +16,13 @@ changes it). The engine answers them when their batch ends:
   ``<state_dir>/shard_<id>/batches/<key>.jsonl`` and its entry to ``batches.json``
   (shard/ledger.py), fsynced, before it is sent; the batch id is recorded as soon as the
   provider answers, before anything waits on it. Then the batch is polled with backoff
-  (``poll_seconds``, x1.5 per poll, at most ``poll_max_seconds``); a provider unreachable
-  for ``POLL_OUTAGE_SECONDS`` fails the shard (a rerun re-attaches).
+  (``poll_seconds``, x1.5 per poll, at most ``poll_max_seconds``). Each answer is classified
+  by the transport (transport/retry.py): an outage (connection errors, deadlines, 429, 5xx)
+  is retried, each call ``max_retries`` times, and polls failing so for
+  ``POLL_OUTAGE_SECONDS`` in a row fail the shard (a rerun re-attaches); a permanent answer
+  (401, 403, 404 on a status poll or a results file) fails the shard at once, naming
+  batches.json, the batch id and ``mmirage retry --resubmit-batch ID``, which marks the
+  batch abandoned so that the rerun submits its requests again.
 - **Re-attach.** A rerun (after a kill, a preemption, a time limit) reads the ledger at
   load: batches still running are polled again, the results of ended ones are read from
   disk, and a row whose ``custom_id`` a recorded batch holds waits for that batch instead
@@ -35,7 +40,8 @@ changes it). The engine answers them when their batch ends:
   (id, state, requests, tokens); with ``metadata_output_path`` each submitted batch also
   appends MMIRAGE's receipt line to ``<path without .jsonl>.shard_<id>.jsonl``.
 - **Secrets.** The key is read from the environment variable ``api_key_env`` at load and
-  only sent in headers; it is never logged or recorded.
+  only sent in headers, to base_url's origin only (a results_url elsewhere and any redirect
+  are fetched without it: transport/fetch.py); it is never logged or recorded.
 """
 
 from __future__ import annotations
@@ -51,12 +57,15 @@ from pathlib import Path
 
 from mirageflow.config.types import BATCH_LIMITS, ProcessorConfig
 from mirageflow.engines.base import EngineError
-from mirageflow.engines.batch_providers import BASE_URL_ENV, DEFAULT_BASE_URL, PROVIDERS, Outcome, ProviderRefused
+from mirageflow.engines.batch_providers import (
+    BASE_URL_ENV, DEFAULT_BASE_URL, PROVIDERS, RESULTS_MAX_BYTES, Outcome, PermanentAnswer, ProviderRefused,
+)  # fmt: skip
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.files import atomic_write_bytes
 from mirageflow.redact import redact_text
 from mirageflow.stats.formulas import utc_now
+from mirageflow.transport.http_client import HTTPClient
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +75,11 @@ POLL_OUTAGE_SECONDS = 1800.0  # polls failing this long in a row fail the shard
 CANCEL_WAIT_SECONDS = 3600.0  # a batch cancelled at its deadline that has not ended after this fails the shard
 SUBMIT_SETTLE_SECONDS = 60.0  # close() waits this long for a submission in flight to be recorded
 WINDOW_SECONDS = {"24h": 86400.0}
+_POLL_MEANS = {
+    401: "the key (api_key_env) is refused: it was rotated or revoked, or belongs to another account",
+    403: "the key (api_key_env) may not read this batch: another account or project",
+    404: "the provider does not know this batch id: another base_url or account, or a gateway that lost its state",
+}
 
 
 @dataclass
@@ -102,7 +116,7 @@ class BatchApiEngine(LoopEngine):
         self.ledger = None
         self.shard_id, self.samples = 0, 1
         self.provider = None
-        self._control = None  # an httpx2 client on the private loop (every call is made there; closed by _close_client_and_loop)
+        self._control = None  # the provider's HTTPClient, used on the private loop (closed by _close_client_and_loop)
         self._waiters: dict[str, asyncio.Future] = {}
         self._where: dict[str, str] = {}  # custom_id -> the newest chunk holding it
         self._results: dict[str, tuple[str, int]] = {}  # custom_id -> (ended chunk, byte offset of its result line)
@@ -120,8 +134,6 @@ class BatchApiEngine(LoopEngine):
         self.ledger, self.shard_id, self.samples = checkpoint.batches, shard_id, samples
 
     def load(self) -> None:
-        import httpx2
-
         if self.ledger is None:
             raise EngineError("batch_api: no shard state bound (the shard runner calls bind_state before load)")
         name = self.processor.api_key_env
@@ -133,22 +145,22 @@ class BatchApiEngine(LoopEngine):
         provider = self.settings.provider
         base_url = self.processor.base_url or os.environ.get(BASE_URL_ENV[provider]) or DEFAULT_BASE_URL[provider]
         self.provider = PROVIDERS[provider](self.processor, base_url, key)
+        try:  # the key's header goes to base_url's origin only (transport/http_client.py); no redirects followed with it
+            self._control = HTTPClient(
+                base_url, headers=self.provider.headers(), credentials=self.provider.credentials(),
+                timeout=float(self.processor.request_timeout), max_body_bytes=RESULTS_MAX_BYTES,
+            )  # fmt: skip
+        except ValueError as e:
+            raise EngineError(f"batch_api: processors[].base_url: {e}") from None
         self._start_loop(f"batch-{provider}")
         try:
-            self._call(self._open_client(httpx2))
             self._call(self._restore())
         except BaseException:
             self.close()
             raise
         self.info = EngineInfo(
-            backend="batch_api", model_path=self.model, versions={"httpx2": httpx2.__version__}, device="remote",
-            details=self._details(),
+            backend="batch_api", model_path=self.model, device="remote", details=self._details(),
         )  # fmt: skip
-
-    async def _open_client(self, httpx2) -> None:
-        self._control = httpx2.AsyncClient(
-            headers=self.provider.headers(), timeout=float(self.processor.request_timeout), follow_redirects=True
-        )
 
     def _details(self) -> dict:
         return {
@@ -435,6 +447,8 @@ class BatchApiEngine(LoopEngine):
             delay = min(delay * 1.5, self.settings.poll_max_seconds)
             try:
                 state = await self.provider.poll(self._control, batch_id)
+            except PermanentAnswer as e:  # 401/403/404: the same on every poll, on every rerun
+                raise self._unusable(key, e, _POLL_MEANS[e.status]) from None
             except EngineError as e:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > POLL_OUTAGE_SECONDS:
@@ -456,6 +470,16 @@ class BatchApiEngine(LoopEngine):
                 raise EngineError(f"batch {batch_id} was cancelled at its deadline and has not ended {CANCEL_WAIT_SECONDS:.0f} s later")
         await self._ended(key, state)
 
+    def _unusable(self, key: str, error: PermanentAnswer, meaning: str) -> EngineError:
+        """The shard's failure for a recorded batch the provider answers 401/403/404 about:
+        what happened, where the batch is recorded and the one command that submits it again."""
+        batch_id = self.ledger.entries[key].get("batch_id")
+        return EngineError(
+            f"batch {batch_id} (chunk {key}): {error}: {meaning}. It is recorded in {self.ledger.path}, so every rerun "
+            f"asks for it again. To submit its requests again (they are paid again): "
+            f"mmirage retry --config <your config> --resubmit-batch {batch_id}"
+        )
+
     async def _ended(self, key: str, state) -> None:
         entry = self.ledger.entries[key]
         ids = [cid for cid in await asyncio.to_thread(self._spool_ids, key) if self._where.get(cid) == key]
@@ -466,7 +490,10 @@ class BatchApiEngine(LoopEngine):
             for cid in ids:
                 self._deliver(cid, _failed(_unit(cid), "batch_rejected", reason))
             return
-        await self.provider.download(self._control, state, self.ledger.results(key))
+        try:
+            await self.provider.download(self._control, state, self.ledger.results(key))
+        except PermanentAnswer as e:
+            raise self._unusable(key, e, "its results cannot be read") from None
         index, parsed, tokens_in, tokens_out = await asyncio.to_thread(self._index_results, key, True)
         await self._record(key, state="ended", status=state.status, ended_at=utc_now(), input_tokens=tokens_in, output_tokens=tokens_out,
                            counts=state.raw.get("request_counts"), results=len(index))  # fmt: skip

@@ -35,23 +35,27 @@ import asyncio
 import base64
 import json
 import logging
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mirageflow.config.types import BatchSettings, ProcessorConfig
 from mirageflow.engines.base import EngineError
-from mirageflow.engines.http import backoff_delay, error_message, is_context_length_error
+from mirageflow.engines.http import is_context_length_error
 from mirageflow.engines.wire import Completion, Request
 from mirageflow.errors import MirageflowError
 from mirageflow.prompts.images import openai_messages
 from mirageflow.redact import redact_text
+from mirageflow.transport.fetch import get_url
+from mirageflow.transport.http_client import TransportError, dumps, multipart_form
+from mirageflow.transport.retry import PermanentStatus, RetryPolicy, error_message, send_with_retries, with_retries
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-FATAL_STATUS = {401, 403, 404}  # a wrong key or URL: nothing would work
 ANTHROPIC_VERSION = "2023-06-01"
+CALL_MAX_DELAY_SECONDS = 60.0
+RESULTS_MAX_BYTES = 4 * 1024**3  # a batch's results (OpenAI: up to 50,000 answers) are read whole
 DEFAULT_BASE_URL = {"openai": "https://api.openai.com/v1", "anthropic": "https://api.anthropic.com"}
 BASE_URL_ENV = {"openai": "OPENAI_BASE_URL", "anthropic": "ANTHROPIC_BASE_URL"}
 # Anthropic's custom_id: ^[a-zA-Z0-9_-]{1,64}$ (ours are u<unit>-<16 hex>)
@@ -82,34 +86,46 @@ class ProviderRefused(MirageflowError):
     the rows of that chunk fail as batch_rejected; the shard goes on."""
 
 
-async def call(client, method: str, url: str, *, what: str, attempts: int, base_delay: float, multiplier: float, timeout: float, **kw):
-    """One HTTP call with retries of connection errors, timeouts, 429 and 5xx (backoff:
-    ``base_delay * multiplier**k``, Retry-After honoured). Returns the final response;
-    EngineError once ``attempts`` are spent, or at once for 401/403/404."""
-    import httpx2
+class PermanentAnswer(EngineError):
+    """The provider answered 401, 403 or 404 (transport/retry.py ``PERMANENT_STATUS``): the
+    same on every try, so never retried; the engine fails the shard saying what to do."""
 
-    last = ""
-    for attempt in range(max(1, attempts)):
-        retry_after = None
-        try:
-            response = await asyncio.wait_for(client.request(method, url, **kw), timeout)
-        except (httpx2.TransportError, asyncio.TimeoutError) as e:
-            last = f"no answer within {timeout:g} s" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
-        else:
-            if response.status_code in FATAL_STATUS:
-                raise EngineError(
-                    f"{what}: HTTP {response.status_code}: {error_message(response.content)} (check the API key and base_url)"
-                )
-            if response.status_code not in RETRY_STATUS:
-                return response
-            last = f"HTTP {response.status_code}: {error_message(response.content, 200)}"
-            retry_after = response.headers.get("retry-after")
-        if attempt + 1 >= attempts:
-            break
-        delay = base_delay * multiplier**attempt if retry_after is None else backoff_delay(0, base_delay, 600.0, retry_after)
-        log.debug("%s: %s; retry %d/%d in %.2f s", what, last, attempt + 1, attempts - 1, delay)
-        await asyncio.sleep(delay)
-    raise EngineError(f"{what}: gave up after {attempts} attempt(s); last error: {last}")
+    def __init__(self, message: str, status: int = 0):  # rebuilt from its message alone when it reaches each row
+        super().__init__(message)
+        self.status = status
+
+
+_CHECK = {401: "check the API key (api_key_env)", 403: "check the API key (api_key_env) and its permissions", 404: "check base_url"}
+
+
+async def call(
+    client, method: str, path: str, *, what: str, policy: RetryPolicy, body: bytes | None = None, content_type=None, hint: bool = True
+):
+    """One call to the provider's API (``path`` under base_url, with the key) under the
+    transport's retry policy: connection errors, deadlines, 429 and 5xx retried. Returns
+    the final answer (2xx, or a status the caller reads); PermanentAnswer at once for 401,
+    403 and 404 (with ``hint``: saying to check the key or base_url; without, the caller
+    says what the status means there); EngineError once the retries are spent (an outage)."""
+    try:
+        return await send_with_retries(
+            client, method, path, body, policy=policy, what=what, content_type=content_type, permanent_raises=True
+        )
+    except PermanentStatus as e:
+        raise PermanentAnswer(f"{e} ({_CHECK[e.status]})" if hint else str(e), e.status) from None
+    except TransportError as e:  # the retries are spent, or an answer over the size limit
+        raise EngineError(str(e)) from None
+
+
+_FILE_GONE = {
+    401: "the key is refused for this file, though the batch's status was read with it",
+    403: "the key may not read this file, though the batch's status was read with it",
+    404: "the provider no longer has this file (deleted, or past its retention); the key and base_url work",
+}
+
+
+def _path_id(ident: str) -> str:
+    """A provider's id as one path segment (an id holding '/' or '?' cannot reach another path)."""
+    return urllib.parse.quote(str(ident), safe="")
 
 
 def _json(response, what: str) -> dict:
@@ -159,13 +175,18 @@ class Provider:
         self.api_key = api_key
         self.model = processor.model or processor.server_args.model_path
 
-    def retry_args(self) -> dict:
-        return {
-            "attempts": int(self.processor.max_retries) + 1, "base_delay": 2.0, "multiplier": 2.0,
-            "timeout": float(self.processor.request_timeout),
-        }  # fmt: skip
+    def retry_policy(self) -> RetryPolicy:
+        """Each API call: ``max_retries`` retries of an outage, 2 s doubling up to 60 s between them."""
+        return RetryPolicy(
+            int(self.processor.max_retries), 2.0, CALL_MAX_DELAY_SECONDS, float(self.processor.request_timeout), "request_timeout"
+        )
 
     def headers(self) -> dict:
+        """Headers every call carries that are not secrets."""
+        return {}
+
+    def credentials(self) -> dict:
+        """The key's header: sent to base_url's origin only (transport/http_client.py)."""
         raise NotImplementedError
 
     def body(self, request: Request) -> dict:
@@ -211,7 +232,7 @@ class OpenAIBatches(Provider):
     name = "openai"
     ENDED = {"completed", "failed", "expired", "cancelled"}
 
-    def headers(self) -> dict:
+    def credentials(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def body(self, request: Request) -> dict:
@@ -234,9 +255,9 @@ class OpenAIBatches(Provider):
 
     async def submit(self, client, key: str, spool: Path, count: int) -> dict:
         what = f"POST {redact_text(self.base_url)}/files"
-        with open(spool, "rb") as f:
-            response = await call(client, "POST", f"{self.base_url}/files", what=what, data={"purpose": "batch"},
-                                  files={"file": (f"{key}.jsonl", f, "application/jsonl")}, **self.retry_args())  # fmt: skip
+        data = await asyncio.to_thread(spool.read_bytes)
+        form, form_type = multipart_form({"purpose": "batch"}, "file", f"{key}.jsonl", data, "application/jsonl")
+        response = await call(client, "POST", "/files", what=what, body=form, content_type=form_type, policy=self.retry_policy())
         if not 200 <= response.status_code < 300:
             raise ProviderRefused(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
         file_id = _json(response, what).get("id")
@@ -248,7 +269,7 @@ class OpenAIBatches(Provider):
             "metadata": metadata,
         }
         what = f"POST {redact_text(self.base_url)}/batches"
-        response = await call(client, "POST", f"{self.base_url}/batches", what=what, json=body, **self.retry_args())
+        response = await call(client, "POST", "/batches", what=what, body=dumps(body), policy=self.retry_policy())
         if not 200 <= response.status_code < 300:
             raise ProviderRefused(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
         data = _json(response, what)
@@ -258,7 +279,8 @@ class OpenAIBatches(Provider):
         after, what = None, f"GET {redact_text(self.base_url)}/batches"
         for _ in range(20):  # the 2,000 newest batches: a chunk recorded minutes before a kill is among them
             params = {"limit": 100, **({"after": after} if after else {})}
-            response = await call(client, "GET", f"{self.base_url}/batches", what=what, params=params, **self.retry_args())
+            path = "/batches?" + urllib.parse.urlencode(params)
+            response = await call(client, "GET", path, what=what, policy=self.retry_policy())
             if not 200 <= response.status_code < 300:
                 return None
             data = _json(response, what)
@@ -272,7 +294,7 @@ class OpenAIBatches(Provider):
 
     async def poll(self, client, batch_id: str) -> BatchState:
         what = f"GET {redact_text(self.base_url)}/batches/{batch_id}"
-        response = await call(client, "GET", f"{self.base_url}/batches/{batch_id}", what=what, **self.retry_args())
+        response = await call(client, "GET", f"/batches/{_path_id(batch_id)}", what=what, policy=self.retry_policy(), hint=False)
         if not 200 <= response.status_code < 300:
             raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
         data = _json(response, what)
@@ -281,7 +303,7 @@ class OpenAIBatches(Provider):
 
     async def cancel(self, client, batch_id: str) -> None:
         what = f"POST {redact_text(self.base_url)}/batches/{batch_id}/cancel"
-        await call(client, "POST", f"{self.base_url}/batches/{batch_id}/cancel", what=what, **self.retry_args())
+        await call(client, "POST", f"/batches/{_path_id(batch_id)}/cancel", what=what, policy=self.retry_policy())
 
     async def download(self, client, state: BatchState, dest: Path) -> None:
         from mirageflow.files import atomic_write_bytes
@@ -292,7 +314,14 @@ class OpenAIBatches(Provider):
             if not file_id:
                 continue
             what = f"GET {redact_text(self.base_url)}/files/{file_id}/content"
-            response = await call(client, "GET", f"{self.base_url}/files/{file_id}/content", what=what, **self.retry_args())
+            try:
+                response = await call(
+                    client, "GET", f"/files/{_path_id(file_id)}/content", what=what, policy=self.retry_policy(), hint=False
+                )
+            except PermanentAnswer as e:
+                raise PermanentAnswer(
+                    f"{e} ({_FILE_GONE[e.status]}: the {field} {file_id} of batch {state.raw.get('id')})", e.status
+                ) from None
             if not 200 <= response.status_code < 300:
                 raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
             content = response.content
@@ -362,10 +391,10 @@ class AnthropicBatches(Provider):
     _STOP = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "stop", "pause_turn": "stop"}
 
     def headers(self) -> dict:
-        headers = {"anthropic-version": ANTHROPIC_VERSION}
-        if self.api_key:
-            headers["x-api-key"] = self.api_key
-        return headers
+        return {"anthropic-version": ANTHROPIC_VERSION}
+
+    def credentials(self) -> dict:
+        return {"x-api-key": self.api_key} if self.api_key else {}
 
     def body(self, request: Request) -> dict:
         params = dict(request.sampling_params)
@@ -421,8 +450,7 @@ class AnthropicBatches(Provider):
         raw = await asyncio.to_thread(spool.read_bytes)
         content = b'{"requests":[' + b",".join(raw.splitlines()) + b"]}"
         what = f"POST {redact_text(self.base_url)}/v1/messages/batches"
-        response = await call(client, "POST", f"{self.base_url}/v1/messages/batches", what=what, content=content,
-                              headers={"content-type": "application/json"}, **self.retry_args())  # fmt: skip
+        response = await call(client, "POST", "/v1/messages/batches", what=what, body=content, policy=self.retry_policy())
         if not 200 <= response.status_code < 300:
             raise ProviderRefused(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
         data = _json(response, what)
@@ -430,7 +458,9 @@ class AnthropicBatches(Provider):
 
     async def poll(self, client, batch_id: str) -> BatchState:
         what = f"GET {redact_text(self.base_url)}/v1/messages/batches/{batch_id}"
-        response = await call(client, "GET", f"{self.base_url}/v1/messages/batches/{batch_id}", what=what, **self.retry_args())
+        response = await call(
+            client, "GET", f"/v1/messages/batches/{_path_id(batch_id)}", what=what, policy=self.retry_policy(), hint=False
+        )
         if not 200 <= response.status_code < 300:
             raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
         data = _json(response, what)
@@ -439,7 +469,7 @@ class AnthropicBatches(Provider):
 
     async def cancel(self, client, batch_id: str) -> None:
         what = f"POST {redact_text(self.base_url)}/v1/messages/batches/{batch_id}/cancel"
-        await call(client, "POST", f"{self.base_url}/v1/messages/batches/{batch_id}/cancel", what=what, **self.retry_args())
+        await call(client, "POST", f"/v1/messages/batches/{_path_id(batch_id)}/cancel", what=what, policy=self.retry_policy())
 
     async def download(self, client, state: BatchState, dest: Path) -> None:
         from mirageflow.files import atomic_write_bytes
@@ -448,7 +478,16 @@ class AnthropicBatches(Provider):
         if not url:
             raise EngineError(f"Anthropic batch {state.raw.get('id')} ended without a results_url")
         what = f"GET {redact_text(url)}"
-        response = await call(client, "GET", url, what=what, **self.retry_args())
+        policy = self.retry_policy()
+        try:  # results_url is named by the answer: the key goes with it only on base_url's origin (transport/fetch.py)
+            response = await with_retries(
+                lambda: get_url(client, url, timeout=policy.timeout, max_bytes=RESULTS_MAX_BYTES), policy=policy, what=what,
+                permanent_raises=True,
+            )  # fmt: skip
+        except PermanentStatus as e:
+            raise PermanentAnswer(f"{e} ({_FILE_GONE[e.status]}: the results of batch {state.raw.get('id')})", e.status) from None
+        except TransportError as e:
+            raise EngineError(str(e)) from None
         if not 200 <= response.status_code < 300:
             raise EngineError(f"{what}: HTTP {response.status_code}: {error_message(response.content)}")
         content = response.content

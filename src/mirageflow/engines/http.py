@@ -1,33 +1,31 @@
-"""Shared machinery (not an engine): HTTP helpers, and how engine error messages are classified.
+"""Shared machinery (not an engine): the engines' side of HTTP, and how engine error messages
+are classified.
 
-The HTTP helpers (retries with backoff and jitter, error classification, Prometheus text)
-are used by ``sglang_server`` and ``openai``; their HTTP client is engines/http_client.py
-(a small keep-alive HTTP/1.1 client: the libraries cost too much CPU per request, see
-there). The private event loop these engines keep for what is not a request is
-``LoopEngine`` (engines/loop.py).
+The transport (the client, the retry policy, classification of statuses, credentials) is
+the transport room (transport/); here: ``post_with_retries`` (its retries as engine
+errors), the row-error class of an engine's message, Prometheus text. The private event
+loop these engines keep for what is not a request is ``LoopEngine`` (engines/loop.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import random
 import re
 import socket
 from typing import Any, Awaitable, Callable
 
 from mirageflow.engines.base import EngineError, EngineStopped  # noqa: F401
 from mirageflow.engines.wire import Completion
-from mirageflow.engines.http_client import DeadlineExceeded, HTTPClient, Response, ResponseTooLarge, TransportError, dumps
+from mirageflow.transport.http_client import HTTPClient, Response, ResponseTooLarge, TransportError, dumps
+from mirageflow.transport.retry import PERMANENT_STATUS, RetryPolicy, with_retries
+from mirageflow.transport.retry import RETRY_STATUS, backoff_delay, error_message  # noqa: F401 - the engines import them from here
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.redact import redact, redact_text  # noqa: F401 - the engines import them from here
 # EngineError and EngineStopped live in base (imported here for the engines' convenience).
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # worth another try
-FATAL_STATUS = {401, 403, 404}  # wrong key, URL or model: every request would fail
+FATAL_STATUS = PERMANENT_STATUS  # wrong key, URL or model: every request would fail (transport/retry.py classifies)
 # Messages that say the prompt does not fit, from SGLang (tokenizer manager: "The input (N
 # tokens) is longer than the model's context length"; scheduler, srt/managers/utils.py
 # validate_input_length: "Input length (N tokens) exceeds the maximum allowed length";
@@ -99,36 +97,6 @@ def stderr_tail(lines: int = 30) -> str | None:
     return b"".join(tail).decode("utf-8", "replace").rstrip() or None
 
 
-def error_message(body: bytes | str, limit: int = 500) -> str:
-    """The human part of an error response: OpenAI's {"error": {"message"}}, SGLang's, or the text."""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()[:limit]
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            msg = err.get("message") or err.get("detail") or data.get("message")
-        else:
-            msg = err
-        if msg:
-            return str(msg)[:limit]
-    return text.strip()[:limit]
-
-
-def backoff_delay(attempt: int, base: float, cap: float, retry_after: str | None = None) -> float:
-    """Exponential backoff with jitter (half fixed, half random); honours Retry-After seconds."""
-    delay = min(cap, base * 2**attempt)
-    delay = delay / 2 + random.uniform(0, delay / 2)
-    if retry_after:
-        try:
-            delay = max(delay, min(cap, float(retry_after)))
-        except ValueError:  # an HTTP date: ignore
-            pass
-    return delay
-
-
 async def post_with_retries(
     client: HTTPClient,
     path: str,
@@ -142,52 +110,28 @@ async def post_with_retries(
     on_transport_error: Callable[[], Awaitable[None]] | None = None,
     final: Callable[[Any], bool] | None = None,
 ) -> Response:
-    """POST ``body`` as JSON to ``path`` (under the client's base URL); retry connection
-    errors, deadlines, 429, 5xx and a 2xx whose body is not JSON, with backoff.
+    """POST ``body`` as JSON to ``path`` (under the client's base URL) under the transport's
+    one retry policy (transport/retry.py): connection errors, deadlines, 429, 5xx and a 2xx
+    whose body is not JSON are retried with backoff.
 
     Returns the final response (2xx with a JSON body, already decoded: ``response.json()``,
-    or a non-retryable status). Each attempt has ``timeout`` seconds in all (connect, send,
-    the whole answer), so a frozen server fails the request within (max_retries + 1) x
-    timeout plus the backoff. Raises EngineError once ``max_retries`` retries are spent, or
-    at once for an answer over the client's size limit. ``on_transport_error`` may raise
+    or a status that is not retried: the engine reads 401/403/404 itself). Each attempt has
+    ``timeout`` seconds in all, so a frozen server fails the request within (max_retries +
+    1) x timeout plus the backoff. Raises EngineError once ``max_retries`` retries are spent,
+    or at once for an answer over the client's size limit. ``on_transport_error`` may raise
     instead of retrying (e.g. when the server process is gone). ``final(response)`` true: a
     retryable status that is this request's own answer (SGLang's 500 for a grammar
     failure) is returned as is.
     """
     data = dumps(body)  # once, whatever the number of attempts
-    last = ""
-    for attempt in range(max_retries + 1):
-        retry_after = None
-        try:
-            response = await client.post(path, data, timeout=timeout)
-        except ResponseTooLarge as e:  # the same answer again on a retry
-            raise EngineError(f"{what}: {e}") from None
-        except TransportError as e:
-            if isinstance(e, DeadlineExceeded):
-                last = f"no answer within request_timeout={timeout:g} s"
-            else:
-                last = f"{type(e).__name__}: {e}"
-            if on_transport_error is not None:
-                await on_transport_error()
-        else:
-            status = response.status_code
-            if 200 <= status < 300:
-                try:
-                    response.json()
-                    return response
-                except ValueError:  # a proxy's HTML page, a truncated answer: a transient server error
-                    last = f"HTTP {status} with a body that is not JSON: {response.text.strip()[:200]!r}"
-            elif status not in RETRY_STATUS or (final is not None and final(response)):
-                return response
-            else:
-                last = f"HTTP {status}: {error_message(response.content, 200)}"
-                retry_after = response.headers.get("retry-after")
-        if attempt == max_retries:
-            break
-        delay = backoff_delay(attempt, base_delay, max_delay, retry_after)
-        log.debug("%s: %s; retry %d/%d in %.2f s", what, last, attempt + 1, max_retries, delay)
-        await asyncio.sleep(delay)
-    raise EngineError(f"{what}: gave up after {max_retries} retries ({max_retries + 1} attempts); last error: {last}")
+    policy = RetryPolicy(max_retries, base_delay, max_delay, timeout, "request_timeout")
+    try:
+        return await with_retries(
+            lambda: client.request("POST", path, data, timeout=timeout), policy=policy, what=what, json_answer=True,
+            on_transport_error=on_transport_error, final=final,
+        )  # fmt: skip
+    except TransportError as e:  # retries spent, or an answer over the size limit
+        raise EngineError(f"{what}: {e}" if isinstance(e, ResponseTooLarge) else str(e)) from None
 
 
 _METRIC_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")

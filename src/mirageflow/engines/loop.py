@@ -5,7 +5,7 @@ the HTTP backends, the engine service's client).
 ``generate_one`` call into it (``_in_engine_loop``). SGLang's tokenizer manager binds to the
 first loop that uses it; with a private loop it works whatever loop, or sequence of
 ``asyncio.run`` calls, the caller uses. The HTTP engines instead run each request in the
-caller's own loop (``_on_caller_loop``): their client (engines/http_client.py) opens its
+caller's own loop (``_on_caller_loop``): their client (transport/http_client.py) opens its
 connections in whichever loop runs it, and a hop to another thread and back costs about
 as much CPU as the whole HTTP exchange (BENCHMARKS.md, "HTTP client overhead":
 bare_ours_thread_hop against bare_ours); their private loop only serves what is not a

@@ -39,7 +39,7 @@ prompt goes to ``POST {base_url}/completions`` as is.
   exponential backoff and jitter (Retry-After honoured) up to ``max_retries`` times, then the
   request fails with EngineError naming the URL (the shard fails: the endpoint is
   unusable). 401, 403 and 404 fail at once the same way; other 4xx answers fail only their row.
-- Transport: engines/http_client.py (keep-alive HTTP/1.1, orjson), with the environment's
+- Transport: transport/http_client.py (keep-alive HTTP/1.1, orjson), with the environment's
   proxies (HTTP(S)_PROXY, NO_PROXY). ``base_url`` may carry a query string (kept on every
   request) and userinfo (Basic auth when no ``api_key_env``); messages and status files
   show it with the password and query values masked.
@@ -59,7 +59,7 @@ from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, rejected
-from mirageflow.engines.http_client import HTTPClient, display_url
+from mirageflow.transport.http_client import HTTPClient, display_url
 from mirageflow.engines.loop import LoopEngine
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class OpenAIEngine(LoopEngine):
     def load(self) -> None:
         if not self.base_url:
             raise EngineError("backend openai needs processors[].base_url (e.g. http://host:30000/v1)")
-        headers = {}
+        credentials = {}  # sent to base_url's origin only; they take precedence over its userinfo
         name = self.processor.api_key_env
         if name:
             key = os.environ.get(name)
@@ -126,10 +126,10 @@ class OpenAIEngine(LoopEngine):
                     f"backend openai: the environment variable {name} (processors[].api_key_env) is "
                     "not set or empty; export the API key in it before running"
                 )
-            headers["Authorization"] = f"Bearer {key}"
+            credentials["Authorization"] = f"Bearer {key}"
         try:  # requests run in the caller's loop (LoopEngine._on_caller_loop), at most max_inflight at once
             self._client = HTTPClient(
-                self.base_url, headers=headers, max_connections=self.max_inflight, timeout=float(self.processor.request_timeout)
+                self.base_url, credentials=credentials, max_connections=self.max_inflight, timeout=float(self.processor.request_timeout)
             )
         except ValueError as e:
             raise EngineError(f"backend openai: processors[].base_url: {e}") from None

@@ -93,7 +93,7 @@ class ServerMetrics:
 
     def scrape(self) -> dict | None:
         """The named metrics now (None, and the error kept, when the server does not answer)."""
-        from mirageflow.engines.http_client import get_blocking
+        from mirageflow.transport.http_client import get_blocking
 
         try:
             r = get_blocking(self.url, 10.0)

@@ -1,5 +1,5 @@
-"""An inference server run as a child of the job (not an engine): what ``sglang_server`` and
-``vllm_server`` share.
+"""An inference server run as a child of the job (not an engine): the one launcher of
+``sglang_server``, ``vllm_server`` and image_gen's SGLang diffusion server.
 
 ``ServerProcess`` starts the server's command in its own process group (``start_new_session``)
 with stdout and stderr appended to a log file, watches it from a daemon thread (``on_exit``
@@ -111,11 +111,13 @@ class ServerProcess:
     def poll(self) -> int | None:
         return self.process.poll() if self.process is not None else None
 
-    def wait_healthy(self, base_url: str, path: str, timeout: float, poll_interval: float = 0.1) -> float:
+    def wait_healthy(
+        self, base_url: str, path: str, timeout: float, poll_interval: float = 0.1, timeout_name: str = "server_start_timeout"
+    ) -> float:
         """Poll ``GET base_url + path`` until it answers 200; the seconds it took since start.
         EngineError (with the log's tail) when the process exits first or ``timeout``
         seconds pass."""
-        from mirageflow.engines.http_client import TransportError, get_blocking
+        from mirageflow.transport.http_client import TransportError, get_blocking
 
         base_url = base_url.rstrip("/")
         deadline = time.monotonic() + timeout
@@ -130,7 +132,7 @@ class ServerProcess:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineError(
-                    f"{self.name} did not become healthy within server_start_timeout={timeout:g} s "
+                    f"{self.name} did not become healthy within {timeout_name}={timeout:g} s "
                     f"(GET {path} never answered 200); last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self.tail()}"
                 )
             try:
@@ -140,6 +142,16 @@ class ServerProcess:
                 pass
             time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
             interval = min(interval * 1.5, 2.0)
+
+    def terminate(self) -> None:
+        """SIGTERM the server's process group now, without waiting (a stop signal reached the
+        job); ``kill`` later waits for it and sweeps what is left."""
+        self.closing = True
+        if self.process is not None and not self._killed:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def kill(self, grace: float = 15.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after ``grace`` seconds."""

@@ -4,7 +4,7 @@ The shard job starts ``python -m sglang.launch_server --model-path M --host 127.
 --port P --tp-size N --dp-size D [server args as flags]`` in its own process group on a
 free port, waits for ``GET /health_generate`` to answer 200, then posts each request to the
 native ``POST /generate`` (``{"input_ids", "sampling_params"}`` -> ``{"text", "meta_info"}``),
-up to ``max_inflight`` at once over keep-alive connections (engines/http_client.py), in the
+up to ``max_inflight`` at once over keep-alive connections (transport/http_client.py), in the
 caller's event loop.
 
 - Prompts: with ``apply_chat_template`` the rendered template goes as token ids with
@@ -65,7 +65,7 @@ from mirageflow.engines.http import (
     redact,
     rejected,
 )
-from mirageflow.engines.http_client import HTTPClient
+from mirageflow.transport.http_client import HTTPClient
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.server_metrics import SGLANG, ServerMetrics
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, log_tail, server_flags  # noqa: F401 - re-exported

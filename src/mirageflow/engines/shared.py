@@ -12,7 +12,7 @@ that path is rendered by the service (``/chat_prompt``).
 
 ``generate_one`` posts the Request's fields and rebuilds the Completion, so token ids,
 BOS handling, JSON grammar and reasoning are the served engine's own. It runs in the
-caller's event loop over keep-alive connections (engines/http_client.py, JSON by orjson);
+caller's event loop over keep-alive connections (transport/http_client.py, JSON by orjson);
 the engine's private loop does the rest (waiting for the service, the heartbeat, prompts
 the service renders). A service that failed to load, died or stopped answering fails the
 shard with an EngineError naming the endpoint file and the service's log, never a hang: a
@@ -39,7 +39,7 @@ from mirageflow.engines.base import EngineError
 from mirageflow.engines.chat_template import ChatTemplate
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.wire import Completion, EngineInfo, Request
-from mirageflow.engines.http_client import HTTPClient, TransportError
+from mirageflow.transport.http_client import HTTPClient, TransportError
 
 WAIT_SECONDS = 3600.0  # for the service to load (a large model on a slow filesystem); $MIRAGEFLOW_ENGINE_WAIT
 HEARTBEAT_SECONDS = 5.0

@@ -45,7 +45,7 @@ from pathlib import Path
 from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import Engine, EngineError
 from mirageflow.engines.http import free_port, redact
-from mirageflow.engines.http_client import get_blocking
+from mirageflow.transport.http_client import get_blocking
 from mirageflow.engines.registry import engine_class
 from mirageflow.engines.server_metrics import ServerMetrics
 from mirageflow.engines.server_process import ServerProcess, server_flags

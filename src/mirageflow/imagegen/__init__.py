@@ -9,7 +9,7 @@ of type image_gen, ``backend``), not what is done with it (prompts/image_outputs
 - ``diffusers`` (diffusers_images.DiffusersImages): a local diffusers pipeline in the shard
   process (CPU or GPU), several prompts per call.
 
-``make_generator`` picks one; nothing heavy (httpx2, torch, diffusers) is imported before
+``make_generator`` picks one; nothing heavy (torch, diffusers) is imported before
 ``load()``.
 """
 

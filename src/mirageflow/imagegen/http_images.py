@@ -14,8 +14,10 @@ row error ``content_filter``; any other 4xx ``image_generation_failed``; a timeo
 (``timeout_seconds`` per attempt), 429 and 5xx are retried ``max_retries`` times with
 backoff, then the row fails (``image_timeout``, ``image_generation_failed``); an answer
 without a readable image is ``image_undecodable``. 401, 403, 404 and a server that cannot be
-reached fail the shard (every row would fail). The key (``api_key_env``) is sent as a
-Bearer token and never written.
+reached fail the shard (every row would fail). The HTTP layer is the transport room
+(transport/: its one retry policy and classification of statuses). The key
+(``api_key_env``) is sent as a Bearer token to base_url's origin only (an image URL the
+answer names elsewhere, or a redirect, is fetched without it) and never written.
 """
 
 from __future__ import annotations
@@ -24,28 +26,26 @@ import asyncio
 import importlib.util
 import logging
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-from collections import deque
 from pathlib import Path
 
 from mirageflow.config.types import ImageGenProcessor
-from mirageflow.engines.http import backoff_delay, error_message, free_port
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.http import free_port
+from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess
 from mirageflow.errors import MirageflowError
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob, decode_b64, decode_image
 from mirageflow.redact import redact, redact_text
+from mirageflow.transport.fetch import get_url
+from mirageflow.transport.http_client import DeadlineExceeded, HTTPClient, ResponseTooLarge, TransportError, dumps
+from mirageflow.transport.retry import PermanentStatus, RetriesExhausted, RetryPolicy, error_message, send_with_retries
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-FATAL_STATUS = {401, 403, 404}
 _POLICY_MARKERS = ("content_policy", "content policy", "safety", "moderation", "content_filter")
 SGLANG_LAUNCHER = ["-m", "sglang.multimodal_gen.runtime.launch_server"]
 SGLANG_INSTALL = 'pip install "sglang[diffusion]==0.5.23" (a GPU environment: see the README\'s GPU section)'
-LOG_TAIL_LINES = 30
 
 
 class GeneratorFailed(MirageflowError, RuntimeError):
@@ -80,94 +80,88 @@ class ExternalImages(ImageGenerator):
         self.base_url = (processor.base_url or "").rstrip("/")
         self.concurrency = processor.max_concurrent_requests if processor.parallel_inference else 1
         self.max_inflight = max(self.concurrency * 2, 8)
-        self._headers: dict[str, str] = {}
-        self._clients: dict[int, tuple] = {}  # id(event loop) -> (httpx2 client, semaphore)
+        self._credentials: dict[str, str] = {}
+        self._clients: dict[int, tuple] = {}  # id(event loop) -> (HTTPClient, the loop): its connections belong to that loop
 
     def load(self) -> None:
-        import httpx2  # noqa: F401 - fail at load when missing
-
         name = self.processor.api_key_env
         if name:
             key = os.environ.get(name)
             if not key:
                 raise GeneratorFailed(f"image_gen: the environment variable {name} (api_key_env) is not set or empty")
-            self._headers["Authorization"] = f"Bearer {key}"
+            self._credentials["Authorization"] = f"Bearer {key}"  # base_url's origin only (transport/http_client.py)
+        try:
+            HTTPClient(self.base_url)
+        except ValueError as e:
+            raise GeneratorFailed(f"image_gen: base_url: {e}") from None
         self.info = {
             "backend": self.backend, "base_url": redact_text(self.base_url), "api_key_env": name,
             "max_concurrent_requests": self.concurrency, "timeout_seconds": self.processor.timeout_seconds,
         }  # fmt: skip
 
-    def _client(self):
-        """This event loop's client (httpx2 clients and semaphores belong to the loop that made them)."""
-        import httpx2
-
+    def _client(self) -> HTTPClient:
+        """This event loop's client (at most ``max_concurrent_requests`` requests at once)."""
         loop = asyncio.get_running_loop()
         found = self._clients.get(id(loop))
-        if found is None or found[2] is not loop:
-            client = httpx2.AsyncClient(headers=self._headers, timeout=float(self.processor.timeout_seconds), follow_redirects=True)
-            found = self._clients[id(loop)] = (client, asyncio.Semaphore(self.concurrency), loop)
-        return found[0], found[1]
+        if found is None or found[1] is not loop:
+            client = HTTPClient(
+                self.base_url, credentials=self._credentials, max_connections=self.concurrency,
+                timeout=float(self.processor.timeout_seconds),
+            )  # fmt: skip
+            found = self._clients[id(loop)] = (client, loop)
+        return found[0]
 
     async def generate(self, job: ImageJob):
-        client, semaphore = self._client()
-        async with semaphore:
-            data = await self._post(client, request_body(job, self.processor.request_model))
-            what = f"{redact_text(self.base_url)}/images/generations"
-            items = data.get("data") if isinstance(data, dict) else None
-            if not isinstance(items, list) or not items or not isinstance(items[0], dict):
-                raise ImageError("image_undecodable", f"{what}: the answer has no data[0] ({str(data)[:200]})")
-            item = items[0]
-            if item.get("b64_json") is not None:
-                return await asyncio.to_thread(decode_b64, item["b64_json"], what)
-            if item.get("url"):
-                raw = await self._fetch(client, item["url"])
-                return await asyncio.to_thread(decode_image, raw, what)
-            raise ImageError("image_undecodable", f"{what}: data[0] holds neither b64_json nor url")
+        client = self._client()
+        data = await self._post(client, request_body(job, self.processor.request_model))
+        what = f"{redact_text(self.base_url)}/images/generations"
+        items = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(items, list) or not items or not isinstance(items[0], dict):
+            raise ImageError("image_undecodable", f"{what}: the answer has no data[0] ({str(data)[:200]})")
+        item = items[0]
+        if item.get("b64_json") is not None:
+            return await asyncio.to_thread(decode_b64, item["b64_json"], what)
+        if item.get("url"):
+            raw = await self._fetch(client, str(item["url"]))
+            return await asyncio.to_thread(decode_image, raw, what)
+        raise ImageError("image_undecodable", f"{what}: data[0] holds neither b64_json nor url")
 
-    async def _post(self, client, body: dict) -> dict:
-        import httpx2
-
-        url = f"{self.base_url}/images/generations"
-        what = f"POST {redact_text(url)}"
+    async def _post(self, client: HTTPClient, body: dict) -> dict:
+        what = f"POST {redact_text(self.base_url)}/images/generations"
         timeout = float(self.processor.timeout_seconds)
-        last_kind, last = "image_generation_failed", ""
-        for attempt in range(int(self.processor.max_retries) + 1):
-            retry_after = None
-            try:
-                response = await asyncio.wait_for(client.post(url, json=body), timeout)
-            except asyncio.TimeoutError:
-                last_kind, last = "image_timeout", f"no image within timeout_seconds={timeout:g}"
-            except httpx2.TransportError as e:
-                if isinstance(e, httpx2.TimeoutException):
-                    last_kind, last = "image_timeout", f"no image within timeout_seconds={timeout:g}"
-                else:
-                    last_kind, last = "unreachable", f"{type(e).__name__}: {e}"
-            else:
-                status = response.status_code
-                if 200 <= status < 300:
-                    try:
-                        return response.json()
-                    except ValueError:
-                        raise ImageError("image_undecodable", f"{what}: the answer is not JSON ({response.text[:200]!r})") from None
-                message = error_message(response.content)
-                if status in FATAL_STATUS:
-                    raise GeneratorFailed(f"{what}: HTTP {status}: {message} (check base_url, the model and the key)")
-                if status not in RETRY_STATUS:
-                    low = response.text.lower()
-                    kind = "content_filter" if any(m in low for m in _POLICY_MARKERS) else "image_generation_failed"
-                    raise ImageError(kind, f"{what}: HTTP {status}: {message}")
-                last_kind, last = "image_generation_failed", f"HTTP {status}: {message}"
-                retry_after = response.headers.get("retry-after")
-            if attempt < self.processor.max_retries:
-                await asyncio.sleep(backoff_delay(attempt, self.retry_base_delay, self.retry_max_delay, retry_after))
-        if last_kind == "unreachable":
-            raise GeneratorFailed(f"{what}: the images server cannot be reached ({last}){self._why_gone()}")
-        raise ImageError(last_kind, f"{what}: {last} (after {self.processor.max_retries} retries)")
-
-    async def _fetch(self, client, url: str) -> bytes:
+        policy = RetryPolicy(int(self.processor.max_retries), self.retry_base_delay, self.retry_max_delay, timeout, "timeout_seconds")
         try:
-            response = await asyncio.wait_for(client.get(url), float(self.processor.timeout_seconds))
-        except Exception as e:  # noqa: BLE001 - the row's image is not there
+            response = await send_with_retries(
+                client, "POST", "/images/generations", dumps(body), policy=policy, what=what, permanent_raises=True
+            )
+        except PermanentStatus as e:
+            raise GeneratorFailed(f"{e} (check base_url, the model and the key)") from None
+        except RetriesExhausted as e:
+            if isinstance(e.last_error, DeadlineExceeded):
+                raise ImageError(
+                    "image_timeout", f"{what}: no image within timeout_seconds={timeout:g} (after {policy.retries} retries)"
+                ) from None
+            if e.last_error is not None:
+                raise GeneratorFailed(f"{what}: the images server cannot be reached ({e}){self._why_gone()}") from None
+            raise ImageError("image_generation_failed", str(e)) from None
+        except ResponseTooLarge as e:
+            raise ImageError("image_undecodable", f"{what}: {e}") from None
+        status = response.status_code
+        if 200 <= status < 300:
+            try:
+                return response.json()
+            except ValueError:
+                raise ImageError("image_undecodable", f"{what}: the answer is not JSON ({response.text[:200]!r})") from None
+        low = response.text.lower()
+        kind = "content_filter" if any(m in low for m in _POLICY_MARKERS) else "image_generation_failed"
+        raise ImageError(kind, f"{what}: HTTP {status}: {error_message(response.content)}")
+
+    async def _fetch(self, client: HTTPClient, url: str) -> bytes:
+        """The image at a URL the answer named: with the key only on base_url's origin, never
+        elsewhere nor after a redirect (OpenAI answers with URLs on its blob storage)."""
+        try:
+            response = await get_url(client, url, timeout=float(self.processor.timeout_seconds))
+        except TransportError as e:  # the row's image is not there
             raise ImageError("image_undecodable", f"GET {redact_text(url)}: {type(e).__name__}: {e}") from None
         if not 200 <= response.status_code < 300:
             raise ImageError("image_undecodable", f"GET {redact_text(url)}: HTTP {response.status_code}")
@@ -182,12 +176,8 @@ class ExternalImages(ImageGenerator):
             await found[0].aclose()
 
     def close(self) -> None:
-        for client, _, loop in list(self._clients.values()):
-            if not loop.is_closed() and not loop.is_running():
-                try:
-                    loop.run_until_complete(client.aclose())
-                except Exception:  # noqa: BLE001 - closing goes on
-                    log.debug("closing the images client failed", exc_info=True)
+        for client, _ in list(self._clients.values()):
+            client.close()  # idle connections closed now; one in use closes when its request ends
         self._clients.clear()
 
 
@@ -206,7 +196,8 @@ def sglang_diffusion_missing() -> str | None:
 
 
 class SGLangDiffusionServer(ExternalImages):
-    """SGLang's diffusion server as a child of the shard job, in its own process group."""
+    """SGLang's diffusion server as a child of the shard job, launched, health-checked and
+    stopped (its whole process tree) by the one launcher, engines/server_process.py."""
 
     backend = "sglang"
     health_poll_interval = 0.2
@@ -216,8 +207,7 @@ class SGLangDiffusionServer(ExternalImages):
         super().__init__(processor)
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mirageflow-sglang-diffusion-"))
         self.log_path = self.log_dir / "sglang_diffusion_server.log"
-        self.process: subprocess.Popen | None = None
-        self._log_offset = 0
+        self.server: ServerProcess | None = None
 
     def command(self, port: int) -> list[str]:
         p = self.processor
@@ -242,81 +232,34 @@ class SGLangDiffusionServer(ExternalImages):
                 raise GeneratorFailed(f"image_gen backend sglang: {missing}")
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}/v1"
-        cmd = self.command(port)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        log.info("starting SGLang's diffusion server: %s (log: %s)", " ".join(redact(cmd)), self.log_path)
-        with open(self.log_path, "ab") as logf:
-            self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.server = ServerProcess("SGLang's diffusion server", self.command(port), self.log_path)
+        log.info("starting SGLang's diffusion server: %s (log: %s)", self.server.shown_command(), self.log_path)
+        self.server.start()
         try:
-            self._wait_healthy(f"http://127.0.0.1:{port}")
+            try:  # GET /health answers 200 once the server has warmed up (503 before)
+                self.server.wait_healthy(
+                    f"http://127.0.0.1:{port}", "/health", float(self.processor.startup_timeout_seconds), self.health_poll_interval,
+                    timeout_name="startup_timeout_seconds",
+                )  # fmt: skip
+            except EngineError as e:
+                raise GeneratorFailed(str(e)) from None
             super().load()
         except BaseException:
             self.close()
             raise
-        self.info.update({"server_command": redact(cmd), "log": str(self.log_path), "pid": self.process.pid})
-
-    def _wait_healthy(self, root: str) -> None:
-        """GET /health answers 200 once the server has warmed up (503 before)."""
-        import httpx2
-
-        deadline = time.monotonic() + float(self.processor.startup_timeout_seconds)
-        interval = self.health_poll_interval
-        with httpx2.Client(timeout=5.0) as client:
-            while True:
-                rc = self.process.poll()
-                if rc is not None:
-                    raise GeneratorFailed(f"SGLang's diffusion server exited with code {rc} before it became healthy{self._tail()}")
-                try:
-                    if client.get(f"{root}/health").status_code == 200:
-                        return
-                except httpx2.TransportError:
-                    pass
-                if time.monotonic() >= deadline:
-                    raise GeneratorFailed(
-                        f"SGLang's diffusion server did not answer GET /health with 200 within "
-                        f"startup_timeout_seconds={self.processor.startup_timeout_seconds:g}{self._tail()}"
-                    )
-                time.sleep(interval)
-                interval = min(interval * 1.5, 2.0)
-
-    def _tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self._log_offset)
-                lines = deque(f, maxlen=LOG_TAIL_LINES)
-        except OSError:
-            return ""
-        text = b"".join(lines).decode("utf-8", "replace").rstrip()
-        return f"; last {LOG_TAIL_LINES} lines of {self.log_path}:\n{redact_text(text)}" if text else f" ({self.log_path} is empty)"
+        self.info.update({"server_command": redact(self.server.command), "log": str(self.log_path), "pid": self.server.pid})
 
     def _why_gone(self) -> str:
-        rc = self.process.poll() if self.process is not None else None
-        return f": the server exited with code {rc}{self._tail()}" if rc is not None else ""
+        rc = self.server.poll() if self.server is not None else None
+        if rc is None:
+            return ""
+        return f": the server exited with code {rc}; last {LOG_TAIL_LINES} lines of {self.log_path}:\n{redact_text(self.server.tail())}"
 
     def stop(self) -> None:
-        self._terminate(wait=False)
-
-    def _terminate(self, wait: bool = True) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        if not wait:
-            return
-        try:
-            process.wait(timeout=self.kill_grace)
-        except subprocess.TimeoutExpired:
-            log.warning("SGLang's diffusion server did not stop within %.0f s of SIGTERM: killing it", self.kill_grace)
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # also children that outlived the leader
-        except ProcessLookupError:
-            pass
-        process.wait()
+        if self.server is not None:
+            self.server.terminate()
 
     def close(self) -> None:
         super().close()
-        self._terminate()
+        if self.server is not None:
+            self.server.kill(self.kill_grace)

@@ -64,7 +64,6 @@ STAGE = "image"
 DEFAULT_MAX_PIXELS = 36_000_000  # 6000 x 6000; Pillow's own bomb check starts at ~89 M
 DEFAULT_MAX_BYTES = 20 << 20  # MMIRAGE's cap on remote images
 REMOTE_DEADLINE_SECONDS = 30.0  # one remote image, all included (connection, redirects, every byte)
-REMOTE_READ_TIMEOUT_SECONDS = 20.0  # MMIRAGE's timeout, now per connection and read
 _PASSTHROUGH = {"JPEG": "image/jpeg", "PNG": "image/png"}
 _DATA_URI = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[\w.+-]+)*)(;base64)?,", re.I)
 # Stands for an image variable while its prompt renders (private-use code points: never in
@@ -199,28 +198,31 @@ def _data_uri_bytes(value: str, name: str) -> bytes:
 
 
 def _fetch(url: str, name: str, max_bytes: int, deadline_seconds: float | None = None) -> bytes:
-    """The body of ``url``, within a total deadline: the download runs in a thread of its own
-    and is abandoned (its connection closed) when the deadline passes, however the server
-    trickles its answer."""
-    import concurrent.futures
+    """The body of ``url`` through the transport (transport/fetch.py: no credentials, redirects
+    followed), within a total deadline however the server trickles its answer, at most
+    ``max_bytes`` bytes. It runs in a thread of its own: the caller may be inside an event loop."""
+    from mirageflow.transport.fetch import get_url_blocking
+    from mirageflow.transport.http_client import DeadlineExceeded, ResponseTooLarge, TransportError
 
     deadline_seconds = REMOTE_DEADLINE_SECONDS if deadline_seconds is None else deadline_seconds
-    state: dict = {"response": None, "stop": False}
-    future = _fetch_pool().submit(_download, url, name, max_bytes, deadline_seconds, state)
     try:
-        return future.result(timeout=deadline_seconds)
-    except concurrent.futures.TimeoutError:
-        state["stop"] = True
-        response = state["response"]
-        if response is not None:
-            try:
-                response.close()  # wakes the download thread up (its next read fails)
-            except Exception:  # noqa: BLE001 - best effort: the thread ends at its read timeout anyway
-                pass
+        response = _fetch_pool().submit(get_url_blocking, url, timeout=deadline_seconds, max_bytes=max_bytes).result()
+    except ResponseTooLarge as e:
+        raise _error(E.IMAGE_TOO_LARGE, name, url, f"more than max_bytes ({max_bytes}) bytes: {_scrub(e)}") from None
+    except DeadlineExceeded:
         raise _error(
             E.IMAGE_REMOTE_UNREACHABLE, name, url,
             f"the download did not finish within {deadline_seconds:g} s (the deadline for one remote image)",
         ) from None  # fmt: skip
+    except (TransportError, ValueError) as e:  # DNS, connection refused, TLS, a proxy: the network
+        raise _error(
+            E.IMAGE_REMOTE_UNREACHABLE, name, url,
+            f"cannot download it ({type(e).__name__}: {_scrub(e)}); no network may be reachable from this job "
+            "(cluster nodes often have none): download the images beforehand and use local paths",
+        ) from None  # fmt: skip
+    if response.status_code != 200:
+        raise _error(E.IMAGE_MISSING, name, url, f"the server answered HTTP {response.status_code}")
+    return response.content
 
 
 @functools.cache
@@ -228,37 +230,6 @@ def _fetch_pool():
     import concurrent.futures
 
     return concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="image-fetch")
-
-
-def _download(url: str, name: str, max_bytes: int, deadline_seconds: float, state: dict) -> bytes:
-    import httpx2
-
-    per_op = min(REMOTE_READ_TIMEOUT_SECONDS, deadline_seconds)
-    try:
-        with httpx2.stream("GET", url, timeout=per_op, follow_redirects=True) as response:
-            state["response"] = response
-            if response.status_code != 200:
-                raise _error(E.IMAGE_MISSING, name, url, f"the server answered HTTP {response.status_code}")
-            declared = response.headers.get("content-length")
-            if declared and declared.isdigit() and int(declared) > max_bytes:
-                raise _error(E.IMAGE_TOO_LARGE, name, url, f"{declared} bytes (Content-Length), more than max_bytes ({max_bytes})")
-            chunks, size = [], 0
-            for chunk in response.iter_bytes():
-                if state["stop"]:
-                    raise TimeoutError("past the deadline")
-                size += len(chunk)
-                if size > max_bytes:
-                    raise _error(E.IMAGE_TOO_LARGE, name, url, f"more than max_bytes ({max_bytes}) bytes")
-                chunks.append(chunk)
-            return b"".join(chunks)
-    except RowError:
-        raise
-    except Exception as e:  # noqa: BLE001 - DNS, connection refused, timeout, TLS: the network
-        raise _error(
-            E.IMAGE_REMOTE_UNREACHABLE, name, url,
-            f"cannot download it ({type(e).__name__}: {_scrub(e)}); no network may be reachable from this job "
-            "(cluster nodes often have none): download the images beforehand and use local paths",
-        ) from None  # fmt: skip
 
 
 def _read_file(path: str, shown: str, name: str, max_bytes: int) -> tuple[bytes, list[int]]:

@@ -144,6 +144,28 @@ class BatchLedger:
             return [{"chunk": k, **{f: e.get(f) for f in keys if f in e}} for k, e in self.entries.items()]
 
 
+def abandon_batch(ledger_path: Path, batch_id: str) -> list[str]:
+    """Mark the chunks of ``batch_id`` in one shard's batches.json ``abandoned`` (atomically),
+    so that the shard's next attempt no longer waits for that batch and submits its requests
+    again (``mmirage retry --resubmit-batch``: a batch the provider no longer knows or lets
+    this key read). Returns the chunk keys marked; [] when the file does not list it."""
+    try:
+        saved = json.loads(Path(ledger_path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    batches = saved.get("batches") if isinstance(saved, dict) else None
+    if not isinstance(batches, dict):
+        raise ValueError(f"{ledger_path} is not a batch ledger (no batches)")
+    keys = [k for k, e in batches.items() if isinstance(e, dict) and e.get("batch_id") == batch_id]
+    for key in keys:
+        batches[key].update(
+            state="abandoned", abandoned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), abandoned_by="resubmit-batch"
+        )
+    if keys:
+        atomic_write_text(Path(ledger_path), json.dumps(saved, indent=1, default=str) + "\n")
+    return keys
+
+
 class ImageLedger:
     """The images one shard wrote, with their size, hash and seed (resume reuses them)."""
 

@@ -1,5 +1,6 @@
-"""The HTTP transport of the engines that talk HTTP (``openai``, ``sglang_server``, the shard
-client of the engine service): a small keep-alive HTTP/1.1 client over asyncio streams.
+"""The HTTP client of every module that speaks HTTP (the engines ``openai``, ``sglang_server``
+and ``batch_api``, the shard client of the engine service, image generation, remote image
+inputs): a small keep-alive HTTP/1.1 client over asyncio streams, bound to one origin.
 
 Why not a library: on a short-answer pipeline the client sets the pace, and each row may
 cost at most 0.25 ms of client CPU in all (issue 29). Measured by
@@ -23,9 +24,15 @@ what the engines need:
   each read: a server that trickles a byte a second fails at the deadline
   (``DeadlineExceeded``). ``connect_timeout`` bounds connecting on its own.
 - URL: the path of ``base_url`` prefixes every request path, its query string is kept on
-  every request (``?key=...`` endpoints), its userinfo becomes Basic auth (as httpx did)
-  unless ``headers`` bring an Authorization. ``display_url`` masks the password and every
-  query value; errors name URLs only that way. Nothing is logged per request.
+  every request (``?key=...`` endpoints). Requests go only to the origin of ``base_url``
+  (scheme, host, port): the client takes paths, never URLs, so the ``credentials`` it is
+  given (an API key's header, whatever it is called) reach that origin only. A URL named by
+  an answer, and every redirect, is fetched by transport/fetch.py, without credentials.
+  Userinfo in ``base_url`` becomes Basic auth only when no ``credentials`` are given: an API
+  key (``api_key_env``) takes precedence over it. ``display_url`` masks the password and
+  every query value; errors name URLs only that way. Nothing is logged per request.
+- No redirects: a 3xx is returned as it is (transport/fetch.py follows them, without
+  credentials).
 - TLS for ``https`` with httpx2's trust store (``SSL_CERT_FILE``/``SSL_CERT_DIR``, else the
   system's); with ``trust_env`` the proxies of ``HTTP(S)_PROXY``/``ALL_PROXY``/``NO_PROXY``
   (an ``http://`` proxy: absolute-form requests, ``CONNECT`` tunnels for ``https``).
@@ -151,7 +158,10 @@ class HTTPClient:
     ``max_connections`` (None: no limit) caps the requests in flight (so the connections
     open) at once; ``timeout`` (seconds, None: none) is each request's total deadline unless
     the request gives its own. Connections belong to the loop that opened them: requests
-    from another loop (a later ``asyncio.run``) start a new pool.
+    from another loop (a later ``asyncio.run``) start a new pool. ``credentials``: the headers
+    that carry a secret (``Authorization``, ``x-api-key``, ...), sent with every request of
+    this client, which only ever reaches ``base_url``'s origin; they replace base_url's
+    userinfo. ``headers``: other fixed headers.
     """
 
     def __init__(
@@ -159,6 +169,7 @@ class HTTPClient:
         base_url: str,
         *,
         headers: dict[str, str] | None = None,
+        credentials: dict[str, str] | None = None,
         max_connections: int | None = None,
         timeout: float | None = None,
         connect_timeout: float = 30.0,
@@ -178,17 +189,19 @@ class HTTPClient:
             raise ValueError(f"bad port in {self.display}") from None
         self.scheme, self.host = url.scheme, url.hostname
         self.hostport = url.netloc.rpartition("@")[2]
+        self.origin = origin_of(base_url)
         self.prefix, self.query = url.path.rstrip("/"), url.query
         self.timeout, self.connect_timeout, self.max_body_bytes = timeout, connect_timeout, max_body_bytes
         self._ssl = _ssl_context(trust_env) if url.scheme == "https" else None
         sent = {"Host": self.hostport, "User-Agent": "mirageflow", "Accept": "*/*"}
-        if (url.username or url.password) and not any(k.lower() == "authorization" for k in headers or {}):
+        if (url.username or url.password) and not credentials and not any(k.lower() == "authorization" for k in headers or {}):
             sent["Authorization"] = _basic(url.username or "", url.password or "")
         sent.update(headers or {})
+        sent.update(credentials or {})
         self._proxy = _proxy_for(url, trust_env)
-        self._origin = ""  # absolute-form targets through an http proxy
+        self._proxy_prefix = ""  # absolute-form targets through an http proxy
         if self._proxy is not None and self.scheme == "http":
-            self._origin = f"http://{self.hostport}"
+            self._proxy_prefix = f"http://{self.hostport}"
             if self._proxy.username or self._proxy.password:
                 sent["Proxy-Authorization"] = _basic(self._proxy.username or "", self._proxy.password or "")
         for name, value in sent.items():
@@ -213,21 +226,30 @@ class HTTPClient:
     async def get(self, path: str, *, timeout: float | None = ...) -> Response:
         return await self.request("GET", path, timeout=timeout)
 
-    async def post(self, path: str, content: bytes, *, timeout: float | None = ...) -> Response:
-        return await self.request("POST", path, content, timeout=timeout)
+    async def post(self, path: str, content: bytes, *, timeout: float | None = ..., content_type: str | None = None) -> Response:
+        return await self.request("POST", path, content, timeout=timeout, content_type=content_type)
 
     async def post_json(self, path: str, obj: Any, *, timeout: float | None = ...) -> Response:
         return await self.request("POST", path, dumps(obj), timeout=timeout)
 
-    async def request(self, method: str, path: str, body: bytes | None = None, *, timeout: float | None = ...) -> Response:
-        """One request; ``timeout`` (default: the client's) bounds all of it."""
+    async def request(
+        self, method: str, path: str, body: bytes | None = None, *, timeout: float | None = ..., content_type: str | None = None
+    ) -> Response:
+        """One request to this client's origin; ``timeout`` (default: the client's) bounds all
+        of it; a body is JSON unless ``content_type`` says otherwise."""
         if self._closed:
             raise TransportError(f"the HTTP client of {self.display} is closed")
         head = self._heads.get((method, path))
         if head is None:
             head = self._heads[(method, path)] = self._request_head(method, path)
         if body is not None:
-            data = head + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            if content_type is not None:
+                if any(c in content_type for c in "\r\n\0"):
+                    raise ValueError(f"a Content-Type with a line break or NUL: {content_type[:60]!r}")
+                head += b"Content-Type: %s\r\n" % content_type.encode("latin-1")
+                data = head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            else:
+                data = head + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         else:
             data = head + b"\r\n"
         limit = self.timeout if timeout is ... else timeout
@@ -244,7 +266,7 @@ class HTTPClient:
     def _request_head(self, method: str, path: str) -> bytes:
         if len(self._heads) > 64:  # paths are few (an engine's endpoints); a caller varying them does not grow this
             self._heads.clear()
-        target = self._origin + self.prefix + path
+        target = self._proxy_prefix + self.prefix + path
         if self.query:
             target += ("&" if "?" in path else "?") + self.query
         if any(c in target for c in " \r\n\0"):
@@ -322,7 +344,8 @@ class HTTPClient:
                     raise ValueError
             except ValueError:
                 raise TransportError(f"{self.display} answered a malformed Content-Length {headers['content-length'][:40]!r}") from None
-            self._check_size(length)
+            if length > self.max_body_bytes:
+                raise ResponseTooLarge(f"{self.display} answered a body over {self.max_body_bytes:,} bytes (Content-Length: {length:,})")
             content = await reader.readexactly(length)
         else:  # the body ends with the connection
             content, keep = await self._until_eof(reader), False
@@ -434,6 +457,33 @@ def _transport_error(e: BaseException, where: str, what: str = "") -> TransportE
     if isinstance(e, asyncio.LimitOverrunError):
         return TransportError(f"{what}{where}: a header block or chunk-size line over {HEADER_LIMIT:,} bytes")
     return TransportError(f"{what}{where}: {type(e).__name__}: {e}" if str(e) else f"{what}{where}: {type(e).__name__}")
+
+
+def multipart_form(fields: dict[str, str], file_field: str, filename: str, data: bytes, mime: str) -> tuple[bytes, str]:
+    """(body, Content-Type) of a multipart/form-data upload: text ``fields`` and one file."""
+    import secrets
+
+    boundary = "mirageflow-" + secrets.token_hex(16)
+    for value in (*fields, *fields.values(), file_field, filename, mime):
+        if any(c in value for c in '"\r\n\0'):
+            raise ValueError(f"a multipart field name or value with a quote, line break or NUL: {value[:60]!r}")
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode() for name, value in fields.items()]
+    parts.append(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{file_field}"; filename="{filename}"\r\n'
+        f"Content-Type: {mime}\r\n\r\n".encode()
+    )
+    return b"".join(parts) + data + f"\r\n--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def origin_of(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of ``url``, the port made explicit: what credentials are bound to."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"bad port in {display_url(url)}") from None
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), port or (443 if scheme == "https" else 80)
 
 
 def _basic(user: str, password: str) -> str:

@@ -1,0 +1,18 @@
+"""The one HTTP layer of mirageflow: every module that speaks HTTP goes through it (the LLM
+engines, the batch APIs, image generation, remote image inputs).
+
+- ``http_client``: ``HTTPClient``, a keep-alive HTTP/1.1 client bound to one origin (scheme,
+  host, port). Credentials (``credentials=``: an API key's header, whatever it is called)
+  belong to that client and so reach that origin only; an API key takes precedence over
+  userinfo in the base URL. Deadlines per request, a size cap per answer, URLs shown
+  redacted (``display_url``).
+- ``fetch``: a URL an answer names (a batch's results, an image's url, a remote image
+  input) and every redirect target: fetched with a client of its own that carries no
+  credentials, unless the URL is the configured origin itself (``get_url``).
+- ``retry``: the one retry policy: which statuses are transient (``RETRY_STATUS``: retried
+  with exponential backoff and jitter, Retry-After honoured, bounded by ``RetryPolicy``) and
+  which are permanent (``PERMANENT_STATUS``: 401, 403, 404; never retried), classified in
+  one place (``classify``), and the human part of an error answer (``error_message``).
+
+Nothing here imports engines, prompts or imagegen: they all import it.
+"""
