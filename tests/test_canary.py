@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_workflow
+from conftest import run_workflow, shard_jobs
 from fakes.fake_http import FakeServer
 from mirageflow.config import load_config
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.shard import canary as C
 from mirageflow.shard.runner import index_datasets
 from mirageflow.state.layout import StateLayout
+from mirageflow.state.shards import current_fingerprint
 
 ROWS = 10
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -175,6 +179,63 @@ def test_a_failing_canary_stops_before_any_shard_with_its_message(tmp_path, serv
     assert "the canary (3 rows of shard 0) failed, no shard was started: length_cut_share is 100.0 %" in log
     assert "sampling_params.max_new_tokens" in log
     assert "length_cut_share" in proc.stderr  # the run's summary names it too
+
+
+def _records_fingerprints(root: Path, n: int = 2) -> list:
+    paths = StateLayout(root / "state")
+    return [json.loads(paths.status(i).read_text())["records_fingerprint"] for i in range(n)]
+
+
+def _merged(root: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted((root / "out" / "merged").glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_after_each_prompt_edit_the_canary_runs_first_and_then_every_shard(tmp_path, server):
+    """Item 8: an edit, its undo and a run with no change. Each edit runs the canary, then
+    every shard, in that one run; the run after it has nothing to do."""
+    cfg = pipeline(tmp_path, server)
+    run_workflow(tmp_path, cfg)
+    verdict_path = StateLayout(tmp_path / "state").canary_verdict
+    for prompt in ("Summarise briefly: {{ text }}", "Summarise: {{ text }}"):  # the edit, then its undo
+        cfg["processing_params"]["outputs"][0]["prompt"] = prompt
+        proc = run_workflow(tmp_path, cfg)
+        now = current_fingerprint(load_config(copy.deepcopy(cfg)))
+        assert proc.stderr.count("rule canary:") == 1 and shard_jobs(proc) == 2, proc.stderr[-3000:]
+        assert proc.stderr.index("rule canary:") < proc.stderr.index("rule shard:")
+        assert json.loads(verdict_path.read_text())["records_fingerprint"] == now
+        assert _records_fingerprints(tmp_path) == [now, now]  # no shard left with the other prompt's records
+        assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
+        again = run_workflow(tmp_path, cfg)
+        assert "rule canary:" not in again.stderr and shard_jobs(again) == 0, again.stderr[-3000:]
+
+
+def test_a_kill_after_the_canary_s_verdict_then_the_documented_recovery_finishes_every_shard(tmp_path, server):
+    """Item 9: the canary job writes its verdict while the driver cannot register it (stopped,
+    then killed with its jobs); `--unlock` and `--rerun-incomplete` must run the canary and
+    every shard in that one rerun, and merge."""
+    cfg = pipeline(tmp_path, server)
+    paths = StateLayout(tmp_path / "state")
+    server.behaviour.latency = 0.3  # the canary's rows take long enough to stop the driver inside
+    with open(tmp_path / "driver.log", "w") as out:
+        proc = run_workflow(tmp_path, cfg, background=True, stdout=out)
+        deadline = time.monotonic() + 120
+        while not server.records and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.records and proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGSTOP)  # the driver: its canary job goes on and writes the verdict
+        while "canary passed" not in (paths.log("canary").read_text() if paths.log("canary").exists() else ""):
+            assert time.monotonic() < deadline, paths.log("canary").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    server.behaviour.latency = 0.0
+    assert paths.canary_verdict.exists() and not paths.status(0).exists()
+    run_workflow(tmp_path, cfg, "--unlock")
+    proc = run_workflow(tmp_path, cfg, "--rerun-incomplete")
+    assert shard_jobs(proc) == 2, proc.stderr[-3000:]
+    assert paths.status(0).exists() and paths.status(1).exists()
+    assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
+    assert "not run" not in proc.stderr
 
 
 def test_without_canary_rows_there_is_no_canary(tmp_path, server):

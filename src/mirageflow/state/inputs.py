@@ -172,6 +172,29 @@ class ContentChanges:
             return images_changed(self.paths.shard_dir(shard_id), self.cache)
         return None
 
+    def canary(self) -> str | None:
+        """Why the canary's verdict must be made again: it judged the records of another config
+        (its ``records_fingerprint`` is not this config's) while a shard is still to be made
+        under this one. A shard rerun by an edit thus never starts on an earlier config's
+        verdict; when every shard is done under this config there is nothing left to hold."""
+        from mirageflow.state.records import read
+        from mirageflow.state.shards import current_fingerprint, is_done
+
+        if not self.main or not self.cfg.execution.canary_rows:
+            return None
+        verdict, _why = read(self.paths.canary_verdict)
+        if verdict is None:
+            return None  # runs anyway (absent), or Snakemake's incomplete-file check names it
+        if self._records is None:
+            self._records = current_fingerprint(self.cfg)
+        theirs = verdict.get("records_fingerprint")
+        if theirs == self._records:
+            return None
+        n = self.cfg.num_shards
+        if all(is_done(read(self.paths.status(i))[0], n, self._records) for i in range(n)):
+            return None
+        return f"it judged an earlier config's records (records fingerprint {str(theirs)[:12]}, now {self._records[:12]})"
+
     def dataset(self, ds_index: int) -> str | None:
         """Why a dataset must be indexed again: its files changed by content."""
         if not self.main:
