@@ -93,6 +93,29 @@ def test_no_json_output_has_no_json_rate():
     assert E.JSON_TRUNCATED in C.JSON_FAILURES
 
 
+def test_every_row_error_class_counts_not_only_the_answer_classes():
+    """Item 16: 6 of 10 rows failed by template_error (no answer counter judges it) fail the canary."""
+    stats = {**_stats(answers=4, json_answers=4), "rows_processed": 4, "rows_failed": 6, "rows_failed_by_class": {"template_error": 6}}
+    verdict = C.judge(stats)
+    assert not verdict["passed"] and [p.split(" ")[0] for p in verdict["problems"]] == ["other_row_errors_rate"]
+    assert "60.0 % (at most 2 % to pass; template_error 6)" in verdict["problems"][0]
+    # every class of RowErrorClass is judged by exactly one counter
+    assert set(C.ANSWER_CLASSES) <= set(E) and not C.other_classes({"rows_failed_by_class": dict.fromkeys(C.ANSWER_CLASSES, 1)})
+
+
+def test_a_canary_in_front_of_a_batch_api_output_is_refused_by_name(tmp_path):
+    """Item 16: the canary's own batch would hold every shard up to 24 h: refused before any job."""
+    from mirageflow.config import ConfigError
+
+    raw = pipeline(tmp_path, FakeServer())
+    raw["processors"] = [{"type": "batch_api", "provider": "openai", "model": "m", "base_url": "http://127.0.0.1:9/v1", "api_key_env": "K"}]
+    raw["processing_params"]["outputs"][0]["type"] = "batch_api"
+    with pytest.raises(ConfigError, match=r"execution_params\.canary_rows: output\(s\) summary go to a batch_api processor.*24 h"):
+        load_config(raw)
+    raw["execution_params"]["canary_rows"] = None
+    load_config(raw)
+
+
 # --------------------------------------------------------------------------- the job, without Snakemake
 
 
@@ -148,6 +171,19 @@ def test_a_failed_canary_writes_its_verdict_elsewhere_and_a_retry_does_not_rerun
     with pytest.raises(C.CanaryFailed, match="not run again"):
         C.run_canary(cfg, paths.canary_verdict, attempt=2)
     assert len(server.records) == sent
+
+
+def test_a_canary_whose_rows_fail_by_a_template_error_fails_under_any_max_error_rate(tmp_path, server):
+    """Item 16, end to end: max_error_rate 1.0 lets the canary shard finish; 2 of its 3 rows
+    fail by template_error (a division by zero on even rows), and the verdict says so."""
+    raw = pipeline(tmp_path, server, canary_rows=3)
+    raw["processing_params"]["outputs"][0]["prompt"] = "Summarise: {{ text }} {{ 1 // (text[-1] | int % 2) }}"
+    cfg = load_config(copy.deepcopy(raw))
+    index_datasets(cfg)
+    paths = StateLayout(cfg.state_dir)
+    with pytest.raises(C.CanaryFailed, match=r"other_row_errors_rate is 66\.7 % \(at most 2 % to pass; template_error 2\)"):
+        C.run_canary(cfg, paths.canary_verdict)
+    assert not paths.canary_verdict.exists()
 
 
 # --------------------------------------------------------------------------- end to end, local profile
