@@ -126,6 +126,9 @@ def workspace(root: Path, tiny_llm: Path) -> tuple[Path, dict]:
         "MMIRAGE_VLM_NUM_SHARDS": "2",
         "MMIRAGE_VLM_SHARD_ID": "0",
         "MMIRAGE_VLM_BATCH_SIZE": "4",
+        # the configs are checked, not run: the GPU engines they name (sglang) are not in this
+        # environment, whose missing-package refusal tests/test_preflight.py covers
+        "MIRAGEFLOW_SKIP_ENGINE_CHECK": "1",
         # the api_llm and batch_api examples' keys (names only: `mmirage check` refuses an unset one)
         "OPENROUTER_API_KEY": "sk-test",
         "OPENAI_API_KEY": "sk-test",
