@@ -456,10 +456,13 @@ def _warn_damaged(shards: list[dict]) -> None:
 
 
 def _missing_state_dir(cfg: PipelineConfig, config: str) -> str | None:
-    """Why there is nothing to read: the state_dir does not exist (a relative one is relative to the current directory)."""
+    """Why there is nothing to read: the state_dir does not exist (a relative one is relative to the current directory),
+    or it belongs to another pipeline."""
     path = Path(cfg.state_dir)
     if path.is_dir():
-        return None
+        from mirageflow.state.pipeline import state_owner_problem
+
+        return state_owner_problem(cfg)  # another pipeline's shards are not this one's
     where = f"state_dir {path.resolve()} does not exist"
     if not path.is_absolute():
         where += (
