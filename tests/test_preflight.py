@@ -465,3 +465,11 @@ def test_an_image_gen_sglang_backend_without_its_package_is_refused(cfg, tmp_pat
     assert found.startswith("processors[1].backend: image_gen backend sglang launches") and "sglang" in found, found
     cfg["processors"][1]["sglang"]["server_command"] = ["no-such-launcher-xyz"]
     assert one(cfg, PATH=os.environ["PATH"]).startswith("processors[1].sglang.server_command: program 'no-such-launcher-xyz'")
+
+
+def test_a_model_path_with_an_at_revision_points_at_the_revision_key(cfg):
+    """Item 19: `org/name@main` is no directory; the message says how a revision is written."""
+    cfg["processors"][0]["server_args"]["model_path"] = "org/name@main"
+    found = one(cfg)
+    assert found.startswith("processors[0].server_args.model_path: model directory 'org/name@main' does not exist"), found
+    assert "model_path: org/name with processors[0].server_args.revision: main" in found, found

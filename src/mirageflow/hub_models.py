@@ -82,6 +82,15 @@ def is_hub_id(model_path: str, built_models: tuple[str, ...] = WORKFLOW_BUILT_MO
     return bool(HUB_ID.match(model_path)) and not model_path.startswith(".")
 
 
+def revision_hint(model_path: str, key: str) -> str:
+    """For a model_path that is no directory: how to ask for a hub id at a revision, when it
+    looks like ``org/name@rev`` (the hub's own URLs and some tools spell it so), else ""."""
+    repo, at, revision = model_path.partition("@")
+    if not at or not revision or not is_hub_id(repo, ()):
+        return ""
+    return f"; a Hugging Face model id at a revision is written model_path: {repo} with {key}: {revision} (model_path takes no @revision)"
+
+
 def hub_models(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_BUILT_MODELS) -> list[HubModel]:
     """The processors whose model is a hub id and is loaded here (a remote server's model is a name it serves)."""
     from mirageflow.engines import registry

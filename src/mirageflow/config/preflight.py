@@ -496,7 +496,8 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
             source = str(state.snapshot / "config.json") if state.snapshot else f"config.json of {model.label} on the hub"
             model_config = (state.config, source)
     else:
-        problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
+        hint = hub_models.revision_hint(model_path, f"{where}.server_args.revision")
+        problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist{hint}")
     if proc.server_args.revision and not hub_models.is_hub_id(model_path, built_models):
         problems.append(
             f"{where}.server_args.revision: '{proc.server_args.revision}' is a revision of a Hugging Face model id, but "
@@ -565,7 +566,8 @@ def _image_model_problems(cfg: PipelineConfig, proc: ImageGenProcessor, environ:
                 "then set model_path to DIR"
             ]
         return []
-    return [f"{key}: model directory '{path}' does not exist"]
+    block = "pipeline_args" if key.endswith("pipeline_args.model_path") else "sglang"
+    return [f"{key}: model directory '{path}' does not exist" + hub_models.revision_hint(path, f"{where}.{block}.revision")]
 
 
 def _custom_problems(proc: CustomProcessor) -> list[str]:
