@@ -140,7 +140,7 @@ def test_a_pinned_revision_is_part_of_the_records_identity(tmp_path):
 
 
 def test_download_resumes_a_dropped_connection_with_a_range_request(tmp_path):
-    big = os.urandom(12 << 20)  # past huggingface_hub's 10 MB chunk: a dropped body is resumed, not restarted
+    big = _safetensors(os.urandom(12 << 20))  # past huggingface_hub's 10 MB chunk: a dropped body is resumed, not restarted
     hub = FakeHub({"org/big": HubRepo(files={"config.json": b"{}", "model.safetensors": big})}).start()
     try:
         hub.drop_after["model.safetensors"] = 11 << 20
@@ -245,3 +245,54 @@ def test_a_shard_never_downloads_and_says_where_it_looked(tiny_model, tmp_path):
     assert "Jobs never download (HF_HUB_OFFLINE=1)" in log
     failure = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
     assert "is not in the Hugging Face cache" in failure["error"] and failure["reason"] == "could not start the shard"
+
+
+def _safetensors(data: bytes = bytes(16)) -> bytes:
+    """A valid safetensors file holding ``data`` as one F32 tensor: its header (8-byte length, JSON), then the bytes."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [len(data) // 4], "data_offsets": [0, len(data)]}}).encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def test_weights_damaged_after_the_download_are_named_and_fetched_again(tmp_path):
+    """Item 18: a snapshot whose weights file was cut after the download. The driver's look-up
+    names the file and will download it again; offline it is refused with the fix; a job names
+    it with advice that works (the workflow again), and the driver's download repairs it."""
+    weights = _safetensors()
+    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
+    hub = FakeHub({"org/weights": HubRepo(files={"config.json": config, "model.safetensors": weights})}).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    code = (
+        "import sys, json; from mirageflow.config import load_config; from mirageflow.hub_models import download;"
+        "cfg = load_config(json.loads(sys.argv[1]), check_paths=False); print(download(cfg, 'org--weights', sys.argv[2])['snapshot'])"
+    )
+    raw = _config(tmp_path, "org/weights")
+    cfg = load_config(raw, environ={}, check_paths=False)
+
+    def fetch():
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(cfg.raw), str(tmp_path / "marker.json")],
+            env={**env, "HF_ENDPOINT": hub.url}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return Path(proc.stdout.strip())
+
+    try:
+        snapshot = fetch()
+        blob = (snapshot / "model.safetensors").resolve()
+        blob.write_bytes(weights[:40])  # damaged after the download
+        damaged = snapshot / "model.safetensors"
+        (p,) = _problems(raw, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "1"})
+        assert p.startswith(f"processors[0].server_args.model_path: 'org/weights' is in the cache, but its file {damaged} is damaged"), p
+        assert "--force-download" in p
+        hub_models._LOOKUPS.clear()
+        (note,) = hub_model_notes(load_config(raw, environ={"HF_ENDPOINT": hub.url}), {"HF_ENDPOINT": hub.url})
+        assert f"{damaged} is damaged" in note and "will be downloaded" in note and "rule hub_model" in note, note
+        with pytest.raises(RuntimeError, match=r"model\.safetensors is damaged .*Start the workflow again") as err:
+            hub_models.resolve_local(cfg)
+        assert "mmirage retry" in str(err.value) and str(damaged) in str(err.value)
+        sent = len(hub.gets("model.safetensors"))
+        assert fetch() == snapshot and damaged.read_bytes() == weights  # fetched again, whole
+        assert len(hub.gets("model.safetensors")) == sent + 1 == 2
+        assert hub_models.damaged_weights(snapshot) == []
+    finally:
+        hub.stop()

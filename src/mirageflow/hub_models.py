@@ -137,6 +137,43 @@ def cached_snapshot(model: HubModel, cache: Path, revision: str | None = None) -
     return path if (path / "config.json").is_file() else None
 
 
+def damaged_weights(snapshot: Path) -> list[tuple[Path, str]]:
+    """Each ``*.safetensors`` file of a snapshot whose bytes its own header does not describe
+    (cut, overwritten, damaged after the download: huggingface_hub trusts a file it has),
+    with why. Reads each file's header only (8 bytes of length, then its JSON)."""
+    damaged = []
+    for path in sorted(snapshot.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if length < 2 or 8 + length > size:
+                    why = f"its header announces {length} bytes of metadata, the file has {size} bytes"
+                else:
+                    header = json.loads(f.read(length))
+                    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+                    why = None if 8 + length + end == size else f"holds {size} bytes, its header describes {8 + length + end}"
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+            why = f"its header cannot be read ({type(e).__name__}: {e})"
+        if why:
+            damaged.append((path, why))
+    return damaged
+
+
+def _remove_damaged(snapshot: Path) -> list[Path]:
+    """Delete the damaged weights files of a cached snapshot (the link and the blob it points
+    to), so huggingface_hub downloads them again instead of trusting them."""
+    removed = []
+    for path, _why in damaged_weights(snapshot):
+        blob = path.resolve()
+        path.unlink(missing_ok=True)
+        if blob != path:
+            blob.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
 _LOOKUPS: dict[tuple, ModelState] = {}  # one look-up per model and place in a process (preflight, then its notes)
 
 
@@ -152,17 +189,20 @@ def look_up(model: HubModel, cache: Path, environ: Mapping[str, str] | None = No
 
 def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint: str, timeout: float) -> ModelState:
     snapshot = cached_snapshot(model, cache)
-    if snapshot is not None:
+    damaged = damaged_weights(snapshot) if snapshot is not None else []
+    if snapshot is not None and not damaged:
         return ModelState(model, "cached", f"in the cache {snapshot}", snapshot, _read_json(snapshot / "config.json"))
     fetch_fix = (
         f"download it where the hub is reachable (hf download {model.repo_id}"
-        + (f" --revision {model.revision}" if model.revision else "") + f" --cache-dir {cache}), "
-        "or set model_path to a local model directory"
+        + (f" --revision {model.revision}" if model.revision else "") + f" --cache-dir {cache}"
+        + (" --force-download" if damaged else "") + "), or set model_path to a local model directory"
     )  # fmt: skip
+    where = f"is not in the cache {cache}"
+    if damaged:
+        path, why = damaged[0]
+        where = f"is in the cache, but its file {path} is damaged ({why}; {len(damaged)} file(s) in all)"
     if _true(environ.get("HF_HUB_OFFLINE")):
-        return ModelState(
-            model, "cannot", f"is not in the cache {cache}, and HF_HUB_OFFLINE is set here, so it cannot be downloaded: {fetch_fix}"
-        )
+        return ModelState(model, "cannot", f"{where}, and HF_HUB_OFFLINE is set here, so it cannot be downloaded: {fetch_fix}")
     from huggingface_hub import HfApi, hf_hub_url
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -201,12 +241,13 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
         what = type(e).__name__ + (f": {str(e).splitlines()[0]}" if str(e) else "")
         return ModelState(
             model, "cannot",
-            f"is not in the cache {cache}, and the hub {endpoint} does not answer from {socket.gethostname()} ({what}): {fetch_fix}",
+            f"{where}, and the hub {endpoint} does not answer from {socket.gethostname()} ({what}): {fetch_fix}",
         )  # fmt: skip
     files = len(info.siblings or [])
+    again = f"{where}: its damaged files " if damaged else ""
     return ModelState(
         model, "download",
-        f"will be downloaded from {endpoint} (commit {str(info.sha)[:12]}, {files} files) into {cache} by the driver "
+        f"{again}will be downloaded from {endpoint} (commit {str(info.sha)[:12]}, {files} files) into {cache} by the driver "
         "(rule hub_model) before any shard starts",
         config=config if isinstance(config, dict) else None,
     )  # fmt: skip
@@ -234,7 +275,17 @@ def download(cfg, slug: str, output: str) -> dict:
         raise ValueError(f"no processor of this config names the hub model '{slug}'")
     cache = cache_dir(cfg)
     cache.mkdir(parents=True, exist_ok=True)
+    earlier = cached_snapshot(model, cache)
+    if earlier is not None:
+        _remove_damaged(earlier)  # else huggingface_hub keeps them: it trusts a file it has
     path = Path(snapshot_download(model.repo_id, revision=model.revision, cache_dir=cache))
+    damaged = damaged_weights(path)
+    if damaged:
+        raise RuntimeError(
+            f"{model.key}: '{model.label}' was downloaded, but "
+            + "; ".join(f"{p} is damaged ({why})" for p, why in damaged)
+            + ": the hub serves it so, or the disk is failing"
+        )
     marker = {
         "repo_id": model.repo_id,
         "revision": model.revision,
@@ -281,6 +332,14 @@ def resolve_local(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_
                 + ". Jobs never download (HF_HUB_OFFLINE=1): is execution_params.hf_home on a filesystem this node "
                 "shares with the login node? Delete the marker "
                 f"{marker_path(cfg.state_dir, model)} and run again to fetch it anew"
+            )
+        damaged = damaged_weights(path)
+        if damaged:
+            raise RuntimeError(
+                f"{model.key}: '{model.label}' in the Hugging Face cache {cache}: "
+                + "; ".join(f"{p} is damaged ({why})" for p, why in damaged)
+                + ". Start the workflow again (snakemake, mmirage run or mmirage retry): the driver sees the damage "
+                "and downloads those files anew (rule hub_model) before any shard"
             )
         name = by_index[model.processor_index]
         proc = processors[name]  # the snapshot is that revision: the engine gets a directory
