@@ -11,14 +11,6 @@
 # which `--rerun-incomplete` makes again, and the shards with it.
 
 
-def canary_changed(wildcards):
-    """The canary, when its verdict is an earlier config's and a shard is still to run."""
-    CONTENT_CHANGES.force(
-        workflow, str(STATE.canary_verdict), CONTENT_CHANGES.canary(), logger
-    )
-    return []
-
-
 rule canary:
     input:
         indices=index_files(),

@@ -220,6 +220,15 @@ def canary_verdict(wildcards):
     return [str(STATE.canary_verdict)]
 
 
+def canary_changed(wildcards):
+    """The canary, when its verdict is an earlier config's and a shard is still to run
+    (workflow/rules/canary.smk)."""
+    CONTENT_CHANGES.force(
+        workflow, str(STATE.canary_verdict), CONTENT_CHANGES.canary(), logger
+    )
+    return []
+
+
 def default_targets():
     """The report, and each dataset's merge manifest and dedup counts when configured."""
     return state_layout.default_targets(PIPELINE)
