@@ -296,3 +296,45 @@ def test_weights_damaged_after_the_download_are_named_and_fetched_again(tmp_path
         assert hub_models.damaged_weights(snapshot) == []
     finally:
         hub.stop()
+
+
+def test_an_image_gen_hub_id_is_fetched_by_the_driver_as_a_language_model_id_is(tmp_path):
+    """Item 20: an image_gen pipeline named by hub id (MMIRAGE's config_image_gen_sglang.yaml:
+    Qwen/Qwen-Image) is looked up, fetched by the hub_model rule and read offline by the jobs."""
+    index = json.dumps({"_class_name": "TinyPipeline"}).encode()
+    hub = FakeHub({"org/tiny-image": HubRepo(files={"model_index.json": index, "unet/model.safetensors": _safetensors()})}).start()
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(2)))
+    raw = {
+        "processors": [{"type": "image_gen", "backend": "diffusers", "pipeline_args": {"model_path": "org/tiny-image", "device": "cpu"}}],
+        "loading_params": {
+            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}], "state_dir": str(tmp_path / "state"),
+        },
+        "processing_params": {
+            "inputs": [{"name": "text", "key": "text"}],
+            "outputs": [{"name": "pic", "type": "image_gen", "prompt": "A drawing of {{ text }}", "width": 32, "height": 32}],
+        },
+        "execution_params": {"hf_home": str(tmp_path / "hf")},
+    }  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
+    try:
+        assert _problems(raw, {"HF_ENDPOINT": hub.url}) == []
+        cfg = load_config(raw, environ={"HF_ENDPOINT": hub.url})
+        (note,) = hub_model_notes(cfg, {"HF_ENDPOINT": hub.url})
+        assert note.startswith("processors[0].pipeline_args.model_path: 'org/tiny-image' will be downloaded"), note
+        dry = run_workflow(tmp_path, raw, "-n", env=env)
+        assert "rule hub_model:" in dry.text and "org--tiny-image" in dry.text, dry.text[-3000:]
+        code = (
+            "import sys, json; from mirageflow.config import load_config; from mirageflow.hub_models import download;"
+            "cfg = load_config(json.loads(sys.argv[1]), check_paths=False); print(download(cfg, 'org--tiny-image', sys.argv[2])['snapshot'])"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(cfg.raw), str(tmp_path / "marker.json")], env=env, capture_output=True, text=True, timeout=120
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        snapshot = Path(proc.stdout.strip())
+        assert (snapshot / "model_index.json").read_bytes() == index
+        (image,) = hub_models.resolve_local(cfg).image_processors.values()
+        assert image.model_path == str(snapshot) and image.revision is None
+    finally:
+        hub.stop()

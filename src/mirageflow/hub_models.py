@@ -1,4 +1,5 @@
-"""Hugging Face Hub model ids (``server_args.model_path: Qwen/Qwen3-4B``): looked up by the
+"""Hugging Face Hub model ids (``server_args.model_path: Qwen/Qwen3-4B``, and an image_gen
+processor's diffusers pipeline: ``sglang.model_path: Qwen/Qwen-Image``): looked up by the
 driver, fetched once before any shard job, read offline by the jobs.
 
 - ``look_up`` (the driver's preflight and ``mmirage check``): is the model in the cache at
@@ -49,10 +50,12 @@ class HubModel:
     processor_index: int
     repo_id: str
     revision: str | None  # server_args.revision (a branch, tag or commit); None: main
+    block: str = "server_args"  # the processor's key holding model_path (image_gen: pipeline_args, sglang)
+    index_file: str = "config.json"  # what a complete snapshot holds (a diffusers pipeline: model_index.json)
 
     @property
     def key(self) -> str:
-        return f"processors[{self.processor_index}].server_args.model_path"
+        return f"processors[{self.processor_index}].{self.block}.model_path"
 
     @property
     def slug(self) -> str:
@@ -100,7 +103,21 @@ def hub_models(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_BUI
         path = proc.server_args.model_path
         if registry.capabilities(proc.backend).loads_model and path and is_hub_id(path, built_models):
             found.append(HubModel(proc.index, path, proc.server_args.revision))
+    for proc in sorted(getattr(cfg, "image_processors", {}).values(), key=lambda p: p.index):
+        model = image_hub_model(proc)
+        if model is not None:
+            found.append(model)
     return found
+
+
+def image_hub_model(proc) -> HubModel | None:
+    """An image_gen processor's diffusers pipeline when it is a hub id (diffusers, sglang;
+    an external server's model is a name it serves): fetched by the driver as LLM ids are."""
+    path = proc.model_path
+    if proc.backend == "external" or not path or not is_hub_id(path, ()):
+        return None
+    block = "pipeline_args" if proc.backend == "diffusers" else "sglang"
+    return HubModel(proc.index, path, proc.revision, block=block, index_file="model_index.json")
 
 
 def cache_dir(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> Path:
@@ -134,7 +151,7 @@ def cached_snapshot(model: HubModel, cache: Path, revision: str | None = None) -
         path = Path(snapshot_download(model.repo_id, revision=revision or model.revision, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, IncompleteSnapshotError, OSError):
         return None
-    return path if (path / "config.json").is_file() else None
+    return path if (path / model.index_file).is_file() else None
 
 
 def damaged_weights(snapshot: Path) -> list[tuple[Path, str]]:
@@ -191,7 +208,7 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
     snapshot = cached_snapshot(model, cache)
     damaged = damaged_weights(snapshot) if snapshot is not None else []
     if snapshot is not None and not damaged:
-        return ModelState(model, "cached", f"in the cache {snapshot}", snapshot, _read_json(snapshot / "config.json"))
+        return ModelState(model, "cached", f"in the cache {snapshot}", snapshot, _read_json(snapshot / model.index_file))
     fetch_fix = (
         f"download it where the hub is reachable (hf download {model.repo_id}"
         + (f" --revision {model.revision}" if model.revision else "") + f" --cache-dir {cache}"
@@ -211,8 +228,8 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
     page = f"{endpoint}/{model.repo_id}"
     try:
         info = HfApi(endpoint=endpoint, token=token).model_info(model.repo_id, revision=model.revision, timeout=timeout)
-        # model_info answers for a gated repo too: reading config.json shows whether we may download
-        url = hf_hub_url(model.repo_id, "config.json", revision=info.sha, endpoint=endpoint)
+        # model_info answers for a gated repo too: reading config.json (model_index.json) shows whether we may download
+        url = hf_hub_url(model.repo_id, model.index_file, revision=info.sha, endpoint=endpoint)
         response = get_session().get(url, headers=build_hf_headers(token=token), timeout=timeout, follow_redirects=True)
         hf_raise_for_status(response)
         config = response.json()
@@ -320,8 +337,9 @@ def resolve_local(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_
     if not models:
         return cfg
     cache = cache_dir(cfg)
-    processors = dict(cfg.processors)
+    processors, images = dict(cfg.processors), dict(getattr(cfg, "image_processors", {}))
     by_index = {p.index: name for name, p in processors.items()}
+    images_by_index = {p.index: name for name, p in images.items()}
     for model in models:
         marker = _read_json(marker_path(cfg.state_dir, model)) or {}
         path = cached_snapshot(model, cache, revision=marker.get("commit"))
@@ -341,10 +359,15 @@ def resolve_local(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_
                 + ". Start the workflow again (snakemake, mmirage run or mmirage retry): the driver sees the damage "
                 "and downloads those files anew (rule hub_model) before any shard"
             )
+        # the snapshot is that revision: the engine (or image generator) gets a directory
+        if model.processor_index in images_by_index:
+            name = images_by_index[model.processor_index]
+            images[name] = replace(images[name], model_path=str(path), revision=None)
+            continue
         name = by_index[model.processor_index]
-        proc = processors[name]  # the snapshot is that revision: the engine gets a directory
+        proc = processors[name]
         processors[name] = replace(proc, server_args=replace(proc.server_args, model_path=str(path), revision=None))
-    return replace(cfg, processors=processors)
+    return replace(cfg, processors=processors, image_processors=images)
 
 
 def describe(states: list[ModelState]) -> list[str]:

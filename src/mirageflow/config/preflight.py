@@ -539,7 +539,7 @@ def _image_processor_problems(cfg: PipelineConfig, proc: ImageGenProcessor, envi
 
 def _image_model_problems(cfg: PipelineConfig, proc: ImageGenProcessor, environ: Mapping[str, str]) -> list[str]:
     """An image_gen processor's API key variable (external), its diffusers model
-    (diffusers, sglang: a directory with model_index.json, or a hub id in the local cache)."""
+    (diffusers, sglang: a directory with model_index.json, or a hub id the driver fetches)."""
     where = f"processors[{proc.index}]"
     if proc.backend == "external":
         name = proc.api_key_env
@@ -556,16 +556,10 @@ def _image_model_problems(cfg: PipelineConfig, proc: ImageGenProcessor, environ:
         return []
     if os.path.exists(path):
         return [f"{key}: '{path}' is a file, not a diffusers model directory"]
-    if hub_models.is_hub_id(path, ()):
-        cache = hub_models.cache_dir(cfg, environ)
-        snaps = list((cache / f"models--{path.replace('/', '--')}" / "snapshots").glob("*/model_index.json"))
-        if not snaps:
-            return [
-                f"{key}: '{path}' is not a directory, and this Hugging Face model id is not in the local cache ({cache}); "
-                f"no hub is reachable from the jobs: download it where one is (huggingface-cli download {path} --local-dir DIR), "
-                "then set model_path to DIR"
-            ]
-        return []
+    model = hub_models.image_hub_model(proc)
+    if model is not None:  # fetched by the driver (rule hub_model), as an LLM's hub id
+        state = hub_models.look_up(model, hub_models.cache_dir(cfg, environ), environ)
+        return [f"{key}: '{model.label}' {state.detail}"] if state.state == "cannot" else []
     block = "pipeline_args" if key.endswith("pipeline_args.model_path") else "sglang"
     return [f"{key}: model directory '{path}' does not exist" + hub_models.revision_hint(path, f"{where}.{block}.revision")]
 
