@@ -185,8 +185,9 @@ def state_owner_problem(cfg: PipelineConfig) -> str | None:
             f"loading_params.state_dir: '{cfg.state_dir}' has an unreadable owner marker {marker} ({e}); "
             "delete it if this pipeline should own the directory"
         )
-    if sorted(theirs) == _output_dirs(cfg):
-        return None
+    written = sorted({ds.output_dir for ds in cfg.datasets})
+    if sorted(theirs) == _output_dirs(cfg) or owner.get("output_dirs_as_written") == written:
+        return None  # (as written: a relative output_dir read from another directory, e.g. by mmirage stats)
     configs = ", ".join(owner.get("configfiles") or []) or owner.get("config") or "unknown"
     return (
         f"loading_params.state_dir: '{cfg.state_dir}' belongs to another pipeline (config {configs}, writing to "
@@ -200,6 +201,7 @@ def claim_state_dir(cfg: PipelineConfig, config_file: str | os.PathLike | None =
     """Write the state_dir's owner marker where there is none yet (after check_output_owners)."""
     owner = {
         "output_dirs": _output_dirs(cfg),
+        "output_dirs_as_written": sorted({ds.output_dir for ds in cfg.datasets}),
         "config": os.path.abspath(config_file) if config_file else None,
         "configfiles": [os.path.abspath(c) for c in configfiles],
         "claimed_at": _utc_now(),
