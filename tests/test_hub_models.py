@@ -338,3 +338,22 @@ def test_an_image_gen_hub_id_is_fetched_by_the_driver_as_a_language_model_id_is(
         assert image.model_path == str(snapshot) and image.revision is None
     finally:
         hub.stop()
+
+
+def test_a_hub_model_fetched_again_runs_the_shards_left_in_that_same_run(tmp_path):
+    """Item 18's advice ("start the workflow again") in one run: the driver must fetch the model
+    again (here its snapshot left the cache, as a damaged file's repair does) while the shards
+    have not run; Snakemake drops every job below a rerun job whose inputs from it are all
+    ancient, so the marker must be a plain input of the shards that run anyway (dry run)."""
+    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
+    hub = FakeHub({REPO_ID: HubRepo(files={"config.json": config, "model.safetensors": _safetensors()})}).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
+    try:
+        marker = tmp_path / "state" / "hub_models" / "org--tiny-llm.json"
+        marker.parent.mkdir(parents=True)
+        marker.write_text(json.dumps({"repo_id": REPO_ID, "commit": "0" * 40}))  # fetched once; the cache lost it since
+        dry = run_workflow(tmp_path, _config(tmp_path), "-n", env=env)
+        assert "its snapshot is not in the Hugging Face cache any more" in dry.text, dry.text[-3000:]
+        assert dry.text.count("rule hub_model:") == 1 and dry.text.count("rule shard:") == 2, dry.text[-3000:]
+    finally:
+        hub.stop()

@@ -14,7 +14,7 @@
 rule canary:
     input:
         indices=index_files(),
-        model=model_inputs(),
+        model=canary_model_inputs,
         # ordering only (the rule that writes a missing one); its content decides, below
         fingerprint=ancient(RECORDS_FINGERPRINT),
         # no file: a verdict of another config's records is made again

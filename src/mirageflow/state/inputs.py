@@ -152,10 +152,16 @@ class ContentChanges:
         self.cache = ContentCache(self.paths.content_cache) if main else None
         self.images = any(getattr(v, "type", "text") == "image" for v in cfg.inputs)
         self._records: str | None = None
+        self._shards: dict[int, str | None] = {}  # asked by two input functions of each shard
 
     def shard(self, shard_id: int) -> str | None:
         """Why a finished shard must rerun: the records identity it ran under (its status.json's
         ``records_fingerprint``) is not the config's, or an image file it read changed."""
+        if shard_id not in self._shards:
+            self._shards[shard_id] = self._shard(shard_id)
+        return self._shards[shard_id]
+
+    def _shard(self, shard_id: int) -> str | None:
         from mirageflow.state.records import read
         from mirageflow.state.shards import current_fingerprint, stale_reason
 
