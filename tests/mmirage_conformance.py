@@ -78,11 +78,16 @@ HUB_IDS = {
 def hub_repos(tiny_llm: Path, tiny_vlm: Path) -> dict:
     from fakes.fake_hub import repo_from_dir
 
+    from fakes.fake_hub import HubRepo
+
     dirs = {"llm": tiny_llm, "vlm": tiny_vlm}
-    return {
+    repos = {
         repo_id: repo_from_dir(dirs[kind], config_overrides={"max_position_embeddings": context})
         for repo_id, (kind, context) in HUB_IDS.items()
     }
+    # config_image_gen_sglang.yaml's diffusion pipeline: the driver fetches it as it fetches language models
+    repos["Qwen/Qwen-Image"] = HubRepo(files={"model_index.json": json.dumps({"_class_name": "QwenImagePipeline"}).encode()})
+    return repos
 
 
 def workspace(root: Path, tiny_llm: Path) -> tuple[Path, dict]:
@@ -92,11 +97,6 @@ def workspace(root: Path, tiny_llm: Path) -> tuple[Path, dict]:
     shutil.copytree(EQUIVALENTS, ws, dirs_exist_ok=True)
     home = root / "home"
     home.mkdir()
-    # config_image_gen_sglang.yaml's diffusion model Qwen/Qwen-Image, in the cache its hf_home (~/hf)
-    # names: an image_gen model is read from the local cache (the driver fetches only language models)
-    snapshot = home / "hf" / "hub" / "models--Qwen--Qwen-Image" / "snapshots" / "0123456789abcdef"
-    snapshot.mkdir(parents=True)
-    (snapshot / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
     # config_benchmark_datatrove.yaml: a save_to_disk copy of s1K-1.1 (its `question` column)
     from datasets import Dataset
 
@@ -126,6 +126,9 @@ def workspace(root: Path, tiny_llm: Path) -> tuple[Path, dict]:
         "MMIRAGE_VLM_NUM_SHARDS": "2",
         "MMIRAGE_VLM_SHARD_ID": "0",
         "MMIRAGE_VLM_BATCH_SIZE": "4",
+        # the configs are checked, not run: the GPU engines they name (sglang) are not in this
+        # environment, whose missing-package refusal tests/test_preflight.py covers
+        "MIRAGEFLOW_SKIP_ENGINE_CHECK": "1",
         # the api_llm and batch_api examples' keys (names only: `mmirage check` refuses an unset one)
         "OPENROUTER_API_KEY": "sk-test",
         "OPENAI_API_KEY": "sk-test",

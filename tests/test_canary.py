@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_workflow
+from conftest import run_workflow, shard_jobs
 from fakes.fake_http import FakeServer
 from mirageflow.config import load_config
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.shard import canary as C
 from mirageflow.shard.runner import index_datasets
 from mirageflow.state.layout import StateLayout
+from mirageflow.state.shards import current_fingerprint
 
 ROWS = 10
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -89,6 +93,29 @@ def test_no_json_output_has_no_json_rate():
     assert E.JSON_TRUNCATED in C.JSON_FAILURES
 
 
+def test_every_row_error_class_counts_not_only_the_answer_classes():
+    """Item 16: 6 of 10 rows failed by template_error (no answer counter judges it) fail the canary."""
+    stats = {**_stats(answers=4, json_answers=4), "rows_processed": 4, "rows_failed": 6, "rows_failed_by_class": {"template_error": 6}}
+    verdict = C.judge(stats)
+    assert not verdict["passed"] and [p.split(" ")[0] for p in verdict["problems"]] == ["other_row_errors_rate"]
+    assert "60.0 % (at most 2 % to pass; template_error 6)" in verdict["problems"][0]
+    # every class of RowErrorClass is judged by exactly one counter
+    assert set(C.ANSWER_CLASSES) <= set(E) and not C.other_classes({"rows_failed_by_class": dict.fromkeys(C.ANSWER_CLASSES, 1)})
+
+
+def test_a_canary_in_front_of_a_batch_api_output_is_refused_by_name(tmp_path):
+    """Item 16: the canary's own batch would hold every shard up to 24 h: refused before any job."""
+    from mirageflow.config import ConfigError
+
+    raw = pipeline(tmp_path, FakeServer())
+    raw["processors"] = [{"type": "batch_api", "provider": "openai", "model": "m", "base_url": "http://127.0.0.1:9/v1", "api_key_env": "K"}]
+    raw["processing_params"]["outputs"][0]["type"] = "batch_api"
+    with pytest.raises(ConfigError, match=r"execution_params\.canary_rows: output\(s\) summary go to a batch_api processor.*24 h"):
+        load_config(raw)
+    raw["execution_params"]["canary_rows"] = None
+    load_config(raw)
+
+
 # --------------------------------------------------------------------------- the job, without Snakemake
 
 
@@ -146,6 +173,19 @@ def test_a_failed_canary_writes_its_verdict_elsewhere_and_a_retry_does_not_rerun
     assert len(server.records) == sent
 
 
+def test_a_canary_whose_rows_fail_by_a_template_error_fails_under_any_max_error_rate(tmp_path, server):
+    """Item 16, end to end: max_error_rate 1.0 lets the canary shard finish; 2 of its 3 rows
+    fail by template_error (a division by zero on even rows), and the verdict says so."""
+    raw = pipeline(tmp_path, server, canary_rows=3)
+    raw["processing_params"]["outputs"][0]["prompt"] = "Summarise: {{ text }} {{ 1 // (text[-1] | int % 2) }}"
+    cfg = load_config(copy.deepcopy(raw))
+    index_datasets(cfg)
+    paths = StateLayout(cfg.state_dir)
+    with pytest.raises(C.CanaryFailed, match=r"other_row_errors_rate is 66\.7 % \(at most 2 % to pass; template_error 2\)"):
+        C.run_canary(cfg, paths.canary_verdict)
+    assert not paths.canary_verdict.exists()
+
+
 # --------------------------------------------------------------------------- end to end, local profile
 
 
@@ -175,6 +215,63 @@ def test_a_failing_canary_stops_before_any_shard_with_its_message(tmp_path, serv
     assert "the canary (3 rows of shard 0) failed, no shard was started: length_cut_share is 100.0 %" in log
     assert "sampling_params.max_new_tokens" in log
     assert "length_cut_share" in proc.stderr  # the run's summary names it too
+
+
+def _records_fingerprints(root: Path, n: int = 2) -> list:
+    paths = StateLayout(root / "state")
+    return [json.loads(paths.status(i).read_text())["records_fingerprint"] for i in range(n)]
+
+
+def _merged(root: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted((root / "out" / "merged").glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_after_each_prompt_edit_the_canary_runs_first_and_then_every_shard(tmp_path, server):
+    """Item 8: an edit, its undo and a run with no change. Each edit runs the canary, then
+    every shard, in that one run; the run after it has nothing to do."""
+    cfg = pipeline(tmp_path, server)
+    run_workflow(tmp_path, cfg)
+    verdict_path = StateLayout(tmp_path / "state").canary_verdict
+    for prompt in ("Summarise briefly: {{ text }}", "Summarise: {{ text }}"):  # the edit, then its undo
+        cfg["processing_params"]["outputs"][0]["prompt"] = prompt
+        proc = run_workflow(tmp_path, cfg)
+        now = current_fingerprint(load_config(copy.deepcopy(cfg)))
+        assert proc.stderr.count("rule canary:") == 1 and shard_jobs(proc) == 2, proc.stderr[-3000:]
+        assert proc.stderr.index("rule canary:") < proc.stderr.index("rule shard:")
+        assert json.loads(verdict_path.read_text())["records_fingerprint"] == now
+        assert _records_fingerprints(tmp_path) == [now, now]  # no shard left with the other prompt's records
+        assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
+        again = run_workflow(tmp_path, cfg)
+        assert "rule canary:" not in again.stderr and shard_jobs(again) == 0, again.stderr[-3000:]
+
+
+def test_a_kill_after_the_canary_s_verdict_then_the_documented_recovery_finishes_every_shard(tmp_path, server):
+    """Item 9: the canary job writes its verdict while the driver cannot register it (stopped,
+    then killed with its jobs); `--unlock` and `--rerun-incomplete` must run the canary and
+    every shard in that one rerun, and merge."""
+    cfg = pipeline(tmp_path, server)
+    paths = StateLayout(tmp_path / "state")
+    server.behaviour.latency = 0.3  # the canary's rows take long enough to stop the driver inside
+    with open(tmp_path / "driver.log", "w") as out:
+        proc = run_workflow(tmp_path, cfg, background=True, stdout=out)
+        deadline = time.monotonic() + 120
+        while not server.records and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.records and proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGSTOP)  # the driver: its canary job goes on and writes the verdict
+        while "canary passed" not in (paths.log("canary").read_text() if paths.log("canary").exists() else ""):
+            assert time.monotonic() < deadline, paths.log("canary").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    server.behaviour.latency = 0.0
+    assert paths.canary_verdict.exists() and not paths.status(0).exists()
+    run_workflow(tmp_path, cfg, "--unlock")
+    proc = run_workflow(tmp_path, cfg, "--rerun-incomplete")
+    assert shard_jobs(proc) == 2, proc.stderr[-3000:]
+    assert paths.status(0).exists() and paths.status(1).exists()
+    assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
+    assert "not run" not in proc.stderr
 
 
 def test_without_canary_rows_there_is_no_canary(tmp_path, server):

@@ -479,3 +479,28 @@ def test_run_export_prompts_writes_the_requests_and_runs_nothing(finished, tmp_p
     assert error["source_index"] == 6 and error["error"]["error"] == "bad_row"
     mmirage(root, "run", "--config", "pipeline.yaml", "--export-prompts", str(tmp_path))
     assert len(list(tmp_path.glob("exported_prompts.*.jsonl"))) == 1  # a directory: a new file in it
+
+
+def test_merge_dir_over_a_file_that_is_not_parquet_names_the_file(tmp_path, capsys):
+    """Item 19: no pyarrow traceback; the file is named."""
+    bad = tmp_path / "in" / "shard_0" / "part-00000.parquet"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("this is not parquet\n")
+    assert cli.main(["merge-dir", "--input-dir", str(tmp_path / "in"), "--output-dir", str(tmp_path / "md")]) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"{bad}: cannot read this Parquet part file" in err and "Traceback" not in err, err
+    bad.with_suffix(".parquet").unlink()
+    (bad.parent / "part-00000.jsonl").write_text('not json\n{"source_index": 0}\n')
+    assert cli.main(["merge-dir", "--input-dir", str(tmp_path / "in"), "--output-dir", str(tmp_path / "md")]) == cli.EXIT_FAILED
+    assert f"{bad.parent / 'part-00000.jsonl'}:1: not a JSON record" in capsys.readouterr().err
+
+
+def test_a_negative_shard_id_says_so_and_names_the_flag(half, monkeypatch, capsys):
+    """Item 19: `--shard-id -1` is not "expected integers, e.g. --shard-ids 0,2"."""
+    monkeypatch.chdir(half)
+    ran = _recorded(monkeypatch)
+    assert cli.main(["run", "--config", "pipeline.yaml", "--shard-id", "-1"]) == cli.EXIT_USAGE and not ran
+    err = capsys.readouterr().err
+    assert "--shard-id -1: a shard id is not negative; the pipeline has shards 0 to 3" in err, err
+    assert cli.main(["submit", "--config", "pipeline.yaml", "--shard-ids", "0,-2"]) == cli.EXIT_USAGE and not ran
+    assert "--shard-ids -2: a shard id is not negative" in capsys.readouterr().err

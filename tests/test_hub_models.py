@@ -140,7 +140,7 @@ def test_a_pinned_revision_is_part_of_the_records_identity(tmp_path):
 
 
 def test_download_resumes_a_dropped_connection_with_a_range_request(tmp_path):
-    big = os.urandom(12 << 20)  # past huggingface_hub's 10 MB chunk: a dropped body is resumed, not restarted
+    big = _safetensors(os.urandom(12 << 20))  # past huggingface_hub's 10 MB chunk: a dropped body is resumed, not restarted
     hub = FakeHub({"org/big": HubRepo(files={"config.json": b"{}", "model.safetensors": big})}).start()
     try:
         hub.drop_after["model.safetensors"] = 11 << 20
@@ -245,3 +245,115 @@ def test_a_shard_never_downloads_and_says_where_it_looked(tiny_model, tmp_path):
     assert "Jobs never download (HF_HUB_OFFLINE=1)" in log
     failure = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
     assert "is not in the Hugging Face cache" in failure["error"] and failure["reason"] == "could not start the shard"
+
+
+def _safetensors(data: bytes = bytes(16)) -> bytes:
+    """A valid safetensors file holding ``data`` as one F32 tensor: its header (8-byte length, JSON), then the bytes."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [len(data) // 4], "data_offsets": [0, len(data)]}}).encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def test_weights_damaged_after_the_download_are_named_and_fetched_again(tmp_path):
+    """Item 18: a snapshot whose weights file was cut after the download. The driver's look-up
+    names the file and will download it again; offline it is refused with the fix; a job names
+    it with advice that works (the workflow again), and the driver's download repairs it."""
+    weights = _safetensors()
+    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
+    hub = FakeHub({"org/weights": HubRepo(files={"config.json": config, "model.safetensors": weights})}).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    code = (
+        "import sys, json; from mirageflow.config import load_config; from mirageflow.hub_models import download;"
+        "cfg = load_config(json.loads(sys.argv[1]), check_paths=False); print(download(cfg, 'org--weights', sys.argv[2])['snapshot'])"
+    )
+    raw = _config(tmp_path, "org/weights")
+    cfg = load_config(raw, environ={}, check_paths=False)
+
+    def fetch():
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(cfg.raw), str(tmp_path / "marker.json")],
+            env={**env, "HF_ENDPOINT": hub.url}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return Path(proc.stdout.strip())
+
+    try:
+        snapshot = fetch()
+        blob = (snapshot / "model.safetensors").resolve()
+        blob.write_bytes(weights[:40])  # damaged after the download
+        damaged = snapshot / "model.safetensors"
+        (p,) = _problems(raw, {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "1"})
+        assert p.startswith(f"processors[0].server_args.model_path: 'org/weights' is in the cache, but its file {damaged} is damaged"), p
+        assert "--force-download" in p
+        hub_models._LOOKUPS.clear()
+        (note,) = hub_model_notes(load_config(raw, environ={"HF_ENDPOINT": hub.url}), {"HF_ENDPOINT": hub.url})
+        assert f"{damaged} is damaged" in note and "will be downloaded" in note and "rule hub_model" in note, note
+        with pytest.raises(RuntimeError, match=r"model\.safetensors is damaged .*Start the workflow again") as err:
+            hub_models.resolve_local(cfg)
+        assert "mmirage retry" in str(err.value) and str(damaged) in str(err.value)
+        sent = len(hub.gets("model.safetensors"))
+        assert fetch() == snapshot and damaged.read_bytes() == weights  # fetched again, whole
+        assert len(hub.gets("model.safetensors")) == sent + 1 == 2
+        assert hub_models.damaged_weights(snapshot) == []
+    finally:
+        hub.stop()
+
+
+def test_an_image_gen_hub_id_is_fetched_by_the_driver_as_a_language_model_id_is(tmp_path):
+    """Item 20: an image_gen pipeline named by hub id (MMIRAGE's config_image_gen_sglang.yaml:
+    Qwen/Qwen-Image) is looked up, fetched by the hub_model rule and read offline by the jobs."""
+    index = json.dumps({"_class_name": "TinyPipeline"}).encode()
+    hub = FakeHub({"org/tiny-image": HubRepo(files={"model_index.json": index, "unet/model.safetensors": _safetensors()})}).start()
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(2)))
+    raw = {
+        "processors": [{"type": "image_gen", "backend": "diffusers", "pipeline_args": {"model_path": "org/tiny-image", "device": "cpu"}}],
+        "loading_params": {
+            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out")}], "state_dir": str(tmp_path / "state"),
+        },
+        "processing_params": {
+            "inputs": [{"name": "text", "key": "text"}],
+            "outputs": [{"name": "pic", "type": "image_gen", "prompt": "A drawing of {{ text }}", "width": 32, "height": 32}],
+        },
+        "execution_params": {"hf_home": str(tmp_path / "hf")},
+    }  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
+    try:
+        assert _problems(raw, {"HF_ENDPOINT": hub.url}) == []
+        cfg = load_config(raw, environ={"HF_ENDPOINT": hub.url})
+        (note,) = hub_model_notes(cfg, {"HF_ENDPOINT": hub.url})
+        assert note.startswith("processors[0].pipeline_args.model_path: 'org/tiny-image' will be downloaded"), note
+        dry = run_workflow(tmp_path, raw, "-n", env=env)
+        assert "rule hub_model:" in dry.text and "org--tiny-image" in dry.text, dry.text[-3000:]
+        code = (
+            "import sys, json; from mirageflow.config import load_config; from mirageflow.hub_models import download;"
+            "cfg = load_config(json.loads(sys.argv[1]), check_paths=False); print(download(cfg, 'org--tiny-image', sys.argv[2])['snapshot'])"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(cfg.raw), str(tmp_path / "marker.json")], env=env, capture_output=True, text=True, timeout=120
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        snapshot = Path(proc.stdout.strip())
+        assert (snapshot / "model_index.json").read_bytes() == index
+        (image,) = hub_models.resolve_local(cfg).image_processors.values()
+        assert image.model_path == str(snapshot) and image.revision is None
+    finally:
+        hub.stop()
+
+
+def test_a_hub_model_fetched_again_runs_the_shards_left_in_that_same_run(tmp_path):
+    """Item 18's advice ("start the workflow again") in one run: the driver must fetch the model
+    again (here its snapshot left the cache, as a damaged file's repair does) while the shards
+    have not run; Snakemake drops every job below a rerun job whose inputs from it are all
+    ancient, so the marker must be a plain input of the shards that run anyway (dry run)."""
+    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
+    hub = FakeHub({REPO_ID: HubRepo(files={"config.json": config, "model.safetensors": _safetensors()})}).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
+    try:
+        marker = tmp_path / "state" / "hub_models" / "org--tiny-llm.json"
+        marker.parent.mkdir(parents=True)
+        marker.write_text(json.dumps({"repo_id": REPO_ID, "commit": "0" * 40}))  # fetched once; the cache lost it since
+        dry = run_workflow(tmp_path, _config(tmp_path), "-n", env=env)
+        assert "its snapshot is not in the Hugging Face cache any more" in dry.text, dry.text[-3000:]
+        assert dry.text.count("rule hub_model:") == 1 and dry.text.count("rule shard:") == 2, dry.text[-3000:]
+    finally:
+        hub.stop()

@@ -408,3 +408,68 @@ def test_requirements_no_deps_lists_only_packages_whose_other_requirements_are_p
     assert "triton" not in installed  # the CPU torch does not need it either
     for req in listed:
         assert runtime_needs(req.name) - installed == {"triton"}  # triton: CUDA kernels only (xgrammar.matcher)
+
+
+# --------------------------------------------------------------------------- the engine the jobs will run
+
+
+def _missing_here(package: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed in this environment")
+
+
+@pytest.mark.parametrize("backend, package", [("sglang", "sglang"), ("sglang_server", "sglang"), ("vllm_server", "vllm")])
+def test_an_engine_package_this_environment_lacks_is_refused_before_any_job(cfg, tmp_path, capsys, clean_env, backend, package):
+    """Item 12: a backend whose package the jobs' (= the driver's) Python lacks is refused by
+    `mmirage check` and `snakemake -n`, naming the key and the install; the opt-out lets it through."""
+    _missing_here(package)
+    cfg["processors"][0]["backend"] = backend
+    found = one(cfg, PATH=os.environ["PATH"])
+    assert found.startswith(f"processors[0].backend: {backend} needs the {package} package") and "pip install" in found, found
+    validate(cfg, environ={"MIRAGEFLOW_SKIP_ENGINE_CHECK": "1"})
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert cli.main(["check", "--config", str(path)]) == cli.EXIT_USAGE
+    assert f"processors[0].backend: {backend} needs the {package} package" in capsys.readouterr().err
+    if backend == "vllm_server":  # the driver refuses it the same way, before writing anything
+        proc = run_workflow(tmp_path, cfg, "-n", check=False)
+        assert proc.returncode != 0 and f"processors[0].backend: {backend} needs the {package} package" in proc.text
+        assert not (tmp_path / "state" / "configs").exists()
+
+
+@pytest.mark.parametrize("backend", ["sglang_server", "vllm_server"])
+def test_a_server_command_whose_program_does_not_exist_is_refused_naming_it(cfg, tmp_path, backend):
+    """Item 12: no bare FileNotFoundError in the shard: the launcher is looked for before any job."""
+    import sys
+
+    cfg["processors"][0].update(backend=backend, server_command=["no-such-launcher-xyz", "--flag"])
+    found = one(cfg, PATH=os.environ["PATH"])
+    assert found.startswith("processors[0].server_command: program 'no-such-launcher-xyz' is not on PATH"), found
+    cfg["processors"][0]["server_command"] = [str(tmp_path / "bin" / "launcher")]
+    assert "does not exist" in one(cfg, PATH=os.environ["PATH"])
+    cfg["processors"][0]["server_command"] = [sys.executable, "-m", "some.launcher"]  # there: the package is its business
+    validate(cfg, environ={"PATH": os.environ["PATH"]})
+
+
+def test_an_image_gen_sglang_backend_without_its_package_is_refused(cfg, tmp_path):
+    """Item 12, image_gen: SGLang's diffusion server is launched by the shard; without sglang here, refused."""
+    _missing_here("sglang")
+    model = tmp_path / "pipe"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    cfg["processors"].append({"type": "image_gen", "backend": "sglang", "sglang": {"model_path": str(model)}})
+    cfg["processing_params"]["outputs"].append({"name": "picture", "type": "image_gen", "prompt": "A photo of {{ text }}"})
+    found = one(cfg, PATH=os.environ["PATH"])
+    assert found.startswith("processors[1].backend: image_gen backend sglang launches") and "sglang" in found, found
+    cfg["processors"][1]["sglang"]["server_command"] = ["no-such-launcher-xyz"]
+    assert one(cfg, PATH=os.environ["PATH"]).startswith("processors[1].sglang.server_command: program 'no-such-launcher-xyz'")
+
+
+def test_a_model_path_with_an_at_revision_points_at_the_revision_key(cfg):
+    """Item 19: `org/name@main` is no directory; the message says how a revision is written."""
+    cfg["processors"][0]["server_args"]["model_path"] = "org/name@main"
+    found = one(cfg)
+    assert found.startswith("processors[0].server_args.model_path: model directory 'org/name@main' does not exist"), found
+    assert "model_path: org/name with processors[0].server_args.revision: main" in found, found

@@ -26,6 +26,7 @@ from fakes.configs import pipeline_config
 from fakes.runs import files_on_disk, merged_rows
 from fakes.fake_http import FakeServer
 
+from mirageflow import cli
 from mirageflow.state import pipeline as pipeline_state
 from mirageflow.config import load_config, records_identity
 
@@ -268,6 +269,35 @@ def test_second_pipeline_on_the_same_output_dir_is_refused(tmp_path, server):
     proc = run_workflow(tmp_path, a)
     assert shard_jobs(proc) == 2
     assert "Nothing to be done" in run_workflow(tmp_path, a).text
+
+
+def test_a_state_dir_of_another_pipeline_is_refused_naming_both_and_stats_refuse_it_too(tmp_path, server, capsys):
+    """Item 15: pipeline b (its own data and output_dir) pointed at pipeline a's state_dir is
+    refused before any job, naming a's config; a's shards are untouched and `mmirage stats` of b
+    does not count them."""
+    configs = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        data = tmp_path / name / "in.jsonl"
+        data.write_text("".join(json.dumps({"q": f"{name} {i}"}) + "\n" for i in range(4)))
+        configs[name] = pipeline_config(
+            data, state_dir=tmp_path / "state", output_dir=tmp_path / name / "out", num_shards=2,
+            processor={"backend": "openai", "base_url": server.url + "/v1", "max_retries": 0}, shard_params={"max_error_rate": 1.0},
+        )  # fmt: skip
+    run_workflow(tmp_path / "a", configs["a"])
+    status = tmp_path / "state" / "shard_0" / "status.json"
+    before = status.stat().st_mtime_ns
+    sent = len(server.records)
+    for args in (["-n"], []):
+        proc = run_workflow(tmp_path / "b", configs["b"], *args, check=False)
+        assert proc.returncode != 0, proc.text[-3000:]
+        assert "loading_params.state_dir: " in proc.text and "belongs to another pipeline" in proc.text, proc.text[-3000:]
+        assert str(tmp_path / "a" / "pipeline.yaml") in proc.text and str(tmp_path / "b" / "out") in proc.text
+    assert status.stat().st_mtime_ns == before and len(server.records) == sent
+    assert not (tmp_path / "b" / "out").exists()
+    assert cli.main(["stats", "--config", str(tmp_path / "b" / "pipeline.yaml")]) == cli.EXIT_USAGE
+    assert "belongs to another pipeline" in capsys.readouterr().err
+    assert run_workflow(tmp_path / "a", configs["a"]).returncode == 0  # its owner runs on
 
 
 # --------------------------------------------------------------------------- never a stale success

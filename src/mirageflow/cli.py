@@ -135,17 +135,21 @@ def _on_slurm(cfg, args) -> bool:
     return cfg.execution.mode == "slurm" and not getattr(args, "local", False)
 
 
-def _shard_ids(text: str, cfg) -> list[int]:
-    """MMIRAGE's --shard-ids: comma-separated shard ids below num_shards."""
+def _shard_ids(text: str, cfg, flag: str = "--shard-ids") -> list[int]:
+    """MMIRAGE's --shard-ids (or --shard-id, ``flag``): comma-separated shard ids below num_shards."""
     ids = []
+    shards = f"the pipeline has shards 0 to {cfg.num_shards - 1}"
+    example = "--shard-id 2" if flag == "--shard-id" else "--shard-ids 0,2"
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
+        if part.startswith("-") and part[1:].isdigit():
+            raise UsageError(f"{flag} {part}: a shard id is not negative; {shards}")
         if not part.isdigit():
-            raise UsageError(f"invalid shard id {part!r}; expected integers, e.g. --shard-ids 0,2")
+            raise UsageError(f"{flag}: invalid shard id {part!r}; expected a shard number, e.g. {example} ({shards})")
         if int(part) >= cfg.num_shards:
-            raise UsageError(f"invalid shard id {part}; the pipeline has shards 0 to {cfg.num_shards - 1}")
+            raise UsageError(f"{flag}: invalid shard id {part}; {shards}")
         ids.append(int(part))
     if not ids:
         raise UsageError("--shard-ids names no shard")
@@ -169,7 +173,7 @@ def cmd_run(args) -> int:
         return export_prompts(cfg, args.export_prompts)
     flags = _retries(cfg, args.force_retry)
     if args.shard_id is not None:  # MMIRAGE: one shard, on this machine, whatever the mode says
-        (shard,) = _shard_ids(str(args.shard_id), cfg)
+        (shard,) = _shard_ids(str(args.shard_id), cfg, "--shard-id")
         target = str(StateLayout(cfg.state_dir).status(shard))
         return _run(snakemake_command(args.config, stats=args.stats, cores=args.cores, targets=[target], flags=flags, extra=args.extra))
     if _on_slurm(cfg, args):
@@ -494,10 +498,13 @@ def _warn_damaged(shards: list[dict]) -> None:
 
 
 def _missing_state_dir(cfg: PipelineConfig, config: str) -> str | None:
-    """Why there is nothing to read: the state_dir does not exist (a relative one is relative to the current directory)."""
+    """Why there is nothing to read: the state_dir does not exist (a relative one is relative to the current directory),
+    or it belongs to another pipeline."""
     path = Path(cfg.state_dir)
     if path.is_dir():
-        return None
+        from mirageflow.state.pipeline import state_owner_problem
+
+        return state_owner_problem(cfg)  # another pipeline's shards are not this one's
     where = f"state_dir {path.resolve()} does not exist"
     if not path.is_absolute():
         where += (

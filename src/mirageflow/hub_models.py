@@ -1,4 +1,5 @@
-"""Hugging Face Hub model ids (``server_args.model_path: Qwen/Qwen3-4B``): looked up by the
+"""Hugging Face Hub model ids (``server_args.model_path: Qwen/Qwen3-4B``, and an image_gen
+processor's diffusers pipeline: ``sglang.model_path: Qwen/Qwen-Image``): looked up by the
 driver, fetched once before any shard job, read offline by the jobs.
 
 - ``look_up`` (the driver's preflight and ``mmirage check``): is the model in the cache at
@@ -49,10 +50,12 @@ class HubModel:
     processor_index: int
     repo_id: str
     revision: str | None  # server_args.revision (a branch, tag or commit); None: main
+    block: str = "server_args"  # the processor's key holding model_path (image_gen: pipeline_args, sglang)
+    index_file: str = "config.json"  # what a complete snapshot holds (a diffusers pipeline: model_index.json)
 
     @property
     def key(self) -> str:
-        return f"processors[{self.processor_index}].server_args.model_path"
+        return f"processors[{self.processor_index}].{self.block}.model_path"
 
     @property
     def slug(self) -> str:
@@ -82,6 +85,15 @@ def is_hub_id(model_path: str, built_models: tuple[str, ...] = WORKFLOW_BUILT_MO
     return bool(HUB_ID.match(model_path)) and not model_path.startswith(".")
 
 
+def revision_hint(model_path: str, key: str) -> str:
+    """For a model_path that is no directory: how to ask for a hub id at a revision, when it
+    looks like ``org/name@rev`` (the hub's own URLs and some tools spell it so), else ""."""
+    repo, at, revision = model_path.partition("@")
+    if not at or not revision or not is_hub_id(repo, ()):
+        return ""
+    return f"; a Hugging Face model id at a revision is written model_path: {repo} with {key}: {revision} (model_path takes no @revision)"
+
+
 def hub_models(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_BUILT_MODELS) -> list[HubModel]:
     """The processors whose model is a hub id and is loaded here (a remote server's model is a name it serves)."""
     from mirageflow.engines import registry
@@ -91,7 +103,21 @@ def hub_models(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_BUI
         path = proc.server_args.model_path
         if registry.capabilities(proc.backend).loads_model and path and is_hub_id(path, built_models):
             found.append(HubModel(proc.index, path, proc.server_args.revision))
+    for proc in sorted(getattr(cfg, "image_processors", {}).values(), key=lambda p: p.index):
+        model = image_hub_model(proc)
+        if model is not None:
+            found.append(model)
     return found
+
+
+def image_hub_model(proc) -> HubModel | None:
+    """An image_gen processor's diffusers pipeline when it is a hub id (diffusers, sglang;
+    an external server's model is a name it serves): fetched by the driver as LLM ids are."""
+    path = proc.model_path
+    if proc.backend == "external" or not path or not is_hub_id(path, ()):
+        return None
+    block = "pipeline_args" if proc.backend == "diffusers" else "sglang"
+    return HubModel(proc.index, path, proc.revision, block=block, index_file="model_index.json")
 
 
 def cache_dir(cfg: PipelineConfig, environ: Mapping[str, str] | None = None) -> Path:
@@ -125,7 +151,44 @@ def cached_snapshot(model: HubModel, cache: Path, revision: str | None = None) -
         path = Path(snapshot_download(model.repo_id, revision=revision or model.revision, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, IncompleteSnapshotError, OSError):
         return None
-    return path if (path / "config.json").is_file() else None
+    return path if (path / model.index_file).is_file() else None
+
+
+def damaged_weights(snapshot: Path) -> list[tuple[Path, str]]:
+    """Each ``*.safetensors`` file of a snapshot whose bytes its own header does not describe
+    (cut, overwritten, damaged after the download: huggingface_hub trusts a file it has),
+    with why. Reads each file's header only (8 bytes of length, then its JSON)."""
+    damaged = []
+    for path in sorted(snapshot.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if length < 2 or 8 + length > size:
+                    why = f"its header announces {length} bytes of metadata, the file has {size} bytes"
+                else:
+                    header = json.loads(f.read(length))
+                    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+                    why = None if 8 + length + end == size else f"holds {size} bytes, its header describes {8 + length + end}"
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+            why = f"its header cannot be read ({type(e).__name__}: {e})"
+        if why:
+            damaged.append((path, why))
+    return damaged
+
+
+def _remove_damaged(snapshot: Path) -> list[Path]:
+    """Delete the damaged weights files of a cached snapshot (the link and the blob it points
+    to), so huggingface_hub downloads them again instead of trusting them."""
+    removed = []
+    for path, _why in damaged_weights(snapshot):
+        blob = path.resolve()
+        path.unlink(missing_ok=True)
+        if blob != path:
+            blob.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 _LOOKUPS: dict[tuple, ModelState] = {}  # one look-up per model and place in a process (preflight, then its notes)
@@ -143,17 +206,20 @@ def look_up(model: HubModel, cache: Path, environ: Mapping[str, str] | None = No
 
 def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint: str, timeout: float) -> ModelState:
     snapshot = cached_snapshot(model, cache)
-    if snapshot is not None:
-        return ModelState(model, "cached", f"in the cache {snapshot}", snapshot, _read_json(snapshot / "config.json"))
+    damaged = damaged_weights(snapshot) if snapshot is not None else []
+    if snapshot is not None and not damaged:
+        return ModelState(model, "cached", f"in the cache {snapshot}", snapshot, _read_json(snapshot / model.index_file))
     fetch_fix = (
         f"download it where the hub is reachable (hf download {model.repo_id}"
-        + (f" --revision {model.revision}" if model.revision else "") + f" --cache-dir {cache}), "
-        "or set model_path to a local model directory"
+        + (f" --revision {model.revision}" if model.revision else "") + f" --cache-dir {cache}"
+        + (" --force-download" if damaged else "") + "), or set model_path to a local model directory"
     )  # fmt: skip
+    where = f"is not in the cache {cache}"
+    if damaged:
+        path, why = damaged[0]
+        where = f"is in the cache, but its file {path} is damaged ({why}; {len(damaged)} file(s) in all)"
     if _true(environ.get("HF_HUB_OFFLINE")):
-        return ModelState(
-            model, "cannot", f"is not in the cache {cache}, and HF_HUB_OFFLINE is set here, so it cannot be downloaded: {fetch_fix}"
-        )
+        return ModelState(model, "cannot", f"{where}, and HF_HUB_OFFLINE is set here, so it cannot be downloaded: {fetch_fix}")
     from huggingface_hub import HfApi, hf_hub_url
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -162,8 +228,8 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
     page = f"{endpoint}/{model.repo_id}"
     try:
         info = HfApi(endpoint=endpoint, token=token).model_info(model.repo_id, revision=model.revision, timeout=timeout)
-        # model_info answers for a gated repo too: reading config.json shows whether we may download
-        url = hf_hub_url(model.repo_id, "config.json", revision=info.sha, endpoint=endpoint)
+        # model_info answers for a gated repo too: reading config.json (model_index.json) shows whether we may download
+        url = hf_hub_url(model.repo_id, model.index_file, revision=info.sha, endpoint=endpoint)
         response = get_session().get(url, headers=build_hf_headers(token=token), timeout=timeout, follow_redirects=True)
         hf_raise_for_status(response)
         config = response.json()
@@ -192,12 +258,13 @@ def _look_up(model: HubModel, cache: Path, environ: Mapping[str, str], endpoint:
         what = type(e).__name__ + (f": {str(e).splitlines()[0]}" if str(e) else "")
         return ModelState(
             model, "cannot",
-            f"is not in the cache {cache}, and the hub {endpoint} does not answer from {socket.gethostname()} ({what}): {fetch_fix}",
+            f"{where}, and the hub {endpoint} does not answer from {socket.gethostname()} ({what}): {fetch_fix}",
         )  # fmt: skip
     files = len(info.siblings or [])
+    again = f"{where}: its damaged files " if damaged else ""
     return ModelState(
         model, "download",
-        f"will be downloaded from {endpoint} (commit {str(info.sha)[:12]}, {files} files) into {cache} by the driver "
+        f"{again}will be downloaded from {endpoint} (commit {str(info.sha)[:12]}, {files} files) into {cache} by the driver "
         "(rule hub_model) before any shard starts",
         config=config if isinstance(config, dict) else None,
     )  # fmt: skip
@@ -225,7 +292,17 @@ def download(cfg, slug: str, output: str) -> dict:
         raise ValueError(f"no processor of this config names the hub model '{slug}'")
     cache = cache_dir(cfg)
     cache.mkdir(parents=True, exist_ok=True)
+    earlier = cached_snapshot(model, cache)
+    if earlier is not None:
+        _remove_damaged(earlier)  # else huggingface_hub keeps them: it trusts a file it has
     path = Path(snapshot_download(model.repo_id, revision=model.revision, cache_dir=cache))
+    damaged = damaged_weights(path)
+    if damaged:
+        raise RuntimeError(
+            f"{model.key}: '{model.label}' was downloaded, but "
+            + "; ".join(f"{p} is damaged ({why})" for p, why in damaged)
+            + ": the hub serves it so, or the disk is failing"
+        )
     marker = {
         "repo_id": model.repo_id,
         "revision": model.revision,
@@ -260,8 +337,9 @@ def resolve_local(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_
     if not models:
         return cfg
     cache = cache_dir(cfg)
-    processors = dict(cfg.processors)
+    processors, images = dict(cfg.processors), dict(getattr(cfg, "image_processors", {}))
     by_index = {p.index: name for name, p in processors.items()}
+    images_by_index = {p.index: name for name, p in images.items()}
     for model in models:
         marker = _read_json(marker_path(cfg.state_dir, model)) or {}
         path = cached_snapshot(model, cache, revision=marker.get("commit"))
@@ -273,10 +351,23 @@ def resolve_local(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_
                 "shares with the login node? Delete the marker "
                 f"{marker_path(cfg.state_dir, model)} and run again to fetch it anew"
             )
+        damaged = damaged_weights(path)
+        if damaged:
+            raise RuntimeError(
+                f"{model.key}: '{model.label}' in the Hugging Face cache {cache}: "
+                + "; ".join(f"{p} is damaged ({why})" for p, why in damaged)
+                + ". Start the workflow again (snakemake, mmirage run or mmirage retry): the driver sees the damage "
+                "and downloads those files anew (rule hub_model) before any shard"
+            )
+        # the snapshot is that revision: the engine (or image generator) gets a directory
+        if model.processor_index in images_by_index:
+            name = images_by_index[model.processor_index]
+            images[name] = replace(images[name], model_path=str(path), revision=None)
+            continue
         name = by_index[model.processor_index]
-        proc = processors[name]  # the snapshot is that revision: the engine gets a directory
+        proc = processors[name]
         processors[name] = replace(proc, server_args=replace(proc.server_args, model_path=str(path), revision=None))
-    return replace(cfg, processors=processors)
+    return replace(cfg, processors=processors, image_processors=images)
 
 
 def describe(states: list[ModelState]) -> list[str]:

@@ -2,14 +2,23 @@
 # any shard starts (mirageflow/shard/canary.py). Every shard waits for its verdict file,
 # which exists only when the canary passed: Snakemake's own dependencies hold the shards
 # (on SLURM none is submitted before), no scheduler of ours.
+#
+# A stage of the DAG: the verdict is a plain (not ancient) input of every shard, so a
+# canary that runs reruns the shards after it, and the canary runs again exactly when its
+# verdict judged another config's records while a shard is left to make (canary_changed,
+# by content, decided at DAG build: the records fingerprint file is only rewritten when
+# the run starts, too late for its mtime to count). A kill leaves an incomplete verdict,
+# which `--rerun-incomplete` makes again, and the shards with it.
 
 
 rule canary:
     input:
         indices=index_files(),
-        model=model_inputs(),
-        # a changed prompt, schema, model or sampling runs the canary again
-        fingerprint=RECORDS_FINGERPRINT,
+        model=canary_model_inputs,
+        # ordering only (the rule that writes a missing one); its content decides, below
+        fingerprint=ancient(RECORDS_FINGERPRINT),
+        # no file: a verdict of another config's records is made again
+        changed=canary_changed,
     output:
         str(STATE.canary_verdict),
     log:

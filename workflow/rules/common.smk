@@ -153,17 +153,34 @@ def index_files():
     return [str(STATE.dataset_index(k)) for k in DATASET_IDS]
 
 
-def model_inputs():
+def model_inputs(runs_anyway=False):
     """Local model directories the shards need (the demo model is built by a rule), and the
     marker of each hub model id the driver fetches (rule hub_model). The marker's time is no
-    rerun trigger (ancient): its repo and revision are in the records fingerprint."""
+    rerun trigger (ancient): its repo and revision are in the records fingerprint. But for a
+    job that ``runs_anyway`` it is a plain input: Snakemake drops every job below a rerun job
+    (a hub_model fetching again) whose inputs from it are all ancient, even a job that had
+    to run, and with it everything it needed (shard_model_inputs, canary_model_inputs).
+    """
     paths = []
     for proc in PIPELINE.processors.values():
         path = proc.server_args.model_path
         if os.path.normpath(path) == SMOLLM2_DIR or (path and os.path.isdir(path)):
             paths.append(path)
-    paths += [ancient(str(hub_models.marker_path(STATE_DIR, m))) for m in HUB_MODELS]
-    return paths
+    markers = [str(hub_models.marker_path(STATE_DIR, m)) for m in HUB_MODELS]
+    return paths + (markers if runs_anyway else [ancient(m) for m in markers])
+
+
+def shard_model_inputs(wildcards):
+    """model_inputs of a shard: it runs anyway when it has not finished, or forced by content."""
+    shard = int(wildcards.shard)
+    runs = not STATE.status(shard).exists() or bool(CONTENT_CHANGES.shard(shard))
+    return model_inputs(runs_anyway=runs)
+
+
+def canary_model_inputs(wildcards):
+    """model_inputs of the canary: it runs anyway without a verdict, or forced by content."""
+    runs = not STATE.canary_verdict.exists() or bool(CONTENT_CHANGES.canary())
+    return model_inputs(runs_anyway=runs)
 
 
 def status_files():
@@ -212,11 +229,21 @@ def engine_argument(wildcards):
 
 def canary_verdict(wildcards):
     """A shard's wait for the canary: its verdict when canary_rows is set, else nothing.
-    ancient: a rerun of the canary alone (another canary_rows) reruns no finished shard.
+    Not ancient: Snakemake drops every job below a rerun job whose inputs from it are all
+    ancient, forced or not, so a canary that runs must rerun its shards (workflow/rules/canary.smk).
     """
     if not PIPELINE.execution.canary_rows:
         return []
-    return [ancient(str(STATE.canary_verdict))]
+    return [str(STATE.canary_verdict)]
+
+
+def canary_changed(wildcards):
+    """The canary, when its verdict is an earlier config's and a shard is still to run
+    (workflow/rules/canary.smk)."""
+    CONTENT_CHANGES.force(
+        workflow, str(STATE.canary_verdict), CONTENT_CHANGES.canary(), logger
+    )
+    return []
 
 
 def default_targets():

@@ -5,7 +5,7 @@
 rule shard:
     input:
         indices=index_files(),
-        model=model_inputs(),
+        model=shard_model_inputs,
         # What can change the records, for humans (mirageflow/state/pipeline.py); an edit of
         # it, or of an image file the shard read, forces the shard (no file, in memory), under
         # every rerun trigger, mtime included (mirageflow/state/inputs.py).

@@ -975,6 +975,15 @@ def _execution(ep: dict, processors: dict[str, ProcessorConfig], outputs: list[O
                     f"execution_params.{key}: the shards of this pipeline only wait on a batch API (nothing is loaded on the "
                     "node): they are CPU-only jobs; leave it unset (see docs/cluster.md, batch APIs)"
                 )
+    batched = [o.name for o in outputs if o.processor in processors and processors[o.processor].batch is not None]
+    if ep["canary_rows"] and batched:
+        # refused rather than waited on: the canary's batch, then the shards' batches, would be two
+        # provider turnarounds (each up to its completion window) with every shard idle in between
+        problems.append(
+            f"execution_params.canary_rows: output(s) {_listed(batched, 'and')} go to a batch_api processor, so the canary "
+            "would submit a batch of its own and every shard would wait (up to the provider's completion window, 24 h) "
+            "for it before submitting theirs; remove canary_rows (try the prompt on a small dataset first instead)"
+        )
     return ExecutionParams(**ep), problems
 
 

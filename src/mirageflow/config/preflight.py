@@ -22,6 +22,9 @@ the same configs with the same ``key.path: message`` lines:
   from the hub);
 - image inputs go to a model whose config.json declares a vision tower;
 - ``api_key_env`` names a variable set in this environment (the jobs inherit it);
+- the package a backend runs (sglang, vllm, diffusers) is installed in this Python, or a
+  ``server_command``'s program exists (the jobs run in the driver's environment:
+  docs/cluster.md; ``MIRAGEFLOW_SKIP_ENGINE_CHECK=1`` skips it where they do not);
 - a custom processor's script imports and defines its ``function_name`` (the driver imports it);
 - ``num_shards`` is at most the largest dataset's row count when it is cheap to know
   (Parquet footers, a JSONL file up to ``COUNT_JSONL_MAX_BYTES``, an existing index);
@@ -37,6 +40,7 @@ import difflib
 import glob
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -409,9 +413,56 @@ def hub_model_notes(cfg: PipelineConfig, environ: Mapping[str, str] | None = Non
     return hub_models.describe([s for s in hub_model_states(cfg, environ) if s.state != "cannot"])
 
 
+# The jobs run in the driver's Python environment (docs/cluster.md, "What you need"), so the
+# engine a backend needs is looked for here (find_spec, shutil.which: nothing is imported).
+# Where the jobs' environment really differs (a compute node's module), this opts out.
+SKIP_ENGINE_CHECK = "MIRAGEFLOW_SKIP_ENGINE_CHECK"
+
+
+def _program_problem(key: str, program: str, environ: Mapping[str, str]) -> str | None:
+    """Why a launcher program cannot be started by the jobs, or None."""
+    import shutil
+
+    if os.sep in program:
+        path = os.path.expanduser(program)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return None
+        why = "is not an executable file" if os.path.exists(path) else "does not exist"
+        return f"{key}: program '{program}' {why}; the jobs start it: install it or fix the path"
+    if shutil.which(program, path=environ.get("PATH", os.defpath)):
+        return None
+    return f"{key}: program '{program}' is not on PATH here (the jobs inherit this PATH): install it, or give its full path"
+
+
+def engine_problems(where: str, backend: str, server_command, environ: Mapping[str, str]) -> list[str]:
+    """The engine package (or launcher program) a backend needs, where the jobs will run it.
+    ``where`` is the processor's key path (``processors[0]``)."""
+    import importlib.util
+
+    if environ.get(SKIP_ENGINE_CHECK):
+        return []
+    if server_command:
+        problem = _program_problem(f"{where}.server_command", server_command[0], environ)
+        return [problem] if problem else []
+    if backend == registry.AUTO:
+        return []  # picks what is installed on the node
+    entry = registry.backend_entry(backend)
+    if entry.package is None or importlib.util.find_spec(entry.package) is not None:
+        return []
+    instead = " (or server_command, the launcher to run instead)" if entry.launched else ""
+    return [
+        f"{where}.backend: {backend} needs the {entry.package} package, which this Python ({sys.executable}) does not have; "
+        f"the jobs run in this environment: {entry.install}{instead}. If the jobs' environment differs and has it, "
+        f"set {SKIP_ENGINE_CHECK}=1 to skip this check"
+    ]
+
+
 def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Mapping[str, str], built_models: tuple[str, ...]) -> list[str]:
     where = f"processors[{proc.index}]"
     problems = []
+    if registry.capabilities(proc.backend).loads_model:
+        launches = registry.backend_entry(proc.backend).launched if proc.backend != registry.AUTO else False
+        problems += engine_problems(where, proc.backend, proc.server_command if launches else None, environ)
     if not registry.capabilities(proc.backend).loads_model:  # a remote server: its API key, no model files
         name = proc.api_key_env
         if name and not environ.get(name):
@@ -445,7 +496,8 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
             source = str(state.snapshot / "config.json") if state.snapshot else f"config.json of {model.label} on the hub"
             model_config = (state.config, source)
     else:
-        problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
+        hint = hub_models.revision_hint(model_path, f"{where}.server_args.revision")
+        problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist{hint}")
     if proc.server_args.revision and not hub_models.is_hub_id(model_path, built_models):
         problems.append(
             f"{where}.server_args.revision: '{proc.server_args.revision}' is a revision of a Hugging Face model id, but "
@@ -457,8 +509,37 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
 
 
 def _image_processor_problems(cfg: PipelineConfig, proc: ImageGenProcessor, environ: Mapping[str, str]) -> list[str]:
-    """An image_gen processor: its API key variable (external), its diffusers model
-    (diffusers, sglang: a directory with model_index.json, or a hub id in the local cache)."""
+    """An image_gen processor: the package or launcher its backend runs, and its model."""
+    where = f"processors[{proc.index}]"
+    problems = []
+    if environ.get(SKIP_ENGINE_CHECK) or proc.backend == "external":
+        pass  # an images server already running elsewhere: nothing runs here
+    elif proc.backend == "diffusers":
+        import importlib.util
+
+        if importlib.util.find_spec("diffusers") is None:
+            problems.append(
+                f"{where}.backend: image_gen backend diffusers needs the diffusers package, which this Python "
+                f"({sys.executable}) does not have: pip install diffusers (if the jobs' environment differs and has it, "
+                f"set {SKIP_ENGINE_CHECK}=1)"
+            )
+    elif proc.server_command:  # sglang, launched by the shard
+        problems += engine_problems(f"{where}.sglang", proc.backend, proc.server_command, environ)
+    else:
+        from mirageflow.imagegen.http_images import sglang_diffusion_missing
+
+        missing = sglang_diffusion_missing()
+        if missing:
+            problems.append(
+                f"{where}.backend: image_gen backend sglang launches SGLang's diffusion server, but {missing} "
+                f"(or set sglang.server_command; if the jobs' environment differs and has it, set {SKIP_ENGINE_CHECK}=1)"
+            )
+    return problems + _image_model_problems(cfg, proc, environ)
+
+
+def _image_model_problems(cfg: PipelineConfig, proc: ImageGenProcessor, environ: Mapping[str, str]) -> list[str]:
+    """An image_gen processor's API key variable (external), its diffusers model
+    (diffusers, sglang: a directory with model_index.json, or a hub id the driver fetches)."""
     where = f"processors[{proc.index}]"
     if proc.backend == "external":
         name = proc.api_key_env
@@ -475,17 +556,12 @@ def _image_processor_problems(cfg: PipelineConfig, proc: ImageGenProcessor, envi
         return []
     if os.path.exists(path):
         return [f"{key}: '{path}' is a file, not a diffusers model directory"]
-    if hub_models.is_hub_id(path, ()):
-        cache = hub_models.cache_dir(cfg, environ)
-        snaps = list((cache / f"models--{path.replace('/', '--')}" / "snapshots").glob("*/model_index.json"))
-        if not snaps:
-            return [
-                f"{key}: '{path}' is not a directory, and this Hugging Face model id is not in the local cache ({cache}); "
-                f"no hub is reachable from the jobs: download it where one is (huggingface-cli download {path} --local-dir DIR), "
-                "then set model_path to DIR"
-            ]
-        return []
-    return [f"{key}: model directory '{path}' does not exist"]
+    model = hub_models.image_hub_model(proc)
+    if model is not None:  # fetched by the driver (rule hub_model), as an LLM's hub id
+        state = hub_models.look_up(model, hub_models.cache_dir(cfg, environ), environ)
+        return [f"{key}: '{model.label}' {state.detail}"] if state.state == "cannot" else []
+    block = "pipeline_args" if key.endswith("pipeline_args.model_path") else "sglang"
+    return [f"{key}: model directory '{path}' does not exist" + hub_models.revision_hint(path, f"{where}.{block}.revision")]
 
 
 def _custom_problems(proc: CustomProcessor) -> list[str]:

@@ -246,21 +246,31 @@ def _n_samples(parts: dict[int, list[Path]], fmt: str) -> int:
     import pyarrow.parquet as pq
 
     top = -1
-    for paths in parts.values():
+    for shard_id, paths in parts.items():
         for p in paths:
             if fmt == "parquet":
-                if "sample_index" not in pq.read_schema(p).names:
-                    return 1
-                column = pq.read_table(p, columns=["sample_index"]).column(0).to_pylist()
+                try:
+                    if "sample_index" not in pq.read_schema(p).names:
+                        return 1
+                    column = pq.read_table(p, columns=["sample_index"]).column(0).to_pylist()
+                except Exception as e:  # noqa: BLE001 - whatever pyarrow raises, the file is named
+                    raise _damaged(
+                        PartUnreadable(f"{p}: cannot read this Parquet part file ({type(e).__name__}: {e})"), shard_id, None
+                    ) from None
                 top = max([top, *[v for v in column if isinstance(v, int)]])
             else:
                 with open(p, "rb") as f:
-                    for line in f:
+                    for number, line in enumerate(f, 1):
                         if line.strip():
-                            sample = json.loads(line).get("sample_index")
-                            if sample is None:
-                                return 1
-                            top = max(top, int(sample))
+                            try:
+                                sample = json.loads(line).get("sample_index")
+                                if sample is None:
+                                    return 1
+                                top = max(top, int(sample))
+                            except (ValueError, TypeError, AttributeError) as e:
+                                raise _damaged(
+                                    PartUnreadable(f"{p}:{number}: not a JSON record ({type(e).__name__}: {e})"), shard_id, None
+                                ) from None
     return top + 1 if top >= 0 else 1
 
 

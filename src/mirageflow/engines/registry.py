@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 SHARED = "shared"  # the client of an engine service (cluster/engine_service.py), not a config backend
 SGLANG_INSTALL = "pip install -r requirements-gpu.txt (see the README's GPU section)"
+VLLM_INSTALL = "pip install vllm in the jobs' environment, or set server_command to a vLLM launcher (docs/vllm.md)"
 
 
 @dataclass(frozen=True)
@@ -52,16 +53,26 @@ class Backend:
     target: str  # "module:Class", imported by engine_class
     can: Capabilities = field(default_factory=Capabilities)
     configurable: bool = True  # a value of processors[].backend; False: made by the workflow itself
+    # The Python package the shard imports or launches (``python -m``) in the jobs'
+    # environment, and how to install it; the driver checks it is there (config/preflight.py).
+    package: str | None = None
+    install: str = ""
+    launched: bool = False  # processors[].server_command replaces the package's launcher
 
 
 BACKENDS: dict[str, Backend] = {
     "transformers": Backend("mirageflow.engines.transformers_engine:TransformersEngine", Capabilities(grammar_in_process=True)),
-    "sglang": Backend("mirageflow.engines.sglang_engine:SGLangEngine"),
-    "sglang_server": Backend("mirageflow.engines.sglang_server:SGLangServerEngine"),
+    "sglang": Backend("mirageflow.engines.sglang_engine:SGLangEngine", package="sglang", install=SGLANG_INSTALL),
+    "sglang_server": Backend(
+        "mirageflow.engines.sglang_server:SGLangServerEngine", package="sglang", install=SGLANG_INSTALL, launched=True
+    ),
     # vLLM's OpenAI server launched on this node, fed through the openai client (chat messages, n)
     "vllm_server": Backend(
         "mirageflow.engines.vllm_server:VLLMServerEngine",
         Capabilities(templates_server_side=True, native_n=True, loads_model=True, needs_base_url=False),
+        package="vllm",
+        install=VLLM_INSTALL,
+        launched=True,
     ),
     "openai": Backend(
         "mirageflow.engines.openai_engine:OpenAIEngine",
@@ -109,6 +120,11 @@ def _backend(backend: str) -> Backend:
         return BACKENDS[backend]
     except KeyError:
         raise ValueError(f"unknown backend '{backend}' (available: {', '.join(sorted(BACKENDS))})") from None
+
+
+def backend_entry(backend: str) -> Backend:
+    """A configured backend's line (not ``auto``: it picks what is installed)."""
+    return _backend(backend)
 
 
 def engine_class(backend: str) -> type[Engine]:

@@ -14,7 +14,10 @@ raises ``CanaryFailed`` naming each counter over its threshold and the key to ch
 scheduler of ours: Snakemake's dependencies do the holding, under both profiles.
 
 The thresholds are README.md's ("The canary"); the counters are the shard's stats
-(``answers``, ``answers_length_cut``, ``json_answers``, ``rows_failed_by_class``).
+(``answers``, ``answers_length_cut``, ``json_answers``, ``rows_failed_by_class``). Every row
+error class counts: the answer classes (``ANSWER_CLASSES``) in their own counters, every
+other class (a template's error, a missing input key, an image, the data) in
+``other_row_errors_rate``, of the rows run, whatever ``max_error_rate`` allows the shards.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ CANARY_MAX_EMPTY_OUTPUT = 0.02  # empty_output rows, of all answers
 CANARY_MAX_JSON_TRUNCATED = 0.02  # json_truncated rows, of JSON answers
 CANARY_MAX_REASONING_TRUNCATED = 0.02  # reasoning_truncated rows, of all answers
 CANARY_MAX_LENGTH_CUT = 0.05  # answers that stopped at max_new_tokens, of all answers
+CANARY_MAX_OTHER_ROW_ERRORS = 0.02  # rows failed by any other class (template_error, image_*, ...), of rows run
 
 JSON_FAILURES = (E.JSON_PARSE, E.JSON_SCHEMA, E.JSON_TRUNCATED)
+# the classes the answer counters judge; every other class counts in other_row_errors_rate
+ANSWER_CLASSES = (*JSON_FAILURES, E.EMPTY_OUTPUT, E.REASONING_TRUNCATED)
 
 
 class CanaryFailed(MirageflowError, RuntimeError):
@@ -67,7 +73,16 @@ COUNTERS = (
             "sampling_params.max_new_tokens (raise it), or processors[].chat_template_kwargs (thinking off)"),
     Counter("length_cut_share", CANARY_MAX_LENGTH_CUT, True,
             "sampling_params.max_new_tokens (raise it), or ask for shorter answers in the prompt"),
+    Counter("other_row_errors_rate", CANARY_MAX_OTHER_ROW_ERRORS, True,
+            "what the classes name: a prompt or record template, an input key, the images, the data "
+            "(errors.jsonl has each failed row; README, \"Row error classes\")"),
 )  # fmt: skip
+
+
+def other_classes(stats: dict) -> dict[str, int]:
+    """The rows failed by a class no answer counter judges, by class."""
+    by_class = stats.get("rows_failed_by_class") or {}
+    return {k: n for k, n in sorted(by_class.items()) if k not in ANSWER_CLASSES and n}
 
 
 def rates(stats: dict) -> dict[str, float | None]:
@@ -79,12 +94,14 @@ def rates(stats: dict) -> dict[str, float | None]:
         return n / d if d else None
 
     json_failed = sum(by_class.get(k, 0) for k in JSON_FAILURES)
+    rows_run = sum(stats.get(k) or 0 for k in ("rows_processed", "rows_failed", "rows_filtered"))
     return {
         "valid_json_rate": None if not json_answers else max(0.0, 1 - json_failed / json_answers),
         "empty_output_rate": share(by_class.get(E.EMPTY_OUTPUT, 0), answers),
         "json_truncated_rate": share(by_class.get(E.JSON_TRUNCATED, 0), json_answers),
         "reasoning_truncated_rate": share(by_class.get(E.REASONING_TRUNCATED, 0), answers),
         "length_cut_share": share(stats.get("answers_length_cut") or 0, answers),
+        "other_row_errors_rate": share(sum(other_classes(stats).values()), rows_run),
     }
 
 
@@ -98,7 +115,8 @@ def judge(stats: dict) -> dict:
         counters[c.name] = {"value": v, "threshold": c.threshold, "at_most": c.at_most, "ok": ok}
         if not ok:
             bound = "at most" if c.at_most else "at least"
-            problems.append(f"{c.name} is {100 * v:.1f} % ({bound} {100 * c.threshold:.0f} % to pass): change {c.change}")
+            classes = "; " + ", ".join(f"{k} {n}" for k, n in other_classes(stats).items()) if c.name == "other_row_errors_rate" else ""
+            problems.append(f"{c.name} is {100 * v:.1f} % ({bound} {100 * c.threshold:.0f} % to pass{classes}): change {c.change}")
     return {
         "passed": not problems, "counters": counters, "problems": problems,
         "rows_processed": stats.get("rows_processed"), "rows_failed": stats.get("rows_failed"),

@@ -152,10 +152,16 @@ class ContentChanges:
         self.cache = ContentCache(self.paths.content_cache) if main else None
         self.images = any(getattr(v, "type", "text") == "image" for v in cfg.inputs)
         self._records: str | None = None
+        self._shards: dict[int, str | None] = {}  # asked by two input functions of each shard
 
     def shard(self, shard_id: int) -> str | None:
         """Why a finished shard must rerun: the records identity it ran under (its status.json's
         ``records_fingerprint``) is not the config's, or an image file it read changed."""
+        if shard_id not in self._shards:
+            self._shards[shard_id] = self._shard(shard_id)
+        return self._shards[shard_id]
+
+    def _shard(self, shard_id: int) -> str | None:
         from mirageflow.state.records import read
         from mirageflow.state.shards import current_fingerprint, stale_reason
 
@@ -171,6 +177,29 @@ class ContentChanges:
         if self.images:
             return images_changed(self.paths.shard_dir(shard_id), self.cache)
         return None
+
+    def canary(self) -> str | None:
+        """Why the canary's verdict must be made again: it judged the records of another config
+        (its ``records_fingerprint`` is not this config's) while a shard is still to be made
+        under this one. A shard rerun by an edit thus never starts on an earlier config's
+        verdict; when every shard is done under this config there is nothing left to hold."""
+        from mirageflow.state.records import read
+        from mirageflow.state.shards import current_fingerprint, is_done
+
+        if not self.main or not self.cfg.execution.canary_rows:
+            return None
+        verdict, _why = read(self.paths.canary_verdict)
+        if verdict is None:
+            return None  # runs anyway (absent), or Snakemake's incomplete-file check names it
+        if self._records is None:
+            self._records = current_fingerprint(self.cfg)
+        theirs = verdict.get("records_fingerprint")
+        if theirs == self._records:
+            return None
+        n = self.cfg.num_shards
+        if all(is_done(read(self.paths.status(i))[0], n, self._records) for i in range(n)):
+            return None
+        return f"it judged an earlier config's records (records fingerprint {str(theirs)[:12]}, now {self._records[:12]})"
 
     def dataset(self, ds_index: int) -> str | None:
         """Why a dataset must be indexed again: its files changed by content."""

@@ -7,6 +7,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
 
     <state_dir>/
       configs/<sha256 prefix>.json       the config every job's command line names (state/pipeline.py)
+      owner.json                         which pipeline (its output_dirs, its config) this state_dir is
       records.fingerprint                what can change a record; the shards depend on it
       datasets/dataset_<k>.index.json    a dataset's row count and where each shard starts
       datasets/dataset_<k>.offsets.bin   (its per-shard table)
@@ -256,6 +257,14 @@ def shard_output_dir(output_dir: str | os.PathLike, shard: Id) -> Path:
 
 def merged_dir(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / MERGED
+
+
+STATE_OWNER = "owner.json"
+
+
+def state_owner_marker(state_dir: str | os.PathLike) -> Path:
+    """The pipeline a state_dir belongs to (state/pipeline.py: check_state_owner)."""
+    return Path(state_dir) / STATE_OWNER
 
 
 def owner_marker(output_dir: str | os.PathLike) -> Path:

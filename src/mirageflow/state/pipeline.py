@@ -20,9 +20,11 @@
   ``records_fingerprint`` rule).
 - **Content changes** (mirageflow.state.inputs): a dataset or image file whose content
   changed, whatever its mtime, reruns the jobs that read it.
-- **The owner marker**: ``<output_dir>/.mirageflow-owner.json`` names the state_dir (and
-  config) of the pipeline that writes there. A second pipeline (another state_dir) pointed
-  at the same output_dir is refused before any job runs.
+- **The owner markers**: ``<output_dir>/.mirageflow-owner.json`` names the state_dir (and
+  config) of the pipeline that writes there, and ``<state_dir>/owner.json`` the output_dirs
+  (and config files) of the pipeline whose state it holds. A second pipeline pointed at the
+  same output_dir (another state_dir) or at the same state_dir (other output_dirs) is
+  refused before any job runs, naming the other one's config.
 - **Derived outputs** (metrics.json, summary.md, report.html, the merge manifests and each
   dataset's ``<output_dir>/merged/``) are removed when a shard job starts, and by the
   driver when a shard's status.json is missing, so they never show a previous
@@ -164,9 +166,56 @@ def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
+def _output_dirs(cfg: PipelineConfig) -> list[str]:
+    """What makes a state_dir's pipeline this one: where its records go (an edit of prompts,
+    models or datasets keeps them; another pipeline has its own)."""
+    return sorted({os.path.realpath(os.path.expanduser(ds.output_dir)) for ds in cfg.datasets})
+
+
+def state_owner_problem(cfg: PipelineConfig) -> str | None:
+    """Why this pipeline must not use its state_dir: another pipeline (other output_dirs) owns it."""
+    marker = L.state_owner_marker(cfg.state_dir)
+    try:
+        owner = json.loads(marker.read_text())
+        theirs = owner["output_dirs"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return (
+            f"loading_params.state_dir: '{cfg.state_dir}' has an unreadable owner marker {marker} ({e}); "
+            "delete it if this pipeline should own the directory"
+        )
+    written = sorted({ds.output_dir for ds in cfg.datasets})
+    if sorted(theirs) == _output_dirs(cfg) or owner.get("output_dirs_as_written") == written:
+        return None  # (as written: a relative output_dir read from another directory, e.g. by mmirage stats)
+    configs = ", ".join(owner.get("configfiles") or []) or owner.get("config") or "unknown"
+    return (
+        f"loading_params.state_dir: '{cfg.state_dir}' belongs to another pipeline (config {configs}, writing to "
+        f"{', '.join(theirs)}, claimed {owner.get('claimed_at')}); this pipeline writes to {', '.join(_output_dirs(cfg))}. "
+        "Two pipelines sharing one state_dir mark each other's shards stale and rerun them: give this one its own "
+        f"state_dir, or delete {marker} if the other pipeline is gone (or its output_dirs were moved to these)"
+    )
+
+
+def claim_state_dir(cfg: PipelineConfig, config_file: str | os.PathLike | None = None, configfiles: Iterable[str] = ()) -> bool:
+    """Write the state_dir's owner marker where there is none yet (after check_output_owners)."""
+    owner = {
+        "output_dirs": _output_dirs(cfg),
+        "output_dirs_as_written": sorted({ds.output_dir for ds in cfg.datasets}),
+        "config": os.path.abspath(config_file) if config_file else None,
+        "configfiles": [os.path.abspath(c) for c in configfiles],
+        "claimed_at": _utc_now(),
+        "host": socket.gethostname(),
+        "note": "This state_dir belongs to the mirageflow pipeline writing to these output_dirs; another pipeline is refused.",
+    }
+    marker = L.state_owner_marker(cfg.state_dir)
+    return atomic_write_bytes(marker, (json.dumps(owner, indent=1) + "\n").encode(), only_if_absent=True)
+
+
 def check_output_owners(cfg: PipelineConfig) -> None:
-    """Raise OwnershipError when a dataset's output_dir belongs to a pipeline with another state_dir."""
-    problems = []
+    """Raise OwnershipError when a dataset's output_dir belongs to a pipeline with another
+    state_dir, or the state_dir to a pipeline with other output_dirs."""
+    problems = [p for p in [state_owner_problem(cfg)] if p]
     for ds in cfg.datasets:
         marker = owner_path(ds.output_dir)
         try:
@@ -293,6 +342,8 @@ def prepare(config: dict, cfg: PipelineConfig, configfiles: Iterable[str] = (), 
     check_output_owners(cfg)
     path = write_config(config, cfg.state_dir)
     claim_output_dirs(cfg, path, configfiles)
+    claim_state_dir(cfg, path, configfiles)
+    check_output_owners(cfg)  # another pipeline may have claimed the state_dir in between
     removed = remove_stale_derived_outputs(cfg)
     if removed:
         notes.append(
