@@ -31,11 +31,15 @@ include: "workflow/rules/fingerprint.smk"
 # the run ends: mirageflow/report/terminal.py). Snakemake runs these hooks in the driver
 # only, never in a dry run or a lint.
 from mirageflow.report import terminal
+from mirageflow.cluster import snakemake_internals
 from mirageflow.cluster.scheduler_timers import cancel_scheduler_timers
 
 
+# A SIGINT/SIGTERM to the driver alone also stops the running jobs within seconds (they
+# commit what finished); the summary then says "interrupted" (mirageflow/cluster/snakemake_internals.py).
 onstart:
     pipeline_state.on_start(config, PIPELINE, workflow, CONTENT_CHANGES, logger)
+    snakemake_internals.forward_stop_signals(logger)
     terminal.on_start(PIPELINE, workflow)
 
 

@@ -92,6 +92,8 @@ def _write_early_failure(path: str, signum: int | None, error: str | None = None
 
 def _on_early_signal(signum, frame) -> None:
     """SIGTERM/SIGINT before the shard runner installs its own handlers: record it, exit."""
+    for other in (signal.SIGINT, signal.SIGTERM):  # a second one (the group's and the driver's) would cut the record
+        signal.signal(other, signal.SIG_IGN)
     try:
         sys.stderr.write(f"mirageflow.jobs: stopped by {signal.Signals(signum).name} while starting up\n")
         sys.stderr.flush()

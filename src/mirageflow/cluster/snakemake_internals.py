@@ -1,0 +1,202 @@
+"""What the workflow needs from Snakemake beyond its documented API, in one place.
+
+Snakemake's plugin interfaces cover executors and storage, not what the driver needs here:
+forcing a job while the DAG is built, telling Snakemake that an output it marked incomplete
+is complete, the running local jobs' processes, the jobs the scheduler saw fail. Each is read
+from Snakemake 9's internals (the sources of 9.27 are cited where used), only through this
+module, and only after ``require_supported()`` accepted the installed version: another major
+version fails with one clear message instead of a wrong run.
+
+**Stopping** (``forward_stop_signals``, installed by the Snakefile's onstart hook in the
+driver). Snakemake's local executor runs each job's shell command as a child of the driver,
+in the driver's process group (snakemake/shell.py, ``shell._processes``). A terminal's
+Ctrl-C reaches every process of the group; a ``kill -INT <driver>`` (a script, a supervisor,
+tmux) reaches the driver alone: it raises KeyboardInterrupt in the scheduler, which then
+waits for the running jobs to end by themselves (executors/local.py ``cancel``:
+``pool.shutdown()``), hours for a real shard; SIGTERM makes it "exit after finishing the
+running jobs" (scheduling/job_scheduler.py ``exit_gracefully``). So the driver's handlers
+forward the first SIGINT/SIGTERM to each running job's process (the process the job's shell
+runs, not the shell: bash would die of SIGTERM and leave the job unwatched), then let
+Snakemake's handlers do what they do. A job stops within seconds, committing what finished
+(mirageflow/shard/signals.py); a job that already got the signal with its group ignores the
+second one. The signal is remembered (``interrupted_by``): the run summary says
+"interrupted", and Snakemake's error blocks for the jobs that exited on it (a
+``RuleException: CalledProcessError ... exit status 130`` and "Error in rule") are not
+printed: the jobs were stopped, they did not fail.
+
+**Incomplete markers** (``clear_incomplete``). Snakemake marks a job's outputs incomplete
+when it starts and clears the mark when it sees the job end; a driver stopped while a job
+finished leaves the mark on a complete file, and the next run refuses it
+(IncompleteFilesException) unless told ``--rerun-incomplete``. The workflow's input functions
+know better for its own outputs: a shard's status.json that is a verified success is
+complete, any other marked output is made again (mirageflow/state/inputs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MAJOR = 9  # the internals below are Snakemake 9's (read in 9.27)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# the processes a job's shell command runs in: a signal goes to the shell's children
+SHELLS = frozenset({"bash", "sh", "dash", "zsh"})
+
+_checked: list[str] = []
+
+
+class UnsupportedSnakemake(RuntimeError):
+    """The installed Snakemake is not a version whose internals this module knows."""
+
+
+def require_supported() -> None:
+    """The one version check: Snakemake 9.x, else UnsupportedSnakemake naming what is installed."""
+    if _checked:
+        return
+    import snakemake
+
+    version = getattr(snakemake, "__version__", "unknown")
+    major = version.split(".", 1)[0]
+    if major != str(SUPPORTED_MAJOR):
+        raise UnsupportedSnakemake(
+            f"mirageflow needs Snakemake {SUPPORTED_MAJOR}.x (its workflow glue reads Snakemake {SUPPORTED_MAJOR}'s "
+            f"internals: mirageflow/cluster/snakemake_internals.py); this is Snakemake {version}"
+        )
+    _checked.append(version)
+
+
+# --------------------------------------------------------------------------- while the DAG is built
+
+
+def force(workflow: Any, path: str) -> bool:
+    """Make the job writing ``path`` rerun, as ``--forcerun path`` would: in memory, in the DAG
+    being built (snakemake/dag.py ``DAG.forcefiles``). Returns whether it was not forced yet."""
+    require_supported()
+    files = getattr(getattr(workflow, "dag", None), "forcefiles", None)
+    if not isinstance(files, set):
+        raise UnsupportedSnakemake(f"mirageflow: {path} must be made again, but this Snakemake's DAG has no forcefiles")
+    if path in files:
+        return False
+    files.add(path)
+    return True
+
+
+def clear_incomplete(workflow: Any, path: str) -> bool:
+    """Drop Snakemake's "incomplete" mark of ``path`` (its persistence: snakemake/persistence,
+    ``_filter_incomplete_keys``/``_unmark_incomplete``; the key of a local file is its path as
+    the rule names it). Returns whether it was marked. Called while the DAG is built, before
+    Snakemake checks the marks (dag.py ``DAG.init``: ``check_incomplete``)."""
+    require_supported()
+    persistence = getattr(workflow, "persistence", None)
+    if persistence is None:
+        return False
+    if not persistence._filter_incomplete_keys([path]):
+        return False
+    persistence._unmark_incomplete(path)
+    return True
+
+
+# --------------------------------------------------------------------------- after the run
+
+
+def failed_jobs(workflow: Any) -> list:
+    """The jobs the scheduler saw fail in this run (scheduling/job_scheduler.py ``failed``), a
+    group job opened into its jobs; each has ``rule.name``, ``wildcards_dict`` and ``log``."""
+    require_supported()
+    out = []
+    for job in getattr(getattr(workflow, "scheduler", None), "failed", None) or ():
+        out.extend(getattr(job, "jobs", None) or [job])
+    return out
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+_STOP: dict = {"signum": None, "installed": False}
+_STOP_LOCK = threading.Lock()
+
+
+def interrupted_by() -> int | None:
+    """The signal that stopped this driver's run (SIGINT/SIGTERM), or None."""
+    return _STOP["signum"]
+
+
+def running_job_processes() -> list[int]:
+    """The pids of the local jobs running now: the process each job's shell command runs (the
+    shell's children; the shell itself when it runs none yet, or when it exec'ed the command)."""
+    import psutil
+    from snakemake.shell import shell
+
+    with shell._lock:
+        shells = [p.pid for p in shell._processes.values()]
+    pids = []
+    for pid in shells:
+        try:
+            proc = psutil.Process(pid)
+            children = proc.children() if proc.name() in SHELLS else []
+        except psutil.Error:  # it ended meanwhile
+            continue
+        pids += [c.pid for c in children] or [pid]
+    return pids
+
+
+def _forward(signum: int) -> None:
+    for pid in running_job_processes():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _interrupt_noise(record: logging.LogRecord) -> bool:
+    """Snakemake's error blocks for jobs that ended on the driver's stop signal."""
+    from snakemake_interface_logger_plugins.common import LogEvent
+
+    event = getattr(record, "event", None)
+    if event == LogEvent.JOB_ERROR:  # "Error in rule shard: ..." of a job that was stopped
+        return True
+    if event == LogEvent.ERROR and getattr(record, "exception", None) in ("RuleException", "CalledProcessError"):
+        text = record.getMessage()  # "... returned non-zero exit status 130." / "... died with <Signals.SIGINT: 2>."
+        signum = interrupted_by()
+        name = signal.Signals(signum).name
+        return f"exit status {128 + signum}." in text or f"<Signals.{name}:" in text
+    return False
+
+
+class _QuietInterrupts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return interrupted_by() is None or not _interrupt_noise(record)
+
+
+def forward_stop_signals(logger: logging.Logger | None = None) -> None:
+    """In the driver (the onstart hook: after the scheduler installed its own SIGTERM handler):
+    the first SIGINT/SIGTERM goes on to the running local jobs, then to Snakemake's handler."""
+    require_supported()
+    if _STOP["installed"] or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        previous = signal.getsignal(signum)
+
+        def handler(received, frame, previous=previous):
+            with _STOP_LOCK:
+                first = _STOP["signum"] is None
+                if first:
+                    _STOP["signum"] = received
+            if first:
+                _forward(received)
+            if callable(previous):
+                previous(received, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(received, signal.SIG_DFL)
+                os.kill(os.getpid(), received)
+
+        signal.signal(signum, handler)
+    quiet = _QuietInterrupts()
+    for target in (logger or logging.getLogger("snakemake.logging"),):
+        target.addFilter(quiet)
+    _STOP["installed"] = True
