@@ -46,6 +46,7 @@ onstart:
 # The scheduler has returned: its rate-limit timers would hold the exit for up to a
 # second (mirageflow/cluster/scheduler_timers.py).
 onsuccess:
+    pipeline_state.clear_previous_results(PIPELINE)
     terminal.on_success(PIPELINE, workflow)
     cancel_scheduler_timers()
 

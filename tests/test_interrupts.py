@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import FAKES, run_workflow, shard_jobs
-from fakes.configs import pipeline_config
+from fakes.configs import pipeline_config, shard_config
+from fakes.engines import ScriptedEngine
 from fakes.fake_http import Behaviour, FakeServer
 from fakes.runs import merged_rows
 
 from mirageflow.config import load_config
-from mirageflow.shard import index_datasets
+from mirageflow.shard import index_datasets, run_shard
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 
@@ -191,3 +192,69 @@ def test_a_signal_while_the_engine_is_imported_is_recorded_as_that_signal(tmp_pa
     assert failure["error"].startswith(f"ShardInterrupted: interrupted by {name}"), failure["error"]
     assert "ModuleNotFoundError" not in failure["error"]
     assert failure["committed"] == "0 rows"
+
+
+# --------------------------------------------------------------------------- no work, no engine
+
+
+def test_a_shard_with_every_row_committed_finishes_without_loading_an_engine(tmp_path):
+    """A shard stopped after its last commit (its status.json never written) is run again: it
+    has nothing to compute, so it loads no engine (68 s of model load for zero work before)."""
+    cfg = shard_config(tmp_path, [{"q": f"question {i}"} for i in range(5)], [{"name": "a", "prompt": "{{ q }}"}])
+    first = run_shard(cfg, 0, engine_factory=lambda p, b, **kw: ScriptedEngine(lambda prompt: "answer"))
+    records = (tmp_path / "out" / "shard_0").glob("*")
+    before = sorted(p.read_bytes() for p in records)
+    assert first["stats"]["rows_processed"] == 5
+    (tmp_path / "state" / "shard_0" / "status.json").unlink()  # stopped between the last commit and the status
+
+    made = []
+
+    def no_engine(processor, batch_size, **kw):
+        made.append(processor)
+        raise AssertionError("an engine was made for a shard with nothing to do")
+
+    status = run_shard(cfg, 0, engine_factory=no_engine)
+    assert made == [] and status["status"] == "success" and status["engines"] == {}
+    st = status["stats"]
+    assert st["rows_resumed"] == 5 and st["attempts"][-1]["rows_computed"] == 0
+    # this attempt adds no load time: nothing for the load_dominates finding to count
+    assert st["model_load_seconds"] == first["stats"]["model_load_seconds"]
+    assert sorted(p.read_bytes() for p in (tmp_path / "out" / "shard_0").glob("*")) == before
+
+
+# --------------------------------------------------------------------------- the last good result stays
+
+
+def test_an_edit_then_an_interrupt_keeps_the_previous_results_readable_and_marked(tmp_path, server):
+    """The reported history: a finished run, a prompt edit, the rerun interrupted. The previous
+    merged output and report stay readable, marked as the previous run's, until the edited run's
+    replace them."""
+    cfg = pipeline(tmp_path, server)
+    server.behaviour.latency = 0.0
+    try:
+        run_workflow(tmp_path, cfg)
+    finally:
+        server.behaviour.latency = LATENCY
+    before = merged_rows(tmp_path)
+    assert len(before) == ROWS
+    state = tmp_path / "state"
+
+    cfg["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
+    proc = run_workflow(tmp_path, cfg, background=True)
+    asked = len(server.records)
+    wait_for(lambda: len(server.records) >= asked + 2, proc, "the edited run's shard 0 asked two rows")
+    out = stop(proc, signal.SIGINT, "driver")
+    assert merged_rows(tmp_path) == before  # readable as it was
+    marked = json.loads((state / "previous_results.json").read_text())
+    assert {"state/metrics.json", "state/report.html", "out/merged"} <= set(marked["outputs"]), marked
+    assert "The results of a previous run" in (state / "report.html").read_text()
+    assert json.loads((state / "metrics.json").read_text())["previous_run"]["why"] == marked["why"]
+    summary = out[out.index("mirageflow: run interrupted") :]
+    assert "the previous run's results, kept until this run's replace them" in summary and "out/merged/" in summary, summary
+
+    run_workflow(tmp_path, cfg)
+    after = merged_rows(tmp_path)
+    assert [r["source_index"] for r in after] == list(range(ROWS)) and after != before
+    assert not (state / "previous_results.json").exists()
+    assert "previous run" not in (state / "report.html").read_text()
+    assert "previous_run" not in json.loads((state / "metrics.json").read_text())

@@ -398,15 +398,24 @@ def run_summary(
             f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(tps)} tok/s over generation"
             + (f" (wall clock {agg['wall_clock_runtime_human']})" if agg.get("wall_clock_runtime_human") else "")
         )
+    from mirageflow.state.pipeline import previous_results
+
+    previous = previous_results(pipeline)
+    kept = {str(p) for p in previous["outputs"]} if previous else set()
     if counts["done"] == pipeline.num_shards:
         for ds in pipeline.datasets:
             merged = L.merged_dir(ds.output_dir)
-            if pipeline.merge and merged.exists():
+            if pipeline.merge and merged.exists() and str(merged) not in kept:
                 lines.append(f"  merged output: {merged}/")
-            else:
+            elif str(merged) not in kept:
                 lines.append(f"  output: {Path(ds.output_dir)}/shard_<id>/ (not merged)")
-    if paths.report_html.exists():
+    if paths.report_html.exists() and str(paths.report_html) not in kept:
         lines.append(f"  report: {paths.report_html} (summary.md, metrics.json beside it)")
+    if previous:
+        lines.append(
+            f"  the previous run's results, kept until this run's replace them ({previous['why']}, {previous['since']}): "
+            + ", ".join(f"{p}/" if p.is_dir() else str(p) for p in previous["outputs"])
+        )
     with_errors = [s["shard_id"] for s in states if _nonempty(paths.errors(s["shard_id"]))]
     if failed_rows and with_errors:
         shown = ", ".join(map(str, with_errors[:10])) + (" ..." if len(with_errors) > 10 else "")

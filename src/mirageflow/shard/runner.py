@@ -356,8 +356,21 @@ class ShardRunner:
     def _run(self, slices: list[ShardSlice]) -> None:
         self._start_progress(sum(piece.stop - piece.start for piece in slices))  # source rows
         self._restore(slices)
-        self._load_engines()
         images = self._shard_images(slices)
+        if self.resumed < self.live.rows_total * self.n:
+            self._generate_rows(slices, images)
+        else:  # every unit committed before (a rerun after the last commit): no engine to load for no work
+            log.info("shard %d: all %s were committed before; no engine is loaded", self.shard_id, self.checkpoint.describe_committed())
+        check_accounting(self.cfg, self.checkpoint, slices, self.shard_id)
+        if any(o.kind == "image_gen" for o in self.cfg.outputs):
+            check_images(self.cfg, self.checkpoint, images, self.shard_id)
+        verdict = self.budget.final()
+        if verdict:
+            raise verdict
+
+    def _generate_rows(self, slices: list[ShardSlice], images: ShardImages) -> None:
+        """Load the engines and run the rows still to do through them; committed when it returns."""
+        self._load_engines()
         steps = [python_steps.make_step(o, lambda o: self._model_step(o, images), self.pools) for o in self.cfg.outputs]
         if self.cache is not None:
             identities = self._cache_identities()
@@ -390,12 +403,6 @@ class ShardRunner:
             raise self._interrupted(self.signals.signum)
         if self.abort:
             raise self.abort
-        check_accounting(self.cfg, self.checkpoint, slices, self.shard_id)
-        if self.image_gens:
-            check_images(self.cfg, self.checkpoint, images, self.shard_id)
-        verdict = self.budget.final()
-        if verdict:
-            raise verdict
 
     def _model_step(self, output, images: ShardImages):
         """The step of an output a processor computes: an LLM's (or a batch API's), or an image's."""
