@@ -21,8 +21,9 @@ Snakemake's handlers do what they do. A job stops within seconds, committing wha
 (mirageflow/shard/signals.py); a job that already got the signal with its group ignores the
 second one. The signal is remembered (``interrupted_by``): the run summary says
 "interrupted", and Snakemake's error blocks for the jobs that exited on it (a
-``RuleException: CalledProcessError ... exit status 130`` and "Error in rule") are not
-printed: the jobs were stopped, they did not fail.
+``RuleException: CalledProcessError ... exit status 130`` and "Error in rule", and its
+closing "At least one job did not complete successfully") are not printed: the jobs were
+stopped, they did not fail.
 
 **Incomplete markers** (``clear_incomplete``). Snakemake marks a job's outputs incomplete
 when it starts and clears the mark when it sees the job end; a driver stopped while a job
@@ -40,6 +41,8 @@ import signal
 import threading
 from typing import Any
 
+from mirageflow.errors import MirageflowError
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_MAJOR = 9  # the internals below are Snakemake 9's (read in 9.27)
@@ -50,7 +53,7 @@ SHELLS = frozenset({"bash", "sh", "dash", "zsh"})
 _checked: list[str] = []
 
 
-class UnsupportedSnakemake(RuntimeError):
+class UnsupportedSnakemake(MirageflowError, RuntimeError):
     """The installed Snakemake is not a version whose internals this module knows."""
 
 
@@ -160,7 +163,10 @@ def _interrupt_noise(record: logging.LogRecord) -> bool:
     event = getattr(record, "event", None)
     if event == LogEvent.JOB_ERROR:  # "Error in rule shard: ..." of a job that was stopped
         return True
-    if event == LogEvent.ERROR and getattr(record, "exception", None) in ("RuleException", "CalledProcessError"):
+    exception = getattr(record, "exception", None)
+    if event == LogEvent.ERROR and exception == "WorkflowError":  # its closing line, after our summary
+        return "At least one job did not complete successfully" in record.getMessage()
+    if event == LogEvent.ERROR and exception in ("RuleException", "CalledProcessError"):
         text = record.getMessage()  # "... returned non-zero exit status 130." / "... died with <Signals.SIGINT: 2>."
         signum = interrupted_by()
         name = signal.Signals(signum).name

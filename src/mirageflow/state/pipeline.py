@@ -36,8 +36,8 @@
 
 When Snakemake parses the workflow (also for ``snakemake -n`` and ``--lint``) the driver
 only reads: it validates the config, refuses a foreign output_dir and computes which
-files the jobs need. What it writes (the config file, owner markers, removal of stale
-derived outputs and of a killed merge's temp directories, the content cache) it writes in
+files the jobs need. What it writes (the config file, owner markers, the previous-run
+mark on derived outputs, removal of a killed merge's temp directories, the content cache) it writes in
 ``prepare``, from the onstart hook, which Snakemake runs only before real jobs.
 """
 
