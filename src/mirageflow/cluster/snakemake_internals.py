@@ -181,12 +181,15 @@ class _QuietInterrupts(logging.Filter):
 
 def forward_stop_signals(logger: logging.Logger | None = None) -> None:
     """In the driver (the onstart hook: after the scheduler installed its own SIGTERM handler):
-    the first SIGINT/SIGTERM goes on to the running local jobs, then to Snakemake's handler."""
+    the first SIGINT/SIGTERM goes on to the running local jobs, then to Snakemake's handler.
+    Called again for another run in the same process, it starts afresh (no signal seen yet)."""
     require_supported()
-    if _STOP["installed"] or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return
+    _STOP["signum"] = None
     for signum in STOP_SIGNALS:
         previous = signal.getsignal(signum)
+        previous = getattr(previous, "forwards_to", previous)  # ours, from an earlier run: what it wrapped
 
         def handler(received, frame, previous=previous):
             with _STOP_LOCK:
@@ -201,8 +204,8 @@ def forward_stop_signals(logger: logging.Logger | None = None) -> None:
                 signal.signal(received, signal.SIG_DFL)
                 os.kill(os.getpid(), received)
 
+        handler.forwards_to = previous
         signal.signal(signum, handler)
-    quiet = _QuietInterrupts()
-    for target in (logger or logging.getLogger("snakemake.logging"),):
-        target.addFilter(quiet)
-    _STOP["installed"] = True
+    if not _STOP["installed"]:
+        (logger or logging.getLogger("snakemake.logging")).addFilter(_QuietInterrupts())
+        _STOP["installed"] = True
