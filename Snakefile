@@ -32,7 +32,6 @@ include: "workflow/rules/fingerprint.smk"
 # only, never in a dry run or a lint.
 from mirageflow.report import terminal
 from mirageflow.cluster import snakemake_internals
-from mirageflow.cluster.scheduler_timers import cancel_scheduler_timers
 
 
 # A SIGINT/SIGTERM to the driver alone also stops the running jobs within seconds (they
@@ -44,16 +43,16 @@ onstart:
 
 
 # The scheduler has returned: its rate-limit timers would hold the exit for up to a
-# second (mirageflow/cluster/scheduler_timers.py).
+# second (mirageflow/cluster/snakemake_internals.py).
 onsuccess:
     pipeline_state.clear_previous_results(PIPELINE)
     terminal.on_success(PIPELINE, workflow)
-    cancel_scheduler_timers()
+    snakemake_internals.cancel_scheduler_timers()
 
 
 onerror:
     terminal.on_error(PIPELINE, workflow)
-    cancel_scheduler_timers()
+    snakemake_internals.cancel_scheduler_timers()
 
 
 rule all:

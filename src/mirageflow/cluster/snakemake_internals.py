@@ -25,6 +25,20 @@ second one. The signal is remembered (``interrupted_by``): the run summary says
 closing "At least one job did not complete successfully") are not printed: the jobs were
 stopped, they did not fail.
 
+**The command line** (``parse_command_line``): the executor a snakemake command names, its
+profiles applied, read with Snakemake's own parser (mirageflow/cluster/executor.py).
+
+**Scheduler timers** (``cancel_scheduler_timers``): Snakemake's scheduler rate-limits job
+starts (``--max-jobs-per-timespan``, by default ``100/1s``): after each scheduling round it
+starts a ``threading.Timer`` of one timespan that wakes it again
+(scheduling/job_scheduler.py ``_schedule_reevalutation``). Those timers are not daemon
+threads, so when the last job has finished the interpreter waits for the last one before
+it exits: every run, local or on SLURM, ended ~1 s after its summary (measured with py-spy on
+Snakemake 9.27: 1.09 s of the driver's exit spent in ``threading._shutdown``;
+scripts/bench/small_run.py). When the scheduler has returned (onsuccess/onerror), no job is
+left to wake it for, so the timers it left are cancelled; only timers whose callback comes
+from Snakemake's scheduler are touched.
+
 **Incomplete markers** (``clear_incomplete``). Snakemake marks a job's outputs incomplete
 when it starts and clears the mark when it sees the job end; a driver stopped while a job
 finished leaves the mark on a complete file, and the next run refuses it
@@ -35,11 +49,13 @@ complete, any other marked output is made again (mirageflow/state/inputs.py).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from mirageflow.errors import MirageflowError
 
@@ -71,6 +87,21 @@ def require_supported() -> None:
             f"internals: mirageflow/cluster/snakemake_internals.py); this is Snakemake {version}"
         )
     _checked.append(version)
+
+
+# --------------------------------------------------------------------------- at parse
+
+
+def parse_command_line(argv: Sequence[str]):
+    """Snakemake's parsed arguments of a command line (without the program), profiles applied
+    (snakemake/cli.py ``parse_args``), its "Using profile" lines kept quiet. Raises what the
+    parser raises (SystemExit on what it does not know)."""
+    require_supported()
+    from snakemake.cli import parse_args
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        _parser, args = parse_args(list(argv))
+    return args
 
 
 # --------------------------------------------------------------------------- while the DAG is built
@@ -115,6 +146,22 @@ def failed_jobs(workflow: Any) -> list:
     for job in getattr(getattr(workflow, "scheduler", None), "failed", None) or ():
         out.extend(getattr(job, "jobs", None) or [job])
     return out
+
+
+SCHEDULER_MODULE = "snakemake.scheduling"
+
+
+def _from_scheduler(thread: threading.Thread) -> bool:
+    function = getattr(thread, "function", None)
+    return isinstance(thread, threading.Timer) and getattr(function, "__module__", "").startswith(SCHEDULER_MODULE)
+
+
+def cancel_scheduler_timers() -> int:
+    """Cancel the scheduler's pending wake-up timers (the run has ended); returns how many."""
+    timers = [t for t in threading.enumerate() if _from_scheduler(t) and t.is_alive()]
+    for timer in timers:
+        timer.cancel()
+    return len(timers)
 
 
 # --------------------------------------------------------------------------- stopping
