@@ -31,24 +31,28 @@ include: "workflow/rules/fingerprint.smk"
 # the run ends: mirageflow/report/terminal.py). Snakemake runs these hooks in the driver
 # only, never in a dry run or a lint.
 from mirageflow.report import terminal
-from mirageflow.cluster.scheduler_timers import cancel_scheduler_timers
+from mirageflow.cluster import snakemake_internals
 
 
+# A SIGINT/SIGTERM to the driver alone also stops the running jobs within seconds (they
+# commit what finished); the summary then says "interrupted" (mirageflow/cluster/snakemake_internals.py).
 onstart:
     pipeline_state.on_start(config, PIPELINE, workflow, CONTENT_CHANGES, logger)
+    snakemake_internals.forward_stop_signals(logger)
     terminal.on_start(PIPELINE, workflow)
 
 
 # The scheduler has returned: its rate-limit timers would hold the exit for up to a
-# second (mirageflow/cluster/scheduler_timers.py).
+# second (mirageflow/cluster/snakemake_internals.py).
 onsuccess:
+    pipeline_state.clear_previous_results(PIPELINE)
     terminal.on_success(PIPELINE, workflow)
-    cancel_scheduler_timers()
+    snakemake_internals.cancel_scheduler_timers()
 
 
 onerror:
     terminal.on_error(PIPELINE, workflow)
-    cancel_scheduler_timers()
+    snakemake_internals.cancel_scheduler_timers()
 
 
 rule all:

@@ -259,7 +259,7 @@ def test_the_schedulers_rate_limit_timer_is_cancelled_when_the_run_ends():
 
     from snakemake.scheduling.job_scheduler import JobScheduler
 
-    from mirageflow.cluster.scheduler_timers import cancel_scheduler_timers
+    from mirageflow.cluster.snakemake_internals import cancel_scheduler_timers
 
     class Scheduler:  # the one attribute the real method uses
         _open_jobs = threading.Semaphore(0)
@@ -280,3 +280,37 @@ def test_the_schedulers_rate_limit_timer_is_cancelled_when_the_run_ends():
     finally:
         ours.cancel()
         timer.cancel()
+
+
+# --------------------------------------------------------------------------- Snakemake's internals, in one module
+
+# what only Snakemake's internals offer (no plugin interface): read only in cluster/snakemake_internals.py
+_INTERNALS = ("workflow.dag", "workflow.scheduler", "workflow.persistence", ".forcefiles", "snakemake.cli", "snakemake.shell",
+              "snakemake.scheduling", "_unmark_incomplete", "scheduler.failed")  # fmt: skip
+
+
+def test_snakemakes_internals_are_read_in_one_module_only():
+    from conftest import REPO
+
+    sources = [*(REPO / "src" / "mirageflow").rglob("*.py"), REPO / "Snakefile", *(REPO / "workflow" / "rules").glob("*.smk")]
+    found = [
+        f"{path.relative_to(REPO)}: {name}"
+        for path in sources
+        if path.name != "snakemake_internals.py"
+        for name in _INTERNALS
+        if name in path.read_text()
+    ]
+    assert found == []
+
+
+def test_another_snakemake_major_version_is_refused_with_one_message(monkeypatch):
+    from types import SimpleNamespace
+
+    import snakemake
+
+    from mirageflow.cluster import snakemake_internals
+
+    monkeypatch.setattr(snakemake_internals, "_checked", [])
+    monkeypatch.setattr(snakemake, "__version__", "10.0.0")
+    with pytest.raises(snakemake_internals.UnsupportedSnakemake, match=r"needs Snakemake 9\.x .* this is Snakemake 10\.0\.0"):
+        snakemake_internals.force(SimpleNamespace(dag=SimpleNamespace(forcefiles=set())), "state/shard_0/status.json")

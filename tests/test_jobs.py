@@ -16,6 +16,7 @@ import pytest
 from fakes.configs import pipeline_config
 
 from mirageflow import jobs
+from mirageflow.config import load_config
 from mirageflow.state import pipeline as pipeline_state
 
 
@@ -171,7 +172,7 @@ def test_early_argv():
 # --------------------------------------------------------------------------- derived outputs
 
 
-def test_shard_start_removes_what_was_built_from_earlier_shards(pipeline, tmp_path, monkeypatch):
+def test_shard_start_marks_what_was_built_from_earlier_shards_as_the_previous_runs(pipeline, tmp_path, monkeypatch):
     import mirageflow.shard
 
     path = pipeline_state.write_config(pipeline, tmp_path / "state")
@@ -187,5 +188,12 @@ def test_shard_start_removes_what_was_built_from_earlier_shards(pipeline, tmp_pa
     monkeypatch.setattr(mirageflow.shard, "run_shard", lambda cfg, shard, attempt: seen.update(shard=shard, attempt=attempt))
     jobs.run_shard(str(path), 0, 4)
     assert seen == {"shard": 0, "attempt": 4}
-    assert not any(p.exists() for p in derived) and not (out / "merged").exists()
+    # readable until this run's replace them, and marked as the previous run's
+    assert all(p.exists() for p in derived) and (out / "merged" / "part-00000.jsonl").exists()
+    marked = json.loads((state / "previous_results.json").read_text())
+    assert marked["why"] == "shard 0 started again"
+    assert set(marked["outputs"]) >= {str(p) for p in derived} | {str(out / "merged")}
+    assert json.loads((state / "metrics.json").read_text()) == {"previous_run": {"why": marked["why"], "since": marked["since"]}}
+    assert "The results of a previous run" in (state / "report.html").read_text()
+    assert pipeline_state.previous_results(load_config(str(path)))["outputs"]  # still the previous run's
     assert (out / "shard_0").exists()  # the shards' own outputs stay

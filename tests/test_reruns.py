@@ -307,7 +307,8 @@ def test_a_state_dir_of_another_pipeline_is_refused_naming_both_and_stats_refuse
 def test_failed_shard_is_rerun_and_nothing_stale_remains(tmp_path, server, trigger):
     """The reported case: after a run, edit the prompt and force the shards; shard 0 fails its
     error budget. A plain rerun and `mmirage retry` must retry it (not "Nothing to be
-    done"), and no metrics or merged output of the previous prompt may remain meanwhile."""
+    done"), and the metrics and merged output of the previous prompt stay readable meanwhile,
+    marked as the previous run's, never as current."""
     flags = TRIGGERS[trigger]
     cfg = pipeline(tmp_path, server)
     run_workflow(tmp_path, cfg, *flags)
@@ -322,7 +323,8 @@ def test_failed_shard_is_rerun_and_nothing_stale_remains(tmp_path, server, trigg
     assert proc.returncode != 0 and "Error in rule shard" in proc.text
     assert not (state / "shard_0" / "status.json").exists()
     assert json.loads((state / "shard_0" / "failure.json").read_text())["status"] == "failed"
-    assert not any(p.exists() for p in derived), [p for p in derived if p.exists()]
+    assert_previous_run(tmp_path, derived)
+    assert len(merged_rows(tmp_path)) == ROWS  # the last good result, still readable
 
     proc = run_workflow(tmp_path, failing, *flags, check=False)
     assert "Nothing to be done" not in proc.text and proc.returncode != 0
@@ -334,7 +336,7 @@ def test_failed_shard_is_rerun_and_nothing_stale_remains(tmp_path, server, trigg
         cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "MIRAGEFLOW_WORKFLOW_DIR": str(REPO)},
     )  # fmt: skip
     assert "Nothing to be done" not in retry.stdout + retry.stderr and retry.returncode == 1
-    assert not any(p.exists() for p in derived)
+    assert_previous_run(tmp_path, derived)
 
     # each attempt of shard 0 kept its log (Snakemake deleted the rule's log before each rerun)
     attempts = sorted((state / "logs" / "attempts").glob("shard_0.*.log"))
@@ -346,9 +348,21 @@ def test_failed_shard_is_rerun_and_nothing_stale_remains(tmp_path, server, trigg
     fixed["shard_params"] = {"max_error_rate": 0.5}
     proc = run_workflow(tmp_path, fixed, *flags)
     assert all(p.exists() for p in derived)
+    assert not (state / "previous_results.json").exists() and "previous run" not in (state / "report.html").read_text()
     metrics = json.loads((state / "metrics.json").read_text())["aggregate"]
     assert metrics["completed_shards"] == 2 and metrics["total_rows_failed"] == 2
     assert sorted(r["source_index"] for r in merged_rows(tmp_path)) == list(range(2, ROWS))
+
+
+def assert_previous_run(root: Path, derived: list[Path]) -> None:
+    """The derived outputs are there, each marked as the previous run's (state/pipeline.py)."""
+    state = root / "state"
+    assert all(p.exists() for p in derived), [p for p in derived if not p.exists()]
+    marked = json.loads((state / "previous_results.json").read_text())
+    assert {(root / p).resolve() for p in marked["outputs"]} >= {p.resolve() for p in derived}
+    assert "The results of a previous run" in (state / "report.html").read_text()
+    assert (state / "summary.md").read_text().startswith("> **The results of a previous run**")
+    assert json.loads((state / "metrics.json").read_text())["previous_run"]["why"] == marked["why"]
 
 
 def test_driver_drops_results_that_outlived_a_shard(tmp_path, server):

@@ -229,6 +229,29 @@ def test_run_summary_counts_shards_and_rows_and_says_where_things_are(tmp_path, 
     assert "shard 1 failed: every row of shard 1" in text and "fail the same way" in text and "Traceback" not in text
 
 
+def test_an_interrupted_run_says_so_what_each_stopped_shard_kept_and_the_command_to_continue(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = _state(tmp_path)
+    atomic_write_json(state / "shard_0/status.json", _status(10))
+    _failed_shard(state, 1, {}, "ShardInterrupted: interrupted by SIGTERM; 4 rows committed, rerun to resume", signal="SIGTERM")
+    failure = json.loads((state / "shard_1/failure.json").read_text())
+    atomic_write_json(state / "shard_1/failure.json", {**failure, "committed": "4 rows"})
+    _failed_shard(state, 2, {"template_error": 4}, "ShardFailed: every row of shard 2: 4 of 4 rows failed (template_error: 4)")
+    pipeline = SimpleNamespace(
+        state_dir="state", num_shards=4, merge=True, shard=SimpleNamespace(lease_timeout_seconds=300),
+        datasets=[SimpleNamespace(output_dir="out")],
+    )  # fmt: skip
+    command = terminal.driver_command(["/x/site-packages/snakemake/__main__.py", "--cores", "1", "--configfile", "my pipeline.yaml"])
+    assert command == "snakemake --cores 1 --configfile 'my pipeline.yaml'"
+    text = terminal.run_summary(pipeline, ok=False, config_hint="p.yaml", interrupted=15, command=command)
+    assert text.startswith("mirageflow: run interrupted by SIGTERM (state_dir state)")
+    assert "shards: 1 of 4 done, 1 stopped, 1 failed, 1 not run" in text
+    assert "  shard 1 stopped with 4 rows committed" in text and "shard 1 failed" not in text
+    assert "shard 2 failed: every row of shard 2" in text  # a real failure is still one
+    assert text.endswith(f"Run the same command to continue: {command}")
+    assert "FAILED" not in text and "No shard failed" not in text
+
+
 # --------------------------------------------------------------------------- through Snakemake
 
 

@@ -92,6 +92,8 @@ def _write_early_failure(path: str, signum: int | None, error: str | None = None
 
 def _on_early_signal(signum, frame) -> None:
     """SIGTERM/SIGINT before the shard runner installs its own handlers: record it, exit."""
+    for other in (signal.SIGINT, signal.SIGTERM):  # a second one (the group's and the driver's) would cut the record
+        signal.signal(other, signal.SIG_IGN)
     try:
         sys.stderr.write(f"mirageflow.jobs: stopped by {signal.Signals(signum).name} while starting up\n")
         sys.stderr.flush()
@@ -230,7 +232,7 @@ def index_dataset(config: str, ds_index: int, output: str) -> None:
 
 def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) -> None:
     """One shard. Until its runner takes over (and writes failure.json itself), a failure
-    (a damaged config file, a GPU claim refused, a full disk removing old results) is
+    (a damaged config file, a GPU claim refused, a full disk marking old results) is
     recorded in a short failure.json, so the shard is failed, not pending, for everyone who asks."""
     _EARLY["shard"], _EARLY["attempt"] = shard, attempt
     try:
@@ -274,7 +276,7 @@ def canary(config: str, output: str, attempt: int) -> None:
 
 
 def _start_shard(config: str, shard: int, engine: str | None) -> tuple[PipelineConfig, Callable | None]:
-    """The shard job before its runner: the config, the GPUs, the time limit, stale results removed.
+    """The shard job before its runner: the config, the GPUs, the time limit, earlier results marked as the previous run's.
     Returns (config, engine factory or None: the shard loads its own engine)."""
     cfg = _config(config)
     _EARLY["failure"] = str(layout.StateLayout(cfg.state_dir).failure(shard))  # the config's own state_dir
@@ -293,8 +295,9 @@ def _start_shard(config: str, shard: int, engine: str | None) -> tuple[PipelineC
     arm_time_limit_signal()  # an array's first task runs outside a job step, where --signal does not reach
     from mirageflow.state import pipeline as pipeline_state
 
-    # Whatever the aggregate and merge rules built from earlier shards is stale from now on.
-    pipeline_state.remove_derived_outputs(cfg, f"shard {shard} starts")
+    # Whatever the aggregate and merge rules built from earlier shards is the previous run's from
+    # now on: kept readable, marked so, until this run's replace them.
+    pipeline_state.mark_previous_results(cfg, f"shard {shard} started again")
     return cfg, factory
 
 

@@ -96,31 +96,35 @@ def dataset_files(wildcards):
 
 
 # Input functions that add no file: each forces its job when what it read changed by
-# content (mirageflow/state/inputs.py), in memory, as `--forcerun` would.
+# content (mirageflow/state/inputs.py), in memory, as `--forcerun` would, and settles an
+# output Snakemake left marked incomplete (a stopped driver): a verified shard is kept,
+# anything else made again, so the same command goes on without --rerun-incomplete.
 
 
 def dataset_changed(wildcards):
     """The index job, when a dataset file's content changed since it was indexed."""
-    path = str(STATE.dataset_index(wildcards.ds))
-    CONTENT_CHANGES.force(
-        workflow, path, CONTENT_CHANGES.dataset(int(wildcards.ds)), logger
-    )
+    why = CONTENT_CHANGES.dataset(int(wildcards.ds))
+    for path in (
+        STATE.dataset_index(wildcards.ds),
+        STATE.dataset_offsets(wildcards.ds),
+    ):
+        CONTENT_CHANGES.force(workflow, str(path), why, logger)
     return []
 
 
 def shard_changed(wildcards):
     """A finished shard, when its records identity or an image file it read changed."""
-    path = str(STATE.status(wildcards.shard))
-    CONTENT_CHANGES.force(
-        workflow, path, CONTENT_CHANGES.shard(int(wildcards.shard)), logger
-    )
+    shard = int(wildcards.shard)
+    why = CONTENT_CHANGES.shard(shard)
+    complete = not why and CONTENT_CHANGES.shard_complete(shard)
+    CONTENT_CHANGES.force(workflow, str(STATE.status(shard)), why, logger, complete)
     return []
 
 
 def derived_changed(wildcards):
     """The metrics report and merges, when a shard they were built from has no status file."""
     why = CONTENT_CHANGES.derived()
-    for path in [str(STATE.metrics)] + [
+    for path in [str(STATE.metrics), str(STATE.summary), str(STATE.report_html)] + [
         str(STATE.merge_manifest(k)) for k in DATASET_IDS
     ]:
         CONTENT_CHANGES.force(workflow, path, why, logger)
@@ -129,10 +133,9 @@ def derived_changed(wildcards):
 
 def dedup_changed(wildcards):
     """The dedup job, when deduplication_params changed since the dataset was deduplicated."""
-    path = str(STATE.dedup_counts(wildcards.ds))
-    CONTENT_CHANGES.force(
-        workflow, path, CONTENT_CHANGES.dedup(int(wildcards.ds)), logger
-    )
+    why = CONTENT_CHANGES.dedup(int(wildcards.ds))
+    for path in (STATE.dedup_counts(wildcards.ds), STATE.dedup_removed(wildcards.ds)):
+        CONTENT_CHANGES.force(workflow, str(path), why, logger)
     return []
 
 
@@ -207,7 +210,13 @@ def engine_endpoint(wildcards):
     from mirageflow.cluster.engine_service import group_of
 
     group = group_of(PIPELINE, int(wildcards.shard))
-    return [] if group is None else [str(STATE.engine_endpoint(group))]
+    if group is None:
+        return []
+    path = str(STATE.engine_endpoint(group))
+    # a service stopped with the driver left its endpoint marked incomplete: the service
+    # writes it again whenever it runs, a mark is no reason to refuse the run
+    CONTENT_CHANGES.force(workflow, path, None, logger, complete=True)
+    return [path]
 
 
 def shard_threads(wildcards):

@@ -1,5 +1,6 @@
 # One job per shard: start the engine, process the shard's rows of every dataset, and
-# write status.json last.
+# write status.json last. `exec`: the job is the process Snakemake started (no shell between),
+# so a stop signal reaches it, and Snakemake waits for its commit.
 
 
 rule shard:
@@ -35,4 +36,4 @@ rule shard:
         # the same endpoint on the command line ("none": the shard loads its own engine)
         engine=engine_argument,
     shell:
-        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} shard {wildcards.shard} --attempt {resources.attempt} --engine {resources.engine:q}"
+        "exec python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} shard {wildcards.shard} --attempt {resources.attempt} --engine {resources.engine:q}"

@@ -15,8 +15,6 @@ submission never loses its request.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import sys
 from pathlib import Path
@@ -42,11 +40,10 @@ def named_executor(argv: Sequence[str]):
     program = Path(argv[0]) if argv else Path()
     if "snakemake" not in (program.name, program.parent.name):  # `snakemake ...`, `python -m snakemake ...`
         return _UNKNOWN
-    try:
-        from snakemake.cli import parse_args
+    from mirageflow.cluster.snakemake_internals import parse_command_line
 
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # "Using profile ..."
-            _parser, args = parse_args(list(argv[1:]))
+    try:
+        args = parse_command_line(argv[1:])
     except (Exception, SystemExit) as e:  # argparse exits on what it does not know; Snakemake reports that itself
         log.debug("cannot tell the executor from %s: %s", list(argv), e)
         return _UNKNOWN

@@ -335,11 +335,17 @@ class LiveProgress:
 # --------------------------------------------------------------------------- the summary
 
 
-def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = None, failed_jobs: list[dict] = ()) -> str:
+def run_summary(
+    pipeline: PipelineConfig, ok: bool, config_hint: str | None = None, failed_jobs: list[dict] = (),
+    interrupted: int | None = None, command: str | None = None,
+) -> str:  # fmt: skip
     """The run's end in a few lines (and one paragraph per failed shard or job).
 
     ``failed_jobs``: the jobs Snakemake saw fail (``failed_jobs(workflow)``): a shard job
     that left no failure.json, and jobs of other rules, are named with their log's last error.
+    ``interrupted``: the signal that stopped the driver (SIGINT/SIGTERM): the headline says
+    "interrupted", each shard it stopped says what it committed, and ``command`` (the
+    driver's command line) is the one that continues.
     """
     from mirageflow.report.aggregate import compute_metrics
     from mirageflow.state.shards import count, shard_states
@@ -351,8 +357,12 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
     metrics = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, states=states)
     agg = metrics["aggregate"]
     counts = count(states)
+    # shards a stop signal ended (the driver's, forwarded, or their own: a time limit)
+    stopped = [s for s in states if s["state"] == "failed" and s.get("signal")] if interrupted else []
     head = (
-        "mirageflow: run finished"
+        f"mirageflow: run interrupted by {signal_name(interrupted)}"
+        if interrupted
+        else "mirageflow: run finished"
         if ok and counts["done"] == pipeline.num_shards
         else "mirageflow: run FAILED"
         if not ok
@@ -360,8 +370,10 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
     )
     lines = [f"{head} (state_dir {state_dir})"]
     shards = f"shards: {counts['done']} of {pipeline.num_shards} done"
-    if counts["failed"]:
-        shards += f", {counts['failed']} failed"
+    if stopped:
+        shards += f", {len(stopped)} stopped"
+    if counts["failed"] - len(stopped):
+        shards += f", {counts['failed'] - len(stopped)} failed"
     if counts["running"]:
         shards += f", {counts['running']} still running"
     if counts["pending"]:
@@ -386,20 +398,33 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
             f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(tps)} tok/s over generation"
             + (f" (wall clock {agg['wall_clock_runtime_human']})" if agg.get("wall_clock_runtime_human") else "")
         )
+    from mirageflow.state.pipeline import previous_results
+
+    previous = previous_results(pipeline)
+    kept = {str(p) for p in previous["outputs"]} if previous else set()
     if counts["done"] == pipeline.num_shards:
         for ds in pipeline.datasets:
             merged = L.merged_dir(ds.output_dir)
-            if pipeline.merge and merged.exists():
+            if pipeline.merge and merged.exists() and str(merged) not in kept:
                 lines.append(f"  merged output: {merged}/")
-            else:
+            elif str(merged) not in kept:
                 lines.append(f"  output: {Path(ds.output_dir)}/shard_<id>/ (not merged)")
-    if paths.report_html.exists():
+    if paths.report_html.exists() and str(paths.report_html) not in kept:
         lines.append(f"  report: {paths.report_html} (summary.md, metrics.json beside it)")
+    if previous:
+        lines.append(
+            f"  the previous run's results, kept until this run's replace them ({previous['why']}, {previous['since']}): "
+            + ", ".join(f"{p}/" if p.is_dir() else str(p) for p in previous["outputs"])
+        )
     with_errors = [s["shard_id"] for s in states if _nonempty(paths.errors(s["shard_id"]))]
     if failed_rows and with_errors:
         shown = ", ".join(map(str, with_errors[:10])) + (" ..." if len(with_errors) > 10 else "")
         lines.append(f"  failed rows: {state_dir}/shard_<id>/errors.jsonl (shards {shown})")
-    failed = [s for s in states if s["state"] == "failed"]
+    for s in stopped[:20]:
+        lines.append(f"  shard {s['shard_id']} stopped with {_committed(s)} committed")
+    if len(stopped) > 20:
+        lines.append(f"  ... and {len(stopped) - 20} more stopped shards")
+    failed = [s for s in states if s["state"] == "failed" and s not in stopped]
     retry = f"Rerun it with `mmirage retry --config {config_hint}`" if config_hint else "Rerun the same command to retry it"
     retry += " (it resumes from its last commit)."
     for s in failed[:20]:
@@ -407,14 +432,43 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
         lines.append(failure_paragraph(s, state_dir, retry_hint=retry))
     if len(failed) > 20:
         lines.append(f"... and {len(failed) - 20} more failed shards: mmirage status --config {config_hint or '<config>'}")
-    named = {s["shard_id"] for s in failed}
+    named = {s["shard_id"] for s in failed + stopped}
     others = [j for j in failed_jobs if not (j["rule"] == "shard" and _job_shard(j) in named)]
     for job in others[:20]:
         lines.append("")
         lines.append(job_paragraph(job, states))
-    if not ok and not failed and not others:
+    if interrupted:
+        lines.append("")
+        lines.append("Nothing finished is lost. Run the same command to continue: " + (command or "the snakemake command of this run"))
+    elif not ok and not failed and not others:
         lines.append(f"No shard failed and Snakemake named no failed job: see Snakemake's error above (the logs are in {paths.logs_dir}/).")
     return "\n".join(lines)
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _committed(shard: dict) -> str:
+    """What a stopped shard committed, as its failure.json says ("3 rows"); "nothing" before it started."""
+    committed = (shard.get("failure") or {}).get("committed")
+    return committed if isinstance(committed, str) and committed else "nothing"
+
+
+def driver_command(argv: list[str] | None = None) -> str:
+    """The driver's command line, as the user can run it again (``python -m snakemake`` is ``snakemake``)."""
+    import shlex
+
+    argv = list(sys.argv if argv is None else argv)
+    program = Path(argv[0]).name if argv else "snakemake"
+    if program in ("__main__.py", "snakemake"):
+        program = "snakemake"
+    return shlex.join([program, *argv[1:]])
 
 
 def _job_shard(job: dict) -> int | None:
@@ -466,17 +520,20 @@ def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
 
 
 def failed_jobs(workflow) -> list[dict]:
-    """The jobs Snakemake saw fail in this run, as {rule, wildcards, logs} (group jobs opened).
+    """The jobs Snakemake saw fail in this run, as {rule, wildcards, logs} (group jobs opened)."""
+    from mirageflow.cluster import snakemake_internals
 
-    From the scheduler the onerror hook runs after (``workflow.scheduler.failed``); empty
-    when this Snakemake does not have it."""
     out = []
-    for job in getattr(getattr(workflow, "scheduler", None), "failed", None) or ():
-        for one in getattr(job, "jobs", None) or [job]:  # a group job holds its jobs
-            try:
-                out.append({"rule": one.rule.name, "wildcards": dict(one.wildcards_dict), "logs": [str(f) for f in one.log]})
-            except Exception:  # a job object of another shape: name nothing rather than fail the summary
-                log.debug("cannot read a failed job", exc_info=True)
+    try:
+        jobs = snakemake_internals.failed_jobs(workflow)
+    except Exception:  # the summary names no job rather than fail
+        log.debug("cannot read the failed jobs", exc_info=True)
+        jobs = []
+    for one in jobs:
+        try:
+            out.append({"rule": one.rule.name, "wildcards": dict(one.wildcards_dict), "logs": [str(f) for f in one.log]})
+        except Exception:  # a job object of another shape: name nothing rather than fail the summary
+            log.debug("cannot read a failed job", exc_info=True)
     return sorted(out, key=lambda j: (j["rule"] != "shard", j["rule"], _job_shard(j) or 0))
 
 
@@ -531,8 +588,14 @@ def _end(pipeline: PipelineConfig, workflow, ok: bool) -> None:
     if _LIVE is not None:
         _LIVE.stop()
         _LIVE = None
+    from mirageflow.cluster.snakemake_internals import interrupted_by
+
+    stop = interrupted_by()
     try:
-        text = run_summary(pipeline, ok, _config_hint(workflow), [] if ok else failed_jobs(workflow))
+        text = run_summary(
+            pipeline, ok, _config_hint(workflow), [] if ok else failed_jobs(workflow), interrupted=stop,
+            command=driver_command() if stop else None,
+        )  # fmt: skip
     except Exception as e:  # the summary must never hide the run's own outcome
         log.debug("run summary failed", exc_info=True)
         text = f"mirageflow: no run summary ({type(e).__name__}: {e}); see `mmirage status`"

@@ -337,8 +337,14 @@ class ShardRunner:
             slices = _first_rows(slices, self.row_limit)
         self.lease.acquire()
         try:
-            with StopSignals(self._stop_engines, self._interrupted) as self.signals:
-                self._run(slices)
+            try:
+                with StopSignals(self._stop_engines, self._interrupted) as self.signals:
+                    self._run(slices)
+            except BaseException as e:
+                stopped = self._stopped_by_signal(e)
+                if stopped is None:
+                    raise
+                raise stopped from e
             self._finish_attempt("success")
         except BaseException as e:
             self._finish_attempt("interrupted" if isinstance(e, ShardInterrupted) else "failed", f"{type(e).__name__}: {e}")
@@ -350,8 +356,21 @@ class ShardRunner:
     def _run(self, slices: list[ShardSlice]) -> None:
         self._start_progress(sum(piece.stop - piece.start for piece in slices))  # source rows
         self._restore(slices)
-        self._load_engines()
         images = self._shard_images(slices)
+        if self.resumed < self.live.rows_total * self.n:
+            self._generate_rows(slices, images)
+        else:  # every unit committed before (a rerun after the last commit): no engine to load for no work
+            log.info("shard %d: all %s were committed before; no engine is loaded", self.shard_id, self.checkpoint.describe_committed())
+        check_accounting(self.cfg, self.checkpoint, slices, self.shard_id)
+        if any(o.kind == "image_gen" for o in self.cfg.outputs):
+            check_images(self.cfg, self.checkpoint, images, self.shard_id)
+        verdict = self.budget.final()
+        if verdict:
+            raise verdict
+
+    def _generate_rows(self, slices: list[ShardSlice], images: ShardImages) -> None:
+        """Load the engines and run the rows still to do through them; committed when it returns."""
+        self._load_engines()
         steps = [python_steps.make_step(o, lambda o: self._model_step(o, images), self.pools) for o in self.cfg.outputs]
         if self.cache is not None:
             identities = self._cache_identities()
@@ -384,12 +403,6 @@ class ShardRunner:
             raise self._interrupted(self.signals.signum)
         if self.abort:
             raise self.abort
-        check_accounting(self.cfg, self.checkpoint, slices, self.shard_id)
-        if self.image_gens:
-            check_images(self.cfg, self.checkpoint, images, self.shard_id)
-        verdict = self.budget.final()
-        if verdict:
-            raise verdict
 
     def _model_step(self, output, images: ShardImages):
         """The step of an output a processor computes: an LLM's (or a batch API's), or an image's."""
@@ -409,6 +422,19 @@ class ShardRunner:
     def _stop_engines(self, signum: int) -> None:
         for engine in [*self.engines.values(), *self.image_gens.values()]:
             engine.stop()
+
+    def _stopped_by_signal(self, error: BaseException) -> ShardInterrupted | None:
+        """The shard's end when a SIGTERM/SIGINT came, whatever exception it surfaced as: the
+        signal's exception raised inside a library is often caught and wrapped there (an
+        import in transformers' lazy modules becomes "ModuleNotFoundError: Could not import
+        module 'AutoModelForCausalLM'"), so the signal received decides, not the class."""
+        if isinstance(error, ShardInterrupted):
+            return None
+        signum = self.signals.signum if self.signals is not None else None
+        if not signum:
+            return None
+        log.info("stopped by %s while %s", signal.Signals(signum).name, f"{type(error).__name__}: {error}")
+        return self._interrupted(signum)
 
     def _interrupted(self, signum: int) -> ShardInterrupted:
         """The shard's end on SIGTERM/SIGINT, saying what is committed as the resume will ("N rows")."""
@@ -523,6 +549,8 @@ def run_shard(
             "finished_at": stats.utc_now(),
             "error": redact_text(f"{type(e).__name__}: {e}"),
             "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
+            # what a rerun keeps ("3 rows"), for the run summary of an interrupted run
+            "committed": runner.checkpoint.describe_committed() if runner.checkpoint is not None else "nothing",
             "traceback": redact_text(traceback.format_exc()),
             "hardware": runner.metrics.hardware(),
             "stats": runner.stats(),

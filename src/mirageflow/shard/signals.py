@@ -4,7 +4,10 @@ Outside the event loop (engine load, the final commit) a signal raises the excep
 ``interrupted(signum)`` builds, where the main thread is. While the event loop runs, the
 loop's own signal handling is used instead (``attach``): the handler runs as a callback on
 the loop, never in the middle of a coroutine, and the loop stops feeding rows and commits.
-Either way ``on_signal`` (stop the engines) runs first. On exit the previous handlers are
+Either way ``on_signal`` (stop the engines) runs first. Only the first signal counts: a
+second one (a terminal's Ctrl-C reaches the job with its group, and the driver forwards the
+same signal to its jobs: mirageflow/cluster/snakemake_internals.py) is logged and ignored, so
+it cannot break off the commit the first one started. On exit the previous handlers are
 restored.
 """
 
@@ -29,14 +32,19 @@ class StopSignals:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._active = threading.current_thread() is threading.main_thread()
 
-    def _received(self, signum: int) -> None:
+    def _received(self, signum: int) -> bool:
+        """Record the signal; False when one was received already (the stop is under way)."""
+        if self.signum is not None:
+            log.warning("received %s again: still committing and stopping", signal.Signals(signum).name)
+            return False
         log.warning("received %s: committing finished rows and stopping", signal.Signals(signum).name)
         self.signum = signum
         self.on_signal(signum)
+        return True
 
     def _raise(self, signum, frame) -> None:
-        self._received(signum)
-        raise self.interrupted(signum)
+        if self._received(signum):
+            raise self.interrupted(signum)
 
     def __enter__(self) -> "StopSignals":
         if self._active:
@@ -54,8 +62,8 @@ class StopSignals:
             return
 
         def on_loop(signum: int) -> None:
-            self._received(signum)
-            stop()
+            if self._received(signum):
+                stop()
 
         for s in SIGNALS:
             loop.add_signal_handler(s, on_loop, s)

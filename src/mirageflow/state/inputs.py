@@ -228,19 +228,32 @@ class ContentChanges:
 
         return "deduplication_params changed" if dedup_params_changed(self.cfg, self.cfg.datasets[ds_index])[1] else None
 
-    @staticmethod
-    def force(workflow, path: str, why: str | None, logger=None) -> None:
-        """Make the job writing ``path`` rerun, as ``--forcerun path`` would: in memory, in
-        the DAG being built (nothing is written)."""
-        if not why:
-            return
-        files = getattr(getattr(workflow, "dag", None), "forcefiles", None)
-        if not isinstance(files, set):  # a Snakemake whose DAG keeps them elsewhere: say so, never ignore it
-            raise RuntimeError(f"mirageflow: {path} must be made again ({why}), but this Snakemake's DAG has no forcefiles")
-        if path not in files:
-            files.add(path)
-            if logger is not None:
-                logger.info(f"mirageflow: {path} is made again: {why}")
+    def force(self, workflow, path: str, why: str | None, logger=None, complete: bool = False) -> None:
+        """Make the job writing ``path`` rerun when ``why`` says it must, as ``--forcerun path``
+        would: in memory, in the DAG being built (nothing is written).
+
+        A ``path`` Snakemake marked incomplete (its driver was stopped before it saw the job
+        end) is settled here too, so the same command goes on without ``--rerun-incomplete``:
+        ``complete`` (a shard's status.json that is a verified success) keeps it, anything else
+        is made again."""
+        from mirageflow.cluster import snakemake_internals as snakemake
+
+        if self.main and snakemake.clear_incomplete(workflow, path) and not why and not complete:
+            why = "its job was stopped before Snakemake saw it end"
+        if why and snakemake.force(workflow, path) and logger is not None:
+            logger.info(f"mirageflow: {path} is made again: {why}")
+
+    def shard_complete(self, shard_id: int) -> bool:
+        """Whether the shard's status.json is a success of this config (``state.shards.is_done``)."""
+        from mirageflow.state.records import read
+        from mirageflow.state.shards import current_fingerprint, is_done
+
+        status, _why = read(self.paths.status(shard_id))
+        if status is None:
+            return False
+        if self._records is None:
+            self._records = current_fingerprint(self.cfg)
+        return is_done(status, self.cfg.num_shards, self._records)
 
     def save(self) -> None:
         """Keep the hashes computed at DAG build (the driver's onstart: never in a dry run)."""

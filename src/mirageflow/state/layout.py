@@ -64,6 +64,7 @@ IMAGE_LEDGER = "images.jsonl"  # shard/ledger.py: an image_gen shard's images wr
 IMAGE_RECORDS = "input_images.jsonl"  # state/inputs.py: the image inputs a shard read, by content
 CONTENT_CACHE = "content.json"  # in datasets/
 FINGERPRINT = "records.fingerprint"
+PREVIOUS_RESULTS = "previous_results.json"
 CONFIGS = "configs"
 LOGS = "logs"
 ATTEMPT_LOGS = "attempts"
@@ -102,6 +103,11 @@ class StateLayout:
     @property
     def report_html(self) -> Path:
         return self.root / "report.html"
+
+    @property
+    def previous_results(self) -> Path:
+        """Which derived outputs (report, merged/) are a previous run's, kept until replaced (state/pipeline.py)."""
+        return self.root / PREVIOUS_RESULTS
 
     def dataset_index(self, ds: Id) -> Path:
         return self.root / "datasets" / f"dataset_{ds}.index.json"

@@ -26,15 +26,20 @@
   same output_dir (another state_dir) or at the same state_dir (other output_dirs) is
   refused before any job runs, naming the other one's config.
 - **Derived outputs** (metrics.json, summary.md, report.html, the merge manifests and each
-  dataset's ``<output_dir>/merged/``) are removed when a shard job starts, and by the
-  driver when a shard's status.json is missing, so they never show a previous
-  configuration's or a partial run's results as current, and the next run rebuilds them
-  (and reruns the missing shards they depend on).
+  dataset's ``<output_dir>/merged/``) of a previous run stay readable until this run's
+  replace them (merged/ is swapped in whole, the report files are written atomically), so
+  an edit or an interrupt never leaves the user without results. They are marked as the
+  previous run's when a shard job starts, and by the driver when a shard's status.json is
+  missing: ``<state_dir>/previous_results.json`` says why and since when, report.html shows
+  a banner, summary.md a first line, metrics.json a ``previous_run`` key, and the run
+  summary names them as the previous run's. An output written after the mark is this
+  run's; the mark goes when the run succeeds. The next run rebuilds them (and reruns the
+  missing shards they depend on: mirageflow/state/inputs.py).
 
 When Snakemake parses the workflow (also for ``snakemake -n`` and ``--lint``) the driver
 only reads: it validates the config, refuses a foreign output_dir and computes which
-files the jobs need. What it writes (the config file, owner markers, removal of stale
-derived outputs and of a killed merge's temp directories, the content cache) it writes in
+files the jobs need. What it writes (the config file, owner markers, the previous-run
+mark on derived outputs, removal of a killed merge's temp directories, the content cache) it writes in
 ``prepare``, from the onstart hook, which Snakemake runs only before real jobs.
 """
 
@@ -47,6 +52,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -277,38 +283,97 @@ def derived_outputs(cfg: PipelineConfig) -> list[Path]:
     return out
 
 
-def remove_derived_outputs(cfg: PipelineConfig, why: str) -> list[Path]:
-    """Remove the metrics report and merged outputs, so none of them outlives the shards it
-    summarised. Safe to call from many shard jobs at once. Returns what was removed."""
-    removed = []
-    for path in derived_outputs(cfg):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)  # another shard job may be removing it too
-            if path.exists():
-                shutil.rmtree(path)  # what is left, with the error this time
-        else:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                continue
-        removed.append(path)
-    if removed:
-        log.info("%s: removed the results built from the previous shards: %s", why, ", ".join(map(str, removed)))
-    return removed
-
-
-def remove_stale_derived_outputs(cfg: PipelineConfig) -> list[Path]:
-    """Driver side, at DAG build: when a shard's status.json is missing (it failed, or a job
-    died before it could clean up) but metrics or merged outputs exist, remove them, so the
-    run rebuilds them and Snakemake reruns the missing shards they depend on."""
+def mark_previous_results(cfg: PipelineConfig, why: str) -> list[Path]:
+    """Mark the derived outputs that exist as the previous run's (``why``: what made them so),
+    leaving them readable: ``previous_results.json``, a banner in report.html, a first line in
+    summary.md, a ``previous_run`` key in metrics.json. Safe to call from many shard jobs at
+    once (the first mark stays). Returns the outputs marked (none when already marked)."""
+    paths = L.StateLayout(cfg.state_dir)
     present = [p for p in derived_outputs(cfg) if p.exists()]
-    if not present:
+    if not present or paths.previous_results.exists():
         return []
+    note = {"why": why, "since": _utc_now()}
+    _banner(paths.report_html, "<body>", _html_banner(note))
+    _banner(
+        paths.summary, "", f"> **The results of a previous run** ({why}, {note['since']}): this run's replace them when it finishes.\n\n"
+    )
+    try:
+        metrics = json.loads(paths.metrics.read_text())
+        if isinstance(metrics, dict) and "previous_run" not in metrics:
+            atomic_write_bytes(paths.metrics, (json.dumps({"previous_run": note, **metrics}, indent=2, default=str) + "\n").encode())
+    except (OSError, ValueError):
+        pass  # absent or damaged: its rule makes it again
+    record = {
+        **note,
+        "since_epoch": time.time(),  # an output written after this is the current run's
+        "outputs": [str(p) for p in present],
+        "note": "These outputs are a previous run's, kept readable until this run's replace them.",
+    }
+    if not atomic_write_bytes(paths.previous_results, (json.dumps(record, indent=1) + "\n").encode(), only_if_absent=True):
+        return []
+    log.info("%s: the results of the previous run stay until this run replaces them: %s", why, ", ".join(map(str, present)))
+    return present
+
+
+def _html_banner(note: dict) -> str:
+    import html
+
+    return (
+        '<div class="previous-run" style="background:#fff3cd;border:1px solid #d39e00;padding:8px;margin:8px 0">'
+        f"<b>The results of a previous run</b> ({html.escape(note['why'])}, {html.escape(note['since'])}): "
+        "this run's report replaces this page when it finishes.</div>"
+    )
+
+
+def _banner(path: Path, after: str, text: str) -> None:
+    """Put ``text`` after the first ``after`` of a text file (at its start when ``after`` is empty), once."""
+    try:
+        content = path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return
+    if text in content:
+        return
+    at = content.find(after) + len(after) if after and after in content else 0
+    atomic_write_bytes(path, (content[:at] + text + content[at:]).encode())
+
+
+def previous_results(cfg: PipelineConfig) -> dict | None:
+    """The derived outputs that are still the previous run's: {why, since, outputs}, or None."""
+    try:
+        record = json.loads(L.StateLayout(cfg.state_dir).previous_results.read_text())
+        since = float(record["since_epoch"])
+        listed = [Path(p) for p in record["outputs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    left = []
+    for path in listed:
+        try:
+            if path.stat().st_mtime <= since + 1e-3:  # not written since the mark
+                left.append(path)
+        except OSError:
+            continue
+    return {"why": record.get("why"), "since": record.get("since"), "outputs": left} if left else None
+
+
+def clear_previous_results(cfg: PipelineConfig) -> bool:
+    """After a successful run: drop the mark when every output it listed was replaced (or is
+    gone); a run of some targets only keeps it. Returns whether it was dropped."""
+    path = L.StateLayout(cfg.state_dir).previous_results
+    if not path.exists() or previous_results(cfg) is not None:
+        return False
+    path.unlink(missing_ok=True)
+    return True
+
+
+def mark_stale_derived_outputs(cfg: PipelineConfig) -> list[Path]:
+    """Driver side, before the first job: when a shard's status.json is missing (it failed, or a
+    job died before it could mark them) but metrics or merged outputs exist, mark them as the
+    previous run's; the run rebuilds them (mirageflow/state/inputs.py: ``derived``)."""
     paths = L.StateLayout(cfg.state_dir)
     missing = next((i for i in range(cfg.num_shards) if not paths.status(i).exists()), None)
     if missing is None:
         return []
-    return remove_derived_outputs(cfg, f"shard {missing} has no status.json")
+    return mark_previous_results(cfg, f"shard {missing} has no status.json")
 
 
 def remove_temp_dirs(cfg: PipelineConfig) -> list[Path]:
@@ -335,7 +400,7 @@ def remove_temp_dirs(cfg: PipelineConfig) -> list[Path]:
 def prepare(config: dict, cfg: PipelineConfig, configfiles: Iterable[str] = (), rerun_inputs=None) -> list[str]:
     """What the driver writes before its first job (the onstart hook, never in a dry run or
     a lint): refuse an output_dir owned by another pipeline, store (or repair) the config
-    file, claim the output_dirs, drop derived outputs that outlived a shard and the temp
+    file, claim the output_dirs, mark derived outputs that outlived a shard and drop the temp
     directories of a killed merge, keep the content hashes computed at DAG build. Returns
     notes for the user (what changed). Raises OwnershipError."""
     notes = []
@@ -344,10 +409,11 @@ def prepare(config: dict, cfg: PipelineConfig, configfiles: Iterable[str] = (), 
     claim_output_dirs(cfg, path, configfiles)
     claim_state_dir(cfg, path, configfiles)
     check_output_owners(cfg)  # another pipeline may have claimed the state_dir in between
-    removed = remove_stale_derived_outputs(cfg)
-    if removed:
+    marked = mark_stale_derived_outputs(cfg)
+    if marked:
         notes.append(
-            "mirageflow: a shard has no status.json; removed the results built from earlier shards: " + ", ".join(map(str, removed))
+            "mirageflow: a shard has no status.json; the results built from earlier shards stay, marked as the previous run's, "
+            "until this run replaces them: " + ", ".join(map(str, marked))
         )
     if fingerprint_path(cfg.state_dir).exists() and write_records_fingerprint(cfg):  # a missing one: its rule writes it
         notes.append(f"mirageflow: {fingerprint_path(cfg.state_dir)} updated (what can change the records changed)")
