@@ -92,6 +92,12 @@ class RowErrorClass(enum.StrEnum):
     IMAGE_UNSUPPORTED = "image_unsupported", "generate", False, "images sent to a model that is not a vision-language model"
     IMAGE_PLACEHOLDERS = "image_placeholders", "generate", False, "the prompt does not hold the model's image placeholder once per image"
     # the answer
+    BAD_ANSWER = (
+        "bad_answer",
+        "generate",
+        False,
+        "the engine's or provider's answer holds a figure that cannot be used (a token count that is not a finite, non-negative integer)",
+    )
     EMPTY_OUTPUT = "empty_output", "output", False, "the engine returned no text (reasoning only, or cut before any text)"
     REASONING_TRUNCATED = "reasoning_truncated", "output", True, "the length limit cut the answer while the model was still reasoning"
     JSON_PARSE = "json_parse", "output", False, "a JSON output's answer is not valid JSON"

@@ -21,13 +21,17 @@ changes it). The engine answers them when their batch ends:
 - **Re-attach.** A rerun (after a kill, a preemption, a time limit) reads the ledger at
   load: batches still running are polled again, the results of ended ones are read from
   disk, and a row whose ``custom_id`` a recorded batch holds waits for that batch instead
-  of being submitted again. A chunk sealed but never recorded as created (killed during
+  of being submitted again, also after an edit of the config (the ledger is kept: the
+  custom_id says which request bytes a result answers). A chunk sealed but never recorded as created (killed during
   the upload) is looked up by its key in the provider's list (OpenAI: batch metadata
   ``mirageflow_chunk``) and adopted, else submitted again.
 - **Results as they arrive.** When a batch ends its results are written to
   ``batches/<key>.results.jsonl`` (atomically), recorded, and handed to the rows waiting
   for them, which the runner commits as usual (records + row errors = the shard's rows).
-  Per-request errors are row errors with classes (batch_providers.py). Requests an expired
+  Per-request errors are row errors with classes (batch_providers.py); a result line's
+  token figures are counts (wire.token_count) or its row fails as ``bad_answer``. Of
+  duplicate result lines the first is kept, lines for ids never submitted are ignored
+  (both counted in the batch's entry and warned about). Requests an expired
   or cancelled batch did not run are submitted once more, in a chunk of their own; a
   second miss is the row error ``batch_expired`` / ``batch_cancelled``. A batch still
   running ``deadline_grace_seconds`` past its completion window is cancelled.
@@ -53,7 +57,8 @@ from mirageflow.config.types import BATCH_LIMITS, ProcessorConfig
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.batch_providers import BASE_URL_ENV, DEFAULT_BASE_URL, PROVIDERS, Outcome, ProviderRefused
 from mirageflow.engines.loop import LoopEngine
-from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
+from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request
 from mirageflow.files import atomic_write_bytes
 from mirageflow.redact import redact_text
 from mirageflow.stats.formulas import utc_now
@@ -184,14 +189,15 @@ class BatchApiEngine(LoopEngine):
                     continue
             if state not in ("submitted", "ended", "rejected"):
                 continue
-            for cid in await asyncio.to_thread(self._spool_ids, key):
+            ids = await asyncio.to_thread(self._spool_ids, key)
+            for cid in ids:
                 self._where[cid] = key
             if state == "submitted":
                 self.reattached += 1
                 log.info("re-attaching to batch %s (chunk %s, %s requests)", entry.get("batch_id"), key, entry.get("requests"))
                 self._spawn(self._watch(key))
             elif state == "ended":
-                self._results.update(await asyncio.to_thread(self._index_results, key))
+                self._results.update(await asyncio.to_thread(self._index_results, key, set(ids)))
 
     def _spool_ids(self, key: str) -> list[str]:
         try:
@@ -201,31 +207,61 @@ class BatchApiEngine(LoopEngine):
             log.warning("cannot read the requests of batch chunk %s (%s): its rows are submitted again", key, e)
             return []
 
-    def _index_results(self, key: str, lines: bool = False):
+    def _index_results(self, key: str, known: set[str], lines: bool = False):
         """custom_id -> (key, byte offset) of each result line of an ended chunk; with
-        ``lines`` also (custom_id -> parsed line, input tokens, output tokens)."""
+        ``lines`` also (custom_id -> parsed line, input tokens, output tokens, duplicates,
+        unknown ids).
+
+        Only lines of requests the chunk holds (``known``, its spool's ids) count, each once:
+        of several lines for one custom_id the first is kept (on every read, so a rerun
+        answers the same), a line for an id never submitted is ignored; both are counted
+        and warned about, and their tokens are not summed. A line's tokens are
+        ``provider.usage`` (wire.token_count): a figure that is not a finite, non-negative
+        integer counts 0 here and fails its row (``_outcome``: bad_answer)."""
         found, parsed, tokens_in, tokens_out, offset = {}, {}, 0, 0, 0
+        duplicates, unknown = [], []
         try:
             with open(self.ledger.results(key), "rb") as f:
                 for raw in f:
-                    if raw.strip():
+                    at, offset = offset, offset + len(raw)
+                    if not raw.strip():
+                        continue
+                    try:
+                        line = json.loads(raw)
+                        cid = line["custom_id"]
+                        hash(cid)
+                    except (ValueError, KeyError, TypeError):
+                        log.warning("batch chunk %s: a result line at byte %d does not parse: skipped", key, at)
+                        continue
+                    if cid in found:
+                        duplicates.append(cid)
+                        continue
+                    if cid not in known:
+                        unknown.append(cid)
+                        continue
+                    found[cid] = (key, at)
+                    if lines:
+                        parsed[cid] = line
                         try:
-                            line = json.loads(raw)
-                            found[line["custom_id"]] = (key, offset)
-                        except (ValueError, KeyError, TypeError):
-                            log.warning("batch chunk %s: a result line at byte %d does not parse: skipped", key, offset)
-                        else:
-                            if lines:
-                                parsed[line["custom_id"]] = line
-                                try:
-                                    used = self.provider.usage(line)
-                                except (AttributeError, TypeError, ValueError):  # its row fails on its shape (_outcome)
-                                    used = (0, 0)
-                                tokens_in, tokens_out = tokens_in + used[0], tokens_out + used[1]
-                    offset += len(raw)
+                            used = self.provider.usage(line)
+                        except (AttributeError, TypeError, ValueError):  # its row fails on its shape (_outcome)
+                            used = (0, 0)
+                        tokens_in, tokens_out = tokens_in + used[0], tokens_out + used[1]
         except OSError as e:
             log.warning("cannot read the results of batch chunk %s (%s)", key, e)
-        return (found, parsed, tokens_in, tokens_out) if lines else found
+        if lines and (duplicates or unknown):
+            batch_id = self.ledger.entries.get(key, {}).get("batch_id")
+            if duplicates:
+                log.warning(
+                    "batch %s (chunk %s): %d duplicate result line(s) (the first line of each custom_id is kept, its tokens counted once): %s",
+                    batch_id, key, len(duplicates), ", ".join(sorted(set(duplicates))[:10]),
+                )  # fmt: skip
+            if unknown:
+                log.warning(
+                    "batch %s (chunk %s): %d result line(s) for custom_ids never submitted in it, ignored (not counted): %s",
+                    batch_id, key, len(unknown), ", ".join(sorted(set(unknown))[:10]),
+                )  # fmt: skip
+        return (found, parsed, tokens_in, tokens_out, len(duplicates), len(unknown)) if lines else found
 
     def _read_result(self, key: str, offset: int) -> dict:
         with open(self.ledger.results(key), "rb") as f:
@@ -286,6 +322,8 @@ class BatchApiEngine(LoopEngine):
             return Outcome(cid, retry="missing")
         try:
             return self.provider.outcomes(line, rid)
+        except BadAnswer as e:  # the same line on a rerun fails the same row the same way
+            return Outcome(cid, _failed(rid, E.BAD_ANSWER, f"batch result of {cid}: {e}"))
         except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
             return Outcome(
                 cid, _failed(rid, "provider_error", f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}")
@@ -458,7 +496,8 @@ class BatchApiEngine(LoopEngine):
 
     async def _ended(self, key: str, state) -> None:
         entry = self.ledger.entries[key]
-        ids = [cid for cid in await asyncio.to_thread(self._spool_ids, key) if self._where.get(cid) == key]
+        spooled = await asyncio.to_thread(self._spool_ids, key)
+        ids = [cid for cid in spooled if self._where.get(cid) == key]
         if self.settings.provider == "openai" and state.status == "failed":  # the input file was refused: nothing ran
             reason = self.provider.refused_outcomes(state)
             await self._record(key, state="rejected", reason=reason, ended_at=utc_now())
@@ -467,9 +506,10 @@ class BatchApiEngine(LoopEngine):
                 self._deliver(cid, _failed(_unit(cid), "batch_rejected", reason))
             return
         await self.provider.download(self._control, state, self.ledger.results(key))
-        index, parsed, tokens_in, tokens_out = await asyncio.to_thread(self._index_results, key, True)
+        index, parsed, tokens_in, tokens_out, duplicates, unknown = await asyncio.to_thread(self._index_results, key, set(spooled), True)
         await self._record(key, state="ended", status=state.status, ended_at=utc_now(), input_tokens=tokens_in, output_tokens=tokens_out,
-                           counts=state.raw.get("request_counts"), results=len(index))  # fmt: skip
+                           counts=state.raw.get("request_counts"), results=len(index), duplicate_results=duplicates,
+                           unknown_results=unknown)  # fmt: skip
         log.info("batch %s %s (chunk %s): %d results", entry.get("batch_id"), state.status, key, len(index))
         self._results.update({cid: where for cid, where in index.items() if self._where.get(cid) == key})
         again = []

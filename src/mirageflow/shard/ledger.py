@@ -2,8 +2,13 @@
 batches it submitted (``BatchLedger``) and the images it wrote (``ImageLedger``).
 
 Both belong to the checkpoint (``Checkpoint.batches``, ``Checkpoint.images``; restored with
-it, under the shard's lease) and carry its fingerprint: state made with another model,
-prompt or row range is set aside, never reused.
+it, under the shard's lease). Like the request cache (shard/request_cache.py) they are kept
+across edits of the config: what an entry is for is said by the request's identity, not
+by the config's fingerprint. A batch request's ``custom_id`` holds the SHA-256 of its
+bytes, so a rerun after any edit waits for (or reads the saved result of) every request
+whose bytes did not change and submits only the others: nothing is paid twice. An image's
+line holds the SHA-256 of its request (``request``): a rerun reuses the image of a row
+whose request did not change and replaces exactly those of the rows it changed.
 
 **batches.json** (``BatchLedger``)::
 
@@ -71,8 +76,10 @@ class BatchLedger:
         self._lock = threading.Lock()
 
     def restore(self) -> None:
-        """Load the ledger; a damaged one or one of another fingerprint is set aside (WARNING
-        naming its batches: they may still be running and billed)."""
+        """Load the ledger; a damaged one is set aside (WARNING: its batches are not waited
+        for). One made under another fingerprint (an edit) is kept: its requests are known
+        by their custom_ids (the hash of their bytes), so those a rerun sends unchanged are
+        answered by the batches already paid for."""
         self.entries, self._next = {}, 0
         try:
             raw = self.path.read_bytes()
@@ -87,17 +94,12 @@ class BatchLedger:
             aside = _aside(self.path, "damaged")
             log.warning("%s is damaged: renamed to %s; batches it listed are not waited for (submitted again if needed)", self.path, aside)
             return
-        if saved["fingerprint"] != self.fingerprint:
-            running = [f"{e.get('batch_id')} ({e.get('status')})" for e in saved["batches"].values() if e.get("state") == "submitted"]
-            aside = _aside(self.path, "other-config")
-            if self.dir.is_dir():
-                _aside(self.dir, "other-config")
-            log.warning(
-                "%s was made with another model/prompt/schema/row range: set aside as %s%s", self.path, aside,
-                f"; its batches still running are not waited for (cancel them if unwanted): {', '.join(running)}" if running else "",
-            )  # fmt: skip
-            return
         self.entries = {k: v for k, v in saved["batches"].items() if isinstance(v, dict)}
+        if saved["fingerprint"] != self.fingerprint:
+            log.info(
+                "%s was made before an edit of the config: its %d batch(es) are kept; requests whose bytes did not change "
+                "are answered by them, the others are submitted", self.path, len(self.entries),
+            )  # fmt: skip
         self._next = int(saved.get("next") or len(self.entries))
 
     def new_key(self, shard_id: int) -> str:
@@ -139,6 +141,8 @@ class BatchLedger:
             "input_tokens",
             "output_tokens",
             "counts",
+            "duplicate_results",
+            "unknown_results",
         )
         with self._lock:
             return [{"chunk": k, **{f: e.get(f) for f in keys if f in e}} for k, e in self.entries.items()]
