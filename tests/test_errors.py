@@ -66,6 +66,8 @@ def test_the_deterministic_classes_are_the_ones_a_retry_reproduces():
         "invalid_unicode", "reasoning_truncated", "bad_conversation", "request_too_large", "image_name_taken",
         # issue 22: a render past its limits, an image path outside image_base_path (the same config and data)
         "template_timeout", "template_too_large", "image_outside_base",
+        # issue 33: a file name the filesystem refuses (the same template and row give the same name)
+        "image_name_refused",
     }  # fmt: skip
     from mirageflow.report.terminal import repeats_identically
 
