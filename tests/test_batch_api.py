@@ -204,14 +204,16 @@ def test_a_result_line_of_another_shape_fails_its_row_and_one_prompt_twice_is_se
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_token_figures_that_are_not_counts_fail_their_row_and_a_rerun_answers_the_same(tmp_path, api, provider):
-    """usage 1e999 (Python reads inf) and -12000: those rows fail as bad_answer, the other rows
-    and the token figures are whole; a retry of the failed rows reads the same saved results
+    """usage 1e999 (Python reads inf) and -12000: those rows fail as bad_answer, a line nested
+    deeper than Python parses as provider_error, the other rows and the token figures are whole; a retry of the failed rows reads the same saved results
     and fails them the same way, submitting nothing."""
     raw = _config(tmp_path, api, provider)
-    _rows(tmp_path / "in.jsonl", markers={2: "USAGE_HUGE", 5: "USAGE_NEGATIVE"})
+    _rows(tmp_path / "in.jsonl", markers={2: "USAGE_HUGE", 5: "USAGE_NEGATIVE", 8: "DEEP_LINE"})
     status = _run(raw)
-    assert _errors(tmp_path) == {2: "bad_answer", 5: "bad_answer"}
-    assert len(_records(tmp_path)) == ROWS - 2
+    # a line nested past Python's parser is no answer: submitted once more, then the row's error
+    expected = {2: "bad_answer", 5: "bad_answer", 8: "provider_error"}
+    assert _errors(tmp_path) == expected
+    assert len(_records(tmp_path)) == ROWS - 3
     ledger = _ledger(tmp_path)
     for figures in [status["stats"], *ledger.values()]:
         assert all(isinstance(figures[k], int) and figures[k] >= 0 for k in ("input_tokens", "output_tokens")), figures
@@ -219,7 +221,7 @@ def test_token_figures_that_are_not_counts_fail_their_row_and_a_rerun_answers_th
     created = api.batches_created
     status = _run({**raw, "retry_failed_rows": True})
     assert api.batches_created == created
-    assert _errors(tmp_path) == {2: "bad_answer", 5: "bad_answer"} and len(_records(tmp_path)) == ROWS - 2
+    assert _errors(tmp_path) == expected and len(_records(tmp_path)) == ROWS - 3
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

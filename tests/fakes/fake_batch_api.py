@@ -33,7 +33,8 @@ prompt: ``FAIL_CONTEXT`` (context length), ``FAIL_POLICY`` (content policy / ref
 (a result line of another shape: a body or message that is not an object), ``USAGE_HUGE``
 (usage's prompt/input tokens written as ``1e999``: valid JSON that Python reads as inf),
 ``USAGE_NEGATIVE`` (output tokens -12000), ``DUPLICATE_LINE`` (the request's result line
-twice).
+twice), ``DEEP_LINE`` (arrays nested 100,000 deep in its usage: valid JSON Python's parser
+cannot read).
 
 Trouble: ``hold`` (an Event: while set, no batch ends), ``polls_to_end`` (status polls of a
 batch before it ends), ``expire`` (ordinals of created batches, 1-based, that end expired
@@ -71,13 +72,17 @@ class Trouble:
 
 
 HUGE = "<1e999>"  # written as the JSON number 1e999 (_jsonl)
+DEEP = "<deep>"  # written as arrays nested 100,000 deep (valid JSON past Python's recursion limit)
 
 
 def _jsonl(lines: list[dict]) -> bytes:
-    return "".join(json.dumps(x) + "\n" for x in lines).replace(f'"{HUGE}"', "1e999").encode()
+    text = "".join(json.dumps(x) + "\n" for x in lines)
+    return text.replace(f'"{HUGE}"', "1e999").replace(f'"{DEEP}"', "[" * 100_000 + "]" * 100_000).encode()
 
 
 def _hostile_usage(text: str, usage: dict, prompt_key: str, completion_key: str) -> dict:
+    if "DEEP_LINE" in text:
+        usage["extra"] = DEEP
     if "USAGE_HUGE" in text:
         usage[prompt_key] = HUGE
     if "USAGE_NEGATIVE" in text:
@@ -342,6 +347,7 @@ class FakeBatchAPI(LocalHTTPServer):
                 params = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "stranger"}]}
                 lines.append({"custom_id": cid, "result": self.anthropic_result(cid, params)})
             b["results"] = _jsonl(lines)
+            b["result_types"] = [x["result"]["type"] for x in lines]
             b["status"] = "ended"
             b["ended_how"] = how
 
@@ -368,8 +374,7 @@ class FakeBatchAPI(LocalHTTPServer):
         ended = b["status"] == "ended"
         counts = {"processing": 0 if ended else len(b["requests"]), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
         if ended:
-            for line in b["results"].splitlines():
-                kind = json.loads(line)["result"]["type"]
+            for kind in b["result_types"]:
                 counts[kind] += 1
         return {
             "id": b["id"], "type": "message_batch", "processing_status": b["status"], "request_counts": counts,

@@ -230,7 +230,7 @@ class BatchApiEngine(LoopEngine):
                         line = json.loads(raw)
                         cid = line["custom_id"]
                         hash(cid)
-                    except (ValueError, KeyError, TypeError):
+                    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested past Python's stack
                         log.warning("batch chunk %s: a result line at byte %d does not parse: skipped", key, at)
                         continue
                     if cid in found:
@@ -244,7 +244,7 @@ class BatchApiEngine(LoopEngine):
                         parsed[cid] = line
                         try:
                             used = self.provider.usage(line)
-                        except (AttributeError, TypeError, ValueError):  # its row fails on its shape (_outcome)
+                        except Exception:  # noqa: BLE001 - its row fails on its shape (_outcome)
                             used = (0, 0)
                         tokens_in, tokens_out = tokens_in + used[0], tokens_out + used[1]
         except OSError as e:
@@ -311,20 +311,22 @@ class BatchApiEngine(LoopEngine):
             return Outcome(cid, retry="missing")
         try:
             line = self._read_result(*where)
-        except (OSError, ValueError) as e:  # the saved results were damaged since: the request did not get an answer
+        except (OSError, ValueError, RecursionError) as e:  # the saved results were damaged since: the request did not get an answer
             log.warning("cannot read the saved result of %s (%s)", cid, e)
             line = None
         return self._outcome(line, cid, rid)
 
     def _outcome(self, line: dict | None, cid: str, rid: int) -> Outcome:
-        """A result line's meaning; a line of an unexpected shape fails its row, not the shard."""
+        """A result line's meaning. The row boundary of a provider's answer: whatever handling
+        the line raises fails its row with a class (bad_answer for a figure that is no count,
+        provider_error for any other shape), never the shard, and the same on every rerun."""
         if line is None:
             return Outcome(cid, retry="missing")
         try:
             return self.provider.outcomes(line, rid)
         except BadAnswer as e:  # the same line on a rerun fails the same row the same way
             return Outcome(cid, _failed(rid, E.BAD_ANSWER, f"batch result of {cid}: {e}"))
-        except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - the answer's content decides it: this row's error
             return Outcome(
                 cid, _failed(rid, "provider_error", f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}")
             )
