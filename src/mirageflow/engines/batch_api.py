@@ -87,7 +87,7 @@ def _unit(custom_id: str) -> int:
     return int(custom_id[1 : custom_id.index("-")])
 
 
-def _failed(rid: int, kind: str, message: str) -> Completion:
+def _failed(rid: int, kind: E, message: str) -> Completion:
     return Completion(rid, "", 0, 0, "abort", kind, message)
 
 
@@ -285,7 +285,7 @@ class BatchApiEngine(LoopEngine):
         try:
             cid, line = self.custom_id(request)
         except (ValueError, TypeError) as e:  # a request the provider's format cannot carry (an image type)
-            return _failed(request.id, "invalid_request", f"batch_api ({self.settings.provider}): {e}")
+            return _failed(request.id, E.INVALID_REQUEST, f"batch_api ({self.settings.provider}): {e}")
         waiting = self._waiters.get(cid)
         if waiting is not None and not waiting.done():  # the same request again (two outputs, one prompt): one line, one answer
             return await waiting
@@ -295,7 +295,7 @@ class BatchApiEngine(LoopEngine):
         if state == "submitted" or (state == "sealed" and cid in self._waiters):
             return await self._wait(cid)
         if state == "rejected":
-            return _failed(request.id, "batch_rejected", entry.get("reason") or "the provider refused the batch")
+            return _failed(request.id, E.BATCH_REJECTED, entry.get("reason") or "the provider refused the batch")
         if state == "ended":
             outcome = self._stored(cid, request.id)
             if outcome.retry is None:
@@ -328,12 +328,12 @@ class BatchApiEngine(LoopEngine):
             return Outcome(cid, _failed(rid, E.BAD_ANSWER, f"batch result of {cid}: {e}"))
         except Exception as e:  # noqa: BLE001 - the answer's content decides it: this row's error
             return Outcome(
-                cid, _failed(rid, "provider_error", f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}")
+                cid, _failed(rid, E.PROVIDER_ERROR, f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}")
             )
 
     @staticmethod
     def _gave_up(rid: int, why: str) -> Completion:
-        kind = {"expired": "batch_expired", "cancelled": "batch_cancelled"}.get(why, "provider_error")
+        kind = {"expired": E.BATCH_EXPIRED, "cancelled": E.BATCH_CANCELLED}.get(why, E.PROVIDER_ERROR)
         what = {"missing": "ended without a result for it"}.get(why, f"was {why} before running it")
         return _failed(rid, kind, f"the batch {what}, twice (submitted once more after the first time)")
 
@@ -357,7 +357,7 @@ class BatchApiEngine(LoopEngine):
             provider_max = BATCH_LIMITS[self.settings.provider][1]
             if self.settings.oversized_request_policy == "reject" or size > provider_max:
                 cap = limit if self.settings.oversized_request_policy == "reject" else provider_max
-                refused = _failed(_unit(cid), "request_too_large", f"the request is {size} bytes; a batch may hold {cap}")
+                refused = _failed(_unit(cid), E.REQUEST_TOO_LARGE, f"the request is {size} bytes; a batch may hold {cap}")
                 if wait:
                     return refused
                 self._deliver(cid, refused)
@@ -431,7 +431,7 @@ class BatchApiEngine(LoopEngine):
             await self._record(key, state="rejected", reason=str(e), ended_at=utc_now())
             log.error("batch chunk %s (%d requests) refused: %s", key, len(chunk.ids), e)
             for cid in chunk.ids:
-                self._deliver(cid, _failed(_unit(cid), "batch_rejected", str(e)))
+                self._deliver(cid, _failed(_unit(cid), E.BATCH_REJECTED, str(e)))
             return
         if not made.get("batch_id"):
             raise EngineError(f"batch_api: the provider created chunk {key} but gave no batch id: {made}")
@@ -505,7 +505,7 @@ class BatchApiEngine(LoopEngine):
             await self._record(key, state="rejected", reason=reason, ended_at=utc_now())
             log.error("batch %s (chunk %s): %s", entry.get("batch_id"), key, reason)
             for cid in ids:
-                self._deliver(cid, _failed(_unit(cid), "batch_rejected", reason))
+                self._deliver(cid, _failed(_unit(cid), E.BATCH_REJECTED, reason))
             return
         await self.provider.download(self._control, state, self.ledger.results(key))
         index, parsed, tokens_in, tokens_out, duplicates, unknown = await asyncio.to_thread(self._index_results, key, set(spooled), True)
@@ -534,7 +534,7 @@ class BatchApiEngine(LoopEngine):
                 if cid in lines:
                     await self._enqueue(cid, lines[cid], 1, wait=False)
                 else:
-                    self._deliver(cid, _failed(_unit(cid), "provider_error", f"the request is missing from {self.ledger.spool(key)}"))
+                    self._deliver(cid, _failed(_unit(cid), E.PROVIDER_ERROR, f"the request is missing from {self.ledger.spool(key)}"))
             self._seal(1)
 
     def _spool_lines(self, key: str, wanted: set[str]) -> dict[str, bytes]:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from mirageflow.errors import MirageflowError
+from mirageflow.errors import MirageflowError, RowErrorClass
 
 
 @dataclass
@@ -34,10 +34,16 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length | abort
-    error_kind: str | None = None  # set when the request could not run (e.g. context_length)
+    # set when the request could not run (e.g. context_length): a RowErrorClass (a StrEnum, so
+    # JSON and comparisons see its name); a string given here is made one, an unknown name raises
+    error_kind: RowErrorClass | None = None
     error: str | None = None
     reasoning: str | None = None  # a server's reasoning_content, kept apart from text (the answer)
     image_tokens: int | None = None  # prompt tokens the images became, when the engine can tell
+
+    def __post_init__(self) -> None:
+        if self.error_kind is not None and self.error_kind.__class__ is not RowErrorClass:
+            self.error_kind = RowErrorClass(self.error_kind)  # ValueError for a class nobody knows: a bug, where it is made
 
 
 @dataclass

@@ -10,7 +10,7 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
-from mirageflow.errors import MirageflowError
+from mirageflow.errors import MirageflowError, RowErrorClass as E
 
 
 @dataclass
@@ -32,9 +32,9 @@ class ImageError(MirageflowError):
     ``image_generation_failed`` (the server answered an error about this request, or
     the pipeline raised on it)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: E | str, message: str):
         super().__init__(message)
-        self.kind = kind
+        self.kind = E(kind)  # a name the enum does not know raises here, where the error is made
 
 
 # the most pixels a generated image may have: read from its header before it is decoded, so
@@ -57,7 +57,7 @@ def decode_image(data: bytes, what: str):
             width, height = image.size
             if width * height > MAX_OUTPUT_PIXELS:
                 raise ImageError(
-                    "image_too_large", f"{what}: the image says it is {width} x {height} pixels, more than {MAX_OUTPUT_PIXELS} "
+                    E.IMAGE_TOO_LARGE, f"{what}: the image says it is {width} x {height} pixels, more than {MAX_OUTPUT_PIXELS} "
                     "(a decompression bomb?)",
                 )  # fmt: skip
             image.load()
@@ -65,18 +65,18 @@ def decode_image(data: bytes, what: str):
     except ImageError:
         raise
     except Image.DecompressionBombError:
-        raise ImageError("image_too_large", bomb) from None
+        raise ImageError(E.IMAGE_TOO_LARGE, bomb) from None
     except Exception as e:  # noqa: BLE001 - the answer's bytes decide it: this row's error (see above)
-        raise ImageError("image_undecodable", f"{what}: not an image Pillow can read ({type(e).__name__}: {str(e)[:200]})") from None
+        raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: not an image Pillow can read ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def decode_b64(text: Any, what: str):
     if not isinstance(text, str):
-        raise ImageError("image_undecodable", f"{what}: b64_json is a {type(text).__name__}, not a string")
+        raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: b64_json is a {type(text).__name__}, not a string")
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ImageError("image_undecodable", f"{what}: b64_json is not base64 ({e})") from None
+        raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: b64_json is not base64 ({e})") from None
     return decode_image(data, what)
 
 

@@ -48,7 +48,7 @@ from mirageflow.config.types import ImageGenProcessor, OutputVar
 from mirageflow.files import atomic_write_bytes
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob
 from mirageflow.prompts import samples
-from mirageflow.errors import RowError
+from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.templates import Template
 from mirageflow.state.layout import image_relative, images_dir
 
@@ -155,7 +155,7 @@ class ImageStep:
         }  # fmt: skip
         file_name = f"{safe_name(self.filename.render(context))}.{self.extension}"
         if len(file_name.encode()) > NAME_MAX:
-            raise RowError("output", "image_name_refused", f"output '{name}': the file name filename_template gives is "
+            raise RowError("output", E.IMAGE_NAME_REFUSED, f"output '{name}': the file name filename_template gives is "
                            f"{len(file_name.encode())} bytes, more than a filesystem takes ({NAME_MAX}): {file_name[:80]}...")  # fmt: skip
         out_dir = self.shard.out_dirs[unit.dataset]
         target = self._root(unit.dataset) / file_name
@@ -169,7 +169,7 @@ class ImageStep:
             variables[name], variables[seed_name], variables[path_name] = relative, entry.get("seed"), relative
             return True  # written by an earlier attempt for this very request and intact: reused
         if not own and os.path.lexists(target):
-            raise RowError("output", "image_name_taken", f"output '{name}': {target} exists and is not this row's image; "
+            raise RowError("output", E.IMAGE_NAME_TAKEN, f"output '{name}': {target} exists and is not this row's image; "
                            "an existing file is never replaced (a filename_template that gives two rows one name?)")  # fmt: skip
         try:
             image = await self.generator.generate(job)
@@ -188,11 +188,11 @@ class ImageStep:
             written = await asyncio.to_thread(atomic_write_bytes, target, data, True, not own)
         except OSError as e:
             if e.errno in _NAME_ERRNOS:
-                raise RowError("output", "image_name_refused", f"output '{name}': the filesystem refuses the name {target} "
+                raise RowError("output", E.IMAGE_NAME_REFUSED, f"output '{name}': the filesystem refuses the name {target} "
                                f"({os.strerror(e.errno)})") from None  # fmt: skip
             raise
         if not written:
-            raise RowError("output", "image_name_taken", f"output '{name}': {target} was written by another row or job meanwhile; "
+            raise RowError("output", E.IMAGE_NAME_TAKEN, f"output '{name}': {target} was written by another row or job meanwhile; "
                            "an existing file is never replaced")  # fmt: skip
         variables[name], variables[seed_name], variables[path_name] = relative, seed, relative
         return True
