@@ -251,8 +251,9 @@ def test_an_edit_that_leaves_the_requests_unchanged_submits_nothing_again(tmp_pa
     """No temperature set (MMIRAGE's default: the request cache keeps no unseeded answer):
     an edit of the record template (output_schema) changes the records' fingerprint but no
     request's bytes, so the rerun is answered by the batches already paid for; a prompt
-    edit of one row then submits that row's request only."""
-    raw = _config(tmp_path, api, provider)
+    edit of one row then submits that row's request only. (Anthropic's requests here sample
+    at 0.7: not greedy either, so no answer of the request cache can stand in for a batch.)"""
+    raw = _config(tmp_path, api, provider, **({"temperature": 0.7} if provider == "anthropic" else {}))
     _rows(tmp_path / "in.jsonl", markers={})
     _run(raw)
     assert api.requests_seen == ROWS
