@@ -202,6 +202,71 @@ def test_a_result_line_of_another_shape_fails_its_row_and_one_prompt_twice_is_se
     assert all(r["a"] == r["a2"] for r in _records(tmp_path))
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_token_figures_that_are_not_counts_fail_their_row_and_a_rerun_answers_the_same(tmp_path, api, provider):
+    """usage 1e999 (Python reads inf) and -12000: those rows fail as bad_answer, a line nested
+    deeper than Python parses as provider_error, the other rows and the token figures are whole; a retry of the failed rows reads the same saved results
+    and fails them the same way, submitting nothing."""
+    raw = _config(tmp_path, api, provider)
+    _rows(tmp_path / "in.jsonl", markers={2: "USAGE_HUGE", 5: "USAGE_NEGATIVE", 8: "DEEP_LINE"})
+    status = _run(raw)
+    # a line nested past Python's parser is no answer: submitted once more, then the row's error
+    expected = {2: "bad_answer", 5: "bad_answer", 8: "provider_error"}
+    assert _errors(tmp_path) == expected
+    assert len(_records(tmp_path)) == ROWS - 3
+    ledger = _ledger(tmp_path)
+    for figures in [status["stats"], *ledger.values()]:
+        assert all(isinstance(figures[k], int) and figures[k] >= 0 for k in ("input_tokens", "output_tokens")), figures
+    assert status["stats"]["output_tokens"] == sum(e["output_tokens"] for e in ledger.values()) > 0
+    created = api.batches_created
+    status = _run({**raw, "retry_failed_rows": True})
+    assert api.batches_created == created
+    assert _errors(tmp_path) == expected and len(_records(tmp_path)) == ROWS - 3
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_duplicate_and_unknown_result_lines_are_counted_once_and_reported(tmp_path, api, provider, caplog):
+    """A custom_id answered twice keeps its first line and its tokens count once; lines for
+    custom_ids never submitted are ignored; both are counted in the batch's entry and warned
+    about with the batch id and the custom_id."""
+    api.trouble.stranger_lines = 2
+    raw = _config(tmp_path, api, provider)
+    _rows(tmp_path / "in.jsonl", markers={3: "DUPLICATE_LINE"})
+    with caplog.at_level("WARNING"):
+        status = _run(raw)
+    assert _errors(tmp_path) == {} and len(_records(tmp_path)) == ROWS
+    ((entry),) = _ledger(tmp_path).values()
+    assert entry["duplicate_results"] == 1 and entry["unknown_results"] == 2 and entry["results"] == ROWS
+    per_row = status["stats"]["output_tokens"]  # each row's answer once: the runner's sum
+    assert entry["output_tokens"] == per_row
+    (batch,) = status["engines"]["batch_api"]["details"]["batches"]
+    assert batch["duplicate_results"] == 1 and batch["unknown_results"] == 2
+    said = caplog.text
+    assert f"batch {entry['batch_id']}" in said and "duplicate result line" in said and "u3-" in said
+    assert "never submitted" in said and "u900-" in said
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_an_edit_that_leaves_the_requests_unchanged_submits_nothing_again(tmp_path, api, provider):
+    """No temperature set (MMIRAGE's default: the request cache keeps no unseeded answer):
+    an edit of the record template (output_schema) changes the records' fingerprint but no
+    request's bytes, so the rerun is answered by the batches already paid for; a prompt
+    edit of one row then submits that row's request only. (Anthropic's requests here sample
+    at 0.7: not greedy either, so no answer of the request cache can stand in for a batch.)"""
+    raw = _config(tmp_path, api, provider, **({"temperature": 0.7} if provider == "anthropic" else {}))
+    _rows(tmp_path / "in.jsonl", markers={})
+    _run(raw)
+    assert api.requests_seen == ROWS
+    raw["processing_params"]["output_schema"]["q_again"] = "{{ qa.question }}"
+    _run(raw)
+    assert api.requests_seen == ROWS, "an output_schema edit submitted byte-identical requests again"
+    records = _records(tmp_path)
+    assert len(records) == ROWS and all(r["q_again"] == r["q"] for r in records)
+    _rows(tmp_path / "in.jsonl", markers={7: "edited"})
+    _run(raw)
+    assert api.requests_seen == ROWS + 1 and len(_records(tmp_path)) == ROWS
+
+
 def test_a_batch_openai_refuses_fails_its_rows_as_batch_rejected(tmp_path, api):
     api.trouble.refuse = {1}
     raw = _config(tmp_path, api, "openai")

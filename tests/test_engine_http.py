@@ -437,6 +437,18 @@ def test_openai_row_errors_and_fatal_statuses(fast, server):
     assert too_long.finish_reason == bad.finish_reason == "abort"
 
 
+def test_openai_usage_that_is_no_count_fails_that_request_only(fast, server):
+    s = server()
+    engine = openai(s)
+    try:
+        bad, good = engine.generate([req(0, messages=[{"role": "user", "content": "USAGE_NEGATIVE"}]), req(1)])
+    finally:
+        engine.close()
+    assert (bad.error_kind, bad.completion_tokens, bad.prompt_tokens) == ("bad_answer", 0, 0)
+    assert "usage.completion_tokens is -12000" in bad.error
+    assert good.error_kind is None and good.completion_tokens > 0
+
+
 def test_openai_without_chat_template_uses_completions(fast, server):
     s = server()
     engine = openai(s, apply_chat_template=False)

@@ -15,7 +15,7 @@ from mirageflow.config import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.registry import BACKENDS, create_engine
 from mirageflow.engines.wire import Request
-from mirageflow.engines.sglang_common import engine_kwargs, resolve_parallelism
+from mirageflow.engines.sglang_common import completion_from_output, engine_kwargs, resolve_parallelism
 from mirageflow.engines.sglang_engine import SGLangCrashed, SGLangEngine
 from mirageflow.engines.base import EngineStopped
 
@@ -293,3 +293,14 @@ def test_every_backend_is_registered():
         proc = processor()
         proc = ProcessorConfig(**{**vars(proc), "backend": name, "base_url": "http://127.0.0.1:1/v1"})
         assert type(create_engine(proc, 8, log_dir=None)).__name__ == cls
+
+
+@pytest.mark.parametrize("tokens", [float("inf"), float("nan"), -3, 2.5, "12"])
+def test_token_counts_in_meta_info_that_are_no_counts_fail_the_request_not_the_shard(tokens):
+    """SGLang's meta_info goes through wire.usage_counts like every provider's usage: a
+    figure that is not a finite, non-negative integer is the row error bad_answer."""
+    completion = completion_from_output(7, {"text": "hi", "meta_info": {"prompt_tokens": 4, "completion_tokens": tokens}})
+    assert (completion.id, completion.error_kind, completion.completion_tokens, completion.finish_reason) == (7, "bad_answer", 0, "abort")
+    assert "meta_info.completion_tokens" in completion.error
+    fine = completion_from_output(7, {"text": "hi", "meta_info": {"prompt_tokens": 4, "completion_tokens": 2.0}})
+    assert (fine.error_kind, fine.prompt_tokens, fine.completion_tokens) == (None, 4, 2)

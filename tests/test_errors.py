@@ -66,6 +66,8 @@ def test_the_deterministic_classes_are_the_ones_a_retry_reproduces():
         "invalid_unicode", "reasoning_truncated", "bad_conversation", "request_too_large", "image_name_taken",
         # issue 22: a render past its limits, an image path outside image_base_path (the same config and data)
         "template_timeout", "template_too_large", "image_outside_base",
+        # issue 33: a file name the filesystem refuses (the same template and row give the same name)
+        "image_name_refused",
     }  # fmt: skip
     from mirageflow.report.terminal import repeats_identically
 
@@ -95,3 +97,19 @@ def test_the_cli_maps_only_our_input_errors_to_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_status", bug)
     with pytest.raises(ValueError, match="a bug of ours"):  # a traceback, not "usage or config error"
         cli.main(["status", "--config", "p.yaml"])
+
+
+def test_a_completions_and_an_image_errors_class_is_the_enum_and_a_misspelt_one_raises_where_it_is_made():
+    """Row error classes travel as RowErrorClass from the engine to errors.jsonl: a name given
+    as text becomes the member, and a typo raises at the Completion or ImageError, not later."""
+    from mirageflow.engines.wire import Completion
+    from mirageflow.imagegen.base import ImageError
+
+    completion = Completion(3, "", 0, 0, "abort", "context_length", "too long")
+    assert completion.error_kind is RowErrorClass.CONTEXT_LENGTH and json.dumps(completion.error_kind) == '"context_length"'
+    assert Completion(3, "ok", 1, 1, "stop").error_kind is None
+    assert ImageError("image_undecodable", "no image").kind is RowErrorClass.IMAGE_UNDECODABLE
+    with pytest.raises(ValueError, match="'context_lenght' is not a valid RowErrorClass"):
+        Completion(3, "", 0, 0, "abort", "context_lenght", "too long")
+    with pytest.raises(ValueError, match="'image_undecodeable' is not a valid RowErrorClass"):
+        ImageError("image_undecodeable", "no image")

@@ -8,6 +8,7 @@ with classes, and a resumed shard reusing the images it already wrote."""
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import os
 import subprocess
@@ -16,13 +17,13 @@ from pathlib import Path
 
 import pytest
 from fakes import FAKES
-from fakes.fake_images import Behaviour, FakeImages
+from fakes.fake_images import Behaviour, FakeImages, bmp_bomb, png
 
 from mirageflow.cluster.resources import shard_gpus
 from mirageflow.config import ConfigError, load_config
 from mirageflow.config.types import ImageGenProcessor
 from mirageflow.imagegen.http_images import GeneratorFailed, SGLangDiffusionServer, request_body, sglang_diffusion_missing
-from mirageflow.imagegen.base import ImageJob
+from mirageflow.imagegen.base import ImageError, ImageJob, decode_image
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
 HERE = Path(__file__).resolve().parent
@@ -167,6 +168,69 @@ def test_two_rows_one_file_name_is_a_row_error_not_a_replaced_file(tmp_path, ser
     _run(raw)
     errors = _errors(tmp_path)
     assert len(errors) == 2 and set(errors.values()) == {"image_name_taken"} and len(_records(tmp_path)) == 1
+
+
+def test_a_decompression_bomb_and_a_name_the_filesystem_refuses_fail_their_row_the_same_on_every_rerun(tmp_path, server):
+    """One row boundary: a bomb image (58 bytes claiming 100000 x 100000 pixels) and a file
+    name longer than a filesystem takes are row errors with their class, never the shard's
+    failure; a retry of those rows fails them the same way."""
+    long_name = "x" * 300
+    texts = ["a cat", "a bomb BOMB_IMAGE", f"a {long_name}", "an owl"]
+    raw = _config(tmp_path, _external(server), texts)
+    raw["processing_params"]["outputs"][0]["filename_template"] = "img_{{ __source_index }}_{{ text }}"
+    expected = {1: "image_too_large", 2: "image_name_refused"}
+    _run(raw)
+    assert _errors(tmp_path) == expected and len(_records(tmp_path)) == 2
+    messages = {
+        e["source_index"]: e["message"] for e in map(json.loads, (tmp_path / "state/shard_0/errors.jsonl").read_text().splitlines())
+    }
+    assert "decompression bomb" in messages[1] and "more than a filesystem takes (255)" in messages[2]
+    _run({**raw, "retry_failed_rows": True})
+    assert _errors(tmp_path) == expected and len(_records(tmp_path)) == 2
+    assert sorted(p.name for p in (tmp_path / "out" / "images").iterdir()) == ["img_0_a_cat.png", "img_3_an_owl.png"]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"not an image", bmp_bomb(), bmp_bomb(9000, 9000), png(8, 8, 1)[:40], b"GIF89a" + b"\xff" * 20, b"\x89PNG\r\n\x1a\n" * 3],
+    ids=["empty", "text", "bomb", "above_max_output_pixels", "truncated_png", "broken_gif", "png_magic_only"],
+)
+def test_whatever_an_answers_bytes_do_decoding_them_is_an_image_error(data):
+    """The decoder is the boundary of one answer's image: any exception in it is the row's ImageError."""
+    with pytest.raises(ImageError) as e:
+        decode_image(data, "answer")
+    assert e.value.kind in ("image_undecodable", "image_too_large")
+
+
+def test_an_edit_replaces_exactly_the_images_of_the_rows_it_changed_and_an_undo_works(tmp_path, server):
+    """The image ledger is read from the state layout's paths and kept across edits: a prompt
+    edit makes every image again in place of the old one, an edit of one row makes that
+    row's, an undo makes them as they were; every row is ok each time."""
+    texts = [f"animal {i}" for i in range(6)]
+    raw = _config(tmp_path, _external(server), texts)
+    raw["processing_params"]["outputs"][0]["filename_template"] = "img_{{ __source_index }}"
+    images = tmp_path / "out" / "images"
+
+    def run_and_check(sent: int, config: dict) -> dict[str, bytes]:
+        before = server.requests
+        _run(config)
+        assert server.requests - before == sent
+        assert _errors(tmp_path) == {} and len(_records(tmp_path)) == len(texts)
+        files = {p.name: p.read_bytes() for p in images.iterdir()}
+        assert sorted(files) == [f"img_{i}.png" for i in range(len(texts))]
+        return files
+
+    first = run_and_check(6, raw)
+    edited = copy.deepcopy(raw)
+    edited["processing_params"]["outputs"][0]["prompt"] = "A painting of {{ text }}"
+    edited["processing_params"]["outputs"][0]["seed"] = 6  # another seed: other images (the fake draws them from it)
+    second = run_and_check(6, edited)
+    assert all(second[name] != first[name] for name in first)
+    _rows(tmp_path / "in.jsonl", [*texts[:2], "a new animal", *texts[3:]])
+    third = run_and_check(1, edited)  # only row 2's request changed (the fake's image is its seed's colour)
+    assert server.behaviour.bodies[-1]["prompt"] == "A painting of a new animal" and third == second
+    _rows(tmp_path / "in.jsonl", texts)
+    assert run_and_check(6, raw) == first  # the undo: the first run's images again
 
 
 def test_a_record_whose_image_is_gone_fails_the_shard_naming_it(tmp_path, server):

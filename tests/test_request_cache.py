@@ -98,6 +98,22 @@ def test_editing_the_record_template_sends_no_request(tmp_path, server):
     assert out[0]["both"].startswith(out[0]["both"].split(" / ")[0])
 
 
+def test_a_request_cache_that_cannot_be_written_fails_the_shard_naming_the_error_and_the_path(tmp_path, server):
+    """failure.json says what the log says: the OSError and the cache's path (the tests run
+    as root, for whom no mode bit refuses a write: a file where the directory goes stands in
+    for an unwritable one), never an error of the failure handling itself."""
+    raw = pipeline(tmp_path, server)
+    cache_dir = tmp_path / "state" / "shard_0" / rc.CACHE_DIR
+    cache_dir.parent.mkdir(parents=True)
+    cache_dir.write_text("not a directory")
+    with pytest.raises(ShardFailed, match="request cache"):
+        run(raw)
+    error = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())["error"]
+    assert "AttributeError" not in error and "FileExistsError" in error and str(cache_dir) in error, error
+    assert "shard_params.request_cache: false" in error
+    assert len(server.records) == 0
+
+
 def test_editing_the_second_prompt_resends_only_its_requests(tmp_path, server):
     raw = pipeline(tmp_path, server)
     run(raw)

@@ -9,6 +9,7 @@ aggregate rule) raises after writing the report, so the workflow does not claim 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -233,6 +234,41 @@ def test_damaged_status_json_is_not_done_and_fails_the_aggregate(tmp_path, conte
     monkeypatch.chdir(root)  # `mmirage retry` forces the damaged shard's rerun: Snakemake sees its status.json
     plan = cli.retry_plan(cli._load("pipeline.yaml", check_paths=False), failed_rows=False)
     assert plan["damaged_status"] == [1] and plan["unfinished"] == [1, 2]
+
+
+def _figures(value, path=""):
+    """(path, number) of every number in a JSON value."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _figures(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _figures(v, f"{path}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield path, value
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -12000], ids=["NaN", "Infinity", "negative"])
+@pytest.mark.parametrize("key", ["output_tokens", "input_tokens_each_choice", "rows_computed", "rows_failed_by_class.json_parse"])
+def test_a_status_figure_that_is_not_finite_and_non_negative_is_refused_by_name(tmp_path, bad, key):
+    """status.json as another version or a damaged disk may leave it: NaN, Infinity or a
+    negative count in a figure the report sums makes the file damaged (named with its key),
+    never a NaN, infinite or negative total."""
+    root = _finished(tmp_path)
+    path = root / "state/shard_1/status.json"
+    status = json.loads(path.read_text())
+    where, _, name = ("stats." + key).rpartition(".")
+    target = status
+    for part in where.split("."):
+        target = target.setdefault(part, {})
+    target[name] = bad
+    path.write_text(json.dumps(status))  # Python writes NaN and Infinity as JSON's readers take them
+    entry = shard_states(root / "state", 3, LEASE)[1]
+    assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: stats.{key} is ")
+    agg = report.compute_metrics(root / "state", 3)["aggregate"]
+    assert agg["completed_shards"] == 1
+    summed = [(k, v) for k, v in _figures(agg) if not (math.isfinite(v) and v >= 0)]
+    assert summed == []
 
 
 def test_aggregate_job_fails_on_a_damaged_status_json(tmp_path):

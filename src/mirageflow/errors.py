@@ -81,7 +81,12 @@ class RowErrorClass(enum.StrEnum):
     )
     IMAGE_MISSING = "image_missing", "image", False, "an image file or URL that is not there"
     IMAGE_UNREADABLE = "image_unreadable", "image", False, "an image that cannot be read or decoded"
-    IMAGE_TOO_LARGE = "image_too_large", "image", False, "an image above max_bytes or max_pixels"
+    IMAGE_TOO_LARGE = (
+        "image_too_large",
+        "image",
+        False,
+        "an image input above max_bytes or max_pixels, or a generated image above 8192 x 8192 pixels (a decompression bomb)",
+    )
     IMAGE_INVALID_VALUE = "image_invalid_value", "image", False, "an image input that is no path, URI, URL or image bytes"
     IMAGE_REMOTE_UNREACHABLE = "image_remote_unreachable", "image", False, "an image URL that cannot be fetched"
     # the engine
@@ -92,6 +97,12 @@ class RowErrorClass(enum.StrEnum):
     IMAGE_UNSUPPORTED = "image_unsupported", "generate", False, "images sent to a model that is not a vision-language model"
     IMAGE_PLACEHOLDERS = "image_placeholders", "generate", False, "the prompt does not hold the model's image placeholder once per image"
     # the answer
+    BAD_ANSWER = (
+        "bad_answer",
+        "generate",
+        False,
+        "the engine's or provider's answer holds a figure that cannot be used (a token count that is not a finite, non-negative integer)",
+    )
     EMPTY_OUTPUT = "empty_output", "output", False, "the engine returned no text (reasoning only, or cut before any text)"
     REASONING_TRUNCATED = "reasoning_truncated", "output", True, "the length limit cut the answer while the model was still reasoning"
     JSON_PARSE = "json_parse", "output", False, "a JSON output's answer is not valid JSON"
@@ -142,6 +153,12 @@ class RowErrorClass(enum.StrEnum):
     )
     IMAGE_GENERATION_FAILED = "image_generation_failed", "image output", False, "the image server or pipeline failed on this request"
     IMAGE_NAME_TAKEN = "image_name_taken", "image output", True, "filename_template names a file that exists and is not this row's image"
+    IMAGE_NAME_REFUSED = (
+        "image_name_refused",
+        "image output",
+        True,
+        "filename_template gives a name the filesystem refuses (longer than 255 bytes, or an invalid name)",
+    )
     # ours
     INTERNAL_ERROR = "internal_error", "row", False, "any other exception on the row's path (a bug of ours; the traceback is in the log)"
 

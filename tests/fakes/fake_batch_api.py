@@ -30,13 +30,18 @@ Anthropic ``output_config.format``) gets an object with every property (``"<fiel
 when the message has image parts, which must be the provider's shape). Markers in the
 prompt: ``FAIL_CONTEXT`` (context length), ``FAIL_POLICY`` (content policy / refusal),
 ``FAIL_RATE`` (429 / rate_limit_error), ``FAIL_SERVER`` (500 / api_error), ``GARBAGE_LINE``
-(a result line of another shape: a body or message that is not an object).
+(a result line of another shape: a body or message that is not an object), ``USAGE_HUGE``
+(usage's prompt/input tokens written as ``1e999``: valid JSON that Python reads as inf),
+``USAGE_NEGATIVE`` (output tokens -12000), ``DUPLICATE_LINE`` (the request's result line
+twice), ``DEEP_LINE`` (arrays nested 100,000 deep in its usage: valid JSON Python's parser
+cannot read).
 
 Trouble: ``hold`` (an Event: while set, no batch ends), ``polls_to_end`` (status polls of a
 batch before it ends), ``expire`` (ordinals of created batches, 1-based, that end expired
 after running only their first half; "all" for every one), ``cancel_at_end`` (ordinals
 cancelled by the "provider" with half run), ``refuse`` (ordinals of OpenAI batches whose
-validation fails: status failed, nothing run). Counters: ``batches_created``, ``polls``,
+validation fails: status failed, nothing run), ``stranger_lines`` (result lines added to
+every batch for custom_ids never submitted, with tokens). Counters: ``batches_created``, ``polls``,
 ``requests_seen``.
 """
 
@@ -62,11 +67,31 @@ class Trouble:
     expire: set | str = field(default_factory=set)
     cancel_at_end: set = field(default_factory=set)
     refuse: set = field(default_factory=set)  # ordinals of OpenAI batches whose input "fails validation" (status failed)
+    stranger_lines: int = 0  # result lines per batch for custom_ids never submitted
     api_key: str = "sk-test"
     results_base: str | None = None  # Anthropic results_url on this origin (a ResultsHost), not the API's
     results_redirect: str | None = None  # the API's results endpoint answers 302 to this origin
     poll_status: int | None = None  # every status poll answers this (401: a rotated key, 404: an unknown id)
     file_status: int | None = None  # every GET /v1/files/{id}/content answers this (404: the file is gone)
+
+
+HUGE = "<1e999>"  # written as the JSON number 1e999 (_jsonl)
+DEEP = "<deep>"  # written as arrays nested 100,000 deep (valid JSON past Python's recursion limit)
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    text = "".join(json.dumps(x) + "\n" for x in lines)
+    return text.replace(f'"{HUGE}"', "1e999").replace(f'"{DEEP}"', "[" * 100_000 + "]" * 100_000).encode()
+
+
+def _hostile_usage(text: str, usage: dict, prompt_key: str, completion_key: str) -> dict:
+    if "DEEP_LINE" in text:
+        usage["extra"] = DEEP
+    if "USAGE_HUGE" in text:
+        usage[prompt_key] = HUGE
+    if "USAGE_NEGATIVE" in text:
+        usage[completion_key] = -12000
+    return usage
 
 
 def _prompt_of(messages) -> tuple[str, int]:
@@ -178,7 +203,8 @@ class FakeBatchAPI(LocalHTTPServer):
         return 200, {
             "id": f"chatcmpl-{cid}", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
             "choices": [{"index": 0, "message": {"role": "assistant", "content": answer, "refusal": None}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": len(text) // 4 + 1 + 85 * images, "completion_tokens": len(answer) // 4 + 1, "total_tokens": 0},
+            "usage": _hostile_usage(text, {"prompt_tokens": len(text) // 4 + 1 + 85 * images, "completion_tokens": len(answer) // 4 + 1,
+                                           "total_tokens": 0}, "prompt_tokens", "completion_tokens"),
         }  # fmt: skip
 
     def anthropic_result(self, cid: str, params: dict) -> dict:
@@ -224,7 +250,8 @@ class FakeBatchAPI(LocalHTTPServer):
         message = {
             "id": f"msg_{cid}", "type": "message", "role": "assistant", "model": params["model"],
             "content": [{"type": "text", "text": answer}] if answer else [], "stop_reason": "refusal" if refused else "end_turn",
-            "stop_sequence": None, "usage": {"input_tokens": len(text) // 4 + 1, "output_tokens": len(answer) // 4 + 1},
+            "stop_sequence": None, "usage": _hostile_usage(text, {"input_tokens": len(text) // 4 + 1, "output_tokens": len(answer) // 4 + 1},
+                                             "input_tokens", "output_tokens"),
         }  # fmt: skip
         return {"type": "succeeded", "message": message}
 
@@ -298,6 +325,13 @@ class FakeBatchAPI(LocalHTTPServer):
                     "error": None,
                 }
                 (out if status == 200 else err).append(line)
+                if "DUPLICATE_LINE" in _prompt_of(r["body"].get("messages"))[0]:
+                    (out if status == 200 else err).append(line)
+            for n in range(self.trouble.stranger_lines):
+                cid = f"u{900 + n}-{'0' * 16}"
+                out.append({"id": f"batch_req_{cid}", "custom_id": cid, "error": None,
+                            "response": {"status_code": 200, "request_id": f"req_{cid}", "body": self.openai_result(cid, {
+                                "model": "m", "messages": [{"role": "user", "content": "stranger"}]})[1]}})  # fmt: skip
             b["output_file_id"] = self._store(out) if out else None
             b["error_file_id"] = self._store(err) if err else None
             b["status"] = how
@@ -311,13 +345,20 @@ class FakeBatchAPI(LocalHTTPServer):
                     lines.append({"custom_id": cid, "result": {"type": "succeeded", "message": "not an object"}})
                 else:
                     lines.append({"custom_id": cid, "result": self.anthropic_result(cid, r["params"])})
-            b["results"] = "".join(json.dumps(x) + "\n" for x in lines).encode()
+                    if "DUPLICATE_LINE" in _prompt_of(r["params"].get("messages"))[0]:
+                        lines.append(lines[-1])
+            for n in range(self.trouble.stranger_lines):
+                cid = f"u{900 + n}-{'0' * 16}"
+                params = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "stranger"}]}
+                lines.append({"custom_id": cid, "result": self.anthropic_result(cid, params)})
+            b["results"] = _jsonl(lines)
+            b["result_types"] = [x["result"]["type"] for x in lines]
             b["status"] = "ended"
             b["ended_how"] = how
 
     def _store(self, lines: list[dict]) -> str:
         fid = self._new_id("file-")
-        self.files[fid] = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        self.files[fid] = _jsonl(lines)
         return fid
 
     def openai_view(self, b: dict) -> dict:
@@ -338,8 +379,7 @@ class FakeBatchAPI(LocalHTTPServer):
         ended = b["status"] == "ended"
         counts = {"processing": 0 if ended else len(b["requests"]), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
         if ended:
-            for line in b["results"].splitlines():
-                kind = json.loads(line)["result"]["type"]
+            for kind in b["result_types"]:
                 counts[kind] += 1
         return {
             "id": b["id"], "type": "message_batch", "processing_status": b["status"], "request_counts": counts,

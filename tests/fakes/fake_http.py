@@ -12,7 +12,8 @@ HTTP status such as "429"/"503"/"400"/"401", "drop" to close the connection with
 answer, or "html" for a 200 whose body is an HTML page, as a proxy in the way answers);
 a query string on the path is recorded (``query``) and ignored for routing; ``crash_after`` (script mode only: the process exits with ``crash_code`` on the
 next generation request after that many were answered). A prompt containing ``TOO_LONG``
-gets SGLang's 400 context-length error. ``/generate`` with ``image_data`` needs one
+gets SGLang's 400 context-length error; an OpenAI request containing ``USAGE_NEGATIVE``
+gets ``usage.completion_tokens: -12000``. ``/generate`` with ``image_data`` needs one
 ``<image>`` in the text per image (data URIs), each adding 15 prompt tokens; chat content
 parts must be OpenAI's (text, image_url), else 400. OpenAI answers honour ``n`` (choices
 0..n-1, usage for all of them; ``ignore_n``: one choice, a server without it), refuse the
@@ -384,6 +385,8 @@ def _handler(server: FakeServer):
                 server.cache_hits += p * choices_n if source in server.seen_prompts else 0  # not among one request's choices
                 server.seen_prompts.add(source)
             usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
+            if "USAGE_NEGATIVE" in source:  # a server's usage that is no count
+                usage["completion_tokens"] = -12000
             return 200, {
                 "id": "cmpl-fake",
                 "object": "chat.completion" if chat else "text_completion",

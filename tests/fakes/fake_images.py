@@ -10,7 +10,8 @@ The image is a PNG of the requested size (default 64x64) filled with a colour dr
 the seed (random without one), so equal seeds give equal images. Markers in the prompt:
 ``FAIL_POLICY`` (400, code content_policy_violation), ``BAD_IMAGE`` (b64_json that is not an
 image), ``NOT_B64`` (b64_json that is not base64), ``SLOW`` (sleeps ``slow_seconds`` first),
-``FAIL_SERVER`` (500). ``fatal_after``: after that many answers every request is a 401 (a
+``FAIL_SERVER`` (500), ``BOMB_IMAGE`` (a decompression bomb: a 58-byte BMP header that
+claims 100000 x 100000 pixels). ``fatal_after``: after that many answers every request is a 401 (a
 revoked key). ``api_key``: a Bearer token required when set. Counters: ``requests``,
 ``bodies``.
 
@@ -25,6 +26,7 @@ import base64
 import io
 import json
 import random
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,6 +56,13 @@ def png(width: int, height: int, seed: int | None) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def bmp_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A BMP file header and info header claiming ``width`` x ``height`` 24-bit pixels, and no pixels: 58 bytes."""
+    file_header = struct.pack("<2sIHHI", b"BM", 58, 0, 0, 54)
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, 4, 2835, 2835, 0, 0)
+    return file_header + info + b"\0\0\0\0"
 
 
 class FakeImages(LocalHTTPServer):
@@ -135,6 +144,8 @@ def _handler(server: FakeImages):
             width, height = (int(x) for x in str(body.get("size") or "64x64").split("x"))
             if "BAD_IMAGE" in prompt:
                 data = base64.b64encode(b"this is not a png").decode()
+            elif "BOMB_IMAGE" in prompt:
+                data = base64.b64encode(bmp_bomb()).decode()
             elif "NOT_B64" in prompt:
                 data = "%%% not base64 %%%"
             elif b.url_base:

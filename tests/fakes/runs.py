@@ -27,7 +27,7 @@ def make_state(root: Path, num_shards: int = 6, gpu_samples: bool = True, seed: 
         hist = stats.TokenHistogram()
         for _ in range(500):
             hist.add(int(rng.lognormvariate(5.3, 0.5)))
-        util = 92.0 - 3 * shard
+        util = max(0.0, 92.0 - 3 * shard)  # a utilisation: 0..100 %
         hist = hist.to_json()  # its sum is counted when it is read
         status = {
             "shard_id": shard, "num_shards": num_shards, "status": "success", "attempt": 1,

@@ -26,13 +26,17 @@ changes it). The engine answers them when their batch ends:
 - **Re-attach.** A rerun (after a kill, a preemption, a time limit) reads the ledger at
   load: batches still running are polled again, the results of ended ones are read from
   disk, and a row whose ``custom_id`` a recorded batch holds waits for that batch instead
-  of being submitted again. A chunk sealed but never recorded as created (killed during
+  of being submitted again, also after an edit of the config (the ledger is kept: the
+  custom_id says which request bytes a result answers). A chunk sealed but never recorded as created (killed during
   the upload) is looked up by its key in the provider's list (OpenAI: batch metadata
   ``mirageflow_chunk``) and adopted, else submitted again.
 - **Results as they arrive.** When a batch ends its results are written to
   ``batches/<key>.results.jsonl`` (atomically), recorded, and handed to the rows waiting
   for them, which the runner commits as usual (records + row errors = the shard's rows).
-  Per-request errors are row errors with classes (batch_providers.py). Requests an expired
+  Per-request errors are row errors with classes (batch_providers.py); a result line's
+  token figures are counts (wire.token_count) or its row fails as ``bad_answer``. Of
+  duplicate result lines the first is kept, lines for ids never submitted are ignored
+  (both counted in the batch's entry and warned about). Requests an expired
   or cancelled batch did not run are submitted once more, in a chunk of their own; a
   second miss is the row error ``batch_expired`` / ``batch_cancelled``. A batch still
   running ``deadline_grace_seconds`` past its completion window is cancelled.
@@ -61,7 +65,8 @@ from mirageflow.engines.batch_providers import (
     BASE_URL_ENV, DEFAULT_BASE_URL, PROVIDERS, RESULTS_MAX_BYTES, Outcome, PermanentAnswer, ProviderRefused,
 )  # fmt: skip
 from mirageflow.engines.loop import LoopEngine
-from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.errors import RowErrorClass as E
+from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request
 from mirageflow.files import atomic_write_bytes
 from mirageflow.redact import redact_text
 from mirageflow.stats.formulas import utc_now
@@ -96,7 +101,7 @@ def _unit(custom_id: str) -> int:
     return int(custom_id[1 : custom_id.index("-")])
 
 
-def _failed(rid: int, kind: str, message: str) -> Completion:
+def _failed(rid: int, kind: E, message: str) -> Completion:
     return Completion(rid, "", 0, 0, "abort", kind, message)
 
 
@@ -196,14 +201,15 @@ class BatchApiEngine(LoopEngine):
                     continue
             if state not in ("submitted", "ended", "rejected"):
                 continue
-            for cid in await asyncio.to_thread(self._spool_ids, key):
+            ids = await asyncio.to_thread(self._spool_ids, key)
+            for cid in ids:
                 self._where[cid] = key
             if state == "submitted":
                 self.reattached += 1
                 log.info("re-attaching to batch %s (chunk %s, %s requests)", entry.get("batch_id"), key, entry.get("requests"))
                 self._spawn(self._watch(key))
             elif state == "ended":
-                self._results.update(await asyncio.to_thread(self._index_results, key))
+                self._results.update(await asyncio.to_thread(self._index_results, key, set(ids)))
 
     def _spool_ids(self, key: str) -> list[str]:
         try:
@@ -213,31 +219,61 @@ class BatchApiEngine(LoopEngine):
             log.warning("cannot read the requests of batch chunk %s (%s): its rows are submitted again", key, e)
             return []
 
-    def _index_results(self, key: str, lines: bool = False):
+    def _index_results(self, key: str, known: set[str], lines: bool = False):
         """custom_id -> (key, byte offset) of each result line of an ended chunk; with
-        ``lines`` also (custom_id -> parsed line, input tokens, output tokens)."""
+        ``lines`` also (custom_id -> parsed line, input tokens, output tokens, duplicates,
+        unknown ids).
+
+        Only lines of requests the chunk holds (``known``, its spool's ids) count, each once:
+        of several lines for one custom_id the first is kept (on every read, so a rerun
+        answers the same), a line for an id never submitted is ignored; both are counted
+        and warned about, and their tokens are not summed. A line's tokens are
+        ``provider.usage`` (wire.token_count): a figure that is not a finite, non-negative
+        integer counts 0 here and fails its row (``_outcome``: bad_answer)."""
         found, parsed, tokens_in, tokens_out, offset = {}, {}, 0, 0, 0
+        duplicates, unknown = [], []
         try:
             with open(self.ledger.results(key), "rb") as f:
                 for raw in f:
-                    if raw.strip():
+                    at, offset = offset, offset + len(raw)
+                    if not raw.strip():
+                        continue
+                    try:
+                        line = json.loads(raw)
+                        cid = line["custom_id"]
+                        hash(cid)
+                    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested past Python's stack
+                        log.warning("batch chunk %s: a result line at byte %d does not parse: skipped", key, at)
+                        continue
+                    if cid in found:
+                        duplicates.append(cid)
+                        continue
+                    if cid not in known:
+                        unknown.append(cid)
+                        continue
+                    found[cid] = (key, at)
+                    if lines:
+                        parsed[cid] = line
                         try:
-                            line = json.loads(raw)
-                            found[line["custom_id"]] = (key, offset)
-                        except (ValueError, KeyError, TypeError):
-                            log.warning("batch chunk %s: a result line at byte %d does not parse: skipped", key, offset)
-                        else:
-                            if lines:
-                                parsed[line["custom_id"]] = line
-                                try:
-                                    used = self.provider.usage(line)
-                                except (AttributeError, TypeError, ValueError):  # its row fails on its shape (_outcome)
-                                    used = (0, 0)
-                                tokens_in, tokens_out = tokens_in + used[0], tokens_out + used[1]
-                    offset += len(raw)
+                            used = self.provider.usage(line)
+                        except Exception:  # noqa: BLE001 - its row fails on its shape (_outcome)
+                            used = (0, 0)
+                        tokens_in, tokens_out = tokens_in + used[0], tokens_out + used[1]
         except OSError as e:
             log.warning("cannot read the results of batch chunk %s (%s)", key, e)
-        return (found, parsed, tokens_in, tokens_out) if lines else found
+        if lines and (duplicates or unknown):
+            batch_id = self.ledger.entries.get(key, {}).get("batch_id")
+            if duplicates:
+                log.warning(
+                    "batch %s (chunk %s): %d duplicate result line(s) (the first line of each custom_id is kept, its tokens counted once): %s",
+                    batch_id, key, len(duplicates), ", ".join(sorted(set(duplicates))[:10]),
+                )  # fmt: skip
+            if unknown:
+                log.warning(
+                    "batch %s (chunk %s): %d result line(s) for custom_ids never submitted in it, ignored (not counted): %s",
+                    batch_id, key, len(unknown), ", ".join(sorted(set(unknown))[:10]),
+                )  # fmt: skip
+        return (found, parsed, tokens_in, tokens_out, len(duplicates), len(unknown)) if lines else found
 
     def _read_result(self, key: str, offset: int) -> dict:
         with open(self.ledger.results(key), "rb") as f:
@@ -261,7 +297,7 @@ class BatchApiEngine(LoopEngine):
         try:
             cid, line = self.custom_id(request)
         except (ValueError, TypeError) as e:  # a request the provider's format cannot carry (an image type)
-            return _failed(request.id, "invalid_request", f"batch_api ({self.settings.provider}): {e}")
+            return _failed(request.id, E.INVALID_REQUEST, f"batch_api ({self.settings.provider}): {e}")
         waiting = self._waiters.get(cid)
         if waiting is not None and not waiting.done():  # the same request again (two outputs, one prompt): one line, one answer
             return await waiting
@@ -271,7 +307,7 @@ class BatchApiEngine(LoopEngine):
         if state == "submitted" or (state == "sealed" and cid in self._waiters):
             return await self._wait(cid)
         if state == "rejected":
-            return _failed(request.id, "batch_rejected", entry.get("reason") or "the provider refused the batch")
+            return _failed(request.id, E.BATCH_REJECTED, entry.get("reason") or "the provider refused the batch")
         if state == "ended":
             outcome = self._stored(cid, request.id)
             if outcome.retry is None:
@@ -287,25 +323,29 @@ class BatchApiEngine(LoopEngine):
             return Outcome(cid, retry="missing")
         try:
             line = self._read_result(*where)
-        except (OSError, ValueError) as e:  # the saved results were damaged since: the request did not get an answer
+        except (OSError, ValueError, RecursionError) as e:  # the saved results were damaged since: the request did not get an answer
             log.warning("cannot read the saved result of %s (%s)", cid, e)
             line = None
         return self._outcome(line, cid, rid)
 
     def _outcome(self, line: dict | None, cid: str, rid: int) -> Outcome:
-        """A result line's meaning; a line of an unexpected shape fails its row, not the shard."""
+        """A result line's meaning. The row boundary of a provider's answer: whatever handling
+        the line raises fails its row with a class (bad_answer for a figure that is no count,
+        provider_error for any other shape), never the shard, and the same on every rerun."""
         if line is None:
             return Outcome(cid, retry="missing")
         try:
             return self.provider.outcomes(line, rid)
-        except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+        except BadAnswer as e:  # the same line on a rerun fails the same row the same way
+            return Outcome(cid, _failed(rid, E.BAD_ANSWER, f"batch result of {cid}: {e}"))
+        except Exception as e:  # noqa: BLE001 - the answer's content decides it: this row's error
             return Outcome(
-                cid, _failed(rid, "provider_error", f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}")
+                cid, _failed(rid, E.PROVIDER_ERROR, f"a result line of an unexpected shape ({type(e).__name__}: {e}): {str(line)[:300]}")
             )
 
     @staticmethod
     def _gave_up(rid: int, why: str) -> Completion:
-        kind = {"expired": "batch_expired", "cancelled": "batch_cancelled"}.get(why, "provider_error")
+        kind = {"expired": E.BATCH_EXPIRED, "cancelled": E.BATCH_CANCELLED}.get(why, E.PROVIDER_ERROR)
         what = {"missing": "ended without a result for it"}.get(why, f"was {why} before running it")
         return _failed(rid, kind, f"the batch {what}, twice (submitted once more after the first time)")
 
@@ -329,7 +369,7 @@ class BatchApiEngine(LoopEngine):
             provider_max = BATCH_LIMITS[self.settings.provider][1]
             if self.settings.oversized_request_policy == "reject" or size > provider_max:
                 cap = limit if self.settings.oversized_request_policy == "reject" else provider_max
-                refused = _failed(_unit(cid), "request_too_large", f"the request is {size} bytes; a batch may hold {cap}")
+                refused = _failed(_unit(cid), E.REQUEST_TOO_LARGE, f"the request is {size} bytes; a batch may hold {cap}")
                 if wait:
                     return refused
                 self._deliver(cid, refused)
@@ -403,7 +443,7 @@ class BatchApiEngine(LoopEngine):
             await self._record(key, state="rejected", reason=str(e), ended_at=utc_now())
             log.error("batch chunk %s (%d requests) refused: %s", key, len(chunk.ids), e)
             for cid in chunk.ids:
-                self._deliver(cid, _failed(_unit(cid), "batch_rejected", str(e)))
+                self._deliver(cid, _failed(_unit(cid), E.BATCH_REJECTED, str(e)))
             return
         if not made.get("batch_id"):
             raise EngineError(f"batch_api: the provider created chunk {key} but gave no batch id: {made}")
@@ -482,21 +522,23 @@ class BatchApiEngine(LoopEngine):
 
     async def _ended(self, key: str, state) -> None:
         entry = self.ledger.entries[key]
-        ids = [cid for cid in await asyncio.to_thread(self._spool_ids, key) if self._where.get(cid) == key]
+        spooled = await asyncio.to_thread(self._spool_ids, key)
+        ids = [cid for cid in spooled if self._where.get(cid) == key]
         if self.settings.provider == "openai" and state.status == "failed":  # the input file was refused: nothing ran
             reason = self.provider.refused_outcomes(state)
             await self._record(key, state="rejected", reason=reason, ended_at=utc_now())
             log.error("batch %s (chunk %s): %s", entry.get("batch_id"), key, reason)
             for cid in ids:
-                self._deliver(cid, _failed(_unit(cid), "batch_rejected", reason))
+                self._deliver(cid, _failed(_unit(cid), E.BATCH_REJECTED, reason))
             return
         try:
             await self.provider.download(self._control, state, self.ledger.results(key))
         except PermanentAnswer as e:
             raise self._unusable(key, e, "its results cannot be read") from None
-        index, parsed, tokens_in, tokens_out = await asyncio.to_thread(self._index_results, key, True)
+        index, parsed, tokens_in, tokens_out, duplicates, unknown = await asyncio.to_thread(self._index_results, key, set(spooled), True)
         await self._record(key, state="ended", status=state.status, ended_at=utc_now(), input_tokens=tokens_in, output_tokens=tokens_out,
-                           counts=state.raw.get("request_counts"), results=len(index))  # fmt: skip
+                           counts=state.raw.get("request_counts"), results=len(index), duplicate_results=duplicates,
+                           unknown_results=unknown)  # fmt: skip
         log.info("batch %s %s (chunk %s): %d results", entry.get("batch_id"), state.status, key, len(index))
         self._results.update({cid: where for cid, where in index.items() if self._where.get(cid) == key})
         again = []
@@ -519,7 +561,7 @@ class BatchApiEngine(LoopEngine):
                 if cid in lines:
                     await self._enqueue(cid, lines[cid], 1, wait=False)
                 else:
-                    self._deliver(cid, _failed(_unit(cid), "provider_error", f"the request is missing from {self.ledger.spool(key)}"))
+                    self._deliver(cid, _failed(_unit(cid), E.PROVIDER_ERROR, f"the request is missing from {self.ledger.spool(key)}"))
             self._seal(1)
 
     def _spool_lines(self, key: str, wanted: set[str]) -> dict[str, bytes]:

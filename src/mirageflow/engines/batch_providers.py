@@ -43,7 +43,7 @@ from typing import Any
 from mirageflow.config.types import BatchSettings, ProcessorConfig
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.http import is_context_length_error
-from mirageflow.engines.wire import Completion, Request
+from mirageflow.engines.wire import Completion, Request, usage_counts
 from mirageflow.errors import MirageflowError
 from mirageflow.prompts.images import openai_messages
 from mirageflow.redact import redact_text
@@ -222,6 +222,8 @@ class Provider:
         return state.status
 
     def usage(self, line: dict) -> tuple[int, int]:
+        """(input, output) tokens of a result line, each a ``wire.token_count``: BadAnswer
+        when a figure is not a finite, non-negative integer."""
         return 0, 0
 
 
@@ -360,11 +362,10 @@ class OpenAIBatches(Provider):
         choices = body.get("choices") or [{}]
         choice = choices[0] if isinstance(choices[0], dict) else {}
         message = choice.get("message") or {}
-        usage = body.get("usage") or {}
         reason = choice.get("finish_reason")
         completion = Completion(
-            rid, message.get("content") or "", int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-            _OPENAI_FINISH.get(reason, "stop"), reasoning=message.get("reasoning_content") or None,
+            rid, message.get("content") or "", *self.usage(line), _OPENAI_FINISH.get(reason, "stop"),
+            reasoning=message.get("reasoning_content") or None,
         )  # fmt: skip
         if reason == "content_filter" or message.get("refusal"):
             completion.error_kind = "content_filter"
@@ -372,8 +373,8 @@ class OpenAIBatches(Provider):
         return Outcome(cid, completion)
 
     def usage(self, line: dict) -> tuple[int, int]:
-        usage = ((line.get("response") or {}).get("body") or {}).get("usage") or {}
-        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        usage = ((line.get("response") or {}).get("body") or {}).get("usage")
+        return usage_counts(usage, "prompt_tokens", "completion_tokens", "response.body.usage")
 
 
 # --------------------------------------------------------------------------- Anthropic
@@ -515,20 +516,16 @@ class AnthropicBatches(Provider):
         thinking = "".join(
             b.get("thinking", "") for b in message.get("content") or [] if isinstance(b, dict) and b.get("type") == "thinking"
         )
-        usage = message.get("usage") or {}
         stop = message.get("stop_reason")
-        completion = Completion(
-            rid, text, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), self._STOP.get(stop, "stop"),
-            reasoning=thinking or None,
-        )  # fmt: skip
+        completion = Completion(rid, text, *self.usage(line), self._STOP.get(stop, "stop"), reasoning=thinking or None)
         if stop == "refusal":
             completion.error_kind = "content_filter"
             completion.error = "Anthropic: the model refused (stop_reason refusal)"
         return Outcome(cid, completion)
 
     def usage(self, line: dict) -> tuple[int, int]:
-        usage = ((line.get("result") or {}).get("message") or {}).get("usage") or {}
-        return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+        usage = ((line.get("result") or {}).get("message") or {}).get("usage")
+        return usage_counts(usage, "input_tokens", "output_tokens", "result.message.usage")
 
 
 PROVIDERS = {"openai": OpenAIBatches, "anthropic": AnthropicBatches}

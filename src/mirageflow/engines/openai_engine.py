@@ -55,7 +55,7 @@ import logging
 import os
 
 from mirageflow.config.types import ProcessorConfig
-from mirageflow.engines.wire import Completion, EngineInfo, Request
+from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request, usage_counts
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, rejected
@@ -228,19 +228,22 @@ class OpenAIEngine(LoopEngine):
                 )
             choices = sorted(choices, key=lambda c: c["index"])
         answers = [self._answer(choice, path) for choice in choices[:n]]
-        usage = data.get("usage") or {}
+        usage = data.get("usage")
         if not usage and not self._warned_usage:
             self._warned_usage = True
             log.warning("%s reports no usage; token counts will be 0", self.shown_url)
+        try:
+            prompt_tokens, completion_tokens = usage_counts(usage, "prompt_tokens", "completion_tokens")
+        except BadAnswer as e:  # this request's rows fail, the shard goes on
+            message = f"{client.url(path)} answered {e}"
+            return [Completion(request.id + k, "", 0, 0, "abort", E.BAD_ANSWER, message) for k in range(n)]
         # usage covers the request: the prompt was read once, and the choices' tokens are
         # shared out by the length of their text (exact in total, estimated per sample)
-        generated = split_tokens(
-            int(usage.get("completion_tokens") or 0), [len(text) + len(reasoning or "") for text, reasoning, _ in answers]
-        )
+        generated = split_tokens(completion_tokens, [len(text) + len(reasoning or "") for text, reasoning, _ in answers])
         completions = []
         for k, ((text, reasoning, reason), tokens) in enumerate(zip(answers, generated)):
             completion = Completion(
-                request.id + k, text, int(usage.get("prompt_tokens") or 0) if k == 0 else 0, tokens, finish_reason(reason), reasoning=reasoning
+                request.id + k, text, prompt_tokens if k == 0 else 0, tokens, finish_reason(reason), reasoning=reasoning
             )  # fmt: skip
             if completion.finish_reason == "abort":
                 completion.error_kind = E.ABORTED

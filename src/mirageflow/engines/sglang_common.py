@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from mirageflow.config.types import ServerArgs
 from mirageflow.stats import formulas as stats
-from mirageflow.engines.wire import Completion, Request
+from mirageflow.engines.wire import BadAnswer, Completion, Request, usage_counts
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.engines.http import error_kind, rejected
 from mirageflow.engines.json_prefix import continuation_grammar
@@ -71,9 +71,11 @@ def completion_from_output(rid: int, out: Mapping) -> Completion:
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, Mapping) else reason
     finish = _FINISH.get(kind, "stop") if kind is not None else "stop"
-    completion = Completion(
-        rid, out.get("text") or "", int(meta.get("prompt_tokens") or 0), int(meta.get("completion_tokens") or 0), finish
-    )
+    try:
+        tokens = usage_counts(meta, "prompt_tokens", "completion_tokens", "meta_info")
+    except BadAnswer as e:  # this request's row fails, the shard goes on
+        return Completion(rid, "", 0, 0, "abort", E.BAD_ANSWER, f"SGLang answered {e}")
+    completion = Completion(rid, out.get("text") or "", *tokens, finish)
     if finish == "abort":
         message = str(reason.get("message") or "") if isinstance(reason, Mapping) else ""
         completion.error_kind = error_kind(message, E.ABORTED)

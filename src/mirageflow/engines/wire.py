@@ -4,8 +4,11 @@ engine's EngineInfo (status.json -> engines). Plain data; the engine service
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
+
+from mirageflow.errors import MirageflowError, RowErrorClass
 
 
 @dataclass
@@ -31,10 +34,16 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length | abort
-    error_kind: str | None = None  # set when the request could not run (e.g. context_length)
+    # set when the request could not run (e.g. context_length): a RowErrorClass (a StrEnum, so
+    # JSON and comparisons see its name); a string given here is made one, an unknown name raises
+    error_kind: RowErrorClass | None = None
     error: str | None = None
     reasoning: str | None = None  # a server's reasoning_content, kept apart from text (the answer)
     image_tokens: int | None = None  # prompt tokens the images became, when the engine can tell
+
+    def __post_init__(self) -> None:
+        if self.error_kind is not None and self.error_kind.__class__ is not RowErrorClass:
+            self.error_kind = RowErrorClass(self.error_kind)  # ValueError for a class nobody knows: a bug, where it is made
 
 
 @dataclass
@@ -44,3 +53,38 @@ class EngineInfo:
     versions: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
     details: dict[str, Any] = field(default_factory=dict)
+
+
+class BadAnswer(MirageflowError, ValueError):
+    """An answer holds a figure that cannot be used (a token count that is not a finite,
+    non-negative integer): the row of that answer fails as ``bad_answer``, never the shard."""
+
+
+def token_count(value: Any, what: str) -> int:
+    """A server's or provider's token figure as a count: absent (None) is 0; an int, or a
+    float with an integral value, that is finite and not negative is itself; anything else
+    (``1e999`` reads as inf, NaN, -12000, "12", true) raises BadAnswer naming ``what``."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadAnswer(f"{what} is {str(value)[:40]!r}, not a number")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise BadAnswer(f"{what} is {value!r}, not a finite whole number")
+    if value < 0:
+        raise BadAnswer(f"{what} is {value!r}, a negative count")
+    return int(value)
+
+
+def usage_counts(usage: Any, prompt_key: str, completion_key: str, where: str = "usage") -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of an answer's usage object, each a ``token_count``;
+    a usage that is not an object raises BadAnswer. The one place that turns token numbers
+    an engine or provider reports into counts (batch providers, the OpenAI-compatible
+    engine, SGLang's meta_info)."""
+    if usage is None:
+        return 0, 0
+    if not isinstance(usage, Mapping):
+        raise BadAnswer(f"{where} is a {type(usage).__name__}, not an object")
+    return (
+        token_count(usage.get(prompt_key), f"{where}.{prompt_key}"),
+        token_count(usage.get(completion_key), f"{where}.{completion_key}"),
+    )

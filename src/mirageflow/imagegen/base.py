@@ -10,7 +10,7 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
-from mirageflow.errors import MirageflowError
+from mirageflow.errors import MirageflowError, RowErrorClass as E
 
 
 @dataclass
@@ -27,34 +27,56 @@ class ImageError(MirageflowError):
     """This row's image cannot be had; ``kind`` is its row-error class:
     ``content_filter`` (the server's content policy refused the prompt),
     ``image_timeout`` (no image within the timeout, after the retries),
-    ``image_undecodable`` (the answer holds no image Pillow can read),
+    ``image_undecodable`` (the answer holds no image Pillow can read), ``image_too_large``
+    (its header claims more than MAX_OUTPUT_PIXELS),
     ``image_generation_failed`` (the server answered an error about this request, or
     the pipeline raised on it)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: E | str, message: str):
         super().__init__(message)
-        self.kind = kind
+        self.kind = E(kind)  # a name the enum does not know raises here, where the error is made
+
+
+# the most pixels a generated image may have: read from its header before it is decoded, so
+# a decompression bomb (a 58-byte BMP claiming 100000 x 100000) is this row's error
+MAX_OUTPUT_PIXELS = 8192 * 8192
 
 
 def decode_image(data: bytes, what: str):
-    """Bytes of an image file -> an RGB PIL image; ImageError image_undecodable when they are none."""
-    from PIL import Image, UnidentifiedImageError
+    """Bytes of an image file -> an RGB PIL image, or ImageError naming the row-error class.
 
+    The boundary of one answer's image: whatever decoding it raises (Pillow's plugins raise
+    OSError, ValueError, SyntaxError, but also struct.error, IndexError, DecompressionBombError,
+    MemoryError...) is this row's ``image_undecodable``; an image of more than
+    MAX_OUTPUT_PIXELS is ``image_too_large``, refused from its header. Never the shard's."""
+    from PIL import Image
+
+    bomb = f"{what}: the image claims more pixels than Pillow decodes (a decompression bomb)"
     try:
         with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > MAX_OUTPUT_PIXELS:
+                raise ImageError(
+                    E.IMAGE_TOO_LARGE, f"{what}: the image says it is {width} x {height} pixels, more than {MAX_OUTPUT_PIXELS} "
+                    "(a decompression bomb?)",
+                )  # fmt: skip
             image.load()
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise ImageError("image_undecodable", f"{what}: not an image Pillow can read ({type(e).__name__}: {e})") from None
+    except ImageError:
+        raise
+    except Image.DecompressionBombError:
+        raise ImageError(E.IMAGE_TOO_LARGE, bomb) from None
+    except Exception as e:  # noqa: BLE001 - the answer's bytes decide it: this row's error (see above)
+        raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: not an image Pillow can read ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def decode_b64(text: Any, what: str):
     if not isinstance(text, str):
-        raise ImageError("image_undecodable", f"{what}: b64_json is a {type(text).__name__}, not a string")
+        raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: b64_json is a {type(text).__name__}, not a string")
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ImageError("image_undecodable", f"{what}: b64_json is not base64 ({e})") from None
+        raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: b64_json is not base64 ({e})") from None
     return decode_image(data, what)
 
 

@@ -17,11 +17,17 @@ the path again; every record gets ``<name>_path`` and ``<name>_seed``.
   ``images.jsonl`` (shard/ledger.py), then it is hard-linked into place only if no file has
   that name: a name already taken (another row's image, another pipeline's file) is the
   row error ``image_name_taken``, never a replaced file.
-- **Resume**: a row whose image the ledger lists, and whose file still has that size and
-  SHA-256, reuses it instead of generating it again (a killed shard's images are not paid
-  for twice).
+- **Resume and edits**: each ledger line holds the SHA-256 of the image's request (prompt,
+  negative prompt, size, seed, parameters, the processor's backend and model: ``request_id``).
+  A row whose image the ledger lists with the same request, and whose file still has that
+  size and SHA-256, reuses it instead of generating it again (a killed shard's images are
+  not paid for twice, nor an edit's unchanged rows); a row whose request changed (an edit,
+  or its undo) gets a new image in place of its own old one; a file the ledger does not
+  list for that row is never replaced.
 - **Row errors**: ``content_filter``, ``image_timeout``, ``image_undecodable``,
-  ``image_generation_failed`` (imagegen/base.py ``ImageError``), ``image_name_taken``,
+  ``image_too_large``, ``image_generation_failed`` (imagegen/base.py ``ImageError``: any
+  exception decoding an answer is one of these), ``image_name_taken``, ``image_name_refused``
+  (a file name the filesystem refuses: longer than ``NAME_MAX`` bytes, ...),
   ``template_error``; a generator that cannot go on (its server gone, a wrong key) fails
   the shard.
 """
@@ -29,6 +35,7 @@ the path again; every record gets ``<name>_path`` and ``<name>_seed``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import io
 import json
@@ -41,11 +48,15 @@ from mirageflow.config.types import ImageGenProcessor, OutputVar
 from mirageflow.files import atomic_write_bytes
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob
 from mirageflow.prompts import samples
-from mirageflow.errors import RowError
+from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.templates import Template
+from mirageflow.state.layout import image_relative, images_dir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP"}
+NAME_MAX = 255  # bytes of one file name on Linux's filesystems (ext4, xfs, btrfs, tmpfs, Lustre, GPFS)
+# what the filesystem answers for a name it refuses: the row's error, not the shard's
+_NAME_ERRNOS = {errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ}
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,16 @@ class ImageStep:
         self.names = (output.name, f"{output.name}_seed", f"{output.name}_path")
 
     def _root(self, dataset: int) -> Path:
-        return Path(self.processor.output_dir) if self.processor.output_dir else self.shard.out_dirs[dataset] / "images"
+        return Path(self.processor.output_dir) if self.processor.output_dir else images_dir(self.shard.out_dirs[dataset])
+
+    def request_id(self, job: ImageJob) -> str:
+        """The SHA-256 of what determines a row's image: the job and the processor that makes it."""
+        what = {
+            "job": [job.prompt, job.negative_prompt, job.width, job.height, job.seed, job.params],
+            "processor": [self.processor.backend, self.processor.request_model, self.processor.model_path, self.processor.revision],
+            "format": self.extension,
+        }
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str, ensure_ascii=False).encode()).hexdigest()
 
     async def run(self, variables: dict, unit: Unit) -> bool:
         # the shard package imports its runner, which imports this module: imported on use
@@ -134,18 +154,23 @@ class ImageStep:
             "__source_hash": source_hash(variables, self.inputs),
         }  # fmt: skip
         file_name = f"{safe_name(self.filename.render(context))}.{self.extension}"
+        if len(file_name.encode()) > NAME_MAX:
+            raise RowError("output", E.IMAGE_NAME_REFUSED, f"output '{name}': the file name filename_template gives is "
+                           f"{len(file_name.encode())} bytes, more than a filesystem takes ({NAME_MAX}): {file_name[:80]}...")  # fmt: skip
         out_dir = self.shard.out_dirs[unit.dataset]
         target = self._root(unit.dataset) / file_name
-        relative = os.path.relpath(target, out_dir)
+        relative = image_relative(out_dir, target)
         unit_key = self.shard.sample_index(unit)
-        entry = self.shard.ledger.get(name, unit.dataset, unit_key)
-        if entry is not None and entry.get("path") == relative and await asyncio.to_thread(image_matches, target, entry):
-            variables[name], variables[seed_name], variables[path_name] = relative, entry.get("seed"), relative
-            return True  # written by an earlier attempt and intact: reused
-        if os.path.lexists(target):
-            raise RowError("output", "image_name_taken", f"output '{name}': {target} exists and is not this row's image; "
-                           "an existing file is never replaced (a filename_template that gives two rows one name?)")  # fmt: skip
         job = ImageJob(prompt, negative, self.width, self.height, seed, dict(self.params))
+        request = self.request_id(job)
+        entry = self.shard.ledger.get(name, unit.dataset, unit_key)
+        own = entry is not None and entry.get("path") == relative and await asyncio.to_thread(image_matches, target, entry)
+        if own and entry.get("request") == request:
+            variables[name], variables[seed_name], variables[path_name] = relative, entry.get("seed"), relative
+            return True  # written by an earlier attempt for this very request and intact: reused
+        if not own and os.path.lexists(target):
+            raise RowError("output", E.IMAGE_NAME_TAKEN, f"output '{name}': {target} exists and is not this row's image; "
+                           "an existing file is never replaced (a filename_template that gives two rows one name?)")  # fmt: skip
         try:
             image = await self.generator.generate(job)
         except ImageError as e:
@@ -155,11 +180,19 @@ class ImageStep:
         data = await asyncio.to_thread(encode, image, self.extension)
         line = {
             "output": name, "dataset": unit.dataset, "unit": unit_key, "source_index": unit.source_index, "sample": unit.sample,
-            "path": relative, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "seed": seed,
+            "path": relative, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "seed": seed, "request": request,
         }  # fmt: skip
         await asyncio.to_thread(self.shard.ledger.add, line)
-        if not await asyncio.to_thread(atomic_write_bytes, target, data, True, True):
-            raise RowError("output", "image_name_taken", f"output '{name}': {target} was written by another row or job meanwhile; "
+        try:
+            # this row's own older image (its request changed) is replaced; any other file never
+            written = await asyncio.to_thread(atomic_write_bytes, target, data, True, not own)
+        except OSError as e:
+            if e.errno in _NAME_ERRNOS:
+                raise RowError("output", E.IMAGE_NAME_REFUSED, f"output '{name}': the filesystem refuses the name {target} "
+                               f"({os.strerror(e.errno)})") from None  # fmt: skip
+            raise
+        if not written:
+            raise RowError("output", E.IMAGE_NAME_TAKEN, f"output '{name}': {target} was written by another row or job meanwhile; "
                            "an existing file is never replaced")  # fmt: skip
         variables[name], variables[seed_name], variables[path_name] = relative, seed, relative
         return True

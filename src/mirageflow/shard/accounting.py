@@ -9,6 +9,7 @@ from mirageflow.config.types import PipelineConfig
 from mirageflow.shard.checkpoint import merge_ranges, to_ranges
 from mirageflow.prompts.samples import describe
 from mirageflow.shard.failures import ShardFailed
+from mirageflow.state.layout import image_file
 
 
 def check_accounting(cfg: PipelineConfig, checkpoint, slices, shard_id: int) -> list[dict]:
@@ -58,7 +59,7 @@ def check_images(cfg: PipelineConfig, checkpoint, images, shard_id: int) -> None
             position = before + unit - first * n
             for name in names:
                 entry = checkpoint.images.get(name, ds.index, position)
-                path = out_dir / entry["path"] if entry else None
+                path = image_file(out_dir, entry["path"]) if entry else None
                 if entry is None or not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
                     missing.append(f"{name} of unit {unit} of dataset {ds.index}" + (f" ({path})" if path else " (not in images.jsonl)"))
     if missing:

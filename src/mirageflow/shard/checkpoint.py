@@ -324,7 +324,7 @@ class Checkpoint:
         self._restore_errors()
         self._save()
         self.batches.restore()
-        self.images.restore({k: p.out_dir for k, p in self.datasets.items()})
+        self.images.restore()
 
     def _restore_dataset(self, key: int, prog: DatasetProgress, entry: dict, retry_failed: bool) -> None:
         """Verify the dataset's listed parts; done = the rows of the parts that are intact."""

@@ -2,8 +2,13 @@
 batches it submitted (``BatchLedger``) and the images it wrote (``ImageLedger``).
 
 Both belong to the checkpoint (``Checkpoint.batches``, ``Checkpoint.images``; restored with
-it, under the shard's lease) and carry its fingerprint: state made with another model,
-prompt or row range is set aside, never reused.
+it, under the shard's lease). Like the request cache (shard/request_cache.py) they are kept
+across edits of the config: what an entry is for is said by the request's identity, not
+by the config's fingerprint. A batch request's ``custom_id`` holds the SHA-256 of its
+bytes, so a rerun after any edit waits for (or reads the saved result of) every request
+whose bytes did not change and submits only the others: nothing is paid twice. An image's
+line holds the SHA-256 of its request (``request``): a rerun reuses the image of a row
+whose request did not change and replaces exactly those of the rows it changed.
 
 **batches.json** (``BatchLedger``)::
 
@@ -18,12 +23,15 @@ anything waits on it; ``state: ended`` once its results are in ``batches/<key>.r
 Each write is atomic and fsynced, so a killed shard's rerun knows every batch it paid for
 and waits for those instead of submitting them again (engines/batch_api.py).
 
-**images.jsonl** (``ImageLedger``): a header line ``{"fingerprint": ...}``, then one line per
-image written ``{"output", "dataset", "unit", "path", "bytes", "sha256", "seed"}``
-(``path`` relative to the dataset's output_dir), appended and fsynced before the image is
-linked into place (prompts/image_outputs.py). A rerun reuses an image whose file still has
-that size and hash instead of generating it again, and never replaces a file it did not
-write.
+**images.jsonl** (``ImageLedger``): a header line ``{"fingerprint": ...}`` (the config it
+was begun under), then one line per image written ``{"output", "dataset", "unit", "path",
+"bytes", "sha256", "seed", "request"}`` (``path`` relative to the dataset's output_dir:
+state/layout.py ``image_file``; ``request`` the SHA-256 of what determines the image),
+appended and fsynced before the image is put in place (prompts/image_outputs.py); the last
+line of a unit is its image. A rerun, after an edit too, reuses an image whose request is
+the same and whose file still has that size and hash; replaces the image of a unit whose
+request changed (the file is this unit's, as its size and hash say); and never replaces a
+file it did not write.
 """
 
 from __future__ import annotations
@@ -71,8 +79,10 @@ class BatchLedger:
         self._lock = threading.Lock()
 
     def restore(self) -> None:
-        """Load the ledger; a damaged one or one of another fingerprint is set aside (WARNING
-        naming its batches: they may still be running and billed)."""
+        """Load the ledger; a damaged one is set aside (WARNING: its batches are not waited
+        for). One made under another fingerprint (an edit) is kept: its requests are known
+        by their custom_ids (the hash of their bytes), so those a rerun sends unchanged are
+        answered by the batches already paid for."""
         self.entries, self._next = {}, 0
         try:
             raw = self.path.read_bytes()
@@ -87,17 +97,12 @@ class BatchLedger:
             aside = _aside(self.path, "damaged")
             log.warning("%s is damaged: renamed to %s; batches it listed are not waited for (submitted again if needed)", self.path, aside)
             return
-        if saved["fingerprint"] != self.fingerprint:
-            running = [f"{e.get('batch_id')} ({e.get('status')})" for e in saved["batches"].values() if e.get("state") == "submitted"]
-            aside = _aside(self.path, "other-config")
-            if self.dir.is_dir():
-                _aside(self.dir, "other-config")
-            log.warning(
-                "%s was made with another model/prompt/schema/row range: set aside as %s%s", self.path, aside,
-                f"; its batches still running are not waited for (cancel them if unwanted): {', '.join(running)}" if running else "",
-            )  # fmt: skip
-            return
         self.entries = {k: v for k, v in saved["batches"].items() if isinstance(v, dict)}
+        if saved["fingerprint"] != self.fingerprint:
+            log.info(
+                "%s was made before an edit of the config: its %d batch(es) are kept; requests whose bytes did not change "
+                "are answered by them, the others are submitted", self.path, len(self.entries),
+            )  # fmt: skip
         self._next = int(saved.get("next") or len(self.entries))
 
     def new_key(self, shard_id: int) -> str:
@@ -139,6 +144,8 @@ class BatchLedger:
             "input_tokens",
             "output_tokens",
             "counts",
+            "duplicate_results",
+            "unknown_results",
         )
         with self._lock:
             return [{"chunk": k, **{f: e.get(f) for f in keys if f in e}} for k, e in self.entries.items()]
@@ -176,9 +183,11 @@ class ImageLedger:
         self._lock = threading.Lock()
         self._fresh = True  # no header written yet (written with the first image)
 
-    def restore(self, out_dirs: dict[int, Path]) -> None:
-        """Load the ledger. Made with another fingerprint: the images it lists are deleted
-        (they are this shard's own, of a config that no longer holds), and it starts over."""
+    def restore(self) -> None:
+        """Load the ledger, whatever config it was begun under: its entries say which request
+        made each image, so a rerun after an edit replaces exactly the images of the units
+        whose request changed. One without a readable header is set aside (its images are
+        then not this shard's: never replaced)."""
         self.entries, self._fresh = {}, True
         try:
             lines = self.path.read_bytes().split(b"\n")
@@ -186,35 +195,22 @@ class ImageLedger:
             return
         try:
             header = json.loads(lines[0])
-            same = isinstance(header, dict) and header.get("fingerprint") == self.fingerprint
+            ok = isinstance(header, dict) and isinstance(header.get("fingerprint"), str)
         except (ValueError, UnicodeDecodeError):
-            header, same = None, False
-        entries = {}
+            ok = False
+        if not ok:
+            aside = _aside(self.path, "damaged")
+            log.warning("%s has no readable header: renamed to %s; its images are not reused", self.path, aside)
+            return
         for n, line in enumerate(lines[1:], 2):
             if not line.strip():
                 continue
             try:
                 e = json.loads(line)
-                entries[(e["output"], int(e["dataset"]), int(e["unit"]))] = e
+                self.entries[(e["output"], int(e["dataset"]), int(e["unit"]))] = e
             except (ValueError, KeyError, TypeError, UnicodeDecodeError):
                 log.warning("%s:%d is damaged (a kill mid-append?): skipped", self.path, n)
-        if same:
-            self.entries, self._fresh = entries, False
-            return
-        if header is None:
-            aside = _aside(self.path, "damaged")
-            log.warning("%s has no readable header: renamed to %s; its images are not reused", self.path, aside)
-        else:
-            removed = 0
-            for e in entries.values():
-                out_dir = out_dirs.get(int(e["dataset"]))
-                if out_dir is not None:
-                    target = out_dir / e["path"]
-                    if image_matches(target, e):
-                        target.unlink()
-                        removed += 1
-            log.warning("%s was made with another model/prompt/row range: its %d image(s) still in place are deleted", self.path, removed)
-            self.path.unlink()
+        self._fresh = False
 
     def get(self, output: str, dataset: int, unit: int) -> dict | None:
         return self.entries.get((output, dataset, unit))

@@ -136,11 +136,17 @@ class ShardRunner:
         cp.restore(retry_failed=self.cfg.retry_failed_rows, start_over=bool(changed))
         if self.rows.images:  # the image files it reads, by content: an edit of one reruns this shard
             self.rows.images.recorder = ImageRecorder(self.shard_dir, fresh=cp.committed_units() == 0)
+        self.metrics.begin_attempt(cp)
         if self.params.request_cache:
             self.cache = request_cache.RequestCache(self.shard_dir, lookups=not self.cfg.fresh_answers)
-            self.cache.restore()
+            try:
+                self.cache.restore()
+            except OSError as e:
+                raise ShardFailed(
+                    f"the request cache {self.cache.dir} cannot be used: {type(e).__name__}: {e}; make it writable "
+                    "(or remove it), or turn the cache off with shard_params.request_cache: false"
+                ) from e
             self.rows.cache = self.cache
-        self.metrics.begin_attempt(cp)
         self.live.attempt = self.metrics.attempt  # the shard's own attempt number, now that the earlier ones are known
         self.resumed, self.resumed_rows = cp.committed_units(), cp.complete_rows()
         self._committed = {ds.index: cp.committed_before(ds.index) for ds in self.cfg.datasets}
@@ -447,7 +453,7 @@ class ShardRunner:
     def _finish_attempt(self, outcome: str, error: str | None = None) -> None:
         """Keep this attempt's counters with the checkpoint. When the shard already failed,
         a failure to save (a full disk) is logged and the shard's own error goes on."""
-        if self.checkpoint is None:
+        if self.checkpoint is None or self.metrics.checkpoint is None:  # stopped before the attempt began
             return
         self.metrics.save_attempt(self.budget.computed, outcome, error)
         if outcome == "success":

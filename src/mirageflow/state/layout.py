@@ -36,6 +36,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
 
     <output_dir>/shard_<i>/part-*.*      a shard's committed records
     <output_dir>/merged/                 all records in source order
+    <output_dir>/images/                 image_gen's files (the ledger's paths are relative to <output_dir>)
     <output_dir>/.mirageflow-owner.json  which pipeline writes there
 """
 
@@ -71,6 +72,7 @@ ATTEMPT_LOGS = "attempts"
 OWNER = ".mirageflow-owner.json"
 HUB_MODELS = "hub_models"
 MERGED = "merged"
+IMAGES = "images"  # image_gen's default folder in a dataset's output_dir
 
 
 class StateLayout:
@@ -259,6 +261,22 @@ def default_targets(cfg: PipelineConfig) -> list[str]:
 def shard_output_dir(output_dir: str | os.PathLike, shard: Id) -> Path:
     """Where a shard commits a dataset's part files."""
     return Path(output_dir) / f"shard_{shard}"
+
+
+def images_dir(output_dir: str | os.PathLike) -> Path:
+    """Where an image_gen output writes its files by default (``processors[].output_dir`` unset)."""
+    return Path(output_dir) / IMAGES
+
+
+def image_file(output_dir: str | os.PathLike, relative: str) -> Path:
+    """The file of an image the image ledger (``images.jsonl``) or a record names: its
+    ``path`` is relative to the dataset's output_dir, never to the shard's part folder."""
+    return Path(output_dir) / relative
+
+
+def image_relative(output_dir: str | os.PathLike, file: str | os.PathLike) -> str:
+    """An image file's path as the ledger and the record keep it (``image_file``'s inverse)."""
+    return os.path.relpath(file, output_dir)
 
 
 def merged_dir(output_dir: str | os.PathLike) -> Path:

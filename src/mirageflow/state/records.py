@@ -125,14 +125,27 @@ class DamagedFile(TypedDict):
 # --------------------------------------------------------------------------- checks
 
 
-def _check_numbers(d: dict, keys, prefix: str = "", required: bool = False) -> str | None:
+def _check_numbers(d: dict, keys, prefix: str = "", required: bool = False, figures: bool = False) -> str | None:
+    """Why one of ``keys`` is not a finite number (``figures``: a finite, non-negative one,
+    as every figure the report sums must be), naming it; None when all are."""
     for k in keys:
         v = d.get(k)
         if v is None and not required:
             continue
         if not is_number(v):
-            return f"{prefix}{k} is {'missing' if k not in d else show(v)}, not a number"
+            infinite = isinstance(v, float)  # NaN, Infinity: is_number refuses only those of the floats
+            return f"{prefix}{k} is {'missing' if k not in d else show(v)}, not a {'finite ' if infinite else ''}number"
+        if figures and v < 0:
+            return f"{prefix}{k} is {show(v)}, a negative figure"
     return None
+
+
+def _check_counts(d, prefix: str) -> str | None:
+    """Why an object of counts (``rows_failed_by_class``) is not one: every value a finite,
+    non-negative number, named by its key when not."""
+    if not isinstance(d, dict):
+        return f"{prefix} is {show(d)}, not an object of counts"
+    return _check_numbers(d, list(d), f"{prefix}.", required=True, figures=True)
 
 
 def _check_strings(d: dict, keys, prefix: str = "") -> str | None:
@@ -161,15 +174,20 @@ def _check_hist(h) -> bool:
         return False
     if not all(isinstance(b, list) and len(b) == 3 and all(is_number(x) for x in b) for b in h["buckets"]):
         return False
-    return is_number(h.get("rows")) and is_number(h.get("sum")) and all(h.get(k) is None or is_number(h[k]) for k in ("min", "max"))
+    return (
+        _check_numbers(h, ("rows", "sum"), required=True, figures=True) is None and _check_numbers(h, ("min", "max"), figures=True) is None
+    )
 
 
-# stats keys the report does arithmetic on: each a number or null when present
+# stats keys the report does arithmetic on: each a finite, non-negative number, or null when
+# present (the shard's sums over its attempts, shard/metrics.py SUMMED, among them)
 STATS_NUMBERS = (
     "runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus", "rows_processed", "rows_failed",
     "rows_filtered", "input_tokens", "model_load_seconds", "warmup_seconds", "generation_seconds", "write_seconds",
     "engine_idle_seconds", "gpu_util_mean", "gpu_sampled_seconds", "gpu_energy_joules", "roofline_tokens_per_sec_per_gpu",
-    "n_samples",
+    "n_samples", "input_tokens_each_choice", "engine_busy_seconds", "engine_idle_gaps", "rows_computed", "rows_resumed",
+    "requests", "requests_cached", "gpu_seconds_allocated", "images", "image_tokens", "answers", "answers_length_cut",
+    "json_answers", "peak_inflight",
 )  # fmt: skip
 # ... and those a successful shard's figures cannot do without
 STATS_REQUIRED = ("runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus")
@@ -179,12 +197,12 @@ def check_stats(st, required: tuple = ()) -> str | None:
     """Why a ``stats`` dict (status.json or failure.json) cannot be used, or None."""
     if not isinstance(st, dict):
         return f"stats is {show(st)}, not an object"
-    why = _check_numbers(st, required, "stats.", required=True) or _check_numbers(st, STATS_NUMBERS, "stats.")
+    why = _check_numbers(st, required, "stats.", required=True, figures=True) or _check_numbers(st, STATS_NUMBERS, "stats.", figures=True)
     if why:
         return why
     by_class = st.get("rows_failed_by_class")
-    if by_class is not None and not (isinstance(by_class, dict) and all(is_number(v) for v in by_class.values())):
-        return "stats.rows_failed_by_class is not an object of counts"
+    if by_class is not None and (why := _check_counts(by_class, "stats.rows_failed_by_class")):
+        return why
     gpus = st.get("gpus")
     if gpus is not None and not (
         isinstance(gpus, list) and all(isinstance(g, dict) and (g.get("util_mean") is None or is_number(g["util_mean"])) for g in gpus)
