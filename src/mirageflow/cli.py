@@ -317,7 +317,9 @@ def cmd_stats(args) -> int:
         raise UsageError(missing)
     from mirageflow.state.shards import current_fingerprint
 
-    metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg))  # as in metrics.json
+    metrics = full_metrics(  # as in metrics.json
+        cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg), n_samples=cfg.n_samples
+    )
     if args.html:
         from mirageflow.files import atomic_write_text
         from mirageflow.report.html import render_html

@@ -168,7 +168,7 @@ def window_too_small(f: RunFigures):
 
 
 def length_cut(f: RunFigures):
-    answers, cut = f.total("answers"), f.total("answers_length_cut")
+    answers, cut = f.total("record_answers"), f.total("record_answers_length_cut")  # the answers the records hold
     if not answers or cut / answers <= LENGTH_CUT_MAX_SHARE:
         return None
     return (

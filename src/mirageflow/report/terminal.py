@@ -384,7 +384,7 @@ def run_summary(pipeline: PipelineConfig, ok: bool, config_hint: str | None = No
         tps = agg.get("tokens_per_sec")
         lines.append(
             f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(tps)} tok/s over generation"
-            + (f" (wall clock {agg['wall_clock_runtime_human']})" if agg.get("wall_clock_runtime_human") else "")
+            + (f" (wall clock {agg['wall_clock_runtime_human']} while shards ran)" if agg.get("wall_clock_runtime_human") else "")
         )
     if counts["done"] == pipeline.num_shards:
         for ds in pipeline.datasets:

@@ -169,7 +169,8 @@ STATS_NUMBERS = (
     "runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus", "rows_processed", "rows_failed",
     "rows_filtered", "input_tokens", "model_load_seconds", "warmup_seconds", "generation_seconds", "write_seconds",
     "engine_idle_seconds", "gpu_util_mean", "gpu_sampled_seconds", "gpu_energy_joules", "roofline_tokens_per_sec_per_gpu",
-    "n_samples",
+    "n_samples", "record_answers", "record_answers_length_cut", "record_json_answers", "record_output_tokens",
+    "record_output_tokens_cached",
 )  # fmt: skip
 # ... and those a successful shard's figures cannot do without
 STATS_REQUIRED = ("runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus")
