@@ -147,17 +147,21 @@ def _json_prefix_problems(cfg: PipelineConfig) -> list[str]:
     """A JSON output's response_prefix must start JSON valid against its schema: engines
     constrain only the continuation (engines/json_prefix.py). Here, in the driver only,
     because compiling the grammar imports xgrammar (~3 s with torch), which every cluster
-    job re-parsing the workflow would pay."""
+    job re-parsing the workflow would pay; and only for a prefix the pure-Python check
+    (json_prefix.certainly_starts) cannot vouch for."""
     import json
 
     problems = []
     for i, out in enumerate(cfg.outputs):
         if not (out.is_json and out.response_prefix and out.schema is not None):
             continue
-        from mirageflow.engines.json_prefix import continuation_grammar
+        from mirageflow.engines.json_prefix import certainly_starts, continuation_grammar
 
+        schema = out.schema.json_schema()
+        if certainly_starts(schema, out.response_prefix):  # the usual prefixes, without importing xgrammar (and torch)
+            continue
         try:
-            continuation_grammar(json.dumps(out.schema.json_schema()), out.response_prefix)
+            continuation_grammar(json.dumps(schema), out.response_prefix)
         except ValueError as e:
             problems.append(
                 f"processing_params.outputs[{i}].response_prefix: {e} "
