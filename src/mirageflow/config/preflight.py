@@ -44,7 +44,7 @@ from mirageflow import hub_models
 from mirageflow import model_config as model_files
 from mirageflow.config.loading import ConfigError, load_config
 from mirageflow.config.types import CustomProcessor, DatasetConfig, ImageGenProcessor, PipelineConfig, ProcessorConfig
-from mirageflow.files import open_regular
+from mirageflow.files import open_regular, path_hint
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
 from mirageflow.state.layout import StateLayout
@@ -449,7 +449,7 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
             source = str(state.snapshot / "config.json") if state.snapshot else f"config.json of {model.label} on the hub"
             model_config = (state.config, source)
     else:
-        problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist")
+        problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist{path_hint(path)}")
     if proc.server_args.revision and not hub_models.is_hub_id(model_path, built_models):
         problems.append(
             f"{where}.server_args.revision: '{proc.server_args.revision}' is a revision of a Hugging Face model id, but "
@@ -489,7 +489,7 @@ def _image_processor_problems(cfg: PipelineConfig, proc: ImageGenProcessor, envi
                 "then set model_path to DIR"
             ]
         return []
-    return [f"{key}: model directory '{path}' does not exist"]
+    return [f"{key}: model directory '{path}' does not exist{path_hint(path)}"]
 
 
 def _custom_problems(proc: CustomProcessor) -> list[str]:
