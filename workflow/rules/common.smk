@@ -22,6 +22,7 @@ from mirageflow.config import ConfigError
 from mirageflow.config.preflight import validate
 from mirageflow.redact import install_log_redaction, register_config_secrets
 
+
 def config_error_exit(error) -> None:
     """A config the workflow cannot run: the message alone on stderr, then exit status 1,
     before any job; not a WorkflowError, which Snakemake prints as a crash at this file's
