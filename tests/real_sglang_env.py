@@ -3,8 +3,11 @@
     python tests/real_sglang_env.py build    # idempotent; prints the time it took
     python tests/real_sglang_env.py python   # the interpreter path
 
-A virtual environment at build/venv-sglang (git-ignored) that sees this interpreter's
-packages (``--system-site-packages``: our CPU torch, transformers, tokenizers) and adds
+A virtual environment at build/venv-sglang (git-ignored) that sees the packages of the
+interpreter that builds it (our CPU torch, transformers, tokenizers): ``--system-site-packages``
+for a system Python, and a ``.pth`` file naming the running environment's site directories
+when that interpreter is itself a virtualenv's (as the README's Quick start makes one),
+whose base interpreter has none of them; it adds
 sglang 0.5.23 without its ~200 GPU dependencies (no CUDA wheels: ~1 min, not ~8 and
 ~11 GB), plus only what importing these modules needs: ``sglang.srt.server_args``,
 ``srt.managers.schedule_batch`` (FINISH_*), ``srt.managers.tokenizer_manager``,
@@ -105,6 +108,36 @@ def check() -> str | None:
     return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
 
 
+def running_site_dirs() -> list[str]:
+    """This interpreter's site directories (a virtualenv's own, and its base's when it sees them)."""
+    return [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+
+
+def see_running_environment(site: Path) -> None:
+    """In a virtualenv, ``--system-site-packages`` shows the new one its *base* interpreter's
+    packages, not the virtualenv's (torch, transformers): name those in a .pth file (read
+    after the new environment's own site-packages, so its sglang comes first)."""
+    pth = site / "mirageflow-running-env.pth"
+    if sys.prefix == sys.base_prefix:  # a system Python: --system-site-packages is enough
+        pth.unlink(missing_ok=True)
+        return
+    pth.write_text("".join(d + "\n" for d in running_site_dirs() if Path(d).resolve() != site.resolve()))
+
+
+def venv_site(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+
+
+def make_venv(venv: Path, *flags: str) -> Path:
+    """A new virtualenv at ``venv`` that sees this interpreter's packages; its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", *flags, str(venv)], check=True)
+    site = venv_site(venv)
+    see_running_environment(site)
+    return site
+
+
 def build() -> None:
     t0 = time.monotonic()
     if check() is None:
@@ -113,11 +146,11 @@ def build() -> None:
     pip = [str(PYTHON), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     has_pip = PYTHON.exists() and subprocess.run([str(PYTHON), "-m", "pip", "--version"], capture_output=True).returncode == 0
     if not has_pip:  # none yet, or one whose creation was killed half-way (no pip): start it over
-        subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(VENV)], check=True)
+        make_venv(VENV)
+    site = venv_site(VENV)
+    see_running_environment(site)  # again (an env built before): before pip, which must find our torch installed
     subprocess.run([*pip, "--no-deps", *NO_DEPS], check=True)
     subprocess.run([*pip, *WITH_DEPS], check=True)
-    site = Path(subprocess.run([str(PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
     stub = site / "torchvision"
     stub.mkdir(exist_ok=True)
     (stub / "__init__.py").write_text(_STUB)

@@ -65,6 +65,14 @@ def test_run_runs_snakemake_and_passes_stats(finished):
     assert progress["phase"] == "done" and progress["rows_done"] == progress["rows_total"] == 7
 
 
+def test_run_stats_on_a_finished_run_says_no_shard_will_run(finished):
+    root, _ = finished
+    proc = mmirage(root, "run", "--config", "pipeline.yaml", "--stats", "--cores", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every shard is done: --stats samples the GPUs of shards that run, and none will run now" in proc.stderr
+    assert "rule shard" not in proc.stderr
+
+
 def test_stats_prints_the_metrics_json(finished, tmp_path):
     root, _ = finished
     proc = mmirage(root, "stats", "--config", "pipeline.yaml", "--html", str(tmp_path / "r.html"))
@@ -102,8 +110,14 @@ def test_retry_of_a_finished_run_has_nothing_to_do_unless_failed_rows(finished):
     root, _ = finished
     proc = mmirage(root, "retry", "--config", "pipeline.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # nothing to retry and the report is current: it returns at once, Snakemake not started
+    assert "no shard to rerun" in proc.stderr and "nothing to do" in proc.stderr and "-m snakemake" not in proc.stderr
+    (root / "state/summary.md").unlink()  # a report to rebuild: the last step runs, no shard
+    proc = mmirage(root, "retry", "--config", "pipeline.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no shard to rerun" in proc.stderr and "--allowed-rules aggregate merge dedup" in proc.stderr
-    assert "Nothing to be done" in proc.stderr and "rule shard" not in proc.stderr
+    assert "rule aggregate" in proc.stderr and "rule shard" not in proc.stderr
+    assert (root / "state/summary.md").exists()
     proc = mmirage(root, "retry", "--config", "pipeline.yaml", "--failed-rows", "--", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr

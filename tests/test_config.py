@@ -617,3 +617,14 @@ def test_a_json_response_prefix_must_start_json_of_the_schema(cfg):
     out["response_prefix"] = '{"score": '  # the schema's fields come in order: answer first
     [problem] = _json_prefix_problems(load(cfg))
     assert problem.startswith("processing_params.outputs[0].response_prefix: the response prefix '{\"score\": '"), problem
+
+
+def test_a_missing_dataset_path_says_what_was_meant(cfg, jsonl):
+    """A misspelt dataset file or folder: the error names the close name that exists."""
+    misspelt = jsonl.with_name(jsonl.stem[:-1] + "x" + jsonl.suffix)  # one letter off
+    cfg["loading_params"]["datasets"][0]["path"] = str(misspelt)
+    [problem] = [p for p in problems_of(cfg) if ".path:" in p]
+    assert problem.endswith(f"does not exist (did you mean '{jsonl}'?)"), problem
+    cfg["loading_params"]["datasets"][0]["path"] = str(jsonl.parent.with_name(jsonl.parent.name + "x") / jsonl.name)
+    [problem] = [p for p in problems_of(cfg) if ".path:" in p]
+    assert problem.endswith(f"(did you mean '{jsonl}'?)"), problem

@@ -197,3 +197,38 @@ def test_a_response_prefix_starts_the_json_the_grammar_completes(engine):
                             response_prefix=prefix))  # fmt: skip
     out = engine.generate(reqs)
     assert all(_valid(prefix + c.text) for c in out), [c.text for c in out]
+
+
+def test_rows_that_finish_first_are_handed_back_while_their_batch_runs(tiny_model):
+    """A static batch hands back each row as it ends (here at its own max_new_tokens), not
+    all at the batch's end: the shard commits them meanwhile, and a stop loses only the rows
+    still generating (here the two long ones, stopped once the six short ones are back)."""
+    import asyncio
+
+    from mirageflow.engines.base import EngineStopped
+
+    eng = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=8, torch_threads=1)
+    eng.load()
+    limits = [2, 3, 4, 5, 6, 7, 400, 400]
+    prompt = eng.chat_prompt([{"role": "user", "content": "hi"}], {})
+
+    async def main():
+        tasks = [
+            asyncio.ensure_future(eng.generate_one(Request(i, None, prompt, {"temperature": 0.0, "max_new_tokens": n})))
+            for i, n in enumerate(limits)
+        ]
+        groups = []  # how many completions each wake-up found
+        pending = set(tasks)
+        while len(tasks) - len(pending) < 6:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            groups.append(len(done))
+        eng.stop()
+        return groups, await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        groups, results = asyncio.run(main())
+    finally:
+        eng.close()
+    assert [r.completion_tokens for r in results[:6]] == limits[:6]
+    assert all(isinstance(r, EngineStopped) for r in results[6:])
+    assert len(groups) > 1  # the finished rows came back in more than one group

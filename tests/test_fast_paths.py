@@ -312,3 +312,38 @@ def test_incremental_ranges_equal_ranges_of_the_whole_set(tmp_path):
     prog.done.add(3)  # changed from outside: recomputed
     assert prog.ranges("done") == [[1, 4], [5, 6]]
     assert merge_ranges([[0, 2], [5, 7]], [[2, 3], [6, 9], [20, 21]]) == [[0, 3], [5, 9], [20, 21]]
+
+
+# --------------------------------------------------------------------------- JSON response prefixes
+
+PREFIX_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}, "ok": {"type": "boolean"},
+                   "rank": {"type": "integer", "minimum": 1}},
+    "required": ["answer", "score", "ok", "rank"],
+}  # fmt: skip
+PREFIXES = [
+    "{", '{"', '{"ans', '{"answer"', '{"answer": ', '{"answer": "', '{"answer": "a, b', '{"answer": "x"',
+    '{"answer": "x", ', '{"answer": "x", "score": -', '{"answer": "x", "score": 12', '{"answer": "x", "score": 12, "ok": t',
+    '{"answer": "x", "score": 0, "ok": false, "rank": ', '{"answer": "x", "score": 0, "ok": false, "rank": 3}',
+    '{"score": ', '{"answer": 5', '{"answer":"x"', '{ "answer": ', '{"answer": "x", "score": 012', '{"answer": "a\\n',
+    '{"answer": "x", "score": 1, "ok": true, "rank": 2, ', "[", '{"answer": "x"}', '{"answer": "x", "score": 1.5',
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_json_prefix_fast_check_vouches_only_for_what_the_grammar_takes(prefix):
+    """``certainly_starts`` (the preflight's check without xgrammar) says True only for a
+    prefix xgrammar's grammar continues; the usual prefixes it takes without xgrammar."""
+    pytest.importorskip("xgrammar")
+    from mirageflow.engines.json_prefix import certainly_starts, continuation_grammar
+
+    certain = certainly_starts(PREFIX_SCHEMA, prefix)
+    try:
+        continuation_grammar(json.dumps(PREFIX_SCHEMA), prefix)
+        grammar_takes = True
+    except ValueError:
+        grammar_takes = False
+    assert grammar_takes or not certain
+    if prefix in ("{", '{"answer": ', '{"answer": "', '{"answer": "x", "score": 12'):
+        assert certain

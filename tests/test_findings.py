@@ -31,6 +31,7 @@ def healthy_stats(shard: int) -> dict:
         "engine_idle_seconds": 0.03 * gen, "rows_processed": 1000, "rows_failed": 0, "rows_filtered": 0,
         "rows_failed_by_class": {}, "input_tokens": 300_000, "output_tokens": 200_000, "num_gpus": 1,
         "answers": 1000, "answers_length_cut": 10, "json_answers": 1000, "requests": 1000,
+        "record_answers": 1000, "record_answers_length_cut": 10, "record_json_answers": 1000,
         "gpu_util_mean": 93.0, "gpu_sampled_seconds": gen, "peak_inflight": 256,
         "roofline_tokens_per_sec_per_gpu": 300.0, "roofline_fraction": 0.74, "roofline_batch": 256,
     }  # fmt: skip
@@ -94,11 +95,11 @@ def _small_window_far_from_roofline(shard, st):  # small batch, but the engine i
 
 
 def _length_cut(shard, st):
-    st.update(answers_length_cut=120)
+    st.update(record_answers_length_cut=120)
 
 
 def _length_cut_at_threshold(shard, st):
-    st.update(answers_length_cut=int(F.LENGTH_CUT_MAX_SHARE * st["answers"]))
+    st.update(record_answers_length_cut=int(F.LENGTH_CUT_MAX_SHARE * st["record_answers"]))
 
 
 def _skew(shard, st):

@@ -198,6 +198,20 @@ def test_fingerprint_file_is_rewritten_only_when_it_changes(base_cfg, tmp_path):
     assert path.stat().st_mtime_ns > stamp
 
 
+def test_a_rerun_names_the_keys_that_changed(base_cfg, tmp_path):
+    """The driver's reason to rerun a shard names the key paths that changed since its
+    status.json, not the list of what could have."""
+    cfg = load_config(base_cfg, environ={})
+    pipeline_state.write_records_fingerprint(cfg)
+    recorded = pipeline_state.records_fingerprint(cfg)["sha256"]
+    edited = copy.deepcopy(base_cfg)
+    _edits()["prompt"](edited)
+    edited["processors"][0]["default_sampling_params"]["max_new_tokens"] = 7
+    changed = pipeline_state.records_changes(load_config(edited, environ={}), recorded)
+    assert changed == ["processors[0].default_sampling_params.max_new_tokens", "processing_params.outputs[0].prompt"]
+    assert pipeline_state.records_changes(load_config(edited, environ={}), "another run's fingerprint") is None
+
+
 # --------------------------------------------------------------------------- reruns follow edits, through Snakemake
 
 
@@ -234,6 +248,7 @@ def test_reruns_follow_edits(tmp_path, server, trigger):
     _edits()["prompt"](edited)
     proc = run_workflow(tmp_path, edited, *flags)
     assert shard_jobs(proc) == 2 and "Nothing to be done" not in proc.text
+    assert "is made again: what can change its records changed: processing_params.outputs[0].prompt" in proc.text
     assert all(mtimes(tmp_path)[k] > done[k] for k in done)
     prompts = [r["body"]["messages"][-1]["content"] for r in server.records[-ROWS:]]
     assert sorted(prompts) == sorted(f"Condense: passage {i}" for i in range(ROWS))

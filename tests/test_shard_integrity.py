@@ -153,7 +153,7 @@ def test_stats_add_up_over_attempts(tmp_path):
     assert st["rows_computed"] == sum(a["rows_computed"] for a in st["attempts"])
     assert st["rows_processed"] + st["rows_failed"] == 8
     assert st["tokens_per_sec"] is not None
-    assert st["output_tokens_per_row_hist"]["rows"] == st["rows_computed"]
+    assert st["output_tokens_per_row_hist"]["rows"] == st["rows_processed"]  # the records, once each
 
 
 def test_secrets_in_an_engine_error_are_not_written_to_failure_json(tmp_path):

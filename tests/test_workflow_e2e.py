@@ -174,6 +174,9 @@ def test_invalid_config_fails_before_any_job(tmp_path, tiny_model):
     proc = run_workflow(tmp_path, cfg, check=False)
     assert proc.returncode != 0
     assert "processing_params.outputs[1].prompt: unknown variable 'headlin' (did you mean 'headline'?)" in proc.stderr
+    # the message alone: not Snakemake's WorkflowError at common.smk's line, nor a traceback line
+    assert "WorkflowError" not in proc.stderr and "common.smk" not in proc.stderr and 'File "' not in proc.stderr
+    assert proc.stderr.lstrip().startswith("invalid pipeline config:"), proc.stderr[:500]
     assert not (tmp_path / "state").exists()
 
 

@@ -171,6 +171,12 @@ def cmd_run(args) -> int:
                 "--export-prompts writes the requests and runs nothing: it takes no --shard-id, --force-retry or Snakemake arguments"
             )
         return export_prompts(cfg, args.export_prompts)
+    if args.stats and args.shard_id is None and not _dry_run(args.extra) and not retry_plan(cfg, False)["unfinished"]:
+        print(
+            "mmirage: every shard is done: --stats samples the GPUs of shards that run, and none will run now; "
+            "`mmirage stats` prints the run's figures (a shard runs again after a config edit, or with `mmirage retry --failed-rows`)",
+            file=sys.stderr,
+        )
     flags = _retries(cfg, args.force_retry)
     if args.shard_id is not None:  # MMIRAGE: one shard, on this machine, whatever the mode says
         (shard,) = _shard_ids(str(args.shard_id), cfg, "--shard-id")
@@ -338,9 +344,30 @@ def cmd_retry(args) -> int:
         if still:
             print(f"mmirage retry: shard(s) {_ids(still)} still failed after the retry", file=sys.stderr)
             return EXIT_FAILED
+    if not shards and not dry and _outputs_current(cfg, plan["states"]):
+        print(
+            "mmirage retry: nothing to retry, and the report and merged outputs are newer than every shard's status.json: nothing to do",
+            file=sys.stderr,
+        )
+        return EXIT_OK
     # the report and merged outputs, from the shards as they are now: no shard may start here
     flags = ["--allowed-rules", "aggregate", "merge", "dedup", "--rerun-triggers", "mtime"]
     return _run(snakemake_command(args.config, flags=flags, targets=default_targets(cfg), **common))
+
+
+def _outputs_current(cfg, states: list[dict]) -> bool:
+    """Whether what the default target builds from the shards (report, merge manifests, dedup
+    counts) exists and is newer than every shard's status.json (Snakemake's mtime rule, as
+    the retry's last step runs it): then that step has nothing to do."""
+    from mirageflow.state.layout import StateLayout, default_targets
+
+    paths = StateLayout(cfg.state_dir)
+    try:
+        built = min(os.stat(t).st_mtime for t in default_targets(cfg))
+        newest = max((os.stat(paths.status(s["shard_id"])).st_mtime for s in states), default=0.0)
+    except OSError:  # a target (or a status.json) is missing: Snakemake builds it
+        return False
+    return built >= newest
 
 
 def _dry_run(extra: list[str]) -> bool:
@@ -359,7 +386,9 @@ def cmd_stats(args) -> int:
         raise UsageError(missing)
     from mirageflow.state.shards import current_fingerprint
 
-    metrics = full_metrics(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg))  # as in metrics.json
+    metrics = full_metrics(  # as in metrics.json
+        cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg), n_samples=cfg.n_samples
+    )
     if args.html:
         from mirageflow.files import atomic_write_text
         from mirageflow.report.html import render_html

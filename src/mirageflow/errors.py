@@ -1,4 +1,7 @@
-"""The package's errors in one place: the base class, input errors, and the row errors.
+"""The package's common errors: the base class, input errors, and the row errors. The other
+exception classes live beside the modules that raise them (``ConfigError`` in config,
+``ShardFailed`` in shard/failures.py, ``EngineStopped`` in engines/base.py, ...), each a
+``MirageflowError``.
 
 - ``MirageflowError``: the base of every exception this package raises on purpose (each
   keeps its other base too, e.g. ``ConfigError`` is also a ``ValueError``), so a caller

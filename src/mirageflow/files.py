@@ -116,6 +116,29 @@ def regular_file_problem(path: str | os.PathLike) -> str | None:
     return f"is {_kind(st.st_mode)}, not a regular file"
 
 
+def path_hint(path: str | os.PathLike) -> str:
+    """ " (did you mean '<path>'?)" for a path that does not exist when a close name is where it
+    is missing (its first missing component, among its parent's entries); else ""."""
+    import difflib
+
+    parts = Path(path).parts
+    for i in range(1, len(parts) + 1):
+        here = Path(*parts[:i])
+        if here.exists():
+            continue
+        parent = Path(*parts[: i - 1]) if i > 1 else Path(".")
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return ""
+        close = difflib.get_close_matches(parts[i - 1], names, n=1, cutoff=0.6)
+        if not close:
+            return ""
+        guess = Path(*parts[: i - 1], close[0], *parts[i:]) if i > 1 else Path(close[0], *parts[i:])
+        return f" (did you mean '{guess}'?)"
+    return ""
+
+
 def open_regular(path: str | os.PathLike, mode: str = "rb"):
     """``open(path, mode)`` for reading, refusing anything but a regular file before any read.
 

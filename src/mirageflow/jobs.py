@@ -374,7 +374,10 @@ def aggregate(config: str) -> None:
     from mirageflow.state.shards import job_fingerprint
 
     cfg = _config(config, check_paths=False)
-    write_report(cfg.state_dir, cfg.num_shards, lease_timeout=cfg.shard.lease_timeout_seconds, fingerprint=job_fingerprint(cfg))
+    write_report(
+        cfg.state_dir, cfg.num_shards, lease_timeout=cfg.shard.lease_timeout_seconds, fingerprint=job_fingerprint(cfg),
+        n_samples=cfg.n_samples,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,6 @@
 import os
 import sys
 
-from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 
 try:
@@ -23,6 +22,15 @@ from mirageflow.config import ConfigError
 from mirageflow.config.preflight import validate
 from mirageflow.redact import install_log_redaction, register_config_secrets
 
+
+def config_error_exit(error) -> None:
+    """A config the workflow cannot run: the message alone on stderr, then exit status 1,
+    before any job; not a WorkflowError, which Snakemake prints as a crash at this file's
+    line, with a traceback line."""
+    print(str(error), file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
 # No secret (from the environment, a URL's password or query) in Snakemake's log or ours.
 install_log_redaction(logger)
 
@@ -31,7 +39,7 @@ install_log_redaction(logger)
 try:
     PIPELINE = validate(config, preflight=workflow.is_main_process)
 except ConfigError as e:
-    raise WorkflowError(str(e)) from None
+    config_error_exit(e)
 register_config_secrets(PIPELINE)
 
 # Parsing the workflow writes nothing (`snakemake -n` and `--lint` change nothing on disk):
@@ -41,7 +49,7 @@ if workflow.is_main_process:
     try:
         pipeline_state.check_output_owners(PIPELINE)
     except pipeline_state.OwnershipError as e:
-        raise WorkflowError(f"mirageflow: {e}") from None
+        config_error_exit(f"mirageflow: {e}")
 
 STATE_DIR = PIPELINE.state_dir
 STATE = state_layout.StateLayout(STATE_DIR)

@@ -26,7 +26,7 @@ transport/http_client.py):
 Its own measurements go to ``<state_dir>/engines/engine_<g>.stats.json``: one entry per
 load (``loads``, appended by each start), with load/warm-up seconds, device, engine info
 and requests served, so the report counts each load once. A service nobody talks to for
-``$MIRAGEFLOW_ENGINE_IDLE_EXIT`` seconds (600; shards send a heartbeat every 30 s) exits:
+``$MIRAGEFLOW_ENGINE_IDLE_EXIT`` seconds (600; shards send a heartbeat every 5 s: engines/shared.py HEARTBEAT_SECONDS) exits:
 Snakemake does not stop a service whose consumers could not start.
 """
 

@@ -36,7 +36,7 @@ from mirageflow.config.types import (
     ShardParams,
 )
 from mirageflow.data.dedup import produced_fields
-from mirageflow.files import regular_file_problem
+from mirageflow.files import path_hint, regular_file_problem
 from mirageflow.engines import registry
 from mirageflow.prompts import json_output
 from mirageflow.prompts import python_steps
@@ -368,7 +368,7 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
 
 
 def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ImageGenProcessor | None, list[str]]:
-    """A processor of type image_gen: where images are generated (engines/image_gen.py)."""
+    """A processor of type image_gen: where images are generated (mirageflow/imagegen/)."""
     where = f"processors[{i}]"
     problems = _foreign_keys(p, where, _BATCH_KEYS, "batch_api") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
     if p["type"] in taken:
@@ -510,12 +510,13 @@ def _split_datasets(ds: dict, where: str, problems: list[str]) -> list[tuple[str
 def _dataset_problems(ds: dict, where: str) -> list[str]:
     path, kind = os.path.expanduser(ds["path"]), ds["type"].lower()
     if kind == "jsonl" and not os.path.isfile(path):
-        why = regular_file_problem(path) or "does not exist"
+        why = (regular_file_problem(path) or "does not exist") + ("" if os.path.lexists(path) else path_hint(path))
         return [f"{where}.path: JSONL file '{path}' {why}"]
     if kind == "loadable" and not os.path.isdir(path):
-        return [f"{where}.path: loadable dataset directory '{path}' does not exist"]
+        return [f"{where}.path: loadable dataset directory '{path}' does not exist{path_hint(path)}"]
     if kind == "parquet" and not (os.path.isfile(path) or os.path.isdir(path) or glob.glob(path)):
-        return [f"{where}.path: no Parquet file, directory or glob match at '{path}'"]
+        hint = "" if glob.has_magic(path) else path_hint(path)
+        return [f"{where}.path: no Parquet file, directory or glob match at '{path}'{hint}"]
     return []
 
 

@@ -48,7 +48,7 @@ from mirageflow import hub_models
 from mirageflow import model_config as model_files
 from mirageflow.config.loading import ConfigError, load_config
 from mirageflow.config.types import CustomProcessor, DatasetConfig, ImageGenProcessor, PipelineConfig, ProcessorConfig
-from mirageflow.files import open_regular
+from mirageflow.files import open_regular, path_hint
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
 from mirageflow.state.layout import StateLayout
@@ -151,17 +151,21 @@ def _json_prefix_problems(cfg: PipelineConfig) -> list[str]:
     """A JSON output's response_prefix must start JSON valid against its schema: engines
     constrain only the continuation (engines/json_prefix.py). Here, in the driver only,
     because compiling the grammar imports xgrammar (~3 s with torch), which every cluster
-    job re-parsing the workflow would pay."""
+    job re-parsing the workflow would pay; and only for a prefix the pure-Python check
+    (json_prefix.certainly_starts) cannot vouch for."""
     import json
 
     problems = []
     for i, out in enumerate(cfg.outputs):
         if not (out.is_json and out.response_prefix and out.schema is not None):
             continue
-        from mirageflow.engines.json_prefix import continuation_grammar
+        from mirageflow.engines.json_prefix import certainly_starts, continuation_grammar
 
+        schema = out.schema.json_schema()
+        if certainly_starts(schema, out.response_prefix):  # the usual prefixes, without importing xgrammar (and torch)
+            continue
         try:
-            continuation_grammar(json.dumps(out.schema.json_schema()), out.response_prefix)
+            continuation_grammar(json.dumps(schema), out.response_prefix)
         except ValueError as e:
             problems.append(
                 f"processing_params.outputs[{i}].response_prefix: {e} "
@@ -496,7 +500,7 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
             source = str(state.snapshot / "config.json") if state.snapshot else f"config.json of {model.label} on the hub"
             model_config = (state.config, source)
     else:
-        hint = hub_models.revision_hint(model_path, f"{where}.server_args.revision")
+        hint = hub_models.revision_hint(model_path, f"{where}.server_args.revision") or path_hint(path)
         problems.append(f"{where}.server_args.model_path: model directory '{path}' does not exist{hint}")
     if proc.server_args.revision and not hub_models.is_hub_id(model_path, built_models):
         problems.append(
@@ -561,7 +565,8 @@ def _image_model_problems(cfg: PipelineConfig, proc: ImageGenProcessor, environ:
         state = hub_models.look_up(model, hub_models.cache_dir(cfg, environ), environ)
         return [f"{key}: '{model.label}' {state.detail}"] if state.state == "cannot" else []
     block = "pipeline_args" if key.endswith("pipeline_args.model_path") else "sglang"
-    return [f"{key}: model directory '{path}' does not exist" + hub_models.revision_hint(path, f"{where}.{block}.revision")]
+    hint = hub_models.revision_hint(path, f"{where}.{block}.revision") or path_hint(path)
+    return [f"{key}: model directory '{path}' does not exist{hint}"]
 
 
 def _custom_problems(proc: CustomProcessor) -> list[str]:

@@ -150,7 +150,7 @@ class BatchSettings:
 
 @dataclass(frozen=True)
 class ImageGenProcessor:
-    """``processors[]`` entry of type image_gen: where images are generated (engines/image_gen.py)."""
+    """``processors[]`` entry of type image_gen: where images are generated (mirageflow/imagegen/)."""
 
     type: str
     backend: str  # external | diffusers | sglang

@@ -20,6 +20,7 @@ valid against the schema starts with the prefix.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 
 ROOT = "root"
@@ -411,6 +412,68 @@ def _rename(node, names: dict):
     if isinstance(node, Rep):
         return Rep(_rename(node.item, names), node.lo, node.hi)
     return node
+
+
+def _value_prefix(prop: dict, text: str) -> str | None:
+    """How ``text`` reads as the start of a value of ``prop`` laid out as json.dumps lays it
+    out: "complete" (the whole value), "partial" (a value not yet ended), or None when not
+    certain (then xgrammar decides). Bounded numbers are left to xgrammar."""
+    kind = prop.get("type")
+    if kind == "string":
+        if not text.startswith('"'):
+            return None
+        body = text[1:]
+        end = body.find('"')
+        chars = body if end < 0 else body[:end]
+        if "\\" in chars or any(ord(c) < 0x20 for c in chars):
+            return None
+        return "partial" if end < 0 else "complete" if end == len(body) - 1 else None
+    if kind == "boolean":
+        for word in ("true", "false"):
+            if text == word:
+                return "complete"
+            if word.startswith(text) and text:
+                return "partial"
+        return None
+    if kind in ("integer", "number") and "minimum" not in prop and "maximum" not in prop:
+        digits = text[1:] if text.startswith("-") else text
+        if digits and not digits.isdigit() or digits.startswith("0") and len(digits) > 1:
+            return None
+        return "partial" if not digits else "complete"
+    return None
+
+
+def certainly_starts(schema: dict, prefix: str) -> bool:
+    """Whether ``prefix`` certainly starts an answer valid against ``schema``, an output's
+    flat schema (an object whose typed properties are all required, in order), laid out
+    as json.dumps lays it out, as xgrammar's grammar without free whitespace takes it. A
+    pure-Python answer for the usual prefixes (``{"answer": ``, ``{"subject": "``): False
+    means only "not certain here", and ``continuation_grammar`` (which imports xgrammar,
+    and with it torch) decides."""
+    if schema.get("type") != "object" or not prefix.startswith("{"):
+        return False
+    props = schema.get("properties") or {}
+    if list(schema.get("required") or []) != list(props):
+        return False
+    rest = prefix[1:]
+    for i, (name, prop) in enumerate(props.items()):
+        if not rest:
+            return True
+        key = ("" if i == 0 else ", ") + json.dumps(name) + ": "
+        if key.startswith(rest):
+            return True  # within the key
+        if not rest.startswith(key):
+            return False
+        rest = rest[len(key) :]
+        for cut in range(len(rest), -1, -1):  # the longest start of rest that is a whole value
+            if _value_prefix(prop, rest[:cut]) == "complete" and (cut == len(rest) or rest[cut] in ",}"):
+                break
+        else:
+            return _value_prefix(prop, rest) == "partial"
+        if cut == len(rest):
+            return True  # a whole value: a separator or the end may follow
+        rest = rest[cut:]
+    return rest == "" or rest == "}"
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,7 +14,10 @@ runs a left-padded batch, and resolves each request's future. While a batch runs
 window refills the queue, so the next batch is full as soon as the model is free, and a
 full batch starts at once (only a short one waits a few ms for more requests).
 Requests with different ``max_new_tokens`` share a batch: a per-row stopping criterion
-ends each at its own limit. A request with a seed (``Request.seed``: n_samples, or
+ends each at its own limit. A row that ends (its EOS, or its limit) while others of its
+batch go on is handed back at once (``_early_rows``, checked after each decoding step), so
+the shard commits it, the live line moves and a stop loses only the rows still generating;
+rows with stop strings, which the decoded text decides, come back with their batch. A request with a seed (``Request.seed``: n_samples, or
 ``sampling_params.seed``) samples from its own generator, so a rerun gives the same text
 whatever else shares its batch.
 
@@ -245,21 +248,28 @@ class TransformersEngine(Engine):
         backlog: deque = deque()
         while (batch := self._next_batch(backlog)) is not None:
             self._running = len(batch)
-            try:
-                if self._stopped.is_set():
-                    raise EngineStopped("engine was stopped")
-                results = self._run(batch)
-            except BaseException as e:  # resolve every waiter; never leave a future hanging
-                results = [e] * len(batch)
-            finally:
-                self._running = 0
-            for (_, future, loop, _), result in zip(batch, results):
+
+            def hand_back(i: int, result, batch=batch) -> None:
+                _, future, loop, _ = batch[i]
                 try:
                     loop.call_soon_threadsafe(_resolve, future, result)
                 except RuntimeError:  # the caller's loop is closed (the shard stopped): nobody waits
                     pass
 
-    def _run(self, batch: list) -> list:
+            try:
+                if self._stopped.is_set():
+                    raise EngineStopped("engine was stopped")
+                results = self._run(batch, hand_back)
+            except BaseException as e:  # resolve every waiter; never leave a future hanging
+                results = [e] * len(batch)
+            finally:
+                self._running = 0
+            for i, result in enumerate(results):  # a row handed back while the batch ran is not resolved again
+                hand_back(i, result)
+
+    def _run(self, batch: list, hand_back=None) -> list:
+        """The completions of a batch; ``hand_back(i, completion)``, when given, gets each row
+        that finishes before the batch does, as it finishes."""
         requests = [item[0] for item in batch]
         if requests[0].images:
             return _run_images(self, requests)
@@ -274,7 +284,8 @@ class TransformersEngine(Engine):
             else:
                 runnable.append(i)
         if runnable:
-            for i, c in zip(runnable, self._generate_batch([requests[i] for i in runnable], [ids[i] for i in runnable])):
+            early = None if hand_back is None else lambda j, c: hand_back(runnable[j], c)
+            for i, c in zip(runnable, self._generate_batch([requests[i] for i in runnable], [ids[i] for i in runnable], on_finished=early)):
                 results[i] = c
         return results
 
@@ -321,7 +332,10 @@ class TransformersEngine(Engine):
                 mask[row, width - len(seq) :] = 1
         return {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
 
-    def _generate_batch(self, batch: list[Request], ids: list[list[int]], enc: dict | None = None) -> list[Completion]:
+    def _generate_batch(self, batch: list[Request], ids: list[list[int]], enc: dict | None = None, on_finished=None) -> list[Completion]:
+        """One ``generate`` call for the batch. ``on_finished(i, completion)``: called for each
+        row as it finishes (its EOS or its limit) while the others go on, so a shard commits
+        it without waiting for the batch (not with stop strings, which the text decides)."""
         import torch
 
         params = batch[0].sampling_params
@@ -336,38 +350,45 @@ class TransformersEngine(Engine):
             processors.append(_seeded_sampler(kw, [r.seed for r in batch]))  # after the grammar's mask
         if processors:
             kw["logits_processor"] = processors
+        prompt_tokens = [len(seq) for seq in ids]
+        stops = kw.get("stop_strings") or []
+
+        def completion(i: int, new_ids: list[int]) -> Completion:
+            return self._completion(batch[i], new_ids, prompt_tokens[i], limits[i], params, stops)
+
+        early = None
+        if on_finished is not None and not stops and len(batch) > 1:
+            eos = set() if params.get("ignore_eos") else self.eos_ids
+            early = _early_rows(limits, prompt_len, eos, lambda i, new_ids: on_finished(i, completion(i, new_ids)))
         with torch.inference_mode():
             out = self.model.generate(
                 **enc,
                 **kw,
-                stopping_criteria=_row_limits(limits, prompt_len, self._stopped),
+                stopping_criteria=_row_limits(limits, prompt_len, self._stopped, early),
                 pad_token_id=self.tokenizer.pad_token_id,
             )
         if self._stopped.is_set():
             raise EngineStopped("engine was stopped during generation")
-        new = out[:, prompt_len:].tolist()
-        prompt_tokens = [len(seq) for seq in ids]
-        stops = kw.get("stop_strings") or []
-        skip = params.get("skip_special_tokens", True)
+        return [completion(i, new_ids) for i, new_ids in enumerate(out[:, prompt_len:].tolist())]
+
+    def _completion(self, req: Request, ids: list[int], n_prompt: int, limit: int, params: dict, stops: list[str]) -> Completion:
+        """A row's completion from the tokens generated for it (padding after its end included)."""
         pad = self.tokenizer.pad_token_id
-        results = []
-        for req, ids, n_prompt, limit in zip(batch, new, prompt_tokens, limits):
-            n = min(len(ids), limit)
-            for j, t in enumerate(ids[:n]):
-                if t in self.eos_ids and not params.get("ignore_eos"):
-                    n = j + 1
-                    break
-                if t == pad and pad not in self.eos_ids:  # padding after a stop string
-                    n = j
-                    break
-            # A row ends before its limit only through its own EOS or stop string.
-            finish = "length" if n >= limit else "stop"
-            text = self.tokenizer.decode(ids[:n], skip_special_tokens=skip)
-            cuts = [c for c in (text.find(s) for s in stops) if c >= 0]
-            if cuts:
-                text, finish = text[: min(cuts)], "stop"
-            results.append(Completion(req.id, text, int(n_prompt), n, finish))
-        return results
+        n = min(len(ids), limit)
+        for j, t in enumerate(ids[:n]):
+            if t in self.eos_ids and not params.get("ignore_eos"):
+                n = j + 1
+                break
+            if t == pad and pad not in self.eos_ids:  # padding after a stop string
+                n = j
+                break
+        # A row ends before its limit only through its own EOS or stop string.
+        finish = "length" if n >= limit else "stop"
+        text = self.tokenizer.decode(ids[:n], skip_special_tokens=params.get("skip_special_tokens", True))
+        cuts = [c for c in (text.find(s) for s in stops) if c >= 0]
+        if cuts:
+            text, finish = text[: min(cuts)], "stop"
+        return Completion(req.id, text, int(n_prompt), n, finish)
 
     def _grammar_processor(self, batch: list[Request]):
         """A logits processor constraining each row with a schema to JSON valid against it.
@@ -592,8 +613,28 @@ def _seeded_sampler(kw: dict, seeds: list[int | None]):
     return SeededSampling()
 
 
-def _row_limits(limits: list[int], prompt_len: int, stopped: threading.Event):
-    """Ends each row at its own max_new_tokens, and every row once the engine is stopped."""
+def _early_rows(limits: list[int], prompt_len: int, eos: set[int], finished):
+    """Called after each decoding step with the batch's ids: ``finished(i, new_ids)`` once for
+    each row that has just ended (its EOS, or its own limit) while others go on."""
+    left = set(range(len(limits)))
+
+    def step(input_ids) -> None:
+        generated = input_ids.shape[1] - prompt_len
+        last = input_ids[:, -1].tolist()
+        done = [i for i in left if last[i] in eos or generated >= limits[i]]
+        if len(done) == len(left):  # the batch ends here: its rows are handed back together
+            left.clear()
+            return
+        for i in done:
+            left.discard(i)
+            finished(i, input_ids[i, prompt_len:].tolist())
+
+    return step
+
+
+def _row_limits(limits: list[int], prompt_len: int, stopped: threading.Event, each_step=None):
+    """Ends each row at its own max_new_tokens, and every row once the engine is stopped;
+    ``each_step(input_ids)``: called after every decoding step (``_early_rows``)."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -601,6 +642,8 @@ def _row_limits(limits: list[int], prompt_len: int, stopped: threading.Event):
         def __call__(self, input_ids, scores, **kwargs):
             if stopped.is_set():
                 return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            if each_step is not None:
+                each_step(input_ids)
             generated = input_ids.shape[1] - prompt_len
             return torch.tensor([generated >= n for n in limits], device=input_ids.device)
 

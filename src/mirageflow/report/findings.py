@@ -168,7 +168,9 @@ def window_too_small(f: RunFigures):
 
 
 def length_cut(f: RunFigures):
-    answers, cut = f.total("answers"), f.total("answers_length_cut")
+    # the answers the records hold (status files of before record_* count the attempts' answers)
+    prefix = "record_" if any("record_answers" in s for s in f.shards) else ""
+    answers, cut = f.total(prefix + "answers"), f.total(prefix + "answers_length_cut")
     if not answers or cut / answers <= LENGTH_CUT_MAX_SHARE:
         return None
     return (

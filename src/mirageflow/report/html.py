@@ -437,7 +437,11 @@ GPU_CAPTION = (
     "NVML's utilisation of each GPU the shard holds, each sample held until the next. 0 % is a GPU that ran no "
     "kernel in that interval (the engine waiting for work, or between batches); a gap is a time with no samples."
 )
-TOKENS_CAPTION = "Output tokens per {unit}, summed over the {unit}'s LLM outputs, in bins of one width."
+TOKENS_CAPTION = (
+    "Output tokens per {unit}, summed over the {unit}'s LLM outputs, in bins of one width: the records as they are "
+    "(each counted once, whatever attempts made it; answers from the request cache included, and counted apart in "
+    "total_record_output_tokens_cached)."
+)
 TOKENS_LIMIT_CAPTION = (
     " The dashed line is the most a {unit} can have: each output's max_new_tokens, summed over the outputs "
     "(a bar at it is a {unit} cut by the limit)."
@@ -597,7 +601,15 @@ LABELS = {
     "missing_shards": "shards not done",
     "running_shards": "shards running",
     "pending_shards": "shards pending",
-    "overall_throughput_rows_per_sec": "rows (ok) per second, wall clock",
+    "overall_throughput_rows_per_sec": "rows (ok) per second, wall clock while shards ran",
+    "wall_clock_runtime_seconds": "wall clock while shards ran (time between invocations left out)",
+    "wall_clock_span_seconds": "first shard start to last shard finish (time between invocations included)",
+    "total_output_tokens": "output tokens the engines generated (every attempt; the rates divide these)",
+    "total_record_output_tokens": "output tokens in the records (generated and from the request cache)",
+    "total_record_output_tokens_cached": "... of which answered from the request cache",
+    "total_record_answers": "answers in the records",
+    "total_record_answers_length_cut": "answers in the records cut at max_new_tokens",
+    "total_record_json_answers": "JSON answers in the records",
     "tokens_per_sec": "output tokens/s (generation time)",
     "tokens_per_sec_per_gpu": "output tokens/s per GPU",
     "gpu_days_per_billion_tokens": "GPU-days per billion output tokens",
@@ -746,7 +758,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     units = unit + "s"  # with n_samples > 1 the counts are records
     cards = [
         ("shards completed", f"{agg['completed_shards']} / {agg['total_shards']}"),
-        ("wall clock", agg.get("wall_clock_runtime_human") or "n/a"),
+        ("wall clock while shards ran", agg.get("wall_clock_runtime_human") or "n/a"),
         (f"{units} ok (completed shards)", _fmt(agg.get("total_rows_processed"))),
         (f"{units} failed (completed + failed shards)", _fmt(agg.get("total_rows_failed"))),
         (f"{units} filtered", _fmt(agg.get("total_rows_filtered"))),

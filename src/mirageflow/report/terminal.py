@@ -396,7 +396,7 @@ def run_summary(
         tps = agg.get("tokens_per_sec")
         lines.append(
             f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(tps)} tok/s over generation"
-            + (f" (wall clock {agg['wall_clock_runtime_human']})" if agg.get("wall_clock_runtime_human") else "")
+            + (f" (wall clock {agg['wall_clock_runtime_human']} while shards ran)" if agg.get("wall_clock_runtime_human") else "")
         )
     from mirageflow.state.pipeline import previous_results
 

@@ -70,6 +70,7 @@ from mirageflow.prompts.samples import complete_rows, describe_count, record_uni
 from mirageflow.errors import MirageflowError
 from mirageflow.state import layout as L
 from mirageflow.shard.ledger import BatchLedger, ImageLedger
+from mirageflow.shard.tally import RecordTally, valid_entry
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +229,13 @@ class DatasetProgress:
         indices.update(fresh)
         self._ranges[which] = (indices, len(indices), merge_ranges(current, to_ranges(fresh)) if fresh else current)
 
-    def add_part(self, name: str, size: int, sha256: str, rows: list[list[int]]) -> None:
-        """Record a committed part file (the rows' indices go to ``done`` separately)."""
+    def add_part(self, name: str, size: int, sha256: str, rows: list[list[int]], records: dict | None = None) -> None:
+        """Record a committed part file (the rows' indices go to ``done`` separately).
+        ``records``: the tally of the records it holds (shard/tally.py), None for a part
+        committed before tallies were kept."""
         info = {"name": name, "bytes": size, "sha256": sha256, "rows": rows}
+        if records is not None:
+            info["records"] = records
         self.parts.append(name)
         self.part_info[name] = info
         self._part_json.append(_json_dumps(info))
@@ -334,7 +339,7 @@ class Checkpoint:
             else:
                 info = self._verify_part(key, prog, part)
             if info is not None:
-                prog.add_part(info["name"], info["bytes"], info["sha256"], info["rows"])
+                prog.add_part(info["name"], info["bytes"], info["sha256"], info["rows"], info.get("records"))
         prog.done = from_ranges(merge_ranges(sorted(r for name in prog.parts for r in prog.part_info[name]["rows"]), []))
         listed = from_ranges(entry["done"])
         unbacked = len(listed - prog.done)
@@ -498,6 +503,7 @@ class Checkpoint:
                     and _is_int(part.get("bytes")) and part["bytes"] >= 0
                     and isinstance(part.get("sha256"), str) and _SHA256.fullmatch(part["sha256"])
                     and not _bad_ranges(part.get("rows"))
+                    and valid_entry(part.get("records"))
                 ):  # fmt: skip
                     return f"dataset {key}: bad part entry {str(part)[:200]}"
         attempts = saved.get("attempts", [])
@@ -582,6 +588,10 @@ class Checkpoint:
 
         return skip
 
+    def records_tally(self) -> dict:
+        """The record figures of the intact parts (shard/tally.py): what the shard's records hold."""
+        return RecordTally.merge([p.part_info[name].get("records") for p in self.datasets.values() for name in p.parts])
+
     def failed_classes(self) -> Counter:
         """Failed rows per error class, from errors.jsonl (the committed failures)."""
         return Counter(entry["error"] for _, _, entry in self._read_error_lines())
@@ -603,9 +613,10 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ commit
 
-    def commit(self, dataset: int, records: list[dict], errors: list[dict], filtered=()) -> None:
+    def commit(self, dataset: int, records: list[dict], errors: list[dict], filtered=(), tally: RecordTally | None = None) -> None:
         """Make these finished rows durable: part file, then error lines, then the manifest
-        (which alone records the ``filtered`` source indices: rows a filter step dropped)."""
+        (which alone records the ``filtered`` source indices: rows a filter step dropped).
+        ``tally``: what the records hold (shard/tally.py), kept in the part's entry."""
         prog = self.datasets[dataset]
         n = self.samples
         if records:
@@ -619,7 +630,7 @@ class Checkpoint:
             path = prog.out_dir / name
             write_part(path, records, prog.fmt)
             digest, size = _sha256_and_size(path)  # read back from the page cache
-            prog.add_part(name, size, digest, _runs(indices))
+            prog.add_part(name, size, digest, _runs(indices), tally.to_json() if tally else None)
             prog.add("done", indices)
         if errors:
             self._write_errors([_error_line(e) for e in errors], mode="a")

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from mirageflow.shard.failures import ShardFailed
+from mirageflow.shard.tally import RecordTally, UnitTally
 
 
 class CommitQueue:
@@ -26,7 +27,8 @@ class CommitQueue:
         self.cache = cache
         self.shard_id = shard_id
         self.before_write = before_write
-        self._pending: dict[int, tuple[list, list, list]] = {}  # dataset -> (records, error entries, filtered indices)
+        # dataset -> (records, error entries, filtered indices, the records' tally: shard/tally.py)
+        self._pending: dict[int, tuple[list, list, list, RecordTally]] = {}
         self.pending_rows = 0
         self._last_commit = time.monotonic()
         self._writer: ThreadPoolExecutor | None = None
@@ -36,19 +38,26 @@ class CommitQueue:
 
     # ------------------------------------------------------------------ booking
 
-    def add(self, ds_index: int, record: dict | None, error: dict | None) -> None:
-        """One finished row: its record or its error entry. Hands a batch to the writer when due."""
-        records, errors, _ = self._pending.setdefault(ds_index, ([], [], []))
+    def add(self, ds_index: int, record: dict | None, error: dict | None, tally: UnitTally | None = None) -> None:
+        """One finished row: its record (and what it holds, ``tally``) or its error entry.
+        Hands a batch to the writer when due."""
+        records, errors, _, tallies = self._pending.get(ds_index) or self._new(ds_index)
         if error is None:
             records.append(record)
+            if tally is not None:
+                tallies.add(tally)
         else:
             errors.append(error)
         self._added()
 
     def add_filtered(self, ds_index: int, source_index: int) -> None:
         """One row a filter step dropped: only its index is committed (to the manifest)."""
-        self._pending.setdefault(ds_index, ([], [], []))[2].append(source_index)
+        (self._pending.get(ds_index) or self._new(ds_index))[2].append(source_index)
         self._added()
+
+    def _new(self, ds_index: int) -> tuple[list, list, list, RecordTally]:
+        pending = self._pending[ds_index] = ([], [], [], RecordTally())
+        return pending
 
     def _added(self) -> None:
         self.pending_rows += 1
@@ -58,7 +67,7 @@ class CommitQueue:
     def _allowed(self) -> bool:
         return time.monotonic() - self._last_commit >= self.params.checkpoint_min_seconds
 
-    def _take(self) -> dict[int, tuple[list, list, list]]:
+    def _take(self) -> dict[int, tuple[list, list, list, RecordTally]]:
         self.before_write()
         batch = {k: v for k, v in self._pending.items() if v[0] or v[1] or v[2]}
         self._pending = {}
@@ -68,7 +77,7 @@ class CommitQueue:
 
     # ------------------------------------------------------------------ writing
 
-    def _write(self, batch: dict[int, tuple[list, list, list]]) -> None:
+    def _write(self, batch: dict[int, tuple[list, list, list, RecordTally]]) -> None:
         """Make a batch durable (one thread at a time). The lease is checked first: a shard
         taken over by another job must not write next to it."""
         self.lease.check()
@@ -76,8 +85,8 @@ class CommitQueue:
             try:
                 if self.cache is not None:  # the answers first: a kill before the manifest loses no answer of a committed row
                     self.cache.commit()
-                for ds_index, (records, errors, filtered) in batch.items():
-                    self.checkpoint.commit(ds_index, records, errors, filtered)
+                for ds_index, (records, errors, filtered, tally) in batch.items():
+                    self.checkpoint.commit(ds_index, records, errors, filtered, tally)
                 if not batch:
                     self.checkpoint.save()  # the attempt's counters, with no new rows
             except OSError as e:  # disk full, quota, read-only output

@@ -4,7 +4,10 @@ over its attempts.
 Each attempt's counters are kept in the checkpoint (``attempt_entry``, saved with every
 commit), so a shard resumed after a crash, a time limit or a failed budget reports the
 work of all its attempts: rows, tokens, requests, GPU-seconds and phase times add up, and
-its tokens/s divides all output tokens by all generation time.
+its tokens/s divides all output tokens by all generation time. These count work done,
+lost work included. What the records hold (their answers and tokens, cached ones told
+apart, the tokens histogram) is counted with the records instead: ``record_*`` and
+``output_tokens_per_row_hist``, the sum of the committed parts' tallies (shard/tally.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from mirageflow.stats import gpu
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 from mirageflow.redact import redact_text
+from mirageflow.shard.tally import RecordTally, UnitTally
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,8 @@ class ShardMetrics:
         # every answer the engine or the cache gave, those cut by the length limit, those of
         # JSON outputs: the quality counters of the canary and the report's findings
         self.answers = self.answers_length_cut = self.json_answers = 0
-        self.tokens_per_row = stats.TokenHistogram()
+        # (dataset, row, sample) -> the tally of a record rendered and not yet booked (shard/tally.py)
+        self._rendered: dict[tuple, UnitTally] = {}
         self.sampler = gpu.GpuSampler(cfg.shard.gpu_sample_interval_seconds, sample=cfg.stats)
         self.num_gpus = stats.allocated_gpus()
         self.checkpoint = None  # where the attempts are kept, once restored
@@ -97,6 +102,13 @@ class ShardMetrics:
                 self.images += len(request.images)
         if request.images:
             self.image_tokens += completion.image_tokens or 0
+
+    def rendered(self, ds_index: int, row_index: int, sample: int | None, tally: UnitTally) -> None:
+        """A record was rendered: its tally waits for the runner to commit the record with it (``take_tally``)."""
+        self._rendered[ds_index, row_index, sample] = tally
+
+    def take_tally(self, ds_index: int, row_index: int, sample: int | None) -> UnitTally | None:
+        return self._rendered.pop((ds_index, row_index, sample), None)
 
     def runtime(self) -> float:
         return time.monotonic() - self.t0
@@ -141,7 +153,6 @@ class ShardMetrics:
             "json_answers": self.json_answers,
             "num_gpus": self.num_gpus,
             "gpu_seconds_allocated": self.num_gpus * runtime,
-            "output_tokens_per_row_hist": self.tokens_per_row.to_json(),
         }
 
     def begin_attempt(self, checkpoint) -> None:
@@ -161,7 +172,8 @@ class ShardMetrics:
     # ------------------------------------------------------------------ all attempts
 
     def stats(self, budget, resumed: int, attempts: list[dict] | None = None) -> dict:
-        """status.json's ``stats``: sums over the attempts (this one last), rates from the sums.
+        """status.json's ``stats``: sums over the attempts (this one last), rates from the sums,
+        and the record figures of the committed parts (``record_*``, the tokens histogram).
 
         GPU utilisation and energy are sampled by this attempt only.
         """
@@ -189,7 +201,9 @@ class ShardMetrics:
             **gpus,
             "joules_per_1k_output_tokens": stats.joules_per_1k_tokens(gpus["gpu_energy_joules"], self.output_tokens),
             **self._roofline(stats.tokens_per_sec_per_gpu(self.output_tokens, self.tracker.window_seconds, num_gpus)),
-            "output_tokens_per_row_hist": stats.TokenHistogram.merge([a.get("output_tokens_per_row_hist") for a in attempts]),
+            # what the committed records hold, counted once per record whatever the attempts did
+            **(self.checkpoint.records_tally() if self.checkpoint is not None else RecordTally.merge([])),
+            # (attempts of earlier versions kept a work histogram each: not shown)
             "attempts": [{k: v for k, v in a.items() if k != "output_tokens_per_row_hist"} for a in attempts],
         }
 

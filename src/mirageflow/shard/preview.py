@@ -139,10 +139,12 @@ class Unbooked:
 
     def __init__(self):
         self.tracker = stats.InflightTracker()
-        self.tokens_per_row = stats.TokenHistogram()
 
     def book(self, request, completion, sent=True, cached=False, processor=None, choice_prompt=None) -> None:
         pass  # a preview's answers are shown, not counted (shard/metrics.py ShardMetrics.book counts them)
+
+    def rendered(self, ds_index, row_index, sample, tally) -> None:
+        pass  # nor its records (a shard commits theirs with their tally: shard/tally.py)
 
 
 def first_rows(ds: DatasetConfig, n: int) -> list:

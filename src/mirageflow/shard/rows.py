@@ -25,6 +25,7 @@ from mirageflow.shard import request_cache
 from mirageflow.prompts.image_outputs import Unit
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.shard.steps import OutputStep
+from mirageflow.shard.tally import UnitTally
 
 log = logging.getLogger(__name__)
 
@@ -85,37 +86,35 @@ class RowPath:
         from the cache, the prompt tokens of the request it is a choice of under native n) of
         the first step, already generated (``_row_samples``)."""
         m = self.metrics
-        row_tokens = None
-        try:
-            for step in steps:
-                if step.engine is None:  # a filter or a Python step (python_steps), an image (image_outputs)
-                    kept = await (step.run(variables, Unit(ds_index, row.index, sample or 0)) if step.wants_unit else step.run(variables))
-                    if self.observe is not None:
-                        self.observe(row, sample, step, variables, kept)
-                    if not kept:
-                        return python_steps.FILTERED
-                    continue
-                sent, key, cached, choice_prompt = True, None, False, None
-                if answered is not None:
-                    (request, completion, sent, key, cached, choice_prompt), answered = answered, None
-                else:
-                    if self.seeded:
-                        seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
-                        request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
-                    else:
-                        request = step.request(row.index, variables, images=images)
-                    (completion,), (key,), cached = await self._answers(step, request, 1, row)
-                m.book(request, completion, sent, cached, step.output.processor, choice_prompt)
+        tally = UnitTally()  # what the record holds, committed with it (shard/tally.py)
+        for step in steps:
+            if step.engine is None:  # a filter or a Python step (python_steps), an image (image_outputs)
+                kept = await (step.run(variables, Unit(ds_index, row.index, sample or 0)) if step.wants_unit else step.run(variables))
                 if self.observe is not None:
-                    self.observe(row, sample, step, variables, (request, completion))
-                row_tokens = (row_tokens or 0) + completion.completion_tokens
-                step.assign(variables, completion)
-                if key is not None:  # accepted: kept for a rerun
-                    self.cache.put(key, completion)
-        finally:
-            if row_tokens is not None:
-                m.tokens_per_row.add(row_tokens)
-        return self.render(row.index, row.value, variables) if sample is None else self.render(row.index, row.value, variables, sample)
+                    self.observe(row, sample, step, variables, kept)
+                if not kept:
+                    return python_steps.FILTERED
+                continue
+            sent, key, cached, choice_prompt = True, None, False, None
+            if answered is not None:
+                (request, completion, sent, key, cached, choice_prompt), answered = answered, None
+            else:
+                if self.seeded:
+                    seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
+                    request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
+                else:
+                    request = step.request(row.index, variables, images=images)
+                (completion,), (key,), cached = await self._answers(step, request, 1, row)
+            m.book(request, completion, sent, cached, step.output.processor, choice_prompt)
+            tally.book(request, completion, cached)
+            if self.observe is not None:
+                self.observe(row, sample, step, variables, (request, completion))
+            step.assign(variables, completion)
+            if key is not None:  # accepted: kept for a rerun
+                self.cache.put(key, completion)
+        record = self.render(row.index, row.value, variables) if sample is None else self.render(row.index, row.value, variables, sample)
+        m.rendered(ds_index, row.index, sample, tally)
+        return record
 
     async def one(self, row: SourceRow, steps, ds_index: int, sample: int | None) -> tuple:
         """(sample, record or FILTERED or None, RowError or None) of one unit; EngineFailed raises."""

@@ -218,7 +218,7 @@ class ShardRunner:
             self.commits.add_filtered(ds_index, row.index if sample is None else row.index * self.n + sample)
         elif exc is None:
             verdict = self.budget.record_ok()
-            self.commits.add(ds_index, record, None)
+            self.commits.add(ds_index, record, None, self.metrics.take_tally(ds_index, row.index, sample))
         else:
             entry = {
                 "dataset": ds_index,

@@ -173,7 +173,13 @@ class ContentChanges:
         if self._records is None:
             self._records = current_fingerprint(self.cfg)
         if stale_reason(status, self._records):
-            return "what can change its records changed (prompt, schema, model, sampling, dataset)"
+            from mirageflow.state.pipeline import records_changes
+
+            changed = records_changes(self.cfg, status["records_fingerprint"])
+            if not changed:
+                return "what can change its records changed (prompt, schema, model, sampling, dataset)"
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            return f"what can change its records changed: {', '.join(changed[:3])}{more}"
         if self.images:
             return images_changed(self.paths.shard_dir(shard_id), self.cache)
         return None

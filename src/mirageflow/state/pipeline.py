@@ -146,6 +146,36 @@ def _fingerprint_bytes(cfg: PipelineConfig) -> bytes:
     return (json.dumps(fp, indent=1, default=str) + "\n").encode()
 
 
+def identity_changes(old, new, where: str = "") -> list[str]:
+    """The key paths where two records identities differ (``processing_params.outputs[1].prompt``)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in list(old) + [k for k in new if k not in old]:
+            path = f"{where}.{k}" if where else str(k)
+            out += [path] if (k in old) != (k in new) else identity_changes(old[k], new[k], path)
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [p for i, (a, b) in enumerate(zip(old, new)) for p in identity_changes(a, b, f"{where}[{i}]")]
+    return [] if old == new else [where or "(all)"]
+
+
+def records_changes(cfg: PipelineConfig, recorded_sha256: str) -> list[str] | None:
+    """Which keys of the config changed since ``<state_dir>/records.fingerprint`` was written,
+    when that file is the one of ``recorded_sha256`` (a shard's status.json's
+    ``records_fingerprint``); None when it is not or cannot be read."""
+    try:
+        recorded = json.loads(fingerprint_path(cfg.state_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(recorded, dict) or recorded.get("sha256") != recorded_sha256:
+        return None
+    current = json.loads(_fingerprint_bytes(cfg))  # redacted as the file is
+    paths = identity_changes(recorded.get("identity"), current["identity"])
+    # the identity's top level is the config's, but for processors (processors[i]) and datasets
+    renames = {"datasets": "loading_params.datasets", "scripts": "processors[].script_path (the script's content)"}
+    return [next((v + p[len(k) :] for k, v in renames.items() if p.startswith(k)), p) for p in paths]
+
+
 def write_records_fingerprint(cfg: PipelineConfig) -> bool:
     """Write ``<state_dir>/records.fingerprint`` when its content differs (only then: a
     state_dir from before content-addressed fingerprints uses it as the shards' input).

@@ -187,7 +187,8 @@ STATS_NUMBERS = (
     "engine_idle_seconds", "gpu_util_mean", "gpu_sampled_seconds", "gpu_energy_joules", "roofline_tokens_per_sec_per_gpu",
     "n_samples", "input_tokens_each_choice", "engine_busy_seconds", "engine_idle_gaps", "rows_computed", "rows_resumed",
     "requests", "requests_cached", "gpu_seconds_allocated", "images", "image_tokens", "answers", "answers_length_cut",
-    "json_answers", "peak_inflight",
+    "json_answers", "peak_inflight", "record_answers", "record_answers_length_cut", "record_json_answers",
+    "record_output_tokens", "record_output_tokens_cached",
 )  # fmt: skip
 # ... and those a successful shard's figures cannot do without
 STATS_REQUIRED = ("runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus")
