@@ -100,6 +100,9 @@ class ServerArgs:
         }  # fmt: skip
 
 
+DEFAULT_MAX_RETRIES = 5  # processors[].max_retries: null (the schema's default)
+
+
 @dataclass(frozen=True)
 class ProcessorConfig:
     type: str
@@ -117,7 +120,7 @@ class ProcessorConfig:
     server_env: dict | None = None  # extra environment of a launched server (vllm_server, sglang_server)
     server_start_timeout: float = 900.0
     request_timeout: float = 600.0
-    max_retries: int = 5
+    max_retries: int = DEFAULT_MAX_RETRIES
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)
@@ -174,7 +177,7 @@ class ImageGenProcessor:
     parallel_chunk_size: int | None = 4
     output_dir: str | None = None  # None: <dataset output_dir>/images
     file_format: str = "png"
-    max_retries: int = 3
+    max_retries: int = DEFAULT_MAX_RETRIES
     index: int = 0
 
 

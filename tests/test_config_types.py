@@ -1,0 +1,120 @@
+"""config/types.py against the schema: the dataclasses' defaults and choices are the schema's.
+
+The schema fills every default while a config is validated (config/loading.py), so it is the
+source; a dataclass default only serves a value built without the loader (a test, a default
+``ExecutionParams()``). These tests hold the two to the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from mirageflow.config import loading
+from mirageflow.config import types as T
+
+# dataclass -> the schema mappings whose keys are its fields (a path of property names; [] = items)
+SECTIONS: dict[type, list[tuple[str, ...]]] = {
+    T.ShardParams: [("shard_params",)],
+    T.ExecutionParams: [("execution_params",)],
+    T.DedupParams: [("deduplication_params",)],
+    T.ProcessorConfig: [("processors", "[]")],
+    T.CustomProcessor: [("processors", "[]")],
+    T.BatchSettings: [("processors", "[]")],
+    T.ImageGenProcessor: [
+        ("processors", "[]"),
+        ("processors", "[]", "external"),
+        ("processors", "[]", "pipeline_args"),
+        ("processors", "[]", "sglang"),
+    ],
+    T.ServerArgs: [("processors", "[]", "server_args")],
+    T.DatasetConfig: [("loading_params", "datasets", "[]")],
+    T.InputVar: [("processing_params", "inputs", "[]")],
+    T.OutputVar: [("processing_params", "outputs", "[]")],
+    T.ImageOutput: [("processing_params", "outputs", "[]")],
+    T.PipelineConfig: [(), ("loading_params",), ("processing_params",)],
+}
+# a field whose schema key has another name
+KEY_OF = {(T.BatchSettings, "endpoint"): "batch_endpoint", (T.ImageGenProcessor, "default_params"): "default_sampling_params"}
+# fields that share a key name with the schema but are not that key's value (the key is another section's)
+NOT_THE_KEY = {
+    (T.OutputVar, "kind"),  # the output's type resolved to its step kind (llm | custom | filter | image_gen)
+    (T.PipelineConfig, "merge"),  # execution_params.merge, not a top-level key
+    (T.PipelineConfig, "dedup"),  # the params when enabled, else None
+    (T.PipelineConfig, "execution"),
+}
+# a schema default of null that the builder resolves to the field's default: the key's description says
+# to what ("null: 5")
+NULL_RESOLVED = {(T.ProcessorConfig, "max_retries"), (T.ImageGenProcessor, "max_retries")}
+
+
+def _node(path: tuple[str, ...]) -> dict:
+    node = loading.schema()
+    for part in path:
+        node = node["items"] if part == "[]" else node["properties"][part]
+    return node
+
+
+def _properties(cls: type) -> dict[str, dict]:
+    found: dict[str, dict] = {}
+    for path in SECTIONS[cls]:
+        found.update(_node(path).get("properties", {}))
+    return found
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def default_disagreements(cls: type, properties: dict[str, dict]) -> list[str]:
+    """``Class.field: dataclass X, schema Y`` for each field whose default differs from its schema key's."""
+    found = []
+    for f in dataclasses.fields(cls):
+        ours = _default(f)
+        key = KEY_OF.get((cls, f.name), f.name)
+        if ours is dataclasses.MISSING or (cls, f.name) in NOT_THE_KEY or "default" not in properties.get(key, {}):
+            continue
+        theirs = properties[key]["default"]
+        if theirs is None and (cls, f.name) in NULL_RESOLVED:
+            said = re.search(r"null: (\d+)", " ".join(properties[key]["description"].split()))
+            theirs = int(said.group(1)) if said else "no 'null: N' in its description"
+        if isinstance(ours, tuple):
+            ours = list(ours)
+        if ours != theirs or isinstance(ours, bool) != isinstance(theirs, bool):
+            found.append(f"{cls.__name__}.{f.name}: dataclass {ours!r}, schema {theirs!r}")
+    return found
+
+
+@pytest.mark.parametrize("cls", list(SECTIONS), ids=lambda c: c.__name__)
+def test_dataclass_defaults_are_the_schemas(cls):
+    assert default_disagreements(cls, _properties(cls)) == []
+
+
+def test_every_named_schema_key_exists():
+    """The map above names real keys (a renamed key would make the comparison pass by finding nothing)."""
+    for (cls, name), key in KEY_OF.items():
+        assert key in _properties(cls), (cls.__name__, key)
+    for cls, name in [*NOT_THE_KEY, *NULL_RESOLVED]:
+        assert name in {f.name for f in dataclasses.fields(cls)}, (cls.__name__, name)
+
+
+def test_the_comparison_sees_a_disagreement():
+    @dataclasses.dataclass
+    class Shard:
+        checkpoint_rows: int = 499
+        request_cache: bool = True
+        prefix_order: str = "window"
+        lease_timeout_seconds: float = 300.0  # 300 in the schema: equal
+
+    properties = _properties(T.ShardParams)
+    SECTIONS[Shard] = SECTIONS[T.ShardParams]
+    try:
+        assert default_disagreements(Shard, properties) == ["Shard.checkpoint_rows: dataclass 499, schema 500"]
+    finally:
+        del SECTIONS[Shard]
