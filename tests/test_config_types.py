@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 
 import pytest
 
-from mirageflow.config import loading
+from mirageflow.config import build, loading
 from mirageflow.config import types as T
+from mirageflow.engines import registry
 
 # dataclass -> the schema mappings whose keys are its fields (a path of property names; [] = items)
 SECTIONS: dict[type, list[tuple[str, ...]]] = {
@@ -118,3 +120,69 @@ def test_the_comparison_sees_a_disagreement():
         assert default_disagreements(Shard, properties) == ["Shard.checkpoint_rows: dataclass 499, schema 500"]
     finally:
         del SECTIONS[Shard]
+
+
+# --------------------------------------------------------------------------- choices
+
+
+def _enum(*path: str) -> set:
+    *section, key = path
+    return set(_node(tuple(section))["properties"][key]["enum"])
+
+
+_PROCESSOR_TYPES = _enum("processors", "[]", "type")
+_BACKENDS = _enum("processors", "[]", "backend")
+_OUTPUT_TYPES = _enum("processing_params", "outputs", "[]", "type")
+# (class, field) -> its Literal alias and the values it must hold, read from the schema (or the registry)
+CHOICES = {
+    (T.DatasetConfig, "type"): (T.DatasetType, {v.lower() for v in _enum("loading_params", "datasets", "[]", "type")}),
+    (T.DatasetConfig, "output_format"): (T.OutputFormat, _enum("loading_params", "datasets", "[]", "output_format")),
+    (T.InputVar, "type"): (T.InputType, _enum("processing_params", "inputs", "[]", "type")),
+    # every output type but the two that run as llm steps (build.py's OUTPUT_TYPES maps them)
+    (T.OutputVar, "kind"): (T.StepKind, _OUTPUT_TYPES - {"api_llm", "batch_api"}),
+    (T.ImageOutput, "output_mode"): (T.ImageOutputMode, _enum("processing_params", "outputs", "[]", "output_mode")),
+    (T.ProcessorConfig, "type"): (T.ModelProcessorType, _PROCESSOR_TYPES - {"custom", "image_gen"}),
+    (T.CustomProcessor, "type"): (typing.Literal["custom"], {"custom"} & _PROCESSOR_TYPES),
+    (T.ImageGenProcessor, "type"): (typing.Literal["image_gen"], {"image_gen"} & _PROCESSOR_TYPES),
+    (T.ProcessorConfig, "backend"): (T.LLMBackend, {*registry.config_backends(), "batch_api"}),
+    (T.ImageGenProcessor, "backend"): (T.ImageBackend, set(build.IMAGE_BACKENDS)),
+    (T.ImageGenProcessor, "torch_dtype"): (T.TorchDtype, _enum("processors", "[]", "pipeline_args", "torch_dtype")),
+    (T.ImageGenProcessor, "file_format"): (T.ImageFileFormat, _enum("processors", "[]", "file_format")),
+    (T.CustomProcessor, "start_method"): (T.StartMethod, _enum("processors", "[]", "start_method")),
+    (T.BatchSettings, "provider"): (T.BatchProvider, _enum("processors", "[]", "provider")),
+    (T.BatchSettings, "completion_window"): (T.CompletionWindow, _enum("processors", "[]", "completion_window")),
+    (T.BatchSettings, "endpoint"): (T.BatchEndpoint, _enum("processors", "[]", "batch_endpoint")),
+    (T.BatchSettings, "oversized_request_policy"): (T.OversizedRequestPolicy, _enum("processors", "[]", "oversized_request_policy")),
+    (T.ShardParams, "prefix_order"): (T.PrefixOrder, _enum("shard_params", "prefix_order")),
+    (T.ExecutionParams, "mode"): (T.ExecutionMode, _enum("execution_params", "mode")),
+}
+
+
+@pytest.mark.parametrize("where", list(CHOICES), ids=lambda w: f"{w[0].__name__}.{w[1]}")
+def test_each_choice_is_a_literal_of_the_schemas_values(where):
+    cls, name = where
+    alias, values = CHOICES[where]
+    assert values, "the schema has no such enum"
+    assert set(typing.get_args(alias)) == values
+    annotation = {f.name: f.type for f in dataclasses.fields(cls)}[name]  # a string (postponed annotations)
+    assert eval(annotation, vars(T)) == alias, annotation  # the field is annotated with it
+
+
+def test_the_model_and_image_backends_together_are_the_schemas():
+    """processors[].backend: the language-model backends a user names and image_gen's (sglang is both)."""
+    ours = set(typing.get_args(T.LLMBackend)) - {"batch_api"} | set(typing.get_args(T.ImageBackend))
+    assert ours == _BACKENDS
+    assert set(typing.get_args(T.ModelProcessorType)) | {"custom", "image_gen"} == _PROCESSOR_TYPES
+
+
+def test_every_enum_of_a_field_is_a_literal():
+    """A field whose schema key has an enum is in CHOICES (a new choice cannot stay a plain str)."""
+    missing = [
+        f"{cls.__name__}.{f.name}"
+        for cls in SECTIONS
+        for f in dataclasses.fields(cls)
+        if "enum" in _properties(cls).get(KEY_OF.get((cls, f.name), f.name), {})
+        and (cls, f.name) not in CHOICES
+        and (cls, f.name) not in NOT_THE_KEY
+    ]
+    assert missing == []

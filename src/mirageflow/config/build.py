@@ -364,7 +364,7 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
 
 
 def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ImageGenProcessor | None, list[str]]:
-    """A processor of type image_gen: where images are generated (engines/image_gen.py)."""
+    """A processor of type image_gen: where images are generated (mirageflow.imagegen)."""
     where = f"processors[{i}]"
     problems = _foreign_keys(p, where, _BATCH_KEYS, "batch_api") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
     if p["type"] in taken:

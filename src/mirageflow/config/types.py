@@ -10,19 +10,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # annotations only: the parsed schema of a JSON output
     from mirageflow.prompts.json_output import OutputSchema
+
+# The choices of the config, as the schema's enums hold them (tests/test_config_types.py checks each
+# against its enum). The schema refuses any other value before these types are built.
+DatasetType = Literal["jsonl", "parquet", "loadable"]  # loading_params.datasets[].type, lower-cased
+OutputFormat = Literal["parquet", "jsonl"]
+InputType = Literal["text", "image"]
+StepKind = Literal["llm", "custom", "filter", "image_gen"]  # outputs[].type as a step (api_llm, batch_api: llm)
+ImageOutputMode = Literal["path", "pil"]
+ModelProcessorType = Literal["llm", "api_llm", "batch_api"]  # processors[].type of a ProcessorConfig
+# processors[].backend of a ProcessorConfig: the engine registry's configurable backends, and batch_api (set by
+# the builder for type batch_api)
+LLMBackend = Literal["auto", "transformers", "sglang", "sglang_server", "vllm_server", "openai", "batch_api"]
+ImageBackend = Literal["external", "diffusers", "sglang"]  # of an image_gen processor ("auto": external)
+TorchDtype = Literal["auto", "float16", "fp16", "bfloat16", "bf16", "float32", "fp32"]
+ImageFileFormat = Literal["png", "jpg", "jpeg", "webp"]
+StartMethod = Literal["spawn", "forkserver", "fork"]  # multiprocessing's, of a custom processor's workers
+BatchProvider = Literal["openai", "anthropic"]
+CompletionWindow = Literal["24h"]
+BatchEndpoint = Literal["/v1/chat/completions"]
+OversizedRequestPolicy = Literal["isolate", "reject"]
+PrefixOrder = Literal["window", "shard", "none"]  # shard/prefix_order.py
+ExecutionMode = Literal["local", "slurm"]
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
     index: int
     path: str
-    type: str  # normalised: jsonl | parquet | loadable
+    type: DatasetType  # normalised to lower case
     output_dir: str
-    output_format: str
+    output_format: OutputFormat
     split: str | None
     image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
     allow_images_outside_base: bool = False  # image paths may leave image_base_path (prompts/images.py)
@@ -40,7 +62,7 @@ class InputVar:
     has_default: bool
     default: Any
     optional: bool = False  # the key may be missing from the first rows (no preflight data check)
-    type: str = "text"  # text | image (mirageflow.prompts.images)
+    type: InputType = "text"  # mirageflow.prompts.images
     max_side: int | None = None  # image inputs: longest side after canonicalisation
     max_pixels: int | None = None  # image inputs: None = images.DEFAULT_MAX_PIXELS
     max_bytes: int | None = None  # image inputs: None = images.DEFAULT_MAX_BYTES
@@ -59,7 +81,7 @@ class OutputVar:
     allow_empty_output: bool = False
     keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
     conversation: str | None = None  # an input variable holding the chat messages sent (prompts.PromptBuilder)
-    kind: str = "llm"  # llm | custom | filter (mirageflow.prompts.python_steps) | image_gen
+    kind: StepKind = "llm"  # custom, filter: mirageflow.prompts.python_steps
     predicate: str | None = None  # of a filter
     image: ImageOutput | None = None  # of an image_gen output (mirageflow.prompts.image_outputs)
 
@@ -69,7 +91,7 @@ class ImageOutput:
     """An ``outputs[]`` entry of type image_gen: MMIRAGE's keys (the schema documents each)."""
 
     filename_template: str
-    output_mode: str = "path"
+    output_mode: ImageOutputMode = "path"
     width: int | None = None
     height: int | None = None
     seed: int | None = None
@@ -105,8 +127,8 @@ DEFAULT_MAX_RETRIES = 5  # processors[].max_retries: null (the schema's default)
 
 @dataclass(frozen=True)
 class ProcessorConfig:
-    type: str
-    backend: str
+    type: ModelProcessorType
+    backend: LLMBackend
     server_args: ServerArgs
     sampling_params: dict
     chat_template_kwargs: dict
@@ -137,13 +159,13 @@ BATCH_LIMITS = {"openai": (50_000, 200_000_000), "anthropic": (100_000, 256_000_
 class BatchSettings:
     """``processors[]`` of type batch_api: MMIRAGE's keys and ours (the schema documents each)."""
 
-    provider: str  # openai | anthropic
+    provider: BatchProvider
     max_chunk_bytes: int  # at most the provider's file limit (build checks it)
     max_requests_per_chunk: int  # at most the provider's request limit
     metadata_output_path: str | None = None
-    completion_window: str = "24h"
-    endpoint: str = "/v1/chat/completions"  # OpenAI's batch_endpoint
-    oversized_request_policy: str = "isolate"  # isolate | reject
+    completion_window: CompletionWindow = "24h"
+    endpoint: BatchEndpoint = "/v1/chat/completions"  # OpenAI's batch_endpoint
+    oversized_request_policy: OversizedRequestPolicy = "isolate"
     metadata: dict[str, str] = field(default_factory=dict)  # sent with each batch (OpenAI)
     max_tokens: int | None = None  # Anthropic: max_tokens when the sampling params have no max_new_tokens
     poll_seconds: float = 10.0  # first status poll after this long; then x1.5 per poll
@@ -153,10 +175,10 @@ class BatchSettings:
 
 @dataclass(frozen=True)
 class ImageGenProcessor:
-    """``processors[]`` entry of type image_gen: where images are generated (engines/image_gen.py)."""
+    """``processors[]`` entry of type image_gen: where images are generated (mirageflow.imagegen)."""
 
-    type: str
-    backend: str  # external | diffusers | sglang
+    type: Literal["image_gen"]
+    backend: ImageBackend
     base_url: str | None = None  # external
     api_key_env: str | None = None
     request_model: str | None = None  # the "model" field of each request (external, sglang)
@@ -164,7 +186,7 @@ class ImageGenProcessor:
     max_concurrent_requests: int = 1
     model_path: str | None = None  # diffusers (pipeline_args.model_path), sglang (sglang.model_path)
     revision: str | None = None
-    torch_dtype: str = "auto"  # diffusers
+    torch_dtype: TorchDtype = "auto"  # diffusers
     device: str = "auto"  # diffusers
     enable_attention_slicing: bool = False  # diffusers
     num_gpus: int = 1  # sglang
@@ -176,7 +198,7 @@ class ImageGenProcessor:
     parallel_inference: bool = True
     parallel_chunk_size: int | None = 4
     output_dir: str | None = None  # None: <dataset output_dir>/images
-    file_format: str = "png"
+    file_format: ImageFileFormat = "png"
     max_retries: int = DEFAULT_MAX_RETRIES
     index: int = 0
 
@@ -185,11 +207,11 @@ class ImageGenProcessor:
 class CustomProcessor:
     """``processors[]`` entry of type custom: a Python function (mirageflow.prompts.python_steps)."""
 
-    type: str
+    type: Literal["custom"]
     script_path: str
     function_name: str
     max_workers: int = 1
-    start_method: str = "spawn"
+    start_method: StartMethod = "spawn"
     timeout_ms: int | None = None
     max_timeouts: int | None = None
     max_errors: int | None = None
@@ -209,7 +231,7 @@ class ShardParams:
     lease_timeout_seconds: float
     gpu_sample_interval_seconds: float = 0.5
     request_cache: bool = True  # keep answers by request key (shard/request_cache.py)
-    prefix_order: str = "window"  # none | window | shard (shard/prefix_order.py)
+    prefix_order: PrefixOrder = "window"
 
 
 @dataclass(frozen=True)
@@ -218,7 +240,7 @@ class ExecutionParams:
     (mirageflow.cluster.resources), ``hf_home`` the jobs' HF_HOME, ``shards_per_engine`` the
     engine groups (mirageflow.cluster.engine_service). Defaults: the schema's."""
 
-    mode: str = "local"
+    mode: ExecutionMode = "local"
     retry: bool = False
     merge: bool = True
     max_retries: int = 3
