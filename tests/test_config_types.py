@@ -7,9 +7,11 @@ source; a dataclass default only serves a value built without the loader (a test
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -186,3 +188,43 @@ def test_every_enum_of_a_field_is_a_literal():
         and (cls, f.name) not in NOT_THE_KEY
     ]
     assert missing == []
+
+
+# --------------------------------------------------------------------------- reading the config
+
+
+PACKAGE = Path(loading.__file__).resolve().parents[1]
+_FIELDS = {f.name for cls in SECTIONS for f in dataclasses.fields(cls)}
+# getattr(x, "<a config field's name>", default) where x is not config: (module, the call) -> what x is
+NOT_CONFIG = {
+    ("imagegen/diffusers_images.py", "getattr(pipeline, 'dtype', None)"): "a diffusers pipeline object",
+}
+
+
+def config_fallbacks(source: str) -> list[str]:
+    """``getattr(x, "name", default)`` calls whose name is a field of a config dataclass, as written."""
+    return [
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and len(node.args) == 3
+        and isinstance(node.args[1], ast.Constant) and node.args[1].value in _FIELDS
+    ]  # fmt: skip
+
+
+def test_typed_config_is_read_without_getattr_fallbacks():
+    """A typed config has every field: a getattr default would only hide a misspelt name or a stand-in."""
+    found = [
+        f"{path.relative_to(PACKAGE)}: {call}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for call in config_fallbacks(path.read_text())
+        if (str(path.relative_to(PACKAGE)), call) not in NOT_CONFIG
+    ]
+    assert found == []
+
+
+def test_the_fallback_finder_sees_one():
+    assert config_fallbacks('n = getattr(cfg, "n_samples", 1)\nx = getattr(e, "strerror", None)\nm = getattr(cfg, "n_samples")\n') == [
+        "getattr(cfg, 'n_samples', 1)"
+    ]
+    for (module, call), _ in NOT_CONFIG.items():
+        assert call in config_fallbacks((PACKAGE / module).read_text())
