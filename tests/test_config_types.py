@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from fakes.configs import pipeline_config
 
 from mirageflow.config import build, loading
 from mirageflow.config import types as T
@@ -228,3 +229,89 @@ def test_the_fallback_finder_sees_one():
     ]
     for (module, call), _ in NOT_CONFIG.items():
         assert call in config_fallbacks((PACKAGE / module).read_text())
+
+
+# --------------------------------------------------------------------------- MMIRAGE keys that change nothing
+
+_SAYS_UNUSED = re.compile(r"\b(unused|not used|ignored|changes nothing)\b", re.IGNORECASE)
+
+
+def _schema_entry(key: str) -> dict:
+    """The schema's entry of a key path written as in IGNORED_MMIRAGE_KEYS (``processors[].sglang.port``)."""
+    path = tuple(part for name in key.split(".") for part in ((name[:-2], "[]") if name.endswith("[]") else (name,)))
+    *section, name = path
+    return _node(tuple(section))["properties"][name]
+
+
+def _with_ignored_keys(tmp_path) -> dict:
+    """A config that sets every ignored key (an image_gen processor holds sglang.port)."""
+    raw = pipeline_config(
+        tmp_path / "in.jsonl", model="m",
+        loading={"shard_id": "$SLURM_ARRAY_TASK_ID"},
+        processor={"chat_template": "qwen2-vl"},
+        execution_params={
+            "job_name": "j", "poll_interval_seconds": 5, "settle_time_seconds": 2, "project_root": "/p", "report_dir": "/r",
+            "edf_env": "/e.toml",
+        },
+    )  # fmt: skip
+    raw["processors"] += [
+        {"type": "custom", "script_path": "steps.py", "function_name": "f", "max_timeouts": 2, "max_errors": 3, "fallback_value": ""},
+        {"type": "image_gen", "backend": "sglang", "sglang": {"model_path": "m", "port": 30000}},
+    ]
+    return raw
+
+
+def _sets(node, parts: list[str]) -> bool:
+    """Whether the config mapping sets the key path (``processors[]``: in any entry)."""
+    if not parts:
+        return True
+    name, rest = parts[0], parts[1:]
+    if name.endswith("[]"):
+        return any(_sets(entry, rest) for entry in node.get(name[:-2], []))
+    return isinstance(node, dict) and name in node and _sets(node[name], rest)
+
+
+def test_every_ignored_mmirage_key_is_accepted(tmp_path):
+    raw = _with_ignored_keys(tmp_path)
+    assert [key for key in T.IGNORED_MMIRAGE_KEYS if not _sets(raw, key.split("."))] == []
+    cfg = loading.load_config(raw, check_paths=False)
+    assert any("chat_template" in w for w in cfg.warnings)
+
+
+def test_no_typed_field_holds_an_ignored_key():
+    """What changes nothing has no field to read (fallback_value stays, to warn that it is not used)."""
+    held = {"processors[].fallback_value": T.CustomProcessor}
+    for key in T.IGNORED_MMIRAGE_KEYS:
+        name = key.rsplit(".", 1)[1]
+        holders = [cls.__name__ for cls in SECTIONS if name in {f.name for f in dataclasses.fields(cls)} and held.get(key) is not cls]
+        if key.startswith("execution_params."):
+            assert T.ExecutionParams.__name__ not in holders, key
+        elif key.startswith("processors[]."):
+            assert not {"CustomProcessor", "ImageGenProcessor"} & set(holders), key
+
+
+def test_every_ignored_key_is_documented_as_such():
+    """The schema (and so config/README.md, generated from it) and the README's MMIRAGE table say it changes nothing."""
+    readme = (PACKAGE.parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and "accepted" in line]
+    for key, why in T.IGNORED_MMIRAGE_KEYS.items():
+        assert why
+        assert _SAYS_UNUSED.search(" ".join(_schema_entry(key)["description"].split())), key
+        written = {f"`{'.'.join(key.split('.')[-n:])}`" for n in (1, 2)}
+        assert any(w in row for w in written for row in rows), key  # `port` or `sglang.port`
+
+
+def test_every_key_the_schema_calls_unused_is_declared():
+    """The other way round: a key described as unused in the schema is in the one list."""
+
+    def walk(node: dict, path: str):
+        for name, sub in node.get("properties", {}).items():
+            key = f"{path}.{name}" if path else name
+            description = " ".join(str(sub.get("description", "")).split())
+            if re.match(r"(unused|ignored)\b", description, re.IGNORECASE) or "accepted for MMIRAGE files, not used" in description.lower():
+                yield key
+            if sub.get("type") == "array" or "items" in sub:
+                yield from walk(sub.get("items", {}), f"{key}[]")
+            yield from walk(sub, key)
+
+    assert set(walk(loading.schema(), "")) - set(T.IGNORED_MMIRAGE_KEYS) == set()

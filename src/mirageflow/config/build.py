@@ -22,6 +22,7 @@ from mirageflow.cluster import resources as cluster
 from mirageflow.config.types import (
     BATCH_LIMITS,
     DEFAULT_MAX_RETRIES,
+    IGNORED_MMIRAGE_KEYS,
     BatchSettings,
     CustomProcessor,
     DatasetConfig,
@@ -276,7 +277,7 @@ def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tu
         problems.append(f"{where}.script_path: Python file '{script}' {why}")
     return CustomProcessor(
         p["type"], script, p.get("function_name") or "", p["max_workers"], p["start_method"], p["timeout_ms"],
-        p["max_timeouts"], p["max_errors"], p["fallback_value"], index=i,
+        fallback_value=p["fallback_value"], index=i,
     ), problems  # fmt: skip
 
 
@@ -977,7 +978,8 @@ def _execution(ep: dict, processors: dict[str, ProcessorConfig], outputs: list[O
                     f"execution_params.{key}: the shards of this pipeline only wait on a batch API (nothing is loaded on the "
                     "node): they are CPU-only jobs; leave it unset (see docs/cluster.md, batch APIs)"
                 )
-    return ExecutionParams(**ep), problems
+    used_keys = {k: v for k, v in ep.items() if f"execution_params.{k}" not in IGNORED_MMIRAGE_KEYS}
+    return ExecutionParams(**used_keys), problems
 
 
 def _dedup(cfg: dict, outputs: list[OutputVar]) -> tuple[DedupParams | None, list[str]]:

@@ -213,9 +213,7 @@ class CustomProcessor:
     max_workers: int = 1
     start_method: StartMethod = "spawn"
     timeout_ms: int | None = None
-    max_timeouts: int | None = None
-    max_errors: int | None = None
-    fallback_value: Any = None
+    fallback_value: Any = None  # accepted and unused (IGNORED_MMIRAGE_KEYS): set, the shard log warns
     index: int = 0  # position in processors[] (the key path of its problems)
 
 
@@ -234,22 +232,41 @@ class ShardParams:
     prefix_order: PrefixOrder = "window"
 
 
+# MMIRAGE keys accepted so that its files run unchanged, and that change nothing here: key path -> why. The
+# builder leaves them out of the typed config (no field holds them, except fallback_value, kept to warn
+# that it is not used); the schema describes each as unused and the README's MMIRAGE table names each
+# (tests/test_config_types.py checks both, and that a config setting them loads).
+IGNORED_MMIRAGE_KEYS: dict[str, str] = {
+    "loading_params.shard_id": "every shard is its own Snakemake job (mmirage run --shard-id N runs one)",
+    "processors[].chat_template": "MMIRAGE picks the image placeholder token with it; here the model's own chat template "
+    "does (a config warning says so)",
+    "processors[].max_timeouts": "a timed-out call of a custom function is its row's error",
+    "processors[].max_errors": "a failed call of a custom function is its row's error (shard_params decide when the shard fails)",
+    "processors[].fallback_value": "a failed call of a custom function is its row's error, never this value (the shard log warns)",
+    "processors[].sglang.port": "the image server gets a free port",
+    "execution_params.job_name": "SLURM job names come from the profile's slurm-jobname-prefix",
+    "execution_params.poll_interval_seconds": "the Snakemake profile's status polling applies",
+    "execution_params.settle_time_seconds": "the Snakemake profile's latency-wait applies",
+    "execution_params.project_root": "Snakemake's working directory is the root",
+    "execution_params.report_dir": "logs go under <state_dir>/logs",
+    "execution_params.edf_env": "no container environment file is used",
+}
+
+
 @dataclass(frozen=True)
 class ExecutionParams:
     """``execution_params``: MMIRAGE's execution keys; the SLURM ones become job resources
     (mirageflow.cluster.resources), ``hf_home`` the jobs' HF_HOME, ``shards_per_engine`` the
-    engine groups (mirageflow.cluster.engine_service). Defaults: the schema's."""
+    engine groups (mirageflow.cluster.engine_service). Defaults: the schema's. The keys that change
+    nothing (IGNORED_MMIRAGE_KEYS) have no field."""
 
     mode: ExecutionMode = "local"
     retry: bool = False
     merge: bool = True
     max_retries: int = 3
-    poll_interval_seconds: float | None = None  # unused
-    settle_time_seconds: float | None = None  # unused
     account: str | None = None
     partition: str | None = None
     qos: str | None = None
-    job_name: str = "mirageflow"
     reservation: str | None = None
     nodes: int = 1
     ntasks_per_node: int = 1
@@ -263,10 +280,7 @@ class ExecutionParams:
     slurm_extra: str | None = None
     shards_per_engine: int = 1
     canary_rows: int | None = None  # run this many rows of shard 0 first; the shards wait for its verdict (shard/canary.py)
-    project_root: str | None = None  # unused
-    report_dir: str | None = None  # unused
     hf_home: str | None = None
-    edf_env: str | None = None  # unused
 
 
 @dataclass(frozen=True)
