@@ -4,6 +4,11 @@ One frozen dataclass per section of the schema (workflow/schemas/config.schema.y
 documents every key and its default). Building and validating them is config/loading.py's;
 this module imports nothing of the package at run time, so any module can annotate a
 ``cfg: PipelineConfig`` or a ``processor: ProcessorConfig`` without an import circle.
+
+The schema is the source of defaults and choices (it fills the defaults while validating); a
+dataclass default serves only a value built without the loader, and tests/test_config_types.py
+holds each default to the schema's and each ``Literal`` to the key's enum. Every field is always
+there: read ``cfg.x``, never ``getattr(cfg, "x", default)``.
 """
 
 from __future__ import annotations
