@@ -13,9 +13,12 @@ from pathlib import Path
 import yaml
 from generated_block import write_or_check  # scripts/, this script's folder
 
+from mirageflow.config.types import IGNORED_MMIRAGE_KEYS
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "config" / "README.md"
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
+IGNORED_MARK = "*MMIRAGE's; changes nothing here.*"
 
 
 def _rows(schema: dict, root: dict, prefix: str = ""):
@@ -31,6 +34,8 @@ def _rows(schema: dict, root: dict, prefix: str = ""):
             kind = " \\| ".join(f"`{v}`" for v in sub["enum"])
         default = f"`{json.dumps(sub['default'])}`" if "default" in sub else ("**required**" if name in schema.get("required", []) else "")
         desc = " ".join(str(sub.get("description", "")).split())
+        if path in IGNORED_MMIRAGE_KEYS:
+            desc = f"{IGNORED_MARK} {desc}"
         yield f"| `{path}` | {kind} | {default} | {desc} |"
         if sub.get("type") == "object" or "properties" in sub:
             yield from _rows(sub, root, f"{path}.")

@@ -5,6 +5,7 @@ workflow end to end with image paths (JSONL) and a Hugging Face Image column (Pa
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -21,7 +22,7 @@ from fakes import drive, stand_in_command
 from fakes.configs import pipeline_config
 from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.prompts import images
-from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
+from mirageflow.config import ConfigError, DatasetConfig, ProcessorConfig, ServerArgs, load_config
 from mirageflow.engines.wire import Request
 from mirageflow.errors import RowError
 
@@ -63,9 +64,9 @@ def load(value, base=".", **spec):
     return (
         images.RowImages([images.ImageInput("photo", **spec)])({"photo": value}, 0)
         if base == "."
-        else images.RowImages(
-            [images.ImageInput("photo", **spec)], [type("D", (), {"index": 0, "path": str(base), "image_base_path": None})()]
-        )({"photo": value}, 0)
+        else images.RowImages([images.ImageInput("photo", **spec)], [DatasetConfig(0, str(base), "jsonl", "out", "jsonl", None)])(
+            {"photo": value}, 0
+        )
     )
 
 
@@ -114,10 +115,10 @@ def test_sources_paths_lists_hf_features_and_bases(tmp_path):
     (by_path,) = load({"bytes": None, "path": "imgs/a.png"}, base=tmp_path)["photo"]
     assert by_path.pil().getpixel((0, 0)) == RED
 
-    cfg = type("DS", (), {"index": 0, "path": str(tmp_path / "data.jsonl"), "image_base_path": None})()
-    assert images.dataset_image_base(cfg) == str(tmp_path)
-    cfg.image_base_path = str(tmp_path / "imgs")
-    assert images.dataset_image_base(cfg) == str(tmp_path / "imgs")
+    ds = DatasetConfig(0, str(tmp_path / "data.jsonl"), "jsonl", "out", "jsonl", None)
+    assert images.dataset_image_base(ds) == str(tmp_path)
+    ds = dataclasses.replace(ds, image_base_path=str(tmp_path / "imgs"))
+    assert images.dataset_image_base(ds) == str(tmp_path / "imgs")
 
 
 # --------------------------------------------------------------------------- hostile images

@@ -134,7 +134,7 @@ def test_hooks_do_nothing_outside_the_driver(tmp_path, monkeypatch):
     monkeypatch.setattr(terminal, "_emit", lambda text, error=False: printed.append(text))
     monkeypatch.setenv(terminal.ENV_INTERVAL, "1")
     pipeline = SimpleNamespace(
-        state_dir=str(tmp_path), num_shards=1, datasets=[], merge=True, shard=SimpleNamespace(lease_timeout_seconds=300)
+        state_dir=str(tmp_path), num_shards=1, n_samples=1, datasets=[], merge=True, shard=SimpleNamespace(lease_timeout_seconds=300)
     )
     job = SimpleNamespace(is_main_process=False, configfiles=["p.yaml"])
     terminal.on_start(pipeline, job)
@@ -212,7 +212,7 @@ def test_run_summary_counts_shards_and_rows_and_says_where_things_are(tmp_path, 
     (state / "report.html").write_text("<html>")
     (tmp_path / "out/merged").mkdir(parents=True)
     pipeline = SimpleNamespace(
-        state_dir="state", num_shards=2, merge=True, shard=SimpleNamespace(lease_timeout_seconds=300),
+        state_dir="state", num_shards=2, n_samples=1, merge=True, shard=SimpleNamespace(lease_timeout_seconds=300),
         datasets=[SimpleNamespace(output_dir="out")],
     )  # fmt: skip
     text = terminal.run_summary(pipeline, ok=True, config_hint="p.yaml")

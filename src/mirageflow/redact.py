@@ -278,10 +278,10 @@ def register_config_secrets(cfg) -> None:
     values of its ``api_key_env`` variables and the passwords and query values of its
     ``base_url``s, so they are masked wherever they show up (not only inside a URL)."""
     names = []
-    for proc in getattr(cfg, "processors", {}).values():
-        if getattr(proc, "api_key_env", None):
+    for proc in cfg.processors.values():
+        if proc.api_key_env:
             names.append(proc.api_key_env)
-        url = getattr(proc, "base_url", None)
+        url = proc.base_url
         if isinstance(url, str) and "://" in url:
             try:
                 parts = urlsplit(url)

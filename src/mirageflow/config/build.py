@@ -15,12 +15,14 @@ from __future__ import annotations
 import glob
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from mirageflow.cluster import resources as cluster
 from mirageflow.config.types import (
     BATCH_LIMITS,
+    DEFAULT_MAX_RETRIES,
+    IGNORED_MMIRAGE_KEYS,
     BatchSettings,
     CustomProcessor,
     DatasetConfig,
@@ -214,9 +216,6 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
     ), problems
 
 
-DEFAULT_MAX_RETRIES = 5  # processors[].max_retries: null
-
-
 def _max_tokens(params: dict, where: str, backend: str | None, problems: list[str]) -> dict:
     """OpenAI's max_tokens (MMIRAGE's api_llm): max_new_tokens where the server speaks the OpenAI API; SGLang
     rejects it, so do we."""
@@ -278,7 +277,7 @@ def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tu
         problems.append(f"{where}.script_path: Python file '{script}' {why}")
     return CustomProcessor(
         p["type"], script, p.get("function_name") or "", p["max_workers"], p["start_method"], p["timeout_ms"],
-        p["max_timeouts"], p["max_errors"], p["fallback_value"], index=i,
+        fallback_value=p["fallback_value"], index=i,
     ), problems  # fmt: skip
 
 
@@ -340,14 +339,12 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         max_chunk_bytes=chunk_bytes,
         max_requests_per_chunk=chunk_requests,
         metadata_output_path=os.path.expanduser(metadata_path) if metadata_path else None,
-        completion_window=p.get("completion_window", "24h"),
-        endpoint=p.get("batch_endpoint", "/v1/chat/completions"),
-        oversized_request_policy=p.get("oversized_request_policy", "isolate"),
         metadata=dict(p.get("metadata") or {}),
         max_tokens=p.get("max_tokens"),
-        poll_seconds=p.get("poll_seconds", 10.0),
-        poll_max_seconds=max(p.get("poll_max_seconds", 300.0), p.get("poll_seconds", 10.0)),
+        **_given(p, "completion_window", "oversized_request_policy", "poll_seconds", "poll_max_seconds", endpoint="batch_endpoint"),
     )
+    if settings.poll_max_seconds < settings.poll_seconds:  # the first poll's wait is the least
+        settings = replace(settings, poll_max_seconds=settings.poll_seconds)
     return ProcessorConfig(
         type=p["type"],
         backend="batch_api",
@@ -368,7 +365,7 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
 
 
 def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ImageGenProcessor | None, list[str]]:
-    """A processor of type image_gen: where images are generated (mirageflow/imagegen/)."""
+    """A processor of type image_gen: where images are generated (mirageflow.imagegen)."""
     where = f"processors[{i}]"
     problems = _foreign_keys(p, where, _BATCH_KEYS, "batch_api") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
     if p["type"] in taken:
@@ -408,26 +405,32 @@ def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         base_url=block.get("base_url"),
         api_key_env=block.get("api_key_env") or p["api_key_env"],
         request_model=block.get("request_model"),
-        timeout_seconds=block.get("timeout_seconds", 900.0),
-        max_concurrent_requests=block.get("max_concurrent_requests", 1),
         model_path=os.path.expanduser(model_path) if model_path else None,
         revision=block.get("revision"),
-        torch_dtype=block.get("torch_dtype", "auto"),
-        device=block.get("device", "auto"),
-        enable_attention_slicing=block.get("enable_attention_slicing", False),
-        num_gpus=block.get("num_gpus", 1),
         dtype=block.get("dtype"),
-        startup_timeout_seconds=block.get("startup_timeout_seconds", 900.0),
+        **_given(block, *_IMAGE_BLOCK_SETTINGS),
         extra_server_args=tuple(block.get("extra_server_args") or ()),
         server_command=tuple(block["server_command"]) if block.get("server_command") else None,
         default_params=params,
-        parallel_inference=p.get("parallel_inference", True),
-        parallel_chunk_size=p.get("parallel_chunk_size") or 4,
+        parallel_chunk_size=p.get("parallel_chunk_size") or ImageGenProcessor.parallel_chunk_size,
         output_dir=os.path.expanduser(output_dir) if output_dir else None,
-        file_format=p.get("file_format", "png"),
+        **_given(p, "parallel_inference", "file_format"),
         max_retries=p["max_retries"] if p["max_retries"] is not None else DEFAULT_MAX_RETRIES,
         index=i,
     ), problems
+
+
+_IMAGE_BLOCK_SETTINGS = (
+    "timeout_seconds", "max_concurrent_requests", "torch_dtype", "device", "enable_attention_slicing", "num_gpus",
+    "startup_timeout_seconds",
+)  # fmt: skip
+
+
+def _given(entry: dict, *same: str, **renamed: str) -> dict:
+    """The keys the entry sets, as a dataclass's keyword arguments (``field="key"`` where the names differ): an
+    unset key takes the dataclass's default, written once there (the schema leaves these keys without one)."""
+    pairs = [*((name, name) for name in same), *renamed.items()]
+    return {name: entry[key] for name, key in pairs if key in entry}
 
 
 # processors[].type -> its builder; any other type (llm) runs a model: _model_processor
@@ -985,7 +988,8 @@ def _execution(ep: dict, processors: dict[str, ProcessorConfig], outputs: list[O
             "would submit a batch of its own and every shard would wait (up to the provider's completion window, 24 h) "
             "for it before submitting theirs; remove canary_rows (try the prompt on a small dataset first instead)"
         )
-    return ExecutionParams(**ep), problems
+    used_keys = {k: v for k, v in ep.items() if f"execution_params.{k}" not in IGNORED_MMIRAGE_KEYS}
+    return ExecutionParams(**used_keys), problems
 
 
 def _dedup(cfg: dict, outputs: list[OutputVar]) -> tuple[DedupParams | None, list[str]]:

@@ -4,25 +4,52 @@ One frozen dataclass per section of the schema (workflow/schemas/config.schema.y
 documents every key and its default). Building and validating them is config/loading.py's;
 this module imports nothing of the package at run time, so any module can annotate a
 ``cfg: PipelineConfig`` or a ``processor: ProcessorConfig`` without an import circle.
+
+The schema is the source of defaults and choices (it fills the defaults while validating); a
+dataclass default serves only a value built without the loader, and tests/test_config_types.py
+holds each default to the schema's and each ``Literal`` to the key's enum. Every field is always
+there: read ``cfg.x``, never ``getattr(cfg, "x", default)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # annotations only: the parsed schema of a JSON output
     from mirageflow.prompts.json_output import OutputSchema
+
+# The choices of the config, as the schema's enums hold them (tests/test_config_types.py checks each
+# against its enum). The schema refuses any other value before these types are built.
+DatasetType = Literal["jsonl", "parquet", "loadable"]  # loading_params.datasets[].type, lower-cased
+OutputFormat = Literal["parquet", "jsonl"]
+InputType = Literal["text", "image"]
+StepKind = Literal["llm", "custom", "filter", "image_gen"]  # outputs[].type as a step (api_llm, batch_api: llm)
+ImageOutputMode = Literal["path", "pil"]
+ModelProcessorType = Literal["llm", "api_llm", "batch_api"]  # processors[].type of a ProcessorConfig
+# processors[].backend of a ProcessorConfig: the engine registry's configurable backends, and batch_api (set by
+# the builder for type batch_api)
+LLMBackend = Literal["auto", "transformers", "sglang", "sglang_server", "vllm_server", "openai", "batch_api"]
+ImageBackend = Literal["external", "diffusers", "sglang"]  # of an image_gen processor ("auto": external)
+TorchDtype = Literal["auto", "float16", "fp16", "bfloat16", "bf16", "float32", "fp32"]
+ImageFileFormat = Literal["png", "jpg", "jpeg", "webp"]
+StartMethod = Literal["spawn", "forkserver", "fork"]  # multiprocessing's, of a custom processor's workers
+BatchProvider = Literal["openai", "anthropic"]
+CompletionWindow = Literal["24h"]
+BatchEndpoint = Literal["/v1/chat/completions"]
+OversizedRequestPolicy = Literal["isolate", "reject"]
+PrefixOrder = Literal["window", "shard", "none"]  # shard/prefix_order.py
+ExecutionMode = Literal["local", "slurm"]
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
     index: int
     path: str
-    type: str  # normalised: jsonl | parquet | loadable
+    type: DatasetType  # normalised to lower case
     output_dir: str
-    output_format: str
+    output_format: OutputFormat
     split: str | None
     image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
     allow_images_outside_base: bool = False  # image paths may leave image_base_path (prompts/images.py)
@@ -40,7 +67,7 @@ class InputVar:
     has_default: bool
     default: Any
     optional: bool = False  # the key may be missing from the first rows (no preflight data check)
-    type: str = "text"  # text | image (mirageflow.prompts.images)
+    type: InputType = "text"  # mirageflow.prompts.images
     max_side: int | None = None  # image inputs: longest side after canonicalisation
     max_pixels: int | None = None  # image inputs: None = images.DEFAULT_MAX_PIXELS
     max_bytes: int | None = None  # image inputs: None = images.DEFAULT_MAX_BYTES
@@ -59,7 +86,7 @@ class OutputVar:
     allow_empty_output: bool = False
     keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
     conversation: str | None = None  # an input variable holding the chat messages sent (prompts.PromptBuilder)
-    kind: str = "llm"  # llm | custom | filter (mirageflow.prompts.python_steps) | image_gen
+    kind: StepKind = "llm"  # custom, filter: mirageflow.prompts.python_steps
     predicate: str | None = None  # of a filter
     image: ImageOutput | None = None  # of an image_gen output (mirageflow.prompts.image_outputs)
 
@@ -69,7 +96,7 @@ class ImageOutput:
     """An ``outputs[]`` entry of type image_gen: MMIRAGE's keys (the schema documents each)."""
 
     filename_template: str
-    output_mode: str = "path"
+    output_mode: ImageOutputMode = "path"
     width: int | None = None
     height: int | None = None
     seed: int | None = None
@@ -100,10 +127,13 @@ class ServerArgs:
         }  # fmt: skip
 
 
+DEFAULT_MAX_RETRIES = 5  # processors[].max_retries: null (the schema's default)
+
+
 @dataclass(frozen=True)
 class ProcessorConfig:
-    type: str
-    backend: str
+    type: ModelProcessorType
+    backend: LLMBackend
     server_args: ServerArgs
     sampling_params: dict
     chat_template_kwargs: dict
@@ -117,7 +147,7 @@ class ProcessorConfig:
     server_env: dict | None = None  # extra environment of a launched server (vllm_server, sglang_server)
     server_start_timeout: float = 900.0
     request_timeout: float = 600.0
-    max_retries: int = 5
+    max_retries: int = DEFAULT_MAX_RETRIES
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)
@@ -134,13 +164,13 @@ BATCH_LIMITS = {"openai": (50_000, 200_000_000), "anthropic": (100_000, 256_000_
 class BatchSettings:
     """``processors[]`` of type batch_api: MMIRAGE's keys and ours (the schema documents each)."""
 
-    provider: str  # openai | anthropic
+    provider: BatchProvider
     max_chunk_bytes: int  # at most the provider's file limit (build checks it)
     max_requests_per_chunk: int  # at most the provider's request limit
     metadata_output_path: str | None = None
-    completion_window: str = "24h"
-    endpoint: str = "/v1/chat/completions"  # OpenAI's batch_endpoint
-    oversized_request_policy: str = "isolate"  # isolate | reject
+    completion_window: CompletionWindow = "24h"
+    endpoint: BatchEndpoint = "/v1/chat/completions"  # OpenAI's batch_endpoint
+    oversized_request_policy: OversizedRequestPolicy = "isolate"
     metadata: dict[str, str] = field(default_factory=dict)  # sent with each batch (OpenAI)
     max_tokens: int | None = None  # Anthropic: max_tokens when the sampling params have no max_new_tokens
     poll_seconds: float = 10.0  # first status poll after this long; then x1.5 per poll
@@ -150,10 +180,10 @@ class BatchSettings:
 
 @dataclass(frozen=True)
 class ImageGenProcessor:
-    """``processors[]`` entry of type image_gen: where images are generated (mirageflow/imagegen/)."""
+    """``processors[]`` entry of type image_gen: where images are generated (mirageflow.imagegen)."""
 
-    type: str
-    backend: str  # external | diffusers | sglang
+    type: Literal["image_gen"]
+    backend: ImageBackend
     base_url: str | None = None  # external
     api_key_env: str | None = None
     request_model: str | None = None  # the "model" field of each request (external, sglang)
@@ -161,7 +191,7 @@ class ImageGenProcessor:
     max_concurrent_requests: int = 1
     model_path: str | None = None  # diffusers (pipeline_args.model_path), sglang (sglang.model_path)
     revision: str | None = None
-    torch_dtype: str = "auto"  # diffusers
+    torch_dtype: TorchDtype = "auto"  # diffusers
     device: str = "auto"  # diffusers
     enable_attention_slicing: bool = False  # diffusers
     num_gpus: int = 1  # sglang
@@ -173,8 +203,8 @@ class ImageGenProcessor:
     parallel_inference: bool = True
     parallel_chunk_size: int | None = 4
     output_dir: str | None = None  # None: <dataset output_dir>/images
-    file_format: str = "png"
-    max_retries: int = 3
+    file_format: ImageFileFormat = "png"
+    max_retries: int = DEFAULT_MAX_RETRIES
     index: int = 0
 
 
@@ -182,15 +212,13 @@ class ImageGenProcessor:
 class CustomProcessor:
     """``processors[]`` entry of type custom: a Python function (mirageflow.prompts.python_steps)."""
 
-    type: str
+    type: Literal["custom"]
     script_path: str
     function_name: str
     max_workers: int = 1
-    start_method: str = "spawn"
+    start_method: StartMethod = "spawn"
     timeout_ms: int | None = None
-    max_timeouts: int | None = None
-    max_errors: int | None = None
-    fallback_value: Any = None
+    fallback_value: Any = None  # accepted and unused (IGNORED_MMIRAGE_KEYS): set, the shard log warns
     index: int = 0  # position in processors[] (the key path of its problems)
 
 
@@ -206,25 +234,44 @@ class ShardParams:
     lease_timeout_seconds: float
     gpu_sample_interval_seconds: float = 0.5
     request_cache: bool = True  # keep answers by request key (shard/request_cache.py)
-    prefix_order: str = "window"  # none | window | shard (shard/prefix_order.py)
+    prefix_order: PrefixOrder = "window"
+
+
+# MMIRAGE keys accepted so that its files run unchanged, and that change nothing here: key path -> why. The
+# builder leaves them out of the typed config (no field holds them, except fallback_value, kept to warn
+# that it is not used); the schema describes each as unused and the README's MMIRAGE table names each
+# (tests/test_config_types.py checks both, and that a config setting them loads).
+IGNORED_MMIRAGE_KEYS: dict[str, str] = {
+    "loading_params.shard_id": "every shard is its own Snakemake job (mmirage run --shard-id N runs one)",
+    "processors[].chat_template": "MMIRAGE picks the image placeholder token with it; here the model's own chat template "
+    "does (a config warning says so)",
+    "processors[].max_timeouts": "a timed-out call of a custom function is its row's error",
+    "processors[].max_errors": "a failed call of a custom function is its row's error (shard_params decide when the shard fails)",
+    "processors[].fallback_value": "a failed call of a custom function is its row's error, never this value (the shard log warns)",
+    "processors[].sglang.port": "the image server gets a free port",
+    "execution_params.job_name": "SLURM job names come from the profile's slurm-jobname-prefix",
+    "execution_params.poll_interval_seconds": "the Snakemake profile's status polling applies",
+    "execution_params.settle_time_seconds": "the Snakemake profile's latency-wait applies",
+    "execution_params.project_root": "Snakemake's working directory is the root",
+    "execution_params.report_dir": "logs go under <state_dir>/logs",
+    "execution_params.edf_env": "no container environment file is used",
+}
 
 
 @dataclass(frozen=True)
 class ExecutionParams:
     """``execution_params``: MMIRAGE's execution keys; the SLURM ones become job resources
     (mirageflow.cluster.resources), ``hf_home`` the jobs' HF_HOME, ``shards_per_engine`` the
-    engine groups (mirageflow.cluster.engine_service). Defaults: the schema's."""
+    engine groups (mirageflow.cluster.engine_service). Defaults: the schema's. The keys that change
+    nothing (IGNORED_MMIRAGE_KEYS) have no field."""
 
-    mode: str = "local"
+    mode: ExecutionMode = "local"
     retry: bool = False
     merge: bool = True
     max_retries: int = 3
-    poll_interval_seconds: float | None = None  # unused
-    settle_time_seconds: float | None = None  # unused
     account: str | None = None
     partition: str | None = None
     qos: str | None = None
-    job_name: str = "mirageflow"
     reservation: str | None = None
     nodes: int = 1
     ntasks_per_node: int = 1
@@ -238,10 +285,7 @@ class ExecutionParams:
     slurm_extra: str | None = None
     shards_per_engine: int = 1
     canary_rows: int | None = None  # run this many rows of shard 0 first; the shards wait for its verdict (shard/canary.py)
-    project_root: str | None = None  # unused
-    report_dir: str | None = None  # unused
     hf_home: str | None = None
-    edf_env: str | None = None  # unused
 
 
 @dataclass(frozen=True)

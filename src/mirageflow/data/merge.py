@@ -26,7 +26,7 @@ class MergeRefused(MirageflowError, RuntimeError):
 
 
 def _damaged(e: Exception, shard_id: int, cfg) -> MergeRefused:
-    if getattr(cfg, "state_dir", None) is None:  # merge_directory: no pipeline state
+    if cfg.state_dir is None:  # merge_directory: no pipeline state
         return MergeRefused(f"{e}. The outputs of shard {shard_id} are damaged")
     return MergeRefused(
         f"{e}. The outputs of shard {shard_id} are damaged: delete {StateLayout(cfg.state_dir).shard_dir(shard_id)} (its checkpoint) "
@@ -84,7 +84,7 @@ def _parquet_tables(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState
         if not tables:
             continue
         # Parts hold rows in completion order; a shard's rows are sorted here.
-        n = getattr(cfg, "n_samples", 1)
+        n = cfg.n_samples
         if n == 1:
             table = pa.concat_tables(tables).sort_by("source_index")
             idx = table.column("source_index").to_pylist()
@@ -139,7 +139,7 @@ def _sample_unit(n: int):
 def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoState, out_dir: Path, expected: dict[int, int] | None):
     """Each shard's record lines, byte for byte as the parts hold them, in source order."""
     last = -1
-    n = getattr(cfg, "n_samples", 1)
+    n = cfg.n_samples
     key = _source_index if n == 1 else _sample_unit(n)
     for shard_id, paths in parts.items():
         keyed = []

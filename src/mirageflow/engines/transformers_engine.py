@@ -77,10 +77,10 @@ class TransformersEngine(Engine):
     def __init__(self, processor: ProcessorConfig | ServerArgs, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
         """``processor``: a ProcessorConfig (what create_engine passes), or its server_args."""
         if isinstance(processor, ProcessorConfig):
-            server_args = processor.server_args
+            server_args, sampling = processor.server_args, processor.sampling_params
             torch_threads = torch_threads or processor.torch_threads
         else:
-            server_args = processor
+            server_args, sampling = processor, {}
         self.server_args = server_args
         self.batch_size = batch_size
         self.max_inflight = 2 * batch_size
@@ -93,7 +93,7 @@ class TransformersEngine(Engine):
         self._running = 0
         self._grammar_compiler = None  # xgrammar, built at the first JSON request
         self._cb = None  # transformers_cb.ContinuousBatcher when continuous batching is on
-        self.default_params = dict(getattr(processor, "sampling_params", None) or {})
+        self.default_params = dict(sampling or {})
         self.info = EngineInfo(backend="transformers", model_path=server_args.model_path)
 
     # ------------------------------------------------------------------ setup

@@ -263,7 +263,7 @@ def _inside(path: str, root: str) -> bool:
 
 def dataset_image_base(ds: DatasetConfig) -> str:
     """Where relative image paths of dataset ``ds`` start: image_base_path, else its folder."""
-    base = getattr(ds, "image_base_path", None)
+    base = ds.image_base_path
     if base:
         return os.path.expanduser(base)
     path = ds.path
@@ -290,9 +290,7 @@ class RowImages:
         datasets = list(datasets)
         self.bases = {ds.index: dataset_image_base(ds) for ds in datasets}
         # where a path must stay (real paths), None where the dataset allows any
-        self.roots = {
-            ds.index: None if getattr(ds, "allow_images_outside_base", False) else os.path.realpath(self.bases[ds.index]) for ds in datasets
-        }
+        self.roots = {ds.index: None if ds.allow_images_outside_base else os.path.realpath(self.bases[ds.index]) for ds in datasets}
         # called with (real path, stat identity, bytes) of every image file read (state.inputs.ImageRecorder)
         self.recorder = None
 
@@ -302,7 +300,7 @@ class RowImages:
         specs = [
             ImageInput(v.name, v.max_side, v.max_pixels or DEFAULT_MAX_PIXELS, v.max_bytes or DEFAULT_MAX_BYTES)
             for v in cfg.inputs
-            if getattr(v, "type", "text") == "image"
+            if v.type == "image"
         ]
         return cls(specs, cfg.datasets)
 

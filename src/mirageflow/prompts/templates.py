@@ -487,7 +487,7 @@ class PromptBuilder:
         where = f"outputs.{output.name}"
         self._user = Template(output.prompt, f"{where}.prompt") if output.prompt else None
         self._system = Template(output.system, f"{where}.system") if output.system else None
-        self._conversation = getattr(output, "conversation", None)
+        self._conversation = output.conversation
 
     def messages(self, variables: Mapping[str, Any]) -> list[dict[str, str]]:
         msgs = []

@@ -352,7 +352,7 @@ def run_summary(
 
     state_dir = Path(pipeline.state_dir)
     paths = L.StateLayout(state_dir)
-    n = getattr(pipeline, "n_samples", 1) or 1
+    n = pipeline.n_samples
     states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, recorded_fingerprint(state_dir))
     metrics = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, states=states)
     agg = metrics["aggregate"]
@@ -574,7 +574,7 @@ def on_start(pipeline: PipelineConfig, workflow=None) -> None:
             _LIVE.stop()
         _LIVE = LiveProgress(
             pipeline.state_dir, pipeline.num_shards, interval, _emit,
-            n_samples=getattr(pipeline, "n_samples", 1), fingerprint=recorded_fingerprint(pipeline.state_dir),
+            n_samples=pipeline.n_samples, fingerprint=recorded_fingerprint(pipeline.state_dir),
         )  # fmt: skip
         _LIVE.start()
     except Exception:

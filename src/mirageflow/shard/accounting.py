@@ -16,7 +16,7 @@ def check_accounting(cfg: PipelineConfig, checkpoint, slices, shard_id: int) -> 
     """Per dataset: committed records + row errors must be exactly the shard's row range, each
     source index once; else ShardFailed naming the gap. Returns status.json's ``datasets``."""
     per_dataset = []
-    n = getattr(cfg, "n_samples", 1)
+    n = cfg.n_samples
     for ds, piece in zip(cfg.datasets, slices):
         prog = checkpoint.datasets[ds.index]
         start, stop = piece.start * n, piece.stop * n  # units (= rows when n is 1)
@@ -50,7 +50,7 @@ def check_images(cfg: PipelineConfig, checkpoint, images, shard_id: int) -> None
     import os
 
     names = [o.name for o in cfg.outputs if o.kind == "image_gen"]
-    n = getattr(cfg, "n_samples", 1)
+    n = cfg.n_samples
     missing = []
     for ds in cfg.datasets:
         first, before = images.starts[ds.index]

@@ -150,7 +150,7 @@ class ContentChanges:
         self.cfg, self.main = cfg, main
         self.paths = L.StateLayout(cfg.state_dir)
         self.cache = ContentCache(self.paths.content_cache) if main else None
-        self.images = any(getattr(v, "type", "text") == "image" for v in cfg.inputs)
+        self.images = any(v.type == "image" for v in cfg.inputs)
         self._records: str | None = None
         self._shards: dict[int, str | None] = {}  # asked by two input functions of each shard
 
