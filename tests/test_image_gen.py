@@ -445,3 +445,15 @@ def test_an_image_url_on_another_origin_is_fetched_without_the_key(tmp_path, ser
         assert all("authorization" not in h for h in image_host.get_headers), image_host.get_headers
     finally:
         image_host.stop()
+
+
+def test_an_image_servers_key_and_url_password_are_masked_like_an_llm_servers(monkeypatch):
+    """register_config_secrets covers image_gen processors too: their api_key_env value and the
+    password and query values of their base_url never reach a log or a state file unmasked."""
+    from mirageflow.redact import register_config_secrets, redact_text
+
+    monkeypatch.setenv("IMAGES_TOKEN_FOR_MASKING", "img-key-3f9a1c")
+    external = {"base_url": "http://user:img-pw-77e2@images:8000/v1?sig=img-sig-5b0d", "api_key_env": "IMAGES_TOKEN_FOR_MASKING"}
+    register_config_secrets(load_config(_raw({"external": external}), check_paths=False))
+    said = redact_text("sent img-key-3f9a1c to images; password img-pw-77e2, signature img-sig-5b0d")
+    assert "img-key-3f9a1c" not in said and "img-pw-77e2" not in said and "img-sig-5b0d" not in said, said

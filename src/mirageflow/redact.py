@@ -275,10 +275,10 @@ def secrets_out_of_config(config: Mapping) -> tuple[dict, dict[str, str]]:
 
 def register_config_secrets(cfg) -> None:
     """Register what a validated pipeline config (``PipelineConfig``) holds that is secret: the
-    values of its ``api_key_env`` variables and the passwords and query values of its
+    values of its ``api_key_env`` variables (LLM and image_gen processors) and the passwords and query values of its
     ``base_url``s, so they are masked wherever they show up (not only inside a URL)."""
     names = []
-    for proc in cfg.processors.values():
+    for proc in (*cfg.processors.values(), *cfg.image_processors.values()):  # image_gen's external servers take keys too
         if proc.api_key_env:
             names.append(proc.api_key_env)
         url = proc.base_url
