@@ -17,6 +17,7 @@ import pytest
 
 from conftest import run_workflow, shard_jobs
 from fakes.fake_http import FakeServer
+from fakes.runs import mark_incomplete
 from mirageflow.config import load_config
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.shard import canary as C
@@ -272,6 +273,38 @@ def test_a_kill_after_the_canary_s_verdict_then_the_documented_recovery_finishes
     assert paths.status(0).exists() and paths.status(1).exists()
     assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
     assert "not run" not in proc.stderr
+
+
+def test_a_passed_verdict_left_marked_incomplete_is_kept_by_the_same_command(tmp_path, server):
+    """A driver stopped while the canary wrote its verdict leaves Snakemake's incomplete mark on
+    it: the same command keeps a verdict that passed for this config (no canary again, no
+    --rerun-incomplete) and runs only the shard left."""
+    cfg = pipeline(tmp_path, server)
+    run_workflow(tmp_path, cfg)
+    paths = StateLayout(tmp_path / "state")
+    paths.status(1).unlink()  # a shard left to run
+    mtime = paths.canary_verdict.stat().st_mtime_ns
+    mark_incomplete(tmp_path, str(paths.canary_verdict))
+
+    dry = run_workflow(tmp_path, cfg, "-n")  # a dry run says what the real one does
+    assert "IncompleteFilesException" not in dry.text and "rule canary:" not in dry.text, dry.text[-3000:]
+    proc = run_workflow(tmp_path, cfg)
+    assert "rule canary:" not in proc.text and shard_jobs(proc) == 1 and "wildcards: shard=1" in proc.text, proc.text[-3000:]
+    assert paths.canary_verdict.stat().st_mtime_ns == mtime
+    assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
+
+
+def test_a_failed_verdict_left_marked_incomplete_is_made_again_by_the_same_command(tmp_path, server):
+    """A verdict of another canary_rows (not this config's pass) marked incomplete: made again,
+    and the shards after it."""
+    cfg = pipeline(tmp_path, server)
+    run_workflow(tmp_path, cfg)
+    paths = StateLayout(tmp_path / "state")
+    cfg["execution_params"]["canary_rows"] = 2
+    mark_incomplete(tmp_path, str(paths.canary_verdict))
+    proc = run_workflow(tmp_path, cfg)
+    assert proc.text.count("rule canary:") == 1 and shard_jobs(proc) == 2, proc.text[-3000:]
+    assert json.loads(paths.canary_verdict.read_text())["canary_rows"] == 2
 
 
 def test_without_canary_rows_there_is_no_canary(tmp_path, server):

@@ -8,7 +8,6 @@ a latency, so a shard is mid-way for many seconds: long enough to be stopped the
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from conftest import FAKES, run_workflow, shard_jobs
 from fakes.configs import pipeline_config, shard_config
 from fakes.engines import ScriptedEngine
 from fakes.fake_http import Behaviour, FakeServer
-from fakes.runs import merged_rows
+from fakes.runs import mark_incomplete, merged_rows
 
 from mirageflow.config import load_config
 from mirageflow.shard import index_datasets, run_shard
@@ -121,15 +120,6 @@ def test_a_signal_stops_the_running_shard_and_the_same_command_finishes_the_work
     assert f"resuming shard 0: {kept} rows already committed are skipped" in log
     assert [r["source_index"] for r in merged_rows(tmp_path)] == list(range(ROWS))  # every row exactly once
     assert "Nothing to be done" in run_workflow(tmp_path, cfg).text
-
-
-def mark_incomplete(root: Path, path: str) -> None:
-    """Snakemake's own marker that a job writing ``path`` started and was never seen to end (its
-    file persistence: ``.snakemake/incomplete/<urlsafe base64 of the path>``), as a driver stopped
-    while the job finished leaves it."""
-    marker = root / ".snakemake" / "incomplete" / base64.urlsafe_b64encode(path.encode()).decode()
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"external_jobid": None}))
 
 
 def test_a_finished_shard_left_marked_incomplete_is_done_for_the_same_command(tmp_path, server):
