@@ -248,8 +248,8 @@ def test_after_each_prompt_edit_the_canary_runs_first_and_then_every_shard(tmp_p
 
 def test_a_kill_after_the_canary_s_verdict_then_the_documented_recovery_finishes_every_shard(tmp_path, server):
     """Item 9: the canary job writes its verdict while the driver cannot register it (stopped,
-    then killed with its jobs); `--unlock` and `--rerun-incomplete` must run the canary and
-    every shard in that one rerun, and merge."""
+    then killed with its jobs); `--unlock`, then the same command must run every shard in that
+    one rerun (the passed verdict kept, marked incomplete or not), and merge."""
     cfg = pipeline(tmp_path, server)
     paths = StateLayout(tmp_path / "state")
     server.behaviour.latency = 0.3  # the canary's rows take long enough to stop the driver inside
@@ -268,7 +268,7 @@ def test_a_kill_after_the_canary_s_verdict_then_the_documented_recovery_finishes
     server.behaviour.latency = 0.0
     assert paths.canary_verdict.exists() and not paths.status(0).exists()
     run_workflow(tmp_path, cfg, "--unlock")
-    proc = run_workflow(tmp_path, cfg, "--rerun-incomplete")
+    proc = run_workflow(tmp_path, cfg)  # the same command: the verdict, a pass of this config, is kept
     assert shard_jobs(proc) == 2, proc.stderr[-3000:]
     assert paths.status(0).exists() and paths.status(1).exists()
     assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))

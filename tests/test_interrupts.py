@@ -143,6 +143,29 @@ def test_a_finished_shard_left_marked_incomplete_is_done_for_the_same_command(tm
     assert [r["source_index"] for r in merged_rows(tmp_path)] == list(range(ROWS))
 
 
+def test_after_a_sigkill_unlock_then_the_same_command_finishes_the_work(tmp_path, server):
+    """The README's recovery after SIGKILL (node loss, the driver killed with its jobs): the
+    driver leaves its lock and shard 0's status.json marked incomplete; `--unlock`, then the
+    very same command (no --rerun-incomplete) resumes the shard and runs the rest."""
+    cfg = pipeline(tmp_path, server)
+    proc = run_workflow(tmp_path, cfg, background=True)
+    wait_for(lambda: committed_rows(tmp_path, 0) >= 2, proc, "shard 0 committed rows")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    kept = committed_rows(tmp_path, 0)
+    left = 2 - (tmp_path / "state/shard_1/status.json").exists()  # Snakemake may have run shard 1 first
+    assert list((tmp_path / ".snakemake" / "incomplete").iterdir()), "no incomplete mark: the test shows nothing"
+
+    locked = run_workflow(tmp_path, cfg, check=False)
+    assert locked.returncode != 0 and "LockException" in locked.text, locked.text[-3000:]
+    run_workflow(tmp_path, cfg, "--unlock")
+    proc = run_workflow(tmp_path, cfg)
+    assert shard_jobs(proc) == left and "wildcards: shard=0" in proc.text, proc.text[-3000:]
+    log = (tmp_path / "state/logs/shard_0.log").read_text()
+    assert f"resuming shard 0: {kept} rows already committed are skipped" in log
+    assert [r["source_index"] for r in merged_rows(tmp_path)] == list(range(ROWS))
+
+
 # --------------------------------------------------------------------------- a signal during start-up
 
 
