@@ -254,9 +254,7 @@ def canary_changed(wildcards):
     of this config."""
     why = CONTENT_CHANGES.canary()
     complete = not why and CONTENT_CHANGES.canary_complete()
-    CONTENT_CHANGES.force(
-        workflow, str(STATE.canary_verdict), why, logger, complete
-    )
+    CONTENT_CHANGES.force(workflow, str(STATE.canary_verdict), why, logger, complete)
     return []
 
 

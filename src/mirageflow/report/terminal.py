@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from mirageflow.config.types import PipelineConfig
-from mirageflow.errors import DETERMINISTIC_CLASSES
+from mirageflow.errors import DETERMINISTIC_CLASSES, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from mirageflow.numbers import fmt_rate, percent
 from mirageflow.shard.progress import RateWindow
 from mirageflow.state import layout as L
@@ -625,7 +625,6 @@ def targets_not_done(pipeline: PipelineConfig, targets: list[int], config_hint: 
     the run did not make what it was asked. Returns the headline naming those shards with the
     command that continues, and the exit code (1 when one failed, else 3, as ``mmirage``'s);
     (None, 0) when every target is done."""
-    from mirageflow.cli import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
     from mirageflow.state.shards import shard_states
 
     if not targets:
