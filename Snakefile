@@ -43,11 +43,12 @@ onstart:
 
 
 # The scheduler has returned: its rate-limit timers would hold the exit for up to a
-# second (mirageflow/cluster/snakemake_internals.py).
+# second (mirageflow/cluster/snakemake_internals.py). No exit 0 while a shard the run
+# targeted is not done (on_success exits non-zero naming it).
 onsuccess:
+    snakemake_internals.cancel_scheduler_timers()
     pipeline_state.clear_previous_results(PIPELINE)
     terminal.on_success(PIPELINE, workflow)
-    snakemake_internals.cancel_scheduler_timers()
 
 
 onerror:

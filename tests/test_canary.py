@@ -17,6 +17,7 @@ import pytest
 
 from conftest import run_workflow, shard_jobs
 from fakes.fake_http import FakeServer
+from fakes.runs import mark_incomplete
 from mirageflow.config import load_config
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.shard import canary as C
@@ -247,8 +248,8 @@ def test_after_each_prompt_edit_the_canary_runs_first_and_then_every_shard(tmp_p
 
 def test_a_kill_after_the_canary_s_verdict_then_the_documented_recovery_finishes_every_shard(tmp_path, server):
     """Item 9: the canary job writes its verdict while the driver cannot register it (stopped,
-    then killed with its jobs); `--unlock` and `--rerun-incomplete` must run the canary and
-    every shard in that one rerun, and merge."""
+    then killed with its jobs); `--unlock`, then the same command must run every shard in that
+    one rerun (the passed verdict kept, marked incomplete or not), and merge."""
     cfg = pipeline(tmp_path, server)
     paths = StateLayout(tmp_path / "state")
     server.behaviour.latency = 0.3  # the canary's rows take long enough to stop the driver inside
@@ -267,11 +268,43 @@ def test_a_kill_after_the_canary_s_verdict_then_the_documented_recovery_finishes
     server.behaviour.latency = 0.0
     assert paths.canary_verdict.exists() and not paths.status(0).exists()
     run_workflow(tmp_path, cfg, "--unlock")
-    proc = run_workflow(tmp_path, cfg, "--rerun-incomplete")
+    proc = run_workflow(tmp_path, cfg)  # the same command: the verdict, a pass of this config, is kept
     assert shard_jobs(proc) == 2, proc.stderr[-3000:]
     assert paths.status(0).exists() and paths.status(1).exists()
     assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
     assert "not run" not in proc.stderr
+
+
+def test_a_passed_verdict_left_marked_incomplete_is_kept_by_the_same_command(tmp_path, server):
+    """A driver stopped while the canary wrote its verdict leaves Snakemake's incomplete mark on
+    it: the same command keeps a verdict that passed for this config (no canary again, no
+    --rerun-incomplete) and runs only the shard left."""
+    cfg = pipeline(tmp_path, server)
+    run_workflow(tmp_path, cfg)
+    paths = StateLayout(tmp_path / "state")
+    paths.status(1).unlink()  # a shard left to run
+    mtime = paths.canary_verdict.stat().st_mtime_ns
+    mark_incomplete(tmp_path, str(paths.canary_verdict))
+
+    dry = run_workflow(tmp_path, cfg, "-n")  # a dry run says what the real one does
+    assert "IncompleteFilesException" not in dry.text and "rule canary:" not in dry.text, dry.text[-3000:]
+    proc = run_workflow(tmp_path, cfg)
+    assert "rule canary:" not in proc.text and shard_jobs(proc) == 1 and "wildcards: shard=1" in proc.text, proc.text[-3000:]
+    assert paths.canary_verdict.stat().st_mtime_ns == mtime
+    assert [r["source_index"] for r in _merged(tmp_path)] == list(range(ROWS))
+
+
+def test_a_failed_verdict_left_marked_incomplete_is_made_again_by_the_same_command(tmp_path, server):
+    """A verdict of another canary_rows (not this config's pass) marked incomplete: made again,
+    and the shards after it."""
+    cfg = pipeline(tmp_path, server)
+    run_workflow(tmp_path, cfg)
+    paths = StateLayout(tmp_path / "state")
+    cfg["execution_params"]["canary_rows"] = 2
+    mark_incomplete(tmp_path, str(paths.canary_verdict))
+    proc = run_workflow(tmp_path, cfg)
+    assert proc.text.count("rule canary:") == 1 and shard_jobs(proc) == 2, proc.text[-3000:]
+    assert json.loads(paths.canary_verdict.read_text())["canary_rows"] == 2
 
 
 def test_without_canary_rows_there_is_no_canary(tmp_path, server):

@@ -357,3 +357,29 @@ def test_a_hub_model_fetched_again_runs_the_shards_left_in_that_same_run(tmp_pat
         assert dry.text.count("rule hub_model:") == 1 and dry.text.count("rule shard:") == 2, dry.text[-3000:]
     finally:
         hub.stop()
+
+
+def test_a_hub_model_fetched_again_runs_the_engine_services_left_in_that_same_run(tmp_path):
+    """The same as above with shards_per_engine > 1, the engine's marker still ancient: the
+    services are not dropped, as Snakemake declares a service output always missing (even the
+    endpoint files a stopped run left), so every shard that runs pulls its engine in (dry run)."""
+    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
+    hub = FakeHub({REPO_ID: HubRepo(files={"config.json": config, "model.safetensors": _safetensors()})}).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
+    try:
+        marker = tmp_path / "state" / "hub_models" / "org--tiny-llm.json"
+        marker.parent.mkdir(parents=True)
+        marker.write_text(json.dumps({"repo_id": REPO_ID, "commit": "0" * 40}))  # fetched once; the cache lost it since
+        cfg = _config(tmp_path)
+        cfg["loading_params"]["num_shards"] = 4
+        cfg["execution_params"]["shards_per_engine"] = 2
+        for group in (0, 1):  # the endpoints an earlier, stopped run's services left (written first thing)
+            endpoint = tmp_path / "state" / "engines" / f"engine_{group}.json"
+            endpoint.parent.mkdir(exist_ok=True)
+            endpoint.write_text(json.dumps({"url": "http://127.0.0.1:1"}))
+        dry = run_workflow(tmp_path, cfg, "-n", env=env)
+        assert "its snapshot is not in the Hugging Face cache any more" in dry.text, dry.text[-3000:]
+        assert dry.text.count("rule hub_model:") == 1, dry.text[-3000:]
+        assert dry.text.count("rule engine:") == 2 and dry.text.count("rule shard:") == 4, dry.text[-3000:]
+    finally:
+        hub.stop()

@@ -8,7 +8,6 @@ a latency, so a shard is mid-way for many seconds: long enough to be stopped the
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from conftest import FAKES, run_workflow, shard_jobs
 from fakes.configs import pipeline_config, shard_config
 from fakes.engines import ScriptedEngine
 from fakes.fake_http import Behaviour, FakeServer
-from fakes.runs import merged_rows
+from fakes.runs import mark_incomplete, merged_rows
 
 from mirageflow.config import load_config
 from mirageflow.shard import index_datasets, run_shard
@@ -125,15 +124,6 @@ def test_a_signal_stops_the_running_shard_and_the_same_command_finishes_the_work
     assert "Nothing to be done" in run_workflow(tmp_path, cfg).text
 
 
-def mark_incomplete(root: Path, path: str) -> None:
-    """Snakemake's own marker that a job writing ``path`` started and was never seen to end (its
-    file persistence: ``.snakemake/incomplete/<urlsafe base64 of the path>``), as a driver stopped
-    while the job finished leaves it."""
-    marker = root / ".snakemake" / "incomplete" / base64.urlsafe_b64encode(path.encode()).decode()
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"external_jobid": None}))
-
-
 def test_a_finished_shard_left_marked_incomplete_is_done_for_the_same_command(tmp_path, server):
     """The reported history: the driver was stopped while a shard wrote its status.json, so
     Snakemake never saw the job end. The same command keeps the shard (a verified success) and
@@ -158,6 +148,29 @@ def test_a_finished_shard_left_marked_incomplete_is_done_for_the_same_command(tm
     proc = run_workflow(tmp_path, cfg)
     assert shard_jobs(proc) == 1 and f"wildcards: shard={1 - finished}" in proc.text
     assert status.stat().st_mtime_ns == mtime  # the finished shard was not run again
+    assert [r["source_index"] for r in merged_rows(tmp_path)] == list(range(ROWS))
+
+
+def test_after_a_sigkill_unlock_then_the_same_command_finishes_the_work(tmp_path, server):
+    """The README's recovery after SIGKILL (node loss, the driver killed with its jobs): the
+    driver leaves its lock and shard 0's status.json marked incomplete; `--unlock`, then the
+    very same command (no --rerun-incomplete) resumes the shard and runs the rest."""
+    cfg = pipeline(tmp_path, server)
+    proc = run_workflow(tmp_path, cfg, background=True)
+    wait_for(lambda: committed_rows(tmp_path, 0) >= 2, proc, "shard 0 committed rows")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    kept = committed_rows(tmp_path, 0)
+    left = 2 - (tmp_path / "state/shard_1/status.json").exists()  # Snakemake may have run shard 1 first
+    assert list((tmp_path / ".snakemake" / "incomplete").iterdir()), "no incomplete mark: the test shows nothing"
+
+    locked = run_workflow(tmp_path, cfg, check=False)
+    assert locked.returncode != 0 and "LockException" in locked.text, locked.text[-3000:]
+    run_workflow(tmp_path, cfg, "--unlock")
+    proc = run_workflow(tmp_path, cfg)
+    assert shard_jobs(proc) == left and "wildcards: shard=0" in proc.text, proc.text[-3000:]
+    log = (tmp_path / "state/logs/shard_0.log").read_text()
+    assert f"resuming shard 0: {kept} rows already committed are skipped" in log
     assert [r["source_index"] for r in merged_rows(tmp_path)] == list(range(ROWS))
 
 

@@ -389,3 +389,32 @@ def test_driver_drops_results_that_outlived_a_shard(tmp_path, server):
     proc = run_workflow(tmp_path, cfg)
     assert "Nothing to be done" not in proc.text and "wildcards: shard=1" in proc.text
     assert (tmp_path / "state" / "metrics.json").exists() and len(merged_rows(tmp_path)) == ROWS
+
+
+def test_no_exit_0_while_a_targeted_shard_is_not_done(tmp_path, server):
+    """Snakemake takes a shard's status.json for complete when nothing tells it otherwise (here
+    a damaged one: newer than its inputs, no content change to force it). Asked
+    for both shards (`mmirage run --shard-ids 0 1`), it runs shard 0 alone and, on its own,
+    exits 0 with shard 1 not done. The run must say so and exit non-zero; a target list
+    without that shard is a success, and a dry run writes and says nothing of it."""
+    cfg = pipeline(tmp_path, server)
+    run_workflow(tmp_path, cfg)
+    targets = [f"state/shard_{i}/status.json" for i in (0, 1)]  # as the state_dir is named (relative)
+    status = tmp_path / targets[1]
+    text = status.read_text()
+    status.write_text(text[: len(text) // 2])  # cut short (a full disk, a copy interrupted)
+    (tmp_path / targets[0]).unlink()  # a shard left to run
+
+    dry = run_workflow(tmp_path, cfg, *targets, "-n")
+    assert shard_jobs(dry) == 1 and "run NOT complete" not in dry.text, dry.text[-3000:]
+    proc = run_workflow(tmp_path, cfg, *targets, check=False)
+    assert shard_jobs(proc) == 1 and proc.returncode == 1, proc.text[-3000:]  # 1: shard 1 counts as failed
+    assert "mirageflow: run NOT complete: 1 of the 2 shard(s) it targeted is not done" in proc.text, proc.text[-3000:]
+    named = proc.text.split("run NOT complete")[1]
+    assert "(shard 1 failed: damaged state file state/shard_1/status.json" in named, named[:500]
+    assert f"Continue with: mmirage retry --config {tmp_path / 'pipeline.yaml'}" in named, named[:500]
+    assert not list((tmp_path / ".snakemake" / "locks").glob("*")), "the failed run left its lock"
+
+    (tmp_path / targets[0]).unlink()
+    only_0 = run_workflow(tmp_path, cfg, targets[0])  # shard 1 is not its target: a success
+    assert shard_jobs(only_0) == 1 and "run NOT complete" not in only_0.text

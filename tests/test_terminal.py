@@ -151,6 +151,26 @@ def test_hooks_do_nothing_outside_the_driver(tmp_path, monkeypatch):
     assert printed and printed[0].startswith("mirageflow: run FAILED")
 
 
+def test_targets_not_done_names_only_the_targeted_shards_that_are_not_a_current_success(tmp_path, monkeypatch):
+    """The end-of-run guard without Snakemake: shard 0 done, shard 1 stale (another records
+    fingerprint), shard 2 never run; the headline names the targeted ones not done."""
+    monkeypatch.chdir(tmp_path)
+    state = _state(tmp_path)
+    atomic_write_json(state / "records.fingerprint", {"sha256": "now"})
+    atomic_write_json(state / "shard_0/status.json", _status(10) | {"records_fingerprint": "now"})
+    atomic_write_json(state / "shard_1/status.json", _status(10) | {"records_fingerprint": "before"})
+    pipeline = SimpleNamespace(state_dir="state", num_shards=3, shard=SimpleNamespace(lease_timeout_seconds=300))
+
+    assert terminal.targets_not_done(pipeline, [0], "p.yaml") == (None, 0)
+    assert terminal.targets_not_done(pipeline, [], "p.yaml") == (None, 0)
+    text, code = terminal.targets_not_done(pipeline, [0, 1, 2], "p.yaml")
+    assert code == 3 and text.startswith("mirageflow: run NOT complete: 2 of the 3 shard(s) it targeted are not done")
+    assert "(shard 1 not run: its status.json is an earlier config's; shard 2 not run)" in text
+    assert text.endswith("Continue with: mmirage retry --config p.yaml (it reruns exactly the shards not done).")
+    text, _ = terminal.targets_not_done(pipeline, [2], None)  # no config file: the same command, forcing the shard
+    assert "1 of the 1 shard(s) it targeted is not done" in text and "--forcerun state/shard_2/status.json" in text
+
+
 # --------------------------------------------------------------------------- failures
 
 

@@ -18,13 +18,8 @@ import sys
 from pathlib import Path
 
 from mirageflow.config.types import PipelineConfig
-from mirageflow.errors import InputError
+from mirageflow.errors import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, InputError
 from mirageflow.state.layout import StateLayout
-
-EXIT_OK = 0
-EXIT_FAILED = 1  # Snakemake failed, or shards failed
-EXIT_USAGE = 2  # bad arguments or config
-EXIT_INCOMPLETE = 3  # shards still pending or running (status, merge)
 
 EPILOG = """\
 exit codes:

@@ -21,6 +21,13 @@ from __future__ import annotations
 import enum
 
 
+# The exit codes of `mmirage` and of a run that ended with shards not done (report/terminal.py).
+EXIT_OK = 0
+EXIT_FAILED = 1  # Snakemake failed, or shards failed
+EXIT_USAGE = 2  # bad arguments or config
+EXIT_INCOMPLETE = 3  # shards still pending or running (status, merge)
+
+
 class MirageflowError(Exception):
     """Base of the errors mirageflow raises on purpose."""
 

@@ -116,3 +116,12 @@ def files_on_disk(root: Path) -> dict:
         st = p.lstat()
         out[rel] = (st.st_mtime_ns, st.st_size)
     return out
+
+
+def mark_incomplete(root: Path, path: str) -> None:
+    """Snakemake's own marker that a job writing ``path`` started and was never seen to end (its
+    file persistence: ``.snakemake/incomplete/<urlsafe base64 of the path>``), as a driver stopped
+    while the job finished leaves it."""
+    marker = root / ".snakemake" / "incomplete" / base64.urlsafe_b64encode(path.encode()).decode()
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"external_jobid": None}))

@@ -7,8 +7,9 @@
 # canary that runs reruns the shards after it, and the canary runs again exactly when its
 # verdict judged another config's records while a shard is left to make (canary_changed,
 # by content, decided at DAG build: the records fingerprint file is only rewritten when
-# the run starts, too late for its mtime to count). A kill leaves an incomplete verdict,
-# which `--rerun-incomplete` makes again, and the shards with it.
+# the run starts, too late for its mtime to count). A driver stopped or killed while the
+# canary ran leaves its verdict marked incomplete: the same command keeps a verdict that is
+# a pass of this config and makes any other again, the shards with it (canary_changed).
 
 
 rule canary:

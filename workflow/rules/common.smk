@@ -170,7 +170,9 @@ def model_inputs(runs_anyway=False):
     rerun trigger (ancient): its repo and revision are in the records fingerprint. But for a
     job that ``runs_anyway`` it is a plain input: Snakemake drops every job below a rerun job
     (a hub_model fetching again) whose inputs from it are all ancient, even a job that had
-    to run, and with it everything it needed (shard_model_inputs, canary_model_inputs).
+    to run, and with it everything it needed (shard_model_inputs, canary_model_inputs). The
+    engine service needs neither: Snakemake declares a service output always missing
+    (jobs.py, 9.27), so each shard that runs pulls its engine in.
     """
     paths = []
     for proc in PIPELINE.processors.values():
@@ -256,10 +258,11 @@ def canary_verdict(wildcards):
 
 def canary_changed(wildcards):
     """The canary, when its verdict is an earlier config's and a shard is still to run
-    (workflow/rules/canary.smk)."""
-    CONTENT_CHANGES.force(
-        workflow, str(STATE.canary_verdict), CONTENT_CHANGES.canary(), logger
-    )
+    (workflow/rules/canary.smk); a verdict left marked incomplete is kept when it is a pass
+    of this config."""
+    why = CONTENT_CHANGES.canary()
+    complete = not why and CONTENT_CHANGES.canary_complete()
+    CONTENT_CHANGES.force(workflow, str(STATE.canary_verdict), why, logger, complete)
     return []
 
 

@@ -148,6 +148,18 @@ def failed_jobs(workflow: Any) -> list:
     return out
 
 
+def dag_jobs(workflow: Any, rule: str) -> list[dict]:
+    """The wildcards of each job of ``rule`` in this run's DAG (dag.py ``DAG.jobs``: every job
+    the run's targets need, run or not). A job Snakemake left out of the jobs to run stays in
+    it: one below a rerun job whose inputs from it are all ancient (dag.py ``update_needrun``),
+    one whose output it takes for done."""
+    require_supported()
+    dag = getattr(workflow, "dag", None)
+    if dag is None:
+        raise UnsupportedSnakemake("mirageflow: this Snakemake's workflow has no DAG to read the run's jobs from")
+    return [dict(job.wildcards_dict) for job in dag.jobs if job.rule.name == rule]
+
+
 SCHEDULER_MODULE = "snakemake.scheduling"
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from mirageflow.config.types import PipelineConfig
-from mirageflow.errors import DETERMINISTIC_CLASSES
+from mirageflow.errors import DETERMINISTIC_CLASSES, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from mirageflow.numbers import fmt_rate, percent
 from mirageflow.shard.progress import RateWindow
 from mirageflow.state import layout as L
@@ -603,8 +603,57 @@ def _end(pipeline: PipelineConfig, workflow, ok: bool) -> None:
 
 
 def on_success(pipeline: PipelineConfig, workflow=None) -> None:
-    """onsuccess: stop the progress thread, print the summary."""
+    """onsuccess: stop the progress thread, print the summary; then no exit 0 while a shard
+    the run targeted is not done (``targets_not_done``): its headline, and the process exits
+    non-zero (SystemExit: Snakemake's command line lets it through, its lock released)."""
     _end(pipeline, workflow, ok=True)
+    if not _is_driver(workflow):
+        return
+    from mirageflow.cluster.snakemake_internals import dag_jobs
+
+    targets = sorted({int(j["shard"]) for j in dag_jobs(workflow, "shard")})
+    headline, code = targets_not_done(pipeline, targets, _config_hint(workflow))
+    if headline:
+        _emit(headline, error=True)
+        raise SystemExit(code)
+
+
+def targets_not_done(pipeline: PipelineConfig, targets: list[int], config_hint: str | None = None) -> tuple[str | None, int]:
+    """Whether a run Snakemake calls a success left a shard it targeted (``targets``: the shard
+    jobs of its DAG) other than done (mirageflow.state.shards): Snakemake took a file for
+    complete (a damaged or stale status.json it has no reason to rerun, a job it dropped), so
+    the run did not make what it was asked. Returns the headline naming those shards with the
+    command that continues, and the exit code (1 when one failed, else 3, as ``mmirage``'s);
+    (None, 0) when every target is done."""
+    from mirageflow.state.shards import shard_states
+
+    if not targets:
+        return None, EXIT_OK
+    state_dir = Path(pipeline.state_dir)
+    states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, recorded_fingerprint(state_dir))
+    left = [s for s in states if s["shard_id"] in set(targets) and s["state"] != "done"]
+    if not left:
+        return None, EXIT_OK
+
+    def why(s: dict) -> str:
+        if s.get("stale"):
+            return "not run: its status.json is an earlier config's"
+        if s["state"] == "pending":
+            return "not run"
+        return s["state"] + (f": {_short_error(str(s['error']))}" if s.get("error") else "")
+
+    named = "; ".join(f"shard {s['shard_id']} {why(s)}" for s in left[:10]) + (f"; ... and {len(left) - 10} more" if len(left) > 10 else "")
+    again = (
+        f"mmirage retry --config {config_hint}"
+        if config_hint
+        else driver_command() + " --forcerun " + " ".join(str(L.StateLayout(state_dir).status(s["shard_id"])) for s in left)
+    )
+    text = (
+        f"mirageflow: run NOT complete: {len(left)} of the {len(targets)} shard(s) it targeted "
+        f"{'is' if len(left) == 1 else 'are'} not done, though Snakemake had nothing left to run ({named}). "
+        f"Continue with: {again} (it reruns exactly the shards not done)."
+    )
+    return text, EXIT_FAILED if any(s["state"] == "failed" for s in left) else EXIT_INCOMPLETE
 
 
 def on_error(pipeline: PipelineConfig, workflow=None) -> None:

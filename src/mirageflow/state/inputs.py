@@ -240,8 +240,8 @@ class ContentChanges:
 
         A ``path`` Snakemake marked incomplete (its driver was stopped before it saw the job
         end) is settled here too, so the same command goes on without ``--rerun-incomplete``:
-        ``complete`` (a shard's status.json that is a verified success) keeps it, anything else
-        is made again."""
+        ``complete`` (a shard's status.json that is a verified success, the canary's verdict a pass
+        of this config) keeps it, anything else is made again."""
         from mirageflow.cluster import snakemake_internals as snakemake
 
         if self.main and snakemake.clear_incomplete(workflow, path) and not why and not complete:
@@ -260,6 +260,19 @@ class ContentChanges:
         if self._records is None:
             self._records = current_fingerprint(self.cfg)
         return is_done(status, self.cfg.num_shards, self._records)
+
+    def canary_complete(self) -> bool:
+        """Whether the canary's verdict is a pass for this config's records and canary_rows (the
+        canary writes it, atomically, only when it passed: mirageflow/shard/canary.py)."""
+        from mirageflow.state.records import read
+        from mirageflow.state.shards import current_fingerprint
+
+        verdict, _why = read(self.paths.canary_verdict)
+        if not isinstance(verdict, dict) or verdict.get("passed") is not True:
+            return False
+        if self._records is None:
+            self._records = current_fingerprint(self.cfg)
+        return verdict.get("records_fingerprint") == self._records and verdict.get("canary_rows") == self.cfg.execution.canary_rows
 
     def save(self) -> None:
         """Keep the hashes computed at DAG build (the driver's onstart: never in a dry run)."""
