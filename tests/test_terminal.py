@@ -258,7 +258,7 @@ def test_an_interrupted_run_says_so_what_each_stopped_shard_kept_and_the_command
     atomic_write_json(state / "shard_1/failure.json", {**failure, "committed": "4 rows"})
     _failed_shard(state, 2, {"template_error": 4}, "ShardFailed: every row of shard 2: 4 of 4 rows failed (template_error: 4)")
     pipeline = SimpleNamespace(
-        state_dir="state", num_shards=4, merge=True, shard=SimpleNamespace(lease_timeout_seconds=300),
+        state_dir="state", num_shards=4, n_samples=1, merge=True, shard=SimpleNamespace(lease_timeout_seconds=300),
         datasets=[SimpleNamespace(output_dir="out")],
     )  # fmt: skip
     command = terminal.driver_command(["/x/site-packages/snakemake/__main__.py", "--cores", "1", "--configfile", "my pipeline.yaml"])

@@ -103,7 +103,7 @@ def hub_models(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_BUI
         path = proc.server_args.model_path
         if registry.capabilities(proc.backend).loads_model and path and is_hub_id(path, built_models):
             found.append(HubModel(proc.index, path, proc.server_args.revision))
-    for proc in sorted(getattr(cfg, "image_processors", {}).values(), key=lambda p: p.index):
+    for proc in sorted(cfg.image_processors.values(), key=lambda p: p.index):
         model = image_hub_model(proc)
         if model is not None:
             found.append(model)
@@ -337,7 +337,7 @@ def resolve_local(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_
     if not models:
         return cfg
     cache = cache_dir(cfg)
-    processors, images = dict(cfg.processors), dict(getattr(cfg, "image_processors", {}))
+    processors, images = dict(cfg.processors), dict(cfg.image_processors)
     by_index = {p.index: name for name, p in processors.items()}
     images_by_index = {p.index: name for name, p in images.items()}
     for model in models:
