@@ -26,7 +26,8 @@ class MergeRefused(MirageflowError, RuntimeError):
 
 
 def _damaged(e: Exception, shard_id: int, cfg) -> MergeRefused:
-    if cfg.state_dir is None:  # merge_directory: no pipeline state
+    """``cfg``: the pipeline's config, ``_NoState`` or None (merge-dir, no pipeline state)."""
+    if cfg is None or cfg.state_dir is None:  # merge_directory: no pipeline state
         return MergeRefused(f"{e}. The outputs of shard {shard_id} are damaged")
     return MergeRefused(
         f"{e}. The outputs of shard {shard_id} are damaged: delete {StateLayout(cfg.state_dir).shard_dir(shard_id)} (its checkpoint) "
