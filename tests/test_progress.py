@@ -148,7 +148,7 @@ def test_what_the_reporter_writes_passes_its_readers_check(tmp_path):
         (b'{"phase": "generating", "updated_at_unix": "now"}', 'updated_at_unix is "now", not a number'),
         (b'{"phase": "generating", "fraction_done": true}', "fraction_done is true, not a number"),
         (b'{"phase": "generating", "hostname": 7}', "hostname is 7, not a string"),
-        (b'{"phase": "generating", "eta_seconds": NaN}', "eta_seconds is NaN, not a number"),
+        (b'{"phase": "generating", "eta_seconds": NaN}', "eta_seconds is NaN, not a finite number"),
     ],
 )
 def test_a_damaged_progress_json_says_why(tmp_path, content, why):
