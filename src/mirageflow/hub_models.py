@@ -178,6 +178,11 @@ def damaged_weights(snapshot: Path) -> list[tuple[Path, str]]:
     return damaged
 
 
+def _said(damaged: list[tuple[Path, str]]) -> str:
+    """``damaged_weights``' answer in words: each file and why."""
+    return "; ".join(f"{p} is damaged ({why})" for p, why in damaged)
+
+
 def _remove_damaged(snapshot: Path) -> list[Path]:
     """Delete the damaged weights files of a cached snapshot (the link and the blob it points
     to), so huggingface_hub downloads them again instead of trusting them."""
@@ -299,9 +304,7 @@ def download(cfg, slug: str, output: str) -> dict:
     damaged = damaged_weights(path)
     if damaged:
         raise RuntimeError(
-            f"{model.key}: '{model.label}' was downloaded, but "
-            + "; ".join(f"{p} is damaged ({why})" for p, why in damaged)
-            + ": the hub serves it so, or the disk is failing"
+            f"{model.key}: '{model.label}' was downloaded, but {_said(damaged)}: the hub serves it so, or the disk is failing"
         )
     marker = {
         "repo_id": model.repo_id,
@@ -354,10 +357,9 @@ def resolve_local(cfg: PipelineConfig, built_models: tuple[str, ...] = WORKFLOW_
         damaged = damaged_weights(path)
         if damaged:
             raise RuntimeError(
-                f"{model.key}: '{model.label}' in the Hugging Face cache {cache}: "
-                + "; ".join(f"{p} is damaged ({why})" for p, why in damaged)
-                + ". Start the workflow again (snakemake, mmirage run or mmirage retry): the driver sees the damage "
-                "and downloads those files anew (rule hub_model) before any shard"
+                f"{model.key}: '{model.label}' in the Hugging Face cache {cache}: {_said(damaged)}. Start the workflow again "
+                "(snakemake, mmirage run or mmirage retry): the driver sees the damage and downloads those files anew "
+                "(rule hub_model) before any shard"
             )
         # the snapshot is that revision: the engine (or image generator) gets a directory
         if model.processor_index in images_by_index:
