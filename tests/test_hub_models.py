@@ -340,46 +340,44 @@ def test_an_image_gen_hub_id_is_fetched_by_the_driver_as_a_language_model_id_is(
         hub.stop()
 
 
-def test_a_hub_model_fetched_again_runs_the_shards_left_in_that_same_run(tmp_path):
+@pytest.fixture
+def refetch(tmp_path):
+    """A stand-in hub serving the model, and a state_dir whose marker says it was fetched once
+    and the cache lost it since (as a damaged file's repair does): the driver must fetch it
+    again. Yields the environment that points at the hub."""
+    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
+    hub = FakeHub({REPO_ID: HubRepo(files={"config.json": config, "model.safetensors": _safetensors()})}).start()
+    marker = tmp_path / "state" / "hub_models" / "org--tiny-llm.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"repo_id": REPO_ID, "commit": "0" * 40}))
+    try:
+        yield {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
+    finally:
+        hub.stop()
+
+
+def test_a_hub_model_fetched_again_runs_the_shards_left_in_that_same_run(tmp_path, refetch):
     """Item 18's advice ("start the workflow again") in one run: the driver must fetch the model
     again (here its snapshot left the cache, as a damaged file's repair does) while the shards
     have not run; Snakemake drops every job below a rerun job whose inputs from it are all
     ancient, so the marker must be a plain input of the shards that run anyway (dry run)."""
-    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
-    hub = FakeHub({REPO_ID: HubRepo(files={"config.json": config, "model.safetensors": _safetensors()})}).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
-    try:
-        marker = tmp_path / "state" / "hub_models" / "org--tiny-llm.json"
-        marker.parent.mkdir(parents=True)
-        marker.write_text(json.dumps({"repo_id": REPO_ID, "commit": "0" * 40}))  # fetched once; the cache lost it since
-        dry = run_workflow(tmp_path, _config(tmp_path), "-n", env=env)
-        assert "its snapshot is not in the Hugging Face cache any more" in dry.text, dry.text[-3000:]
-        assert dry.text.count("rule hub_model:") == 1 and dry.text.count("rule shard:") == 2, dry.text[-3000:]
-    finally:
-        hub.stop()
+    dry = run_workflow(tmp_path, _config(tmp_path), "-n", env=refetch)
+    assert "its snapshot is not in the Hugging Face cache any more" in dry.text, dry.text[-3000:]
+    assert dry.text.count("rule hub_model:") == 1 and dry.text.count("rule shard:") == 2, dry.text[-3000:]
 
 
-def test_a_hub_model_fetched_again_runs_the_engine_services_left_in_that_same_run(tmp_path):
+def test_a_hub_model_fetched_again_runs_the_engine_services_left_in_that_same_run(tmp_path, refetch):
     """The same as above with shards_per_engine > 1, the engine's marker still ancient: the
     services are not dropped, as Snakemake declares a service output always missing (even the
     endpoint files a stopped run left), so every shard that runs pulls its engine in (dry run)."""
-    config = json.dumps({"model_type": "llama", "max_position_embeddings": 512}).encode()
-    hub = FakeHub({REPO_ID: HubRepo(files={"config.json": config, "model.safetensors": _safetensors()})}).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_ENDPOINT": hub.url}
-    try:
-        marker = tmp_path / "state" / "hub_models" / "org--tiny-llm.json"
-        marker.parent.mkdir(parents=True)
-        marker.write_text(json.dumps({"repo_id": REPO_ID, "commit": "0" * 40}))  # fetched once; the cache lost it since
-        cfg = _config(tmp_path)
-        cfg["loading_params"]["num_shards"] = 4
-        cfg["execution_params"]["shards_per_engine"] = 2
-        for group in (0, 1):  # the endpoints an earlier, stopped run's services left (written first thing)
-            endpoint = tmp_path / "state" / "engines" / f"engine_{group}.json"
-            endpoint.parent.mkdir(exist_ok=True)
-            endpoint.write_text(json.dumps({"url": "http://127.0.0.1:1"}))
-        dry = run_workflow(tmp_path, cfg, "-n", env=env)
-        assert "its snapshot is not in the Hugging Face cache any more" in dry.text, dry.text[-3000:]
-        assert dry.text.count("rule hub_model:") == 1, dry.text[-3000:]
-        assert dry.text.count("rule engine:") == 2 and dry.text.count("rule shard:") == 4, dry.text[-3000:]
-    finally:
-        hub.stop()
+    cfg = _config(tmp_path)
+    cfg["loading_params"]["num_shards"] = 4
+    cfg["execution_params"]["shards_per_engine"] = 2
+    for group in (0, 1):  # the endpoints an earlier, stopped run's services left (written first thing)
+        endpoint = tmp_path / "state" / "engines" / f"engine_{group}.json"
+        endpoint.parent.mkdir(exist_ok=True)
+        endpoint.write_text(json.dumps({"url": "http://127.0.0.1:1"}))
+    dry = run_workflow(tmp_path, cfg, "-n", env=refetch)
+    assert "its snapshot is not in the Hugging Face cache any more" in dry.text, dry.text[-3000:]
+    assert dry.text.count("rule hub_model:") == 1, dry.text[-3000:]
+    assert dry.text.count("rule engine:") == 2 and dry.text.count("rule shard:") == 4, dry.text[-3000:]
