@@ -148,16 +148,38 @@ def test_signals_on_the_loop_call_stop_then_raise_again_after_detach():
     async def main(guard):
         loop = asyncio.get_running_loop()
         guard.attach(loop, lambda: calls.append("stop"))
-        os.kill(os.getpid(), signal.SIGINT)
         await asyncio.sleep(0.05)
         guard.detach()
 
     with StopSignals(stopped.append, _interrupted) as guard:
         asyncio.run(main(guard))
-        assert calls == ["stop"] and stopped == [signal.SIGINT]
-        with pytest.raises(ShardInterrupted, match="SIGINT"):
+        assert calls == [] and stopped == []
+        with pytest.raises(ShardInterrupted, match="SIGINT"):  # outside the loop again: the signal raises
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
+        assert stopped == [signal.SIGINT]
+
+
+def test_only_the_first_signal_counts_on_the_loop_and_after_it():
+    """A terminal's Ctrl-C reaches the job with its group and the driver forwards the same
+    signal: the second one is ignored, so it cannot break off the commit the first started."""
+    stopped, calls = [], []
+
+    async def main(guard):
+        loop = asyncio.get_running_loop()
+        guard.attach(loop, lambda: calls.append("stop"))
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.05)
+        guard.detach()
+
+    with StopSignals(stopped.append, _interrupted) as guard:
+        asyncio.run(main(guard))
+        assert calls == ["stop"] and stopped == [signal.SIGINT] and guard.signum == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)  # after detach too: logged, not raised
+        time.sleep(0.2)
+        assert stopped == [signal.SIGINT]
 
 
 # --------------------------------------------------------------------------- ShardMetrics
