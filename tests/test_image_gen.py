@@ -141,7 +141,8 @@ def test_the_same_seed_gives_the_same_image_on_a_rerun_and_for_any_sharding(tmp_
 def test_a_resumed_shard_reuses_the_images_it_wrote_and_a_foreign_file_is_never_replaced(tmp_path, server):
     texts = [f"animal {i}" for i in range(8)]
     server.behaviour.fatal_after = 5  # then every request is a 401: the shard fails
-    raw = _config(tmp_path, {**_external(server), "max_retries": 0}, texts)
+    # no timeouts here (the fixture's 0.5 s is for the SLOW rows; on a loaded machine an answer may take longer)
+    raw = _config(tmp_path, {**_external(server, timeout_seconds=30), "max_retries": 0}, texts)
     raw["processors"][0]["external"]["max_concurrent_requests"] = 1
     raw["processing_params"]["outputs"][0]["filename_template"] = "img_{{ __source_index }}"
     raw["shard_params"]["checkpoint_rows"] = 100  # nothing committed before the failure
