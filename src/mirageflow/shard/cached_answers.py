@@ -26,11 +26,13 @@ the engines).
 
 from __future__ import annotations
 
+from mirageflow.config import PipelineConfig
 from mirageflow.config.types import ProcessorConfig
 from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.shard.failures import ShardFailed
+from mirageflow.shard.request_cache import RequestCache
 
 # Rows in flight while answers come from the cache (no engine to keep busy).
 CACHE_ONLY_WINDOW = 64
@@ -63,6 +65,21 @@ class CacheOnlyEngine(Engine):
 
     async def generate_one(self, request: Request) -> Completion:  # RowPath asks no stand-in; never generate
         raise AnswerNotCached(f"the answer of request {request.id} is not in the request cache")
+
+
+def stand_ins(cfg: PipelineConfig, cache: RequestCache | None) -> dict[str, CacheOnlyEngine] | None:
+    """A stand-in per LLM processor, to answer the shard's requests from ``cache`` alone; None
+    when that cannot be (no cache, or no kept answer to look up, or ``fresh_answers``; a custom
+    or image_gen output; a processor whose requests' keys need its loaded engine)."""
+    if cache is None or not cache.lookups or len(cache) == 0 or any(o.kind not in ("llm", "filter") for o in cfg.outputs):
+        return None
+    out = {}
+    for name in {o.processor for o in cfg.outputs if o.kind == "llm"}:
+        engine = cache_only_engine(cfg.processors[name])
+        if engine is None:
+            return None
+        out[name] = engine
+    return out
 
 
 def cache_only_engine(processor: ProcessorConfig) -> CacheOnlyEngine | None:

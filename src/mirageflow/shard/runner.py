@@ -381,7 +381,7 @@ class ShardRunner:
         """Run the rows still to do through the engines; committed when it returns. With answers
         in the request cache, the rows are fed first without engines (shard/cached_answers.py):
         the engines are loaded only when a request's answer is not kept."""
-        stand_ins = self._cache_only_engines()
+        stand_ins = cached_answers.stand_ins(self.cfg, self.cache)
         if stand_ins is not None:
             if not self._feed(slices, images, stand_ins):
                 log.info("shard %d: every answer came from the request cache; no engine is loaded", self.shard_id)
@@ -389,21 +389,6 @@ class ShardRunner:
             log.info("shard %d: a request's answer is not in the request cache; loading the engines", self.shard_id)
         self._load_engines()
         self._feed(slices, images, self.engines)
-
-    def _cache_only_engines(self) -> dict[str, Engine] | None:
-        """Stand-ins for the LLM processors' engines, to answer from the request cache alone;
-        None when that cannot be (no kept answer to look up, a custom or image step, a
-        processor whose requests' keys need its loaded engine)."""
-        cache = self.cache
-        if cache is None or not cache.lookups or len(cache) == 0 or any(o.kind not in ("llm", "filter") for o in self.cfg.outputs):
-            return None
-        stand_ins = {}
-        for name in {o.processor for o in self.cfg.outputs if o.kind == "llm"}:
-            engine = cached_answers.cache_only_engine(self.cfg.processors[name])
-            if engine is None:
-                return None
-            stand_ins[name] = engine
-        return stand_ins
 
     def _feed(self, slices: list[ShardSlice], images: ShardImages, engines: dict[str, Engine]) -> bool:
         """Run the rows still to do through the steps of ``engines``; what finished is committed
