@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 from mirageflow.shard import request_cache as rc
+from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Completion, Request
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -139,6 +141,119 @@ def test_editing_one_row_resends_that_rows_requests(tmp_path, server):
     assert again[0] == "Summarise: an edited passage" and again[1].startswith("Title for an edited passage: ") and len(again) == 2
     after = records(tmp_path)
     assert [r for i, r in enumerate(after) if i != 3] == [r for i, r in enumerate(before) if i != 3]
+
+
+# --------------------------------------------------------------------------- no engine for cached answers
+
+
+class EngineLog:
+    """An engine factory that makes the configured engine (create_engine) and counts the
+    engines made; ``refuse``: one made is a test failure (the shard must need none)."""
+
+    def __init__(self, refuse: bool = False):
+        self.made, self.refuse = [], refuse
+
+    def __call__(self, processor, batch_size, **kw):
+        self.made.append(processor.type)
+        if self.refuse:
+            raise AssertionError("an engine was made for a shard whose every answer is in the request cache")
+        return create_engine(processor, batch_size, **kw)
+
+
+def run_with(raw: dict, factory: EngineLog) -> dict:
+    cfg = load_config(copy.deepcopy(raw))
+    index_datasets(cfg)
+    return run_shard(cfg, 0, engine_factory=factory)
+
+
+def test_a_shard_whose_every_answer_is_cached_makes_no_engine(tmp_path, server):
+    """Issue 34 item 6: the shard's records are made again (its output and checkpoint lost, then
+    an edit of the record template) with every request answered before: no engine is made,
+    nothing is loaded, and the records are the first run's."""
+    raw = pipeline(tmp_path, server)
+    first = run_with(raw, EngineLog())
+    before = records(tmp_path)
+    shutil.rmtree(tmp_path / "out" / "shard_0")
+    (tmp_path / "state" / "shard_0" / "checkpoint.json").unlink()
+    sent = len(server.records)
+
+    status = run_with(raw, EngineLog(refuse=True))
+    assert len(server.records) == sent and status["status"] == "success" and status["engines"] == {}
+    assert records(tmp_path) == before
+    st = status["stats"]
+    assert st["requests"] == 0 and st["requests_cached"] == 2 * ROWS and st["rows_processed"] == ROWS
+    # no load time added by this attempt (the load_dominates finding counts it)
+    assert st["attempts"][-1]["model_load_seconds"] == 0 and first["stats"]["attempts"][-1]["model_load_seconds"] > 0
+
+    edited = copy.deepcopy(raw)
+    edited["processing_params"]["output_schema"] = {"t": "{{ title }}", "s": "{{ summary }}"}
+    status = run_with(edited, EngineLog(refuse=True))
+    assert len(server.records) == sent and status["engines"] == {}
+    assert [(r["s"], r["t"]) for r in records(tmp_path)] == [(r["summary"], r["title"]) for r in before]
+
+
+def test_one_request_not_cached_makes_the_engine_once_and_counts_each_answer_once(tmp_path, server):
+    """One row edited: the rows before it come from the cache without an engine; its request
+    makes and loads the engine, once, and the rest is fed through it. Each answer is counted
+    once although the row that missed was looked up before the engine was made."""
+    raw = pipeline(tmp_path, server)
+    run_with(raw, EngineLog())
+    before = records(tmp_path)
+    rows = [{"text": f"passage {i}"} for i in range(ROWS)]
+    rows[3] = {"text": "an edited passage"}
+    edited = pipeline(tmp_path, server, rows=rows)
+    sent = len(server.records)
+
+    engines = EngineLog()
+    status = run_with(edited, engines)
+    assert engines.made == ["llm"] and status["engines"]["llm"]["backend"] == "openai"
+    again = prompts_since(server, sent)
+    assert again == ["Summarise: an edited passage", again[1]] and again[1].startswith("Title for an edited passage: ")
+    st = status["stats"]
+    assert st["requests"] == 2 and st["requests_cached"] == 2 * ROWS - 2 and st["answers"] == 2 * ROWS
+    after = records(tmp_path)
+    assert [r for i, r in enumerate(after) if i != 3] == [r for i, r in enumerate(before) if i != 3]
+
+
+@pytest.mark.parametrize("native_n", [None, False])
+def test_samples_answered_from_the_cache_make_no_engine(tmp_path, server, native_n):
+    """n_samples 2: each row's samples keyed as the engine keys them (one request with n, or
+    one per sample), so a rerun of the same rows makes no engine."""
+    raw = pipeline(tmp_path, server)
+    raw["processing_params"]["n_samples"] = 2
+    raw["processors"][0]["native_n"] = native_n
+    raw["processors"][0]["default_sampling_params"] |= {"temperature": 0.7, "seed": 5}  # seeded: kept and reused
+    run_with(raw, EngineLog())
+    before = records(tmp_path)
+    shutil.rmtree(tmp_path / "out" / "shard_0")
+    (tmp_path / "state" / "shard_0" / "checkpoint.json").unlink()
+    status = run_with(raw, EngineLog(refuse=True))
+    assert status["engines"] == {} and status["stats"]["requests_cached"] == 2 * 2 * ROWS
+    assert sorted(records(tmp_path), key=lambda r: (r["source_index"], r["sample_index"])) == sorted(
+        before, key=lambda r: (r["source_index"], r["sample_index"])
+    )
+
+
+def test_a_transformers_shard_answered_from_the_cache_loads_only_the_tokenizer(tmp_path, tiny_model):
+    """The transformers backend templates the prompt with its tokenizer, which the key holds:
+    the stand-in loads the tokenizer (not the weights) and keys the requests as the engine."""
+    data = tmp_path / "in.jsonl"
+    write_rows(data, [{"text": f"passage {i}"} for i in range(3)])
+    raw = pipeline_config(
+        data, inputs=["text"], state_dir=tmp_path / "state", output_dir=tmp_path / "out",
+        outputs=[{"name": "summary", "prompt": "Summarise: {{ text }}"}],
+        dataset={"type": "jsonl", "output_format": "jsonl"},
+        processor={"backend": "transformers", "server_args": {"model_path": str(tiny_model)},
+                   "default_sampling_params": {"max_new_tokens": 3, "temperature": 0.0}},
+        processing={"output_schema": {"summary": "{{ summary }}"}},
+    )  # fmt: skip
+    run_with(raw, EngineLog())
+    before = records(tmp_path)
+    edited = copy.deepcopy(raw)
+    edited["processing_params"]["output_schema"] = {"s": "{{ summary }}"}
+    status = run_with(edited, EngineLog(refuse=True))
+    assert status["engines"] == {} and status["stats"]["requests_cached"] == 3
+    assert [r["s"] for r in records(tmp_path)] == [r["summary"] for r in before]
 
 
 def test_cached_answers_give_the_records_a_fresh_run_gives(tmp_path, server):

@@ -105,7 +105,7 @@ class TransformersEngine(Engine):
     def load(self) -> None:
         import torch
         import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(self.threads)
         extra = dict(self.server_args.extra_engine_args)
@@ -117,15 +117,7 @@ class TransformersEngine(Engine):
         dtype = extra.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
         path = self.server_args.model_path
         trust = self.server_args.trust_remote_code
-        # a vision-language model: its processor (images -> pixels, placeholders expanded)
-        # and its image-text-to-text class; text-only requests use the same model
-        self.processor = _vision_processor(path, trust)
-        self.tokenizer = (
-            AutoTokenizer.from_pretrained(path, trust_remote_code=trust) if self.processor is None else self.processor.tokenizer
-        )
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.processor, self.tokenizer = load_tokenizer(self.server_args)
         self._prompt_ids = PromptTokenizer(self.tokenizer)  # exactly one BOS when the tokenizer adds one
         kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust}
         if "attn_implementation" in extra:
@@ -412,6 +404,22 @@ def _too_long(rid: int, n_prompt: int, max_new: int, context: int) -> Completion
         rid, "", n_prompt, 0, "abort", E.CONTEXT_LENGTH,
         f"prompt has {n_prompt} tokens; with max_new_tokens {max_new} it exceeds the model's context of {context}",
     )  # fmt: skip
+
+
+def load_tokenizer(server_args: ServerArgs) -> tuple:
+    """(the vision processor or None, the tokenizer) of the model at ``server_args.model_path``,
+    as the engine uses them: what its chat template needs, without the weights (also the
+    request cache's stand-in engine's, shard/cached_answers.py). A vision-language model's
+    processor (images -> pixels, placeholders expanded) brings its tokenizer."""
+    from transformers import AutoTokenizer
+
+    path, trust = server_args.model_path, server_args.trust_remote_code
+    processor = _vision_processor(path, trust)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust) if processor is None else processor.tokenizer
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor, tokenizer
 
 
 def _vision_processor(path: str, trust: bool):

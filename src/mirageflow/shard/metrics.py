@@ -103,6 +103,14 @@ class ShardMetrics:
         if request.images:
             self.image_tokens += completion.image_tokens or 0
 
+    def unbook_cached(self, tally: UnitTally) -> None:
+        """Take back ``book``'s counts of a unit's answers, all from the request cache, that
+        the cache-only pass (shard/cached_answers.py) left unfinished: it is fed again."""
+        self.answers -= tally.answers
+        self.answers_length_cut -= tally.length_cut
+        self.json_answers -= tally.json_answers
+        self.requests_cached -= tally.llm_steps
+
     def rendered(self, ds_index: int, row_index: int, sample: int | None, tally: UnitTally) -> None:
         """A record was rendered: its tally waits for the runner to commit the record with it (``take_tally``)."""
         self._rendered[ds_index, row_index, sample] = tally

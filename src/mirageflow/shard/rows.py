@@ -8,7 +8,9 @@ that is not the engine's becomes the row error ``internal_error``; the engine ra
 ``EngineFailed`` (the shard cannot go on). Booking the outcome is the runner's.
 
 With a request cache (shard/request_cache.py), a step's request whose answer is kept is
-not sent, and an answer the step accepts is kept (``_answers``, ``_steps``).
+not sent, and an answer the step accepts is kept (``_answers``, ``_steps``). With
+``cache_only`` (shard/cached_answers.py: no engine is loaded yet) a request whose answer is
+not kept raises ``AnswerNotCached`` and the unit's bookings are taken back.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mirageflow.prompts import samples
 from mirageflow.data.readers import SourceRow
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.shard import request_cache
+from mirageflow.shard.cached_answers import AnswerNotCached
 from mirageflow.prompts.image_outputs import Unit
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.shard.steps import OutputStep
@@ -60,8 +63,12 @@ class RowPath:
         self.observe = None
         # the shard's request cache (None: off); a step with cache_keys uses it
         self.cache: request_cache.RequestCache | None = None
+        # answers come from the request cache alone (shard/cached_answers.py): a request it
+        # does not hold raises AnswerNotCached, and the unit's bookings are taken back
+        self.cache_only = False
 
-    def set_steps(self, steps: list) -> None:
+    def set_steps(self, steps: list, cache_only: bool = False) -> None:
+        self.cache_only = cache_only
         self.seeded = self.n > 1 or any(getattr(step, "base_seed", None) is not None for step in steps)
         self.grouped = grouped_step(steps, self.n)
 
@@ -87,31 +94,36 @@ class RowPath:
         the first step, already generated (``_row_samples``)."""
         m = self.metrics
         tally = UnitTally()  # what the record holds, committed with it (shard/tally.py)
-        for step in steps:
-            if step.engine is None:  # a filter or a Python step (python_steps), an image (image_outputs)
-                kept = await (step.run(variables, Unit(ds_index, row.index, sample or 0)) if step.wants_unit else step.run(variables))
-                if self.observe is not None:
-                    self.observe(row, sample, step, variables, kept)
-                if not kept:
-                    return python_steps.FILTERED
-                continue
-            sent, key, cached, choice_prompt = True, None, False, None
-            if answered is not None:
-                (request, completion, sent, key, cached, choice_prompt), answered = answered, None
-            else:
-                if self.seeded:
-                    seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
-                    request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
+        try:
+            for step in steps:
+                if step.engine is None:  # a filter or a Python step (python_steps), an image (image_outputs)
+                    kept = await (step.run(variables, Unit(ds_index, row.index, sample or 0)) if step.wants_unit else step.run(variables))
+                    if self.observe is not None:
+                        self.observe(row, sample, step, variables, kept)
+                    if not kept:
+                        return python_steps.FILTERED
+                    continue
+                sent, key, cached, choice_prompt = True, None, False, None
+                if answered is not None:
+                    (request, completion, sent, key, cached, choice_prompt), answered = answered, None
                 else:
-                    request = step.request(row.index, variables, images=images)
-                (completion,), (key,), cached = await self._answers(step, request, 1, row)
-            m.book(request, completion, sent, cached, step.output.processor, choice_prompt)
-            tally.book(request, completion, cached)
-            if self.observe is not None:
-                self.observe(row, sample, step, variables, (request, completion))
-            step.assign(variables, completion)
-            if key is not None:  # accepted: kept for a rerun
-                self.cache.put(key, completion)
+                    if self.seeded:
+                        seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
+                        request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
+                    else:
+                        request = step.request(row.index, variables, images=images)
+                    (completion,), (key,), cached = await self._answers(step, request, 1, row)
+                m.book(request, completion, sent, cached, step.output.processor, choice_prompt)
+                tally.book(request, completion, cached)
+                if self.observe is not None:
+                    self.observe(row, sample, step, variables, (request, completion))
+                step.assign(variables, completion)
+                if key is not None:  # accepted: kept for a rerun
+                    self.cache.put(key, completion)
+        except (AnswerNotCached, asyncio.CancelledError):
+            if self.cache_only:  # the unit is fed again once the engines are loaded: its answers are booked then
+                m.unbook_cached(tally)
+            raise
         record = self.render(row.index, row.value, variables) if sample is None else self.render(row.index, row.value, variables, sample)
         m.rendered(ds_index, row.index, sample, tally)
         return record
@@ -190,6 +202,8 @@ class RowPath:
     async def _generate_samples(self, step: OutputStep, request, n: int, row: SourceRow) -> list:
         """The engine's n completions of ``request`` (n = 1: ``generate_one``), its in-flight
         count observed; EngineFailed when the engine raised."""
+        if self.cache_only:  # no engine yet: the runner loads it and feeds this unit again
+            raise AnswerNotCached(f"the answer of output '{step.output.name}' of row {row.index} is not in the request cache")
         m = self.metrics
         for _ in range(n):
             m.tracker.submitted()

@@ -13,6 +13,9 @@ tokens, GPUs, sums over attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoin
   path that is not the engine's becomes a row error too (class ``internal_error``), and a
   dataset that cannot be read fails the shard naming the file. The shard succeeds only
   when, for every dataset, committed records + row errors cover its row range exactly.
+- No model for no work: rows all committed load no engine; with answers in the request
+  cache, rows are fed first without engines (shard/cached_answers.py) and the engines are
+  loaded only when a request's answer is not kept.
 - SIGTERM/SIGINT: stop feeding, commit what is finished, stop the engine, record why in
   ``failure.json``, exit non-zero.
 - ``status.json`` is written last, and only on success.
@@ -39,7 +42,7 @@ from mirageflow.prompts import python_steps
 from mirageflow.prompts import samples
 from mirageflow.stats import formulas as stats
 from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
-from mirageflow.shard import request_cache
+from mirageflow.shard import cached_answers, request_cache
 from mirageflow.config import PipelineConfig, processor_identity
 from mirageflow.data.readers import ShardSlice, SourceRow, content_digest, load_shard, read_shard, write_index
 from mirageflow.files import atomic_write_json
@@ -170,10 +173,10 @@ class ShardRunner:
         except (OSError, ValueError, KeyError, TypeError) as e:  # load_shard read it a moment ago
             raise ShardFailed(f"cannot read the index of dataset {ds.index}: {e}") from e
 
-    def _cache_identities(self) -> dict[str, str]:
+    def _cache_identities(self, engines: dict[str, Engine]) -> dict[str, str]:
         """Per processor, the engine identity of its requests' cache keys (shard/request_cache.py)."""
         out = {}
-        for name, engine in self.engines.items():
+        for name, engine in engines.items():
             proc = self.cfg.processors[name]
             # a model this node loads (or its engine service does) has a revision to read; a remote server's is its name
             revision = request_cache.model_revision(proc.server_args.model_path) if capabilities(proc.backend).loads_model else None
@@ -293,16 +296,16 @@ class ShardRunner:
         except Exception as e:  # reading the dataset failed
             self._halt(e)
 
-    async def _generate(self, slices: list[ShardSlice], steps: list[OutputStep]) -> None:
+    async def _generate(self, slices: list[ShardSlice], steps: list[OutputStep], engines: dict[str, Engine]) -> None:
         main = asyncio.current_task()
         self._stopping = asyncio.Event()
         self.signals.attach(asyncio.get_running_loop(), lambda: (main.cancel(), self._halt()))
         self.commits.start()
         ticker = asyncio.create_task(self.commits.ticker())
-        waiting_on = [*self.engines.values(), *self.image_gens.values()]
+        waiting_on = [*engines.values(), *self.image_gens.values()]
         window = self.params.max_inflight or min((e.max_inflight for e in waiting_on), default=NO_ENGINE_WINDOW)
         # no more workers than units left (a batch engine takes 100,000 at once)
-        window = max(1, min(window, self.live.rows_total * self.n - self.resumed))
+        window = max(1, min(window, self.live.rows_total * self.n - self.checkpoint.committed_units()))
         if self.rows.grouped is not None:  # a worker holds a row's n samples
             window = max(1, window // self.n)
         # rows sharing a prompt prefix fed together, for the engine's prefix cache (records unchanged)
@@ -375,19 +378,35 @@ class ShardRunner:
             raise verdict
 
     def _generate_rows(self, slices: list[ShardSlice], images: ShardImages) -> None:
-        """Load the engines and run the rows still to do through them; committed when it returns."""
+        """Run the rows still to do through the engines; committed when it returns. With answers
+        in the request cache, the rows are fed first without engines (shard/cached_answers.py):
+        the engines are loaded only when a request's answer is not kept."""
+        stand_ins = cached_answers.stand_ins(self.cfg, self.cache)
+        if stand_ins is not None:
+            if not self._feed(slices, images, stand_ins):
+                log.info("shard %d: every answer came from the request cache; no engine is loaded", self.shard_id)
+                return
+            log.info("shard %d: a request's answer is not in the request cache; loading the engines", self.shard_id)
         self._load_engines()
-        steps = [python_steps.make_step(o, lambda o: self._model_step(o, images), self.pools) for o in self.cfg.outputs]
+        self._feed(slices, images, self.engines)
+
+    def _feed(self, slices: list[ShardSlice], images: ShardImages, engines: dict[str, Engine]) -> bool:
+        """Run the rows still to do through the steps of ``engines``; what finished is committed
+        when it returns. True: stopped at a request the cache-only stand-ins cannot answer
+        (``AnswerNotCached``), the rows it did not finish still to do."""
+        loaded = engines is self.engines  # else the stand-ins: no model, no GPU to sample
+        steps = [python_steps.make_step(o, lambda o: self._model_step(o, images, engines), self.pools) for o in self.cfg.outputs]
         if self.cache is not None:
-            identities = self._cache_identities()
+            identities = self._cache_identities(engines)
             for step in steps:
                 if step.engine is not None:
                     step.use_cache(identities[step.output.processor])
-        self.rows.set_steps(steps)
+        self.rows.set_steps(steps, cache_only=not loaded)
         self.live.set_phase("generating")
-        self.metrics.sampler.start()
+        if loaded:
+            self.metrics.sampler.start()
         self._bar = tqdm(
-            total=self.live.rows_total * self.n, initial=self.resumed, desc=f"shard {self.shard_id}",
+            total=self.live.rows_total * self.n, initial=self.checkpoint.committed_units(), desc=f"shard {self.shard_id}",
             unit="row" if self.n == 1 else "sample", file=sys.stderr, mininterval=2.0,
         )  # fmt: skip
         # Take what is alive now (model, libraries: ~400k objects with transformers) out of
@@ -396,26 +415,33 @@ class ShardRunner:
         gc.freeze()
         try:
             with self.metrics.timer.phase("generate"):
-                asyncio.run(self._generate(slices, steps))
+                asyncio.run(self._generate(slices, steps, engines))
         finally:
             self.commits.stop()
             gc.unfreeze()
             self._bar.close()
-            self.metrics.sampler.stop()
-            self.metrics.write_gpu_samples(self.shard_dir, self.shard_id)
+            if loaded:
+                self.metrics.sampler.stop()
+                self.metrics.write_gpu_samples(self.shard_dir, self.shard_id)
         self.live.set_phase("writing")
         self.commits.flush()  # whatever finished, also when interrupted
         if self.signals.signum:
             raise self._interrupted(self.signals.signum)
+        if isinstance(self.abort, cached_answers.AnswerNotCached) and not loaded:
+            self.abort = None
+            # what this pass committed is skipped by the next one (_rows, _count_row)
+            self._committed = {ds.index: self.checkpoint.committed_before(ds.index) for ds in self.cfg.datasets}
+            return True
         if self.abort:
             raise self.abort
+        return False
 
-    def _model_step(self, output, images: ShardImages):
+    def _model_step(self, output, images: ShardImages, engines: dict[str, Engine]):
         """The step of an output a processor computes: an LLM's (or a batch API's), or an image's."""
         if output.kind == "image_gen":
             inputs = [v.name for v in self.cfg.inputs]
             return ImageStep(output, self.cfg.image_processors[output.processor], self.image_gens[output.processor], images, inputs)
-        return OutputStep(output, self.cfg.processors[output.processor], self.engines[output.processor])
+        return OutputStep(output, self.cfg.processors[output.processor], engines[output.processor])
 
     def _shard_images(self, slices: list[ShardSlice]) -> ShardImages:
         starts, before = {}, 0
