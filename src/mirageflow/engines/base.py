@@ -30,6 +30,12 @@ from mirageflow.errors import MirageflowError
 class Engine(abc.ABC):
     """Load once, apply the model's chat template, generate request by request, close."""
 
+    @staticmethod
+    def key_tokenizer(server_args):
+        """The tokenizer whose chat template the engine applies, without the weights; only for an
+        engine that declares ``tokenizer_without_weights``."""
+        raise NotImplementedError("this engine cannot load its tokenizer without its model")
+
     max_inflight: int = 64  # rows the runner keeps in flight; engines set it from their capacity
     # how create_engine chose this backend ({"requested", "chosen", "reason"}); shown in
     # info.details["backend_selection"] (status.json -> engines)
@@ -49,6 +55,9 @@ class Engine(abc.ABC):
     # JSON outputs are constrained in this process by the xgrammar package (the driver checks
     # it is installed before any job; a server constrains with its own).
     grammar_in_process: bool = False
+    # The chat template's tokenizer loads without the model's weights (key_tokenizer): the
+    # request cache's keys of a chat-templated prompt can be made before the model is loaded.
+    tokenizer_without_weights: bool = False
     # warmup() does work (compile, capture graphs): the runner times it as the warmup phase.
     warms_up: bool = False
     # Keeps work of its own in the shard's checkpoint across attempts (a provider's batches):

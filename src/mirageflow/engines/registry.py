@@ -41,6 +41,7 @@ class Capabilities:
     loads_model: bool = True  # loads server_args.model_path on this node; False: a remote server has it
     needs_base_url: bool = False  # processors[].base_url is required
     grammar_in_process: bool = False  # JSON outputs constrained here by xgrammar (the driver checks it is installed)
+    tokenizer_without_weights: bool = False  # Engine.key_tokenizer: the chat template without the weights (request cache keys)
 
     @classmethod
     def of(cls, engine: type[Engine] | Engine) -> Capabilities:
@@ -61,7 +62,9 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "transformers": Backend("mirageflow.engines.transformers_engine:TransformersEngine", Capabilities(grammar_in_process=True)),
+    "transformers": Backend(
+        "mirageflow.engines.transformers_engine:TransformersEngine", Capabilities(grammar_in_process=True, tokenizer_without_weights=True)
+    ),
     "sglang": Backend("mirageflow.engines.sglang_engine:SGLangEngine", package="sglang", install=SGLANG_INSTALL),
     "sglang_server": Backend(
         "mirageflow.engines.sglang_server:SGLangServerEngine", package="sglang", install=SGLANG_INSTALL, launched=True
@@ -107,6 +110,7 @@ def capabilities(backend: str) -> Capabilities:
         loads_model=all(c.loads_model for c in picks),
         needs_base_url=any(c.needs_base_url for c in picks),
         grammar_in_process=any(c.grammar_in_process for c in picks),
+        tokenizer_without_weights=all(c.tokenizer_without_weights for c in picks),
     )
 
 

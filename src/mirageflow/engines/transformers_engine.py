@@ -73,6 +73,11 @@ def _batch_key(params: dict) -> str:
 
 class TransformersEngine(Engine):
     grammar_in_process = True  # JSON outputs through xgrammar token masks (engines/registry.py)
+    tokenizer_without_weights = True  # key_tokenizer: the request cache's stand-in (shard/cached_answers.py)
+
+    @staticmethod
+    def key_tokenizer(server_args):
+        return load_tokenizer(server_args)[1]
 
     def __init__(self, processor: ProcessorConfig | ServerArgs, batch_size: int = 32, torch_threads: int | None = None, log_dir=None):
         """``processor``: a ProcessorConfig (what create_engine passes), or its server_args."""

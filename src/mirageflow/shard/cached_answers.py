@@ -88,11 +88,9 @@ def cache_only_engine(processor: ProcessorConfig) -> CacheOnlyEngine | None:
     backend = processor.backend
     if backend in (registry.AUTO, registry.SHARED):
         return None
-    if registry.capabilities(backend).templates_server_side or not processor.apply_chat_template:
+    can = registry.capabilities(backend)
+    if can.templates_server_side or not processor.apply_chat_template:
         return CacheOnlyEngine(processor)
-    if backend == "transformers":
-        from mirageflow.engines.transformers_engine import load_tokenizer
-
-        _, tokenizer = load_tokenizer(processor.server_args)
-        return CacheOnlyEngine(processor, tokenizer)
+    if can.tokenizer_without_weights:
+        return CacheOnlyEngine(processor, registry.engine_class(backend).key_tokenizer(processor.server_args))
     return None
