@@ -232,3 +232,60 @@ def test_rows_that_finish_first_are_handed_back_while_their_batch_runs(tiny_mode
     assert [r.completion_tokens for r in results[:6]] == limits[:6]
     assert all(isinstance(r, EngineStopped) for r in results[6:])
     assert len(groups) > 1  # the finished rows came back in more than one group
+
+
+def _batch_sizes(eng) -> list[int]:
+    """The rows of every generate() call the engine makes from now on."""
+    sizes, generate = [], eng.model.generate
+
+    def counted(**kw):
+        sizes.append(kw["input_ids"].shape[0])
+        return generate(**kw)
+
+    eng.model.generate = counted
+    return sizes
+
+
+def test_batches_of_rows_that_all_run_to_their_limit_end_within_the_commit_budget(tiny_model):
+    """Rows that all run to the same limit come back only at their batch's end, so a batch is
+    sized to end within half the runner's commit interval (issue 34, item 5): the first batch
+    is small (nothing is measured yet), and with a budget no step fits in, one row a batch.
+    The greedy text is the same as from one uncapped batch."""
+    prompts = [f"question number {i}" for i in range(10)]
+    params = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+    texts = {}
+    for commit_seconds in (None, 1e-9):
+        eng = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=16, torch_threads=1)
+        eng.commit_seconds = commit_seconds  # what the shard runner sets before load()
+        eng.load()
+        sizes = _batch_sizes(eng)
+        try:
+            out = eng.generate(_requests(eng, prompts, **params))
+        finally:
+            eng.close()
+        assert all(c.completion_tokens == 5 and c.finish_reason == "length" for c in out)
+        texts[commit_seconds] = [c.text for c in out]
+        if commit_seconds is None:
+            assert sizes == [10]  # no runner, no budget: one batch, as before
+        else:
+            assert sizes == [4] + [1] * 6, sizes
+            assert eng.info.details["batch_time"]["budget_seconds"] == commit_seconds / 2
+            assert eng.info.details["batch_time"]["row_step_seconds"] > 0
+    assert texts[1e-9] == texts[None]
+
+
+def test_the_shard_runner_gives_the_engine_its_commit_interval(tiny_model, tmp_path):
+    from fakes.configs import shard_config
+
+    from mirageflow.shard import run_shard
+
+    cfg = shard_config(tmp_path, [{"q": f"q{i}"} for i in range(3)], [{"name": "a", "prompt": "{{ q }}"}])
+    engines = []
+
+    def factory(processor, batch_size, **kw):
+        engines.append(TransformersEngine(ServerArgs(str(tiny_model)), batch_size=batch_size, torch_threads=1))
+        return engines[-1]
+
+    run_shard(cfg, 0, engine_factory=factory)
+    assert engines[0].commit_seconds == cfg.shard.checkpoint_seconds
+    assert engines[0].info.details["batch_time"]["budget_seconds"] == cfg.shard.checkpoint_seconds / 2

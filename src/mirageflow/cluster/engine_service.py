@@ -199,6 +199,7 @@ class EngineService:
             engine = create_engine(self.cfg.processors[name], self.cfg.batch_size, log_dir=log_dir)
             if self.cfg.shard.max_inflight:
                 engine.max_inflight = self.cfg.shard.max_inflight
+            engine.commit_seconds = self.cfg.shard.checkpoint_seconds  # its shards commit this often
             self.engines[name] = engine
             engine.load()
         gc.collect()

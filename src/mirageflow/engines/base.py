@@ -37,6 +37,10 @@ class Engine(abc.ABC):
         raise NotImplementedError("this engine cannot load its tokenizer without its model")
 
     max_inflight: int = 64  # rows the runner keeps in flight; engines set it from their capacity
+    # How often the runner commits finished rows (execution_params.checkpoint_seconds), set
+    # before load(): an engine whose rows come back in batches ends each batch within it, so a
+    # stop loses at most one interval of work. None: no runner commits (tests, benchmarks).
+    commit_seconds: float | None = None
     # how create_engine chose this backend ({"requested", "chosen", "reason"}); shown in
     # info.details["backend_selection"] (status.json -> engines)
     backend_selection: dict | None = None

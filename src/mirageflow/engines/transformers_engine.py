@@ -10,7 +10,9 @@ static path serves everything unless ``continuous_batching: true`` (BENCHMARKS.m
 
 Static path: requests arrive one by one from the runner's in-flight window. A worker thread takes
 whatever is waiting (up to ``batch_size``, requests that can share one ``generate`` call),
-runs a left-padded batch, and resolves each request's future. While a batch runs the
+runs a left-padded batch, and resolves each request's future. A batch holds fewer rows
+when its rows' limits would keep it running past half the runner's commit interval
+(batch_time.py), so a stop loses at most one interval of work. While a batch runs the
 window refills the queue, so the next batch is full as soon as the model is free, and a
 full batch starts at once (only a short one waits a few ms for more requests).
 Requests with different ``max_new_tokens`` share a batch: a per-row stopping criterion
@@ -42,6 +44,7 @@ from collections import deque
 
 from mirageflow.config.types import ProcessorConfig, ServerArgs
 from mirageflow.engines.base import Engine, EngineStopped
+from mirageflow.engines.batch_time import BatchTimeCap
 from mirageflow.engines.tokens import PromptTokenizer
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.errors import RowErrorClass as E
@@ -98,6 +101,7 @@ class TransformersEngine(Engine):
         self._running = 0
         self._grammar_compiler = None  # xgrammar, built at the first JSON request
         self._cb = None  # transformers_cb.ContinuousBatcher when continuous batching is on
+        self._cap = BatchTimeCap(batch_size, None)  # sized at load(), from the runner's commit_seconds
         self.default_params = dict(sampling or {})
         self.info = EngineInfo(backend="transformers", model_path=server_args.model_path)
 
@@ -142,6 +146,8 @@ class TransformersEngine(Engine):
             device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
             details={"dtype": dtype, "torch_threads": self.threads, "batch_size": self.batch_size},
         )
+        self._cap = BatchTimeCap(self.batch_size, self.commit_seconds)
+        self.info.details["batch_time"] = self._cap.details()
         self._start_continuous_batching(extra.get("continuous_batching", "auto"), extra.get("max_running_requests"))
         self._worker = threading.Thread(target=self._serve, name="transformers-batcher", daemon=True)
         self._worker.start()
@@ -238,8 +244,10 @@ class TransformersEngine(Engine):
         while backlog:
             item = backlog.popleft()
             (batch if len(batch) < self.batch_size and item[3] == key else rest).append(item)
+        cap = self._cap.rows(max(_max_new_tokens(item[0]) for item in batch))
+        backlog.extend(batch[cap:])  # first in the next batch
         backlog.extend(rest)
-        return batch
+        return batch[:cap]
 
     def _serve(self) -> None:
         backlog: deque = deque()
@@ -275,7 +283,7 @@ class TransformersEngine(Engine):
         results: list = [None] * len(requests)
         runnable = []
         for i, (r, prompt_ids) in enumerate(zip(requests, ids)):
-            max_new = r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+            max_new = _max_new_tokens(r)
             if self.max_context and len(prompt_ids) + max_new > self.max_context:
                 results[i] = _too_long(r.id, len(prompt_ids), max_new, self.max_context)
             else:
@@ -336,7 +344,7 @@ class TransformersEngine(Engine):
         import torch
 
         params = batch[0].sampling_params
-        limits = [r.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS) for r in batch]
+        limits = [_max_new_tokens(r) for r in batch]
         kw = self._generation_kwargs(params, limits)
         enc = self._left_padded(ids) if enc is None else enc
         prompt_len = enc["input_ids"].shape[1]
@@ -357,6 +365,7 @@ class TransformersEngine(Engine):
         if on_finished is not None and not stops and len(batch) > 1:
             eos = set() if params.get("ignore_eos") else self.eos_ids
             early = _early_rows(limits, prompt_len, eos, lambda i, new_ids: on_finished(i, completion(i, new_ids)))
+        started = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
                 **enc,
@@ -366,6 +375,8 @@ class TransformersEngine(Engine):
             )
         if self._stopped.is_set():
             raise EngineStopped("engine was stopped during generation")
+        self._cap.observe(len(batch), out.shape[1] - prompt_len, time.perf_counter() - started)
+        self.info.details["batch_time"] = self._cap.details()
         return [completion(i, new_ids) for i, new_ids in enumerate(out[:, prompt_len:].tolist())]
 
     def _completion(self, req: Request, ids: list[int], n_prompt: int, limit: int, params: dict, stops: list[str]) -> Completion:
@@ -402,6 +413,10 @@ class TransformersEngine(Engine):
         compile_schema = self._grammar_compiler.compile_json_schema
         grammars = [None if r.json_schema is None else compile_schema(r.json_schema, any_whitespace=False) for r in batch]
         return _grammar_logits_processor(grammars, [r.response_prefix for r in batch])
+
+
+def _max_new_tokens(request: Request) -> int:
+    return request.sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
 
 
 def _too_long(rid: int, n_prompt: int, max_new: int, context: int) -> Completion:
@@ -489,7 +504,7 @@ def _run_images(engine: TransformersEngine, requests: list[Request]) -> list:
         lengths = enc["attention_mask"].sum(dim=1).tolist()
         too_long = set()
         for i, n in zip(rows, lengths):
-            max_new = requests[i].sampling_params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+            max_new = _max_new_tokens(requests[i])
             if engine.max_context and n + max_new > engine.max_context:
                 too_long.add(i)
                 results[i] = Completion(
