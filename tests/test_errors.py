@@ -113,3 +113,35 @@ def test_a_completions_and_an_image_errors_class_is_the_enum_and_a_misspelt_one_
         Completion(3, "", 0, 0, "abort", "context_lenght", "too long")
     with pytest.raises(ValueError, match="'image_undecodeable' is not a valid RowErrorClass"):
         ImageError("image_undecodeable", "no image")
+
+
+def test_row_error_classes_are_named_by_the_enum_where_they_are_made():
+    """A row-error class written as a string literal fails only when that row fails, at run
+    time; as ``RowErrorClass.X`` a typo fails at import. No module of the package spells one
+    as a literal where a row error is made (issue 35, item 3)."""
+    import ast
+    from pathlib import Path
+
+    import mirageflow
+    from mirageflow.errors import RowErrorClass
+
+    makers = {"ImageError": 0, "RowError": 1, "_failed": 1, "Completion": 5}  # the kind's position
+    literal = []
+    for path in sorted(Path(mirageflow.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            spots = []
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in makers and len(node.args) > makers[name]:
+                    spots.append(node.args[makers[name]])
+                spots += [k.value for k in node.keywords if k.arg == "error_kind"]
+            elif isinstance(node, ast.Assign) and any(getattr(t, "attr", None) == "error_kind" for t in node.targets):
+                spots.append(node.value)
+            while spots:
+                spot = spots.pop()
+                if isinstance(spot, ast.IfExp):  # kind = A if ... else B
+                    spots += [spot.body, spot.orelse]
+                elif isinstance(spot, ast.Constant) and isinstance(spot.value, str):
+                    literal.append(f"{path.name}:{spot.lineno}: {spot.value!r}")
+    assert not literal, "row-error classes as string literals (use RowErrorClass.X):\n" + "\n".join(literal)
+    assert len(RowErrorClass) > 20  # the walk saw the classes it guards

@@ -187,7 +187,7 @@ class RowError(MirageflowError):
     ``kind`` must be a ``RowErrorClass`` (or its value): an unknown class is a bug, raised here.
     """
 
-    def __init__(self, stage: str, kind: str, message: str, raw: str | None = None):
+    def __init__(self, stage: str, kind: RowErrorClass, message: str, raw: str | None = None):
         self.stage, self.kind, self.raw = stage, RowErrorClass(kind), raw
         super().__init__(message)
 

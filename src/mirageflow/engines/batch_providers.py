@@ -44,7 +44,7 @@ from mirageflow.config.types import BatchSettings, ProcessorConfig
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.http import is_context_length_error
 from mirageflow.engines.wire import Completion, Request, usage_counts
-from mirageflow.errors import MirageflowError
+from mirageflow.errors import MirageflowError, RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
 from mirageflow.redact import redact_text
 from mirageflow.transport.fetch import get_url
@@ -138,22 +138,22 @@ def _json(response, what: str) -> dict:
     return data
 
 
-def _classify(status: int | None, code: str | None, kind: str | None, message: str) -> str:
+def _classify(status: int | None, code: str | None, kind: str | None, message: str) -> E:
     """The row-error class of one failed request (HTTP status, error code or type, message)."""
     low = f"{code or ''} {kind or ''}".lower()
     if "content_policy" in low or "content_filter" in low:
-        return "content_filter"
+        return E.CONTENT_FILTER
     if is_context_length_error(message) or "context_length" in low or "prompt is too long" in message.lower():
-        return "context_length"
+        return E.CONTEXT_LENGTH
     if "request_too_large" in low or status == 413:
-        return "request_too_large"
+        return E.REQUEST_TOO_LARGE
     if status == 429 or "rate_limit" in low:
-        return "rate_limited"
+        return E.RATE_LIMITED
     if (status is not None and status >= 500) or "overloaded" in low or "api_error" in low:
-        return "provider_error"
+        return E.PROVIDER_ERROR
     if status is not None and 400 <= status < 500 or "invalid_request" in low or "not_found" in low or "permission" in low:
-        return "invalid_request"
-    return "provider_error"
+        return E.INVALID_REQUEST
+    return E.PROVIDER_ERROR
 
 
 # SGLang's sampling names -> OpenAI's (as the openai backend sends them; no engine imports another)
@@ -161,7 +161,7 @@ _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "content_filter": "abort"}
 
 
-def _failed(rid: int, kind: str, message: str) -> Completion:
+def _failed(rid: int, kind: E, message: str) -> Completion:
     return Completion(rid, "", 0, 0, "abort", kind, message)
 
 
@@ -368,7 +368,7 @@ class OpenAIBatches(Provider):
             reasoning=message.get("reasoning_content") or None,
         )  # fmt: skip
         if reason == "content_filter" or message.get("refusal"):
-            completion.error_kind = "content_filter"
+            completion.error_kind = E.CONTENT_FILTER
             completion.error = f"OpenAI: the content filter stopped the answer ({message.get('refusal') or reason})"
         return Outcome(cid, completion)
 
@@ -510,7 +510,7 @@ class AnthropicBatches(Provider):
                 cid, _failed(rid, _classify(None, None, inner.get("type"), message), f"Anthropic batch: {inner.get('type')}: {message}")
             )
         if kind != "succeeded":
-            return Outcome(cid, _failed(rid, "provider_error", f"Anthropic batch: unknown result type {kind!r}"))
+            return Outcome(cid, _failed(rid, E.PROVIDER_ERROR, f"Anthropic batch: unknown result type {kind!r}"))
         message = result.get("message") or {}
         text = "".join(b.get("text", "") for b in message.get("content") or [] if isinstance(b, dict) and b.get("type") == "text")
         thinking = "".join(
@@ -519,7 +519,7 @@ class AnthropicBatches(Provider):
         stop = message.get("stop_reason")
         completion = Completion(rid, text, *self.usage(line), self._STOP.get(stop, "stop"), reasoning=thinking or None)
         if stop == "refusal":
-            completion.error_kind = "content_filter"
+            completion.error_kind = E.CONTENT_FILTER
             completion.error = "Anthropic: the model refused (stop_reason refusal)"
         return Outcome(cid, completion)
 

@@ -32,7 +32,7 @@ class ImageError(MirageflowError):
     ``image_generation_failed`` (the server answered an error about this request, or
     the pipeline raised on it)."""
 
-    def __init__(self, kind: E | str, message: str):
+    def __init__(self, kind: E, message: str):
         super().__init__(message)
         self.kind = E(kind)  # a name the enum does not know raises here, where the error is made
 

@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from mirageflow.config.types import ImageGenProcessor
+from mirageflow.errors import RowErrorClass as E
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class DiffusersImages(ImageGenerator):
         if "out of memory" in str(e).lower():
             w.future.set_exception(RuntimeError(f"the diffusers pipeline ran out of memory: {e}"))
         else:
-            w.future.set_exception(ImageError("image_generation_failed", f"the diffusers pipeline failed: {type(e).__name__}: {e}"))
+            w.future.set_exception(ImageError(E.IMAGE_GENERATION_FAILED, f"the diffusers pipeline failed: {type(e).__name__}: {e}"))
 
     def _call(self, jobs: list[ImageJob]) -> list:
         """One pipeline call for jobs of one group (a worker thread): their images, or an
@@ -152,7 +153,7 @@ class DiffusersImages(ImageGenerator):
             raise RuntimeError(f"the pipeline returned {len(images)} images for {len(jobs)} prompts")
         flagged = getattr(output, "nsfw_content_detected", None) or [False] * len(jobs)
         return [
-            ImageError("content_filter", "the pipeline's safety checker flagged the image") if bad else image.convert("RGB")
+            ImageError(E.CONTENT_FILTER, "the pipeline's safety checker flagged the image") if bad else image.convert("RGB")
             for image, bad in zip(images, flagged)
         ]
 

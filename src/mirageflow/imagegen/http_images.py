@@ -34,7 +34,7 @@ from mirageflow.config.types import ImageGenProcessor
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.http import free_port
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess
-from mirageflow.errors import MirageflowError
+from mirageflow.errors import MirageflowError, RowErrorClass as E
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob, decode_b64, decode_image
 from mirageflow.redact import redact, redact_text
 from mirageflow.transport.fetch import get_url
@@ -117,14 +117,14 @@ class ExternalImages(ImageGenerator):
         what = f"{redact_text(self.base_url)}/images/generations"
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list) or not items or not isinstance(items[0], dict):
-            raise ImageError("image_undecodable", f"{what}: the answer has no data[0] ({str(data)[:200]})")
+            raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: the answer has no data[0] ({str(data)[:200]})")
         item = items[0]
         if item.get("b64_json") is not None:
             return await asyncio.to_thread(decode_b64, item["b64_json"], what)
         if item.get("url"):
             raw = await self._fetch(client, str(item["url"]))
             return await asyncio.to_thread(decode_image, raw, what)
-        raise ImageError("image_undecodable", f"{what}: data[0] holds neither b64_json nor url")
+        raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: data[0] holds neither b64_json nor url")
 
     async def _post(self, client: HTTPClient, body: dict) -> dict:
         what = f"POST {redact_text(self.base_url)}/images/generations"
@@ -139,21 +139,21 @@ class ExternalImages(ImageGenerator):
         except RetriesExhausted as e:
             if isinstance(e.last_error, DeadlineExceeded):
                 raise ImageError(
-                    "image_timeout", f"{what}: no image within timeout_seconds={timeout:g} (after {policy.retries} retries)"
+                    E.IMAGE_TIMEOUT, f"{what}: no image within timeout_seconds={timeout:g} (after {policy.retries} retries)"
                 ) from None
             if e.last_error is not None:
                 raise GeneratorFailed(f"{what}: the images server cannot be reached ({e}){self._why_gone()}") from None
-            raise ImageError("image_generation_failed", str(e)) from None
+            raise ImageError(E.IMAGE_GENERATION_FAILED, str(e)) from None
         except ResponseTooLarge as e:
-            raise ImageError("image_undecodable", f"{what}: {e}") from None
+            raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: {e}") from None
         status = response.status_code
         if 200 <= status < 300:
             try:
                 return response.json()
             except ValueError:
-                raise ImageError("image_undecodable", f"{what}: the answer is not JSON ({response.text[:200]!r})") from None
+                raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: the answer is not JSON ({response.text[:200]!r})") from None
         low = response.text.lower()
-        kind = "content_filter" if any(m in low for m in _POLICY_MARKERS) else "image_generation_failed"
+        kind = E.CONTENT_FILTER if any(m in low for m in _POLICY_MARKERS) else E.IMAGE_GENERATION_FAILED
         raise ImageError(kind, f"{what}: HTTP {status}: {error_message(response.content)}")
 
     async def _fetch(self, client: HTTPClient, url: str) -> bytes:
@@ -162,9 +162,9 @@ class ExternalImages(ImageGenerator):
         try:
             response = await get_url(client, url, timeout=float(self.processor.timeout_seconds))
         except TransportError as e:  # the row's image is not there
-            raise ImageError("image_undecodable", f"GET {redact_text(url)}: {type(e).__name__}: {e}") from None
+            raise ImageError(E.IMAGE_UNDECODABLE, f"GET {redact_text(url)}: {type(e).__name__}: {e}") from None
         if not 200 <= response.status_code < 300:
-            raise ImageError("image_undecodable", f"GET {redact_text(url)}: HTTP {response.status_code}")
+            raise ImageError(E.IMAGE_UNDECODABLE, f"GET {redact_text(url)}: HTTP {response.status_code}")
         return response.content
 
     def _why_gone(self) -> str:

@@ -393,7 +393,7 @@ class RecordRenderer:
             rendered = self._shape(variables)
             if self._index_field and not same_index(rendered.get("source_index"), source_index):
                 raise RowError(
-                    "render", "template_error",
+                    "render", E.TEMPLATE_ERROR,
                     f"processing_params.output_schema.source_index: {rendered.get('source_index')!r} is not this row's "
                     f"source_index {source_index}, which every record holds (the merge orders records by it)",
                 )  # fmt: skip
