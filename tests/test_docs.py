@@ -44,3 +44,13 @@ def test_module_paths_named_in_docstrings_exist():
             if not (SRC / room / f"{module}.py").exists():
                 missing.append(f"{path.relative_to(REPO)}: {room}/{module}.py")
     assert missing == []
+
+
+def test_the_index_of_tests_by_module_is_current_and_every_module_has_a_test():
+    """tests/README.md lists the tests of every module (scripts/test_index.py): a new module
+    without a test, a renamed test file, or an index left stale fails here."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "scripts/test_index.py", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
