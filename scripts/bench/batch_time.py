@@ -68,7 +68,7 @@ def run_once(model: Path, requests: int, tokens: int, commit_seconds: float | No
         "first": arrivals[0],
         "longest_gap": max(gaps),
         "tok_s": sum(c.completion_tokens for c in done) / wall,
-        "batches": engine.info.details["batch_time"],
+        "batch_time": engine.info.details["batch_time"],
     }
 
 
@@ -87,7 +87,7 @@ def main() -> None:
     for r in range(args.repeats):
         for name in sides if r % 2 == 0 else reversed(sides):
             runs[name].append(run_once(args.model, args.requests, args.tokens, sides[name]))
-            print(name, {k: v for k, v in runs[name][-1].items() if k != "batches"}, flush=True)
+            print(name, {k: v for k, v in runs[name][-1].items() if k != "batch_time"}, flush=True)
     figures = {}
     for name in sides:
         for key in ("first", "longest_gap", "tok_s"):
