@@ -188,6 +188,9 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
             f"{where}.native_n: only the {_listed(able, 'and')} backend{'s send' if len(able) > 1 else ' sends'} one request "
             f"with n; backend '{p['backend']}' sends one request per sample (see the key's description)"
         )
+    for key in RATE_LIMIT_KEYS:
+        if p.get(key) is not None and p["backend"] not in ("openai", "auto"):
+            problems.append(f"{where}.{key}: only backend openai paces its requests (this processor's backend is {p['backend']})")
     sampling = _max_tokens(dict(p["default_sampling_params"]), f"{where}.default_sampling_params", p["backend"], problems)
     kwargs = dict(p["chat_template_kwargs"])
     # MMIRAGE's location for chat-template switches has no effect in SGLang; honour it here.
@@ -213,6 +216,8 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         index=i,
         max_concurrency=p.get("max_concurrency"),
         retry_base_delay=p.get("retry_base_delay"),
+        max_requests_per_minute=p.get("max_requests_per_minute"),
+        max_tokens_per_minute=p.get("max_tokens_per_minute"),
     ), problems
 
 
@@ -233,6 +238,7 @@ def _max_tokens(params: dict, where: str, backend: str | None, problems: list[st
     return {("max_new_tokens" if k == "max_tokens" else k): v for k, v in params.items()}
 
 
+RATE_LIMIT_KEYS = ("max_requests_per_minute", "max_tokens_per_minute")  # backend openai's pace
 API_LLM_BACKEND = "openai"  # the engine that runs MMIRAGE's api_llm processors (an OpenAI-compatible server)
 API_LLM_DEFAULTS = {  # MMIRAGE's api_llm (core/process/processors/api_llm/config.py)
     "base_url": "https://api.openai.com/v1", "api_key_env": "OPENAI_API_KEY", "max_concurrency": 8, "max_retries": 3,

@@ -194,6 +194,8 @@ class ShardRunner:
                 engine = self.engine_factory(self.cfg.processors[name], self.cfg.batch_size, log_dir=self.log_dir)
                 if self.params.max_inflight:  # engines size their pools at load
                     engine.max_inflight = self.params.max_inflight
+                # one pace for the run's shards under the processor's rate limits
+                engine.rate_limit_file = StateLayout(self.cfg.state_dir).rate_limits(name)
                 if engine.keeps_state:  # a provider's batches, across attempts (engines/batch_api.py)
                     engine.bind_state(self.checkpoint, self.shard_id, self.n)
                 self.engines[name] = engine
