@@ -1,26 +1,28 @@
 """processors[].max_requests_per_minute and max_tokens_per_minute (issue 38, "limits kept, not
 discovered"): backend openai against a stand-in provider that enforces its limits
-(tests/fakes/fake_http.py ``RateLimits``: short windows, high limits, answering 429 with
+(tests/fakes/fake_http.py ``ProviderLimits``: short windows, high limits, answering 429 with
 OpenAI's headers past them). A shard under its limits gets no 429; the shards of a run share
 them (two shard processes, one budget in the state dir); the provider's headers slow a shard
 that has no limit of its own."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import time
 
 import pytest
 from fakes import drive
 from fakes.configs import pipeline_config
-from fakes.fake_http import Behaviour, FakeServer, RateLimits
+from fakes.fake_http import Behaviour, FakeServer, ProviderLimits
 from fakes.runs import start_shard_job
 
 from mirageflow.config import load_config
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.wire import Request
 from mirageflow.shard import index_datasets
-from mirageflow.transport.rate_limit import parse_duration
+from mirageflow.transport.rate_limit import RateLimiter, RateLimits, parse_duration
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("no_proxy")
 def provider():
     servers = []
 
-    def start(limits: RateLimits) -> FakeServer:
+    def start(limits: ProviderLimits) -> FakeServer:
         servers.append(FakeServer(Behaviour(rate_limits=limits)).start())
         return servers[-1]
 
@@ -65,10 +67,10 @@ def test_openai_durations_of_the_reset_headers():
     "limits, keys",
     [
         # 20 requests per half second is 2400 a minute; 40 requests at once would be 20 too many
-        (RateLimits(requests=20, seconds=0.5), {"max_requests_per_minute": 2400}),
+        (ProviderLimits(requests=20, seconds=0.5), {"max_requests_per_minute": 2400}),
         # ~11 tokens a request (6 of prompt as the provider counts, 5 of max_tokens): 200 per half
         # second lets ~18 of 40 through at once
-        (RateLimits(tokens=200, seconds=0.5), {"max_tokens_per_minute": 24000}),
+        (ProviderLimits(tokens=200, seconds=0.5), {"max_tokens_per_minute": 24000}),
     ],
     ids=["requests", "tokens"],
 )
@@ -85,7 +87,7 @@ def test_a_shard_under_its_limits_gets_no_429(provider, tmp_path, limits, keys):
 
 def test_the_shards_of_a_run_share_its_limits(provider, tmp_path):
     """Two shard processes at once, each alone allowed the whole limit: together they keep it."""
-    server = provider(RateLimits(requests=10, seconds=0.5))  # 1200 a minute
+    server = provider(ProviderLimits(requests=10, seconds=0.5))  # 1200 a minute
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"passage {i}"}) + "\n" for i in range(80)))
     raw = pipeline_config(
@@ -113,7 +115,7 @@ def test_the_shards_of_a_run_share_its_limits(provider, tmp_path):
 def test_the_providers_headers_slow_a_shard_without_limits_of_its_own(provider, tmp_path):
     """No limit configured, one request at a time: the answers' x-ratelimit-remaining/reset
     headers space the requests out before the provider's bucket runs dry."""
-    server = provider(RateLimits(requests=10, seconds=1))
+    server = provider(ProviderLimits(requests=10, seconds=1))
     engine = engine_for(server, tmp_path, max_concurrency=1)
     try:
         done = drive(engine, requests(20))
@@ -123,9 +125,43 @@ def test_the_providers_headers_slow_a_shard_without_limits_of_its_own(provider, 
     assert (server.admitted, server.rate_limited) == (20, 0)
 
 
-def test_rate_limit_keys_only_on_backend_openai(tmp_path):
+@pytest.mark.parametrize(
+    "processor",
+    [
+        {"backend": "sglang_server", "max_requests_per_minute": 100},
+        {"type": "batch_api", "provider": "openai", "max_tokens_per_minute": 1000, "server_args": None},
+    ],
+    ids=["sglang_server", "batch_api"],
+)
+def test_rate_limit_keys_where_nothing_paces_by_them_are_refused(tmp_path, processor):
     from mirageflow.config import ConfigError
 
-    raw = pipeline_config(tmp_path / "in.jsonl", processor={"backend": "sglang_server", "max_requests_per_minute": 100})
-    with pytest.raises(ConfigError, match=r"processors\[0\]\.max_requests_per_minute: only backend openai"):
+    raw = pipeline_config(tmp_path / "in.jsonl", processor=processor)
+    if raw["processors"][0]["server_args"] is None:
+        del raw["processors"][0]["server_args"]
+    with pytest.raises(ConfigError, match=r"processors\[0\]\.max_\w+_per_minute: only backend openai"):
         load_config(raw, check_paths=False)
+
+
+def test_a_cancelled_wait_gives_its_slot_back_and_other_limits_start_afresh(tmp_path):
+    """A shard stopping while its requests wait returns their slots to the run's budget; a
+    budget file kept for other limits (an edited config) is not held against the new ones."""
+    shared = tmp_path / "rate_limits" / "llm.json"
+    limiter = RateLimiter(RateLimits(requests_per_minute=60), shared)  # a slot a second
+
+    async def stop_a_waiter():
+        await limiter.acquire()  # at once; the next slot is a second on
+        waiting = asyncio.create_task(limiter.acquire())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(stop_a_waiter())
+    limiter.close()
+    next_slot = json.loads(shared.read_text())["requests"]
+    assert next_slot - time.time() < 1.0  # the first request's second only; 2 s had the waiter kept its slot
+    faster = RateLimiter(RateLimits(requests_per_minute=6000), shared)
+    asyncio.run(faster.acquire())
+    faster.close()
+    assert json.loads(shared.read_text())["requests"] - time.time() < 0.5

@@ -20,7 +20,7 @@ parts must be OpenAI's (text, image_url), else 400. OpenAI answers honour ``n`` 
 seeds in ``reject_seeds`` with a 400, and with ``seed_in_text`` end each choice with the seed
 that drew it, choice i of a request with seed s drawing with s + i as vLLM does.
 
-A provider's rate limits (``rate_limits``: a ``RateLimits`` of requests and tokens per
+A provider's rate limits (``rate_limits``: a ``ProviderLimits`` of requests and tokens per
 window, short windows for tests): each limit is a bucket of that size refilled continuously
 (as OpenAI's: its reset header is the time until full). An OpenAI request takes one request
 and its estimate of tokens (the prompt's tokens as counted here plus ``max_tokens`` per
@@ -28,7 +28,8 @@ choice) when it arrives, and the estimate is corrected to the answer's usage; on
 not fit is a 429 with OpenAI's ``rate_limit_exceeded`` body, a Retry-After (whole seconds
 until it would fit) and, on every answer, ``x-ratelimit-limit/remaining/reset-requests``
 and ``-tokens`` (durations as OpenAI writes them: ``1m30s``, ``250ms``). ``rate_limited``
-counts the 429s, ``admitted`` the requests let through, ``usage_tokens`` their usage.
+counts the 429s, ``admitted`` the requests let through (``admitted_at``: when), ``usage_tokens``
+their usage.
 
 ``/generate`` follows sglang 0.5.23 (srt/entrypoints/http_server.py ``generate_request``):
 a body outside the API contract (an unknown sampling parameter, a json_schema that is not
@@ -66,7 +67,7 @@ CONTEXT_ERROR = "The input (5000 tokens) is longer than the model's context leng
 
 
 @dataclass(frozen=True)
-class RateLimits:
+class ProviderLimits:
     """A provider's limits: ``requests`` and ``tokens`` (input + output) per ``seconds`` (None: no limit)."""
 
     requests: int | None = None
@@ -131,7 +132,7 @@ class Behaviour:
     # "vllm": /health, /version and vLLM's metric names (vllm/v1/metrics/loggers.py), which
     # count a request's prompt once per choice; "sglang": SGLang's
     flavour: str = "sglang"
-    rate_limits: RateLimits | None = None  # a provider's limits on the OpenAI endpoints
+    rate_limits: ProviderLimits | None = None  # a provider's limits on the OpenAI endpoints
 
 
 class _ListeningServer(ThreadingHTTPServer):
@@ -186,6 +187,7 @@ class FakeServer(LocalHTTPServer):
             name: _Bucket(size, limits.seconds) for name, size in (("requests", limits and limits.requests), ("tokens", limits and limits.tokens)) if size
         }  # fmt: skip
         self.rate_limited = self.admitted = self.usage_tokens = 0
+        self.admitted_at: list[float] = []  # time.monotonic() of each request let through
         self.listen(host, port, _handler(self))
 
     def admit(self, estimate: int) -> tuple[float, dict[str, str]]:
@@ -203,6 +205,7 @@ class FakeServer(LocalHTTPServer):
                 for name, bucket in self.buckets.items():
                     bucket.level -= cost[name]
                 self.admitted += 1
+                self.admitted_at.append(now)
             return wait, self.limit_headers()
 
     def correct(self, estimate: int, used: int) -> dict[str, str]:

@@ -8,7 +8,9 @@ one retry policy) calls both around every attempt, so a retry is paced like a fi
 - Pace: GCRA (the "theoretical arrival time" form of a leaky bucket) with no burst, one
   number per limit: a request may go at ``tat``; it moves ``tat`` on by its cost over the
   rate (1 request; its tokens). Sending reserves the slot at once and sleeps until it, so
-  requests queued behind the limit go out evenly at exactly the limit, never faster.
+  requests queued behind the limit go out evenly at exactly the limit, never faster. A
+  request cancelled while it waits (a shard stopping) gives its slot back; the file keeps
+  the limits it was paced for, and other limits (an edited config) start it afresh.
 - Tokens: input + output. Before sending, the request's own estimate (the engine's:
   its prompt's characters / 4 plus its ``max_new_tokens``, see engines/openai_engine.py);
   after, the answer's ``usage`` corrects it (``tat`` moves by the difference); a 429's
@@ -166,9 +168,13 @@ class RateLimiter:
 
     async def acquire(self, tokens: int = 0) -> Ticket:
         """Wait until a request of ``tokens`` (its estimate) may go, reserving its slot."""
+        if self.shared_file is None and not self._memory and not any(self.limits):
+            return Ticket(max(0, tokens))  # nothing to keep yet (no limits, no answer said any): no wait, ~free
         now = time.time()
         costs = {REQUESTS: 1, TOKENS: max(0, tokens)}
         with self._state() as state:
+            if any(self.limits) and state.get("limits") != list(self.limits):  # new, or the config's limits changed
+                state.update(limits=list(self.limits), **{dim: now for dim in (REQUESTS, TOKENS)})
             start = max(now, state.get("pause_until", 0.0))
             for dim in (REQUESTS, TOKENS):
                 if self._interval[dim] is not None:
@@ -185,8 +191,18 @@ class RateLimiter:
         wait = start - now
         if wait > 0:
             self.waited_seconds += wait
-            await asyncio.sleep(wait)
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:  # a shard stopping: its slots go back to the others
+                self._give_back(costs)
+                raise
         return Ticket(costs[TOKENS])
+
+    def _give_back(self, costs: dict[str, int]) -> None:
+        with self._state() as state:
+            for dim, interval in self._interval.items():
+                if interval is not None and dim in state:
+                    state[dim] -= costs[dim] * interval
 
     def settle(self, ticket: Ticket, response: Any | None) -> None:
         """Learn from the answer to a request ``acquire`` let go (None: no whole answer came)."""
