@@ -22,6 +22,7 @@ from mirageflow.config import load_config
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.wire import Request
 from mirageflow.shard import index_datasets
+from mirageflow.transport.http_client import Response
 from mirageflow.transport.rate_limit import RateLimiter, RateLimits, parse_duration
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -165,3 +166,22 @@ def test_a_cancelled_wait_gives_its_slot_back_and_other_limits_start_afresh(tmp_
     asyncio.run(faster.acquire())
     faster.close()
     assert json.loads(shared.read_text())["requests"] - time.time() < 0.5
+
+
+def test_the_answer_corrects_the_estimate_and_the_providers_word_holds_the_pace_back(tmp_path):
+    """usage replaces the estimate (a 429 gives it all back); Retry-After pauses every request;
+    x-ratelimit-remaining 0 with a reset holds requests until then."""
+    shared = tmp_path / "llm.json"
+    limiter = RateLimiter(RateLimits(tokens_per_minute=60_000), shared)  # a token a millisecond
+    state = lambda: json.loads(shared.read_text())  # noqa: E731
+    ticket = asyncio.run(limiter.acquire(500))  # the next request 0.5 s on
+    before = state()["tokens"]
+    limiter.settle(ticket, Response(200, {}, b'{"usage": {"prompt_tokens": 30, "completion_tokens": 70}}'))
+    assert state()["tokens"] == pytest.approx(before - 0.4)  # 100 tokens, not 500
+    limiter.settle(ticket, Response(429, {"retry-after": "2"}, b"{}"))
+    assert state()["tokens"] == pytest.approx(before - 0.9)  # the provider counted none of a refused one
+    assert 1.5 < state()["pause_until"] - time.time() <= 2
+    limiter.settle(ticket, Response(200, {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1m0s"}, b"{}"))
+    until, _, next_slot = state()["requests_headers"]
+    assert 59 < until - time.time() <= 60 and next_slot == until
+    limiter.close()
