@@ -125,8 +125,6 @@ class RateLimiter:
         self._fd: int | None = None
         self._memory: dict = {}
         self._thread_lock = threading.Lock()  # fcntl locks exclude processes, not threads of one
-        self.waited_seconds = 0.0  # time requests spent waiting for their slot
-        self.paused = 0  # answers whose headers or Retry-After held the pace back
 
     @property
     def counts_tokens(self) -> bool:
@@ -190,7 +188,6 @@ class RateLimiter:
                     hint[2] = start + costs[dim] * hint[1]
         wait = start - now
         if wait > 0:
-            self.waited_seconds += wait
             try:
                 await asyncio.sleep(wait)
             except asyncio.CancelledError:  # a shard stopping: its slots go back to the others
@@ -227,7 +224,6 @@ class RateLimiter:
                 state[TOKENS] = state.get(TOKENS, now) + correction * self._interval[TOKENS]
             if pause:
                 state["pause_until"] = max(state.get("pause_until", 0.0), now + pause)
-                self.paused += 1
             for dim, window in windows.items():
                 if window is None:
                     continue
@@ -236,7 +232,6 @@ class RateLimiter:
                 tat = hint[2] if hint and hint[0] > now else now
                 if left == 0:  # none left: nothing before the reset
                     state[f"{dim}_headers"] = [now + seconds, 0.0, max(tat, now + seconds)]
-                    self.paused += 1
                 else:
                     state[f"{dim}_headers"] = [now + seconds, seconds / left, tat]
 
