@@ -105,6 +105,23 @@ def no_proxy(monkeypatch):
 
 
 @pytest.fixture
+def raw_servers(no_proxy):
+    """Start scripted servers on real sockets (tests/fakes/raw_http.py): ``raw_servers(handler)``
+    returns a started RawServer; every one is stopped after the test."""
+    from fakes.raw_http import RawServer
+
+    started = []
+
+    def start(handler):
+        started.append(RawServer(handler))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
 def fake_sglang(monkeypatch):
     """A fresh fake sglang module as sys.modules['sglang'] (recorded state starts empty)."""
     spec = importlib.util.spec_from_file_location("sglang", FAKES / "fake_sglang.py")

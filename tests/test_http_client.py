@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fakes.raw_http import RawServer, answer
+from fakes.raw_http import answer
 from mirageflow.engines.http import EngineError, post_with_retries
 from mirageflow.transport.http_client import (
     DeadlineExceeded,
@@ -24,19 +24,6 @@ from mirageflow.transport.http_client import (
     dumps,
     loads,
 )
-
-
-@pytest.fixture
-def raw():
-    servers = []
-
-    def start(handler) -> RawServer:
-        servers.append(RawServer(handler))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.stop()
 
 
 def each_request(reply):
@@ -67,8 +54,8 @@ async def posts(client: HTTPClient, n: int, path: str = "/x", obj=None):
 # --------------------------------------------------------------------------- framing
 
 
-def test_content_length_answers_reuse_one_connection(raw):
-    s = raw(each_request(lambda conn, req, n: conn.send(answer(body=json.dumps({"n": n}).encode()))))
+def test_content_length_answers_reuse_one_connection(raw_servers):
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(answer(body=json.dumps({"n": n}).encode()))))
     client = HTTPClient(s.url, timeout=5)
     out = run(posts(client, 5))
     assert [r.json()["n"] for r in out] == list(range(5)) and all(r.status_code == 200 for r in out)
@@ -78,18 +65,18 @@ def test_content_length_answers_reuse_one_connection(raw):
     assert headers["host"] == f"127.0.0.1:{s.port}"
 
 
-def test_chunked_body_with_extensions_and_trailers(raw):
+def test_chunked_body_with_extensions_and_trailers(raw_servers):
     body = b'{"text": "' + b"x" * 5000 + b'"}'
     chunks = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(body[i : i + 777]), body[i : i + 777]) for i in range(0, len(body), 777))
     wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\nX-Trailer: 1\r\n\r\n"
-    s = raw(each_request(lambda conn, req, n: conn.send(wire)))
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(wire)))
     client = HTTPClient(s.url, timeout=5)
     out = run(posts(client, 2))
     assert all(r.json() == {"text": "x" * 5000} for r in out)
     assert s.connections == 1  # the trailers were read: the connection stayed usable
 
 
-def test_connection_close_and_a_body_to_eof(raw):
+def test_connection_close_and_a_body_to_eof(raw_servers):
     def reply(conn, req, n):
         if n % 2 == 0:
             conn.send(answer(body=b'{"n": %d}' % n, headers={"Connection": "close"}))
@@ -98,16 +85,16 @@ def test_connection_close_and_a_body_to_eof(raw):
         conn.close()
         return False
 
-    s = raw(each_request(reply))
+    s = raw_servers(each_request(reply))
     client = HTTPClient(s.url, timeout=5)
     out = run(posts(client, 4))
     assert [r.json()["n"] for r in out] == [0, 1, 2, 3]
     assert s.connections == 4  # none reused
 
 
-def test_an_answer_in_one_byte_pieces_and_an_interim_100(raw):
+def test_an_answer_in_one_byte_pieces_and_an_interim_100(raw_servers):
     wire = b"HTTP/1.1 100 Continue\r\n\r\n" + answer(body=b'{"slow": true}', headers={"X-A": "1", "x-a": "2"})
-    s = raw(each_request(lambda conn, req, n: conn.send(wire, pause=0.001, step=1)))
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(wire, pause=0.001, step=1)))
     (r,) = run(posts(HTTPClient(s.url, timeout=10), 1))
     assert r.json() == {"slow": True} and r.headers["x-a"] == "1, 2"
 
@@ -123,8 +110,8 @@ def test_an_answer_in_one_byte_pieces_and_an_interim_100(raw):
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "Transfer-Encoding 'gzip'"),
     (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", "header block or chunk-size line over"),
 ])  # fmt: skip
-def test_malformed_answers_are_transport_errors(raw, wire, match):
-    s = raw(each_request(lambda conn, req, n: conn.send(wire)))
+def test_malformed_answers_are_transport_errors(raw_servers, wire, match):
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(wire)))
     with pytest.raises(TransportError, match=match):
         run(posts(HTTPClient(s.url, timeout=5), 1))
 
@@ -132,17 +119,17 @@ def test_malformed_answers_are_transport_errors(raw, wire, match):
 # --------------------------------------------------------------------------- limits and deadlines
 
 
-def test_a_trickle_fails_at_the_total_deadline(raw):
+def test_a_trickle_fails_at_the_total_deadline(raw_servers):
     wire = answer(body=b'{"a": "' + b"x" * 200 + b'"}')
-    s = raw(each_request(lambda conn, req, n: conn.send(wire, pause=0.05, step=1)))  # 1 byte / 50 ms: each read is quick
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(wire, pause=0.05, step=1)))  # 1 byte / 50 ms: each read is quick
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded, match=r"no whole answer from http://127\.0\.0\.1:\d+/x within 0\.5 s"):
         run(posts(HTTPClient(s.url, timeout=0.5), 1))
     assert 0.45 < time.monotonic() - t0 < 2.0
 
 
-def test_a_silent_server_fails_at_the_deadline_and_connecting_has_its_own(raw):
-    s = raw(each_request(lambda conn, req, n: time.sleep(3)))
+def test_a_silent_server_fails_at_the_deadline_and_connecting_has_its_own(raw_servers):
+    s = raw_servers(each_request(lambda conn, req, n: time.sleep(3)))
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         run(HTTPClient(s.url, timeout=0.3).get("/health"))
@@ -152,7 +139,7 @@ def test_a_silent_server_fails_at_the_deadline_and_connecting_has_its_own(raw):
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked", "eof"])
-def test_an_oversized_body_is_refused(raw, framing):
+def test_an_oversized_body_is_refused(raw_servers, framing):
     big = b"x" * 5000
     wire = {
         "length": answer(body=big),
@@ -166,7 +153,7 @@ def test_an_oversized_body_is_refused(raw, framing):
             conn.close()
             return False
 
-    s = raw(each_request(reply))
+    s = raw_servers(each_request(reply))
     with pytest.raises(ResponseTooLarge, match="a body over 4,000 bytes"):
         run(posts(HTTPClient(s.url, timeout=5, max_body_bytes=4000), 1))
 
@@ -174,7 +161,7 @@ def test_an_oversized_body_is_refused(raw, framing):
 # --------------------------------------------------------------------------- keep-alive after errors
 
 
-def test_a_reset_mid_body_fails_that_request_and_the_next_one_works(raw):
+def test_a_reset_mid_body_fails_that_request_and_the_next_one_works(raw_servers):
     def reply(conn, req, n):
         if n == 0:
             conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
@@ -183,7 +170,7 @@ def test_a_reset_mid_body_fails_that_request_and_the_next_one_works(raw):
             return False
         conn.send(answer())
 
-    s = raw(each_request(reply))
+    s = raw_servers(each_request(reply))
     client = HTTPClient(s.url, timeout=5)
 
     async def go():
@@ -195,14 +182,14 @@ def test_a_reset_mid_body_fails_that_request_and_the_next_one_works(raw):
     assert s.connections == 2
 
 
-def test_a_connection_the_server_closed_while_idle_is_not_used(raw):
+def test_a_connection_the_server_closed_while_idle_is_not_used(raw_servers):
     def reply(conn, req, n):  # answers keep-alive, then hangs up without saying so
         conn.send(answer())
         time.sleep(0.05)
         conn.close()
         return False
 
-    s = raw(each_request(reply))
+    s = raw_servers(each_request(reply))
     client = HTTPClient(s.url, timeout=5)
 
     async def go():
@@ -216,7 +203,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_used(raw):
     assert s.connections == 3
 
 
-def test_a_reused_connection_closed_as_we_send_is_retried_once(raw):
+def test_a_reused_connection_closed_as_we_send_is_retried_once(raw_servers):
     def reply(conn, req, n):
         if n == 0:
             conn.send(answer())
@@ -225,20 +212,20 @@ def test_a_reused_connection_closed_as_we_send_is_retried_once(raw):
             return False
         conn.send(answer(body=b'{"second": true}'))
 
-    s = raw(each_request(reply))
+    s = raw_servers(each_request(reply))
     client = HTTPClient(s.url, timeout=5)
     out = run(posts(client, 2))
     assert out[1].json() == {"second": True} and s.connections == 2
 
 
-def test_a_fresh_connection_that_closes_without_answering_is_an_error(raw):
-    s = raw(lambda conn: (conn.read_request(), conn.close()))
+def test_a_fresh_connection_that_closes_without_answering_is_an_error(raw_servers):
+    s = raw_servers(lambda conn: (conn.read_request(), conn.close()))
     with pytest.raises(TransportError, match="closed mid-answer"):
         run(posts(HTTPClient(s.url, timeout=5), 1))
 
 
-def test_the_client_works_across_event_loops(raw):
-    s = raw(each_request(lambda conn, req, n: conn.send(answer())))
+def test_the_client_works_across_event_loops(raw_servers):
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(answer())))
     client = HTTPClient(s.url, timeout=5, max_connections=2)
     for _ in range(3):  # each asyncio.run is a new loop: a new pool
         assert [r.status_code for r in run(posts(client, 2))] == [200, 200]
@@ -247,7 +234,7 @@ def test_the_client_works_across_event_loops(raw):
         run(posts(client, 1))
 
 
-def test_max_connections_caps_requests_in_flight(raw):
+def test_max_connections_caps_requests_in_flight(raw_servers):
     peak, now, lock = [0], [0], threading.Lock()
 
     def reply(conn, req, n):
@@ -259,7 +246,7 @@ def test_max_connections_caps_requests_in_flight(raw):
             now[0] -= 1
         conn.send(answer())
 
-    s = raw(each_request(reply))
+    s = raw_servers(each_request(reply))
     client = HTTPClient(s.url, timeout=5, max_connections=3)
 
     async def go():
@@ -271,8 +258,8 @@ def test_max_connections_caps_requests_in_flight(raw):
 # --------------------------------------------------------------------------- URL, auth, secrets
 
 
-def test_base_url_path_query_and_userinfo(raw):
-    s = raw(each_request(lambda conn, req, n: conn.send(answer())))
+def test_base_url_path_query_and_userinfo(raw_servers):
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(answer())))
     url = s.url.replace("http://", "http://me:p%40ss@") + "/v1/?key=sek&x"
     client = HTTPClient(url, timeout=5, headers={"X-Extra": "1"})
     run(client.post_json("/chat/completions", {}))
@@ -295,8 +282,8 @@ def test_display_url_masks_every_secret():
     assert display_url("http://h:8000/v1") == "http://h:8000/v1"
 
 
-def test_errors_never_show_the_password_or_query_values(raw):
-    s = raw(lambda conn: (conn.read_request(), conn.reset()))
+def test_errors_never_show_the_password_or_query_values(raw_servers):
+    s = raw_servers(lambda conn: (conn.read_request(), conn.reset()))
     url = s.url.replace("http://", "http://me:hunter2@") + "/v1?key=sk-query-secret"
     for target in (url, "http://me:hunter2@127.0.0.1:9/v1?key=sk-query-secret"):
         with pytest.raises(TransportError) as err:
@@ -333,7 +320,7 @@ def retrying(client, path="/x", **kw):
     return post_with_retries(client, path, {"q": 1}, **kw)
 
 
-def test_429_with_retry_after_and_5xx_are_retried(raw):
+def test_429_with_retry_after_and_5xx_are_retried(raw_servers):
     times = []
 
     def reply(conn, req, n):
@@ -345,18 +332,18 @@ def test_429_with_retry_after_and_5xx_are_retried(raw):
         else:
             conn.send(answer(body=b'{"done": 1}'))
 
-    s = raw(each_request(reply))
+    s = raw_servers(each_request(reply))
     response = run(retrying(HTTPClient(s.url, timeout=5)))
     assert response.json() == {"done": 1} and len(times) == 3
     assert times[1] - times[0] >= 0.39  # Retry-After honoured
 
 
-def test_a_non_json_answer_is_retried_then_fails_naming_the_redacted_url(raw):
+def test_a_non_json_answer_is_retried_then_fails_naming_the_redacted_url(raw_servers):
     bodies = [b"<html>proxy error</html>", b'{"fine": true}']
-    s = raw(each_request(lambda conn, req, n: conn.send(answer(body=bodies[min(n, 1)], headers={"Content-Type": "text/html"}))))
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(answer(body=bodies[min(n, 1)], headers={"Content-Type": "text/html"}))))
     assert run(retrying(HTTPClient(s.url, timeout=5))).json() == {"fine": True}  # once, then JSON
 
-    s = raw(each_request(lambda conn, req, n: conn.send(answer(body=b"<html>always</html>"))))
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(answer(body=b"<html>always</html>"))))
     client = HTTPClient(s.url.replace("http://", "http://me:hunter2@") + "/v1?key=sk-q", timeout=5)
     with pytest.raises(EngineError) as err:
         run(retrying(client, "/chat/completions", max_retries=2))
@@ -366,14 +353,14 @@ def test_a_non_json_answer_is_retried_then_fails_naming_the_redacted_url(raw):
     assert "hunter2" not in message and "sk-q" not in message and len(s.requests) == 3
 
 
-def test_deadlines_per_attempt_and_an_oversized_answer_is_not_retried(raw):
-    s = raw(each_request(lambda conn, req, n: time.sleep(1)))
+def test_deadlines_per_attempt_and_an_oversized_answer_is_not_retried(raw_servers):
+    s = raw_servers(each_request(lambda conn, req, n: time.sleep(1)))
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=r"no answer within request_timeout=0\.2 s"):
         run(retrying(HTTPClient(s.url), timeout=0.2, max_retries=1))
     assert time.monotonic() - t0 < 1.5  # 2 attempts x 0.2 s + backoff
 
-    s = raw(each_request(lambda conn, req, n: conn.send(answer(body=b"x" * 2000))))
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(answer(body=b"x" * 2000))))
     with pytest.raises(EngineError, match="a body over 1,000 bytes"):
         run(retrying(HTTPClient(s.url, timeout=5, max_body_bytes=1000)))
     assert len(s.requests) == 1
@@ -383,7 +370,7 @@ def test_deadlines_per_attempt_and_an_oversized_answer_is_not_retried(raw):
 
 
 @pytest.fixture
-def proxy(raw):
+def proxy(raw_servers):
     """An HTTP proxy: absolute-form requests forwarded, CONNECT tunnels piped."""
     import socket
 
@@ -414,7 +401,7 @@ def proxy(raw):
         conn.send(b"".join(iter(lambda: upstream.recv(65536), b"")))
         conn.close()
 
-    server = raw(handler)
+    server = raw_servers(handler)
     server.seen = seen
     return server
 
@@ -437,8 +424,8 @@ def pipe(a, b):
     copy(a, b)
 
 
-def test_requests_go_through_the_environments_http_proxy(raw, proxy, monkeypatch):
-    s = raw(each_request(lambda conn, req, n: conn.send(answer(headers={"Connection": "close"})) or False))
+def test_requests_go_through_the_environments_http_proxy(raw_servers, proxy, monkeypatch):
+    s = raw_servers(each_request(lambda conn, req, n: conn.send(answer(headers={"Connection": "close"})) or False))
     monkeypatch.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://pu:pp@"))
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
@@ -466,7 +453,7 @@ def certificate(tmp_path_factory):
     return d / "cert.pem", d / "key.pem"
 
 
-def test_https_direct_and_through_a_connect_tunnel(raw, proxy, certificate, monkeypatch):
+def test_https_direct_and_through_a_connect_tunnel(raw_servers, proxy, certificate, monkeypatch):
     cert, key = certificate
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
@@ -476,7 +463,7 @@ def test_https_direct_and_through_a_connect_tunnel(raw, proxy, certificate, monk
         while (request := conn.read_request()) is not None:
             conn.send(answer(body=json.dumps({"path": request[0].split(" ")[1]}).encode()))
 
-    s = raw(handler)
+    s = raw_servers(handler)
     url = f"https://127.0.0.1:{s.port}/v1"
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     with pytest.raises(TransportError, match="CERTIFICATE_VERIFY_FAILED"):  # not trusted yet

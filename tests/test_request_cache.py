@@ -14,15 +14,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 from fakes.configs import pipeline_config
 from fakes.fake_http import Behaviour, FakeServer
+from fakes.runs import start_shard_job
 
 from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
@@ -609,31 +607,12 @@ def test_answers_holding_unicode_line_breaks_are_read_back(tmp_path):
     assert not (again.dir / "damaged").exists()
 
 
-SHARD_JOB = """
-import sys
-from mirageflow.config import load_config
-from mirageflow.shard import run_shard
-import yaml
-run_shard(load_config(sys.argv[1]), int(sys.argv[2]))
-"""
-
-
-def _run_job(root: Path, raw: dict, shard: int) -> subprocess.Popen:
-    import yaml
-
-    path = root / f"pipeline_{shard}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.Popen([sys.executable, "-c", SHARD_JOB, str(path), str(shard)], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-
-
 def test_concurrent_shards_keep_their_own_caches(tmp_path):
     server = FakeServer(Behaviour(latency=0.05)).start()
     try:
         raw = pipeline(tmp_path, server, rows=[{"text": f"passage {i}"} for i in range(12)], num_shards=2)
         index_datasets(load_config(copy.deepcopy(raw)))
-        jobs = [_run_job(tmp_path, raw, k) for k in (0, 1)]
+        jobs = [start_shard_job(tmp_path, raw, k) for k in (0, 1)]
         outs = [j.communicate(timeout=120)[0] for j in jobs]
         assert all(j.returncode == 0 for j in jobs), outs
         assert server.peak_in_flight > 1
@@ -644,7 +623,7 @@ def test_concurrent_shards_keep_their_own_caches(tmp_path):
         edited = copy.deepcopy(raw)
         edited["processing_params"]["output_schema"] = {"s": "{{ summary }}"}
         sent = len(server.records)
-        jobs = [_run_job(tmp_path, edited, k) for k in (0, 1)]
+        jobs = [start_shard_job(tmp_path, edited, k) for k in (0, 1)]
         assert all(j.wait(timeout=120) == 0 for j in jobs)
         assert len(server.records) == sent
     finally:
@@ -659,7 +638,7 @@ def test_a_shard_killed_mid_commit_resumes_with_a_whole_cache(tmp_path):
         raw = pipeline(tmp_path, server, rows=[{"text": f"passage {i}"} for i in range(40)])
         raw["shard_params"].update(checkpoint_rows=1, max_inflight=4)
         index_datasets(load_config(copy.deepcopy(raw)))
-        job = _run_job(tmp_path, raw, 0)
+        job = start_shard_job(tmp_path, raw, 0)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(server.records) < 30:
             time.sleep(0.01)

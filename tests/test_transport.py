@@ -19,19 +19,6 @@ SECRET = "sk-never-elsewhere"
 CREDENTIALS = {"X-Custom-Key": SECRET, "Authorization": f"Bearer {SECRET}"}
 
 
-@pytest.fixture
-def servers(no_proxy):
-    started = []
-
-    def start(handler) -> RawServer:
-        started.append(RawServer(handler))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.stop()
-
-
 def each_request(reply):
     def handler(conn):
         while (req := conn.read_request()) is not None:
@@ -44,9 +31,9 @@ def _sent_secret(server: RawServer) -> bool:
     return any(SECRET in value for _, headers, _ in server.requests for value in headers.values())
 
 
-def test_the_configured_origin_gets_the_credentials_and_no_other_origin_does(servers):
-    home = servers(each_request(lambda req: answer(body=b"home")))
-    other = servers(each_request(lambda req: answer(body=b"other")))
+def test_the_configured_origin_gets_the_credentials_and_no_other_origin_does(raw_servers):
+    home = raw_servers(each_request(lambda req: answer(body=b"home")))
+    other = raw_servers(each_request(lambda req: answer(body=b"other")))
     client = HTTPClient(home.url + "/v1", credentials=CREDENTIALS, timeout=5)
 
     async def fetch_all():
@@ -65,21 +52,21 @@ def test_the_configured_origin_gets_the_credentials_and_no_other_origin_does(ser
     assert len(other.requests) == 2 and not _sent_secret(other)
 
 
-def test_another_scheme_on_the_same_host_and_port_gets_no_credentials(servers):
+def test_another_scheme_on_the_same_host_and_port_gets_no_credentials(raw_servers):
     seen = []
 
     def record(conn):
         seen.append(conn.sock.recv(65536))
 
-    plain = servers(record)
+    plain = raw_servers(record)
     client = HTTPClient(plain.url, credentials=CREDENTIALS, timeout=5)
     with pytest.raises(TransportError):  # a TLS handshake against a socket that hangs up
         asyncio.run(get_url(client, plain.url.replace("http://", "https://") + "/x", timeout=5))
     assert seen and all(SECRET.encode() not in data for data in seen)
 
 
-def test_a_redirect_target_gets_no_credentials_even_on_the_same_origin(servers):
-    other = servers(each_request(lambda req: answer(body=b"there")))
+def test_a_redirect_target_gets_no_credentials_even_on_the_same_origin(raw_servers):
+    other = raw_servers(each_request(lambda req: answer(body=b"there")))
 
     def home_reply(req):
         line = req[0]
@@ -89,7 +76,7 @@ def test_a_redirect_target_gets_no_credentials_even_on_the_same_origin(servers):
             return answer(307, b"", {"Location": other.url + "/third"})
         return answer(404)
 
-    home = servers(each_request(home_reply))
+    home = raw_servers(each_request(home_reply))
     client = HTTPClient(home.url + "/v1", credentials=CREDENTIALS, timeout=5)
     response = asyncio.run(get_url(client, home.url + "/v1/first", timeout=5))
     assert response.status_code == 200 and response.content == b"there"
@@ -99,8 +86,8 @@ def test_a_redirect_target_gets_no_credentials_even_on_the_same_origin(servers):
     assert len(other.requests) == 1 and not _sent_secret(other)
 
 
-def test_an_api_key_takes_precedence_over_userinfo_and_userinfo_alone_is_basic_auth(servers):
-    home = servers(each_request(lambda req: answer()))
+def test_an_api_key_takes_precedence_over_userinfo_and_userinfo_alone_is_basic_auth(raw_servers):
+    home = raw_servers(each_request(lambda req: answer()))
     with_userinfo = home.url.replace("http://", "http://user:pw@") + "/v1"
 
     async def go():
@@ -119,8 +106,8 @@ def test_an_api_key_takes_precedence_over_userinfo_and_userinfo_alone_is_basic_a
     assert bare["authorization"] == "Basic " + base64.b64encode(b"user:pw").decode()
 
 
-def test_statuses_are_classified_once_and_permanent_ones_are_not_retried(servers):
-    home = servers(each_request(lambda req: answer(404, b'{"error": {"message": "no such batch"}}')))
+def test_statuses_are_classified_once_and_permanent_ones_are_not_retried(raw_servers):
+    home = raw_servers(each_request(lambda req: answer(404, b'{"error": {"message": "no such batch"}}')))
     assert [classify(s) for s in (200, 429, 503, 401, 403, 404, 400, 422)] == ["ok"] + [TRANSIENT] * 2 + [PERMANENT] * 3 + [REFUSED] * 2
     client = HTTPClient(home.url, credentials=CREDENTIALS, timeout=5)
     policy = RetryPolicy(retries=3, base_delay=0.01, max_delay=0.01, timeout=5)

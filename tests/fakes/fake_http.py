@@ -20,6 +20,17 @@ parts must be OpenAI's (text, image_url), else 400. OpenAI answers honour ``n`` 
 seeds in ``reject_seeds`` with a 400, and with ``seed_in_text`` end each choice with the seed
 that drew it, choice i of a request with seed s drawing with s + i as vLLM does.
 
+A provider's rate limits (``rate_limits``: a ``ProviderLimits`` of requests and tokens per
+window, short windows for tests): each limit is a bucket of that size refilled continuously
+(as OpenAI's: its reset header is the time until full). An OpenAI request takes one request
+and its estimate of tokens (the prompt's tokens as counted here plus ``max_tokens`` per
+choice) when it arrives, and the estimate is corrected to the answer's usage; one that does
+not fit is a 429 with OpenAI's ``rate_limit_exceeded`` body, a Retry-After (whole seconds
+until it would fit) and, on every answer, ``x-ratelimit-limit/remaining/reset-requests``
+and ``-tokens`` (durations as OpenAI writes them: ``1m30s``, ``250ms``). ``rate_limited``
+counts the 429s, ``admitted`` the requests let through (``admitted_at``: when), ``usage_tokens``
+their usage.
+
 ``/generate`` follows sglang 0.5.23 (srt/entrypoints/http_server.py ``generate_request``):
 a body outside the API contract (an unknown sampling parameter, a json_schema that is not
 a string) is a 400 ``{"error": "<contract message>"}`` (api_contract.py); a ValueError is a
@@ -36,6 +47,7 @@ Used in a thread by tests (``FakeServer(...).start()``) and as the core of
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -52,6 +64,44 @@ except ImportError:  # run as a script from tests/fakes (fake_sglang_server.py)
 _FACTS = json.loads(Path(__file__).with_name("sglang_facts.json").read_text())
 
 CONTEXT_ERROR = "The input (5000 tokens) is longer than the model's context length (2048 tokens)."
+
+
+@dataclass(frozen=True)
+class ProviderLimits:
+    """A provider's limits: ``requests`` and ``tokens`` (input + output) per ``seconds`` (None: no limit)."""
+
+    requests: int | None = None
+    tokens: int | None = None
+    seconds: float = 60.0
+
+
+class _Bucket:
+    """``size`` units refilled at ``size`` per ``seconds``, continuously."""
+
+    def __init__(self, size: int, seconds: float):
+        self.size, self.rate = size, size / seconds
+        self.level, self.at = float(size), time.monotonic()
+
+    def refill(self, now: float) -> None:
+        self.level, self.at = min(self.size, self.level + (now - self.at) * self.rate), now
+
+    def wait(self, amount: float) -> float:
+        return max(0.0, (amount - self.level) / self.rate)
+
+    def headers(self, name: str) -> dict[str, str]:
+        return {
+            f"x-ratelimit-limit-{name}": str(self.size),
+            f"x-ratelimit-remaining-{name}": str(max(0, int(self.level))),
+            f"x-ratelimit-reset-{name}": openai_duration((self.size - self.level) / self.rate),
+        }
+
+
+def openai_duration(seconds: float) -> str:
+    """A duration as OpenAI's rate-limit headers write it: ``250ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.3f}".rstrip("0").rstrip(".") + "s" if minutes else f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
 
 
 @dataclass
@@ -82,6 +132,7 @@ class Behaviour:
     # "vllm": /health, /version and vLLM's metric names (vllm/v1/metrics/loggers.py), which
     # count a request's prompt once per choice; "sglang": SGLang's
     flavour: str = "sglang"
+    rate_limits: ProviderLimits | None = None  # a provider's limits on the OpenAI endpoints
 
 
 class _ListeningServer(ThreadingHTTPServer):
@@ -131,7 +182,46 @@ class FakeServer(LocalHTTPServer):
         # (whole prompts only; the choices of one request are computed together, no hit)
         self.choice_prompt_tokens = self.cache_hits = self.answered_choices = 0
         self.seen_prompts: set[str] = set()
+        limits = self.behaviour.rate_limits
+        self.buckets = {
+            name: _Bucket(size, limits.seconds) for name, size in (("requests", limits and limits.requests), ("tokens", limits and limits.tokens)) if size
+        }  # fmt: skip
+        self.rate_limited = self.admitted = self.usage_tokens = 0
+        self.admitted_at: list[float] = []  # time.monotonic() of each request let through
         self.listen(host, port, _handler(self))
+
+    def admit(self, estimate: int) -> tuple[float, dict[str, str]]:
+        """Take a request and ``estimate`` tokens from the buckets: (0, headers), or (seconds
+        until they would fit, headers) and nothing taken."""
+        with self.lock:
+            now = time.monotonic()
+            cost = {"requests": 1, "tokens": estimate}
+            for bucket in self.buckets.values():
+                bucket.refill(now)
+            wait = max((b.wait(cost[name]) for name, b in self.buckets.items()), default=0.0)
+            if wait > 0:
+                self.rate_limited += 1
+            else:
+                for name, bucket in self.buckets.items():
+                    bucket.level -= cost[name]
+                self.admitted += 1
+                self.admitted_at.append(now)
+            return wait, self.limit_headers()
+
+    def correct(self, estimate: int, used: int) -> dict[str, str]:
+        """The tokens bucket charged ``used`` for a request admitted at ``estimate``; the headers then."""
+        with self.lock:
+            if "tokens" in self.buckets:
+                self.buckets["tokens"].refill(time.monotonic())
+                self.buckets["tokens"].level -= used - estimate
+            self.usage_tokens += used
+            return self.limit_headers()
+
+    def limit_headers(self) -> dict[str, str]:
+        headers = {}
+        for name, bucket in self.buckets.items():
+            headers.update(bucket.headers(name))
+        return headers
 
     def next_action(self) -> str:
         with self.lock:
@@ -209,13 +299,15 @@ def _handler(server: FakeServer):
         def log_message(self, fmt, *args):  # quiet; the stand-in logs what matters
             pass
 
-        def _send(self, status: int, body, content_type: str = "application/json") -> None:
+        def _send(self, status: int, body, content_type: str = "application/json", headers: dict | None = None) -> None:
             data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
-            if status == 429:
+            if status == 429 and not (headers and "Retry-After" in headers):
                 self.send_header("Retry-After", "0")
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             try:
                 self.wfile.write(data)
@@ -275,6 +367,13 @@ def _handler(server: FakeServer):
             if action != "ok":
                 status = int(action)
                 return self._send(status, {"object": "error", "message": f"fake {status}", "code": status})
+            limited = server.buckets and self.path != "/generate"
+            if limited:
+                estimate = self._estimate(body)
+                wait, headers = server.admit(estimate)
+                if wait > 0:
+                    error = {"message": "Rate limit reached (fake)", "type": "requests", "code": "rate_limit_exceeded"}
+                    return self._send(429, {"error": error}, headers={**headers, "Retry-After": str(math.ceil(wait))})
             with server.lock:
                 server.in_flight += 1
                 server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
@@ -290,7 +389,16 @@ def _handler(server: FakeServer):
             finally:
                 with server.lock:
                     server.in_flight -= 1
+            if limited:
+                used = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] if status == 200 else 0
+                return self._send(status, answer, headers=server.correct(estimate, used))
             self._send(status, answer)
+
+        def _estimate(self, body: dict) -> int:
+            """A request's tokens as the provider counts them on arrival: its prompt's, and max_tokens per choice."""
+            chat = self.path == "/v1/chat/completions"
+            source = json.dumps(body.get("messages")) if chat else str(body.get("prompt", ""))
+            return len(source.split()) + int(body.get("max_tokens") or 0) * int(body.get("n") or 1)
 
         def _count(self, prompt: int, completion: int) -> None:
             with server.lock:

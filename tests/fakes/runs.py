@@ -1,5 +1,5 @@
 """A run's on-disk state written by hand (status.json, failure.json, parts, gpu_samples.json), and
-what the report embeds, read back."""
+what the report embeds, read back; a shard job started as its own process (``start_shard_job``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import base64
 import json
 import math
 import random
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from mirageflow.data.writers import write_part
@@ -15,6 +18,26 @@ from mirageflow.files import atomic_write_json
 from mirageflow.stats import formulas as stats
 
 GPU = "NVIDIA H100 80GB HBM3"
+REPO = Path(__file__).resolve().parents[2]
+
+SHARD_JOB = """
+import sys
+from mirageflow.config import load_config
+from mirageflow.shard import run_shard
+run_shard(load_config(sys.argv[1]), int(sys.argv[2]))
+"""
+
+
+def start_shard_job(root: Path, raw: dict, shard: int) -> subprocess.Popen:
+    """Shard ``shard`` of the config ``raw`` (written to root/pipeline_<shard>.yaml) run in a
+    process of its own, as a job runs it (without Snakemake), output merged into a text pipe."""
+    import yaml
+
+    path = root / f"pipeline_{shard}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.Popen([sys.executable, "-c", SHARD_JOB, str(path), str(shard)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
 def make_state(root: Path, num_shards: int = 6, gpu_samples: bool = True, seed: int = 1) -> Path:

@@ -161,6 +161,14 @@ def _foreign_keys(p: dict, where: str, keys: tuple[str, ...], owner: str) -> lis
     return [f"{where}.{key}: only {owner} processors have {key} (this one is of type {p['type']})" for key in keys if key in p]
 
 
+def _rate_limit_problems(p: dict, where: str, what: str) -> list[str]:
+    """max_requests/tokens_per_minute set on a processor that nothing paces by them."""
+    return [
+        f"{where}.{key}: only backend openai (and type api_llm) paces its requests by it (this processor's {what})"
+        for key in RATE_LIMIT_KEYS if p.get(key) is not None
+    ]  # fmt: skip
+
+
 def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ProcessorConfig | None, list[str]]:
     """A processor that runs a model (type llm): its engine's settings."""
     where = f"processors[{i}]"
@@ -188,6 +196,8 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
             f"{where}.native_n: only the {_listed(able, 'and')} backend{'s send' if len(able) > 1 else ' sends'} one request "
             f"with n; backend '{p['backend']}' sends one request per sample (see the key's description)"
         )
+    if p["backend"] not in (API_LLM_BACKEND, registry.AUTO):
+        problems += _rate_limit_problems(p, where, f"backend is {p['backend']}")
     sampling = _max_tokens(dict(p["default_sampling_params"]), f"{where}.default_sampling_params", p["backend"], problems)
     kwargs = dict(p["chat_template_kwargs"])
     # MMIRAGE's location for chat-template switches has no effect in SGLang; honour it here.
@@ -213,6 +223,8 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         index=i,
         max_concurrency=p.get("max_concurrency"),
         retry_base_delay=p.get("retry_base_delay"),
+        max_requests_per_minute=p.get("max_requests_per_minute"),
+        max_tokens_per_minute=p.get("max_tokens_per_minute"),
     ), problems
 
 
@@ -233,6 +245,7 @@ def _max_tokens(params: dict, where: str, backend: str | None, problems: list[st
     return {("max_new_tokens" if k == "max_tokens" else k): v for k, v in params.items()}
 
 
+RATE_LIMIT_KEYS = ("max_requests_per_minute", "max_tokens_per_minute")  # backend openai's pace
 API_LLM_BACKEND = "openai"  # the engine that runs MMIRAGE's api_llm processors (an OpenAI-compatible server)
 API_LLM_DEFAULTS = {  # MMIRAGE's api_llm (core/process/processors/api_llm/config.py)
     "base_url": "https://api.openai.com/v1", "api_key_env": "OPENAI_API_KEY", "max_concurrency": 8, "max_retries": 3,
@@ -263,7 +276,7 @@ def _api_llm_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> t
 def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[CustomProcessor, list[str]]:
     """A processor of type custom: its script and function (preflight imports it)."""
     where = f"processors[{i}]"
-    problems = []
+    problems = _rate_limit_problems(p, where, "type is custom")
     if p["type"] in taken:
         problems.append(f"{where}.type: a second 'custom' processor; outputs could not tell them apart")
     for key in ("script_path", "function_name"):
@@ -290,6 +303,7 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
     """A processor of type batch_api: requests go to a provider's batch API (engines/batch_api.py)."""
     where = f"processors[{i}]"
     problems = _foreign_keys(p, where, _IMAGE_KEYS, "image_gen") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
+    problems += _rate_limit_problems(p, where, "type is batch_api: the provider's batch queue has limits of its own")
     if p["type"] in taken:
         problems.append(f"{where}.type: a second 'batch_api' processor; outputs could not tell them apart")
     if "server_args" in p:
@@ -368,6 +382,7 @@ def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
     """A processor of type image_gen: where images are generated (mirageflow.imagegen)."""
     where = f"processors[{i}]"
     problems = _foreign_keys(p, where, _BATCH_KEYS, "batch_api") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
+    problems += _rate_limit_problems(p, where, "type is image_gen")
     if p["type"] in taken:
         problems.append(f"{where}.type: a second 'image_gen' processor; outputs could not tell them apart")
     if "server_args" in p:

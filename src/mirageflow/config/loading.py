@@ -265,6 +265,8 @@ _PROCESSOR_OPERATIONAL_KEYS = (
     "parallel_inference", "parallel_chunk_size",
     # api_llm (MMIRAGE): how many requests at once, and the wait between retries
     "max_concurrency", "retry_base_delay",
+    # backend openai's pace under a provider's limits (transport/rate_limit.py)
+    "max_requests_per_minute", "max_tokens_per_minute",
 )  # fmt: skip
 
 

@@ -153,6 +153,9 @@ class ProcessorConfig:
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)
     max_concurrency: int | None = None  # openai: requests in flight (MMIRAGE's api_llm); None: the engine's default
     retry_base_delay: float | None = None  # openai: first retry delay; None: the engine's default
+    # openai: the pace the run's shards keep together (transport/rate_limit.py); None: no limit
+    max_requests_per_minute: float | None = None
+    max_tokens_per_minute: float | None = None
 
 
 # The providers' own limits on one batch (requests, bytes of its JSONL): OpenAI Batch (a 200 MB

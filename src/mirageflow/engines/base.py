@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any, Iterable
 
 from mirageflow.engines.chat_template import ChatTemplate
@@ -70,6 +71,10 @@ class Engine(abc.ABC):
     # The GPUs this engine counts when they are not the job's own: a served shard's share of
     # its engine service's GPUs (1/K of them). None: the job's GPUs.
     gpu_share: float | None = None
+    # Where an engine that paces its requests under processors[].max_requests_per_minute and
+    # max_tokens_per_minute shares that pace with the run's other shards (transport/rate_limit.py):
+    # set by the runner before load(); None: this process's own pace.
+    rate_limit_file: Path | None = None
     # The Hugging Face tokenizer, once loaded, for engines that have one (chat_prompt's default).
     tokenizer: Any = None
 

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 from mirageflow.engines.base import EngineError, EngineStopped  # noqa: F401
 from mirageflow.engines.wire import Completion
 from mirageflow.transport.http_client import HTTPClient, Response, ResponseTooLarge, TransportError, dumps
+from mirageflow.transport.rate_limit import RateLimiter
 from mirageflow.transport.retry import PERMANENT_STATUS, RetryPolicy, with_retries
 from mirageflow.transport.retry import RETRY_STATUS, backoff_delay, error_message  # noqa: F401 - the engines import them from here
 from mirageflow.errors import RowErrorClass as E
@@ -109,6 +110,8 @@ async def post_with_retries(
     what: str,
     on_transport_error: Callable[[], Awaitable[None]] | None = None,
     final: Callable[[Any], bool] | None = None,
+    limiter: RateLimiter | None = None,
+    tokens: int = 0,
 ) -> Response:
     """POST ``body`` as JSON to ``path`` (under the client's base URL) under the transport's
     one retry policy (transport/retry.py): connection errors, deadlines, 429, 5xx and a 2xx
@@ -121,14 +124,15 @@ async def post_with_retries(
     or at once for an answer over the client's size limit. ``on_transport_error`` may raise
     instead of retrying (e.g. when the server process is gone). ``final(response)`` true: a
     retryable status that is this request's own answer (SGLang's 500 for a grammar
-    failure) is returned as is.
+    failure) is returned as is. ``limiter``: each attempt is paced under the processor's
+    limits (transport/rate_limit.py), ``tokens`` its estimate.
     """
     data = dumps(body)  # once, whatever the number of attempts
     policy = RetryPolicy(max_retries, base_delay, max_delay, timeout, "request_timeout")
     try:
         return await with_retries(
             lambda: client.request("POST", path, data, timeout=timeout), policy=policy, what=what, json_answer=True,
-            on_transport_error=on_transport_error, final=final,
+            on_transport_error=on_transport_error, final=final, limiter=limiter, tokens=tokens,
         )  # fmt: skip
     except TransportError as e:  # retries spent, or an answer over the size limit
         raise EngineError(f"{what}: {e}" if isinstance(e, ResponseTooLarge) else str(e)) from None

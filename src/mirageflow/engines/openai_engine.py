@@ -46,6 +46,12 @@ prompt goes to ``POST {base_url}/completions`` as is.
 - ``max_inflight``: 64 requests at once, or ``processors[].max_concurrency`` (MMIRAGE's
   api_llm; ``shard_params.max_inflight`` overrides either); ``retry_base_delay`` sets the
   first retry's delay.
+- Pace: ``processors[].max_requests_per_minute`` and ``max_tokens_per_minute`` (input +
+  output), shared by the run's shards through ``rate_limit_file`` (the runner sets it), and
+  the provider's rate-limit headers and Retry-After: transport/rate_limit.py. A request's
+  tokens before it is sent: its text's characters / 4 (images: nothing) plus
+  ``max_new_tokens`` per choice, or without it the mean output of the answers so far;
+  the answer's ``usage`` corrects it.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from mirageflow.errors import RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, rejected
 from mirageflow.transport.http_client import HTTPClient, display_url
+from mirageflow.transport.rate_limit import RateLimiter, RateLimits, estimate_tokens
 from mirageflow.engines.loop import LoopEngine
 
 log = logging.getLogger(__name__)
@@ -110,6 +117,8 @@ class OpenAIEngine(LoopEngine):
         if processor.retry_base_delay is not None:
             self.retry_base_delay = processor.retry_base_delay
         self._client: HTTPClient | None = None
+        self._limiter: RateLimiter | None = None
+        self._output_seen = [0, 0]  # (completion tokens, choices) answered: the estimate without max_new_tokens
         self._whats: dict[str, str] = {}
         self._warned_usage = False
         self.info = EngineInfo(backend="openai", model_path=self.model)
@@ -133,6 +142,10 @@ class OpenAIEngine(LoopEngine):
             )
         except ValueError as e:
             raise EngineError(f"backend openai: processors[].base_url: {e}") from None
+        limits = RateLimits(self.processor.max_requests_per_minute, self.processor.max_tokens_per_minute)
+        # configured limits are the run's (a file its shards share); headers alone pace this shard
+        shared = self.rate_limit_file if any(limits) else None
+        self._limiter = RateLimiter(limits, shared, what=f"backend openai at {self.shown_url}")
         self.info = EngineInfo(
             backend="openai",
             model_path=self.model,
@@ -144,6 +157,7 @@ class OpenAIEngine(LoopEngine):
                 "max_inflight": self.max_inflight,
                 "max_retries": self.processor.max_retries,
                 "request_timeout": self.processor.request_timeout,
+                "rate_limits": self._limiter.details(),
             },
         )
 
@@ -208,6 +222,8 @@ class OpenAIEngine(LoopEngine):
             base_delay=self.retry_base_delay,
             max_delay=self.retry_max_delay,
             what=self._what(client, path),
+            limiter=self._limiter,
+            tokens=self._estimate(request, n),
         )
         if not 200 <= response.status_code < 300:
             message = f"{client.url(path)} answered HTTP {response.status_code}: {error_message(response.content)}"
@@ -237,6 +253,8 @@ class OpenAIEngine(LoopEngine):
         except BadAnswer as e:  # this request's rows fail, the shard goes on
             message = f"{client.url(path)} answered {e}"
             return [Completion(request.id + k, "", 0, 0, "abort", E.BAD_ANSWER, message) for k in range(n)]
+        self._output_seen[0] += completion_tokens
+        self._output_seen[1] += n
         # usage covers the request: the prompt was read once, and the choices' tokens are
         # shared out by the length of their text (exact in total, estimated per sample)
         generated = split_tokens(completion_tokens, [len(text) + len(reasoning or "") for text, reasoning, _ in answers])
@@ -250,6 +268,19 @@ class OpenAIEngine(LoopEngine):
                 completion.error = f"the server ended the request with finish_reason {reason!r}"
             completions.append(completion)
         return completions
+
+    def _estimate(self, request: Request, n: int) -> int:
+        """The request's input + output tokens before it is sent (the limiter's estimate)."""
+        if request.messages is not None and (self.processor.apply_chat_template or request.prompt is None):
+            chars = sum(_text_chars(m.get("content")) for m in request.messages) + len(request.response_prefix or "")
+        else:
+            chars = len(request.prompt or "")
+        limit = request.sampling_params.get("max_new_tokens")
+        if isinstance(limit, int) and limit > 0:
+            output = limit
+        else:  # no limit given: what answers so far averaged
+            output = self._output_seen[0] // self._output_seen[1] if self._output_seen[1] else 0
+        return estimate_tokens(chars, output * n)
 
     def _what(self, client: HTTPClient, path: str) -> str:
         """``POST <url>`` for messages (the URL with its secrets masked), made once per path."""
@@ -271,6 +302,17 @@ class OpenAIEngine(LoopEngine):
 
     def close(self) -> None:
         self._close_client_and_loop()
+        if self._limiter is not None:
+            self._limiter.close()
+
+
+def _text_chars(content) -> int:
+    """Characters of a message's text (a string, or OpenAI's content parts' text)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
 
 
 def _versions() -> dict[str, str]:

@@ -195,6 +195,8 @@ class ShardRunner:
                 if self.params.max_inflight:  # engines size their pools at load
                     engine.max_inflight = self.params.max_inflight
                 engine.commit_seconds = self.params.checkpoint_seconds
+                # one pace for the run's shards under the processor's rate limits
+                engine.rate_limit_file = StateLayout(self.cfg.state_dir).rate_limits(name)
                 if engine.keeps_state:  # a provider's batches, across attempts (engines/batch_api.py)
                     engine.bind_state(self.checkpoint, self.shard_id, self.n)
                 self.engines[name] = engine

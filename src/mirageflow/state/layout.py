@@ -25,6 +25,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       shard_<i>/damaged/, orphaned/      part files set aside at resume
       hub_models/<slug>.json             a Hugging Face model the driver downloaded (hub_model rule)
       engines/engine_<g>.json            an engine service's endpoint (shards_per_engine > 1)
+      rate_limits/<processor>.json       the pace the shards share under a processor's limits (transport/rate_limit.py)
       engines/engine_<g>.stats.json      its loads
       merged/dataset_<k>.json            the merge manifest
       dedup/dataset_<k>.json, .removed.jsonl   deduplication counts and removed records
@@ -147,6 +148,10 @@ class StateLayout:
 
     def engine_stats(self, group: Id) -> Path:
         return self.root / "engines" / f"engine_{group}.stats.json"
+
+    def rate_limits(self, processor: str) -> Path:
+        """The pace every shard of a processor with max_requests/tokens_per_minute shares (locked per request)."""
+        return self.root / "rate_limits" / f"{processor}.json"
 
     def engine_stats_files(self) -> list[Path]:
         return sorted((self.root / "engines").glob("engine_*.stats.json"))

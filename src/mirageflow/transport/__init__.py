@@ -13,6 +13,10 @@ engines, the batch APIs, image generation, remote image inputs).
   with exponential backoff and jitter, Retry-After honoured, bounded by ``RetryPolicy``) and
   which are permanent (``PERMANENT_STATUS``: 401, 403, 404; never retried), classified in
   one place (``classify``), and the human part of an error answer (``error_message``).
+- ``rate_limit``: the pace under a provider's limits (``RateLimiter``: requests and tokens
+  per minute, shared by a run's shards through a locked file in the state dir, tightened by
+  the provider's x-ratelimit-* headers and Retry-After); ``retry.with_retries`` waits for
+  every attempt's slot, so retries are paced by the same budget.
 
 Nothing here imports engines, prompts or imagegen: they all import it.
 """

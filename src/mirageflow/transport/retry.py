@@ -8,7 +8,8 @@ resource, an id or URL the server does not know: the same answer on every try) o
 ``send_with_retries`` retries transient failures ``RetryPolicy.retries`` times, each after
 ``backoff_delay`` (exponential, half of it random, at most ``max_delay``; a Retry-After in
 seconds is honoured up to ``max_delay``), so one call takes at most
-``(retries + 1) x timeout + retries x max_delay``.
+``(retries + 1) x timeout + retries x max_delay``, plus, with a ``limiter``
+(transport/rate_limit.py), the waits for each attempt's slot under the processor's limits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import random
 from typing import Any, Awaitable, Callable, NamedTuple
 
 from mirageflow.transport.http_client import DeadlineExceeded, HTTPClient, Response, ResponseTooLarge, TransportError
+from mirageflow.transport.rate_limit import RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,8 @@ async def with_retries(
     permanent_raises: bool = False,
     on_transport_error: Callable[[], Awaitable[None]] | None = None,
     final: Callable[[Any], bool] | None = None,
+    limiter: RateLimiter | None = None,
+    tokens: int = 0,
 ) -> Response:
     """``attempt()`` (one request, bounded by ``policy.timeout``) until it is not transient,
     at most ``policy.retries`` times more. Returns a 2xx answer (with ``json_answer``: one
@@ -136,10 +140,13 @@ async def with_retries(
     ``final(response)`` says is this request's own answer). Raises PermanentStatus (with
     ``permanent_raises``), RetriesExhausted once the retries are spent, ResponseTooLarge at
     once (the same answer again on a retry). ``on_transport_error`` may raise instead of
-    retrying (the server process is gone)."""
+    retrying (the server process is gone). ``limiter``: each attempt waits for its slot under
+    the processor's limits (``tokens``: the request's estimate) and the limiter learns from
+    its answer (usage, rate-limit headers, Retry-After)."""
     last, last_error = "", None
     for n in range(policy.retries + 1):
         retry_after, last_error = None, None
+        ticket = await limiter.acquire(tokens) if limiter is not None else None
         try:
             response = await attempt()
         except ResponseTooLarge:
@@ -153,6 +160,8 @@ async def with_retries(
             if on_transport_error is not None:
                 await on_transport_error()
         else:
+            if limiter is not None:
+                limiter.settle(ticket, response)
             status = response.status_code
             verdict = classify(status)
             if verdict == OK:
