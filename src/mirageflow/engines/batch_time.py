@@ -11,8 +11,10 @@ long its rows' limits are. Rows that end earlier (their EOS) are handed back as 
 The cost model: a decoding step of b rows takes about a + c*b seconds (a: paid by every step
 whatever the batch, reading the weights; c: per row), fitted by least squares to the steps
 of the last batches (their prefill included, so it errs long). Until two batch sizes have
-been seen, a is taken as 0 (every second per row: it errs small). The first batch, before
-anything is measured, holds at most ``FIRST_ROWS`` rows.
+been seen, a is taken as 0 (every second per row: it errs small), and a batch holds at least
+half the rows of the one seen (the second size the fit needs, without a step down to one row
+whose rate nothing yet bounds). The first batch, before anything is measured, holds at most
+``FIRST_ROWS`` rows.
 
 The floor: on a CPU, a is most of a step, and a batch of one row decodes nearly as slowly as
 a full one. A batch is never made so small that its throughput, b / (a + c*b), falls below
@@ -73,14 +75,20 @@ class BatchTimeCap:
         # b / (a + c b) >= MIN_THROUGHPUT * B / (a + c B)  <=>  b >= m B a / (a + (1 - m) B c)
         big = self.batch_size
         floor = math.ceil(MIN_THROUGHPUT * big * a / (a + (1 - MIN_THROUGHPUT) * big * c)) if a > 0 else 1
+        sizes = {b for b, _ in self.steps}
+        if len(sizes) == 1:  # a (the fixed cost) is unknown: half the size seen at least, which tells it
+            floor = max(floor, next(iter(sizes)) // 2)
         rows = max(1, min(big, max(in_time, floor)))
         if in_time < floor and rows < big and not self._warned:
             self._warned = True
+            why = "even one row takes that long" if rows == 1 else (
+                f"fewer rows would cost more than {round(100 * (1 - MIN_THROUGHPUT))}% of the throughput"
+            )  # fmt: skip
             log.warning(
-                "transformers: a batch of %d rows with max_new_tokens %d takes about %.0f s, past half of checkpoint_seconds "
-                "(%.0f s): a stop may lose that much work. Fewer rows would cost more than %d%% of the throughput. "
-                "continuous_batching: true (rows leave as they end) or a longer checkpoint_seconds avoids it",
-                rows, steps, steps * (a + c * rows), self.budget, round(100 * (1 - MIN_THROUGHPUT)),
+                "transformers: a batch of %d row(s) with max_new_tokens %d takes about %.0f s, past half of checkpoint_seconds "
+                "(%.0f s), and %s: a stop may lose that much work. continuous_batching: true (rows leave as they end) "
+                "or a longer checkpoint_seconds avoids it",
+                rows, steps, steps * (a + c * rows), self.budget, why,
             )  # fmt: skip
         return rows
 
