@@ -159,6 +159,28 @@ def test_no_private_name_crosses_modules_and_no_import_circle():
     assert circles == []
 
 
+# --------------------------------------------------------------------------- the stats record: one list of keys
+
+
+def test_the_stats_writer_writes_exactly_the_declared_keys(tmp_path):
+    """status.json's ``stats``: ShardMetrics.stats (the writer), ShardStats (the readers' type), the
+    checks (STATS_NUMBERS, STATS_REQUIRED) and the sums over attempts all come from STATS_FIELDS."""
+    from mirageflow.shard.budget import ErrorBudget
+    from mirageflow.shard.metrics import ShardMetrics
+
+    cfg = load_config(pipeline_config(), check_paths=False)
+    metrics = ShardMetrics(cfg, attempt=1)
+    budget = ErrorBudget(cfg.shard, 0, tmp_path / "errors.jsonl")
+    stats = metrics.stats(budget, resumed=0, request_cache={"answers_kept": 0, "bytes": 0})
+    assert list(stats) == list(records.STATS_KEYS)
+    always = [f.name for f in records.STATS_FIELDS if not f.optional]
+    assert list(metrics.stats(budget, resumed=0)) == always
+    assert list(records.ShardStats.__annotations__) == list(records.STATS_KEYS)
+    assert set(records.STATS_NUMBERS) | set(records.STATS_REQUIRED) | set(records.STATS_SUMMED) <= set(records.STATS_KEYS)
+    assert set(records.STATS_SUMMED) <= set(metrics.attempt_entry(0))  # each attempt keeps what the shard sums
+    assert records.check_stats(stats, records.STATS_REQUIRED) is None
+
+
 # --------------------------------------------------------------------------- reading and the state machine
 
 
@@ -219,6 +241,8 @@ def test_progress_json_saying_failed_without_failure_json_is_a_failed_shard(tmp_
 def test_after_a_config_edit_stale_shards_are_not_done_for_anyone(tmp_path, server, monkeypatch):
     cfg = pipeline(tmp_path, server.url + "/v1")
     run_workflow(tmp_path, cfg)
+    written = json.loads(StateLayout(tmp_path / "state").status(0).read_text())
+    assert list(written["stats"]) == list(records.STATS_KEYS)  # a real shard's (its request cache on), through the workflow
     edited = copy.deepcopy(cfg)
     edited["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))
