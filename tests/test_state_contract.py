@@ -210,11 +210,11 @@ def test_a_status_json_of_another_fingerprint_is_stale_not_done(tmp_path):
     paths = StateLayout(tmp_path)
     atomic_write_json(paths.status(0), _success("a" * 64))
     (entry,) = shards.shard_states(tmp_path, 1, 300, fingerprint="b" * 64)
-    assert entry["state"] == "pending" and entry["stale"].startswith("stale: its status.json was written for an earlier config")
+    assert entry.state == "pending" and entry.stale.startswith("stale: its status.json was written for an earlier config")
     (entry,) = shards.shard_states(tmp_path, 1, 300, fingerprint="a" * 64)
-    assert entry["state"] == "done" and "stale" not in entry
+    assert entry.state == "done" and entry.stale is None
     atomic_write_json(paths.status(0), _success(None))  # written before the field existed: current
-    assert shards.shard_states(tmp_path, 1, 300, fingerprint="b" * 64)[0]["state"] == "done"
+    assert shards.shard_states(tmp_path, 1, 300, fingerprint="b" * 64)[0].state == "done"
 
 
 def test_a_shard_whose_process_is_gone_is_failed_not_running(tmp_path):
@@ -226,13 +226,13 @@ def test_a_shard_whose_process_is_gone_is_failed_not_running(tmp_path):
         "phase": "generating", "updated_at_unix": time.time(), "hostname": socket.gethostname(), "pid": int(dead),
     })  # fmt: skip
     (entry,) = shards.shard_states(tmp_path, 1, 300)
-    assert entry["state"] == "failed" and f"its process {dead} on" in entry["error"] and "is gone" in entry["error"]
+    assert entry.state == "failed" and f"its process {dead} on" in entry.error and "is gone" in entry.error
 
 
 def test_progress_json_saying_failed_without_failure_json_is_a_failed_shard(tmp_path):
     atomic_write_json(StateLayout(tmp_path).progress(0), {"phase": "failed", "updated_at_unix": time.time()})
     (entry,) = shards.shard_states(tmp_path, 1, 300)
-    assert entry["state"] == "failed" and "failure.json" in entry["error"]
+    assert entry.state == "failed" and "failure.json" in entry.error
 
 
 # --------------------------------------------------------------------------- issue 23 item 2: a config edit

@@ -22,7 +22,8 @@ from mirageflow.report.wording import ROW_LABELS, scope_sentence, unit_note
 from mirageflow.shard.tally import RECORD_KEYS
 from mirageflow.state import layout as L
 from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note
-from mirageflow.state.shards import attempts_count, default_lease_timeout, shard_states
+from mirageflow.state.remaining import gpu_hours_remaining
+from mirageflow.state.shards import ShardState, attempts_count, default_lease_timeout, shard_states
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -80,39 +81,6 @@ def mean_gpu_util(statuses: list[dict]) -> float | None:
     return sum(plain) / len(plain) if plain else None
 
 
-def gpu_hours_remaining(statuses: list[dict], states: list[dict] | None, num_shards: int) -> float | None:
-    """Projected GPU-hours the unfinished shards still need.
-
-    Basis: the completed shards' mean GPU-seconds (GPUs x wall time); a running shard
-    needs that x (1 - its fraction done), a pending or failed one all of it. Without a
-    completed shard, running shards extrapolate their own elapsed GPU-seconds.
-    """
-    by_id = {s["shard_id"]: s for s in (states or [])}
-    unfinished = [i for i in range(num_shards) if i not in {s["shard_id"] for s in statuses}]
-    if not unfinished:
-        return 0.0
-    done_gpu_seconds = [s["stats"].get("num_gpus", 0) * s["stats"]["runtime_seconds"] for s in statuses]
-    if done_gpu_seconds:
-        mean = sum(done_gpu_seconds) / len(done_gpu_seconds)
-    else:
-        guesses = []
-        for st in by_id.values():
-            p = st.get("progress") or {}
-            if st["state"] == "running" and p.get("fraction_done") and p.get("elapsed_seconds"):
-                guesses.append((p.get("num_gpus") or 0) * p["elapsed_seconds"] / p["fraction_done"])
-        if not guesses:
-            return None
-        mean = sum(guesses) / len(guesses)
-    if mean == 0:  # no shard holds a GPU (a CPU run): there are no GPU-hours to project
-        return None
-    remaining = 0.0
-    for shard_id in unfinished:
-        st = by_id.get(shard_id, {})
-        fraction = (st.get("progress") or {}).get("fraction_done") if st.get("state") == "running" else None
-        remaining += mean * (1 - min(1.0, fraction or 0.0))
-    return remaining / 3600
-
-
 def wall_clock(statuses: list[dict]) -> tuple[float | None, float | None]:
     """(seconds during which at least one attempt of a completed shard ran, seconds from the
     first shard's start to the last one's finish). The first leaves out the time between
@@ -142,7 +110,7 @@ def wall_clock(statuses: list[dict]) -> tuple[float | None, float | None]:
 
 
 def aggregate(
-    statuses: list[dict], num_shards: int, missing: list[int], states: list[dict] | None = None, n_samples: int | None = None
+    statuses: list[dict], num_shards: int, missing: list[int], states: list[ShardState] | None = None, n_samples: int | None = None
 ) -> dict:
     """``n_samples``: the config's (records per source row), when the caller knows it; else
     the completed shards' (1 when none has completed yet)."""
@@ -163,12 +131,20 @@ def aggregate(
         for s in statuses
         if p50 and s["stats"]["runtime_seconds"] > STRAGGLER_FACTOR * p50
     ]
-    by_state = {k: [s for s in states or [] if s["state"] == k] for k in ("running", "failed", "pending")}
+    by_state = {k: [s for s in states or [] if s.state == k] for k in ("running", "failed", "pending")}
     failed = []
     for s in by_state["failed"]:
-        fst = (s.get("failure") or {}).get("stats") or {}  # totals over the shard's attempts, when failure.json has them
+        fst = s.failure_stats or {}  # totals over the shard's attempts, when failure.json has them
         failed.append(
-            {k: s.get(k) for k in ("shard_id", "error", "signal", "attempt", "host", "slurm_job_id", "finished_at")}
+            {
+                "shard_id": s.shard_id,
+                "error": s.error,
+                "signal": s.signal,
+                "attempt": s.attempt,
+                "host": s.host,
+                "slurm_job_id": s.slurm_job_id,
+                "finished_at": s.finished_at,
+            }  # fmt: skip
             | {k: fst.get(k) for k in ("rows_processed", "rows_failed")}
             | {"rows_failed_by_class": fst.get("rows_failed_by_class"), "attempts": attempts_count(fst)}
         )
@@ -194,8 +170,8 @@ def aggregate(
         "n_samples": n_samples or max((int(s["stats"].get("n_samples") or 1) for s in statuses), default=1),
         "completed_shards": len(statuses),
         "missing_shards": missing,
-        "running_shards": [s["shard_id"] for s in by_state["running"]],
-        "pending_shards": [s["shard_id"] for s in by_state["pending"]],
+        "running_shards": [s.shard_id for s in by_state["running"]],
+        "pending_shards": [s.shard_id for s in by_state["pending"]],
         "failed_shards": failed,
         "total_rows_processed": rows,
         "total_rows_failed": rows_failed_done + rows_failed_failed,
@@ -205,7 +181,7 @@ def aggregate(
         "rows_failed_failed_shards": rows_failed_failed,
         "rows_processed_failed_shards": int(sum(f["rows_processed"] or 0 for f in failed)),
         "figure_scope": FIGURE_SCOPE,
-        "damaged_state_files": [{"shard_id": s["shard_id"], **x} for s in states or [] for x in s.get("damaged") or []],
+        "damaged_state_files": [{"shard_id": s.shard_id, **x} for s in states or [] for x in s.damaged],
         # while at least one shard ran (the time between invocations left out), and the whole span
         "wall_clock_runtime_seconds": wall,
         "wall_clock_runtime_human": stats.human_duration(wall),
@@ -359,7 +335,7 @@ def compute_metrics(
     num_shards: int,
     lease_timeout: float | None = None,
     fingerprint: str | None = None,
-    states: list[dict] | None = None,
+    states: list[ShardState] | None = None,
     n_samples: int | None = None,
 ) -> dict:
     """metrics.json's per_shard and aggregate, from the state files alone. ``lease_timeout``:
@@ -372,12 +348,12 @@ def compute_metrics(
         states = shard_states(state_dir, num_shards, lease_timeout, fingerprint)
     paths = L.StateLayout(state_dir)
     for s in states:
-        if s.get("other_run_num_shards") is not None:  # a status.json of another run refuses the report
-            check_num_shards({"num_shards": s["other_run_num_shards"]}, paths.status(s["shard_id"]), num_shards)
-        for x in s.get("damaged") or []:
+        if s.other_run_num_shards is not None:  # a status.json of another run refuses the report
+            check_num_shards({"num_shards": s.other_run_num_shards}, paths.status(s.shard_id), num_shards)
+        for x in s.damaged:
             log.warning("%s; %s", damaged_note(x["path"], x["reason"]), DAMAGED_CONSEQUENCE[x["file"]])
-    statuses = [{**s["status"], "shard_id": s["shard_id"]} for s in states if s["state"] == "done"]
-    missing = [s["shard_id"] for s in states if s["state"] != "done"]
+    statuses = [{**s.status, "shard_id": s.shard_id} for s in states if s.state == "done"]
+    missing = [s.shard_id for s in states if s.state != "done"]
     per_shard = [
         {
             "shard_id": s["shard_id"],

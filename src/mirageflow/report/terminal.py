@@ -46,7 +46,15 @@ from mirageflow.numbers import fmt_rate, percent
 from mirageflow.shard.progress import RateWindow
 from mirageflow.state import layout as L
 from mirageflow.state.records import read
-from mirageflow.state.shards import PROGRESS_STALE_SECONDS, is_done, process_gone, progress_work, recorded_fingerprint, units_of
+from mirageflow.state.shards import (
+    PROGRESS_STALE_SECONDS,
+    ShardState,
+    is_done,
+    process_gone,
+    progress_work,
+    recorded_fingerprint,
+    units_of,
+)
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -107,14 +115,12 @@ def _sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else text + "."
 
 
-def failure_paragraph(shard: dict, state_dir: str | Path, retry_hint: str | None = None) -> str:
-    """One paragraph about a failed shard (an entry of state.shards.shard_states or aggregate.failed_shards)."""
-    shard_id = shard["shard_id"]
-    failure = shard.get("failure") or {}
+def failure_paragraph(shard: ShardState, state_dir: str | Path, retry_hint: str | None = None) -> str:
+    """One paragraph about a failed shard."""
+    shard_id = shard.shard_id
+    failure = shard.failure or {}
     fst = failure.get("stats") or {}
-    if not fst and shard.get("rows_failed_by_class") is not None:
-        fst = {"rows_failed_by_class": shard.get("rows_failed_by_class")}
-    error = shard.get("error") if shard.get("error") is not None else failure.get("error")
+    error = shard.error if shard.error is not None else failure.get("error")
     paths = L.StateLayout(state_dir)
     text = _sentence(f"shard {shard_id} failed: {_short_error(error)}")
     if not failure:  # no failure.json (killed, a full disk): what its log says last
@@ -131,7 +137,7 @@ def failure_paragraph(shard: dict, state_dir: str | Path, retry_hint: str | None
             f" Every failed row failed with {same}, which depends on the config, prompt or data: "
             "a retry would fail the same way. Fix the config or prompt (try it with `mmirage preview`), then run again."
         )
-    elif shard.get("signal"):
+    elif shard.signal:
         text += " It was stopped by a signal; run the same command again to resume from its last commit."
     elif retry_hint:
         text += f" {retry_hint}"
@@ -358,7 +364,7 @@ def run_summary(
     agg = metrics["aggregate"]
     counts = count(states)
     # shards a stop signal ended (the driver's, forwarded, or their own: a time limit)
-    stopped = [s for s in states if s["state"] == "failed" and s.get("signal")] if interrupted else []
+    stopped = [s for s in states if s.state == "failed" and s.signal] if interrupted else []
     head = (
         f"mirageflow: run interrupted by {signal_name(interrupted)}"
         if interrupted
@@ -377,7 +383,7 @@ def run_summary(
     if counts["running"]:
         shards += f", {counts['running']} still running"
     if counts["pending"]:
-        stale = sum(1 for s in states if s.get("stale"))
+        stale = sum(1 for s in states if s.stale)
         shards += f", {counts['pending']} not run" + (f" ({stale} with a stale status.json of an earlier config)" if stale else "")
     lines.append("  " + shards)
     by_class = agg.get("rows_failed_by_class") or {}
@@ -416,15 +422,15 @@ def run_summary(
             f"  the previous run's results, kept until this run's replace them ({previous['why']}, {previous['since']}): "
             + ", ".join(f"{p}/" if p.is_dir() else str(p) for p in previous["outputs"])
         )
-    with_errors = [s["shard_id"] for s in states if _nonempty(paths.errors(s["shard_id"]))]
+    with_errors = [s.shard_id for s in states if _nonempty(paths.errors(s.shard_id))]
     if failed_rows and with_errors:
         shown = ", ".join(map(str, with_errors[:10])) + (" ..." if len(with_errors) > 10 else "")
         lines.append(f"  failed rows: {state_dir}/shard_<id>/errors.jsonl (shards {shown})")
     for s in stopped[:20]:
-        lines.append(f"  shard {s['shard_id']} stopped with {_committed(s)} committed")
+        lines.append(f"  shard {s.shard_id} stopped with {_committed(s)} committed")
     if len(stopped) > 20:
         lines.append(f"  ... and {len(stopped) - 20} more stopped shards")
-    failed = [s for s in states if s["state"] == "failed" and s not in stopped]
+    failed = [s for s in states if s.state == "failed" and s not in stopped]
     retry = f"Rerun it with `mmirage retry --config {config_hint}`" if config_hint else "Rerun the same command to retry it"
     retry += " (it resumes from its last commit)."
     for s in failed[:20]:
@@ -432,7 +438,7 @@ def run_summary(
         lines.append(failure_paragraph(s, state_dir, retry_hint=retry))
     if len(failed) > 20:
         lines.append(f"... and {len(failed) - 20} more failed shards: mmirage status --config {config_hint or '<config>'}")
-    named = {s["shard_id"] for s in failed + stopped}
+    named = {s.shard_id for s in failed + stopped}
     others = [j for j in failed_jobs if not (j["rule"] == "shard" and _job_shard(j) in named)]
     for job in others[:20]:
         lines.append("")
@@ -454,9 +460,9 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def _committed(shard: dict) -> str:
+def _committed(shard: ShardState) -> str:
     """What a stopped shard committed, as its failure.json says ("3 rows"); "nothing" before it started."""
-    committed = (shard.get("failure") or {}).get("committed")
+    committed = (shard.failure or {}).get("committed")
     return committed if isinstance(committed, str) and committed else "nothing"
 
 
@@ -478,14 +484,14 @@ def _job_shard(job: dict) -> int | None:
         return None
 
 
-def job_paragraph(job: dict, states: list[dict]) -> str:
+def job_paragraph(job: dict, states: list[ShardState]) -> str:
     """One paragraph about a job Snakemake saw fail, when the shard files do not tell it:
     a shard job without failure.json, or a job of another rule; with its log's last error."""
     shard = _job_shard(job) if job["rule"] == "shard" else None
     log_path = next(iter(job.get("logs") or []), None)
     error = last_error_line(Path(log_path)) if log_path else None
     if shard is not None:
-        state = next((s["state"] for s in states if s["shard_id"] == shard), None)
+        state = next((s.state for s in states if s.shard_id == shard), None)
         text = f"shard {shard} failed: its job exited with an error and left no failure record (shard state now: {state})"
     else:
         where = ", ".join(f"{k}={v}" for k, v in (job.get("wildcards") or {}).items())
@@ -631,29 +637,29 @@ def targets_not_done(pipeline: PipelineConfig, targets: list[int], config_hint: 
         return None, EXIT_OK
     state_dir = Path(pipeline.state_dir)
     states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, recorded_fingerprint(state_dir))
-    left = [s for s in states if s["shard_id"] in set(targets) and s["state"] != "done"]
+    left = [s for s in states if s.shard_id in set(targets) and s.state != "done"]
     if not left:
         return None, EXIT_OK
 
-    def why(s: dict) -> str:
-        if s.get("stale"):
+    def why(s: ShardState) -> str:
+        if s.stale:
             return "not run: its status.json is an earlier config's"
-        if s["state"] == "pending":
+        if s.state == "pending":
             return "not run"
-        return s["state"] + (f": {_short_error(str(s['error']))}" if s.get("error") else "")
+        return s.state + (f": {_short_error(str(s.error))}" if s.error else "")
 
-    named = "; ".join(f"shard {s['shard_id']} {why(s)}" for s in left[:10]) + (f"; ... and {len(left) - 10} more" if len(left) > 10 else "")
+    named = "; ".join(f"shard {s.shard_id} {why(s)}" for s in left[:10]) + (f"; ... and {len(left) - 10} more" if len(left) > 10 else "")
     again = (
         f"mmirage retry --config {config_hint}"
         if config_hint
-        else driver_command() + " --forcerun " + " ".join(str(L.StateLayout(state_dir).status(s["shard_id"])) for s in left)
+        else driver_command() + " --forcerun " + " ".join(str(L.StateLayout(state_dir).status(s.shard_id)) for s in left)
     )
     text = (
         f"mirageflow: run NOT complete: {len(left)} of the {len(targets)} shard(s) it targeted "
         f"{'is' if len(left) == 1 else 'are'} not done, though Snakemake had nothing left to run ({named}). "
         f"Continue with: {again} (it reruns exactly the shards not done)."
     )
-    return text, EXIT_FAILED if any(s["state"] == "failed" for s in left) else EXIT_INCOMPLETE
+    return text, EXIT_FAILED if any(s.state == "failed" for s in left) else EXIT_INCOMPLETE
 
 
 def on_error(pipeline: PipelineConfig, workflow=None) -> None:
