@@ -37,6 +37,7 @@ import re
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +47,7 @@ from mirageflow.numbers import fmt_rate, percent
 from mirageflow.shard.progress import RateWindow
 from mirageflow.state import layout as L
 from mirageflow.state.records import read
+from mirageflow.state.remaining import eta_seconds
 from mirageflow.state.shards import (
     PROGRESS_STALE_SECONDS,
     ShardState,
@@ -164,6 +166,17 @@ def progress_interval(stream=None, environ=os.environ) -> float:
         return LOG_INTERVAL
 
 
+@dataclass
+class _Scan:
+    """One tick's look at the shards not done (``LiveProgress._scan``)."""
+
+    running: list[dict]  # progress.json of each running shard
+    failed: int
+    other_rows: int  # work of the shards neither running nor done (failed, or done without status.json yet)
+    other_samples: int
+    other_tokens: int
+
+
 class LiveProgress:
     """Reads the shards' progress.json files and makes one line of the run's progress.
 
@@ -230,8 +243,32 @@ class LiveProgress:
     def line(self) -> str | None:
         """The progress line, or None when no shard runs now."""
         now = self.clock()
-        running, failed = [], 0
-        other_samples = other_rows = other_tokens = 0  # shards not running, not done: failed ones, or done without status.json yet
+        scan = self._scan(now)
+        if not scan.running:
+            return None
+        done_samples = sum(u for u, _ in self._done_units.values())
+        work = [progress_work(p, self.n) for p in scan.running]
+        samples = done_samples + scan.other_samples + sum(w[1] for w in work)
+        rows = done_samples // self.n + scan.other_rows + sum(w[0] for w in work)
+        tokens = sum(t for _, t in self._done_units.values()) + scan.other_tokens
+        tokens += sum(int(p.get("output_tokens") or 0) for p in scan.running)
+        self._window.add(now, samples, tokens)
+        total = self.total_rows()
+        if total:  # what the files say never adds up to more than the run has
+            rows, samples = min(rows, total), min(samples, total * self.n)
+        rate, tokens_rate, why = self._rates(scan.running)
+        parts = [
+            self._shards_part(scan.running, scan.failed),
+            self._work_part(rows, samples, total, scan.running),
+            self._rate_part(rate, tokens_rate, why),
+            self._eta_part(rate, total, samples),
+        ]
+        return "mirageflow: " + " | ".join(parts)
+
+    def _scan(self, now: float) -> _Scan:
+        """The shards not done: the running ones' progress.json, how many failed, and the work of
+        the others (failed, or done without status.json yet)."""
+        scan = _Scan([], 0, 0, 0, 0)
         for shard_id in range(self.num_shards):
             if self._done(shard_id):
                 continue
@@ -249,52 +286,46 @@ class LiveProgress:
             fresh = now - mtime < PROGRESS_STALE_SECONDS and not process_gone(p)
             rows, samples, _ = progress_work(p, self.n)
             if phase == "failed" or (phase != "done" and not fresh):
-                failed += 1
+                scan.failed += 1
             elif phase != "done":
-                running.append(p)
+                scan.running.append(p)
                 continue
-            other_rows, other_samples, other_tokens = (
-                other_rows + rows,
-                other_samples + samples,
-                other_tokens + int(p.get("output_tokens") or 0),
-            )
-        if not running:
-            return None
-        done = len(self._done_units)
-        work = [progress_work(p, self.n) for p in running]
-        samples = sum(u for u, _ in self._done_units.values()) + other_samples + sum(w[1] for w in work)
-        rows = sum(u for u, _ in self._done_units.values()) // self.n + other_rows + sum(w[0] for w in work)
-        tokens = sum(t for _, t in self._done_units.values()) + other_tokens + sum(int(p.get("output_tokens") or 0) for p in running)
-        self._window.add(now, samples, tokens)
-        total = self.total_rows()
-        if total:  # what the files say never adds up to more than the run has
-            rows, samples = min(rows, total), min(samples, total * self.n)
-        parts = [f"shards {done}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")]
+            scan.other_rows += rows
+            scan.other_samples += samples
+            scan.other_tokens += int(p.get("output_tokens") or 0)
+        return scan
+
+    def _shards_part(self, running: list[dict], failed: int) -> str:
+        """Shards done, running (and the phases of those not generating), failed."""
+        text = f"shards {len(self._done_units)}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")
         phases = sorted({str(p.get("phase")) for p in running} - {"generating"})
         if len(running) == 1 and phases:
             seconds = running[0].get("phase_seconds")
-            parts[0] += f" ({phases[0]}" + (f" {seconds:.0f} s" if seconds is not None else "") + ")"
+            text += f" ({phases[0]}" + (f" {seconds:.0f} s" if seconds is not None else "") + ")"
         elif phases:
             counts = {ph: sum(1 for p in running if p.get("phase") == ph) for ph in phases}
-            parts[0] += " (" + ", ".join(f"{n} {ph}" for ph, n in counts.items()) + ")"
+            text += " (" + ", ".join(f"{n} {ph}" for ph, n in counts.items()) + ")"
+        return text
+
+    def _work_part(self, rows: int, samples: int, total: int | None, running: list[dict]) -> str:
+        """Rows (and samples) done of the run's, and the requests in flight."""
         inflight = sum(int(p.get("inflight") or 0) for p in running)
         if self.n == 1:
             text = f"rows {rows:,}/{total:,} ({percent(rows, total)})" if total else f"rows {rows:,}"
         else:
             text = (f"rows {rows:,}/{total:,}, samples {samples:,}/{total * self.n:,} ({percent(samples, total * self.n)})"
                     if total else f"rows {rows:,}, samples {samples:,}")  # fmt: skip
-        parts.append(text + (f", {inflight:,} in flight" if inflight else ""))
-        rate, tokens_rate, why = self._rates(running)
+        return text + (f", {inflight:,} in flight" if inflight else "")
+
+    def _rate_part(self, rate: float | None, tokens_rate: float | None, why: str) -> str:
         unit = "rows" if self.n == 1 else "samples"
-        if rate is None:
-            parts.append(f"{unit}/s n/a ({why})")
-        else:
-            parts.append(f"{fmt_rate(rate)} {unit}/s, {fmt_rate(tokens_rate)} tok/s")
-        if rate and total:
-            parts.append(f"ETA {stats.human_duration(max(0, total * self.n - samples) / rate)}")
-        else:
-            parts.append("ETA n/a" + (" (no rate yet)" if rate is None else ""))
-        return "mirageflow: " + " | ".join(parts)
+        return f"{unit}/s n/a ({why})" if rate is None else f"{fmt_rate(rate)} {unit}/s, {fmt_rate(tokens_rate)} tok/s"
+
+    def _eta_part(self, rate: float | None, total: int | None, samples: int) -> str:
+        eta = eta_seconds(total * self.n - samples, rate) if total else None
+        if eta is not None:
+            return f"ETA {stats.human_duration(eta)}"
+        return "ETA n/a" + (" (no rate yet)" if rate is None else "")
 
     def _rates(self, running: list[dict]) -> tuple[float | None, float | None, str]:
         """(samples/s, tokens/s, why there is none): the running shards' own rates, summed, when
