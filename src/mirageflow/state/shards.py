@@ -220,28 +220,54 @@ def _read_files(paths: L.StateLayout, shard_id: int) -> _Files:
     return _Files(status, failure, progress, lease, damaged)
 
 
-def _shard_state(paths: L.StateLayout, shard_id: int, num_shards: int, lease_timeout: float, fingerprint, now: float) -> ShardState:
-    f = _read_files(paths, shard_id)
-    status, progress, lease, bad = f.status, f.progress, f.lease, f.bad
-    entry = ShardState(shard_id, progress=progress, status=status, damaged=f.damaged)
+@dataclass
+class _Liveness:
+    """How recently a shard's lease.json and progress.json were written, and whether they say it runs."""
+
+    lease_age: float | None  # seconds since the lease's heartbeat
+    progress_age: float | None  # seconds since progress.json was written
+    progress_live: bool  # progress.json says the shard was mid-run (not done, not failed)
+    gone: bool  # ... and names a process on this host that is gone
+    lease_live: bool  # the heartbeat is within the lease timeout, its process not gone
+
+    @property
+    def running(self) -> bool:
+        fresh = self.progress_age is not None and self.progress_age < PROGRESS_STALE_SECONDS
+        return self.lease_live or (self.progress_live and not self.gone and fresh)
+
+    @property
+    def since_update(self) -> float | None:
+        return self.progress_age if self.progress_live else self.lease_age
+
+
+def _liveness(paths: L.StateLayout, shard_id: int, f: _Files, lease_timeout: float, now: float) -> _Liveness:
+    progress, lease = f.progress, f.lease
     lease_age = now - lease["heartbeat"] if lease and lease.get("heartbeat") is not None else None
     progress_age = now - progress["updated_at_unix"] if progress and progress.get("updated_at_unix") is not None else None
     progress_live = progress is not None and progress.get("phase") not in ("done", "failed") and progress_age is not None
-    if L.PROGRESS in bad and progress_age is None:  # a damaged progress.json still says when it was written
+    if L.PROGRESS in f.bad and progress_age is None:  # a damaged progress.json still says when it was written
         try:
             progress_age = now - paths.progress(shard_id).stat().st_mtime
         except OSError:
             pass
-        progress_live = progress_age is not None and status is None
+        progress_live = progress_age is not None and f.status is None
     gone = process_gone(progress) if progress_live else False
     lease_live = lease_age is not None and lease_age < lease_timeout and not process_gone(lease)
+    return _Liveness(lease_age, progress_age, progress_live, gone, lease_live)
+
+
+def _shard_state(paths: L.StateLayout, shard_id: int, num_shards: int, lease_timeout: float, fingerprint, now: float) -> ShardState:
+    f = _read_files(paths, shard_id)
+    status, progress, bad = f.status, f.progress, f.bad
+    live = _liveness(paths, shard_id, f, lease_timeout, now)
+    entry = ShardState(shard_id, progress=progress, status=status, damaged=f.damaged)
     if status is not None and status.get("num_shards", num_shards) != num_shards:
         entry.other_run_num_shards = status["num_shards"]
-    who = progress or lease or {}
+    who = progress or f.lease or {}
     if is_done(status, num_shards, fingerprint):
         entry.state = "done"
-    elif lease_live or (progress_live and not gone and progress_age < PROGRESS_STALE_SECONDS):
-        entry.state, entry.since_update_seconds = "running", progress_age if progress_live else lease_age
+    elif live.running:
+        entry.state, entry.since_update_seconds = "running", live.since_update
         entry.host, entry.slurm_job_id = who.get("hostname"), who.get("slurm_job_id")
     elif L.STATUS in bad or (f.failure is None and L.FAILURE in bad):
         _failed_damaged(entry, bad.get(L.STATUS) or bad[L.FAILURE], who)
@@ -250,8 +276,8 @@ def _shard_state(paths: L.StateLayout, shard_id: int, num_shards: int, lease_tim
         _failed_recorded(entry, f.failure)
     elif progress is not None and progress.get("phase") == "failed":  # it failed, and could not write failure.json
         _failed(entry, progress, "failed without a failure record: its failure.json could not be written (a full disk?); its log says why")
-    elif progress_live:  # stopped updating without failure.json: SIGKILL, OOM killer, node failure, a full disk
-        _failed_silently(entry, progress, lease, bad, gone, progress_age)
+    elif live.progress_live:  # stopped updating without failure.json: SIGKILL, OOM killer, node failure, a full disk
+        _failed_silently(entry, progress, f.lease, bad, live.gone, live.progress_age)
     if status is not None and entry.state == "pending":
         entry.stale = stale_reason(status, fingerprint)
     return entry
