@@ -432,6 +432,23 @@ def test_gpu_hours_remaining_projection():
     assert gpu_hours_remaining([], [ShardState(0, "pending")], 1) is None
 
 
+def test_the_runs_eta_and_gpu_hours_left_come_from_the_shard_states():
+    """`mmirage status` and metrics.json take what is left of a run from one derivation (state/remaining.py)."""
+    from mirageflow.state.remaining import Remaining, eta_seconds, remaining
+
+    done = ShardState(0, "done", status={**_done(0, 600.0, 1, 4), "shard_id": 0})
+    running = ShardState(1, "running", progress={"eta_seconds": 300.0, "fraction_done": 0.5, "elapsed_seconds": 300.0, "num_gpus": 1})
+    states = [done, running, ShardState(2, "pending"), ShardState(3, "failed")]
+    left = remaining(states, 4)
+    # the running shard's own ETA, plus the mean runtime for each of the two still to run, one shard at a time
+    assert left.eta_seconds == pytest.approx(300 + 2 * 600)
+    assert left.gpu_hours == pytest.approx(600 * (0.5 + 1 + 1) / 3600)
+    assert remaining([done], 1) == Remaining(0.0, 0.0)  # all done
+    # nothing done and the running shard knows no rate: unknown, not a guess
+    assert remaining([ShardState(0, "running", progress={}), ShardState(1, "pending")], 2).eta_seconds is None
+    assert (eta_seconds(30, 2.0), eta_seconds(-5, 2.0), eta_seconds(30, None), eta_seconds(30, 0.0)) == (15.0, 0.0, None, None)
+
+
 def test_shard_states_from_files(tmp_path):
     now = 1_800_000_000.0
     write_status(tmp_path, {**SHARD_0, "num_shards": 6})
