@@ -365,8 +365,10 @@ def test_metrics_table_pairs_seconds_with_human_and_says_rows_ok(tmp_path):
 
 def test_a_cpu_runs_remaining_gpu_hours_are_unknown_not_zero():
     statuses = [{"shard_id": 0, "stats": {"num_gpus": 0, "runtime_seconds": 60.0}}]
-    assert report.gpu_hours_remaining(statuses, [], 2) is None
-    assert report.gpu_hours_remaining(statuses, [], 1) == 0.0  # nothing left
+    from mirageflow.state.remaining import gpu_hours_remaining
+
+    assert gpu_hours_remaining(statuses, [], 2) is None
+    assert gpu_hours_remaining(statuses, [], 1) == 0.0  # nothing left
 
 
 def test_svg_plots_have_round_ticks_and_break_lines_at_missing_samples():
@@ -432,3 +434,39 @@ def test_with_several_samples_the_report_counts_samples_and_says_so(tmp_path):
     summary = (state / "summary.md").read_text()
     assert "| `total_rows_processed` |" in summary and "rows ok (samples: 2 records per source row)" in summary
     assert "each source row makes 2 records (samples)" in (state / "report.html").read_text()
+
+
+# --------------------------------------------------------------------------- golden: the report of a fixed state
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "report"
+
+
+def _golden_text(text: str, root: Path) -> str:
+    """The report with what differs between two renderings of one state made equal: the temporary
+    directory, the time it was generated, and the SVG clip-path ids (each plot's object id); the
+    plots are decoded, so a difference in one shows as text."""
+    import base64
+
+    text = text.replace(str(root), "<ROOT>")
+    text = re.sub(r"generated \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d UTC", "generated <TIME> UTC", text)
+
+    def plot(m: re.Match) -> str:
+        return "data:image/svg+xml;utf8," + re.sub(r"clip\d+", "clip", base64.b64decode(m[1]).decode())
+
+    return re.sub(r"data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)", plot, text)
+
+
+def test_the_report_of_a_fixed_state_is_byte_identical_to_its_golden_files(tmp_path):
+    """metrics.json, summary.md and report.html of a fixed state (make_state: a straggler, a failed
+    shard, GPU samples, progress histories, example records and failed rows) as the tests/golden/report
+    files pin them: a refactoring of the aggregate or the page changes no byte. A deliberate change
+    rewrites them: MIRAGEFLOW_UPDATE_GOLDEN=1 python -m pytest tests/test_report.py -k golden."""
+    state = make_state(tmp_path)
+    _with_progress_and_records(state)
+    report.write_report(state, 6)
+    for name in ("metrics.json", "summary.md", "report.html"):
+        got = _golden_text((state / name).read_text(), tmp_path)
+        if os.environ.get("MIRAGEFLOW_UPDATE_GOLDEN") == "1":
+            GOLDEN.mkdir(parents=True, exist_ok=True)
+            (GOLDEN / name).write_text(got)
+        assert got == (GOLDEN / name).read_text(), f"{name} differs from {GOLDEN / name}"

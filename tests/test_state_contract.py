@@ -159,6 +159,28 @@ def test_no_private_name_crosses_modules_and_no_import_circle():
     assert circles == []
 
 
+# --------------------------------------------------------------------------- the stats record: one list of keys
+
+
+def test_the_stats_writer_writes_exactly_the_declared_keys(tmp_path):
+    """status.json's ``stats``: ShardMetrics.stats (the writer), ShardStats (the readers' type), the
+    checks (STATS_NUMBERS, STATS_REQUIRED) and the sums over attempts all come from STATS_FIELDS."""
+    from mirageflow.shard.budget import ErrorBudget
+    from mirageflow.shard.metrics import ShardMetrics
+
+    cfg = load_config(pipeline_config(), check_paths=False)
+    metrics = ShardMetrics(cfg, attempt=1)
+    budget = ErrorBudget(cfg.shard, 0, tmp_path / "errors.jsonl")
+    stats = metrics.stats(budget, resumed=0, request_cache={"answers_kept": 0, "bytes": 0})
+    assert list(stats) == list(records.STATS_KEYS)
+    always = [f.name for f in records.STATS_FIELDS if not f.optional]
+    assert list(metrics.stats(budget, resumed=0)) == always
+    assert list(records.ShardStats.__annotations__) == list(records.STATS_KEYS)
+    assert set(records.STATS_NUMBERS) | set(records.STATS_REQUIRED) | set(records.STATS_SUMMED) <= set(records.STATS_KEYS)
+    assert set(records.STATS_SUMMED) <= set(metrics.attempt_entry(0))  # each attempt keeps what the shard sums
+    assert records.check_stats(stats, records.STATS_REQUIRED) is None
+
+
 # --------------------------------------------------------------------------- reading and the state machine
 
 
@@ -188,11 +210,11 @@ def test_a_status_json_of_another_fingerprint_is_stale_not_done(tmp_path):
     paths = StateLayout(tmp_path)
     atomic_write_json(paths.status(0), _success("a" * 64))
     (entry,) = shards.shard_states(tmp_path, 1, 300, fingerprint="b" * 64)
-    assert entry["state"] == "pending" and entry["stale"].startswith("stale: its status.json was written for an earlier config")
+    assert entry.state == "pending" and entry.stale.startswith("stale: its status.json was written for an earlier config")
     (entry,) = shards.shard_states(tmp_path, 1, 300, fingerprint="a" * 64)
-    assert entry["state"] == "done" and "stale" not in entry
+    assert entry.state == "done" and entry.stale is None
     atomic_write_json(paths.status(0), _success(None))  # written before the field existed: current
-    assert shards.shard_states(tmp_path, 1, 300, fingerprint="b" * 64)[0]["state"] == "done"
+    assert shards.shard_states(tmp_path, 1, 300, fingerprint="b" * 64)[0].state == "done"
 
 
 def test_a_shard_whose_process_is_gone_is_failed_not_running(tmp_path):
@@ -204,13 +226,13 @@ def test_a_shard_whose_process_is_gone_is_failed_not_running(tmp_path):
         "phase": "generating", "updated_at_unix": time.time(), "hostname": socket.gethostname(), "pid": int(dead),
     })  # fmt: skip
     (entry,) = shards.shard_states(tmp_path, 1, 300)
-    assert entry["state"] == "failed" and f"its process {dead} on" in entry["error"] and "is gone" in entry["error"]
+    assert entry.state == "failed" and f"its process {dead} on" in entry.error and "is gone" in entry.error
 
 
 def test_progress_json_saying_failed_without_failure_json_is_a_failed_shard(tmp_path):
     atomic_write_json(StateLayout(tmp_path).progress(0), {"phase": "failed", "updated_at_unix": time.time()})
     (entry,) = shards.shard_states(tmp_path, 1, 300)
-    assert entry["state"] == "failed" and "failure.json" in entry["error"]
+    assert entry.state == "failed" and "failure.json" in entry.error
 
 
 # --------------------------------------------------------------------------- issue 23 item 2: a config edit
@@ -219,6 +241,8 @@ def test_progress_json_saying_failed_without_failure_json_is_a_failed_shard(tmp_
 def test_after_a_config_edit_stale_shards_are_not_done_for_anyone(tmp_path, server, monkeypatch):
     cfg = pipeline(tmp_path, server.url + "/v1")
     run_workflow(tmp_path, cfg)
+    written = json.loads(StateLayout(tmp_path / "state").status(0).read_text())
+    assert list(written["stats"]) == list(records.STATS_KEYS)  # a real shard's (its request cache on), through the workflow
     edited = copy.deepcopy(cfg)
     edited["processing_params"]["outputs"][0]["prompt"] = "Condense: {{ text }}"
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))

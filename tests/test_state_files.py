@@ -102,8 +102,8 @@ def test_damaged_progress_json_of_a_finished_shard(tmp_path, content):
     path = root / "state/shard_0/progress.json"
     _damage(path, content)
     states = shard_states(root / "state", 3, LEASE)
-    assert states[0]["state"] == "done" and states[0]["progress"] is None
-    assert [x["file"] for x in states[0]["damaged"]] == ["progress.json"]
+    assert states[0].state == "done" and states[0].progress is None
+    assert [x["file"] for x in states[0].damaged] == ["progress.json"]
 
     metrics = report.write_report(root / "state", 3)  # the aggregate rule: no crash, no failure
     assert metrics["aggregate"]["completed_shards"] == 2
@@ -128,8 +128,8 @@ def test_damaged_lease_json_is_ignored_with_a_warning(tmp_path, content):
     root = _finished(tmp_path)
     _damage(root / "state/shard_1/lease.json", content)
     states = shard_states(root / "state", 3, LEASE)
-    assert [s["state"] for s in states] == ["done", "done", "failed"]
-    assert [x["file"] for x in states[1]["damaged"]] == ["lease.json"]
+    assert [s.state for s in states] == ["done", "done", "failed"]
+    assert [x["file"] for x in states[1].damaged] == ["lease.json"]
     report.write_report(root / "state", 3)
     proc = mmirage(root, "status", "--config", "pipeline.yaml")
     assert proc.returncode == cli.EXIT_FAILED and len(_warnings(proc.stderr, "state/shard_1/lease.json")) == 1, proc.stderr
@@ -140,12 +140,12 @@ def test_damaged_progress_json_alone_says_running_while_fresh_then_failed(tmp_pa
     path = state / "shard_0" / "progress.json"
     _damage(path, b"[]")
     entry = shard_states(state, 1, LEASE)[0]
-    assert entry["state"] == "running"  # written a moment ago: the shard is alive
+    assert entry.state == "running"  # written a moment ago: the shard is alive
     old = time.time() - 3600
     os.utime(path, (old, old))
     entry = shard_states(state, 1, LEASE)[0]
-    assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: ")
-    assert "killed?" in entry["error"]
+    assert entry.state == "failed" and entry.error.startswith(f"damaged state file {path}: ")
+    assert "killed?" in entry.error
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,7 @@ def test_damaged_failure_json_is_a_failed_shard(tmp_path, content):
     path = root / "state/shard_2/failure.json"
     _damage(path, content)
     entry = shard_states(root / "state", 3, LEASE)[2]
-    assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: ")
+    assert entry.state == "failed" and entry.error.startswith(f"damaged state file {path}: ")
     metrics = report.write_report(root / "state", 3)
     assert [f["shard_id"] for f in metrics["aggregate"]["failed_shards"]] == [2]
     proc = mmirage(root, "status", "--config", "pipeline.yaml")
@@ -208,8 +208,8 @@ def test_damaged_status_json_is_not_done_and_fails_the_aggregate(tmp_path, conte
     path = root / "state/shard_1/status.json"
     _damage(path, content)
     entry = shard_states(root / "state", 3, LEASE)[1]
-    assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: ")
-    assert "not counted as done" in entry["error"]
+    assert entry.state == "failed" and entry.error.startswith(f"damaged state file {path}: ")
+    assert "not counted as done" in entry.error
 
     metrics = report.compute_metrics(root / "state", 3)  # mmirage stats: reads and reports
     agg = metrics["aggregate"]
@@ -264,7 +264,7 @@ def test_a_status_figure_that_is_not_finite_and_non_negative_is_refused_by_name(
     target[name] = bad
     path.write_text(json.dumps(status))  # Python writes NaN and Infinity as JSON's readers take them
     entry = shard_states(root / "state", 3, LEASE)[1]
-    assert entry["state"] == "failed" and entry["error"].startswith(f"damaged state file {path}: stats.{key} is ")
+    assert entry.state == "failed" and entry.error.startswith(f"damaged state file {path}: stats.{key} is ")
     agg = report.compute_metrics(root / "state", 3)["aggregate"]
     assert agg["completed_shards"] == 1
     summed = [(k, v) for k, v in _figures(agg) if not (math.isfinite(v) and v >= 0)]
@@ -289,7 +289,7 @@ def test_status_json_with_a_different_shard_id_is_damaged(tmp_path):
     status = json.loads((root / "state/shard_0/status.json").read_text())
     atomic_write_json(root / "state/shard_1/status.json", status)  # copied from shard 0
     entry = shard_states(root / "state", 3, LEASE)[1]
-    assert entry["state"] == "failed" and "shard_id is 0, not 1" in entry["error"]
+    assert entry.state == "failed" and "shard_id is 0, not 1" in entry.error
 
 
 def test_status_json_from_another_num_shards_still_refuses_the_report(tmp_path):

@@ -9,7 +9,8 @@ from datetime import timezone
 import pytest
 
 from mirageflow.report import aggregate as report
-from mirageflow.state.shards import shard_states
+from mirageflow.state.remaining import gpu_hours_remaining
+from mirageflow.state.shards import ShardState, shard_states
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 
@@ -420,15 +421,32 @@ def _done(shard_id, runtime, gpus, num_shards):
 def test_gpu_hours_remaining_projection():
     done = [_done(0, 3600.0, 2, 4), _done(1, 1800.0, 2, 4)]  # mean 5400 GPU-s
     states = [
-        {"shard_id": 0, "state": "done"}, {"shard_id": 1, "state": "done"},
-        {"shard_id": 2, "state": "running", "progress": {"fraction_done": 0.25, "elapsed_seconds": 600, "num_gpus": 2}},
-        {"shard_id": 3, "state": "pending", "progress": None},
+        ShardState(0, "done"), ShardState(1, "done"),
+        ShardState(2, "running", progress={"fraction_done": 0.25, "elapsed_seconds": 600, "num_gpus": 2}),
+        ShardState(3, "pending"),
     ]  # fmt: skip
-    assert report.gpu_hours_remaining(done, states, 4) == pytest.approx((5400 * 0.75 + 5400) / 3600)
-    assert report.gpu_hours_remaining(done + [_done(2, 2.0, 2, 4), _done(3, 2.0, 2, 4)], states, 4) == 0.0
+    assert gpu_hours_remaining(done, states, 4) == pytest.approx((5400 * 0.75 + 5400) / 3600)
+    assert gpu_hours_remaining(done + [_done(2, 2.0, 2, 4), _done(3, 2.0, 2, 4)], states, 4) == 0.0
     # nothing done yet: the running shard extrapolates itself (2 GPUs x 600 s / 0.25 = 4800 GPU-s)
-    assert report.gpu_hours_remaining([], states, 4) == pytest.approx(4800 * (0.75 + 1 + 1 + 1) / 3600)
-    assert report.gpu_hours_remaining([], [{"shard_id": 0, "state": "pending"}], 1) is None
+    assert gpu_hours_remaining([], states, 4) == pytest.approx(4800 * (0.75 + 1 + 1 + 1) / 3600)
+    assert gpu_hours_remaining([], [ShardState(0, "pending")], 1) is None
+
+
+def test_the_runs_eta_and_gpu_hours_left_come_from_the_shard_states():
+    """`mmirage status` and metrics.json take what is left of a run from one derivation (state/remaining.py)."""
+    from mirageflow.state.remaining import Remaining, eta_seconds, remaining
+
+    done = ShardState(0, "done", status={**_done(0, 600.0, 1, 4), "shard_id": 0})
+    running = ShardState(1, "running", progress={"eta_seconds": 300.0, "fraction_done": 0.5, "elapsed_seconds": 300.0, "num_gpus": 1})
+    states = [done, running, ShardState(2, "pending"), ShardState(3, "failed")]
+    left = remaining(states, 4)
+    # the running shard's own ETA, plus the mean runtime for each of the two still to run, one shard at a time
+    assert left.eta_seconds == pytest.approx(300 + 2 * 600)
+    assert left.gpu_hours == pytest.approx(600 * (0.5 + 1 + 1) / 3600)
+    assert remaining([done], 1) == Remaining(0.0, 0.0)  # all done
+    # nothing done and the running shard knows no rate: unknown, not a guess
+    assert remaining([ShardState(0, "running", progress={}), ShardState(1, "pending")], 2).eta_seconds is None
+    assert (eta_seconds(30, 2.0), eta_seconds(-5, 2.0), eta_seconds(30, None), eta_seconds(30, 0.0)) == (15.0, 0.0, None, None)
 
 
 def test_shard_states_from_files(tmp_path):
@@ -443,10 +461,10 @@ def test_shard_states_from_files(tmp_path):
     atomic_write_json(tmp_path / "shard_3" / "progress.json", {"phase": "generating", "updated_at_unix": now - 3600, "hostname": "n3"})
     atomic_write_json(tmp_path / "shard_4" / "lease.json", {"hostname": "n4", "pid": 1, "heartbeat": now - 10})
     atomic_write_json(tmp_path / "shard_4" / "failure.json", {"error": "an earlier attempt", "signal": "SIGTERM"})  # retried now
-    states = {s["shard_id"]: s for s in shard_states(tmp_path, 6, lease_timeout=300, now=now)}
-    assert {k: v["state"] for k, v in states.items()} == {0: "done", 1: "failed", 2: "running", 3: "failed", 4: "running", 5: "pending"}
-    assert states[1]["error"] == "ShardFailed: budget" and states[1]["attempt"] == 2
-    assert "killed?" in states[3]["error"] and states[3]["host"] == "n3"
+    states = {s.shard_id: s for s in shard_states(tmp_path, 6, lease_timeout=300, now=now)}
+    assert {k: v.state for k, v in states.items()} == {0: "done", 1: "failed", 2: "running", 3: "failed", 4: "running", 5: "pending"}
+    assert states[1].error == "ShardFailed: budget" and states[1].attempt == 2
+    assert "killed?" in states[3].error and states[3].host == "n3"
     agg = report.aggregate([{**SHARD_0, "num_shards": 6}], 6, [1, 2, 3, 4, 5], list(states.values()))
     assert [f["shard_id"] for f in agg["failed_shards"]] == [1, 3]
     assert (agg["running_shards"], agg["pending_shards"]) == ([2, 4], [5])

@@ -210,7 +210,7 @@ def test_failure_paragraph_says_a_deterministic_failure_repeats_and_never_shows_
     _failed_shard(state, 2, {}, "ShardInterrupted: interrupted by SIGINT; 3 rows committed, rerun to resume", signal="SIGINT")
     from mirageflow.state.shards import shard_states
 
-    states = {s["shard_id"]: s for s in shard_states(state, 4, 300)}
+    states = {s.shard_id: s for s in shard_states(state, 4, 300)}
     text = terminal.failure_paragraph(states[0], state, retry_hint="Rerun it with `mmirage retry --config p.yaml`.")
     assert text.startswith("shard 0 failed: every row of shard 0")
     assert "source index 7" in text and "no attribute 'nope'" in text and "fail the same way" in text

@@ -233,14 +233,14 @@ def retry_plan(cfg: PipelineConfig, failed_rows: bool) -> dict:
     from mirageflow.state.shards import states_of
 
     states = states_of(cfg)
-    unfinished = [s["shard_id"] for s in states if s["state"] != "done"]
-    running = [s["shard_id"] for s in states if s["state"] == "running"]
-    with_failed_rows = [s["shard_id"] for s in states if s["state"] == "done" and (s["status"]["stats"].get("rows_failed") or 0) > 0]
+    unfinished = [s.shard_id for s in states if s.state != "done"]
+    running = [s.shard_id for s in states if s.state == "running"]
+    with_failed_rows = [s.shard_id for s in states if s.state == "done" and (s.stats.get("rows_failed") or 0) > 0]
     # a damaged status.json: not done, but Snakemake sees the file and would not rerun the shard unforced
-    damaged = [s["shard_id"] for s in states if s["state"] == "failed" and any(x["file"] == L.STATUS for x in s.get("damaged") or [])]
+    damaged = [s.shard_id for s in states if s.state == "failed" and any(x["file"] == L.STATUS for x in s.damaged)]
     return {
         "unfinished": unfinished, "running": running, "with_failed_rows": with_failed_rows if failed_rows else [],
-        "damaged_status": damaged, "stale": [s["shard_id"] for s in states if s.get("stale")], "states": states,
+        "damaged_status": damaged, "stale": [s.shard_id for s in states if s.stale], "states": states,
     }  # fmt: skip
 
 
@@ -313,10 +313,10 @@ def cmd_retry(args) -> int:
         file=sys.stderr,
     )  # fmt: skip
     for s in plan["states"]:
-        cls = s["state"] == "failed" and repeats_identically((s.get("failure") or {}).get("stats"), str(s.get("error") or ""))
+        cls = s.state == "failed" and repeats_identically(s.failure_stats, str(s.error or ""))
         if cls and not args.failed_rows:
             print(
-                f"mmirage: WARNING: shard {s['shard_id']}: every failed row failed with {cls}, which depends on the config, "
+                f"mmirage: WARNING: shard {s.shard_id}: every failed row failed with {cls}, which depends on the config, "
                 "prompt or data: this retry will fail the same way unless the config changed",
                 file=sys.stderr,
             )
@@ -335,7 +335,7 @@ def cmd_retry(args) -> int:
         if rc != EXIT_OK or dry:
             return rc
     if not dry:
-        still = [s["shard_id"] for s in states_of(cfg) if s["state"] == "failed"]
+        still = [s.shard_id for s in states_of(cfg) if s.state == "failed"]
         if still:
             print(f"mmirage retry: shard(s) {_ids(still)} still failed after the retry", file=sys.stderr)
             return EXIT_FAILED
@@ -350,7 +350,7 @@ def cmd_retry(args) -> int:
     return _run(snakemake_command(args.config, flags=flags, targets=default_targets(cfg), **common))
 
 
-def _outputs_current(cfg, states: list[dict]) -> bool:
+def _outputs_current(cfg, states: list) -> bool:
     """Whether what the default target builds from the shards (report, merge manifests, dedup
     counts) exists and is newer than every shard's status.json (Snakemake's mtime rule, as
     the retry's last step runs it): then that step has nothing to do."""
@@ -359,7 +359,7 @@ def _outputs_current(cfg, states: list[dict]) -> bool:
     paths = StateLayout(cfg.state_dir)
     try:
         built = min(os.stat(t).st_mtime for t in default_targets(cfg))
-        newest = max((os.stat(paths.status(s["shard_id"])).st_mtime for s in states), default=0.0)
+        newest = max((os.stat(paths.status(s.shard_id)).st_mtime for s in states), default=0.0)
     except OSError:  # a target (or a status.json) is missing: Snakemake builds it
         return False
     return built >= newest
@@ -402,49 +402,15 @@ def cmd_stats(args) -> int:
 
 def status_summary(cfg: PipelineConfig) -> dict:
     """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
-    from mirageflow.report.aggregate import gpu_hours_remaining
+    from mirageflow.report.terminal import repeats_identically
+    from mirageflow.state.remaining import remaining
     from mirageflow.state.shards import count, states_of, units_of
     from mirageflow.stats import formulas as stats
 
     states = states_of(cfg)
-    counts = count(states)
-    done_runtimes = [s["status"]["stats"]["runtime_seconds"] for s in states if s["state"] == "done"]
-    if not done_runtimes:  # nothing done yet: running shards extrapolate their own runtime
-        done_runtimes = [
-            p["elapsed_seconds"] / p["fraction_done"]
-            for s in states
-            if s["state"] == "running" and (p := s.get("progress") or {}).get("fraction_done") and p.get("elapsed_seconds")
-        ]
-    mean_runtime = sum(done_runtimes) / len(done_runtimes) if done_runtimes else None
-    running_left = []
-    for s in states:
-        if s["state"] != "running":
-            continue
-        p = s.get("progress") or {}
-        if p.get("eta_seconds") is not None:
-            running_left.append(p["eta_seconds"])
-        elif mean_runtime is not None:
-            running_left.append(max(0.0, mean_runtime - (p.get("elapsed_seconds") or 0)))
-        else:
-            running_left.append(None)
-    todo = counts["pending"] + counts["failed"]
-    eta = None
-    if counts["done"] == cfg.num_shards:
-        eta = 0.0
-    elif None not in running_left and (todo == 0 or mean_runtime is not None):
-        # as many shards at a time as run now (at least one): a rough figure
-        parallel = max(1, counts["running"])
-        eta = (sum(running_left) + todo * (mean_runtime or 0)) / parallel
-    statuses = [s["status"] for s in states if s["state"] == "done"]
-    from mirageflow.report.terminal import repeats_identically
-
-    repeats = {
-        s["shard_id"]: cls
-        for s in states
-        if s["state"] == "failed" and (cls := repeats_identically((s.get("failure") or {}).get("stats"), str(s.get("error") or "")))
-    }
-    gpus = [s["status"]["stats"].get("num_gpus") for s in states if s["state"] == "done"]
-    gpus += [(s.get("progress") or {}).get("num_gpus") for s in states if s["state"] != "done"]
+    left = remaining(states, cfg.num_shards)
+    repeats = {s.shard_id: cls for s in states if s.state == "failed" and (cls := repeats_identically(s.failure_stats, str(s.error or "")))}
+    gpus = [s.stats.get("num_gpus") if s.state == "done" else (s.progress or {}).get("num_gpus") for s in states]
     known_gpus = [g for g in gpus if isinstance(g, (int, float))]
     return {
         "state_dir": cfg.state_dir,
@@ -453,20 +419,16 @@ def status_summary(cfg: PipelineConfig) -> dict:
         "cpu_only": bool(known_gpus) and not any(known_gpus),
         "failures_repeat": repeats,
         "total_shards": cfg.num_shards,
-        **counts,
-        "stale": [s["shard_id"] for s in states if s.get("stale")],
+        **count(states),
+        "stale": [s.shard_id for s in states if s.stale],
         "n_samples": cfg.n_samples,
-        "eta_seconds": eta,
-        "eta_human": stats.human_duration(eta),
-        "gpu_hours_remaining_estimate": gpu_hours_remaining(statuses, states, cfg.num_shards),
+        "eta_seconds": left.eta_seconds,
+        "eta_human": stats.human_duration(left.eta_seconds),
+        "gpu_hours_remaining_estimate": left.gpu_hours,
         "shards": [
-            {k: v for k, v in s.items() if k not in ("status", "failure")}
-            | (
-                {"runtime_seconds": s["status"]["stats"]["runtime_seconds"], "samples_done": units_of(s["status"]["stats"])}
-                if s["state"] == "done"
-                else {}
-            )
-            | ({"repeats_identically": repeats[s["shard_id"]]} if s["shard_id"] in repeats else {})
+            s.to_json()
+            | ({"runtime_seconds": s.stats["runtime_seconds"], "samples_done": units_of(s.stats)} if s.state == "done" else {})
+            | ({"repeats_identically": repeats[s.shard_id]} if s.shard_id in repeats else {})
             for s in states
         ],
     }
@@ -589,7 +551,7 @@ def cmd_merge(args) -> int:
 
     cfg = _load(args.config)
     states = states_of(cfg)
-    not_done = {k: [s["shard_id"] for s in states if s["state"] == k] for k in ("running", "failed", "pending")}
+    not_done = {k: [s.shard_id for s in states if s.state == k] for k in ("running", "failed", "pending")}
     if any(not_done.values()):
         what = "; ".join(f"{k}: {v[:20]}{' ...' if len(v) > 20 else ''}" for k, v in not_done.items() if v)
         print(f"mmirage: cannot merge yet, not every shard is done ({what})", file=sys.stderr)

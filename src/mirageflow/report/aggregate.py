@@ -22,7 +22,8 @@ from mirageflow.report.wording import ROW_LABELS, scope_sentence, unit_note
 from mirageflow.shard.tally import RECORD_KEYS
 from mirageflow.state import layout as L
 from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note
-from mirageflow.state.shards import attempts_count, default_lease_timeout, shard_states
+from mirageflow.state.remaining import gpu_hours_remaining
+from mirageflow.state.shards import ShardState, attempts_count, default_lease_timeout, shard_states
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -80,39 +81,6 @@ def mean_gpu_util(statuses: list[dict]) -> float | None:
     return sum(plain) / len(plain) if plain else None
 
 
-def gpu_hours_remaining(statuses: list[dict], states: list[dict] | None, num_shards: int) -> float | None:
-    """Projected GPU-hours the unfinished shards still need.
-
-    Basis: the completed shards' mean GPU-seconds (GPUs x wall time); a running shard
-    needs that x (1 - its fraction done), a pending or failed one all of it. Without a
-    completed shard, running shards extrapolate their own elapsed GPU-seconds.
-    """
-    by_id = {s["shard_id"]: s for s in (states or [])}
-    unfinished = [i for i in range(num_shards) if i not in {s["shard_id"] for s in statuses}]
-    if not unfinished:
-        return 0.0
-    done_gpu_seconds = [s["stats"].get("num_gpus", 0) * s["stats"]["runtime_seconds"] for s in statuses]
-    if done_gpu_seconds:
-        mean = sum(done_gpu_seconds) / len(done_gpu_seconds)
-    else:
-        guesses = []
-        for st in by_id.values():
-            p = st.get("progress") or {}
-            if st["state"] == "running" and p.get("fraction_done") and p.get("elapsed_seconds"):
-                guesses.append((p.get("num_gpus") or 0) * p["elapsed_seconds"] / p["fraction_done"])
-        if not guesses:
-            return None
-        mean = sum(guesses) / len(guesses)
-    if mean == 0:  # no shard holds a GPU (a CPU run): there are no GPU-hours to project
-        return None
-    remaining = 0.0
-    for shard_id in unfinished:
-        st = by_id.get(shard_id, {})
-        fraction = (st.get("progress") or {}).get("fraction_done") if st.get("state") == "running" else None
-        remaining += mean * (1 - min(1.0, fraction or 0.0))
-    return remaining / 3600
-
-
 def wall_clock(statuses: list[dict]) -> tuple[float | None, float | None]:
     """(seconds during which at least one attempt of a completed shard ran, seconds from the
     first shard's start to the last one's finish). The first leaves out the time between
@@ -142,44 +110,48 @@ def wall_clock(statuses: list[dict]) -> tuple[float | None, float | None]:
 
 
 def aggregate(
-    statuses: list[dict], num_shards: int, missing: list[int], states: list[dict] | None = None, n_samples: int | None = None
+    statuses: list[dict], num_shards: int, missing: list[int], states: list[ShardState] | None = None, n_samples: int | None = None
 ) -> dict:
-    """``n_samples``: the config's (records per source row), when the caller knows it; else
-    the completed shards' (1 when none has completed yet)."""
-    runtimes = [s["stats"]["runtime_seconds"] for s in statuses]
-    wall, span = wall_clock(statuses)
-    rows = int(_sum(statuses, "rows_processed"))
-    out_tokens = int(_sum(statuses, "output_tokens"))
-    # GPU time as the seed defines it (generation time x GPUs), and as allocated (shard wall x GPUs).
-    gpu_gen_seconds = sum(s["stats"]["num_gpus"] * s["stats"]["inference_runtime_seconds"] for s in statuses)
-    gpu_alloc_seconds = sum(s["stats"]["num_gpus"] * s["stats"]["runtime_seconds"] for s in statuses)
-    inference = _sum(statuses, "inference_runtime_seconds")
-    tps_gpu_wall = out_tokens / gpu_alloc_seconds if gpu_alloc_seconds > 0 else None
-    days_wall = gpu_alloc_seconds / stats.SECONDS_PER_DAY / (out_tokens / 1e9) if gpu_alloc_seconds > 0 and out_tokens else None
-    p50 = stats.percentile(runtimes, 50)
-    p95 = stats.percentile(runtimes, 95)
-    stragglers = [
-        {"shard_id": s["shard_id"], "runtime_seconds": s["stats"]["runtime_seconds"], "x_median": s["stats"]["runtime_seconds"] / p50}
-        for s in statuses
-        if p50 and s["stats"]["runtime_seconds"] > STRAGGLER_FACTOR * p50
-    ]
-    by_state = {k: [s for s in states or [] if s["state"] == k] for k in ("running", "failed", "pending")}
+    """metrics.json's aggregate, section by section (README.md, "Numbers in the report", defines each figure).
+    ``statuses``: the completed shards' status.json, each with its ``shard_id``; ``n_samples``: the
+    config's (records per source row), when the caller knows it; else the completed shards' (1 when
+    none has completed yet)."""
+    return {
+        **_shards_section(statuses, num_shards, missing, states or [], n_samples),
+        **_runtime_section(statuses),
+        **_hardware_section(statuses),
+        **_tokens_section(statuses),
+        **_rates_section(statuses, num_shards, states),
+        "output_tokens_per_row_hist": stats.TokenHistogram.merge([s["stats"].get("output_tokens_per_row_hist") for s in statuses]),
+    }
+
+
+def _failed_shards(states: list[ShardState]) -> list[dict]:
+    """metrics.json's failed_shards: who failed, why, and the rows its failure.json counts."""
     failed = []
-    for s in by_state["failed"]:
-        fst = (s.get("failure") or {}).get("stats") or {}  # totals over the shard's attempts, when failure.json has them
+    for s in states:
+        if s.state != "failed":
+            continue
+        fst = s.failure_stats or {}  # totals over the shard's attempts, when failure.json has them
         failed.append(
-            {k: s.get(k) for k in ("shard_id", "error", "signal", "attempt", "host", "slurm_job_id", "finished_at")}
+            {
+                "shard_id": s.shard_id,
+                "error": s.error,
+                "signal": s.signal,
+                "attempt": s.attempt,
+                "host": s.host,
+                "slurm_job_id": s.slurm_job_id,
+                "finished_at": s.finished_at,
+            }  # fmt: skip
             | {k: fst.get(k) for k in ("rows_processed", "rows_failed")}
             | {"rows_failed_by_class": fst.get("rows_failed_by_class"), "attempts": attempts_count(fst)}
         )
-    # energy and roofline over the shards that know them
-    energy = [s for s in statuses if s["stats"].get("gpu_energy_joules") is not None]
-    energy_j = sum(s["stats"]["gpu_energy_joules"] for s in energy) if energy else None
-    energy_tokens = sum(s["stats"]["output_tokens"] for s in energy)
-    roof = [s for s in statuses if s["stats"].get("roofline_tokens_per_sec_per_gpu")]
-    roof_capacity = sum(
-        s["stats"]["roofline_tokens_per_sec_per_gpu"] * s["stats"]["num_gpus"] * s["stats"]["inference_runtime_seconds"] for s in roof
-    )
+    return failed
+
+
+def _shards_section(statuses: list[dict], num_shards: int, missing: list[int], states: list[ShardState], n_samples) -> dict:
+    """Which shards are in which state, and their rows: ok, failed (by class), filtered."""
+    failed = _failed_shards(states)
     # failed rows over every shard that says (completed ones, and failed ones through failure.json's stats)
     failed_by_class: dict[str, int] = {}
     for by_class in [s["stats"].get("rows_failed_by_class") for s in statuses] + [f["rows_failed_by_class"] for f in failed]:
@@ -187,17 +159,16 @@ def aggregate(
             failed_by_class[k] = failed_by_class.get(k, 0) + v
     rows_failed_done = int(_sum(statuses, "rows_failed"))
     rows_failed_failed = int(sum(f["rows_failed"] or 0 for f in failed))
-    hardware = [s.get("hardware") or {} for s in statuses]
     return {
         "total_shards": num_shards,
         # records (samples) per source row: every rows_* count and the tokens histogram count records
         "n_samples": n_samples or max((int(s["stats"].get("n_samples") or 1) for s in statuses), default=1),
         "completed_shards": len(statuses),
         "missing_shards": missing,
-        "running_shards": [s["shard_id"] for s in by_state["running"]],
-        "pending_shards": [s["shard_id"] for s in by_state["pending"]],
+        "running_shards": [s.shard_id for s in states if s.state == "running"],
+        "pending_shards": [s.shard_id for s in states if s.state == "pending"],
         "failed_shards": failed,
-        "total_rows_processed": rows,
+        "total_rows_processed": int(_sum(statuses, "rows_processed")),
         "total_rows_failed": rows_failed_done + rows_failed_failed,
         "total_rows_filtered": int(_sum(statuses, "rows_filtered")),  # dropped by filter steps (completed shards)
         "rows_failed_by_class": failed_by_class,
@@ -205,7 +176,23 @@ def aggregate(
         "rows_failed_failed_shards": rows_failed_failed,
         "rows_processed_failed_shards": int(sum(f["rows_processed"] or 0 for f in failed)),
         "figure_scope": FIGURE_SCOPE,
-        "damaged_state_files": [{"shard_id": s["shard_id"], **x} for s in states or [] for x in s.get("damaged") or []],
+        "damaged_state_files": [{"shard_id": s.shard_id, **x} for s in states for x in s.damaged],
+    }
+
+
+def _runtime_section(statuses: list[dict]) -> dict:
+    """Wall clock, the shards' runtimes (sum, min, max, percentiles), the stragglers, the rows' throughput."""
+    runtimes = [s["stats"]["runtime_seconds"] for s in statuses]
+    wall, span = wall_clock(statuses)
+    p50 = stats.percentile(runtimes, 50)
+    p95 = stats.percentile(runtimes, 95)
+    stragglers = [
+        {"shard_id": s["shard_id"], "runtime_seconds": s["stats"]["runtime_seconds"], "x_median": s["stats"]["runtime_seconds"] / p50}
+        for s in statuses
+        if p50 and s["stats"]["runtime_seconds"] > STRAGGLER_FACTOR * p50
+    ]
+    rows = int(_sum(statuses, "rows_processed"))
+    return {
         # while at least one shard ran (the time between invocations left out), and the whole span
         "wall_clock_runtime_seconds": wall,
         "wall_clock_runtime_human": stats.human_duration(wall),
@@ -223,10 +210,22 @@ def aggregate(
         "p95_shard_runtime_human": stats.human_duration(p95),
         "stragglers": stragglers,
         "overall_throughput_rows_per_sec": rows / wall if wall else None,
+    }
+
+
+def _hardware_section(statuses: list[dict]) -> dict:
+    hardware = [s.get("hardware") or {} for s in statuses]
+    return {
         "mean_gpu_util_pct": mean_gpu_util(statuses),
         "num_gpus": max((s["stats"]["num_gpus"] for s in statuses), default=0),
         "gpu_names": sorted({str(h["gpu_name"]) for h in hardware if h.get("gpu_name")}),
         "driver_versions": sorted({str(h["driver_version"]) for h in hardware if h.get("driver_version")}),
+    }
+
+
+def _tokens_section(statuses: list[dict]) -> dict:
+    """Token totals (work and records) and the phases' summed seconds."""
+    return {
         "total_input_tokens": int(_sum(statuses, "input_tokens")),
         # a request's prompt counted once per choice, as vLLM's counters do (more than
         # total_input_tokens only under native n); older status files: as input_tokens
@@ -234,15 +233,36 @@ def aggregate(
             sum(s["stats"].get("input_tokens_each_choice", s["stats"].get("input_tokens")) or 0 for s in statuses)
         ),
         # generated by the engines over every attempt (lost work included): the rates divide these
-        "total_output_tokens": out_tokens,
+        "total_output_tokens": int(_sum(statuses, "output_tokens")),
         # what the records hold (shard/tally.py): their output tokens, those from the request cache, their answers
         **{f"total_{k}": int(_sum(statuses, k)) for k in RECORD_KEYS},
         "sum_model_load_seconds": _sum(statuses, "model_load_seconds"),
         "sum_warmup_seconds": _sum(statuses, "warmup_seconds"),
         "sum_generation_seconds": _sum(statuses, "generation_seconds"),
-        "sum_inference_runtime_seconds": inference,
+        "sum_inference_runtime_seconds": _sum(statuses, "inference_runtime_seconds"),
         "sum_write_seconds": _sum(statuses, "write_seconds"),
         "sum_engine_idle_seconds": _sum(statuses, "engine_idle_seconds"),
+    }
+
+
+def _rates_section(statuses: list[dict], num_shards: int, states: list[ShardState] | None) -> dict:
+    """Tokens/s, GPU time (generation and allocated), the GPU-hours still needed, energy, the roofline fraction."""
+    out_tokens = int(_sum(statuses, "output_tokens"))
+    inference = _sum(statuses, "inference_runtime_seconds")
+    # GPU time as the seed defines it (generation time x GPUs), and as allocated (shard wall x GPUs).
+    gpu_gen_seconds = sum(s["stats"]["num_gpus"] * s["stats"]["inference_runtime_seconds"] for s in statuses)
+    gpu_alloc_seconds = sum(s["stats"]["num_gpus"] * s["stats"]["runtime_seconds"] for s in statuses)
+    tps_gpu_wall = out_tokens / gpu_alloc_seconds if gpu_alloc_seconds > 0 else None
+    days_wall = gpu_alloc_seconds / stats.SECONDS_PER_DAY / (out_tokens / 1e9) if gpu_alloc_seconds > 0 and out_tokens else None
+    # energy and roofline over the shards that know them
+    energy = [s for s in statuses if s["stats"].get("gpu_energy_joules") is not None]
+    energy_j = sum(s["stats"]["gpu_energy_joules"] for s in energy) if energy else None
+    energy_tokens = sum(s["stats"]["output_tokens"] for s in energy)
+    roof = [s for s in statuses if s["stats"].get("roofline_tokens_per_sec_per_gpu")]
+    roof_capacity = sum(
+        s["stats"]["roofline_tokens_per_sec_per_gpu"] * s["stats"]["num_gpus"] * s["stats"]["inference_runtime_seconds"] for s in roof
+    )
+    return {
         "tokens_per_sec": out_tokens / inference if inference > 0 else None,
         "tokens_per_sec_per_gpu": out_tokens / gpu_gen_seconds if gpu_gen_seconds > 0 else None,
         "gpu_days_per_billion_tokens": (
@@ -258,7 +278,6 @@ def aggregate(
         "gpu_energy_joules": energy_j,
         "joules_per_1k_output_tokens": energy_j / (energy_tokens / 1000) if energy_j is not None and energy_tokens else None,
         "roofline_fraction": out_tokens_of(roof) / roof_capacity if roof_capacity > 0 else None,
-        "output_tokens_per_row_hist": stats.TokenHistogram.merge([s["stats"].get("output_tokens_per_row_hist") for s in statuses]),
     }
 
 
@@ -359,7 +378,7 @@ def compute_metrics(
     num_shards: int,
     lease_timeout: float | None = None,
     fingerprint: str | None = None,
-    states: list[dict] | None = None,
+    states: list[ShardState] | None = None,
     n_samples: int | None = None,
 ) -> dict:
     """metrics.json's per_shard and aggregate, from the state files alone. ``lease_timeout``:
@@ -372,12 +391,12 @@ def compute_metrics(
         states = shard_states(state_dir, num_shards, lease_timeout, fingerprint)
     paths = L.StateLayout(state_dir)
     for s in states:
-        if s.get("other_run_num_shards") is not None:  # a status.json of another run refuses the report
-            check_num_shards({"num_shards": s["other_run_num_shards"]}, paths.status(s["shard_id"]), num_shards)
-        for x in s.get("damaged") or []:
+        if s.other_run_num_shards is not None:  # a status.json of another run refuses the report
+            check_num_shards({"num_shards": s.other_run_num_shards}, paths.status(s.shard_id), num_shards)
+        for x in s.damaged:
             log.warning("%s; %s", damaged_note(x["path"], x["reason"]), DAMAGED_CONSEQUENCE[x["file"]])
-    statuses = [{**s["status"], "shard_id": s["shard_id"]} for s in states if s["state"] == "done"]
-    missing = [s["shard_id"] for s in states if s["state"] != "done"]
+    statuses = [{**s.status, "shard_id": s.shard_id} for s in states if s.state == "done"]
+    missing = [s.shard_id for s in states if s.state != "done"]
     per_shard = [
         {
             "shard_id": s["shard_id"],

@@ -728,16 +728,35 @@ def _servers_html(per_shard: list[dict], total: dict | None) -> list[str]:
 
 
 def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow run report") -> str:
+    """report.html: its sections in order, each made by a function of its own."""
     agg = metrics["aggregate"]
     per_shard = metrics["per_shard"]
-    stragglers = {s["shard_id"] for s in agg.get("stragglers") or []}
     damaged = list(agg.get("damaged_state_files") or [])
     samples = load_gpu_samples(state_dir, [s["shard_id"] for s in per_shard], damaged)
+    identity = load_identity(state_dir)
+    unit = "row" if (agg.get("n_samples") or 1) == 1 else "sample"  # what a record is: a row, or one of a row's n_samples
+    plots = _plots(agg, per_shard, state_dir, samples, identity, unit)
+    out = _head_html(agg, state_dir, title, unit)
+    if "findings" in metrics:
+        out.append(findings_html(metrics["findings"]))
+    out += _damaged_html(damaged)
+    out += _unfinished_html(agg)
+    out += _failed_shards_html(agg.get("failed_shards"))
+    out += _figures_html(plots, metrics, identity, unit)
+    out += _examples_html(state_dir, [s["shard_id"] for s in per_shard], agg.get("total_shards") or 0)
+    out += _metrics_html(agg, metrics.get("deduplication"))
+    out += _per_shard_html(per_shard, {s["shard_id"] for s in agg.get("stragglers") or []})
+    out += _servers_html(per_shard[:MAX_SHARD_ROWS], agg.get("inference_servers"))
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def _plots(agg: dict, per_shard: list[dict], state_dir, samples, identity, unit: str) -> dict:
+    """Each plot's image, or None (a plot that fails is logged: it must never cost the metrics)."""
+    stragglers = {s["shard_id"] for s in agg.get("stragglers") or []}
     failed_ids = [f["shard_id"] for f in agg.get("failed_shards") or []]
     done_ids = [s["shard_id"] for s in per_shard]
-    identity = load_identity(state_dir)
     n_samples = agg.get("n_samples") or 1
-    unit = "row" if n_samples == 1 else "sample"  # what a record is: a row, or one of a row's n_samples
     plots = {}
     for name, fn in (
         ("shards", lambda: plot_shards(per_shard, stragglers)),
@@ -751,6 +770,11 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         except Exception:  # a plot must never cost the metrics
             log.exception("plot %s failed", name)
             plots[name] = None
+    return plots
+
+
+def _head_html(agg: dict, state_dir, title: str, unit: str) -> list[str]:
+    """The page's head, title, the cards of the main figures and what they cover."""
 
     def pct(v):
         return "n/a" if v is None else f"{v:.1f} %"
@@ -768,7 +792,7 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         ("mean GPU utilisation", pct(agg.get("mean_gpu_util_pct"))),
         ("roofline fraction", pct(None if agg.get("roofline_fraction") is None else 100 * agg["roofline_fraction"])),
     ]
-    out = [
+    return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{_esc(title)}</title>",
@@ -779,40 +803,54 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
         '<div class="cards">' + "".join(_card(k, v) for k, v in cards) + "</div>",
         f'<p class="note">{_esc(scope_sentence(agg) + unit_note_sentence(agg))}</p>',
     ]
-    if "findings" in metrics:
-        out.append(findings_html(metrics["findings"]))
-    if damaged:
-        out.append('<h2>Damaged state files</h2><ul class="bad">')
-        out += [
-            f"<li>{_esc(damaged_note(x['path'], x['reason']))}; {_esc(DAMAGED_CONSEQUENCE.get(x['file'], 'ignored'))}</li>" for x in damaged
-        ]
-        out.append("</ul>")
+
+
+def _damaged_html(damaged: list[dict]) -> list[str]:
+    if not damaged:
+        return []
+    return [
+        '<h2>Damaged state files</h2><ul class="bad">',
+        *(f"<li>{_esc(damaged_note(x['path'], x['reason']))}; {_esc(DAMAGED_CONSEQUENCE.get(x['file'], 'ignored'))}</li>" for x in damaged),
+        "</ul>",
+    ]
+
+
+def _unfinished_html(agg: dict) -> list[str]:
+    """The shards still running or pending, and the GPU-hours they are projected to need."""
     unfinished = [
         ("running", agg.get("running_shards")),
         ("pending", agg.get("pending_shards")),
     ]
     notes = [f"{k}: {', '.join(map(str, v))}" for k, v in unfinished if v]
-    if notes:
-        est = agg.get("gpu_hours_remaining_estimate")
-        notes.append(f"projected GPU-hours remaining: {_fmt(est)}")
-        out.append(f'<p class="bad">Run in progress or incomplete. {_esc("; ".join(notes))}.</p>')
+    if not notes:
+        return []
+    notes.append(f"projected GPU-hours remaining: {_fmt(agg.get('gpu_hours_remaining_estimate'))}")
+    return [f'<p class="bad">Run in progress or incomplete. {_esc("; ".join(notes))}.</p>']
 
-    if agg.get("failed_shards"):
+
+def _failed_shards_html(failed: list[dict] | None) -> list[str]:
+    if not failed:
+        return []
+    out = [
+        "<h2>Failed shards</h2><table><tr><th>shard</th><th>error</th><th>signal</th><th>attempt</th><th>attempts</th>"
+        "<th>rows ok</th><th>rows failed</th><th>host</th><th>SLURM job</th></tr>"
+    ]
+    for f in failed:
         out.append(
-            "<h2>Failed shards</h2><table><tr><th>shard</th><th>error</th><th>signal</th><th>attempt</th><th>attempts</th>"
-            "<th>rows ok</th><th>rows failed</th><th>host</th><th>SLURM job</th></tr>"
+            f"<tr><td class=n>{f['shard_id']}</td><td class=bad>{_esc(str(f.get('error') or '')[:500])}</td>"
+            f"<td>{_esc(f.get('signal') or '')}</td><td class=n>{_esc(f.get('attempt') or '')}</td>"
+            f"<td class=n>{_esc(_fmt(f.get('attempts')))}</td><td class=n>{_esc(_fmt(f.get('rows_processed')))}</td>"
+            f"<td class=n>{_esc(_fmt(f.get('rows_failed')))}</td>"
+            f"<td>{_esc(f.get('host') or '')}</td><td>{_esc(f.get('slurm_job_id') or '')}</td></tr>"
         )
-        for f in agg["failed_shards"]:
-            out.append(
-                f"<tr><td class=n>{f['shard_id']}</td><td class=bad>{_esc(str(f.get('error') or '')[:500])}</td>"
-                f"<td>{_esc(f.get('signal') or '')}</td><td class=n>{_esc(f.get('attempt') or '')}</td>"
-                f"<td class=n>{_esc(_fmt(f.get('attempts')))}</td><td class=n>{_esc(_fmt(f.get('rows_processed')))}</td>"
-                f"<td class=n>{_esc(_fmt(f.get('rows_failed')))}</td>"
-                f"<td>{_esc(f.get('host') or '')}</td><td>{_esc(f.get('slurm_job_id') or '')}</td></tr>"
-            )
-        out.append("</table>")
+    out.append("</table>")
+    return out
 
-    out.append("<h2>Shards</h2>")
+
+def _figures_html(plots: dict, metrics: dict, identity, unit: str) -> list[str]:
+    """The plots (shards, throughput over time, GPU utilisation, tokens per row, errors) and the cluster accounting."""
+    agg = metrics["aggregate"]
+    out = ["<h2>Shards</h2>"]
     out.append(_img(plots["shards"], "per-shard throughput and runtime", "No completed shard yet.", SHARDS_CAPTION))
     out.append("<h2>Throughput over time</h2>")
     out.append(
@@ -842,35 +880,44 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
     else:
         out.append(_img(plots["errors"], "failed rows by error class", "No failed rows.", ERRORS_CAPTION))
     out.append("</div></div>")
+    return out
 
-    out += _examples_html(state_dir, done_ids, agg.get("total_shards") or 0)
 
-    out.append("<h2>Metrics</h2><table><tr><th>metric</th><th>key in metrics.json</th><th>value</th></tr>")
+def _metrics_html(agg: dict, deduplication) -> list[str]:
+    """Every aggregate figure with its key in metrics.json, the dedup counts, and which shards each figure covers."""
+    out = ["<h2>Metrics</h2><table><tr><th>metric</th><th>key in metrics.json</th><th>value</th></tr>"]
     for label, key, value in metrics_table_rows(agg):
         cls = "n" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
         out.append(
             f"<tr><td>{_esc(label)}</td><td><code>{_esc(key)}</code></td><td class='{cls}'>{_esc(_fmt(value) if not isinstance(value, str) else value)}</td></tr>"
         )
     out.append("</table>")
-    out += _dedup_html(metrics.get("deduplication"))
+    out += _dedup_html(deduplication)
     out.append("<table><tr><th>the figures of</th><th>cover</th></tr>")
     out += [f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in (agg.get("figure_scope") or {}).items()]
     out.append("</table>")
+    return out
 
-    columns = [
-        ("rows ok", "rows_processed"), ("failed", "rows_failed"), ("filtered", "rows_filtered"), ("runtime s", "runtime_seconds"),
-        ("load s", "model_load_seconds"), ("generation s", "inference_runtime_seconds"), ("idle s", "engine_idle_seconds"),
-        ("output tokens", "output_tokens"), ("tok/s", "tokens_per_sec"), ("tok/s/GPU", "tokens_per_sec_per_gpu"),
-        ("GPUs", "num_gpus"), ("GPU util %", "gpu_util_mean"), ("energy J", "gpu_energy_joules"),
-        ("roofline", "roofline_fraction"),
-    ]  # fmt: skip
-    out.append("<h2>Per shard</h2>")
+
+# the per-shard table's figures: (column, key of the shard's stats)
+_SHARD_COLUMNS = [
+    ("rows ok", "rows_processed"), ("failed", "rows_failed"), ("filtered", "rows_filtered"), ("runtime s", "runtime_seconds"),
+    ("load s", "model_load_seconds"), ("generation s", "inference_runtime_seconds"), ("idle s", "engine_idle_seconds"),
+    ("output tokens", "output_tokens"), ("tok/s", "tokens_per_sec"), ("tok/s/GPU", "tokens_per_sec_per_gpu"),
+    ("GPUs", "num_gpus"), ("GPU util %", "gpu_util_mean"), ("energy J", "gpu_energy_joules"),
+    ("roofline", "roofline_fraction"),
+]  # fmt: skip
+
+
+def _per_shard_html(per_shard: list[dict], stragglers: set[int]) -> list[str]:
+    """The completed shards, one row each (the first MAX_SHARD_ROWS), stragglers marked."""
+    out = ["<h2>Per shard</h2>"]
     if len(per_shard) > MAX_SHARD_ROWS:
         out.append(f'<p class="note">The first {MAX_SHARD_ROWS} of {len(per_shard)} shards; all are in metrics.json.</p>')
     out.append('<p class="note">Completed shards; each row covers all attempts of the shard.</p>')
     out.append(
         "<table><tr><th>shard</th><th>attempts</th><th>host</th><th>GPU</th><th>engine</th>"
-        + "".join(f"<th>{_esc(c)}</th>" for c, _ in columns)
+        + "".join(f"<th>{_esc(c)}</th>" for c, _ in _SHARD_COLUMNS)
         + "</tr>"
     )
     for s in per_shard[:MAX_SHARD_ROWS]:
@@ -880,10 +927,8 @@ def render_html(metrics: dict, state_dir: str | Path, title: str = "mirageflow r
             f"<tr{' class=bad' if mark else ''}><td class=n{mark}>{s['shard_id']}</td><td class=n>{_esc(_fmt(s.get('attempts')))}</td>"
             f"<td>{_esc(s.get('hostname') or '')}</td><td>{_esc(s.get('gpu_name') or '')}</td>"
             f"<td>{_esc('; '.join(f'{k}: {v}' for k, v in (s.get('engines') or {}).items()))}</td>"
-            + "".join(f"<td class=n>{_esc(_fmt(st.get(k)))}</td>" for _, k in columns)
+            + "".join(f"<td class=n>{_esc(_fmt(st.get(k)))}</td>" for _, k in _SHARD_COLUMNS)
             + "</tr>"
         )
     out.append("</table>")
-    out += _servers_html(per_shard[:MAX_SHARD_ROWS], agg.get("inference_servers"))
-    out.append("</body></html>")
-    return "\n".join(out) + "\n"
+    return out

@@ -37,6 +37,7 @@ import re
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,7 +47,16 @@ from mirageflow.numbers import fmt_rate, percent
 from mirageflow.shard.progress import RateWindow
 from mirageflow.state import layout as L
 from mirageflow.state.records import read
-from mirageflow.state.shards import PROGRESS_STALE_SECONDS, is_done, process_gone, progress_work, recorded_fingerprint, units_of
+from mirageflow.state.remaining import eta_seconds
+from mirageflow.state.shards import (
+    PROGRESS_STALE_SECONDS,
+    ShardState,
+    is_done,
+    process_gone,
+    progress_work,
+    recorded_fingerprint,
+    units_of,
+)
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -107,14 +117,12 @@ def _sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else text + "."
 
 
-def failure_paragraph(shard: dict, state_dir: str | Path, retry_hint: str | None = None) -> str:
-    """One paragraph about a failed shard (an entry of state.shards.shard_states or aggregate.failed_shards)."""
-    shard_id = shard["shard_id"]
-    failure = shard.get("failure") or {}
+def failure_paragraph(shard: ShardState, state_dir: str | Path, retry_hint: str | None = None) -> str:
+    """One paragraph about a failed shard."""
+    shard_id = shard.shard_id
+    failure = shard.failure or {}
     fst = failure.get("stats") or {}
-    if not fst and shard.get("rows_failed_by_class") is not None:
-        fst = {"rows_failed_by_class": shard.get("rows_failed_by_class")}
-    error = shard.get("error") if shard.get("error") is not None else failure.get("error")
+    error = shard.error if shard.error is not None else failure.get("error")
     paths = L.StateLayout(state_dir)
     text = _sentence(f"shard {shard_id} failed: {_short_error(error)}")
     if not failure:  # no failure.json (killed, a full disk): what its log says last
@@ -131,7 +139,7 @@ def failure_paragraph(shard: dict, state_dir: str | Path, retry_hint: str | None
             f" Every failed row failed with {same}, which depends on the config, prompt or data: "
             "a retry would fail the same way. Fix the config or prompt (try it with `mmirage preview`), then run again."
         )
-    elif shard.get("signal"):
+    elif shard.signal:
         text += " It was stopped by a signal; run the same command again to resume from its last commit."
     elif retry_hint:
         text += f" {retry_hint}"
@@ -156,6 +164,17 @@ def progress_interval(stream=None, environ=os.environ) -> float:
         return TTY_INTERVAL if stream.isatty() else LOG_INTERVAL
     except (AttributeError, ValueError):
         return LOG_INTERVAL
+
+
+@dataclass
+class _Scan:
+    """One tick's look at the shards not done (``LiveProgress._scan``)."""
+
+    running: list[dict]  # progress.json of each running shard
+    failed: int
+    other_rows: int  # work of the shards neither running nor done (failed, or done without status.json yet)
+    other_samples: int
+    other_tokens: int
 
 
 class LiveProgress:
@@ -224,8 +243,32 @@ class LiveProgress:
     def line(self) -> str | None:
         """The progress line, or None when no shard runs now."""
         now = self.clock()
-        running, failed = [], 0
-        other_samples = other_rows = other_tokens = 0  # shards not running, not done: failed ones, or done without status.json yet
+        scan = self._scan(now)
+        if not scan.running:
+            return None
+        done_samples = sum(u for u, _ in self._done_units.values())
+        work = [progress_work(p, self.n) for p in scan.running]
+        samples = done_samples + scan.other_samples + sum(w[1] for w in work)
+        rows = done_samples // self.n + scan.other_rows + sum(w[0] for w in work)
+        tokens = sum(t for _, t in self._done_units.values()) + scan.other_tokens
+        tokens += sum(int(p.get("output_tokens") or 0) for p in scan.running)
+        self._window.add(now, samples, tokens)
+        total = self.total_rows()
+        if total:  # what the files say never adds up to more than the run has
+            rows, samples = min(rows, total), min(samples, total * self.n)
+        rate, tokens_rate, why = self._rates(scan.running)
+        parts = [
+            self._shards_part(scan.running, scan.failed),
+            self._work_part(rows, samples, total, scan.running),
+            self._rate_part(rate, tokens_rate, why),
+            self._eta_part(rate, total, samples),
+        ]
+        return "mirageflow: " + " | ".join(parts)
+
+    def _scan(self, now: float) -> _Scan:
+        """The shards not done: the running ones' progress.json, how many failed, and the work of
+        the others (failed, or done without status.json yet)."""
+        scan = _Scan([], 0, 0, 0, 0)
         for shard_id in range(self.num_shards):
             if self._done(shard_id):
                 continue
@@ -243,52 +286,46 @@ class LiveProgress:
             fresh = now - mtime < PROGRESS_STALE_SECONDS and not process_gone(p)
             rows, samples, _ = progress_work(p, self.n)
             if phase == "failed" or (phase != "done" and not fresh):
-                failed += 1
+                scan.failed += 1
             elif phase != "done":
-                running.append(p)
+                scan.running.append(p)
                 continue
-            other_rows, other_samples, other_tokens = (
-                other_rows + rows,
-                other_samples + samples,
-                other_tokens + int(p.get("output_tokens") or 0),
-            )
-        if not running:
-            return None
-        done = len(self._done_units)
-        work = [progress_work(p, self.n) for p in running]
-        samples = sum(u for u, _ in self._done_units.values()) + other_samples + sum(w[1] for w in work)
-        rows = sum(u for u, _ in self._done_units.values()) // self.n + other_rows + sum(w[0] for w in work)
-        tokens = sum(t for _, t in self._done_units.values()) + other_tokens + sum(int(p.get("output_tokens") or 0) for p in running)
-        self._window.add(now, samples, tokens)
-        total = self.total_rows()
-        if total:  # what the files say never adds up to more than the run has
-            rows, samples = min(rows, total), min(samples, total * self.n)
-        parts = [f"shards {done}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")]
+            scan.other_rows += rows
+            scan.other_samples += samples
+            scan.other_tokens += int(p.get("output_tokens") or 0)
+        return scan
+
+    def _shards_part(self, running: list[dict], failed: int) -> str:
+        """Shards done, running (and the phases of those not generating), failed."""
+        text = f"shards {len(self._done_units)}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")
         phases = sorted({str(p.get("phase")) for p in running} - {"generating"})
         if len(running) == 1 and phases:
             seconds = running[0].get("phase_seconds")
-            parts[0] += f" ({phases[0]}" + (f" {seconds:.0f} s" if seconds is not None else "") + ")"
+            text += f" ({phases[0]}" + (f" {seconds:.0f} s" if seconds is not None else "") + ")"
         elif phases:
             counts = {ph: sum(1 for p in running if p.get("phase") == ph) for ph in phases}
-            parts[0] += " (" + ", ".join(f"{n} {ph}" for ph, n in counts.items()) + ")"
+            text += " (" + ", ".join(f"{n} {ph}" for ph, n in counts.items()) + ")"
+        return text
+
+    def _work_part(self, rows: int, samples: int, total: int | None, running: list[dict]) -> str:
+        """Rows (and samples) done of the run's, and the requests in flight."""
         inflight = sum(int(p.get("inflight") or 0) for p in running)
         if self.n == 1:
             text = f"rows {rows:,}/{total:,} ({percent(rows, total)})" if total else f"rows {rows:,}"
         else:
             text = (f"rows {rows:,}/{total:,}, samples {samples:,}/{total * self.n:,} ({percent(samples, total * self.n)})"
                     if total else f"rows {rows:,}, samples {samples:,}")  # fmt: skip
-        parts.append(text + (f", {inflight:,} in flight" if inflight else ""))
-        rate, tokens_rate, why = self._rates(running)
+        return text + (f", {inflight:,} in flight" if inflight else "")
+
+    def _rate_part(self, rate: float | None, tokens_rate: float | None, why: str) -> str:
         unit = "rows" if self.n == 1 else "samples"
-        if rate is None:
-            parts.append(f"{unit}/s n/a ({why})")
-        else:
-            parts.append(f"{fmt_rate(rate)} {unit}/s, {fmt_rate(tokens_rate)} tok/s")
-        if rate and total:
-            parts.append(f"ETA {stats.human_duration(max(0, total * self.n - samples) / rate)}")
-        else:
-            parts.append("ETA n/a" + (" (no rate yet)" if rate is None else ""))
-        return "mirageflow: " + " | ".join(parts)
+        return f"{unit}/s n/a ({why})" if rate is None else f"{fmt_rate(rate)} {unit}/s, {fmt_rate(tokens_rate)} tok/s"
+
+    def _eta_part(self, rate: float | None, total: int | None, samples: int) -> str:
+        eta = eta_seconds(total * self.n - samples, rate) if total else None
+        if eta is not None:
+            return f"ETA {stats.human_duration(eta)}"
+        return "ETA n/a" + (" (no rate yet)" if rate is None else "")
 
     def _rates(self, running: list[dict]) -> tuple[float | None, float | None, str]:
         """(samples/s, tokens/s, why there is none): the running shards' own rates, summed, when
@@ -358,7 +395,7 @@ def run_summary(
     agg = metrics["aggregate"]
     counts = count(states)
     # shards a stop signal ended (the driver's, forwarded, or their own: a time limit)
-    stopped = [s for s in states if s["state"] == "failed" and s.get("signal")] if interrupted else []
+    stopped = [s for s in states if s.state == "failed" and s.signal] if interrupted else []
     head = (
         f"mirageflow: run interrupted by {signal_name(interrupted)}"
         if interrupted
@@ -377,7 +414,7 @@ def run_summary(
     if counts["running"]:
         shards += f", {counts['running']} still running"
     if counts["pending"]:
-        stale = sum(1 for s in states if s.get("stale"))
+        stale = sum(1 for s in states if s.stale)
         shards += f", {counts['pending']} not run" + (f" ({stale} with a stale status.json of an earlier config)" if stale else "")
     lines.append("  " + shards)
     by_class = agg.get("rows_failed_by_class") or {}
@@ -416,15 +453,15 @@ def run_summary(
             f"  the previous run's results, kept until this run's replace them ({previous['why']}, {previous['since']}): "
             + ", ".join(f"{p}/" if p.is_dir() else str(p) for p in previous["outputs"])
         )
-    with_errors = [s["shard_id"] for s in states if _nonempty(paths.errors(s["shard_id"]))]
+    with_errors = [s.shard_id for s in states if _nonempty(paths.errors(s.shard_id))]
     if failed_rows and with_errors:
         shown = ", ".join(map(str, with_errors[:10])) + (" ..." if len(with_errors) > 10 else "")
         lines.append(f"  failed rows: {state_dir}/shard_<id>/errors.jsonl (shards {shown})")
     for s in stopped[:20]:
-        lines.append(f"  shard {s['shard_id']} stopped with {_committed(s)} committed")
+        lines.append(f"  shard {s.shard_id} stopped with {_committed(s)} committed")
     if len(stopped) > 20:
         lines.append(f"  ... and {len(stopped) - 20} more stopped shards")
-    failed = [s for s in states if s["state"] == "failed" and s not in stopped]
+    failed = [s for s in states if s.state == "failed" and s not in stopped]
     retry = f"Rerun it with `mmirage retry --config {config_hint}`" if config_hint else "Rerun the same command to retry it"
     retry += " (it resumes from its last commit)."
     for s in failed[:20]:
@@ -432,7 +469,7 @@ def run_summary(
         lines.append(failure_paragraph(s, state_dir, retry_hint=retry))
     if len(failed) > 20:
         lines.append(f"... and {len(failed) - 20} more failed shards: mmirage status --config {config_hint or '<config>'}")
-    named = {s["shard_id"] for s in failed + stopped}
+    named = {s.shard_id for s in failed + stopped}
     others = [j for j in failed_jobs if not (j["rule"] == "shard" and _job_shard(j) in named)]
     for job in others[:20]:
         lines.append("")
@@ -454,9 +491,9 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def _committed(shard: dict) -> str:
+def _committed(shard: ShardState) -> str:
     """What a stopped shard committed, as its failure.json says ("3 rows"); "nothing" before it started."""
-    committed = (shard.get("failure") or {}).get("committed")
+    committed = (shard.failure or {}).get("committed")
     return committed if isinstance(committed, str) and committed else "nothing"
 
 
@@ -478,14 +515,14 @@ def _job_shard(job: dict) -> int | None:
         return None
 
 
-def job_paragraph(job: dict, states: list[dict]) -> str:
+def job_paragraph(job: dict, states: list[ShardState]) -> str:
     """One paragraph about a job Snakemake saw fail, when the shard files do not tell it:
     a shard job without failure.json, or a job of another rule; with its log's last error."""
     shard = _job_shard(job) if job["rule"] == "shard" else None
     log_path = next(iter(job.get("logs") or []), None)
     error = last_error_line(Path(log_path)) if log_path else None
     if shard is not None:
-        state = next((s["state"] for s in states if s["shard_id"] == shard), None)
+        state = next((s.state for s in states if s.shard_id == shard), None)
         text = f"shard {shard} failed: its job exited with an error and left no failure record (shard state now: {state})"
     else:
         where = ", ".join(f"{k}={v}" for k, v in (job.get("wildcards") or {}).items())
@@ -631,29 +668,29 @@ def targets_not_done(pipeline: PipelineConfig, targets: list[int], config_hint: 
         return None, EXIT_OK
     state_dir = Path(pipeline.state_dir)
     states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, recorded_fingerprint(state_dir))
-    left = [s for s in states if s["shard_id"] in set(targets) and s["state"] != "done"]
+    left = [s for s in states if s.shard_id in set(targets) and s.state != "done"]
     if not left:
         return None, EXIT_OK
 
-    def why(s: dict) -> str:
-        if s.get("stale"):
+    def why(s: ShardState) -> str:
+        if s.stale:
             return "not run: its status.json is an earlier config's"
-        if s["state"] == "pending":
+        if s.state == "pending":
             return "not run"
-        return s["state"] + (f": {_short_error(str(s['error']))}" if s.get("error") else "")
+        return s.state + (f": {_short_error(str(s.error))}" if s.error else "")
 
-    named = "; ".join(f"shard {s['shard_id']} {why(s)}" for s in left[:10]) + (f"; ... and {len(left) - 10} more" if len(left) > 10 else "")
+    named = "; ".join(f"shard {s.shard_id} {why(s)}" for s in left[:10]) + (f"; ... and {len(left) - 10} more" if len(left) > 10 else "")
     again = (
         f"mmirage retry --config {config_hint}"
         if config_hint
-        else driver_command() + " --forcerun " + " ".join(str(L.StateLayout(state_dir).status(s["shard_id"])) for s in left)
+        else driver_command() + " --forcerun " + " ".join(str(L.StateLayout(state_dir).status(s.shard_id)) for s in left)
     )
     text = (
         f"mirageflow: run NOT complete: {len(left)} of the {len(targets)} shard(s) it targeted "
         f"{'is' if len(left) == 1 else 'are'} not done, though Snakemake had nothing left to run ({named}). "
         f"Continue with: {again} (it reruns exactly the shards not done)."
     )
-    return text, EXIT_FAILED if any(s["state"] == "failed" for s in left) else EXIT_INCOMPLETE
+    return text, EXIT_FAILED if any(s.state == "failed" for s in left) else EXIT_INCOMPLETE
 
 
 def on_error(pipeline: PipelineConfig, workflow=None) -> None:

@@ -24,16 +24,9 @@ from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 from mirageflow.redact import redact_text
 from mirageflow.shard.tally import RecordTally, UnitTally
+from mirageflow.state.records import STATS_SUMMED
 
 log = logging.getLogger(__name__)
-
-# Per-attempt counters that add up over attempts.
-SUMMED = (
-    "runtime_seconds", "model_load_seconds", "warmup_seconds", "generation_seconds", "inference_runtime_seconds",
-    "write_seconds", "engine_busy_seconds", "engine_idle_seconds", "engine_idle_gaps", "rows_computed", "requests",
-    "input_tokens", "output_tokens", "gpu_seconds_allocated", "images", "image_tokens", "input_tokens_each_choice",
-    "requests_cached", "answers", "answers_length_cut", "json_answers",
-)  # fmt: skip
 
 
 class ShardMetrics:
@@ -179,15 +172,17 @@ class ShardMetrics:
 
     # ------------------------------------------------------------------ all attempts
 
-    def stats(self, budget, resumed: int, attempts: list[dict] | None = None) -> dict:
+    def stats(self, budget, resumed: int, attempts: list[dict] | None = None, request_cache: dict | None = None) -> dict:
         """status.json's ``stats``: sums over the attempts (this one last), rates from the sums,
         and the record figures of the committed parts (``record_*``, the tokens histogram).
+        Its keys are ``state.records.STATS_FIELDS``' (a test pins them); the summed ones come
+        from there. ``request_cache``: what the request cache holds now (when it is on).
 
         GPU utilisation and energy are sampled by this attempt only.
         """
         if attempts is None:
             attempts = self.checkpoint.attempts if self.checkpoint is not None else [self.attempt_entry(budget.computed, "failed")]
-        total = {k: sum(a.get(k) or 0 for a in attempts) for k in SUMMED}
+        total = {k: sum(a.get(k) or 0 for a in attempts) for k in STATS_SUMMED}
         done, failed = budget.totals()
         runtime, window = total["runtime_seconds"], total["inference_runtime_seconds"]
         out_tokens, num_gpus = total["output_tokens"], self.num_gpus
@@ -213,6 +208,7 @@ class ShardMetrics:
             **(self.checkpoint.records_tally() if self.checkpoint is not None else RecordTally.merge([])),
             # (attempts of earlier versions kept a work histogram each: not shown)
             "attempts": [{k: v for k, v in a.items() if k != "output_tokens_per_row_hist"} for a in attempts],
+            **({} if request_cache is None else {"request_cache": request_cache}),
         }
 
     def _roofline(self, tokens_per_sec_per_gpu: float | None) -> dict:

@@ -28,6 +28,7 @@ from typing import Callable
 
 from mirageflow.files import atomic_write_json
 from mirageflow.state.records import check_progress, read
+from mirageflow.state.remaining import eta_seconds
 from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class ProgressReporter:
         elif phase != "generating":
             note = f"not generating yet ({phase})"
         elif samples_per_sec and samples_total is not None and samples is not None:
-            eta = max(0, samples_total - samples) / samples_per_sec
+            eta = eta_seconds(samples_total - samples, samples_per_sec)
         elif covered < 1.0:
             note = "measuring the rate"
         else:

@@ -517,10 +517,9 @@ class ShardRunner:
                 log.exception("closing engine failed")
 
     def stats(self) -> dict:
-        out = self.metrics.stats(self.budget, self.resumed)
-        if self.cache is not None:  # what the request cache holds now, for the docs' size figures
-            out["request_cache"] = {"answers_kept": len(self.cache), "bytes": self.cache.disk_bytes()}
-        return out
+        # what the request cache holds now, for the docs' size figures
+        cache = None if self.cache is None else {"answers_kept": len(self.cache), "bytes": self.cache.disk_bytes()}
+        return self.metrics.stats(self.budget, self.resumed, request_cache=cache)
 
 
 def _first_rows(slices: list[ShardSlice], limit: int) -> list[ShardSlice]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypedDict
 
@@ -46,18 +47,100 @@ class AttemptRecord(TypedDict, total=False):
     output_tokens: int
 
 
-class ShardStats(TypedDict, total=False):
-    runtime_seconds: float
-    inference_runtime_seconds: float
-    output_tokens: int
-    num_gpus: int
-    n_samples: int  # records (samples) per source row; the rows_* counts below are records
-    rows_processed: int  # records written (units)
-    rows_failed: int
-    rows_filtered: int
-    rows_failed_by_class: dict[str, int]
-    rows_resumed: int
-    attempts: list[AttemptRecord]
+@dataclass(frozen=True)
+class StatsField:
+    """One key of a shard's ``stats`` (status.json, failure.json): the one list of them is ``STATS_FIELDS``."""
+
+    name: str
+    type: object  # its JSON value, as a Python type (``ShardStats`` is made of them)
+    summed: bool = False  # a per-attempt counter (``AttemptRecord``) the shard sums over its attempts (shard/metrics.py)
+    number: bool = False  # the report does arithmetic on it: a finite, non-negative number, or null (``check_stats``)
+    required: bool = False  # a successful shard's figures cannot do without it
+    optional: bool = False  # written only where it applies (every other key is always written, maybe null)
+
+
+_F = StatsField
+_NUM = float | int | None
+# Every key shard/metrics.py:ShardMetrics.stats writes, in its order; the writer, ``ShardStats``, the
+# checks (``STATS_NUMBERS``, ``STATS_REQUIRED``) and the sums over attempts (``STATS_SUMMED``) all come
+# from here (tests/test_state_contract.py pins the writer's keys). A new figure is one line here, and
+# its value in ``ShardMetrics.stats`` (or, for a summed one, in ``ShardMetrics.attempt_entry``).
+STATS_FIELDS: tuple[StatsField, ...] = (
+    # sums over the attempts
+    _F("runtime_seconds", float, summed=True, number=True, required=True),
+    _F("model_load_seconds", float, summed=True, number=True),
+    _F("warmup_seconds", float, summed=True, number=True),
+    _F("generation_seconds", float, summed=True, number=True),
+    _F("inference_runtime_seconds", float, summed=True, number=True, required=True),
+    _F("write_seconds", float, summed=True, number=True),
+    _F("engine_busy_seconds", float, summed=True, number=True),
+    _F("engine_idle_seconds", float, summed=True, number=True),
+    _F("engine_idle_gaps", int, summed=True, number=True),
+    _F("rows_computed", int, summed=True, number=True),  # units the attempts finished
+    _F("requests", int, summed=True, number=True),
+    _F("input_tokens", int, summed=True, number=True),
+    _F("output_tokens", int, summed=True, number=True, required=True),
+    _F("gpu_seconds_allocated", float, summed=True, number=True),
+    _F("images", int, summed=True, number=True),
+    _F("image_tokens", int, summed=True, number=True),
+    _F("input_tokens_each_choice", int, summed=True, number=True),
+    _F("requests_cached", int, summed=True, number=True),
+    _F("answers", int, summed=True, number=True),
+    _F("answers_length_cut", int, summed=True, number=True),
+    _F("json_answers", int, summed=True, number=True),
+    # the shard's units
+    _F("n_samples", int, number=True),  # records (samples) per source row; the rows_* counts below are records
+    _F("runtime_human", str),
+    _F("peak_inflight", int, number=True),  # the largest of the attempts'
+    _F("rows_processed", int, number=True),  # records written (units)
+    _F("rows_failed", int, number=True),
+    _F("rows_filtered", int, number=True),
+    _F("rows_failed_by_class", dict[str, int]),
+    _F("rows_resumed", int, number=True),
+    _F("throughput_rows_per_sec", _NUM),
+    _F("num_gpus", int, number=True, required=True),
+    # rates from the sums (stats/formulas.py rate_figures, wall_rate_figures)
+    _F("tokens_per_sec", _NUM),
+    _F("tokens_per_sec_per_gpu", _NUM),
+    _F("gpu_days_per_billion_tokens", _NUM),
+    _F("tokens_per_sec_per_gpu_wall", _NUM),
+    _F("gpu_days_per_billion_tokens_wall", _NUM),
+    # this attempt's GPU samples (stats/gpu.py GpuSampler.summary)
+    _F("gpu_util_mean", _NUM, number=True),
+    _F("gpu_util_min", _NUM),
+    _F("gpu_util_max", _NUM),
+    _F("gpu_util_samples", _NUM),
+    _F("gpu_sampled_seconds", _NUM, number=True),
+    _F("gpu_sample_interval_seconds", _NUM),
+    _F("gpu_memory_used_max_mb", _NUM),
+    _F("gpu_energy_joules", _NUM, number=True),
+    _F("gpus", list[dict]),
+    _F("joules_per_1k_output_tokens", _NUM),
+    # the decode roofline (stats/formulas.py roofline_figures)
+    _F("roofline_tokens_per_sec_per_gpu", _NUM, number=True),
+    _F("roofline_fraction", _NUM),
+    _F("roofline_batch", _NUM),
+    _F("roofline_mean_context", _NUM),
+    # what the committed records hold (shard/tally.py RecordTally)
+    _F("record_answers", int, number=True),
+    _F("record_answers_length_cut", int, number=True),
+    _F("record_json_answers", int, number=True),
+    _F("record_output_tokens", int, number=True),
+    _F("record_output_tokens_cached", int, number=True),
+    _F("output_tokens_per_row_hist", dict),
+    _F("attempts", list[AttemptRecord]),
+    # what the request cache holds at the end (shard_params.request_cache on): {answers_kept, bytes}
+    _F("request_cache", dict, optional=True),
+)
+STATS_KEYS = tuple(f.name for f in STATS_FIELDS)
+# per-attempt counters that add up over attempts
+STATS_SUMMED = tuple(f.name for f in STATS_FIELDS if f.summed)
+# stats keys the report does arithmetic on: each a finite, non-negative number, or null when present
+STATS_NUMBERS = tuple(f.name for f in STATS_FIELDS if f.number)
+# ... and those a successful shard's figures cannot do without
+STATS_REQUIRED = tuple(f.name for f in STATS_FIELDS if f.required)
+# status.json's and failure.json's ``stats``, key by key (a plain JSON object; the names document it)
+ShardStats = TypedDict("ShardStats", {f.name: f.type for f in STATS_FIELDS}, total=False)  # type: ignore[misc]
 
 
 class StatusRecord(TypedDict, total=False):
@@ -177,21 +260,6 @@ def _check_hist(h) -> bool:
     return (
         _check_numbers(h, ("rows", "sum"), required=True, figures=True) is None and _check_numbers(h, ("min", "max"), figures=True) is None
     )
-
-
-# stats keys the report does arithmetic on: each a finite, non-negative number, or null when
-# present (the shard's sums over its attempts, shard/metrics.py SUMMED, among them)
-STATS_NUMBERS = (
-    "runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus", "rows_processed", "rows_failed",
-    "rows_filtered", "input_tokens", "model_load_seconds", "warmup_seconds", "generation_seconds", "write_seconds",
-    "engine_idle_seconds", "gpu_util_mean", "gpu_sampled_seconds", "gpu_energy_joules", "roofline_tokens_per_sec_per_gpu",
-    "n_samples", "input_tokens_each_choice", "engine_busy_seconds", "engine_idle_gaps", "rows_computed", "rows_resumed",
-    "requests", "requests_cached", "gpu_seconds_allocated", "images", "image_tokens", "answers", "answers_length_cut",
-    "json_answers", "peak_inflight", "record_answers", "record_answers_length_cut", "record_json_answers",
-    "record_output_tokens", "record_output_tokens_cached",
-)  # fmt: skip
-# ... and those a successful shard's figures cannot do without
-STATS_REQUIRED = ("runtime_seconds", "inference_runtime_seconds", "output_tokens", "num_gpus")
 
 
 def check_stats(st, required: tuple = ()) -> str | None:

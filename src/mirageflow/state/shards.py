@@ -25,11 +25,22 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mirageflow.config.types import PipelineConfig
 from mirageflow.state import layout as L
-from mirageflow.state.records import ProgressRecord, ShardStats, StatusRecord, check_status, damaged_note, read
+from mirageflow.state.records import (
+    DamagedFile,
+    FailureRecord,
+    LeaseRecord,
+    ProgressRecord,
+    ShardStats,
+    StatusRecord,
+    check_status,
+    damaged_note,
+    read,
+)
 
 # progress.json is rewritten every 5 s while a shard lives: older than this, it belongs to no running shard
 PROGRESS_STALE_SECONDS = 120.0
@@ -103,15 +114,13 @@ def process_gone(record: dict | None) -> bool:
 def shard_states(
     state_dir: str | os.PathLike, num_shards: int, lease_timeout: float, fingerprint: str | None = None,
     now: float | None = None,
-) -> list[dict]:  # fmt: skip
-    """One entry per shard: ``state`` (done | running | failed | pending) and what its files say.
+) -> list[ShardState]:  # fmt: skip
+    """One ``ShardState`` per shard: ``state`` (done | running | failed | pending) and what its files say.
 
     ``fingerprint``: the current records fingerprint (``current_fingerprint(cfg)``); None
-    trusts every status.json. Entries hold ``status`` (done), ``progress``, ``failure``
-    (a failed shard's failure.json: its ``stats`` count in the report), ``stale`` (a
-    pending shard's outdated status.json), ``damaged`` ([{file, path, reason}], only when
-    there are any). A damaged status.json or failure.json fails the shard with ``error``
-    "damaged state file <path>: <why>" (unless it runs now); other damaged files are ignored.
+    trusts every status.json. A damaged status.json or failure.json fails the shard with
+    ``error`` "damaged state file <path>: <why>" (unless it runs now); other damaged files
+    are ignored (listed in ``damaged``).
     """
     paths = L.StateLayout(state_dir)
     now = time.time() if now is None else now
@@ -124,13 +133,79 @@ def job_fingerprint(cfg: PipelineConfig) -> str:
     return recorded_fingerprint(cfg.state_dir) or current_fingerprint(cfg)
 
 
-def states_of(cfg: PipelineConfig, now: float | None = None) -> list[dict]:
+def states_of(cfg: PipelineConfig, now: float | None = None) -> list[ShardState]:
     """``shard_states`` of a pipeline config, under its current records fingerprint."""
     return shard_states(cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg), now)
 
 
-def _shard_state(paths: L.StateLayout, shard_id: int, num_shards: int, lease_timeout: float, fingerprint, now: float) -> dict:
-    damaged = []
+@dataclass
+class ShardState:
+    """What a shard's files say it is: the state machine's answer (``shard_states``), read by
+    `mmirage status`/`retry`/`merge`, the terminal and the report. Only the fields of its
+    ``state`` are set; ``to_json`` is what `mmirage status --json` shows of it."""
+
+    shard_id: int
+    state: str = "pending"  # done | running | failed | pending
+    progress: ProgressRecord | None = None  # its progress.json, when it reads
+    status: StatusRecord | None = None  # its status.json, when it reads (a done shard's figures: ``stats``)
+    failure: FailureRecord | None = None  # a failed shard's failure.json, when it reads (its stats count in the report)
+    stale: str | None = None  # pending: why its status.json is not the current config's (None: it is, or none)
+    damaged: list[DamagedFile] = field(default_factory=list)  # state files that do not read
+    other_run_num_shards: int | None = None  # its status.json is of a run with another num_shards
+    since_update_seconds: float | None = None  # running: since its progress.json or lease.json was last written
+    host: str | None = None  # running, failed: where it ran
+    slurm_job_id: str | None = None
+    error: str | None = None  # failed: why
+    signal: str | None = None  # failed: the signal that stopped it
+    attempt: int | None = None  # failed: its attempt
+    finished_at: str | None = None  # failed: when
+
+    @property
+    def stats(self) -> ShardStats | None:
+        """A done shard's stats (sums over its attempts, from its status.json); None for any other state."""
+        return self.status["stats"] if self.state == "done" and self.status is not None else None
+
+    @property
+    def failure_stats(self) -> ShardStats | None:
+        """A failed shard's stats as its failure.json has them (totals over its attempts), else None."""
+        return (self.failure or {}).get("stats")
+
+    def to_json(self) -> dict:
+        """The fields of its state (status.json and failure.json left out: `mmirage status --json` shows the states)."""
+        out: dict = {"shard_id": self.shard_id, "state": self.state, "progress": self.progress}
+        if self.other_run_num_shards is not None:
+            out["other_run_num_shards"] = self.other_run_num_shards
+        if self.state == "running":
+            out |= {"since_update_seconds": self.since_update_seconds, "host": self.host, "slurm_job_id": self.slurm_job_id}
+        elif self.state == "failed":
+            out |= {
+                "error": self.error, "signal": self.signal, "attempt": self.attempt, "host": self.host,
+                "slurm_job_id": self.slurm_job_id, "finished_at": self.finished_at,
+            }  # fmt: skip
+        elif self.state == "pending" and self.status is not None:
+            out["stale"] = self.stale
+        if self.damaged:
+            out["damaged"] = self.damaged
+        return out
+
+
+@dataclass
+class _Files:
+    """One shard's state files as read (None: absent or damaged) and the damaged ones, by file name."""
+
+    status: StatusRecord | None
+    failure: FailureRecord | None
+    progress: ProgressRecord | None
+    lease: LeaseRecord | None
+    damaged: list[DamagedFile]
+
+    @property
+    def bad(self) -> dict[str, DamagedFile]:
+        return {x["file"]: x for x in self.damaged}
+
+
+def _read_files(paths: L.StateLayout, shard_id: int) -> _Files:
+    damaged: list[DamagedFile] = []
 
     def load(path: Path, check=None):
         data, why = read(path, check)
@@ -142,77 +217,118 @@ def _shard_state(paths: L.StateLayout, shard_id: int, num_shards: int, lease_tim
     failure = load(paths.failure(shard_id))
     progress = load(paths.progress(shard_id))
     lease = load(paths.lease(shard_id))
-    bad = {x["file"]: x for x in damaged}
-    entry: dict = {"shard_id": shard_id, "state": "pending", "progress": progress}
+    return _Files(status, failure, progress, lease, damaged)
+
+
+@dataclass
+class _Liveness:
+    """How recently a shard's lease.json and progress.json were written, and whether they say it runs."""
+
+    lease_age: float | None  # seconds since the lease's heartbeat
+    progress_age: float | None  # seconds since progress.json was written
+    progress_live: bool  # progress.json says the shard was mid-run (not done, not failed)
+    gone: bool  # ... and names a process on this host that is gone
+    lease_live: bool  # the heartbeat is within the lease timeout, its process not gone
+
+    @property
+    def running(self) -> bool:
+        fresh = self.progress_age is not None and self.progress_age < PROGRESS_STALE_SECONDS
+        return self.lease_live or (self.progress_live and not self.gone and fresh)
+
+    @property
+    def since_update(self) -> float | None:
+        return self.progress_age if self.progress_live else self.lease_age
+
+
+def _liveness(paths: L.StateLayout, shard_id: int, f: _Files, lease_timeout: float, now: float) -> _Liveness:
+    progress, lease = f.progress, f.lease
     lease_age = now - lease["heartbeat"] if lease and lease.get("heartbeat") is not None else None
     progress_age = now - progress["updated_at_unix"] if progress and progress.get("updated_at_unix") is not None else None
     progress_live = progress is not None and progress.get("phase") not in ("done", "failed") and progress_age is not None
-    if L.PROGRESS in bad and progress_age is None:  # a damaged progress.json still says when it was written
+    if L.PROGRESS in f.bad and progress_age is None:  # a damaged progress.json still says when it was written
         try:
             progress_age = now - paths.progress(shard_id).stat().st_mtime
         except OSError:
             pass
-        progress_live = progress_age is not None and status is None
+        progress_live = progress_age is not None and f.status is None
     gone = process_gone(progress) if progress_live else False
     lease_live = lease_age is not None and lease_age < lease_timeout and not process_gone(lease)
-    if status is not None and status.get("num_shards", num_shards) != num_shards:
-        entry["other_run_num_shards"] = status["num_shards"]
-    who = progress or lease or {}
-    if is_done(status, num_shards, fingerprint):
-        entry.update(state="done", status=status)
-    elif lease_live or (progress_live and not gone and progress_age < PROGRESS_STALE_SECONDS):
-        entry.update(state="running", since_update_seconds=progress_age if progress_live else lease_age)
-        entry["host"], entry["slurm_job_id"] = who.get("hostname"), who.get("slurm_job_id")
-    elif L.STATUS in bad or (failure is None and L.FAILURE in bad):
-        x = bad.get(L.STATUS) or bad[L.FAILURE]
-        more = "not counted as done; delete it and rerun the shard (mmirage retry)" if x["file"] == L.STATUS else "the shard failed"
-        entry.update(
-            state="failed", error=f"{damaged_note(x['path'], x['reason'])}; {more}", signal=None,
-            attempt=(progress or {}).get("attempt"), host=who.get("hostname"), slurm_job_id=who.get("slurm_job_id"),
-            finished_at=None,
-        )  # fmt: skip
-        if failure is not None:
-            entry["failure"] = failure
-    elif failure is not None:
-        entry.update(
-            state="failed", error=failure.get("error"), signal=failure.get("signal"), attempt=failure.get("attempt"),
-            host=failure.get("hostname"), slurm_job_id=failure.get("slurm_job_id"), finished_at=failure.get("finished_at"),
-            failure=failure,
-        )  # fmt: skip
-    elif progress is not None and progress.get("phase") == "failed":  # it failed, and could not write failure.json
-        entry.update(
-            state="failed", signal=None, attempt=progress.get("attempt"), host=progress.get("hostname"),
-            slurm_job_id=progress.get("slurm_job_id"), finished_at=progress.get("updated_at"),
-            error="failed without a failure record: its failure.json could not be written (a full disk?); its log says why",
-        )  # fmt: skip
-    elif progress_live:  # stopped updating without failure.json: SIGKILL, OOM killer, node failure, a full disk
-        from mirageflow.stats.formulas import human_duration
+    return _Liveness(lease_age, progress_age, progress_live, gone, lease_live)
 
-        p = progress or {}
-        if progress is None:  # damaged
-            x = bad[L.PROGRESS]
-            error = (f"{damaged_note(x['path'], x['reason'])}; no status.json or failure.json: stopped (killed?); "
-                     f"progress.json last written {human_duration(progress_age)} ago")  # fmt: skip
-        elif gone:
-            error = (f"stopped without a failure record in phase '{p.get('phase')}': its process {p.get('pid')} on "
-                     f"{p.get('hostname')} is gone (killed, or it could not write failure.json: a full disk?)")  # fmt: skip
-        else:
-            error = (f"stopped without a failure record in phase '{p.get('phase')}' (killed?); "
-                     f"progress.json last updated {human_duration(progress_age)} ago")  # fmt: skip
-        entry.update(
-            state="failed", signal=None, attempt=p.get("attempt"), host=p.get("hostname") or (lease or {}).get("hostname"),
-            slurm_job_id=p.get("slurm_job_id"), finished_at=p.get("updated_at"), error=error,
-        )  # fmt: skip
-    if status is not None and entry["state"] == "pending":
-        entry["stale"] = stale_reason(status, fingerprint)
-    if damaged:
-        entry["damaged"] = damaged
+
+def _shard_state(paths: L.StateLayout, shard_id: int, num_shards: int, lease_timeout: float, fingerprint, now: float) -> ShardState:
+    f = _read_files(paths, shard_id)
+    status, progress, bad = f.status, f.progress, f.bad
+    live = _liveness(paths, shard_id, f, lease_timeout, now)
+    entry = ShardState(shard_id, progress=progress, status=status, damaged=f.damaged)
+    if status is not None and status.get("num_shards", num_shards) != num_shards:
+        entry.other_run_num_shards = status["num_shards"]
+    who = progress or f.lease or {}
+    if is_done(status, num_shards, fingerprint):
+        entry.state = "done"
+    elif live.running:
+        entry.state, entry.since_update_seconds = "running", live.since_update
+        entry.host, entry.slurm_job_id = who.get("hostname"), who.get("slurm_job_id")
+    elif L.STATUS in bad or (f.failure is None and L.FAILURE in bad):
+        _failed_damaged(entry, bad.get(L.STATUS) or bad[L.FAILURE], who)
+        entry.failure = f.failure
+    elif f.failure is not None:
+        _failed_recorded(entry, f.failure)
+    elif progress is not None and progress.get("phase") == "failed":  # it failed, and could not write failure.json
+        _failed(entry, progress, "failed without a failure record: its failure.json could not be written (a full disk?); its log says why")
+    elif live.progress_live:  # stopped updating without failure.json: SIGKILL, OOM killer, node failure, a full disk
+        _failed_silently(entry, progress, f.lease, bad, live.gone, live.progress_age)
+    if status is not None and entry.state == "pending":
+        entry.stale = stale_reason(status, fingerprint)
     return entry
 
 
-def count(states: list[dict]) -> dict[str, int]:
+def _failed_damaged(entry: ShardState, x: DamagedFile, who: dict) -> None:
+    """A damaged status.json (not counted as done) or failure.json fails the shard."""
+    more = "not counted as done; delete it and rerun the shard (mmirage retry)" if x["file"] == L.STATUS else "the shard failed"
+    entry.state, entry.error = "failed", f"{damaged_note(x['path'], x['reason'])}; {more}"
+    entry.attempt = (entry.progress or {}).get("attempt")
+    entry.host, entry.slurm_job_id = who.get("hostname"), who.get("slurm_job_id")
+
+
+def _failed_recorded(entry: ShardState, failure: FailureRecord) -> None:
+    """failure.json says why."""
+    entry.state, entry.error, entry.signal, entry.attempt = "failed", failure.get("error"), failure.get("signal"), failure.get("attempt")
+    entry.host, entry.slurm_job_id, entry.finished_at = failure.get("hostname"), failure.get("slurm_job_id"), failure.get("finished_at")
+    entry.failure = failure
+
+
+def _failed(entry: ShardState, progress: ProgressRecord | dict, error: str, host: str | None = None) -> None:
+    """Failed without failure.json: what its progress.json says of it."""
+    entry.state, entry.error, entry.attempt = "failed", error, progress.get("attempt")
+    entry.host, entry.slurm_job_id, entry.finished_at = (
+        host or progress.get("hostname"),
+        progress.get("slurm_job_id"),
+        progress.get("updated_at"),
+    )
+
+
+def _failed_silently(entry: ShardState, progress, lease, bad: dict, gone: bool, progress_age: float) -> None:
+    """progress.json stopped updating mid-run and no failure.json says why (killed?)."""
+    from mirageflow.stats.formulas import human_duration
+
+    p = progress or {}
+    if progress is None:  # damaged
+        x = bad[L.PROGRESS]
+        error = (f"{damaged_note(x['path'], x['reason'])}; no status.json or failure.json: stopped (killed?); "
+                 f"progress.json last written {human_duration(progress_age)} ago")  # fmt: skip
+    elif gone:
+        error = (f"stopped without a failure record in phase '{p.get('phase')}': its process {p.get('pid')} on "
+                 f"{p.get('hostname')} is gone (killed, or it could not write failure.json: a full disk?)")  # fmt: skip
+    else:
+        error = (f"stopped without a failure record in phase '{p.get('phase')}' (killed?); "
+                 f"progress.json last updated {human_duration(progress_age)} ago")  # fmt: skip
+    _failed(entry, p, error, host=p.get("hostname") or (lease or {}).get("hostname"))
+
+
+def count(states: list[ShardState]) -> dict[str, int]:
     """Shards per state: {"done": .., "running": .., "failed": .., "pending": ..}."""
-    return {k: sum(1 for s in states if s["state"] == k) for k in STATES}
+    return {k: sum(1 for s in states if s.state == k) for k in STATES}
 
 
 def attempts_count(stats_: ShardStats | None) -> int | None:

@@ -1,0 +1,107 @@
+"""What is left of a run: the one derivation of the ETA and the GPU-hours still needed.
+
+``eta_seconds`` is the one ETA formula (units left over a measured rate): a shard's
+progress.json (shard/progress.py), the driver's live line (report/terminal.py) and the
+run's ETA below all use it. ``remaining`` projects the whole run from the shard states
+(``state.shards.ShardState``): `mmirage status` shows it, and metrics.json's
+``gpu_hours_remaining_estimate`` is its GPU-hours (report/aggregate.py).
+
+Both projections take a shard's runtime from the completed shards' mean (without one, the
+running shards extrapolate their own elapsed time over their fraction done): rough figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mirageflow.state.records import ProgressRecord, StatusRecord
+
+if TYPE_CHECKING:
+    from mirageflow.state.shards import ShardState
+
+
+def eta_seconds(units_left: float | None, rate: float | None) -> float | None:
+    """Seconds until ``units_left`` more units are done at ``rate`` units/s; None without a rate (never a guess)."""
+    if not rate or units_left is None:
+        return None
+    return max(0, units_left) / rate
+
+
+@dataclass(frozen=True)
+class Remaining:
+    eta_seconds: float | None  # until every shard is done, at as many shards at a time as run now; None: unknown
+    gpu_hours: float | None  # GPU-hours the unfinished shards still need; None: unknown, or no shard holds a GPU
+
+
+def remaining(states: list[ShardState], num_shards: int) -> Remaining:
+    """The run's ETA and remaining GPU-hours, from its shards' states."""
+    statuses = [{**s.status, "shard_id": s.shard_id} for s in states if s.state == "done"]
+    return Remaining(run_eta(states, num_shards), gpu_hours_remaining(statuses, states, num_shards))
+
+
+def _extrapolated(progress: ProgressRecord | None) -> float | None:
+    """A running shard's whole runtime, from its elapsed time over its fraction done (None before it knows one)."""
+    p = progress or {}
+    return p["elapsed_seconds"] / p["fraction_done"] if p.get("fraction_done") and p.get("elapsed_seconds") else None
+
+
+def run_eta(states: list[ShardState], num_shards: int) -> float | None:
+    """Seconds until every shard is done: the running shards' own ETAs (else the mean runtime
+    less their elapsed time) plus the mean runtime for each shard still to run, over as many
+    shards at a time as run now (at least one). 0 when all are done; None when unknown."""
+    running = [s for s in states if s.state == "running"]
+    runtimes = [s.stats["runtime_seconds"] for s in states if s.state == "done"]
+    if not runtimes:  # nothing done yet: running shards extrapolate their own runtime
+        runtimes = [r for s in running if (r := _extrapolated(s.progress)) is not None]
+    mean_runtime = sum(runtimes) / len(runtimes) if runtimes else None
+    left = []
+    for s in running:
+        p = s.progress or {}
+        if p.get("eta_seconds") is not None:
+            left.append(p["eta_seconds"])
+        elif mean_runtime is not None:
+            left.append(max(0.0, mean_runtime - (p.get("elapsed_seconds") or 0)))
+        else:
+            return None
+    done = sum(1 for s in states if s.state == "done")
+    todo = sum(1 for s in states if s.state in ("pending", "failed"))
+    if done == num_shards:
+        return 0.0
+    if todo and mean_runtime is None:
+        return None
+    return (sum(left) + todo * (mean_runtime or 0)) / max(1, len(running))
+
+
+def gpu_hours_remaining(statuses: list[StatusRecord], states: list[ShardState] | None, num_shards: int) -> float | None:
+    """Projected GPU-hours the unfinished shards still need.
+
+    Basis: the completed shards' mean GPU-seconds (GPUs x wall time); a running shard
+    needs that x (1 - its fraction done), a pending or failed one all of it. Without a
+    completed shard, running shards extrapolate their own elapsed GPU-seconds.
+    ``statuses``: the completed shards' status.json, each with its ``shard_id``.
+    """
+    by_id = {s.shard_id: s for s in (states or [])}
+    unfinished = [i for i in range(num_shards) if i not in {s["shard_id"] for s in statuses}]
+    if not unfinished:
+        return 0.0
+    done_gpu_seconds = [s["stats"].get("num_gpus", 0) * s["stats"]["runtime_seconds"] for s in statuses]
+    if done_gpu_seconds:
+        mean = sum(done_gpu_seconds) / len(done_gpu_seconds)
+    else:
+        guesses = [  # (GPUs x elapsed) / fraction, in this order: the figure metrics.json always had
+            (p.get("num_gpus") or 0) * p["elapsed_seconds"] / p["fraction_done"]
+            for s in by_id.values()
+            if s.state == "running" and _extrapolated(p := s.progress or {}) is not None
+        ]
+        if not guesses:
+            return None
+        mean = sum(guesses) / len(guesses)
+    if mean == 0:  # no shard holds a GPU (a CPU run): there are no GPU-hours to project
+        return None
+    left = 0.0
+    for shard_id in unfinished:
+        s = by_id.get(shard_id)
+        fraction = (s.progress or {}).get("fraction_done") if s is not None and s.state == "running" else None
+        left += mean * (1 - min(1.0, fraction or 0.0))
+    return left / 3600
