@@ -272,3 +272,12 @@ def test_a_shard_reads_only_the_columns_its_pipeline_uses(tmp_path):
         run(tmp_path / "kept", False)
     errors = [json.loads(line) for line in (tmp_path / "kept" / "state" / "shard_0" / "errors.jsonl").read_text().splitlines()]
     assert [e["error"] for e in errors] == ["bad_row", "bad_row"] and "cannot be converted" in errors[0]["message"]
+
+
+def test_a_hugging_face_shard_reads_only_its_columns(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"q": ["a", "b", "c"], "x": [1, 2, 3]}).save_to_disk(str(tmp_path / "hf"))
+    ds = dataset(tmp_path / "hf", "loadable")
+    assert [r.value for r in read_shard(ds, readers.ShardSlice(1, 3), columns=frozenset({"x"}))] == [{"x": 2}, {"x": 3}]
+    assert [r.value for r in read_shard(ds, readers.ShardSlice(0, 1))] == [{"q": "a", "x": 1}]
