@@ -136,14 +136,16 @@ def test_a_jsonl_index_reads_the_file_once(tmp_path):
     assert size <= read < size * 1.1, f"read {read} bytes to index a {size}-byte file"
 
 
-def test_one_pass_shard_starts_equal_a_line_by_line_count(tmp_path):
-    """Blank and whitespace lines, CRLF, no final newline, and more rows than the pass keeps
-    marks for (every other mark dropped, twice): each start is the row's byte and line."""
+@pytest.mark.parametrize("blank_rate", [0, 0.00003, 0.05])
+def test_one_pass_shard_starts_equal_a_line_by_line_count(tmp_path, blank_rate):
+    """Blank and whitespace lines (none, in a few chunks, everywhere), CRLF, no final newline,
+    and more rows than the pass keeps marks for (every other mark dropped, twice): each start
+    is the row's byte and line."""
     rng = random.Random(1)
     lines = []
     for i in range(140_000):
-        lines.append(b'{"i": %d}' % i + rng.choice([b"\n", b"\r\n"]))
-        if rng.random() < 0.05:
+        lines.append(b'{"i": %d, "pad": "%s"}' % (i, b"x" * rng.randint(0, 20)) + rng.choice([b"\n", b"\r\n"]))
+        if rng.random() < blank_rate:
             lines.append(rng.choice([b"\n", b"  \n", b"\t\r\n"]))
     path = tmp_path / "messy.jsonl"
     path.write_bytes(b"".join(lines).rstrip(b"\r\n"))
