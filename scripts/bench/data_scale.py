@@ -17,6 +17,9 @@ Steps, with ``num_shards`` 200:
 - ``late shard``: ``load_shard`` + every row of shard 190 (``read_shard``) with the columns
   a pipeline reading ``question`` uses; for the one-group file also with every column
   (``remove_columns: false``);
+- ``shard job``: shard 190 through the shard runner (``run_shard``, an instant engine
+  without a tokenizer, a pipeline reading ``question``), its index made first in the same
+  process and the peak RSS cleared before the measure;
 - ``touch: driver``: after ``os.utime`` (same bytes), the driver's content check at DAG build
   (``state.inputs.dataset_changed``, then the content cache saved);
 - ``touch: job``: then a shard job's ``load_shard`` (it trusts the driver's record).
@@ -108,6 +111,9 @@ def child(step: str, kind: str, path: str, state: str) -> dict:
         index=0, path=path, type="jsonl" if kind == "jsonl" else "parquet", output_dir="unused", output_format="parquet", split=None
     )
     index = Path(state) / "dataset_0.index.json"
+    if step == "shard job":  # its own index first (the index job's), then the peak is cleared
+        _job_config(kind, path, Path(state), index_only=True)
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
     base_rss = _peak_rss_mb()
     r0, c0, t0 = _io(), os.times(), time.perf_counter()
     rows = None
@@ -127,6 +133,8 @@ def child(step: str, kind: str, path: str, state: str) -> dict:
         cache = ContentCache(Path(state) / "content.json")
         assert dataset_changed(ds, cache, index) is None
         cache.save()
+    elif step == "shard job":
+        rows = _shard_job(kind, path, Path(state))
     elif step == "touch: job":
         piece = readers.load_shard(index, ds, SHARDS, LATE)
         rows = piece.stop - piece.start
@@ -142,6 +150,43 @@ def child(step: str, kind: str, path: str, state: str) -> dict:
         "base_rss_mb": base_rss,
         "rows": rows,
     }
+
+
+def _job_config(kind: str, path: str, state: Path, index_only: bool = False):
+    """A pipeline reading ``question`` (remove_columns: true) over the dataset, 200 shards."""
+    from mirageflow.config import load_config
+    from mirageflow.shard import index_datasets
+
+    from pipeline_overhead import tiny_model
+
+    tokenizer = tiny_model()
+    cfg = load_config({
+        "processors": [{"type": "llm", "server_args": {"model_path": tokenizer}, "default_sampling_params": {"max_new_tokens": 8}}],
+        "loading_params": {
+            "state_dir": str(state / "job"), "num_shards": SHARDS,
+            "datasets": [{"path": path, "type": "JSONL" if kind == "jsonl" else "Parquet", "output_dir": str(state / "job-out")}],
+        },
+        "processing_params": {
+            "inputs": [{"name": "question", "key": "question"}], "remove_columns": True,
+            "outputs": [{"name": "answer", "type": "llm", "output_type": "plain", "prompt": "Answer: {{ question }}"}],
+            "output_schema": {"answer": "{{ answer }}"},
+        },
+    })  # fmt: skip
+    if index_only:
+        index_datasets(cfg)
+    return cfg, tokenizer
+
+
+def _shard_job(kind: str, path: str, state: Path) -> int:
+    """Shard LATE through the shard runner with an instant engine (no tokenizer: a trivial chat
+    template, so the job's memory is the pipeline's, not transformers')."""
+    from _engines import InstantEngine
+
+    from mirageflow.shard import run_shard
+
+    cfg, _ = _job_config(kind, path, state)
+    status = run_shard(cfg, LATE, engine_factory=lambda *a, **k: InstantEngine(None, "an answer", 2, chat="none"))
+    return status["stats"]["rows_processed"]
 
 
 def run_step(step: str, kind: str, path: Path, state: Path, src: str | None = None) -> dict:
@@ -163,6 +208,7 @@ def measure(paths: dict[str, Path], root: Path, src: str | None = None) -> dict[
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir()
         steps = ["index", "late shard"] + (["late shard, all columns"] if kind == "parquet-1rg" else [])
+        steps += ["shard job"] if kind != "parquet" else []
         for step in steps:
             out[(kind, step)] = run_step(step, kind, paths[kind], state, src)
         if kind != "parquet-1rg" and not src:
@@ -248,7 +294,8 @@ def main() -> None:
 {small:,} and {big:,} rows of ~1 KB (`id`, `question`, `context`); files at {big:,} rows: {files}.
 {SHARDS} shards; the late shard is shard {LATE}. Each step in its own process: wall and CPU
 (user + sys) of the step, MB read (`rchar`: every read, page cache or not), peak RSS of the
-process (imports included: {base_rss:.0f} MB with pyarrow imported and nothing read). The
+process (imports included: {base_rss:.0f} MB with pyarrow imported and nothing read; a shard
+job's also holds the shard runner's imports and its index). The
 machine is shared (2 CPUs, other jobs running): wall times are noisy, CPU and bytes are not.
 How each step reads: [docs/data.md](docs/data.md).
 
