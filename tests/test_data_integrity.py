@@ -510,13 +510,20 @@ def test_merge_refuses_when_a_shards_parts_do_not_hold_what_its_status_counted(t
 
 def test_a_dataset_rewritten_with_the_same_bytes_keeps_its_index(tmp_path):
     """Snakemake skips re-indexing such a file (same checksum); the shards must not then fail
-    with 'changed after it was indexed'. A real change of content is still caught."""
+    with 'changed after it was indexed' once the driver identified it (its content cache).
+    A real change of content is still caught."""
+    from mirageflow.state.inputs import ContentCache, dataset_changed
+
     src = tmp_path / "in.jsonl"
     src.write_text('{"q": "a"}\n{"q": "b"}\n')
     ds = DatasetConfig(0, str(src), "jsonl", str(tmp_path / "out"), "parquet", None)
     write_index(ds, 1, tmp_path / "i.index.json")
     os.utime(src, ns=(1, 1))  # rewritten, same content
+    cache = ContentCache(tmp_path / "content.json")
+    assert dataset_changed(ds, cache, tmp_path / "i.index.json") is None  # the driver, at DAG build
+    cache.save()
     assert load_shard(tmp_path / "i.index.json", ds, 1, 0).stop == 2
     src.write_text('{"q": "a"}\n{"q": "c"}\n')  # same size, new content
     with pytest.raises(ValueError, match="changed after it was indexed"):
         load_shard(tmp_path / "i.index.json", ds, 1, 0)
+    assert "changed since it was indexed" in dataset_changed(ds, ContentCache(tmp_path / "content.json"), tmp_path / "i.index.json")

@@ -671,6 +671,8 @@ def cmd_check(args) -> int:
         print(note)
     for warning in cfg.warnings:
         print(f"warning: {warning}")
+    for warning in _row_group_warnings(cfg):
+        print(f"warning: {warning}")
     summary = shard_status(cfg)
     if summary is None:
         print(f"no state yet ({Path(cfg.state_dir).resolve()} does not exist): nothing has run, no shard to check")
@@ -684,6 +686,20 @@ def cmd_check(args) -> int:
         summary = shard_status(cfg)
         _print_shards(summary)
     return _status_exit(summary)
+
+
+def _row_group_warnings(cfg) -> list[str]:
+    """Parquet files whose row groups are far larger than a shard (their footers only)."""
+    from mirageflow.data.readers import row_group_warnings
+
+    out = []
+    for ds in cfg.datasets:
+        if ds.type == "parquet":
+            try:
+                out += row_group_warnings(ds, cfg.num_shards)
+            except Exception as e:  # the index job fails on it too, naming the file; check goes on
+                out.append(f"{ds.key}: cannot read the Parquet footers of '{ds.path}' ({type(e).__name__}: {e})")
+    return out
 
 
 def _print_shards(summary: dict) -> None:

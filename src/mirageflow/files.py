@@ -195,20 +195,31 @@ class ContentCache:
             except (OSError, ValueError, AttributeError):
                 self.entries = {}  # absent or damaged: rebuilt
 
-    def digest(self, path: str, known: tuple[list, str] | None = None) -> str | None:
-        """The file's SHA-256 (None when it cannot be read). ``known``: a (stat identity,
-        sha256) recorded elsewhere (an index) that spares the hash when it still holds."""
-        try:
-            key = stat_key(os.stat(path))
-        except (OSError, ValueError):
-            return None
+    def recorded(self, path: str, key: list[int], known: tuple[list, str] | None = None) -> str | None:
+        """The identity recorded for ``path`` at stat identity ``key`` (by ``known``, a (stat
+        identity, digest) recorded elsewhere such as an index, or by this cache); None when
+        neither was recorded at that stat identity. Never reads the file."""
         if known is not None and list(known[0]) == key:
             return known[1]
         cached = self.entries.get(path)
         if cached is not None and cached[0] == key:
             return cached[1]
+        return None
+
+    def digest(self, path: str, known: tuple[list, str] | None = None, identify=file_sha256) -> str | None:
+        """The file's content identity (None when it cannot be read): its SHA-256, or what
+        ``identify(path)`` says (a Parquet file's footer identity, mirageflow.data.readers).
+        ``known``: a (stat identity, digest) recorded elsewhere (an index) that spares the
+        hash when it still holds."""
         try:
-            sha = file_sha256(path)
+            key = stat_key(os.stat(path))
+        except (OSError, ValueError):
+            return None
+        found = self.recorded(path, key, known)
+        if found is not None:
+            return found
+        try:
+            sha = identify(path)
         except (OSError, ValueError):
             return None
         self.entries[path] = [key, sha]

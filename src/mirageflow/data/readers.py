@@ -1,11 +1,14 @@
 """Dataset readers: index a dataset once, then let each shard read only its own rows.
 
-``write_index`` runs in its own Snakemake job (one per dataset). It writes a small JSON
-header (row count, files, fingerprint) and, for JSONL, a binary table of where each
-shard's rows start (byte offset and line number, 16 bytes per shard). ``load_shard`` reads
-the header and its own 16 bytes, so what a shard job reads does not grow with the number
-of shards; it then seeks there (JSONL) or to its row groups (Parquet) or slice (Hugging
-Face) and reads ``stop - start`` rows. It never parses the rest of the dataset.
+``write_index`` runs in its own Snakemake job (one per dataset) and reads each file once
+(a Parquet file's footer only). It writes a small JSON header (row count, files, each
+file's stat and content identity) and, for JSONL, a binary table of where each shard's
+rows start (byte offset and line number, 16 bytes per shard). ``load_shard`` reads the
+header and its own 16 bytes, so what a shard job reads does not grow with the number of
+shards, and checks the files against the recorded identities without hashing them; it
+then seeks there (JSONL) or streams its part of its row groups in batches, only the
+columns the pipeline reads (Parquet), or slices (Hugging Face), and reads ``stop - start``
+rows. It never parses the rest of the dataset. docs/data.md says what each step reads.
 
 What a shard reader promises (the runner checks it): for the shard's rows [start, stop)
 it yields exactly one ``SourceRow`` per index, in order, leaving out only the rows
@@ -27,7 +30,6 @@ import json
 import os
 import re
 import struct
-from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
@@ -78,32 +80,55 @@ def dataset_files(ds: DatasetConfig) -> list[str]:
 # index, so files up to this size are also identified by their content.
 CONTENT_HASHED_MAX_BYTES = 16 << 20
 
+# A Parquet file's content identity is made from its size and its footer, not every byte
+# (docs/data.md, "Content identity"): what it starts with says so, and it never equals a SHA-256.
+PARQUET_FOOTER_IDENTITY = "parquet-footer-sha256:"
+_PARQUET_MAGIC = (b"PAR1", b"PARE")  # PARE: a footer encrypted with its own key
+
+
+def parquet_footer_identity(path: str, f=None) -> str:
+    """A Parquet file's content identity from what does not need every byte: the SHA-256 of
+    its size, its footer (the Thrift FileMetaData: schema, every row group's row count and
+    every column chunk's byte offsets, compressed and uncompressed sizes, encodings and
+    min/max/null statistics) and the footer's length and magic. Reads the last bytes only.
+    ``f``: the file, already open (binary)."""
+    own = f is None
+    if own:
+        f = open_regular(path)
+    try:
+        size = os.fstat(f.fileno()).st_size
+        if size < 12:
+            raise ValueError(f"{path}: {size} bytes is too small for a Parquet file")
+        f.seek(size - 8)
+        tail = f.read(8)
+        length = int.from_bytes(tail[:4], "little")
+        if tail[4:] not in _PARQUET_MAGIC or length > size - 12:
+            raise ValueError(f"{path}: not a Parquet file (no footer magic at its end)")
+        f.seek(size - 8 - length)
+        footer = f.read(length)
+    finally:
+        if own:
+            f.close()
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    h.update(footer)
+    h.update(tail)
+    return PARQUET_FOOTER_IDENTITY + h.hexdigest()
+
+
+def identify_function(ds: DatasetConfig):
+    """How the content of ``ds``'s files is identified: the footer identity (Parquet) or the
+    SHA-256 of every byte (JSONL, a Hugging Face dataset's Arrow files)."""
+    return parquet_footer_identity if ds.type == "parquet" else _sha256
+
 
 def _sha256(path: str) -> str:
     with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def fingerprint(ds: DatasetConfig, hashed: bool = True) -> list[list]:
-    """Identity of the dataset's files: [path, size, mtime_ns, sha256 or None (large files)]."""
-    out = []
-    for f in dataset_files(ds):
-        st = os.stat(f)
-        digest = _sha256(f) if hashed and st.st_size <= CONTENT_HASHED_MAX_BYTES else None
-        out.append([f, st.st_size, st.st_mtime_ns, digest])
-    return out
-
-
-def file_contents(ds: DatasetConfig) -> dict[str, list]:
-    """Each dataset file's stat identity and SHA-256 of its bytes: {path: [[dev, inode, size,
-    mtime_ns, ctime_ns], sha256]} (the index keeps it; mirageflow.state.inputs compares it
-    with the files at DAG build, so an edit is seen whatever its mtime)."""
-    out = {}
-    for f in dataset_files(ds):
-        with open_regular(f) as fh:
-            key = stat_key(os.fstat(fh.fileno()))
-            out[f] = [key, hashlib.file_digest(fh, "sha256").hexdigest()]
-    return out
+def _fingerprint_entry(path: str, key: list[int], identity: str) -> list:
+    """[path, size, mtime_ns, identity or None (large files)]: the index's older file list."""
+    return [path, key[1], key[2], identity if key[1] <= CONTENT_HASHED_MAX_BYTES else None]
 
 
 def content_digest(header: dict) -> str | None:
@@ -114,34 +139,49 @@ def content_digest(header: dict) -> str | None:
     return digest_of({p: v[1] if isinstance(v, list) and len(v) == 2 else None for p, v in content.items()})
 
 
-def _content_unchanged(content: dict, ds: DatasetConfig, cache_path: str | os.PathLike | None) -> bool:
-    """The files are those indexed, by content: same paths, and for each file the same stat
-    identity (inode, size, mtime, ctime) or, where it moved, the same SHA-256 (the driver's
-    content cache at ``cache_path`` spares the hash of a file it already hashed)."""
+def recorded_content_stale(content: dict, ds: DatasetConfig, cache_path: str | os.PathLike | None) -> str | None:
+    """Why the dataset's files may not be those indexed (None: they are), without hashing a
+    whole file: what a shard job checks (docs/data.md, "Content identity").
+
+    A file whose stat identity (inode, size, mtime, ctime) is the one the index recorded, or
+    one the driver's content cache at ``cache_path`` recorded with the same identity, is
+    trusted. A Parquet file is checked by its footer identity (its last bytes). Any other
+    file changed on disk after the driver last checked it: the job refuses to read it; the
+    next run's driver identifies it once (same bytes: the index and the shards' work are kept).
+    """
     files = dataset_files(ds)
     if sorted(files) != sorted(content):
-        return False
-    cache = ContentCache(cache_path)
+        return "its files are not those indexed (added or removed)"
+    cache = ContentCache(cache_path)  # the driver's: read only
+    cheap = ds.type == "parquet"
     for f in files:
-        key, sha = content[f]
-        if cache.digest(f, (key, sha)) != sha:
-            return False
-    return True
+        known = content[f]
+        try:
+            key = stat_key(os.stat(f))
+            identity = cache.recorded(f, key, (known[0], known[1]))
+            if identity is None and cheap:
+                identity = parquet_footer_identity(f)
+        except (OSError, ValueError) as e:
+            return f"{f} cannot be read ({type(e).__name__}: {e})"
+        if identity is None:
+            return (
+                f"{f} changed on disk (inode, size, mtime or ctime) after the workflow's driver last checked its content; "
+                "a shard job does not hash a dataset file: run the workflow again, its driver identifies the file once "
+                "(the same bytes keep the index and every shard's work)"
+            )
+        if identity != known[1]:
+            return f"{f} changed since it was indexed (by content, whatever its mtime)"
+    return None
 
 
 def unchanged_since_indexed(indexed: list[list], ds: DatasetConfig, content: dict | None = None, cache_path=None) -> bool:
-    """The files are those indexed: with ``content`` (the index's file contents) the same
-    bytes whatever the mtimes say; else (an index from before content hashes) same paths,
-    sizes and mtimes, or, where only an mtime moved, the same content (a file rewritten
-    with identical bytes)."""
+    """The files are those indexed (never hashing a whole file): with ``content`` (the
+    index's file identities) as ``recorded_content_stale`` says; else (an index from before
+    content identities) the same paths, sizes and mtimes."""
     if isinstance(content, dict):
-        return _content_unchanged(content, ds, cache_path)
-    now = fingerprint(ds, hashed=False)
-    if [e[:3] for e in indexed] == now:
-        return True
-    if [e[:2] for e in indexed] != [e[:2] for e in now]:
-        return False
-    return all(old[2] == new[2] or (old[3] is not None and old[3] == _sha256(new[0])) for old, new in zip(indexed, now))
+        return recorded_content_stale(content, ds, cache_path) is None
+    now = [[f, *stat_key(os.stat(f))[1:3]] for f in dataset_files(ds)]
+    return [e[:3] for e in indexed] == now
 
 
 # --------------------------------------------------------------------------- JSONL
@@ -156,21 +196,82 @@ def jsonl_count(path: str) -> int:
     return rows
 
 
-def _jsonl_starts(path: str, wanted: list[int]) -> dict[int, tuple[int, int]]:
-    """Byte offset and 1-based line number of each wanted row (rows are non-blank lines)."""
-    todo = deque(sorted(set(wanted)))  # popleft: O(1) per shard start
-    found: dict[int, tuple[int, int]] = {}
-    row = offset = 0
+class _RowMarks:
+    """Byte offset and 1-based line number of every ``step``-th row, in bounded memory: when
+    ``cap`` marks are held, every other one is dropped and ``step`` doubles."""
+
+    def __init__(self, cap: int):
+        from array import array
+
+        self.cap, self.step, self.next = cap, 1, 0
+        self.offsets, self.lines = array("q"), array("q")
+
+    def add(self, row: int, offset: int, lineno: int) -> None:
+        self.offsets.append(offset)
+        self.lines.append(lineno)
+        if len(self.offsets) >= self.cap:
+            self.offsets, self.lines = self.offsets[::2], self.lines[::2]
+            self.step *= 2
+        self.next = row + self.step - row % self.step if row % self.step else row + self.step
+
+
+_INDEX_CHUNK = 1 << 20
+
+
+def index_jsonl(path: str, num_shards: int) -> tuple[int, bytes, list]:
+    """One pass over a JSONL file: its row count (rows are non-blank lines), each shard's
+    start (byte offset, 1-based line number; EOF and 0 for an empty shard at the end) packed
+    as the index's table, and its content identity [stat identity, SHA-256].
+
+    The pass keeps every ``step``-th row's start in bounded memory (at least 64 marks a
+    shard); a shard's exact start is then found reading forward from the mark before it, in
+    the same open file: at most ``step`` rows a shard, 1/64 of the file in all."""
+    marks = _RowMarks(max(1 << 16, 64 * num_shards))
+    h = hashlib.sha256()
+    row = offset = lineno = size = 0
+    tail = b""
     with open_regular(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                while todo and todo[0] == row:
-                    found[todo.popleft()] = (offset, lineno)
-                row += 1
-            offset += len(line)
-    for r in todo:  # empty shards at the end start at EOF
-        found[r] = (offset, 0)
-    return found
+        key = stat_key(os.fstat(f.fileno()))
+        while True:
+            chunk = f.read(_INDEX_CHUNK)
+            h.update(chunk)
+            size += len(chunk)
+            if chunk:
+                lines = (tail + chunk).split(b"\n")
+                tail = lines.pop()
+            else:  # EOF: a last line without its newline
+                lines, tail = ([tail] if tail else []), b""
+            for line in lines:
+                lineno += 1
+                if line and not line.isspace():  # line.strip(), without the copy
+                    if row == marks.next:
+                        marks.add(row, offset, lineno)
+                    row += 1
+                offset += len(line) + 1
+            if not chunk:
+                break
+        starts = [shard_range(row, num_shards, s)[0] for s in range(num_shards)]
+        table = b"".join(SHARD_START.pack(*_row_start(f, path, marks, r, row, size)) for r in starts)
+    return row, table, [key, h.hexdigest()]
+
+
+def _row_start(f, path: str, marks: _RowMarks, wanted: int, rows: int, end: int) -> tuple[int, int]:
+    """(byte offset, 1-based line number) of row ``wanted``: read forward from the mark before it."""
+    if wanted >= rows:  # empty shards at the end start at EOF
+        return end, 0
+    m = wanted // marks.step
+    offset, lineno, row = marks.offsets[m], marks.lines[m], m * marks.step
+    if row == wanted:  # a mark is a row's start
+        return offset, lineno
+    f.seek(offset)
+    for line in f:
+        if line.strip():
+            if row == wanted:
+                return offset, lineno
+            row += 1
+        offset += len(line)
+        lineno += 1
+    raise DatasetEndedEarly(f"{path}: ended before row {wanted} while it was being indexed (the file changed meanwhile)")
 
 
 # Lone surrogates (U+D800..U+DFFF alone) pass json.loads but no UTF-8 encoder: they would
@@ -357,7 +458,7 @@ def _open_parquet(path: str, rows: int):
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(path, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False)
         found = pf.metadata.num_rows
     except Exception as e:
         raise DatasetReadError(
@@ -370,18 +471,39 @@ def _open_parquet(path: str, rows: int):
     return pf
 
 
-def _parquet_rows(path: str) -> int:
+def _index_parquet_file(path: str) -> tuple[int, list]:
+    """A Parquet file's row count and [stat identity, footer identity], from its footer alone."""
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        with open_regular(path) as f:
+            key = stat_key(os.fstat(f.fileno()))
+            identity = parquet_footer_identity(path, f)
+            f.seek(0)
+            rows = pq.ParquetFile(f).metadata.num_rows
     except Exception as e:
         raise DatasetReadError(
             f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun"
         ) from e
+    return rows, [key, identity]
 
 
-def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[SourceRow]:
+# Rows decoded at a time from a Parquet row group, and the read buffer of a column chunk:
+# without one (and with pre_buffer, on by default) Arrow reads whole column chunks into memory
+# (hundreds of MB in a one-row-group file).
+PARQUET_BATCH_ROWS = 1024
+PARQUET_READ_BUFFER = 1 << 20
+
+
+def parquet_columns(schema_names: list[str], columns: frozenset[str] | None) -> list[str] | None:
+    """The file's columns to read for the pipeline's ``columns`` (None: all of them), in the file's order."""
+    if columns is None or any("." in name for name in schema_names):  # a dotted name would select a nested field
+        return None
+    wanted = [name for name in schema_names if name in columns]
+    return wanted or schema_names[:1]  # at least one column: it carries the row count
+
+
+def _read_parquet(files: list[dict], start: int, stop: int, skip, columns: frozenset[str] | None = None) -> Iterator[SourceRow]:
     base = 0
     for entry in files:
         n = entry["rows"]
@@ -389,33 +511,82 @@ def _read_parquet(files: list[dict], start: int, stop: int, skip) -> Iterator[So
         if lo < hi:
             path = entry["path"]
             pf = _open_parquet(path, n)
+            names = parquet_columns(pf.schema_arrow.names, columns)
             rg_base = base
             for rg in range(pf.num_row_groups):
                 rg_rows = pf.metadata.row_group(rg).num_rows
                 a, b = max(lo, rg_base), min(hi, rg_base + rg_rows)
                 if a < b and not all(skip(i) for i in range(a, b)):  # all committed: not even read
-                    try:
-                        table = pf.read_row_group(rg)
-                        if table.num_rows != rg_rows:
-                            raise ValueError(f"it has {table.num_rows} rows, the footer says {rg_rows}")
-                    except Exception as e:
-                        # One damaged row group costs its rows, not the file's other groups.
-                        why = (
-                            f"{path}: row group {rg} (dataset rows {rg_base}..{rg_base + rg_rows - 1}) "
-                            f"cannot be read ({type(e).__name__}: {e})"
-                        )
-                        for i in range(a, b):
-                            if not skip(i):
-                                yield SourceRow(i, RowError("read", E.UNREADABLE_ROW_GROUP, why))
-                    else:
-                        rows = arrow_rows(table.slice(a - rg_base, b - a), f"{path}", a)
-                        for i, row in enumerate(rows, start=a):
-                            if not skip(i):
-                                yield SourceRow(i, row)
+                    yield from _read_row_group_rows(pf, path, rg, rg_base, rg_rows, a, b, names, skip)
                 rg_base += rg_rows
+                if rg_base >= hi:
+                    break
         base += n
         if base >= stop:
             return
+
+
+def _read_row_group_rows(pf, path: str, rg: int, rg_base: int, rg_rows: int, a: int, b: int, names, skip) -> Iterator[SourceRow]:
+    """Rows [a, b) of row group ``rg`` (its first row is dataset row ``rg_base``): streamed in
+    batches of PARQUET_BATCH_ROWS, the batches before ``a`` dropped as they come, nothing read
+    past ``b``. Rows the group cannot give are RowErrors; the rows before them are kept."""
+    at = rg_base  # dataset index of the next row the stream gives
+    given = a  # rows before it were yielded (or skipped)
+    batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[rg], columns=names, use_threads=False)
+    try:
+        while at < b:
+            try:
+                batch = next(batches, None)
+                if batch is None:
+                    raise ValueError(f"it ended after {at - rg_base} rows, the footer says {rg_rows}")
+                first, count = at, batch.num_rows
+                at += count
+                if at <= a:
+                    continue
+                lo = max(a - first, 0)
+                rows = arrow_rows(batch.slice(lo, min(b - first, count) - lo), path, first + lo)
+            except Exception as e:
+                # A damaged group costs its rows from the damage on, not the file's other groups.
+                why = f"{path}: row group {rg} (dataset rows {rg_base}..{rg_base + rg_rows - 1}) cannot be read ({type(e).__name__}: {e})"
+                for i in range(given, b):
+                    if not skip(i):
+                        yield SourceRow(i, RowError("read", E.UNREADABLE_ROW_GROUP, why))
+                return
+            for i, row in enumerate(rows, start=first + lo):
+                given = i + 1
+                if not skip(i):
+                    yield SourceRow(i, row)
+    finally:
+        batches.close()
+
+
+# A row group this many times a shard's rows, and this large, gets a warning from `mmirage check`.
+ROW_GROUP_WARN_RATIO = 8
+ROW_GROUP_WARN_BYTES = 16 << 20
+
+
+def row_group_warnings(ds: DatasetConfig, num_shards: int) -> list[str]:
+    """`mmirage check`'s warnings about Parquet files whose row groups are far larger than a
+    shard (from their footers): a shard streams its row group from the group's first row up
+    to its own last one, so the late shards of a big group read most of it."""
+    import pyarrow.parquet as pq
+
+    files = [(f, pq.ParquetFile(f).metadata) for f in parquet_files(ds.path)]
+    shard_rows = max(1, -(-sum(m.num_rows for _, m in files) // num_shards))
+    out = []
+    for f, meta in files:
+        groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+        big = max(groups, key=lambda g: g.num_rows, default=None)
+        if big is None or big.num_rows <= ROW_GROUP_WARN_RATIO * shard_rows or big.total_byte_size <= ROW_GROUP_WARN_BYTES:
+            continue
+        out.append(
+            f"{ds.key}: {f} has row groups of up to {big.num_rows:,} rows ({big.total_byte_size / 1e6:,.0f} MB decoded), "
+            f"{big.num_rows // shard_rows:,}x a shard's {shard_rows:,} rows: a shard reads its group from the group's start "
+            f"up to its own rows, so late shards read most of it. Rewrite it with smaller row groups: "
+            f"python -c \"import pyarrow.parquet as pq; pq.write_table(pq.read_table('{f}'), '{f}.new', row_group_size={shard_rows})\" "
+            f"&& mv '{f}.new' '{f}'"
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- loadable
@@ -436,10 +607,15 @@ def load_hf(ds: DatasetConfig):
     return obj
 
 
-def _read_loadable(ds: DatasetConfig, start: int, stop: int, skip, chunk: int = 1024) -> Iterator[SourceRow]:
+def _read_loadable(
+    ds: DatasetConfig, start: int, stop: int, skip, columns: frozenset[str] | None = None, chunk: int = 1024
+) -> Iterator[SourceRow]:
     try:
-        table = load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows
+        table = load_hf(ds)  # memory-mapped Arrow: slicing reads only these rows (and columns)
         rows = len(table)
+        names = parquet_columns(list(table.column_names), columns)
+        if names is not None and len(names) < len(table.column_names):
+            table = table.select_columns(names)
     except Exception as e:
         raise DatasetReadError(f"{ds.path}: cannot load this dataset ({type(e).__name__}: {e})") from e
     if rows < stop:
@@ -489,28 +665,35 @@ def offsets_path(index_path: str | Path) -> Path:
 def write_index(ds: DatasetConfig, num_shards: int, path: str | Path) -> dict:
     """Count the dataset's rows once; write the header to ``path`` and the shard table next to it.
 
+    Each file is read once: a JSONL file in one pass (rows, shard starts, SHA-256), a Parquet
+    file's footer only (rows, footer identity), a Hugging Face dataset's files hashed once.
+
     The table is empty for Parquet and Hugging Face datasets: a shard finds its rows from
     the row count (and the files' row counts) alone. The header is written last, so a
     header always has its table.
     """
     header: dict[str, Any] = {"version": INDEX_VERSION, "path": ds.path, "type": ds.type, "num_shards": num_shards}
     table = b""
+    content: dict[str, list] = {}  # path -> [stat identity, content identity], each file read once
     if ds.type == "jsonl":
-        rows = jsonl_count(ds.path)
-        starts = [shard_range(rows, num_shards, s)[0] for s in range(num_shards)]
-        found = _jsonl_starts(ds.path, starts)
-        table = b"".join(SHARD_START.pack(*found[r]) for r in starts)
+        rows, table, content[ds.path] = index_jsonl(ds.path, num_shards)
     elif ds.type == "parquet":
-        files = [{"path": f, "rows": _parquet_rows(f)} for f in parquet_files(ds.path)]
+        files = []
+        for f in parquet_files(ds.path):
+            n, content[f] = _index_parquet_file(f)
+            files.append({"path": f, "rows": n})
         if not files:
             raise FileNotFoundError(f"no Parquet files at '{ds.path}'")
         rows = sum(f["rows"] for f in files)
         header["files"] = files
     else:
-        rows = len(load_hf(ds))
+        rows = len(load_hf(ds))  # memory-mapped: the length reads no rows
+        for f in dataset_files(ds):
+            with open_regular(f) as fh:
+                content[f] = [stat_key(os.fstat(fh.fileno())), hashlib.file_digest(fh, "sha256").hexdigest()]
     header["rows"] = rows
-    header["fingerprint"] = fingerprint(ds)
-    header["content"] = file_contents(ds)
+    header["fingerprint"] = [_fingerprint_entry(f, key, identity) for f, (key, identity) in content.items()]
+    header["content"] = content
     atomic_write_bytes(offsets_path(path), table)
     atomic_write_json(path, header)
     return header
@@ -522,7 +705,12 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
     header = json.loads(path.read_text())
     if header.get("version") != INDEX_VERSION or header["num_shards"] != num_shards or header["path"] != ds.path:
         raise ValueError(f"{path} was built for another config or version; rerun its index rule")
-    if not unchanged_since_indexed(header["fingerprint"], ds, header.get("content"), path.parent / "content.json"):
+    content = header.get("content")
+    if isinstance(content, dict):  # trusted as recorded by the index or the driver: never a whole-file hash here
+        stale = recorded_content_stale(content, ds, path.parent / "content.json")
+        if stale is not None:
+            raise ValueError(f"dataset '{ds.path}' changed after it was indexed: {stale}")
+    elif not unchanged_since_indexed(header["fingerprint"], ds):
         raise ValueError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again (snakemake --forcerun index_dataset)"
         )
@@ -539,8 +727,12 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
     return ShardSlice(start, stop, offset, line)
 
 
-def read_shard(ds: DatasetConfig, shard: ShardSlice, skip=lambda i: False) -> Iterator[SourceRow]:
+def read_shard(ds: DatasetConfig, shard: ShardSlice, skip=lambda i: False, columns: frozenset[str] | None = None) -> Iterator[SourceRow]:
     """Rows of one shard, in source order, each with its source_index; ``skip(i)`` rows are left out.
+
+    ``columns``: the top-level columns the pipeline reads (``shard.rows.columns_read``); a
+    Parquet or Hugging Face dataset decodes only those (a row is a dict of them), None: all.
+    A JSONL line is parsed whole.
 
     Exactly one SourceRow per other index of [start, stop): a dict, or a RowError for a row
     that cannot be read. Raises DatasetReadError (an OSError naming the file) when the data
@@ -552,5 +744,5 @@ def read_shard(ds: DatasetConfig, shard: ShardSlice, skip=lambda i: False) -> It
     if ds.type == "jsonl":
         return _read_jsonl(ds.path, start, stop, shard.offset, shard.line, skip)
     if ds.type == "parquet":
-        return _read_parquet(shard.files, start, stop, skip)
-    return _read_loadable(ds, start, stop, skip)
+        return _read_parquet(shard.files, start, stop, skip, columns)
+    return _read_loadable(ds, start, stop, skip, columns)

@@ -240,6 +240,49 @@ def _field_path(parsed: dict) -> tuple[str, ...] | None:
     return None
 
 
+# JMESPath nodes whose first child is evaluated on the current value and the others on what it gives
+_LEFT_FIRST = {"subexpression", "index_expression", "projection", "value_projection", "filter_projection", "pipe", "flatten"}
+# nodes whose children are all evaluated on the current value
+_ALL_CHILDREN = {"multi_select_list", "multi_select_dict", "key_val_pair", "function_expression", "or_expression",
+                 "and_expression", "not_expression", "comparator"}  # fmt: skip
+
+
+def jmespath_roots(parsed: dict) -> set[str] | None:
+    """The top-level fields of the row a JMESPath AST can read; None when it can read the
+    whole row (``@``, ``*``, ``keys(@)``, a node this does not know)."""
+    kind = parsed.get("type")
+    if kind == "field":
+        return {parsed["value"]}
+    if kind == "literal" or kind == "expref":  # an expref runs on the elements another argument gives
+        return set()
+    if kind in _LEFT_FIRST:
+        return jmespath_roots(parsed["children"][0])
+    if kind in _ALL_CHILDREN:
+        out: set[str] = set()
+        for child in parsed["children"]:
+            roots = jmespath_roots(child)
+            if roots is None:
+                return None
+            out |= roots
+        return out
+    return None
+
+
+def columns_read(inputs, remove_columns: bool, preserve_columns=()) -> frozenset[str] | None:
+    """The top-level columns of a row the pipeline reads: the inputs' JMESPath roots and the
+    preserved columns; None (every column) when records keep the row (remove_columns false)
+    or an input can read the whole row. Python steps and templates see variables only."""
+    if not remove_columns:
+        return None
+    out = set(preserve_columns)
+    for v in inputs:
+        roots = jmespath_roots(compile_jmespath(v.key).parsed)
+        if roots is None:
+            return None
+        out |= roots
+    return frozenset(out)
+
+
 class _FieldSearch:
     """``jmespath.compile('a.b').search(row)`` for field chains, as TreeInterpreter does it."""
 

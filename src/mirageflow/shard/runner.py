@@ -53,7 +53,7 @@ from mirageflow.shard.progress import ProgressReporter
 from mirageflow.prompts.image_outputs import ImageStep, ShardImages
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
-from mirageflow.prompts.templates import Extractor, RecordRenderer
+from mirageflow.prompts.templates import Extractor, RecordRenderer, columns_read
 from mirageflow.redact import redact_text
 from mirageflow.shard.accounting import check_accounting, check_images
 from mirageflow.shard.budget import ErrorBudget
@@ -109,6 +109,7 @@ class ShardRunner:
         )  # fmt: skip
         # image inputs (VLMs): RowImages is false without any
         self.rows = RowPath(Extractor(cfg.inputs), RowImages.from_config(cfg), render, self.metrics, self.n)
+        self.columns = columns_read(cfg.inputs, cfg.remove_columns, cfg.preserve_columns)  # what a Parquet shard decodes
         self.budget = ErrorBudget(self.params, shard_id, paths.errors(shard_id))
         self.checkpoint: Checkpoint | None = None
         self.cache: request_cache.RequestCache | None = None
@@ -272,7 +273,7 @@ class ShardRunner:
         dataset, in source order; sample None unless n_samples > 1."""
         for ds, piece in zip(self.cfg.datasets, slices):
             try:
-                read = functools.partial(read_shard, ds, piece)
+                read = functools.partial(read_shard, ds, piece, columns=self.columns)
                 yield from samples.pending(
                     ds.index, read, self.checkpoint.committed_before(ds.index), self.n, self.rows.grouped is not None
                 )

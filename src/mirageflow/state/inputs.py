@@ -6,11 +6,13 @@ or ``rsync -a`` keeps its old mtime, an image file can change under a path no ru
 of, and a clock can be skewed. So what a job read is also identified by content:
 
 - **datasets**: the index rule records, per file, its stat identity (inode, size, mtime,
-  ctime) and the SHA-256 of its bytes (``data/readers.write_index``). This is the
-  cheap per-file content hash: at DAG build the driver compares each file's stat identity
-  with the recorded one (a ``stat`` per file) and hashes only a file whose identity
-  changed (``cp -p`` makes a new inode or ctime), through a cache
-  (``<state_dir>/datasets/content.json``) so an unchanged copy is hashed once;
+  ctime) and its content identity (``data/readers.write_index``: the SHA-256 of its bytes,
+  or for a Parquet file of its size and footer). At DAG build the driver compares each
+  file's stat identity with the recorded one (a ``stat`` per file) and identifies only a
+  file whose stat identity changed (``cp -p`` makes a new inode or ctime), through a cache
+  (``<state_dir>/datasets/content.json``) so an unchanged copy is hashed once. Shard jobs
+  never hash a dataset file: they trust what the index or this cache recorded
+  (``readers.recorded_content_stale``; the rule for a stale record is in docs/data.md);
 - **images**: a shard appends every image file it reads, with its stat identity and the
   SHA-256 of the bytes it read, to ``<state_dir>/shard_<id>/input_images.jsonl`` (an attempt
   that resumes keeps the earlier lines); at DAG build each finished shard's files are
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 
 def dataset_changed(ds, cache: ContentCache, index_path: str | os.PathLike) -> str | None:
     """Why dataset ``ds``'s index is out of date by content (None: it is not, or it runs anyway)."""
-    from mirageflow.data.readers import dataset_files
+    from mirageflow.data.readers import dataset_files, identify_function
 
     try:
         header = json.loads(Path(index_path).read_text())
@@ -64,7 +66,7 @@ def dataset_changed(ds, cache: ContentCache, index_path: str | os.PathLike) -> s
         known = recorded[f]
         if not (isinstance(known, list) and len(known) == 2):
             return f"{f}: its recorded content is unreadable"
-        if cache.digest(f, (known[0], known[1])) != known[1]:
+        if cache.digest(f, (known[0], known[1]), identify_function(ds)) != known[1]:
             return f"{f} changed since it was indexed (by content, whatever its mtime)"
     return None
 

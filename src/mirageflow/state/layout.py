@@ -11,7 +11,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       records.fingerprint                what can change a record; the shards depend on it
       datasets/dataset_<k>.index.json    a dataset's row count and where each shard starts
       datasets/dataset_<k>.offsets.bin   (its per-shard table)
-      datasets/content.json              SHA-256 of input files by stat identity (state/inputs.py)
+      datasets/content.json              content identity of input files by stat identity (state/inputs.py)
       shard_<i>/status.json              written last, only on success (the shard rule's output)
       shard_<i>/failure.json             why the last attempt failed
       shard_<i>/progress.json            live progress of a running shard
