@@ -30,6 +30,7 @@ from fakes.fake_hub import FakeHub, HubRepo
 from fakes.runs import finish_shard
 
 from mirageflow.config import load_config
+from mirageflow.data.dedup import dedup_dataset
 from mirageflow.data.merge import merge_dataset
 from mirageflow.files import atomic_write_json
 from mirageflow.publish.card import write_local_cards
@@ -52,10 +53,13 @@ def hub():
     h.stop()
 
 
-def make_run(root: Path, fmt: str = "parquet", failed: tuple[int, ...] = (), license: str | None = "cc-by-4.0") -> Path:
+def make_run(
+    root: Path, fmt: str = "parquet", failed: tuple[int, ...] = (), license: str | None = "cc-by-4.0", dedup: bool = False
+) -> Path:
     """A finished run by hand: SHARDS shards of ROWS_PER_SHARD records (random text, so the
-    Parquet files do not compress to nothing), merged (unless a shard failed), its metrics.json
-    and its card. Returns the config file."""
+    Parquet files do not compress to nothing; with ``dedup`` every fourth record repeats the
+    first), merged (unless a shard failed) and deduplicated, its metrics.json and its card.
+    Returns the config file."""
     rng = random.Random(7)
     src = root / "in.jsonl"
     src.write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(SHARDS * ROWS_PER_SHARD)))
@@ -63,6 +67,7 @@ def make_run(root: Path, fmt: str = "parquet", failed: tuple[int, ...] = (), lic
         src, model="org/model", state_dir=root / "state", output_dir=root / "out", num_shards=SHARDS,
         dataset={"output_format": fmt}, processor={"backend": "openai", "base_url": f"http://user:{SECRET}@127.0.0.1:9/v1"},
         execution_params={"license": license} if license else {},
+        **({"deduplication_params": {"enabled": True, "text_field": "a", "fuzzy": False}} if dedup else {}),
     )  # fmt: skip
     config_file = root / "pipeline.yaml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -73,13 +78,19 @@ def make_run(root: Path, fmt: str = "parquet", failed: tuple[int, ...] = (), lic
             {"source_index": shard * ROWS_PER_SHARD + i, "q": f"row {i}", "a": "".join(rng.choices(string.ascii_letters, k=600))}
             for i in range(ROWS_PER_SHARD)
         ]
+        if dedup:
+            rows = [{**r, "a": "the same answer"} if r["source_index"] % 4 == 0 else r for r in rows]
         if shard in failed:
             atomic_write_json(cfg.shard_dir(shard) / "failure.json", {"status": "failed", "error": "boom", "attempt": 1})
             continue
         finish_shard(cfg, ds, shard, rows, per_part=ROWS_PER_SHARD)
+    paths = StateLayout(cfg.state_dir)
+    if not failed:
+        atomic_write_json(paths.merge_manifest(0), merge_dataset(cfg, ds))
+        if dedup:
+            dedup_dataset(cfg, ds, cfg.dedup, paths.dedup_counts(0), paths.dedup_removed(0))
     write_report(cfg.state_dir, cfg.num_shards)
     if not failed:
-        atomic_write_json(StateLayout(cfg.state_dir).merge_manifest(0), merge_dataset(cfg, ds))
         write_local_cards(cfg, config_file)
     return config_file
 
@@ -155,7 +166,7 @@ def test_the_card_is_the_runs_figures_with_the_hubs_header_and_no_secret(tmp_pat
 def test_publish_uploads_parquet_that_load_dataset_reads_after_a_429(tmp_path, hub):
     import datasets
 
-    make_run(tmp_path, fmt="jsonl")
+    make_run(tmp_path, fmt="jsonl", dedup=True)
     hub.too_many = {"preupload": 1, "commit": 1}  # rate-limited once each: answered, retried
     proc = mmirage("publish", "--config", "pipeline.yaml", "--repo-id", "org/quiz", "--private", hub=hub, root=tmp_path)
     assert proc.returncode == 0, proc.text
@@ -163,21 +174,29 @@ def test_publish_uploads_parquet_that_load_dataset_reads_after_a_429(tmp_path, h
     # preupload: 429, then again (huggingface_hub's retry); commit: 429, then the whole upload
     # again (ours: huggingface_hub does not retry a commit), which sends no file a second time
     assert asked.count("/api/datasets/org/quiz/preupload/main") == 3 and asked.count("/api/datasets/org/quiz/commit/main") == 2
-    assert len(hub.lfs_puts) == SHARDS == len(set(hub.lfs_puts)) and len(hub.commits) == 1
+    assert len(hub.lfs_puts) == 2 * SHARDS == len(set(hub.lfs_puts)) and len(hub.commits) == 1
     assert "org/quiz" in hub.private
     files = repo_files(hub, "org/quiz")
-    assert sorted(files) == [".gitattributes", "README.md", *[f"data/out/train-{i:05d}-of-00003.parquet" for i in range(SHARDS)]]
+    assert sorted(files) == [
+        ".gitattributes", "README.md", *[f"data/out-deduplicated/train-{i:05d}-of-00003.parquet" for i in range(SHARDS)],
+        *[f"data/out/train-{i:05d}-of-00003.parquet" for i in range(SHARDS)],
+    ]  # fmt: skip
     assert files["README.md"] == (tmp_path / "out" / "README.md").read_bytes()  # what was checked is what was published
     loaded = datasets.load_dataset(str(mirror(files, tmp_path / "repo")), "out", split="train")
     merged = [json.loads(line) for p in sorted((tmp_path / "out" / "merged").glob("*.jsonl")) for line in p.read_text().splitlines()]
     assert loaded.to_list() == merged
+    kept = datasets.load_dataset(str(tmp_path / "repo"), "out-deduplicated", split="train")
+    counts = json.loads((tmp_path / "state" / "dedup" / "dataset_0.json").read_text())
+    assert kept.num_rows == counts["rows_out"] == len(merged) - counts["exact_duplicates_removed"] == len(merged) - SHARDS * 3 + 1
+    card = files["README.md"].decode()
+    assert f"| `out-deduplicated` | {len(merged)} | {SHARDS * 3 - 1} | 0 | {kept.num_rows} |" in card
     record = json.loads(StateLayout(tmp_path / "state").publish_record.read_text())
     assert record["repo_id"] == "org/quiz" and record["commit"] == hub.datasets["org/quiz"]["main"].commit
     no_token_anywhere(tmp_path, proc.text)
 
     again = mmirage("publish", "--config", "pipeline.yaml", "--repo-id", "org/quiz", hub=hub, root=tmp_path)
     assert again.returncode == 0, again.text
-    assert len(hub.lfs_puts) == SHARDS  # nothing sent twice
+    assert len(hub.lfs_puts) == 2 * SHARDS  # nothing sent twice
 
 
 def test_a_killed_upload_goes_on_without_sending_the_finished_files_again(tmp_path, hub):
