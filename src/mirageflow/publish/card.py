@@ -98,12 +98,17 @@ def source_commit() -> str | None:
 def read_inputs(cfg: PipelineConfig) -> CardInputs:
     """metrics.json, the merge manifests and the dedup counts of a run that merged every dataset."""
     paths = L.StateLayout(cfg.state_dir)
-    metrics = _read_json(paths.metrics, "run the workflow first: the aggregate rule writes it")
+    metrics = read_metrics(cfg)
     records = {}
     for ds in cfg.datasets:
         manifest = _read_json(paths.merge_manifest(ds.index), "run the workflow (or mmirage merge) first: the merge rule writes it")
         records[ds.index] = int(manifest["rows"])
     return CardInputs(metrics, records, dedup_counts(cfg, metrics))
+
+
+def read_metrics(cfg: PipelineConfig) -> dict:
+    """metrics.json, which the aggregate rule writes (every figure of the card is its)."""
+    return _read_json(L.StateLayout(cfg.state_dir).metrics, "run the workflow first: the aggregate rule writes it")
 
 
 def dedup_counts(cfg: PipelineConfig, metrics: dict) -> dict[int, dict]:

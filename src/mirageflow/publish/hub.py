@@ -134,7 +134,7 @@ def _stage(cfg: PipelineConfig, config_file, staging: Path, left_out: list[int])
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if left_out:  # the done shards, merged for this upload
-        metrics = cards._read_json(paths.metrics, "run the workflow first: the aggregate rule writes it")
+        metrics = cards.read_metrics(cfg)
         records = {}
         for ds in cfg.datasets:
             manifest = merge_dataset(cfg, ds, out=paths.partial_merge(ds.index), allow_missing=True)
