@@ -36,6 +36,7 @@ from mirageflow.files import atomic_write_json
 from mirageflow.publish.card import write_local_cards
 from mirageflow.report.aggregate import write_report
 from mirageflow.state.layout import StateLayout
+from mirageflow.state.pipeline import mark_previous_results
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 
@@ -53,12 +54,10 @@ def hub():
     h.stop()
 
 
-def make_run(
-    root: Path, fmt: str = "parquet", failed: tuple[int, ...] = (), license: str | None = "cc-by-4.0", dedup: bool = False
-) -> Path:
+def make_run(root: Path, fmt: str = "parquet", license: str | None = "cc-by-4.0", dedup: bool = False) -> Path:
     """A finished run by hand: SHARDS shards of ROWS_PER_SHARD records (random text, so the
     Parquet files do not compress to nothing; with ``dedup`` every fourth record repeats the
-    first), merged (unless a shard failed) and deduplicated, its metrics.json and its card.
+    first), merged and deduplicated, its metrics.json and its card.
     Returns the config file."""
     rng = random.Random(7)
     src = root / "in.jsonl"
@@ -80,18 +79,13 @@ def make_run(
         ]
         if dedup:
             rows = [{**r, "a": "the same answer"} if r["source_index"] % 4 == 0 else r for r in rows]
-        if shard in failed:
-            atomic_write_json(cfg.shard_dir(shard) / "failure.json", {"status": "failed", "error": "boom", "attempt": 1})
-            continue
         finish_shard(cfg, ds, shard, rows, per_part=ROWS_PER_SHARD)
     paths = StateLayout(cfg.state_dir)
-    if not failed:
-        atomic_write_json(paths.merge_manifest(0), merge_dataset(cfg, ds))
-        if dedup:
-            dedup_dataset(cfg, ds, cfg.dedup, paths.dedup_counts(0), paths.dedup_removed(0))
+    atomic_write_json(paths.merge_manifest(0), merge_dataset(cfg, ds))
+    if dedup:
+        dedup_dataset(cfg, ds, cfg.dedup, paths.dedup_counts(0), paths.dedup_removed(0))
     write_report(cfg.state_dir, cfg.num_shards)
-    if not failed:
-        write_local_cards(cfg, config_file)
+    write_local_cards(cfg, config_file)
     return config_file
 
 
@@ -234,7 +228,12 @@ def test_a_token_the_hub_echoes_reaches_no_output_and_no_file(tmp_path, hub):
 
 
 def test_a_run_with_a_failed_shard_is_refused_unless_partial(tmp_path, hub):
-    make_run(tmp_path, failed=(1,))
+    config_file = make_run(tmp_path)  # a complete run, then shard 1 ran again and failed:
+    cfg = load_config(config_file, environ={})
+    mark_previous_results(cfg, "shard 1 started again")  # merged/, metrics.json and the card are the previous run's
+    (cfg.shard_dir(1) / "status.json").unlink()
+    atomic_write_json(cfg.shard_dir(1) / "failure.json", {"status": "failed", "error": "boom", "attempt": 2})
+    card_before = (tmp_path / "out" / "README.md").read_bytes()
     proc = mmirage("publish", "--config", "pipeline.yaml", "--repo-id", "org/quiz", hub=hub, root=tmp_path)
     assert proc.returncode == 1 and "not every shard is done (failed: [1])" in proc.text and "--allow-partial" in proc.text, proc.text
     assert not hub.requests and not hub.datasets  # nothing asked of the Hub
@@ -250,8 +249,8 @@ def test_a_run_with_a_failed_shard_is_refused_unless_partial(tmp_path, hub):
     ]
     assert [r["source_index"] for r in rows] == [*range(ROWS_PER_SHARD), *range(2 * ROWS_PER_SHARD, 3 * ROWS_PER_SHARD)]
     card = files["README.md"].decode()
-    assert "partial: true" in card and "shard(s) [1] of 3 are not in it" in card
-    assert not (tmp_path / "out" / "README.md").exists()  # no card of a partial dataset beside merged/
+    assert "partial: true" in card and "shard(s) [1] of 3 are not in it" in card and "| shards completed | 2 of 3 |" in card
+    assert (tmp_path / "out" / "README.md").read_bytes() == card_before  # beside merged/: the complete run's card stays
 
 
 @pytest.mark.parametrize("card", ["---\nmirageflow:\n  pipeline_id: 0123abcd\n---\n# theirs\n", "# a dataset made by hand\n"])

@@ -15,8 +15,9 @@ what lets the Hub recognise them. Files of ``data/`` the repo holds and this upl
 not (an earlier run's) are deleted in the same commit.
 
 Refused before anything is sent: a run with shards not done (failed, running, missing,
-stale) unless ``allow_partial`` (then the done shards are merged for the upload and the
-card says which are left out); a run whose merged outputs or metrics are a previous
+stale) unless ``allow_partial`` (then the done shards are merged for the upload, the
+card's figures are metrics.json's as ``mmirage stats`` computes them, the aggregate rule
+having waited for every shard, and the card says which shards are left out); a run whose merged outputs or metrics are a previous
 run's; a repo with files whose card names another pipeline, or no mirageflow pipeline,
 unless ``overwrite_other``.
 
@@ -116,7 +117,7 @@ def _check_run(cfg: PipelineConfig, target: Target) -> list[int]:
         )
     if len(left_out) == cfg.num_shards:
         raise PublishRefused("no shard is done: nothing to publish")
-    previous = pipeline_state.previous_results(cfg)
+    previous = None if left_out else pipeline_state.previous_results(cfg)  # a partial upload reads neither merged/ nor metrics.json
     if previous:
         raise PublishRefused(
             f"{', '.join(map(str, previous['outputs']))} are a previous run's ({previous['why']}): run the workflow "
@@ -134,7 +135,13 @@ def _stage(cfg: PipelineConfig, config_file, staging: Path, left_out: list[int])
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if left_out:  # the done shards, merged for this upload
-        metrics = cards.read_metrics(cfg)
+        # the aggregate rule has not run (it waits for every shard): its figures, as `mmirage stats` has them
+        from mirageflow.report.aggregate import full_metrics
+        from mirageflow.state.shards import current_fingerprint
+
+        metrics = full_metrics(
+            cfg.state_dir, cfg.num_shards, cfg.shard.lease_timeout_seconds, current_fingerprint(cfg), n_samples=cfg.n_samples
+        )
         records = {}
         for ds in cfg.datasets:
             manifest = merge_dataset(cfg, ds, out=paths.partial_merge(ds.index), allow_missing=True)
