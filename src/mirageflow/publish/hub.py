@@ -157,9 +157,10 @@ def _stage(cfg: PipelineConfig, config_file, staging: Path, left_out: list[int])
         if ds.index in inputs.dedup:
             files += _stage_parquet(Path(ds.output_dir) / DEDUP_SUBDIR, ds.output_format, staging, name + cards.DEDUP_SUFFIX)
     text = cards.render_card(cfg, config_file, inputs)
-    if not left_out:  # the card beside merged/ is the one uploaded
+    if not left_out:  # the card beside merged/ is the one uploaded (rewritten only when it differs: its time is the rule's)
         for path in L.dataset_cards(cfg):
-            atomic_write_text(path, text)
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                atomic_write_text(path, text)
     (staging / "README.md").write_text(text, encoding="utf-8")
     return inputs, ["README.md", *files]
 
