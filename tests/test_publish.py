@@ -33,7 +33,8 @@ from mirageflow.config import load_config
 from mirageflow.data.dedup import dedup_dataset
 from mirageflow.data.merge import merge_dataset
 from mirageflow.files import atomic_write_json
-from mirageflow.publish.card import write_local_cards
+from mirageflow.hub_models import hub_models, marker_path
+from mirageflow.publish.card import CardInputs, render_card, write_local_cards
 from mirageflow.report.aggregate import write_report
 from mirageflow.state.layout import StateLayout
 from mirageflow.state.pipeline import mark_previous_results
@@ -152,6 +153,21 @@ def test_the_card_is_the_runs_figures_with_the_hubs_header_and_no_secret(tmp_pat
     assert "key: q" in body  # a JMESPath key is no secret
     cfg = load_config(config_file, environ={})
     assert write_local_cards(cfg, config_file) and (tmp_path / "out" / "README.md").read_text() == card  # the same run, the same card
+
+
+def test_the_card_names_the_commit_the_driver_fetched_for_a_hub_model(tmp_path):
+    config = pipeline_config(
+        tmp_path / "in.jsonl", state_dir=tmp_path / "state", output_dir=tmp_path / "out",
+        processor={"backend": "transformers", "server_args": {"model_path": "org/model", "revision": "v1"},
+                   "default_sampling_params": {"temperature": 0.3}},
+    )  # fmt: skip
+    config_file = tmp_path / "pipeline.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    cfg = load_config(config_file, environ={}, check_paths=False)
+    [model] = hub_models(cfg)
+    atomic_write_json(marker_path(cfg.state_dir, model), {"repo_id": "org/model", "revision": "v1", "commit": "c0ffee" * 6})
+    card = render_card(cfg, config_file, CardInputs(metrics={}, records={0: 0}))
+    assert f'| `llm` | transformers | `org/model` | v1 | {"c0ffee" * 6} | `{{"temperature": 0.3}}` |' in card
 
 
 # --------------------------------------------------------------------------- mmirage publish

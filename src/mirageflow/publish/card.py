@@ -197,9 +197,9 @@ def _models_section(cfg: PipelineConfig) -> list[str]:
     commits = {}
     for model in hub_models.hub_models(cfg):
         try:
-            commits[model.index] = json.loads(hub_models.marker_path(cfg.state_dir, model).read_text()).get("commit")
+            commits[model.processor_index] = json.loads(hub_models.marker_path(cfg.state_dir, model).read_text()).get("commit")
         except (OSError, ValueError):
-            commits[model.index] = None
+            commits[model.processor_index] = None
     lines = ["## Models", "", "| processor | backend | model | revision | commit | default sampling |", "|---|---|---|---|---|---|"]
     for name, p in sorted(cfg.processors.items(), key=lambda kv: kv[1].index):
         sampling = json.dumps(p.sampling_params, sort_keys=True) if p.sampling_params else ""
