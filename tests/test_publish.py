@@ -286,6 +286,15 @@ def test_a_repo_another_pipeline_made_is_refused_unless_told(tmp_path, hub, card
 # --------------------------------------------------------------------------- the workflow
 
 
+def test_retry_makes_a_missing_card(tmp_path, hub):
+    """`mmirage retry` ends with the rules that build from the shards; the card is one (the
+    default target names it: a rule it may not run would fail the retry)."""
+    make_run(tmp_path)
+    (tmp_path / "out" / "README.md").unlink()
+    proc = mmirage("retry", "--config", "pipeline.yaml", "--", "--dry-run", hub=hub, root=tmp_path)
+    assert proc.returncode == 0 and "rule card:" in proc.text, proc.text[-3000:]
+
+
 def test_the_workflow_writes_the_card_beside_merged_and_publishes_it(tmp_path, hub):
     server = FakeServer().start()
     try:

@@ -345,8 +345,8 @@ def cmd_retry(args) -> int:
             file=sys.stderr,
         )
         return EXIT_OK
-    # the report and merged outputs, from the shards as they are now: no shard may start here
-    flags = ["--allowed-rules", "aggregate", "merge", "dedup", "--rerun-triggers", "mtime"]
+    # the report, merged outputs, card (and upload), from the shards as they are now: no shard may start here
+    flags = ["--allowed-rules", "aggregate", "merge", "dedup", "card", "publish", "--rerun-triggers", "mtime"]
     return _run(snakemake_command(args.config, flags=flags, targets=default_targets(cfg), **common))
 
 
