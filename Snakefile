@@ -23,6 +23,7 @@ include: "workflow/rules/shards.smk"
 include: "workflow/rules/engines.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/dedup.smk"
+include: "workflow/rules/publish.smk"
 include: "workflow/rules/fingerprint.smk"
 
 

@@ -37,6 +37,8 @@ THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.model_config": (["test_images.py", "test_engine_transformers_cb.py"], "vision models and context checks"),
     "mirageflow.prompts.image_outputs": (["test_image_gen.py"], "image_gen outputs"),
     "mirageflow.prompts.user_code": (["test_user_code_boundary.py", "test_filter_custom_steps.py"], "custom steps' workers"),
+    "mirageflow.publish": (["test_publish.py"], "mmirage publish and the card rule"),
+    "mirageflow.publish.hub": (["test_publish.py"], "mmirage publish against the stand-in hub"),
     "mirageflow.report.servers": (["test_engine_vllm_server.py", "test_real_vllm.py"], "the report's inference servers section"),
     "mirageflow.report.wording": (["test_report.py"], "the report's labels"),
     "mirageflow.shard.cached_answers": (["test_request_cache.py"], "a shard answered from the request cache"),

@@ -116,6 +116,7 @@ def test_the_rules_take_their_paths_from_the_layout(tmp_path, tiny_model):
         paths.report_html, paths.merge_manifest(0), paths.dedup_counts(0), paths.dedup_removed(0), paths.fingerprint,
         paths.engine_endpoint(0), paths.shard_log(0), paths.shard_log(1), paths.engine_log(0), paths.log("aggregate"),
         paths.log("index_dataset_0"), paths.log("merge_0"), paths.log("dedup_0"), paths.log("records_fingerprint"),
+        paths.log("card"),
     }  # fmt: skip
     assert {str(p) for p in expected} <= named, {str(p) for p in expected} - named
     assert {p for p in named if p.startswith("state/")} <= {str(p) for p in expected}, "a rule names a state path the layout does not"

@@ -345,8 +345,8 @@ def cmd_retry(args) -> int:
             file=sys.stderr,
         )
         return EXIT_OK
-    # the report and merged outputs, from the shards as they are now: no shard may start here
-    flags = ["--allowed-rules", "aggregate", "merge", "dedup", "--rerun-triggers", "mtime"]
+    # the report, merged outputs, card (and upload), from the shards as they are now: no shard may start here
+    flags = ["--allowed-rules", "aggregate", "merge", "dedup", "card", "publish", "--rerun-triggers", "mtime"]
     return _run(snakemake_command(args.config, flags=flags, targets=default_targets(cfg), **common))
 
 
@@ -582,10 +582,11 @@ def cmd_merge(args) -> int:
 def _merge_copies(cfg, root: str) -> list[tuple[Path, Path]]:
     """MMIRAGE's --output-dir/--output-root: each dataset's merged records under root/<its output_dir's name>
     (<name>_<index> when two have one name). A folder there that is not empty is refused, before anything runs."""
-    names = [os.path.basename(os.path.normpath(ds.output_dir)) or f"dataset_{ds.index}" for ds in cfg.datasets]
+    from mirageflow.publish.card import config_names
+
     pairs = []
-    for ds, name in zip(cfg.datasets, names):
-        dest = Path(root) / (f"{name}_{ds.index}" if names.count(name) > 1 else name)
+    for ds, name in zip(cfg.datasets, config_names(cfg)):  # the names the datasets have on the Hub too
+        dest = Path(root) / name
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
             raise UsageError(f"--output-dir: {dest} exists and is not empty; nothing is replaced: choose another root, or delete it")
         pairs.append((Path(ds.output_dir) / "merged", dest))
@@ -610,6 +611,28 @@ def _copy_tree(src: Path, dest: Path) -> None:
     if dest.is_dir():  # empty (checked before the merge)
         dest.rmdir()
     os.replace(tmp, dest)
+
+
+def cmd_publish(args) -> int:
+    """Upload the merged records (and the deduplicated ones) as Parquet, with the dataset card (mirageflow/publish/hub.py)."""
+    from mirageflow.publish.card import CardInputsMissing
+    from mirageflow.publish.hub import PublishFailed, PublishRefused, Target, publish
+
+    cfg = _load(args.config)
+    target = Target(
+        args.repo_id, private=args.private, revision=args.revision, allow_partial=args.allow_partial, overwrite_other=args.overwrite_other
+    )
+    try:
+        record = publish(cfg, args.config, target)
+    except (PublishRefused, PublishFailed, CardInputsMissing) as e:
+        print(f"mmirage publish: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    print(
+        f"mmirage: published {len(record['files'])} files to {record['repo_id']} (revision {record['revision']}, "
+        f"commit {record['commit']}){' -- a partial dataset, shards left out: ' + str(record['shards_left_out']) if record['partial'] else ''}",
+        file=sys.stderr,
+    )
+    return EXIT_OK
 
 
 def cmd_preview(args) -> int:
@@ -840,6 +863,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = command(
+        "publish",
+        "upload the merged records (and the deduplicated ones) as Parquet, with the dataset card, to a Hugging Face dataset repo",
+        cmd_publish,
+    )
+    p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the dataset repo (created when absent)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", metavar="BRANCH", help="commit to this branch (created from main when absent)")
+    p.add_argument("--allow-partial", action="store_true", help="publish the done shards' records when some shard is not done")
+    p.add_argument("--overwrite-other", action="store_true", help="commit to a repo whose card says another pipeline made it (or none)")
+
+    p = command(
         "preview",
         "try the prompts on the first rows of each dataset: the records a shard would write, one per sample (answers with --generate)",
         cmd_preview,
@@ -894,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
     from mirageflow.redact import install_log_redaction
 
     install_log_redaction()  # no secret reaches a log line, whichever library writes it
-    if extra and args.command in ("stats", "status", "check", "preview", "merge-dir"):
+    if extra and args.command in ("stats", "status", "check", "preview", "merge-dir", "publish"):
         print(f"mmirage {args.command}: takes no Snakemake arguments (got {' '.join(extra)})", file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -360,6 +360,34 @@ def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
     logging.info("deduplicated %s", json.dumps(result))
 
 
+def card(config: str) -> None:
+    """The dataset card beside merged/ (mirageflow/publish/card.py)."""
+    from mirageflow.publish.card import write_local_cards
+
+    cfg = _config(config, check_paths=False)
+    for path in write_local_cards(cfg, config):
+        logging.info("wrote the dataset card %s", path)
+
+
+def publish(config: str) -> None:
+    """Upload the records and the card as execution_params.publish says (mirageflow/publish/hub.py)."""
+    from mirageflow.errors import MirageflowError
+    from mirageflow.publish.hub import Target
+    from mirageflow.publish.hub import publish as upload
+
+    cfg = _config(config, check_paths=False)
+    p = cfg.execution.publish
+    if p is None:
+        raise SystemExit("execution_params.publish is not set: nothing to publish")
+    target = Target(p.repo_id, private=p.private, revision=p.revision, allow_partial=p.allow_partial, overwrite_other=p.overwrite_other)
+    try:
+        record = upload(cfg, config, target)  # writes <state_dir>/publish/published.json: the rule's output
+    except MirageflowError as e:  # refused, or the Hub failed: the message alone (redacted), no traceback
+        logging.error("mirageflow: %s", e)
+        sys.exit(1)
+    logging.info("published to %s, commit %s", record["repo_id"], record["commit"])
+
+
 def records_fingerprint(config: str, output: str) -> None:
     """``<state_dir>/records.fingerprint`` where there is none (the driver keeps it current)."""
     from mirageflow.state import pipeline as pipeline_state
@@ -412,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("model", help="the model's slug (org--name[@revision])")
     p.add_argument("output", help="the marker written once it is complete")
     sub.add_parser("aggregate", help="write the metrics report")
+    sub.add_parser("card", help="write the dataset card beside merged/")
+    p = sub.add_parser("publish", help="upload the records and the card to the Hugging Face Hub (execution_params.publish)")
+    p.add_argument("output", help="the publish record (<state_dir>/publish/published.json, where it is written)")
     p = sub.add_parser("fingerprint", help="write the records fingerprint the shards depend on")
     p.add_argument("output")
     args = ap.parse_args(argv)
@@ -432,6 +463,10 @@ def main(argv: list[str] | None = None) -> None:
         dedup(args.config, args.dataset, args.counts, args.removed)
     elif args.job == "fingerprint":
         records_fingerprint(args.config, args.output)
+    elif args.job == "card":
+        card(args.config)
+    elif args.job == "publish":
+        publish(args.config)
     else:
         aggregate(args.config)
 

@@ -278,6 +278,16 @@ def dedup_count_files():
     return [str(STATE.dedup_counts(k)) for k in DATASET_IDS]
 
 
+def merge_manifests():
+    """Each dataset's merge manifest (the merge rule)."""
+    return [str(STATE.merge_manifest(k)) for k in DATASET_IDS]
+
+
+def dataset_cards():
+    """The dataset card of each output_dir, beside the merged records (rule card)."""
+    return [str(p) for p in state_layout.dataset_cards(PIPELINE)]
+
+
 def cluster_resources(job):
     """SLURM resources of a shard job (job="shard"), an index job (job="index") or an
     engine service (job="engine").

@@ -28,6 +28,7 @@ from mirageflow.config.types import (
     DatasetConfig,
     DedupParams,
     ExecutionParams,
+    PublishParams,
     ImageGenProcessor,
     ImageOutput,
     InputVar,
@@ -1004,6 +1005,8 @@ def _execution(ep: dict, processors: dict[str, ProcessorConfig], outputs: list[O
             "for it before submitting theirs; remove canary_rows (try the prompt on a small dataset first instead)"
         )
     used_keys = {k: v for k, v in ep.items() if f"execution_params.{k}" not in IGNORED_MMIRAGE_KEYS}
+    if used_keys.get("publish") is not None:
+        used_keys["publish"] = PublishParams(**used_keys["publish"])
     return ExecutionParams(**used_keys), problems
 
 

@@ -262,6 +262,17 @@ IGNORED_MMIRAGE_KEYS: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class PublishParams:
+    """``execution_params.publish``: the upload after the merge (mirageflow.publish)."""
+
+    repo_id: str
+    private: bool = False
+    revision: str | None = None
+    allow_partial: bool = False
+    overwrite_other: bool = False
+
+
+@dataclass(frozen=True)
 class ExecutionParams:
     """``execution_params``: MMIRAGE's execution keys; the SLURM ones become job resources
     (mirageflow.cluster.resources), ``hf_home`` the jobs' HF_HOME, ``shards_per_engine`` the
@@ -289,6 +300,8 @@ class ExecutionParams:
     shards_per_engine: int = 1
     canary_rows: int | None = None  # run this many rows of shard 0 first; the shards wait for its verdict (shard/canary.py)
     hf_home: str | None = None
+    license: str | None = None  # the dataset card's (mirageflow.publish.card)
+    publish: PublishParams | None = None
 
 
 @dataclass(frozen=True)

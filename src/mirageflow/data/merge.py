@@ -167,9 +167,13 @@ def _jsonl_line_lists(parts: dict[int, list[Path]], cfg: PipelineConfig | _NoSta
         yield [line for _, line in keyed]
 
 
-def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
+def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig, out: Path | None = None, allow_missing: bool = False) -> dict:
     """Write merged/ for dataset ``ds``; refuse (nothing written) when any shard is not done
-    (the state contract's ``is_done``: a successful status.json of the current records fingerprint)."""
+    (the state contract's ``is_done``: a successful status.json of the current records fingerprint).
+
+    ``out``: another folder than ``<output_dir>/merged/``; ``allow_missing``: merge the done
+    shards and leave out the others (a partial dataset: ``mmirage publish --allow-partial``),
+    named in the manifest's ``shards_left_out``."""
     missing, stale, damaged, expected, parts = [], [], [], {}, {}
     out_dir = Path(ds.output_dir)
     fmt = ds.output_format
@@ -189,7 +193,7 @@ def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
             parts[shard_id] = [shard_output_dir(out_dir, shard_id) / name for name in entry["parts"]]
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             damaged.append(f"{status_path} ({type(e).__name__}: {e})")
-    if missing or stale or damaged:
+    if damaged or ((missing or stale) and not allow_missing):
         raise MergeRefused(
             f"cannot merge {ds.path}: "
             + (f"shard(s) {missing} of {cfg.num_shards} are not complete (no successful "
@@ -199,10 +203,11 @@ def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
             + (f"damaged status files: {'; '.join(damaged)}; delete them and rerun those shards" if damaged else "")
         )  # fmt: skip
 
-    out = merged_dir(out_dir)
+    out = merged_dir(out_dir) if out is None else Path(out)
+    left_out = {"shards_left_out": sorted(missing + stale)} if allow_missing else {}
     if fmt != "parquet":
         rows = write_merged(_jsonl_line_lists(parts, cfg, out_dir, expected), out, fmt)
-        return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}
+        return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt, **left_out}
 
     # One schema for every shard's parts: each part inferred its own types (a column that
     # is null in all of a part's rows has type null there; int in one, float or str in
@@ -218,7 +223,7 @@ def merge_dataset(cfg: PipelineConfig, ds: DatasetConfig) -> dict:
             break
         except ColumnNeedsJson as e:
             as_json.add(e.name)
-    return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt}
+    return {"dataset": ds.path, "merged_dir": str(out), "rows": rows, "format": fmt, **left_out}
 
 
 # --------------------------------------------------------------------------- merge-dir (no config)

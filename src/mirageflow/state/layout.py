@@ -30,6 +30,9 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       merged/dataset_<k>.json            the merge manifest
       dedup/dataset_<k>.json, .removed.jsonl   deduplication counts and removed records
       metrics.json, summary.md, report.html    the aggregate
+      publish/pipeline_id.json           this pipeline's id, written in its dataset card (publish/card.py)
+      publish/published.json             the last upload to the Hugging Face Hub (mmirage publish, rule publish)
+      publish/staging/, publish/merged_<k>/   the folder uploaded, and a partial merge made for it
       canary/verdict.json                the canary's verdict, which every shard waits for (canary_rows)
       canary/state/, canary/out/         the canary shard's own state_dir and output (shard/canary.py)
       logs/<job>.log, logs/attempts/     every job's log (the latest attempt, and all of them)
@@ -37,6 +40,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
 
     <output_dir>/shard_<i>/part-*.*      a shard's committed records
     <output_dir>/merged/                 all records in source order
+    <output_dir>/README.md               the dataset card (rule card; what mmirage publish uploads)
     <output_dir>/images/                 image_gen's files (the ledger's paths are relative to <output_dir>)
     <output_dir>/.mirageflow-owner.json  which pipeline writes there
 """
@@ -156,6 +160,31 @@ class StateLayout:
     def engine_stats_files(self) -> list[Path]:
         return sorted((self.root / "engines").glob("engine_*.stats.json"))
 
+    # ------------------------------------------------------------------ publishing (mirageflow/publish)
+
+    @property
+    def publish_dir(self) -> Path:
+        return self.root / "publish"
+
+    @property
+    def pipeline_id(self) -> Path:
+        """The id the dataset card carries: a repo whose card has another is another pipeline's."""
+        return self.publish_dir / "pipeline_id.json"
+
+    @property
+    def publish_record(self) -> Path:
+        """The last upload (the publish rule's output): repo, revision, commit, files; never the token."""
+        return self.publish_dir / "published.json"
+
+    @property
+    def publish_staging(self) -> Path:
+        """The folder uploaded: the card and the data as Parquet, laid out as in the repo."""
+        return self.publish_dir / "staging"
+
+    def partial_merge(self, ds: Id) -> Path:
+        """The done shards of a dataset merged for a partial upload (--allow-partial)."""
+        return self.publish_dir / f"merged_{ds}"
+
     # ------------------------------------------------------------------ the canary (execution_params.canary_rows)
 
     @property
@@ -250,13 +279,18 @@ class StateLayout:
 
 def default_targets(cfg: PipelineConfig) -> list[str]:
     """What the workflow's default target (rule all) builds from the shards: the report, each
-    dataset's merge manifest (execution_params.merge) and dedup counts (deduplication_params)."""
+    dataset's merge manifest and card (execution_params.merge), dedup counts
+    (deduplication_params) and the upload (execution_params.publish)."""
     paths = StateLayout(cfg.state_dir)
     targets = [str(paths.metrics), str(paths.summary)]
     if cfg.merge:
         targets += [str(paths.merge_manifest(ds.index)) for ds in cfg.datasets]
     if cfg.dedup is not None:
         targets += [str(paths.dedup_counts(ds.index)) for ds in cfg.datasets]
+    if cfg.merge:
+        targets += [str(p) for p in dataset_cards(cfg)]
+    if cfg.execution.publish is not None:
+        targets.append(str(paths.publish_record))
     return targets
 
 
@@ -286,6 +320,16 @@ def image_relative(output_dir: str | os.PathLike, file: str | os.PathLike) -> st
 
 def merged_dir(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / MERGED
+
+
+def dataset_card(output_dir: str | os.PathLike) -> Path:
+    """The dataset card beside merged/ (the same card in every output_dir of the pipeline)."""
+    return Path(output_dir) / "README.md"
+
+
+def dataset_cards(cfg: PipelineConfig) -> list[Path]:
+    """The card of each output_dir of the pipeline, once each."""
+    return [dataset_card(d) for d in dict.fromkeys(ds.output_dir for ds in cfg.datasets)]
 
 
 STATE_OWNER = "owner.json"
