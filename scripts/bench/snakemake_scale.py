@@ -400,12 +400,13 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
         "|---|---|---|---|---|---|---|---|",
     ]
     for n, r in dry.items():
+        jobs = f"{r['jobs']:,}" if r["jobs"] else "-"  # `-n --quiet` prints no job count
         for mode, flags in DRY_MODES.items():
             if mode not in r:
                 continue
             m = r[mode]
             lines.append(
-                f"| {n:,} | {r['jobs']:,} | `snakemake {' '.join(flags)}` | {m['wall_s']:.1f} | {m['cpu_s']:.1f} | {m['max_rss_mb']:.0f} | "
+                f"| {n:,} | {jobs} | `snakemake {' '.join(flags)}` | {m['wall_s']:.1f} | {m['cpu_s']:.1f} | {m['max_rss_mb']:.0f} | "
                 f"{m['tree_rss_mb']:.0f} | {m['all_wall_s']} |"
             )
     if 10000 in dry:
