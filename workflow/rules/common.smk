@@ -125,7 +125,9 @@ def shard_changed(wildcards):
     shard = int(wildcards.shard)
     why = CONTENT_CHANGES.shard(shard)
     # only the driver settles a mark (a cluster job trusts it: docs/cluster.md)
-    complete = not why and workflow.is_main_process and CONTENT_CHANGES.shard_complete(shard)
+    complete = (
+        not why and workflow.is_main_process and CONTENT_CHANGES.shard_complete(shard)
+    )
     CONTENT_CHANGES.force(workflow, str(STATE.status(shard)), why, logger, complete)
     return []
 
