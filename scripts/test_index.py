@@ -27,6 +27,7 @@ BEGIN, END = "<!-- test-index:begin -->", "<!-- test-index:end -->"
 
 # module -> (test files, how they reach it) for modules no test imports
 THROUGH: dict[str, tuple[list[str], str]] = {
+    "mirageflow.cluster.engine_groups": (["test_shared_engine.py", "test_cluster.py"], "execution_params.shards_per_engine's groups"),
     "mirageflow.cluster.engine_service": (["test_shared_engine.py", "test_engine_vllm_server.py"], "execution_params.shards_per_engine"),
     "mirageflow.engines.batch_api": (["test_batch_api.py"], "the batch_api backend"),
     "mirageflow.engines.batch_providers": (["test_batch_api.py"], "the batch_api backend's providers"),

@@ -252,7 +252,8 @@ def test_a_shard_reads_only_the_columns_its_pipeline_uses(tmp_path):
 
     from mirageflow.config import load_config
     from mirageflow.data.writers import read_parts
-    from mirageflow.shard import ShardFailed, index_datasets, run_shard
+    from mirageflow.shard import ShardFailed
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     data = tmp_path / "in.parquet"
     table = pa.table({"q": ["x", "y"], "id": [7, 8], "when": pa.array([2**40, 2**40], type=pa.timestamp("s"))})

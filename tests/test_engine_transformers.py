@@ -278,7 +278,7 @@ def test_batches_of_rows_that_all_run_to_their_limit_end_within_the_commit_budge
 def test_the_shard_runner_gives_the_engine_its_commit_interval(tiny_model, tmp_path):
     from fakes.configs import shard_config
 
-    from mirageflow.shard import run_shard
+    from mirageflow.shard.runner import run_shard
 
     cfg = shard_config(tmp_path, [{"q": f"q{i}"} for i in range(3)], [{"name": "a", "prompt": "{{ q }}"}])
     engines = []

@@ -19,7 +19,8 @@ from mirageflow.data.writers import read_parts
 from mirageflow.config.preflight import preflight_problems
 from mirageflow.errors import RowError
 from mirageflow.prompts.python_steps import CustomProcessor, FilterStep, FunctionPool
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 

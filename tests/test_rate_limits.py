@@ -21,7 +21,7 @@ from fakes.runs import start_shard_job
 from mirageflow.config import load_config
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.wire import Request
-from mirageflow.shard import index_datasets
+from mirageflow.shard.runner import index_datasets
 from mirageflow.transport.http_client import Response
 from mirageflow.transport.rate_limit import RateLimiter, RateLimits, parse_duration
 

@@ -24,7 +24,8 @@ from fakes.runs import start_shard_job
 
 from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 from mirageflow.shard import request_cache as rc
 from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Completion, Request

@@ -22,7 +22,7 @@ from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.prompts.python_steps import CustomProcessor, FunctionPool
 from mirageflow.errors import RowError
-from mirageflow.shard import index_datasets, run_shard
+from mirageflow.shard.runner import index_datasets, run_shard
 
 SCRIPT = """
 import os, signal, sys, time
@@ -123,7 +123,7 @@ def test_item6_a_real_cancellation_stops_the_shard_instead_of_failing_rows(tmp_p
         textwrap.dedent(f"""
         import json
         from mirageflow.config import load_config
-        from mirageflow.shard import index_datasets, run_shard
+        from mirageflow.shard.runner import index_datasets, run_shard
         if __name__ == "__main__":  # spawned workers import this file again
             cfg = load_config(json.loads(open({str(tmp_path / "cfg.json")!r}).read()))
             index_datasets(cfg)

@@ -155,7 +155,7 @@ def child(step: str, kind: str, path: str, state: str) -> dict:
 def _job_config(kind: str, path: str, state: Path, index_only: bool = False):
     """A pipeline reading ``question`` (remove_columns: true) over the dataset, 200 shards."""
     from mirageflow.config import load_config
-    from mirageflow.shard import index_datasets
+    from mirageflow.shard.runner import index_datasets
 
     from pipeline_overhead import tiny_model
 
@@ -182,7 +182,7 @@ def _shard_job(kind: str, path: str, state: Path) -> int:
     template, so the job's memory is the pipeline's, not transformers')."""
     from _engines import InstantEngine
 
-    from mirageflow.shard import run_shard
+    from mirageflow.shard.runner import run_shard
 
     cfg, _ = _job_config(kind, path, state)
     status = run_shard(cfg, LATE, engine_factory=lambda *a, **k: InstantEngine(None, "an answer", 2, chat="none"))

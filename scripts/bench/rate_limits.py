@@ -45,7 +45,7 @@ from fakes.runs import start_shard_job
 from mirageflow.config import load_config
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.wire import Request
-from mirageflow.shard import index_datasets
+from mirageflow.shard.runner import index_datasets
 
 WINDOW = 5.0  # seconds of the provider's limits
 LATENCY = 0.02

@@ -5,21 +5,27 @@
     python scripts/bench/snakemake_scale.py --no-write
 
 Everything runs in a scratch directory against this checkout's Snakefile, with a real
-pipeline config: a generated JSONL dataset (--rows, 20,000 by default), the tiny test model
+pipeline config: a generated JSONL dataset (--rows, 20,000 by default, and at least as
+many rows as the largest shard count: num_shards > rows is refused), the tiny test model
 (scripts/make_tiny_model.py), one plain output, merge on.
 
-1. Dry run (``snakemake -n``) of the whole DAG for each --shards count (1,000 and 10,000),
+1. Dry run (``snakemake -n``) of the whole DAG for each --shards count (1,000, 10,000, 30,000),
    before the dataset is indexed (index job + N shards + aggregate + merge + all). Wall
    time, CPU time (user+sys) and peak memory: the max RSS of the process tree (wait4) and
    the peak of the tree's summed RSS sampled every 20 ms (psutil).
 2. Per-job parse cost: what a cluster job pays before it runs its shard. A SLURM job
-   re-runs ``snakemake --target-jobs shard:shard=K``, which parses the whole Snakefile
-   again; anything there that grows with num_shards is paid by every job. Measured as
-   ``snakemake --target-jobs shard:shard=0 --allowed-rules shard -n`` with the index built,
-   for each --shards count, and the Snakefile parse alone (``snakemake --list-rules``) up to
-   100,000 shards: neither may grow with N. What a shard job reads of the dataset index
-   is measured too (``load_shard``: the JSON header and its entry of the offsets table):
-   bytes and time, which must not grow with N either.
+   runs the command Snakemake's executor writes for it (``JOB_ARGS``: ``python -m snakemake
+   --target-jobs shard:shard=K --allowed-rules shard ... --mode remote --executor
+   slurm-jobstep``), which parses the whole Snakefile again; anything there that grows
+   with num_shards is paid by every job. Measured as that command with ``-n`` (the parse
+   and the one-job DAG, not the shard itself) in a state_dir where the driver has indexed
+   the dataset and written the records fingerprint (what a job finds when it starts), for
+   each --shards count; next to it the same command on a one-rule Snakefile (Snakemake's
+   own floor: its imports and plugins, paid whatever the workflow). The Snakefile parse
+   alone (``snakemake --list-rules``) is measured up to 100,000 shards: none may grow with
+   N. What a shard job reads of the dataset index is measured too (``load_shard``: the JSON
+   header and its entry of the offsets table): bytes and time, which must not grow with N
+   either.
 3. A local run (``--cores 1``) of --run-shards shards of --rows-per-shard rows each with
    max_new_tokens 4 on the tiny model: total wall time vs the sum of the shards'
    runtime_seconds (status.json). Overhead per job = (wall - sum of shard runtimes - the
@@ -192,12 +198,13 @@ def job_count(output: str) -> int | None:
 DRY_MODES = {"quiet": ["-n", "--quiet"], "verbose": ["-n"]}  # summary only / every job printed (plain `snakemake -n`)
 
 
-def dry_runs(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int) -> dict:
+def dry_runs(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int, modes: list[str]) -> dict:
     dirs = {n: workdir(root, f"dry-{n}", pipeline(model, dataset, n)) for n in shard_counts}
-    runs: dict[tuple, list[dict]] = {(n, mode): [] for n in shard_counts for mode in DRY_MODES}
+    runs: dict[tuple, list[dict]] = {(n, mode): [] for n in shard_counts for mode in modes}
     for r in range(repeats):
         for n in shard_counts if r % 2 == 0 else reversed(shard_counts):
-            for mode, flags in DRY_MODES.items():
+            for mode in modes:
+                flags = DRY_MODES[mode]
                 m = measure(snakemake(dirs[n], *flags, "--cores", "1"), dirs[n])
                 m["jobs"] = job_count(m.pop("output"))
                 runs[n, mode].append(m)
@@ -207,25 +214,50 @@ def dry_runs(root: Path, model: Path, dataset: Path, shard_counts: list[int], re
                 )
     out = {}
     for n in shard_counts:
-        out[n] = {mode: summarize(runs[n, mode]) for mode in DRY_MODES}
-        out[n]["jobs"] = max(x["jobs"] or 0 for mode in DRY_MODES for x in runs[n, mode])
+        out[n] = {mode: summarize(runs[n, mode]) for mode in modes}
+        out[n]["jobs"] = max(x["jobs"] or 0 for mode in modes for x in runs[n, mode])
     return out
 
 
+# What a SLURM job runs (snakemake-interface-executor-plugins 9.4 RealExecutor.format_job_exec,
+# Snakemake 9's SpawnedJobArgsFactory.general_args, and the SLURM plugin's
+# ``--executor slurm-jobstep --jobs 1``) for shard 0 of a run started with profiles/slurm,
+# less the per-run options that change nothing in the parse (storage prefixes, default
+# resources, wrapper prefix). ``-n`` stops after the parse and the one-job DAG.
+JOB_ARGS = [
+    "--target-jobs", "shard:shard=0", "--allowed-rules", "shard", "--cores", "all", "--attempt", "1",
+    "--force-use-threads", "--force", "--target-files-omit-workdir-adjustment", "--max-inventory-time", "0",
+    "--retries", "0", "--nocolor", "--no-hooks", "--nolock", "--ignore-incomplete", "--rerun-triggers", "mtime",
+    "--scheduler", "greedy", "--latency-wait", "5", "--mode", "remote", "--executor", "slurm-jobstep", "--jobs", "1", "-n",
+]  # fmt: skip
+FLOOR_SNAKEFILE = """rule shard:
+    output: "state/shard_{shard}/status.json"
+    shell: "touch {output}"
+"""
+
+
 def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int) -> dict:
-    """What one cluster job pays before its shard runs: snakemake --target-jobs parses everything again."""
+    """What one cluster job pays before its shard runs: the job's snakemake parses everything again."""
     dirs = {}
     for n in shard_counts:
         d = workdir(root, f"job-{n}", pipeline(model, dataset, n))
         index = "state/datasets/dataset_0.index.json"
-        if not (d / index).exists():
-            subprocess.run([*snakemake(d, "--cores", "1", "--quiet"), "--", index], check=True, capture_output=True)
+        fingerprint = "state/records.fingerprint"
+        if not (d / index).exists():  # what the driver has made before it submits a shard
+            subprocess.run([*snakemake(d, "--cores", "1", "--quiet"), "--", index, fingerprint], check=True, capture_output=True)
         dirs[n] = d
-    runs: dict[int, list[dict]] = {n: [] for n in shard_counts}
+    floor = root / "floor"
+    floor.mkdir(exist_ok=True)
+    (floor / "Snakefile").write_text(FLOOR_SNAKEFILE)
+    floor_cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(floor / "Snakefile"), "--directory", str(floor), *JOB_ARGS]
+    runs: dict[int | str, list[dict]] = {n: [] for n in [*shard_counts, "floor"]}
     for r in range(repeats):
-        for n in shard_counts if r % 2 == 0 else reversed(shard_counts):
-            m = measure(snakemake(dirs[n], "--target-jobs", "shard:shard=0", "--allowed-rules", "shard", "-n", "--cores", "1"), dirs[n])
-            m.pop("output")
+        for n in [*shard_counts, "floor"] if r % 2 == 0 else ["floor", *reversed(shard_counts)]:
+            cmd = floor_cmd if n == "floor" else [*snakemake(dirs[n], *JOB_ARGS)]
+            m = measure(cmd, floor if n == "floor" else dirs[n])
+            output = m.pop("output")
+            if "shard" not in output or job_count(output) != 1:
+                raise RuntimeError(f"the job's command did not plan one shard job:\n{output[-2000:]}")
             runs[n].append(m)
             print(f"[job parse {n} shards] {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU", file=sys.stderr)
     out = {n: summarize(v) for n, v in runs.items()}
@@ -301,15 +333,22 @@ def summarize(runs: list[dict]) -> dict:
 def figures(dry: dict, parse: dict, run: dict | None, parsed: dict, probe: dict) -> dict:
     out = {"slurm_probe_s": None if probe["probe_s"] is None else round(probe["probe_s"], 2), "slurm_probe_stubbed": probe["stubbed"]}
     for n, r in dry.items():
-        q, v = r["quiet"], r["verbose"]
-        out[f"dryrun_{n}_shards_wall_s"] = round(q["wall_s"], 2)
-        out[f"dryrun_{n}_shards_cpu_s"] = round(q["cpu_s"], 2)
-        out[f"dryrun_{n}_shards_max_rss_mb"] = round(max(q["max_rss_mb"], v["max_rss_mb"]), 1)
-        out[f"dryrun_{n}_shards_tree_rss_mb"] = round(max(q["tree_rss_mb"], v["tree_rss_mb"]), 1)
-        out[f"dryrun_{n}_shards_printing_jobs_wall_s"] = round(v["wall_s"], 2)
-        out[f"dryrun_{n}_shards_printing_jobs_cpu_s"] = round(v["cpu_s"], 2)
+        if "quiet" in r:
+            q = r["quiet"]
+            out[f"dryrun_{n}_shards_wall_s"] = round(q["wall_s"], 2)
+            out[f"dryrun_{n}_shards_cpu_s"] = round(q["cpu_s"], 2)
+        out[f"dryrun_{n}_shards_max_rss_mb"] = round(max(r[m]["max_rss_mb"] for m in DRY_MODES if m in r), 1)
+        out[f"dryrun_{n}_shards_tree_rss_mb"] = round(max(r[m]["tree_rss_mb"] for m in DRY_MODES if m in r), 1)
+        if "verbose" in r:
+            v = r["verbose"]
+            out[f"dryrun_{n}_shards_printing_jobs_wall_s"] = round(v["wall_s"], 2)
+            out[f"dryrun_{n}_shards_printing_jobs_cpu_s"] = round(v["cpu_s"], 2)
+    out["job_parse_snakemake_floor_cpu_s"] = round(parse["floor"]["cpu_s"], 2)
     for n, r in parse.items():
+        if n == "floor":
+            continue
         out[f"job_parse_{n}_shards_cpu_s"] = round(r["cpu_s"], 2)
+        out[f"job_parse_{n}_shards_max_rss_mb"] = round(r["max_rss_mb"], 1)
         out[f"index_read_{n}_shards_bytes"] = r["index_read_bytes"]
         out[f"index_read_{n}_shards_ms"] = round(r["index_read_ms"], 3)
     for n, r in parsed.items():
@@ -361,36 +400,55 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
         "|---|---|---|---|---|---|---|---|",
     ]
     for n, r in dry.items():
+        jobs = f"{r['jobs']:,}" if r["jobs"] else "-"  # `-n --quiet` prints no job count
         for mode, flags in DRY_MODES.items():
+            if mode not in r:
+                continue
             m = r[mode]
             lines.append(
-                f"| {n:,} | {r['jobs']:,} | `snakemake {' '.join(flags)}` | {m['wall_s']:.1f} | {m['cpu_s']:.1f} | {m['max_rss_mb']:.0f} | "
+                f"| {n:,} | {jobs} | `snakemake {' '.join(flags)}` | {m['wall_s']:.1f} | {m['cpu_s']:.1f} | {m['max_rss_mb']:.0f} | "
                 f"{m['tree_rss_mb']:.0f} | {m['all_wall_s']} |"
             )
-    if max(dry) >= 10000:
-        r = dry[max(dry)]
+    if 10000 in dry:
+        r = dry[10000]
         verdict = lambda m: "met" if m["wall_s"] <= TARGET_DRYRUN_10K_S else "NOT met"  # noqa: E731
-        lines += [
-            "",
-            f"Target: {max(dry):,} shards in <= {TARGET_DRYRUN_10K_S:.0f} s: `-n --quiet` **{verdict(r['quiet'])}** "
-            f"({r['quiet']['wall_s']:.1f} s wall, {r['quiet']['cpu_s']:.1f} s CPU); plain `-n` **{verdict(r['verbose'])}** "
-            f"({r['verbose']['wall_s']:.1f} s wall, {r['verbose']['cpu_s']:.1f} s CPU).",
+        said = [
+            f"`snakemake {' '.join(DRY_MODES[mode])}` **{verdict(r[mode])}** ({r[mode]['wall_s']:.1f} s wall, {r[mode]['cpu_s']:.1f} s CPU)"
+            for mode in DRY_MODES
+            if mode in r
         ]
+        lines += ["", f"Target: 10,000 shards in <= {TARGET_DRYRUN_10K_S:.0f} s: " + "; ".join(said) + "."]
+    counts = sorted(dry)
+    if len(counts) > 1 and all("quiet" in dry[n] for n in counts):
+        steps = [
+            f"{a:,} -> {b:,} shards (x{b / a:.0f}): CPU x{dry[b]['quiet']['cpu_s'] / dry[a]['quiet']['cpu_s']:.1f}, "
+            f"max RSS x{dry[b]['quiet']['max_rss_mb'] / dry[a]['quiet']['max_rss_mb']:.1f}"
+            for a, b in zip(counts, counts[1:])
+        ]
+        lines += ["", "Growth of `-n --quiet`: " + "; ".join(steps) + "."]
     lines += [
         "",
         "### What one cluster job pays before its shard runs",
         "",
-        "`snakemake --target-jobs shard:shard=0 --allowed-rules shard -n` (a SLURM job re-parses the Snakefile "
-        "like this), and what its shard reads of the dataset index (`load_shard`: the JSON header and its "
-        "16-byte entry of the offsets table, whatever the number of shards):",
+        "The command a SLURM job runs for shard 0 (`python -m snakemake " + " ".join(JOB_ARGS) + "`: the job's "
+        "own parse of the workflow and its one-job DAG; `-n` stops before the shard), in a state_dir where the "
+        "driver has indexed the dataset and written the records fingerprint; and what its shard reads of the "
+        "dataset index (`load_shard`: the JSON header and its 16-byte entry of the offsets table, whatever the "
+        "number of shards). The first line is Snakemake's own floor: the same command on a one-rule Snakefile "
+        "(its imports, the executor plugins, reading a Snakefile), paid whatever the workflow; the workflow's "
+        "own part is the difference.",
         "",
-        "| shards | wall s | CPU s | index header bytes | offsets table bytes | bytes a shard reads | load_shard ms |",
-        "|---|---|---|---|---|---|---|",
+        "| shards | wall s | CPU s | CPU s over Snakemake's floor | max RSS MB | index header bytes | offsets table bytes | bytes a shard reads | load_shard ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| Snakemake's floor (one-rule Snakefile) | {parse['floor']['wall_s']:.2f} | {parse['floor']['cpu_s']:.2f} | - | "
+        f"{parse['floor']['max_rss_mb']:.0f} | - | - | - | - |",
     ]
     for n, r in parse.items():
+        if n == "floor":
+            continue
         lines.append(
-            f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['index_header_bytes']:,} | {r['index_table_bytes']:,} | "
-            f"{r['index_read_bytes']:,} | {r['index_read_ms']:.2f} |"
+            f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] - parse['floor']['cpu_s']:.2f} | {r['max_rss_mb']:.0f} | "
+            f"{r['index_header_bytes']:,} | {r['index_table_bytes']:,} | {r['index_read_bytes']:,} | {r['index_read_ms']:.2f} |"
         )
     lines += [
         "",
@@ -429,9 +487,10 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shards", default="1000,10000", help="comma-separated shard counts for the dry runs")
+    ap.add_argument("--shards", default="1000,10000,30000", help="comma-separated shard counts for the dry runs and the job parse")
+    ap.add_argument("--dry-modes", default="quiet,verbose", help=f"which dry runs: {', '.join(DRY_MODES)}")
     ap.add_argument("--parse-shards", default="1000,10000,100000", help="shard counts for the parse-only runs")
-    ap.add_argument("--rows", type=int, default=20000, help="rows of the generated dataset for the dry runs")
+    ap.add_argument("--rows", type=int, default=20000, help="rows of the generated dataset (at least the largest shard count)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--run-shards", type=int, default=50, help="shards of the local run (0: skip it)")
     ap.add_argument("--rows-per-shard", type=int, default=4)
@@ -443,6 +502,11 @@ def main() -> None:
     SNAKEFILE = (args.snakefile or SNAKEFILE).resolve()
     cmd = "python scripts/bench/snakemake_scale.py" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     counts = [int(x) for x in args.shards.split(",") if x.strip()]
+    parse_counts = [int(x) for x in args.parse_shards.split(",") if x.strip()]
+    modes = [m for m in args.dry_modes.split(",") if m.strip()]
+    if unknown := set(modes) - DRY_MODES.keys():
+        ap.error(f"--dry-modes: unknown {sorted(unknown)} (known: {', '.join(DRY_MODES)})")
+    args.rows = max(args.rows, *counts, *parse_counts)  # num_shards > rows is refused
 
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-snakemake-", dir=args.workdir) as tmp:
@@ -452,9 +516,9 @@ def main() -> None:
         dataset = root / "data.jsonl"
         write_dataset(dataset, args.rows)
         probe = slurm_probe(root)
-        dry = dry_runs(root, model, dataset, counts, args.repeats)
+        dry = dry_runs(root, model, dataset, counts, args.repeats, modes)
         parse = job_parse(root, model, dataset, counts, args.repeats)
-        parsed = parse_only(root, model, dataset, [int(x) for x in args.parse_shards.split(",") if x.strip()], args.repeats)
+        parsed = parse_only(root, model, dataset, parse_counts, args.repeats)
         run = local_run(root, model, args.run_shards, args.rows_per_shard) if args.run_shards else None
     load1 = os.getloadavg()[0]
     if not args.no_write:

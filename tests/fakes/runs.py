@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHARD_JOB = """
 import sys
 from mirageflow.config import load_config
-from mirageflow.shard import run_shard
+from mirageflow.shard.runner import run_shard
 run_shard(load_config(sys.argv[1]), int(sys.argv[2]))
 """
 

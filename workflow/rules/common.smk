@@ -124,7 +124,10 @@ def shard_changed(wildcards):
     """A finished shard, when its records identity or an image file it read changed."""
     shard = int(wildcards.shard)
     why = CONTENT_CHANGES.shard(shard)
-    complete = not why and CONTENT_CHANGES.shard_complete(shard)
+    # only the driver settles a mark (a cluster job trusts it: docs/cluster.md)
+    complete = (
+        not why and workflow.is_main_process and CONTENT_CHANGES.shard_complete(shard)
+    )
     CONTENT_CHANGES.force(workflow, str(STATE.status(shard)), why, logger, complete)
     return []
 
@@ -217,7 +220,7 @@ def engine_endpoint(wildcards):
     trigger. So when a group has shards left, its finished shards run with them again;
     they resume from their complete checkpoints and compute nothing.
     """
-    from mirageflow.cluster.engine_service import group_of
+    from mirageflow.cluster.engine_groups import group_of
 
     group = group_of(PIPELINE, int(wildcards.shard))
     if group is None:

@@ -54,6 +54,7 @@ from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Request
 from mirageflow.transport.http_client import dumps, loads
 from mirageflow.state.layout import StateLayout
+from mirageflow.cluster.engine_groups import served_processors
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +71,6 @@ _REASONS = {
 
 def stats_path(state_dir: str | Path, group: int) -> Path:
     return StateLayout(state_dir).engine_stats(group)
-
-
-def served_processors(cfg: PipelineConfig) -> list[str]:
-    """Processors an engine service loads: those the outputs use whose backend loads a model
-    (not a remote server's API, as openai: the shard calls it itself, nothing to load)."""
-    used = sorted({o.processor for o in cfg.outputs if o.processor in cfg.processors})
-    return [name for name in used if registry.capabilities(cfg.processors[name].backend).loads_model]
-
-
-def group_of(cfg: PipelineConfig, shard_id: int) -> int | None:
-    """The engine group of ``shard_id``, or None when its shards load their own engines."""
-    k = cfg.execution.shards_per_engine
-    if k <= 1 or not served_processors(cfg):
-        return None
-    return shard_id // k
 
 
 def _served(status: dict) -> bool:

@@ -243,10 +243,13 @@ class ContentChanges:
         A ``path`` Snakemake marked incomplete (its driver was stopped before it saw the job
         end) is settled here too, so the same command goes on without ``--rerun-incomplete``:
         ``complete`` (a shard's status.json that is a verified success, the canary's verdict a pass
-        of this config) keeps it, anything else is made again."""
+        of this config) keeps it, anything else is made again. A cluster job forces and settles
+        nothing: the driver chose the job (docs/cluster.md, what a job trusts)."""
+        if not self.main:
+            return
         from mirageflow.cluster import snakemake_internals as snakemake
 
-        if self.main and snakemake.clear_incomplete(workflow, path) and not why and not complete:
+        if snakemake.clear_incomplete(workflow, path) and not why and not complete:
             why = "its job was stopped before Snakemake saw it end"
         if why and snakemake.force(workflow, path) and logger is not None:
             logger.info(f"mirageflow: {path} is made again: {why}")
