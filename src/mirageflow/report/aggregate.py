@@ -5,7 +5,7 @@ Which shards are done, running, failed or pending is the state contract's answer
 fingerprint); damaged state files are named in a warning and in the report, never a crash,
 and a damaged status.json makes ``write_report`` raise after writing the report, so the
 aggregate rule fails instead of claiming success. The aggregate has MMIRAGE's keys plus our
-additions; ``README.md`` ("Numbers in the report") defines them.
+additions; ``docs/report.md`` ("Numbers in the report") defines them.
 """
 
 from __future__ import annotations
