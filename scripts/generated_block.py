@@ -1,7 +1,7 @@
 """A generated block of a Markdown file, between two marker comments: rewrite it, or check it.
 
 Used by scripts/schema_docs.py (config/README.md's key table) and scripts/row_error_docs.py
-(README.md's row error classes).
+(docs/troubleshooting.md's row error classes).
 """
 
 from __future__ import annotations

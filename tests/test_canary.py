@@ -312,9 +312,9 @@ def test_without_canary_rows_there_is_no_canary(tmp_path, server):
     assert "rule canary" not in proc.stdout + proc.stderr
 
 
-def test_readme_and_schema_state_the_thresholds():
+def test_docs_and_schema_state_the_thresholds():
     repo = Path(__file__).resolve().parents[1]
-    readme = (repo / "README.md").read_text()
+    readme = (repo / "docs" / "canary.md").read_text()
     schema = (repo / "workflow" / "schemas" / "config.schema.yaml").read_text()
     names = [n for n in vars(C) if n.startswith("CANARY_")]
     assert len(names) == len(C.COUNTERS)

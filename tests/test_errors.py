@@ -1,6 +1,6 @@
 """Errors in one place (mirageflow.errors): the package's base exception, input errors for exit 2,
 and the row-error classes with their deterministic flag, which the terminal, `mmirage retry`
-and the README all read."""
+and docs/troubleshooting.md all read."""
 
 from __future__ import annotations
 
@@ -75,12 +75,12 @@ def test_the_deterministic_classes_are_the_ones_a_retry_reproduces():
     assert repeats_identically({"rows_failed_by_class": {"aborted": 2}}) is None
 
 
-def test_the_readme_lists_every_row_error_class_as_the_enum_says():
+def test_the_docs_list_every_row_error_class_as_the_enum_says():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "row_error_docs.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
     for c in RowErrorClass:
-        assert f"| `{c.value}` | {c.stage} | {'fails the same way' if c.deterministic else 'may succeed'} |" in readme
+        assert f"| `{c.value}` | {c.stage} | {'fails the same way' if c.deterministic else 'may succeed'} |" in page
 
 
 def test_the_cli_maps_only_our_input_errors_to_exit_2(monkeypatch, capsys):

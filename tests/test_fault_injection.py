@@ -1,4 +1,4 @@
-"""Crash safety end to end: kill the workflow at random points, recover as the README says,
+"""Crash safety end to end: kill the workflow at random points, recover as docs/troubleshooting.md says,
 and prove every row appears exactly once with the records of an uninterrupted run."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_sigkill_of_the_whole_workflow_then_recovery_loses_and_duplicates_nothin
         proc.wait()
         kills += 1
         run_workflow(tmp_path, cfg, "--unlock")
-    # The README's recovery: --unlock (done above), then rerun with --rerun-incomplete.
+    # docs/troubleshooting.md's recovery: --unlock (done above), then rerun with --rerun-incomplete.
     run_workflow(tmp_path, cfg, "--rerun-incomplete")
     merged = _merged(tmp_path)
     assert [r["source_index"] for r in merged] == list(range(ROWS))  # each row exactly once

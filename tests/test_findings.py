@@ -237,8 +237,8 @@ def test_mmirage_stats_diagnose(tmp_path):
     assert "change:    shard_params.max_inflight, loading_params.batch_size" in out.stdout
 
 
-def test_readme_lists_every_threshold_with_its_value():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_docs_list_every_threshold_with_its_value():
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
     names = [n for n in vars(F) if n.isupper() and isinstance(getattr(F, n), (int, float))]
     assert len(names) >= 12
     for name in names:

@@ -152,7 +152,7 @@ def test_a_finished_shard_left_marked_incomplete_is_done_for_the_same_command(tm
 
 
 def test_after_a_sigkill_unlock_then_the_same_command_finishes_the_work(tmp_path, server):
-    """The README's recovery after SIGKILL (node loss, the driver killed with its jobs): the
+    """docs/troubleshooting.md's recovery after SIGKILL (node loss, the driver killed with its jobs): the
     driver leaves its lock and shard 0's status.json marked incomplete; `--unlock`, then the
     very same command (no --rerun-incomplete) resumes the shard and runs the rest."""
     cfg = pipeline(tmp_path, server)

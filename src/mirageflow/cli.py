@@ -3,7 +3,7 @@
 run, submit, retry and merge build a ``python -m snakemake`` command (printed before it
 runs, so you can run it yourself) and run it in the current directory; stats and status
 only read the state directory. There is no second scheduler: Snakemake decides what runs.
-MMIRAGE's flags keep their meaning (README "Command line" lists where ours differ).
+MMIRAGE's flags keep their meaning (docs/cli.md and docs/mmirage.md list where ours differ).
 """
 
 from __future__ import annotations

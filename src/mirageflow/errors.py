@@ -13,7 +13,7 @@ exception classes live beside the modules that raise them (``ConfigError`` in co
   records it in ``errors.jsonl`` with its class and goes on. The class says what went
   wrong and whether a retry can help (``deterministic``: the config, prompt or data decide
   it, so a retry fails the same way). ``mmirage status``/``retry``, the run summary and the
-  README's list (``scripts/row_error_docs.py``) all read it from here.
+  docs/troubleshooting.md's list (``scripts/row_error_docs.py``) all read it from here.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class RowError(MirageflowError):
 
 
 def row_error_table() -> str:
-    """The Markdown table of row error classes (README.md, between the row-errors markers)."""
+    """The Markdown table of row error classes (docs/troubleshooting.md, between the row-errors markers)."""
     lines = ["| class | where | a retry | what |", "|---|---|---|---|"]
     for c in RowErrorClass:
         retry = "fails the same way" if c.deterministic else "may succeed"

@@ -242,7 +242,7 @@ class ShardParams:
 
 # MMIRAGE keys accepted so that its files run unchanged, and that change nothing here: key path -> why. The
 # builder leaves them out of the typed config (no field holds them, except fallback_value, kept to warn
-# that it is not used); the schema describes each as unused and the README's MMIRAGE table names each
+# that it is not used); the schema describes each as unused and docs/mmirage.md's table names each
 # (tests/test_config_types.py checks both, and that a config setting them loads).
 IGNORED_MMIRAGE_KEYS: dict[str, str] = {
     "loading_params.shard_id": "every shard is its own Snakemake job (mmirage run --shard-id N runs one)",

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 SHARED = "shared"  # the client of an engine service (cluster/engine_service.py), not a config backend
-SGLANG_INSTALL = "pip install -r requirements-gpu.txt (see the README's GPU section)"
+SGLANG_INSTALL = "pip install -r requirements-gpu.txt (see docs/gpu-install.md)"
 VLLM_INSTALL = "pip install vllm in the jobs' environment, or set server_command to a vLLM launcher (docs/vllm.md)"
 
 

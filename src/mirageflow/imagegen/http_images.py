@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 _POLICY_MARKERS = ("content_policy", "content policy", "safety", "moderation", "content_filter")
 SGLANG_LAUNCHER = ["-m", "sglang.multimodal_gen.runtime.launch_server"]
-SGLANG_INSTALL = 'pip install "sglang[diffusion]==0.5.23" (a GPU environment: see the README\'s GPU section)'
+SGLANG_INSTALL = 'pip install "sglang[diffusion]==0.5.23" (a GPU environment: see docs/gpu-install.md)'
 
 
 class GeneratorFailed(MirageflowError, RuntimeError):

@@ -5,7 +5,7 @@ Which shards are done, running, failed or pending is the state contract's answer
 fingerprint); damaged state files are named in a warning and in the report, never a crash,
 and a damaged status.json makes ``write_report`` raise after writing the report, so the
 aggregate rule fails instead of claiming success. The aggregate has MMIRAGE's keys plus our
-additions; ``README.md`` ("Numbers in the report") defines them.
+additions; ``docs/report.md`` ("Numbers in the report") defines them.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def wall_clock(statuses: list[dict]) -> tuple[float | None, float | None]:
 def aggregate(
     statuses: list[dict], num_shards: int, missing: list[int], states: list[ShardState] | None = None, n_samples: int | None = None
 ) -> dict:
-    """metrics.json's aggregate, section by section (README.md, "Numbers in the report", defines each figure).
+    """metrics.json's aggregate, section by section (docs/report.md defines each figure).
     ``statuses``: the completed shards' status.json, each with its ``shard_id``; ``n_samples``: the
     config's (records per source row), when the caller knows it; else the completed shards' (1 when
     none has completed yet)."""

@@ -5,7 +5,7 @@ applies it (and a few more) to a run's metrics (``compute_metrics``: per_shard a
 aggregate) and the shards' ``errors.jsonl``. Each rule is data (``RULES``: an id, a title,
 the config key to change, a check); a check returns the evidence (the figure, measured)
 and the threshold it crossed, or None. The thresholds are the named constants below,
-listed in README.md ("Findings"). The report (summary.md, report.html) shows the findings
+listed in docs/report.md ("Findings"). The report (summary.md, report.html) shows the findings
 first; ``mmirage stats --diagnose`` prints them.
 """
 
@@ -238,7 +238,7 @@ def repeating_errors(f: RunFigures):
     keys = "; ".join(f"{k}: {CLASS_KEYS.get(RowErrorClass(k), 'the config or data')}" for k, _ in ranked)
     return (
         f"{n:,} failed rows are of classes a retry fails the same way: " + ", ".join(f"{k} {v:,}" for k, v in ranked),
-        f">= {DETERMINISTIC_MIN_ROWS} row of a deterministic class (README: row error classes)",
+        f">= {DETERMINISTIC_MIN_ROWS} row of a deterministic class (docs/troubleshooting.md: row error classes)",
         keys,
     )
 
@@ -283,7 +283,7 @@ def findings_markdown(findings: list[dict]) -> list[str]:
     """summary.md's Findings section (its lines)."""
     lines = ["## Findings", ""]
     if not findings:
-        return lines + ['None: no figure crossed a threshold (README.md, "Findings").', ""]
+        return lines + ['None: no figure crossed a threshold (docs/report.md, "Findings").', ""]
     for x in findings:
         lines.append(f"- **{x['title']}** ({x['id']}): {x['evidence']} [threshold: {x['threshold']}]. "
                      f"Change `{x['config_key']}`: {x['remedy']}.")  # fmt: skip
@@ -293,7 +293,7 @@ def findings_markdown(findings: list[dict]) -> list[str]:
 def findings_text(findings: list[dict]) -> str:
     """`mmirage stats --diagnose`'s output."""
     if not findings:
-        return 'no findings: no figure crossed a threshold (README.md, "Findings")\n'
+        return 'no findings: no figure crossed a threshold (docs/report.md, "Findings")\n'
     out = []
     for x in findings:
         out += [f"{x['title']} [{x['id']}]", f"  evidence:  {x['evidence']}", f"  threshold: {x['threshold']}",
@@ -306,7 +306,7 @@ def findings_html(findings: list[dict]) -> str:
     from html import escape
 
     if not findings:
-        return '<h2 id="findings">Findings</h2><p class="note">None: no figure crossed a threshold (README.md, "Findings").</p>'
+        return '<h2 id="findings">Findings</h2><p class="note">None: no figure crossed a threshold (docs/report.md, "Findings").</p>'
     items = "".join(
         f"<li><b>{escape(x['title'])}</b> <code>{escape(x['id'])}</code>: {escape(x['evidence'])} "
         f'<span class="note">[threshold: {escape(x["threshold"])}]</span><br>change <code>{escape(x["config_key"])}</code>: '

@@ -799,7 +799,7 @@ def _head_html(agg: dict, state_dir, title: str, unit: str) -> list[str]:
         f"<style>{CSS}</style></head><body>",
         f"<h1>{_esc(title)}</h1>",
         f'<p class="sub">state directory <code>{_esc(state_dir)}</code>; generated {_esc(stats.utc_now()[:19])} UTC; '
-        'definitions of every figure: README.md, section "Numbers in the report".</p>',
+        'definitions of every figure: docs/report.md, "Numbers in the report".</p>',
         '<div class="cards">' + "".join(_card(k, v) for k, v in cards) + "</div>",
         f'<p class="note">{_esc(scope_sentence(agg) + unit_note_sentence(agg))}</p>',
     ]

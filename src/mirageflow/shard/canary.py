@@ -13,7 +13,7 @@ SLURM submits none) before it exists; failing, it writes ``canary/failed.json`` 
 raises ``CanaryFailed`` naming each counter over its threshold and the key to change. No
 scheduler of ours: Snakemake's dependencies do the holding, under both profiles.
 
-The thresholds are README.md's ("The canary"); the counters are the shard's stats
+The thresholds are docs/canary.md's; the counters are the shard's stats
 (``answers``, ``answers_length_cut``, ``json_answers``, ``rows_failed_by_class``). Every row
 error class counts: the answer classes (``ANSWER_CLASSES``) in their own counters, every
 other class (a template's error, a missing input key, an image, the data) in
@@ -75,7 +75,7 @@ COUNTERS = (
             "sampling_params.max_new_tokens (raise it), or ask for shorter answers in the prompt"),
     Counter("other_row_errors_rate", CANARY_MAX_OTHER_ROW_ERRORS, True,
             "what the classes name: a prompt or record template, an input key, the images, the data "
-            "(errors.jsonl has each failed row; README, \"Row error classes\")"),
+            "(errors.jsonl has each failed row; docs/troubleshooting.md, \"Row error classes\")"),
 )  # fmt: skip
 
 
