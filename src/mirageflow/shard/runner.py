@@ -38,7 +38,6 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from mirageflow.prompts import python_steps
 from mirageflow.prompts import samples
 from mirageflow.stats import formulas as stats
 from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
@@ -50,7 +49,6 @@ from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import capabilities, create_engine
 from mirageflow.imagegen import ImageGenerator, make_generator
 from mirageflow.shard.progress import ProgressReporter
-from mirageflow.prompts.image_outputs import ImageStep, ShardImages
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer
@@ -63,7 +61,10 @@ from mirageflow.shard import prefix_order
 from mirageflow.shard.metrics import ShardMetrics
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
-from mirageflow.shard.steps import OutputStep
+from mirageflow.shard.steps import python as python_steps
+from mirageflow.shard.steps.base import FILTERED, Step
+from mirageflow.shard.steps.image import ImageStep, ShardImages
+from mirageflow.shard.steps.llm import LLMStep
 from mirageflow.state import layout as L
 from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed
 from mirageflow.state.layout import StateLayout, shard_output_dir
@@ -216,7 +217,7 @@ class ShardRunner:
 
     def _finished(self, ds_index: int, row: SourceRow, record: dict | None, exc: RowError | None, sample: int | None = None) -> None:
         """Book one finished row (its record, FILTERED, or its RowError) with the budget and the commit queue."""
-        if record is python_steps.FILTERED:
+        if record is FILTERED:
             verdict = self.budget.record_filtered()
             self.commits.add_filtered(ds_index, row.index if sample is None else row.index * self.n + sample)
         elif exc is None:
@@ -296,7 +297,7 @@ class ShardRunner:
         except Exception as e:  # reading the dataset failed
             self._halt(e)
 
-    async def _generate(self, slices: list[ShardSlice], steps: list[OutputStep], engines: dict[str, Engine]) -> None:
+    async def _generate(self, slices: list[ShardSlice], steps: list[Step], engines: dict[str, Engine]) -> None:
         main = asyncio.current_task()
         self._stopping = asyncio.Event()
         self.signals.attach(asyncio.get_running_loop(), lambda: (main.cancel(), self._halt()))
@@ -399,7 +400,7 @@ class ShardRunner:
         if self.cache is not None:
             identities = self._cache_identities(engines)
             for step in steps:
-                if step.engine is not None:
+                if step.calls_engine:
                     step.use_cache(identities[step.output.processor])
         self.rows.set_steps(steps, cache_only=not loaded)
         self.live.set_phase("generating")
@@ -441,7 +442,7 @@ class ShardRunner:
         if output.kind == "image_gen":
             inputs = [v.name for v in self.cfg.inputs]
             return ImageStep(output, self.cfg.image_processors[output.processor], self.image_gens[output.processor], images, inputs)
-        return OutputStep(output, self.cfg.processors[output.processor], engines[output.processor])
+        return LLMStep(output, self.cfg.processors[output.processor], engines[output.processor])
 
     def _shard_images(self, slices: list[ShardSlice]) -> ShardImages:
         starts, before = {}, 0
