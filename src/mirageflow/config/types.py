@@ -319,7 +319,7 @@ class PipelineConfig:
     merge: bool
     shard: ShardParams
     retry_failed_rows: bool
-    n_samples: int = 1  # records per input row (mirageflow/prompts/samples.py)
+    n_samples: int = 1  # records per input row (mirageflow/shard/samples.py)
     preserve_columns: tuple[str, ...] = ()
     # processors of type custom (Python functions; no engine), by type
     custom_processors: dict[str, CustomProcessor] = field(default_factory=dict)

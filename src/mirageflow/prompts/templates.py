@@ -425,7 +425,7 @@ class RecordRenderer:
         else:
             record = dict(rendered)
         record["source_index"] = source_index
-        if sample_index is not None:  # n_samples > 1 (mirageflow/prompts/samples.py)
+        if sample_index is not None:  # n_samples > 1 (mirageflow/shard/samples.py)
             record["sample_index"] = sample_index
         return record
 

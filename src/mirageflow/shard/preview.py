@@ -2,7 +2,7 @@
 
 Preview is the record: the first ``rows`` rows of every dataset go through the shard's own
 row path (``shard.rows.RowPath`` with the steps of ``shard/steps/``,
-``prompts.samples.pending`` and the shard's ``RecordRenderer``, ``preserve_columns``
+``shard.feed.pending`` and the shard's ``RecordRenderer``, ``preserve_columns``
 included), so every record shown is the one a shard would write, field for field, with
 ``source_index`` and, with ``n_samples > 1``, one record per sample with its
 ``sample_index``. Beside each record: the extracted variables, each prompt exactly as the
@@ -40,7 +40,7 @@ from mirageflow.config.types import DatasetConfig, PipelineConfig, ProcessorConf
 from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import Completion, EngineInfo
-from mirageflow.prompts import samples
+from mirageflow.shard import feed, samples
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer
@@ -262,7 +262,7 @@ class UnitTrace:
                 ]
             entry["prompt"] = request.prompt  # None: the server applies its chat template to the messages
             entry["sampling_params"] = request.sampling_params
-            if request.seed is not None:  # this sample's own seed (prompts/samples.py)
+            if request.seed is not None:  # this sample's own seed (shard/samples.py)
                 entry["seed"] = samples.sample_seed(step.base_seed, self.ds_index, row_index, sample or 0)
             if self.generate:
                 entry.update(
@@ -306,7 +306,7 @@ async def _preview_dataset(path: RowPath, steps: list, ds, source: list, generat
             results = [await path.one(row, steps, ds.index, sample)]
         return [(row, k, record, error) for k, record, error in results]
 
-    units = samples.pending(ds.index, read, lambda u: False, path.n, path.grouped is not None)
+    units = feed.pending(ds.index, read, lambda u: False, path.n, path.grouped is not None)
     done = await asyncio.gather(*(unit(row, sample) for _, row, sample in units))
     return [_unit(path, trace, *outcome) for outcomes in done for outcome in outcomes]
 

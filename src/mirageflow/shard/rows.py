@@ -20,7 +20,7 @@ import asyncio
 import logging
 import traceback
 
-from mirageflow.prompts import samples
+from mirageflow.shard import samples
 from mirageflow.data.readers import SourceRow
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.shard.cached_answers import AnswerNotCached

@@ -47,7 +47,7 @@ from pathlib import Path
 from mirageflow.config.types import ImageGenProcessor, OutputVar
 from mirageflow.files import atomic_write_bytes
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob
-from mirageflow.prompts import samples
+from mirageflow.shard import samples
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.templates import Template
 from mirageflow.shard.failures import ShardFailed

@@ -54,7 +54,7 @@ class LLMStep(Step):
         self.output, self.processor, self.engine = output, processor, engine
         self.builder = PromptBuilder(output)
         self.sampling = {**processor.sampling_params, **output.sampling_params}
-        # the base of per-request seeds, never sent as is (mirageflow/prompts/samples.py)
+        # the base of per-request seeds, never sent as is (mirageflow/shard/samples.py)
         self.base_seed: int | None = self.sampling.pop("seed", None)
         self.schema_json = json.dumps(output.schema.json_schema()) if output.is_json else None
         self.validator = output.schema.validator() if output.is_json else None
