@@ -29,7 +29,7 @@ reason when that is impossible (not root, packages missing).
 Faults for the tests are injected from outside the project: ``fault_env`` puts a
 ``sitecustomize.py`` on PYTHONPATH that, only when a shard job calls the shard runner and
 only for the listed (shard, attempt) pairs, fails or hangs before handing over to the real
-``mirageflow.shard.run_shard``. Everything else (sbatch, the plugin's job step, srun,
+``mirageflow.shard.runner.run_shard``. Everything else (sbatch, the plugin's job step, srun,
 Snakemake in the job, the shard runner) is the real thing.
 """
 
@@ -320,7 +320,7 @@ SITECUSTOMIZE = '''\
 $MIRAGEFLOW_TEST_FAULTS is JSON {"<shard>": {"<attempt>": "fail" | "hang"}}. When a
 shard job calls the shard runner, and only for those (shard, attempt) pairs, it records a
 marker file in $MIRAGEFLOW_TEST_FAULTS_DIR (holding the SLURM job id) and fails (exit 3)
-or hangs until SLURM kills the job; otherwise the real mirageflow.shard.run_shard runs.
+or hangs until SLURM kills the job; otherwise the real mirageflow.shard.runner.run_shard runs.
 """
 import os
 import sys

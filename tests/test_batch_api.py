@@ -21,7 +21,8 @@ from fakes.fake_batch_api import FakeBatchAPI, Trouble
 from mirageflow.cluster.resources import cluster_resources, shard_gpus
 from mirageflow.config import ConfigError, load_config
 from mirageflow.config.preflight import preflight_problems
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 KEY = "sk-test"
 PROVIDERS = ["openai", "anthropic"]

@@ -258,7 +258,8 @@ def _echo_pipeline(tmp_path: Path, **processor) -> dict:
 
 def test_a_backend_registered_at_run_time_is_validated_checked_previewed_and_run(echo_backend, tmp_path):
     from mirageflow.data.writers import read_parts
-    from mirageflow.shard import index_datasets, preview, run_shard
+    from mirageflow.shard import preview
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     # config validation reads its capabilities: it needs a base_url, has native n, loads no model
     with pytest.raises(ConfigError) as e:

@@ -57,7 +57,7 @@ def test_a_shard_with_a_prefixed_json_output_on_sglang_keeps_every_row(fake_sgla
     """Through the shard runner: the output's prefix opens the object, the engine constrains
     the continuation, and prefix + answer is each row's valid JSON value."""
     from mirageflow.config import load_config
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(6)))

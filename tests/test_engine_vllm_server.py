@@ -20,7 +20,7 @@ from mirageflow.engines.wire import Request
 from mirageflow.engines.openai_engine import OpenAIEngine
 from mirageflow.engines.server_metrics import reconcile
 from mirageflow.engines.vllm_server import ServerDied, VLLMServerEngine, iomp_preload
-from mirageflow.shard import index_datasets, run_shard
+from mirageflow.shard.runner import index_datasets, run_shard
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 

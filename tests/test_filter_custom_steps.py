@@ -20,7 +20,8 @@ from mirageflow.config.preflight import preflight_problems
 from mirageflow.errors import RowError
 from mirageflow.config.types import CustomProcessor
 from mirageflow.shard.steps.python import FilterStep, FunctionPool
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 

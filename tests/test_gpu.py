@@ -322,7 +322,7 @@ def test_shard_records_gpu_stats_hardware_samples_and_roofline(tmp_path, nvml, m
     from fakes.configs import PLAIN, shard_config
     from fakes.engines import ScriptedEngine
 
-    from mirageflow.shard import run_shard
+    from mirageflow.shard.runner import run_shard
 
     nvml([device("GPU-0", util=[90, 80, 70, 60], mem=[70 * 2**30], energy=[0, 120_000, 120_000]), device("GPU-1")])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")

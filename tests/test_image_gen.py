@@ -24,7 +24,8 @@ from mirageflow.config import ConfigError, load_config
 from mirageflow.config.types import ImageGenProcessor
 from mirageflow.imagegen.http_images import GeneratorFailed, SGLangDiffusionServer, request_body, sglang_diffusion_missing
 from mirageflow.imagegen.base import ImageError, ImageJob, decode_image
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 HERE = Path(__file__).resolve().parent
 TEXTS = ["a cat", "a dog FAIL_POLICY", "a fox BAD_IMAGE", "a cow SLOW", "an owl", "a bee NOT_B64", "a hen FAIL_SERVER", "a pig"]

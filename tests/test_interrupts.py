@@ -25,7 +25,7 @@ from fakes.fake_http import Behaviour, FakeServer
 from fakes.runs import mark_incomplete, merged_rows
 
 from mirageflow.config import load_config
-from mirageflow.shard import index_datasets, run_shard
+from mirageflow.shard.runner import index_datasets, run_shard
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 

@@ -21,7 +21,8 @@ from mirageflow.shard.checkpoint import from_ranges
 from mirageflow.config import ConfigError, load_config, records_identity
 from mirageflow.data.merge import merge_dataset
 from mirageflow.shard.samples import sample_seed
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 
 def _raw(tmp_path: Path, rows: list, processor: dict, n: int = 3, **processing) -> dict:
@@ -169,7 +170,7 @@ def test_order_sample_index_seeds_per_sample_errors_and_merge(tmp_path):
 _CHILD = """
 import json, sys
 from mirageflow.config import load_config
-from mirageflow.shard import run_shard
+from mirageflow.shard.runner import run_shard
 run_shard(load_config(json.load(open(sys.argv[1]))), 0)
 """
 

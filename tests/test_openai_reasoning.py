@@ -12,7 +12,8 @@ import pytest
 from fakes.fake_http import Behaviour, FakeServer
 
 from mirageflow.config import load_config
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 
 def _run(tmp_path: Path, server: FakeServer, max_tokens: int = 64) -> tuple[list[dict], list[dict], dict]:

@@ -193,7 +193,7 @@ def _sampled_pipeline(root: Path, server_url: str, native_n: bool) -> dict:
 def test_preview_records_are_exactly_what_a_shard_writes(tmp_path, native_n):
     from fakes.fake_http import Behaviour, FakeServer
 
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     server = FakeServer(Behaviour(seed_in_text=True)).start()  # answers name the seed that drew them
     try:

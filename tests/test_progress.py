@@ -181,7 +181,7 @@ def test_runner_writes_progress_through_the_phases(tmp_path):
     engine = QueueEngine(lambda p: "a b")
     engine.shard_dir = cfg.shard_dir(0)
     engine.seen = []
-    from mirageflow.shard import run_shard
+    from mirageflow.shard.runner import run_shard
 
     run_shard(cfg, 0, attempt=3, engine_factory=lambda p, b, **kw: engine)
     mid = engine.seen[0]
@@ -195,7 +195,8 @@ def test_runner_writes_progress_through_the_phases(tmp_path):
 
 
 def test_runner_marks_progress_failed(tmp_path):
-    from mirageflow.shard import ShardFailed, run_shard
+    from mirageflow.shard import ShardFailed
+    from mirageflow.shard.runner import run_shard
 
     cfg = shard_config(
         tmp_path, [{"q": "a"}, {"q": "b"}], [{"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": ["x"]}]

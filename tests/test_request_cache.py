@@ -26,7 +26,8 @@ from fakes.fake_http import Behaviour, FakeServer
 
 from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 from mirageflow.shard import request_cache as rc
 from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Completion, Request
@@ -612,7 +613,7 @@ def test_answers_holding_unicode_line_breaks_are_read_back(tmp_path):
 SHARD_JOB = """
 import sys
 from mirageflow.config import load_config
-from mirageflow.shard import run_shard
+from mirageflow.shard.runner import run_shard
 import yaml
 run_shard(load_config(sys.argv[1]), int(sys.argv[2]))
 """

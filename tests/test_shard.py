@@ -13,7 +13,8 @@ from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.wire import Completion
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 
 JSON_OUTPUT = {"name": "a", "output_type": "JSON", "prompt": "{{ q }}", "output_schema": {"n": {"type": "int", "min": 0, "max": 9}}}

@@ -14,7 +14,8 @@ from mirageflow.data import readers
 from mirageflow.data.writers import read_parts
 from mirageflow.engines.wire import Completion
 from mirageflow.prompts.templates import RecordRenderer
-from mirageflow.shard import ShardFailed, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import run_shard
 
 PLAIN = [{"name": "a", "prompt": "{{ q }}"}]
 

@@ -30,7 +30,7 @@ from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.config import load_config
 from mirageflow.report.aggregate import compute_metrics, write_report
 from mirageflow.report.html import tokens_hist_labels
-from mirageflow.shard import index_datasets, run_shard
+from mirageflow.shard.runner import index_datasets, run_shard
 from mirageflow.stats.formulas import parse_time
 
 pytestmark = pytest.mark.usefixtures("no_proxy")

@@ -107,7 +107,7 @@ def test_ordinary_templates_render_as_before():
 
 def test_item9_a_shard_with_a_huge_template_row_goes_on(tmp_path):
     """Item 9: through a shard: the huge row is a template_too_large row error, the others records."""
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
     from fakes.engines import ScriptedEngine
 
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t, "n": n}) + "\n" for t, n in [("a", 1), ("b", 300000000), ("c", 2)]))

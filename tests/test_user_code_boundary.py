@@ -23,7 +23,7 @@ from mirageflow.data.writers import read_parts
 from mirageflow.config.types import CustomProcessor
 from mirageflow.shard.steps.python import FunctionPool
 from mirageflow.errors import RowError
-from mirageflow.shard import index_datasets, run_shard
+from mirageflow.shard.runner import index_datasets, run_shard
 
 SCRIPT = """
 import os, signal, sys, time
@@ -124,7 +124,7 @@ def test_item6_a_real_cancellation_stops_the_shard_instead_of_failing_rows(tmp_p
         textwrap.dedent(f"""
         import json
         from mirageflow.config import load_config
-        from mirageflow.shard import index_datasets, run_shard
+        from mirageflow.shard.runner import index_datasets, run_shard
         if __name__ == "__main__":  # spawned workers import this file again
             cfg = load_config(json.loads(open({str(tmp_path / "cfg.json")!r}).read()))
             index_datasets(cfg)

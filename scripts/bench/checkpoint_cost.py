@@ -126,7 +126,7 @@ def _ids(path: Path) -> list[int]:
 def kill_trial(trial: int, rows: int, seed: int, work: Path) -> dict:
     from mirageflow.config import load_config
     from mirageflow.data.writers import read_parts
-    from mirageflow.shard import index_datasets
+    from mirageflow.shard.runner import index_datasets
 
     tdir = work / f"trial_{trial}"
     data = C.write_jsonl(tdir / "data.jsonl", C.make_rows(rows, seed=trial))

@@ -6,7 +6,7 @@
 Both sides get the same chat-templated prompts, the same model and dtype (float32), greedy
 decoding, the same max_new_tokens and batch size, left padding and one torch thread:
 
-- ours: ``mirageflow.shard.run_shard`` on a JSONL of N prompts with the real
+- ours: ``mirageflow.shard.runner.run_shard`` on a JSONL of N prompts with the real
   TransformersEngine (rows -> prompts -> async per-request engine -> batcher thread ->
   ``model.generate`` -> records and checkpoints). Tokens/s = completion tokens over the
   runner's generation window (first request submitted -> last completed; model load
@@ -140,7 +140,7 @@ class BatchLog:
 
 def run_ours(model: Path, texts: list[str], root: Path, batch_size: int, new_tokens: int, batches: BatchLog) -> dict:
     from mirageflow.config import load_config
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     root.mkdir(parents=True)
     jsonl = root / "prompts.jsonl"

@@ -121,7 +121,7 @@ def summarise(engine: TimedEngine, capacity: int, step: float) -> dict:
 
 def run_ours(rows, lengths, args, tokenizer, work: Path, python_step: bool = False) -> dict:
     from mirageflow.config import load_config
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     data = C.write_jsonl(work / "data.jsonl", rows)
     if python_step:

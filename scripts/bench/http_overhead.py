@@ -131,7 +131,7 @@ def pipeline_config(data: Path, work: Path, url: str) -> dict:
 
 def run_pipeline(data: Path, work: Path, url: str, profile: bool = False) -> dict:
     from mirageflow.config import load_config
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     cfg = load_config(pipeline_config(data, work, url))
     index_datasets(cfg)

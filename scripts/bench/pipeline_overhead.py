@@ -104,7 +104,7 @@ def pipeline_config(data: Path, out: Path, state: Path, kind: str, tokenizer: st
 
 def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> dict:
     from mirageflow.config import load_config
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     for key in ("state_dir",):
         shutil.rmtree(cfg_dict["loading_params"][key], ignore_errors=True)

@@ -35,7 +35,7 @@ import _vllm
 
 from mirageflow.config import load_config
 from mirageflow.engines.server_metrics import VLLM
-from mirageflow.shard import index_datasets, run_shard
+from mirageflow.shard.runner import index_datasets, run_shard
 
 MODES = ["none", "window", "shard"]
 

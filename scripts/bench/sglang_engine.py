@@ -9,7 +9,7 @@ Both sides get the same chat-templated prompts as the same token ids (one BOS,
 arguments (``sglang_common.engine_kwargs`` of one server_args: tp 1, dp 1,
 ``max_running_requests``, ``mem_fraction_static``, ``context_length``):
 
-- ours: ``mirageflow.shard.run_shard`` on a JSONL of the prompts (rows -> prompts -> the
+- ours: ``mirageflow.shard.runner.run_shard`` on a JSONL of the prompts (rows -> prompts -> the
   runner's in-flight window of 2 x max_running_requests -> ``SGLangEngine`` ->
   records, checkpoints, stats: true). Output tokens/s = status.json ``tokens_per_sec``
   (output tokens over the generation window: model load excluded).
@@ -99,7 +99,7 @@ def pipeline_config(args, texts: list[str], root: Path):
 
 
 def side_ours(args, texts: list[str], root: Path) -> dict:
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     cfg = pipeline_config(args, texts, root)
     index_datasets(cfg)

@@ -4,7 +4,7 @@
     python scripts/bench/transformers_cb.py --models tiny --no-write
 
 The same pipeline (chat-templated prompts of 6-30 words, greedy, float32, one torch
-thread) runs through ``mirageflow.shard.run_shard`` twice per repeat, alternating:
+thread) runs through ``mirageflow.shard.runner.run_shard`` twice per repeat, alternating:
 
 - static: ``extra_engine_args.continuous_batching: false``: left-padded ``generate`` batches
   of ``--batch-size`` rows; a batch decodes until its longest row ends.
@@ -68,7 +68,7 @@ def config(model: Path, jsonl: Path, root: Path, batch_size: int, new_tokens: in
 
 def run(model: Path, texts: list[str], root: Path, batch_size: int, new_tokens: int, continuous: bool) -> dict:
     from mirageflow.config import load_config
-    from mirageflow.shard import index_datasets, run_shard
+    from mirageflow.shard.runner import index_datasets, run_shard
 
     root.mkdir(parents=True)
     jsonl = root / "prompts.jsonl"

@@ -241,7 +241,7 @@ def run_shard(config: str, shard: int, attempt: int, engine: str | None = None) 
         _record_start_failure(f"failed before the shard started: {type(e).__name__}: {e}")
         raise
     from mirageflow.shard import ShardInterrupted
-    from mirageflow.shard import run_shard as run
+    from mirageflow.shard.runner import run_shard as run
 
     try:
         run(cfg, shard, attempt=attempt, **({"engine_factory": factory} if factory else {}))

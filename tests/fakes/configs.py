@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from mirageflow.config import load_config
-from mirageflow.shard import index_datasets
+from mirageflow.shard.runner import index_datasets
 
 PLAIN = [{"name": "a", "prompt": "{{ q }}"}]  # one free-text output `a` from the input `q`
 

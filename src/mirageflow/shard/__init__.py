@@ -1,18 +1,11 @@
-"""The shard job (see runner.py): one shard of every dataset through the pipeline.
+"""The shard job: one shard of every dataset through the pipeline (``runner.run_shard``).
 
-The runner (and with it the engines, the prompts, jinja2 and tqdm) is imported when one of
-its names is first used, not with the package: ``import mirageflow.shard.checkpoint`` or
-``mirageflow.shard.progress`` (the Snakefile's parse, the report) needs none of it."""
+The package imports only how a shard ends (failures.py): ``import mirageflow.shard.checkpoint``
+or ``mirageflow.shard.progress`` (the Snakefile's parse, the report) loads neither the runner
+nor, with it, the engines, the prompts, jinja2 and tqdm. Its names are imported from their
+modules (``from mirageflow.shard.runner import run_shard``): no module of the package is
+imported by the package back."""
 
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
 
-__all__ = ["ShardFailed", "ShardInterrupted", "ShardRunner", "index_datasets", "index_path", "run_shard"]
-_RUNNER_NAMES = {"ShardRunner", "index_datasets", "index_path", "run_shard"}
-
-
-def __getattr__(name: str):
-    if name in _RUNNER_NAMES:
-        from mirageflow.shard import runner
-
-        return getattr(runner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["ShardFailed", "ShardInterrupted"]
