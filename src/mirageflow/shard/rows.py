@@ -87,10 +87,12 @@ class RowPath:
         the first step, already generated (``_row_samples``)."""
         m = self.metrics
         tally = UnitTally()  # what the record holds, committed with it (shard/tally.py)
-        unit = Unit(ds_index, row.index, sample or 0)  # where it stands, for the steps that run
+        unit = None  # where the unit stands, for the steps that run: made on first use (none for LLM steps alone)
         try:
             for step in steps:
                 if not step.calls_engine:  # a filter, a Python step, an image (shard/steps/)
+                    if unit is None:
+                        unit = Unit(ds_index, row.index, sample or 0)
                     kept = await step.run(variables, unit)
                     if self.observe is not None:
                         self.observe(row, sample, step, variables, kept)
