@@ -144,7 +144,7 @@ def test_conversation_is_part_of_the_records_identity():
 
 def test_transformers_renders_the_whole_conversation_through_the_chat_template(tiny_model):
     from mirageflow.engines.transformers_engine import TransformersEngine
-    from mirageflow.shard.steps import OutputStep
+    from mirageflow.shard.steps.llm import LLMStep
 
     cfg = load_config(
         pipeline_dict([{"name": "a", "conversation": "conv"}], {"backend": "transformers", "server_args": {"model_path": str(tiny_model)}}),
@@ -153,7 +153,7 @@ def test_transformers_renders_the_whole_conversation_through_the_chat_template(t
     engine = TransformersEngine(ServerArgs(str(tiny_model)), batch_size=1, torch_threads=1)
     engine.load()
     try:
-        step = OutputStep(cfg.outputs[0], cfg.processors["llm"], engine)
+        step = LLMStep(cfg.outputs[0], cfg.processors["llm"], engine)
         request = step.request(0, {"conv": SHAREGPT, "topic": "t"})
         assert request.messages == OPENAI
         expected = engine.tokenizer.apply_chat_template(OPENAI, tokenize=False, add_generation_prompt=True)

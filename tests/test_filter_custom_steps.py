@@ -18,7 +18,8 @@ from mirageflow.config import ConfigError, load_config
 from mirageflow.data.writers import read_parts
 from mirageflow.config.preflight import preflight_problems
 from mirageflow.errors import RowError
-from mirageflow.prompts.python_steps import CustomProcessor, FilterStep, FunctionPool
+from mirageflow.config.types import CustomProcessor
+from mirageflow.shard.steps.python import FilterStep, FunctionPool
 from mirageflow.shard import ShardFailed
 from mirageflow.shard.runner import index_datasets, run_shard
 
@@ -166,7 +167,7 @@ def test_a_crash_inside_a_batch_fails_only_its_row(pool, monkeypatch):
 
 
 def test_code_that_ignores_the_alarm_is_stopped_by_killing_its_worker(tmp_path, monkeypatch):
-    monkeypatch.setattr("mirageflow.prompts.python_steps.BACKSTOP_SLACK", 0.5)
+    monkeypatch.setattr("mirageflow.shard.steps.python.BACKSTOP_SLACK", 0.5)
     (tmp_path / "stuck.py").write_text(
         "import signal, time\n"
         "def f(v):\n"

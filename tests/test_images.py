@@ -271,14 +271,14 @@ def _sglang_processor(model, backend="sglang", **fields) -> ProcessorConfig:
 
 def test_sglang_in_process_aligns_image_data_with_placeholders(fake_sglang, tiny_vlm):
     from mirageflow.engines.sglang_engine import SGLangEngine
-    from mirageflow.shard.steps import OutputStep
+    from mirageflow.shard.steps.llm import LLMStep
 
     a, b = _img(RED), _img(BLUE)
     engine = SGLangEngine(_sglang_processor(tiny_vlm))
     engine.load()
     try:
         output = load_config(_vlm_config(tiny_vlm, Path("unused.jsonl"), check_paths=False), check_paths=False).outputs[0]
-        step = OutputStep(output, engine.processor, engine)
+        step = LLMStep(output, engine.processor, engine)
         request = step.request(0, {"photo": "x", "q": "what?"}, images={"photo": [a, b]})
         one = step.request(1, {"photo": "x", "q": "and?"}, images={"photo": [a]})
         bad = Request(2, request.messages, request.prompt.replace("<image>", "", 1), {}, images=[a, b])

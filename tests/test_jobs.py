@@ -173,7 +173,7 @@ def test_early_argv():
 
 
 def test_shard_start_marks_what_was_built_from_earlier_shards_as_the_previous_runs(pipeline, tmp_path, monkeypatch):
-    import mirageflow.shard
+    import mirageflow.shard.runner
 
     path = pipeline_state.write_config(pipeline, tmp_path / "state")
     state, out = tmp_path / "state", tmp_path / "out"
@@ -185,7 +185,7 @@ def test_shard_start_marks_what_was_built_from_earlier_shards_as_the_previous_ru
     (out / "merged" / "part-00000.jsonl").write_text("{}\n")
     (out / "shard_0").mkdir()
     seen = {}
-    monkeypatch.setattr(mirageflow.shard, "run_shard", lambda cfg, shard, attempt: seen.update(shard=shard, attempt=attempt))
+    monkeypatch.setattr(mirageflow.shard.runner, "run_shard", lambda cfg, shard, attempt: seen.update(shard=shard, attempt=attempt))
     jobs.run_shard(str(path), 0, 4)
     assert seen == {"shard": 0, "attempt": 4}
     # readable until this run's replace them, and marked as the previous run's

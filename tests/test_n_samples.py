@@ -20,7 +20,7 @@ from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.shard.checkpoint import from_ranges
 from mirageflow.config import ConfigError, load_config, records_identity
 from mirageflow.data.merge import merge_dataset
-from mirageflow.prompts.samples import sample_seed
+from mirageflow.shard.samples import sample_seed
 from mirageflow.shard import ShardFailed
 from mirageflow.shard.runner import index_datasets, run_shard
 

@@ -496,14 +496,22 @@ def test_a_shard_fed_by_prefix_resumes_exactly(tmp_path):
 
 def test_prefix_order_keeps_source_order_when_a_python_step_comes_first():
     from mirageflow.shard import prefix_order
+    from mirageflow.shard.steps.base import Step
 
-    class Step:
-        def __init__(self, engine):
-            self.engine = engine
+    class Custom(Step):
+        async def run(self, variables, unit):
+            return True
 
-    assert prefix_order.keyed_step([Step(None), Step(object())]) is None  # a custom step (not a filter) first
-    llm = Step(object())
+    class Filter(Custom):
+        once_per_row = True
+
+    class LLM(Step):
+        calls_engine = True
+
+    llm = LLM()
+    assert prefix_order.keyed_step([Custom(), llm]) is None  # a custom step (not a filter) first
     assert prefix_order.keyed_step([llm]) is llm
+    assert prefix_order.keyed_step([Filter(), llm]) is llm
     units = [("b", 1), ("a", 2), ("b", 0), ("a", 1)]
     # blocks of 2, ascending then descending (a serpentine: "b" twice in a row at the seam)
     assert list(prefix_order.ordered(units, lambda u: u[0], 2)) == [("a", 2), ("b", 1), ("b", 0), ("a", 1)]

@@ -36,7 +36,7 @@ def test_a_reader_that_raises_mid_shard_fails_it_naming_the_dataset(tmp_path, mo
                 raise OSError("corrupt row group 1 of in.parquet")
             yield row
 
-    monkeypatch.setattr("mirageflow.shard.runner.read_shard", broken)
+    monkeypatch.setattr("mirageflow.shard.feed.read_shard", broken)
     with pytest.raises(ShardFailed, match=r"cannot read dataset 0 \(.*in.jsonl\).*corrupt row group"):
         run_shard(cfg, 0, engine_factory=_engine())
     assert not (cfg.shard_dir(0) / "status.json").exists()
@@ -51,7 +51,7 @@ def test_a_reader_that_silently_drops_rows_fails_the_accounting(tmp_path, monkey
     def dropping(ds, piece, skip):
         return (r for r in real(ds, piece, skip) if r.index not in (3, 4, 7))
 
-    monkeypatch.setattr("mirageflow.shard.runner.read_shard", dropping)
+    monkeypatch.setattr("mirageflow.shard.feed.read_shard", dropping)
     with pytest.raises(
         ShardFailed,
         match=r"should be 10 records \+ row errors \+ filtered rows, found 7 \+ 0 \+ 0; rows neither written nor recorded: \[\[3, 5\], \[7, 8\]\]",

@@ -205,6 +205,63 @@ def test_the_stats_writer_writes_exactly_the_declared_keys(tmp_path):
     assert records.check_stats(stats, records.STATS_REQUIRED) is None
 
 
+def _mirageflow_imports(path: Path) -> list[str]:
+    """Every mirageflow module ``path`` imports, at the top or lazily inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mirageflow"):
+            found += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("mirageflow")]
+    return found
+
+
+def test_the_prompts_package_never_imports_the_shard():
+    """prompts renders a row's way to the engine and back; the shard job (its steps, its
+    failures, its ledger, its row iteration) builds on it, never the other way round."""
+    prompts = REPO / "src" / "mirageflow" / "prompts"
+    reaching = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in sorted(prompts.rglob("*.py"))
+        for name in _mirageflow_imports(path)
+        if name == "mirageflow.shard" or name.startswith("mirageflow.shard.")
+    ]
+    assert reaching == []
+
+
+def test_every_kind_of_step_is_a_step_and_the_row_path_reads_only_what_it_declares():
+    """One shape for LLM, filter, custom and image steps (shard/steps/base.py); the row path
+    and the feeding order dispatch on the declared capabilities, never probe attributes."""
+    from mirageflow.shard.steps.base import Step, Unit
+    from mirageflow.shard.steps.image import ImageStep
+    from mirageflow.shard.steps.llm import LLMStep
+    from mirageflow.shard.steps.python import CustomStep, FilterStep
+
+    assert [(k.calls_engine, k.once_per_row) for k in (LLMStep, FilterStep, CustomStep, ImageStep)] == [
+        (True, False), (False, True), (False, False), (False, False)
+    ]  # fmt: skip
+    assert all(issubclass(k, Step) for k in (LLMStep, FilterStep, CustomStep, ImageStep))
+    with pytest.raises(TypeError, match="implements run"):  # a kind that neither runs nor calls the engine
+
+        class Nothing(Step):
+            pass
+
+    assert Unit(1, 2).sample == 0
+    shard = REPO / "src" / "mirageflow" / "shard"
+    probes = []
+    for path in (shard / "rows.py", shard / "prefix_order.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "isinstance"):
+                probes.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")  # the kind asked, not declared
+            elif isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Attribute) and side.attr == "engine" for side in (node.left, *node.comparators)
+            ):
+                probes.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")  # an engine's presence as the kind
+            elif isinstance(node, ast.Attribute) and node.attr == "wants_unit":
+                probes.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert probes == []
+
+
 # --------------------------------------------------------------------------- reading and the state machine
 
 

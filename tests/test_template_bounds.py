@@ -69,7 +69,7 @@ def test_item9_a_render_that_would_be_huge_is_its_rows_error(source):
 
 def test_item9_record_templates_and_filter_predicates_are_bounded_too():
     """Items 4, 9: the record's output_schema and filter predicates render in the same bounds."""
-    from mirageflow.prompts.python_steps import FilterStep
+    from mirageflow.shard.steps.python import FilterStep
     from mirageflow.prompts.templates import RecordRenderer
 
     render = RecordRenderer({"a": "{{ text * 200000000 }}"}, True, [])

@@ -20,7 +20,8 @@ import pytest
 
 from mirageflow.config import load_config
 from mirageflow.data.writers import read_parts
-from mirageflow.prompts.python_steps import CustomProcessor, FunctionPool
+from mirageflow.config.types import CustomProcessor
+from mirageflow.shard.steps.python import FunctionPool
 from mirageflow.errors import RowError
 from mirageflow.shard.runner import index_datasets, run_shard
 

@@ -11,7 +11,7 @@ both feeders ask for exactly the same work.
 
 - ours: the real ``ShardRunner`` (``run_shard``) over a JSONL of the requests, with the
   engine's own in-flight window (2 x C) and the tiny model's chat template;
-- ours + Python step: the same, with a custom step (mirageflow.prompts.python_steps: a Python
+- ours + Python step: the same, with a custom step (mirageflow.shard.steps.python: a Python
   function per row in ``--python-step-workers`` worker processes, each call also sleeping
   ``--python-step-ms``) in the row path before the LLM output, whose prompt uses its value: the
   engine can only be fed as fast as the step delivers;

@@ -21,7 +21,7 @@ validation (JSON variant), writing the records (Parquet part files, checkpoints)
 
 Both run pinned to one CPU, interleaved, ``--repeats`` times; medians are reported.
 
-Two more variants of ours measure the steps that are not LLM calls (mirageflow.prompts.python_steps),
+Two more variants of ours measure the steps that are not LLM calls (mirageflow.shard.steps.python),
 each added to ``plain``: ``plain_filter`` (a filter step whose predicate, on the LLM output,
 keeps every row, so the same records are written) and ``plain_custom`` (a custom step: a
 Python function per row in one worker process, which shares the pinned CPU). Their cost

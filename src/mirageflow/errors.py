@@ -153,7 +153,7 @@ class RowErrorClass(enum.StrEnum):
         False,
         "the batch was cancelled before running the request, twice (it was resubmitted once)",
     )
-    # image generation (prompts/image_outputs.py, imagegen/)
+    # image generation (shard/steps/image.py, imagegen/)
     IMAGE_TIMEOUT = "image_timeout", "image output", False, "no image within the processor's timeout_seconds"
     IMAGE_UNDECODABLE = (
         "image_undecodable",

@@ -42,7 +42,6 @@ from mirageflow.data.dedup import produced_fields
 from mirageflow.files import path_hint, regular_file_problem
 from mirageflow.engines import registry
 from mirageflow.prompts import json_output
-from mirageflow.prompts import python_steps
 from mirageflow.prompts import templates as prompts
 
 DEFAULT_STATE_SUBDIR = ".mirageflow-state"
@@ -787,19 +786,17 @@ def _llm_only_key_problems(out: dict, where: str) -> list[str]:
 
 
 def _filter_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, list[str]]:
-    """A filter (mirageflow.prompts.python_steps): a predicate over the variables so far; it defines none."""
+    """A filter (mirageflow.shard.steps.python): a predicate over the variables so far; it defines none."""
     problems = _llm_only_key_problems(out, where)
     if out.get("predicate") is None:
         problems.append(f"{where}.predicate: required key is missing (a filter keeps the rows where it is true, e.g. 'score > 33')")
     else:
-        problems += python_steps.predicate_problems(
-            out["predicate"], scope.variables.names, f"{where}.predicate", scope.variables.json_fields
-        )
+        problems += prompts.predicate_problems(out["predicate"], scope.variables.names, f"{where}.predicate", scope.variables.json_fields)
     return _python_step(out), problems
 
 
 def _custom_output(out: dict, where: str, scope: _Scope) -> tuple[OutputVar, list[str]]:
-    """A custom step's output (mirageflow.prompts.python_steps): the function's value, any JSON."""
+    """A custom step's output (mirageflow.shard.steps.python): the function's value, any JSON."""
     problems = _llm_only_key_problems(out, where)
     if out.get("predicate") is not None:
         problems.append(f"{where}.predicate: only outputs of type filter have a predicate")
@@ -826,7 +823,7 @@ _IMAGE_OUTPUT_KEYS = (
     "num_inference_steps",
     "negative_prompt",
 )
-# What a filename_template may use besides the row's variables (prompts/image_outputs.py).
+# What a filename_template may use besides the row's variables (shard/steps/image.py).
 IMAGE_NAME_VARIABLES = ("__shard_id", "__sample_index", "__source_index", "__dataset", "__output_name", "__source_hash")
 DEFAULT_FILENAME_TEMPLATE = "generated_{{ __shard_id }}_{{ __sample_index }}_{{ __source_hash }}"
 

@@ -256,7 +256,7 @@ _PROCESSOR_OPERATIONAL_KEYS = (
     "server_env",
     # one request with n or n requests: the same draw on servers that seed choice i with seed + i
     "native_n",
-    # custom processors' (python_steps): how the function is run, or accepted and unused
+    # custom processors' (shard/steps/python.py): how the function is run, or accepted and unused
     "max_workers", "start_method", "timeout_ms", "max_timeouts", "max_errors", "fallback_value",
     # batch_api: how requests are grouped into batches, waited for and recorded (engines/batch_api.py)
     "max_chunk_bytes", "max_requests_per_chunk", "metadata_output_path", "oversized_request_policy", "retry_policy",

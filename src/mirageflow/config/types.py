@@ -86,9 +86,9 @@ class OutputVar:
     allow_empty_output: bool = False
     keep_reasoning: bool = False  # the reasoning becomes the variable <name>_reasoning
     conversation: str | None = None  # an input variable holding the chat messages sent (prompts.PromptBuilder)
-    kind: StepKind = "llm"  # custom, filter: mirageflow.prompts.python_steps
+    kind: StepKind = "llm"  # custom, filter: mirageflow.shard.steps.python
     predicate: str | None = None  # of a filter
-    image: ImageOutput | None = None  # of an image_gen output (mirageflow.prompts.image_outputs)
+    image: ImageOutput | None = None  # of an image_gen output (mirageflow.shard.steps.image)
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class ImageGenProcessor:
 
 @dataclass(frozen=True)
 class CustomProcessor:
-    """``processors[]`` entry of type custom: a Python function (mirageflow.prompts.python_steps)."""
+    """``processors[]`` entry of type custom: a Python function (mirageflow.shard.steps.python)."""
 
     type: Literal["custom"]
     script_path: str
@@ -335,7 +335,7 @@ class PipelineConfig:
     merge: bool
     shard: ShardParams
     retry_failed_rows: bool
-    n_samples: int = 1  # records per input row (mirageflow/prompts/samples.py)
+    n_samples: int = 1  # records per input row (mirageflow/shard/samples.py)
     preserve_columns: tuple[str, ...] = ()
     # processors of type custom (Python functions; no engine), by type
     custom_processors: dict[str, CustomProcessor] = field(default_factory=dict)

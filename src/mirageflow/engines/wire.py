@@ -22,7 +22,7 @@ class Request:
     # ``messages`` only, the engine sends it as a last assistant message to continue. Only
     # the continuation is generated, so a JSON grammar starts after it.
     response_prefix: str = ""
-    seed: int | None = None  # this request's sampling seed (mirageflow/prompts/samples.py); None: the engine's own randomness
+    seed: int | None = None  # this request's sampling seed (mirageflow/shard/samples.py); None: the engine's own randomness
     # mirageflow.prompts.images.CanonicalImage, one per {"type": "image"} part of the messages, in order
     images: list | None = None
 

@@ -1,5 +1,5 @@
 """Image generation for ``image_gen`` outputs: where an image comes from (``processors[]``
-of type image_gen, ``backend``), not what is done with it (prompts/image_outputs.py).
+of type image_gen, ``backend``), not what is done with it (shard/steps/image.py).
 
 - ``external`` (http_images.ExternalImages): an OpenAI-compatible images server already
   running, ``POST {base_url}/images/generations``;

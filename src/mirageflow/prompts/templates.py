@@ -148,6 +148,23 @@ def template_problems(source: str, known: Iterable[str], where: str, json_fields
     return problems
 
 
+_BRACED = re.compile(r"^\s*\{\{(.*)\}\}\s*$", re.S)
+
+
+def predicate_expression(predicate: str) -> str:
+    """The expression of a filter's predicate; ``{{ score > 33 }}`` is accepted for ``score > 33``."""
+    m = _BRACED.match(predicate)
+    return m.group(1) if m else predicate
+
+
+def predicate_problems(predicate: str, known, where: str, json_fields=None) -> list[str]:
+    """Syntax errors, unknown variables, undeclared JSON fields of a filter's predicate (as a prompt's)."""
+    expr = predicate_expression(predicate)
+    if not expr.strip():
+        return [f"{where}: empty predicate (a Jinja2 expression such as 'score > 33')"]
+    return template_problems("{{ (" + expr + ") }}", known, where, json_fields)
+
+
 def record_template_problems(shape: Any, known: Iterable[str], where: str, json_fields: Mapping[str, list[str]] | None = None) -> list[str]:
     known = list(known)
     if isinstance(shape, dict):
@@ -451,7 +468,7 @@ class RecordRenderer:
         else:
             record = dict(rendered)
         record["source_index"] = source_index
-        if sample_index is not None:  # n_samples > 1 (mirageflow/prompts/samples.py)
+        if sample_index is not None:  # n_samples > 1 (mirageflow/shard/samples.py)
             record["sample_index"] = sample_index
         return record
 

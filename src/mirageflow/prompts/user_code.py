@@ -14,7 +14,7 @@ value is sent back as JSON text after it is checked (no NaN, no lone surrogate, 
 Outcomes, one per row: ("ok", JSON text) | ("raised", message) | ("bad_value", message) |
 ("timeout", "") from the worker; ("crashed", how) | ("killed", "") | ("unsent", message)
 from the parent when the worker died, was killed past its deadline, or the rows could not
-be sent. ``mirageflow.prompts.python_steps.FunctionPool`` turns them into row errors.
+be sent. ``mirageflow.shard.steps.python.FunctionPool`` turns them into row errors.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The proof behind a success: every row of the shard's range is a record, a row error or a
 row a filter step dropped, once. With n_samples > 1 the same holds for every sample: the
-checkpoint counts units, ``source_index * n + sample_index`` (mirageflow/prompts/samples.py), and a
+checkpoint counts units, ``source_index * n + sample_index`` (mirageflow/shard/samples.py), and a
 shard's range of units is its row range times n."""
 
 from __future__ import annotations
 
 from mirageflow.config.types import PipelineConfig
 from mirageflow.shard.checkpoint import merge_ranges, to_ranges
-from mirageflow.prompts.samples import describe
+from mirageflow.shard.samples import describe
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.state.layout import image_file
 

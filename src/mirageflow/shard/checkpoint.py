@@ -66,7 +66,7 @@ from mirageflow.config.types import PipelineConfig
 from mirageflow.config import records_identity
 from mirageflow.data.writers import write_part
 from mirageflow.files import atomic_write_json, atomic_write_text
-from mirageflow.prompts.samples import complete_rows, describe_count, record_unit
+from mirageflow.shard.samples import complete_rows, describe_count, record_unit
 from mirageflow.errors import MirageflowError
 from mirageflow.state import layout as L
 from mirageflow.shard.ledger import BatchLedger, ImageLedger
@@ -273,7 +273,7 @@ class Checkpoint:
 
     def __init__(self, shard_dir: Path, fingerprint: str, outputs: dict[int, tuple[Path, str]], samples: int = 1):
         """``samples``: records per row (n_samples); above 1 every index here is a unit,
-        ``source_index * samples + sample_index`` (mirageflow/prompts/samples.py)."""
+        ``source_index * samples + sample_index`` (mirageflow/shard/samples.py)."""
         self.shard_dir = Path(shard_dir)
         self.samples = samples
         self.path = self.shard_dir / L.CHECKPOINT

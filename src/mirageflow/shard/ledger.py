@@ -27,7 +27,7 @@ and waits for those instead of submitting them again (engines/batch_api.py).
 was begun under), then one line per image written ``{"output", "dataset", "unit", "path",
 "bytes", "sha256", "seed", "request"}`` (``path`` relative to the dataset's output_dir:
 state/layout.py ``image_file``; ``request`` the SHA-256 of what determines the image),
-appended and fsynced before the image is put in place (prompts/image_outputs.py); the last
+appended and fsynced before the image is put in place (shard/steps/image.py); the last
 line of a unit is its image. A rerun, after an edit too, reuses an image whose request is
 the same and whose file still has that size and hash; replaces the image of a unit whose
 request changed (the file is this unit's, as its size and hash say); and never replaces a

@@ -29,8 +29,8 @@ import itertools
 import logging
 from typing import Callable, Iterable, Iterator
 
-from mirageflow.prompts import python_steps
 from mirageflow.errors import RowError
+from mirageflow.shard.steps.base import Step, first_engine_step
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +85,10 @@ def prompt_key(extract, step) -> Callable:
     return key
 
 
-def keyed_step(steps: list):
+def keyed_step(steps: list[Step]):
     """The first LLM step, when only filters come before it; else None."""
-    for step in steps:
-        if step.engine is not None:
-            return step
-        if not isinstance(step, python_steps.FilterStep):
-            return None
-    return None
+    at = first_engine_step(steps)
+    return None if at is None else steps[at]
 
 
 def feed_order(mode: str, units: Iterable, steps: list, extract, window: int) -> Iterable:

@@ -1,8 +1,8 @@
 """``mmirage preview``: try a pipeline's prompts on the first rows of each dataset.
 
 Preview is the record: the first ``rows`` rows of every dataset go through the shard's own
-row path (``shard.rows.RowPath`` with ``shard.steps.OutputStep``, the Python steps,
-``prompts.samples.pending`` and the shard's ``RecordRenderer``, ``preserve_columns``
+row path (``shard.rows.RowPath`` with the steps of ``shard/steps/``,
+``shard.feed.pending`` and the shard's ``RecordRenderer``, ``preserve_columns``
 included), so every record shown is the one a shard would write, field for field, with
 ``source_index`` and, with ``n_samples > 1``, one record per sample with its
 ``sample_index``. Beside each record: the extracted variables, each prompt exactly as the
@@ -40,13 +40,15 @@ from mirageflow.config.types import DatasetConfig, PipelineConfig, ProcessorConf
 from mirageflow.engines import registry
 from mirageflow.engines.base import Engine
 from mirageflow.engines.wire import Completion, EngineInfo
-from mirageflow.prompts import python_steps, samples
-from mirageflow.prompts.image_outputs import ImageStep
+from mirageflow.shard import feed, samples
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer
 from mirageflow.shard.rows import RowPath
-from mirageflow.shard.steps import OutputStep
+from mirageflow.shard.steps import python as python_steps
+from mirageflow.shard.steps.base import FILTERED, Unit
+from mirageflow.shard.steps.image import ImageStep
+from mirageflow.shard.steps.llm import LLMStep
 from mirageflow.stats import formulas as stats
 
 DEFAULT_ROWS = 3
@@ -97,7 +99,7 @@ class TemplateOnlyEngine(Engine):
         return Completion(request.id, "", 0, 0, NOT_GENERATED)
 
 
-class PlaceholderStep(OutputStep):
+class PlaceholderStep(LLMStep):
     """An LLM output without generation: its value is a placeholder."""
 
     def assign(self, variables: dict, c: Completion) -> None:
@@ -109,14 +111,14 @@ class PlaceholderStep(OutputStep):
 class SkippedFilter(python_steps.FilterStep):
     """A filter without generation: not run (its predicate may name answers not generated); the row goes on."""
 
-    async def run(self, variables: dict) -> bool:
+    async def run(self, variables: dict, unit: Unit) -> bool:
         return True
 
 
 class SkippedCustom(python_steps.CustomStep):
     """A Python step without generation: not run; its value is a placeholder."""
 
-    async def run(self, variables: dict) -> bool:
+    async def run(self, variables: dict, unit: Unit) -> bool:
         variables[self.output.name] = NotGenerated(self.output.name)
         return True
 
@@ -125,9 +127,7 @@ class ShownImage(ImageStep):
     """An image output in a preview: its prompt rendered, no image generated or written (its
     variables are placeholders for later steps)."""
 
-    wants_unit = False
-
-    async def run(self, variables: dict) -> tuple[str]:
+    async def run(self, variables: dict, unit: Unit) -> tuple[str]:
         prompt = self.prompt.render(variables)
         for name in self.names:
             variables[name] = NotGenerated(name)
@@ -249,7 +249,7 @@ class UnitTrace:
                 entry["prompt"] = outcome[0]
                 out.append(entry)
                 continue
-            if step.engine is None:  # a filter or Python step, run only with generate
+            if not step.calls_engine:  # a filter or Python step, run only with generate
                 if self.generate:
                     entry["value"] = _plain(variables.get(name)) if step.output.kind == "custom" else outcome
                 out.append(entry)
@@ -262,7 +262,7 @@ class UnitTrace:
                 ]
             entry["prompt"] = request.prompt  # None: the server applies its chat template to the messages
             entry["sampling_params"] = request.sampling_params
-            if request.seed is not None:  # this sample's own seed (prompts/samples.py)
+            if request.seed is not None:  # this sample's own seed (shard/samples.py)
                 entry["seed"] = samples.sample_seed(step.base_seed, self.ds_index, row_index, sample or 0)
             if self.generate:
                 entry.update(
@@ -284,8 +284,8 @@ def _unit(path: RowPath, trace: UnitTrace, row, sample, record, error) -> dict:
     except RowError:
         out["variables"] = None
     out["outputs"] = trace.outputs(row.index, sample)
-    out["record"] = None if record is None or record is python_steps.FILTERED else _plain(record)
-    if record is python_steps.FILTERED:
+    out["record"] = None if record is None or record is FILTERED else _plain(record)
+    if record is FILTERED:
         out["filtered"] = True  # the shard writes no record for this row (sample)
     out["error"] = None if error is None else _error(error)
     return out
@@ -306,7 +306,7 @@ async def _preview_dataset(path: RowPath, steps: list, ds, source: list, generat
             results = [await path.one(row, steps, ds.index, sample)]
         return [(row, k, record, error) for k, record, error in results]
 
-    units = samples.pending(ds.index, read, lambda u: False, path.n, path.grouped is not None)
+    units = feed.pending(ds.index, read, lambda u: False, path.n, path.grouped is not None)
     done = await asyncio.gather(*(unit(row, sample) for _, row, sample in units))
     return [_unit(path, trace, *outcome) for outcomes in done for outcome in outcomes]
 
@@ -464,7 +464,7 @@ def export_prompts(cfg: PipelineConfig, out: TextIO) -> dict:
 def _model_step(cfg: PipelineConfig, output, engines: dict):
     if output.kind == "image_gen":  # its prompt is shown; no generator is loaded
         return ShownImage(output, cfg.image_processors[output.processor], None, None, [v.name for v in cfg.inputs])
-    return OutputStep(output, cfg.processors[output.processor], engines[output.processor])
+    return LLMStep(output, cfg.processors[output.processor], engines[output.processor])
 
 
 def _placeholder(step, cfg):

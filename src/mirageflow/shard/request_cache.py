@@ -180,7 +180,7 @@ class RequestKeys:
     not the step's, or that orjson refuses (a lone surrogate, an integer past 64 bits), takes
     ``request_key`` itself.
 
-    ``sampling`` is the step's dict (``OutputStep.sampling``), which every request of the
+    ``sampling`` is the step's dict (``LLMStep.sampling``), which every request of the
     step carries and nothing changes once the step is built: it is recognized by identity.
     """
 

@@ -2,8 +2,9 @@
 
 ``RowPath`` holds what the shard's row path needs (extractor, image loader, record renderer,
 metrics) and runs one unit of work: a row (``one``), or with n_samples > 1 every pending
-sample of a row (``row_samples``, when ``grouped_step`` allows it). Each returns (sample,
-record or ``python_steps.FILTERED`` or None, RowError or None); an exception on the row path
+sample of a row (``row_samples``, when ``grouped_step`` allows it), through the steps
+(shard/steps/: each a ``Step``, dispatched on what its class declares). Each returns (sample,
+record or ``FILTERED`` or None, RowError or None); an exception on the row path
 that is not the engine's becomes the row error ``internal_error``; the engine raising is
 ``EngineFailed`` (the shard cannot go on). Booking the outcome is the runner's.
 
@@ -19,31 +20,23 @@ import asyncio
 import logging
 import traceback
 
-from mirageflow.prompts import python_steps
-from mirageflow.prompts import samples
+from mirageflow.shard import samples
 from mirageflow.data.readers import SourceRow
 from mirageflow.errors import RowError, RowErrorClass as E
-from mirageflow.shard import request_cache
 from mirageflow.shard.cached_answers import AnswerNotCached
-from mirageflow.prompts.image_outputs import Unit
 from mirageflow.shard.failures import ShardFailed
-from mirageflow.shard.steps import OutputStep
+from mirageflow.shard.request_cache import RequestCache
+from mirageflow.shard.steps.base import FILTERED, Step, Unit, first_engine_step
+from mirageflow.shard.steps.llm import LLMStep
 from mirageflow.shard.tally import UnitTally
 
 log = logging.getLogger(__name__)
 
 
-def grouped_step(steps: list, n: int) -> int | None:
-    """With n_samples > 1: the index of the first LLM step when only filters come before it
-    (every sample of a row then sends it the same request, but for the seed), else None."""
-    if n == 1:
-        return None
-    for i, step in enumerate(steps):
-        if step.engine is not None:
-            return i
-        if not isinstance(step, python_steps.FilterStep):  # a Python step may differ per sample
-            return None
-    return None
+def grouped_step(steps: list[Step], n: int) -> int | None:
+    """With n_samples > 1: ``first_engine_step`` (every sample of a row then sends it the same
+    request, but for the seed), else None."""
+    return None if n == 1 else first_engine_step(steps)
 
 
 class EngineFailed(ShardFailed):
@@ -62,17 +55,17 @@ class RowPath:
         # of sample indexes for a filter run once for a row's samples (row_samples)
         self.observe = None
         # the shard's request cache (None: off); a step with cache_keys uses it
-        self.cache: request_cache.RequestCache | None = None
+        self.cache: RequestCache | None = None
         # answers come from the request cache alone (shard/cached_answers.py): a request it
         # does not hold raises AnswerNotCached, and the unit's bookings are taken back
         self.cache_only = False
 
-    def set_steps(self, steps: list, cache_only: bool = False) -> None:
+    def set_steps(self, steps: list[Step], cache_only: bool = False) -> None:
         self.cache_only = cache_only
-        self.seeded = self.n > 1 or any(getattr(step, "base_seed", None) is not None for step in steps)
+        self.seeded = self.n > 1 or any(step.base_seed is not None for step in steps)
         self.grouped = grouped_step(steps, self.n)
 
-    async def row(self, row: SourceRow, steps: list[OutputStep], ds_index: int = 0, sample: int | None = None) -> dict:
+    async def row(self, row: SourceRow, steps: list[Step], ds_index: int = 0, sample: int | None = None) -> dict:
         """The row's record (of sample ``sample`` with n_samples > 1); raises RowError for a
         row that cannot be completed, EngineFailed when the engine raised."""
         variables, images = await self._start(row, ds_index)
@@ -94,14 +87,17 @@ class RowPath:
         the first step, already generated (``_row_samples``)."""
         m = self.metrics
         tally = UnitTally()  # what the record holds, committed with it (shard/tally.py)
+        unit = None  # where the unit stands, for the steps that run: made on first use (none for LLM steps alone)
         try:
             for step in steps:
-                if step.engine is None:  # a filter or a Python step (python_steps), an image (image_outputs)
-                    kept = await (step.run(variables, Unit(ds_index, row.index, sample or 0)) if step.wants_unit else step.run(variables))
+                if not step.calls_engine:  # a filter, a Python step, an image (shard/steps/)
+                    if unit is None:
+                        unit = Unit(ds_index, row.index, sample or 0)
+                    kept = await step.run(variables, unit)
                     if self.observe is not None:
                         self.observe(row, sample, step, variables, kept)
                     if not kept:
-                        return python_steps.FILTERED
+                        return FILTERED
                     continue
                 sent, key, cached, choice_prompt = True, None, False, None
                 if answered is not None:
@@ -151,12 +147,13 @@ class RowPath:
         at = self.grouped
         try:
             variables, images = await self._start(row, ds_index)
+            unit = Unit(ds_index, row.index, todo[0])  # steps once_per_row: the same for every sample
             for step in steps[:at]:
-                kept = await step.run(variables)
+                kept = await step.run(variables, unit)
                 if self.observe is not None:
                     self.observe(row, todo, step, variables, kept)
                 if not kept:
-                    return [(k, python_steps.FILTERED, None) for k in todo]
+                    return [(k, FILTERED, None) for k in todo]
             step = steps[at]
             asked = []
             for run in samples.runs(todo):
@@ -180,7 +177,7 @@ class RowPath:
             )
         )  # fmt: skip
 
-    async def _answers(self, step: OutputStep, request, n: int, row: SourceRow) -> tuple[list, list, bool]:
+    async def _answers(self, step: LLMStep, request, n: int, row: SourceRow) -> tuple[list, list, bool]:
         """(the n completions of ``request``, the cache key to keep each under once accepted
         or None, whether they came from the cache). Cached only when every sample's answer
         is kept; a request that samples without a seed is never looked up nor kept."""
@@ -199,7 +196,7 @@ class RowPath:
             return found, [None] * n, True
         return await self._generate_samples(step, request, n, row), keys, False
 
-    async def _generate_samples(self, step: OutputStep, request, n: int, row: SourceRow) -> list:
+    async def _generate_samples(self, step: LLMStep, request, n: int, row: SourceRow) -> list:
         """The engine's n completions of ``request`` (n = 1: ``generate_one``), its in-flight
         count observed; EngineFailed when the engine raised."""
         if self.cache_only:  # no engine yet: the runner loads it and feeds this unit again

@@ -24,7 +24,6 @@ tokens, GPUs, sums over attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoin
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import json
 import logging
@@ -38,19 +37,16 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from mirageflow.prompts import python_steps
-from mirageflow.prompts import samples
 from mirageflow.stats import formulas as stats
 from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
 from mirageflow.shard import cached_answers, request_cache
 from mirageflow.config import PipelineConfig, processor_identity
-from mirageflow.data.readers import ShardSlice, SourceRow, content_digest, load_shard, read_shard, write_index
+from mirageflow.data.readers import ShardSlice, SourceRow, content_digest, load_shard, write_index
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import capabilities, create_engine
 from mirageflow.imagegen import ImageGenerator, make_generator
 from mirageflow.shard.progress import ProgressReporter
-from mirageflow.prompts.image_outputs import ImageStep, ShardImages
 from mirageflow.prompts.images import RowImages
 from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer, columns_read
@@ -59,11 +55,14 @@ from mirageflow.shard.accounting import check_accounting, check_images
 from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
-from mirageflow.shard import prefix_order
+from mirageflow.shard import feed, prefix_order
 from mirageflow.shard.metrics import ShardMetrics
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
-from mirageflow.shard.steps import OutputStep
+from mirageflow.shard.steps import python as python_steps
+from mirageflow.shard.steps.base import FILTERED, Step
+from mirageflow.shard.steps.image import ImageStep, ShardImages
+from mirageflow.shard.steps.llm import LLMStep
 from mirageflow.state import layout as L
 from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed
 from mirageflow.state.layout import StateLayout, shard_output_dir
@@ -102,7 +101,7 @@ class ShardRunner:
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = paths.shard_server_logs(shard_id)
         self.metrics = ShardMetrics(cfg, attempt)
-        self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/prompts/samples.py)
+        self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/shard/samples.py)
         render = RecordRenderer(
             cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns,
             [f"{o.name}_{k}" for o in cfg.outputs if o.kind == "image_gen" for k in ("path", "seed")],
@@ -220,7 +219,7 @@ class ShardRunner:
 
     def _finished(self, ds_index: int, row: SourceRow, record: dict | None, exc: RowError | None, sample: int | None = None) -> None:
         """Book one finished row (its record, FILTERED, or its RowError) with the budget and the commit queue."""
-        if record is python_steps.FILTERED:
+        if record is FILTERED:
             verdict = self.budget.record_filtered()
             self.commits.add_filtered(ds_index, row.index if sample is None else row.index * self.n + sample)
         elif exc is None:
@@ -268,18 +267,6 @@ class ShardRunner:
 
     # ------------------------------------------------------------------ feeding
 
-    def _rows(self, slices: list[ShardSlice]):
-        """(dataset index, row, sample) for every row (sample) still to do, dataset after
-        dataset, in source order; sample None unless n_samples > 1."""
-        for ds, piece in zip(self.cfg.datasets, slices):
-            try:
-                read = functools.partial(read_shard, ds, piece, columns=self.columns)
-                yield from samples.pending(
-                    ds.index, read, self.checkpoint.committed_before(ds.index), self.n, self.rows.grouped is not None
-                )
-            except Exception as e:  # a row that could be isolated is a RowError value, not an exception
-                raise ShardFailed(f"cannot read dataset {ds.index} ({ds.path}), shard {self.shard_id}: {type(e).__name__}: {e}") from e
-
     async def _worker(self, rows, steps) -> None:
         """Take the next row (or a row's pending samples), run it through every output, book
         it; until no row is left."""
@@ -300,7 +287,7 @@ class ShardRunner:
         except Exception as e:  # reading the dataset failed
             self._halt(e)
 
-    async def _generate(self, slices: list[ShardSlice], steps: list[OutputStep], engines: dict[str, Engine]) -> None:
+    async def _generate(self, slices: list[ShardSlice], steps: list[Step], engines: dict[str, Engine]) -> None:
         main = asyncio.current_task()
         self._stopping = asyncio.Event()
         self.signals.attach(asyncio.get_running_loop(), lambda: (main.cancel(), self._halt()))
@@ -313,7 +300,11 @@ class ShardRunner:
         if self.rows.grouped is not None:  # a worker holds a row's n samples
             window = max(1, window // self.n)
         # rows sharing a prompt prefix fed together, for the engine's prefix cache (records unchanged)
-        rows = prefix_order.feed_order(self.params.prefix_order, self._rows(slices), steps, self.rows.extract, window)
+        units = feed.shard_units(
+            self.shard_id, self.cfg.datasets, slices, self.checkpoint.committed_before, self.n, self.rows.grouped is not None,
+            columns=self.columns,
+        )  # fmt: skip
+        rows = prefix_order.feed_order(self.params.prefix_order, units, steps, self.rows.extract, window)
         try:
             workers = asyncio.gather(*(self._worker(rows, steps) for _ in range(window)))
             stopping = asyncio.create_task(self._stopping.wait())
@@ -347,7 +338,7 @@ class ShardRunner:
             except (OSError, ValueError) as e:
                 raise ShardFailed(str(e)) from e
         if self.row_limit is not None:
-            slices = _first_rows(slices, self.row_limit)
+            slices = feed.first_rows(slices, self.row_limit)
         self.lease.acquire()
         try:
             try:
@@ -403,7 +394,7 @@ class ShardRunner:
         if self.cache is not None:
             identities = self._cache_identities(engines)
             for step in steps:
-                if step.engine is not None:
+                if step.calls_engine:
                     step.use_cache(identities[step.output.processor])
         self.rows.set_steps(steps, cache_only=not loaded)
         self.live.set_phase("generating")
@@ -445,7 +436,7 @@ class ShardRunner:
         if output.kind == "image_gen":
             inputs = [v.name for v in self.cfg.inputs]
             return ImageStep(output, self.cfg.image_processors[output.processor], self.image_gens[output.processor], images, inputs)
-        return OutputStep(output, self.cfg.processors[output.processor], engines[output.processor])
+        return LLMStep(output, self.cfg.processors[output.processor], engines[output.processor])
 
     def _shard_images(self, slices: list[ShardSlice]) -> ShardImages:
         starts, before = {}, 0
@@ -521,16 +512,6 @@ class ShardRunner:
         # what the request cache holds now, for the docs' size figures
         cache = None if self.cache is None else {"answers_kept": len(self.cache), "bytes": self.cache.disk_bytes()}
         return self.metrics.stats(self.budget, self.resumed, request_cache=cache)
-
-
-def _first_rows(slices: list[ShardSlice], limit: int) -> list[ShardSlice]:
-    """The slices cut to their first ``limit`` rows in all (a slice keeps its start, offset and line)."""
-    out = []
-    for piece in slices:
-        take = max(0, min(limit, piece.stop - piece.start))
-        out.append(piece._replace(stop=piece.start + take))
-        limit -= take
-    return out
 
 
 def _progress_snapshot(runner: ShardRunner) -> dict:

@@ -1,4 +1,5 @@
-"""Several samples per row (``processing_params.n_samples``): units, seeds, order.
+"""Several samples per row (``processing_params.n_samples``): units, seeds, order (the units
+still to do are read by shard/feed.py).
 
 With n samples per row the unit of work, of the checkpoint and of the accounting is a
 sample, numbered ``unit = source_index * n + sample_index``. With n = 1 a unit is the
@@ -92,22 +93,3 @@ def complete_rows(ranges: list[list[int]], n: int) -> int:
     if n == 1:
         return sum(b - a for a, b in ranges)
     return sum(max(0, b // n - -(-a // n)) for a, b in ranges)
-
-
-def pending(ds_index: int, read, done, n: int, grouped: bool = False):
-    """(dataset index, row, sample) for every unit of one dataset not committed yet, in
-    source order; sample None when n == 1. ``read(skip=...)`` reads the shard's rows, skipping
-    source indexes for which ``skip`` is true; ``done(unit)`` says a unit is committed. With
-    n > 1 a row is read while any of its samples is not committed. ``grouped`` (n > 1): one
-    item per row, with the list of its pending sample indexes."""
-    if n == 1:
-        for row in read(skip=done):
-            yield ds_index, row, None
-        return
-    for row in read(skip=lambda i: all(done(i * n + k) for k in range(n))):
-        todo = [k for k in range(n) if not done(row.index * n + k)]
-        if grouped:
-            yield ds_index, row, todo
-        else:
-            for k in todo:
-                yield ds_index, row, k

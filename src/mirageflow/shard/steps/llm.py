@@ -8,10 +8,9 @@ row variable ``<name>_reasoning`` (None when the model gave none). An answer cut
 length limit while still reasoning (an unclosed ``<think>``, or reasoning and no answer) is
 the row error ``reasoning_truncated``.
 
-The row path (``shard/rows.py``: ``RowPath``) runs three kinds of step, each with ``output`` and
-``engine``: this LLM step (request, then the engine, then ``assign``: in ``RowPath._steps``,
-the hot path), and ``python_steps.FilterStep`` / ``CustomStep`` (``engine`` None; ``await
-step.run(variables)`` sets their variable and says whether the row goes on).
+This is the one kind of step (shard/steps/base.py) that ``calls_engine``: the row path
+(``shard/rows.py``: ``RowPath._steps``, the hot path) builds its ``request``, gets the answer
+from the engine or the request cache and hands it to ``assign``.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from mirageflow.engines.wire import Completion, Request
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.templates import PromptBuilder
 from mirageflow.shard.request_cache import RequestKeys
+from mirageflow.shard.steps.base import Step
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -45,13 +45,17 @@ def split_reasoning(text: str) -> tuple[str | None, str, bool]:
     return body[:end].strip(), body[end + len(THINK_CLOSE) :].lstrip(), True
 
 
-class OutputStep:
+class LLMStep(Step):
+    """``outputs[]`` of type llm: a request per row (sample), its answer the output's value."""
+
+    calls_engine = True
+
     def __init__(self, output: OutputVar, processor: ProcessorConfig, engine: Engine):
         self.output, self.processor, self.engine = output, processor, engine
         self.builder = PromptBuilder(output)
         self.sampling = {**processor.sampling_params, **output.sampling_params}
-        # the base of per-request seeds, never sent as is (mirageflow/prompts/samples.py)
-        self.base_seed = self.sampling.pop("seed", None)
+        # the base of per-request seeds, never sent as is (mirageflow/shard/samples.py)
+        self.base_seed: int | None = self.sampling.pop("seed", None)
         self.schema_json = json.dumps(output.schema.json_schema()) if output.is_json else None
         self.validator = output.schema.validator() if output.is_json else None
         # OpenAI-compatible servers apply the chat template themselves.

@@ -1,4 +1,5 @@
-"""Steps of the row path that are not an LLM call: filters and Python (custom) functions.
+"""Steps of the row path that are not an LLM call: filters and Python (custom) functions
+(each a ``base.Step`` the row path awaits ``run`` of).
 
 **Filter** (``outputs[]: {type: filter, predicate: score > 33}``, MMIRAGE's form): a Jinja2
 expression over the variables so far, evaluated in the same sandbox as the prompts. True:
@@ -42,7 +43,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import signal
 
 import jinja2
@@ -51,37 +51,14 @@ from jinja2.runtime import new_context as _new_context
 from mirageflow.config.types import CustomProcessor, OutputVar
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.render_bounds import BoundedSandbox, RenderTimeout, RenderTooLarge, guarded, limit_message
-from mirageflow.prompts.templates import template_problems
-from mirageflow.prompts.user_code import FunctionMissing, load_function
+from mirageflow.prompts.templates import predicate_expression
+from mirageflow.shard.failures import ShardFailed
+from mirageflow.shard.steps.base import Step, Unit
 
 log = logging.getLogger(__name__)
 
 # The prompts' sandbox settings: same built-ins, same refusals, StrictUndefined, same limits.
 _ENV = BoundedSandbox(undefined=jinja2.StrictUndefined, autoescape=False)
-_BRACED = re.compile(r"^\s*\{\{(.*)\}\}\s*$", re.S)
-
-
-class _Filtered:
-    def __repr__(self) -> str:
-        return "FILTERED"
-
-
-# What the row path returns for a row a filter dropped (no record, no error).
-FILTERED = _Filtered()
-
-
-def predicate_expression(predicate: str) -> str:
-    """The expression of a predicate; ``{{ score > 33 }}`` is accepted for ``score > 33``."""
-    m = _BRACED.match(predicate)
-    return m.group(1) if m else predicate
-
-
-def predicate_problems(predicate: str, known, where: str, json_fields=None) -> list[str]:
-    """Syntax errors, unknown variables, undeclared JSON fields of a predicate (as a prompt's)."""
-    expr = predicate_expression(predicate)
-    if not expr.strip():
-        return [f"{where}: empty predicate (a Jinja2 expression such as 'score > 33')"]
-    return template_problems("{{ (" + expr + ") }}", known, where, json_fields)
 
 
 # --------------------------------------------------------------------------- parent side
@@ -151,8 +128,6 @@ class FunctionPool:
         if status == "ok":
             return json.loads(payload)
         if status == "stopped":  # not this row's fault: the shard stops (a rerun redoes the row)
-            from mirageflow.shard.failures import ShardFailed
-
             raise ShardFailed(f"{where}: a worker process of processor '{self.proc.type}' was stopped by {payload}")
         kind, message = {
             "raised": (E.CUSTOM_ERROR, payload),
@@ -241,11 +216,10 @@ class FunctionPool:
 # --------------------------------------------------------------------------- steps
 
 
-class FilterStep:
+class FilterStep(Step):
     """``outputs[]`` of type filter: ``run`` says whether the row goes on."""
 
-    engine = None  # not an LLM step (ShardRunner._row)
-    wants_unit = False  # run(variables) (image steps get the row's place too: prompts/image_outputs.py)
+    once_per_row = True  # the same for every sample of a row when it reads only what they share
 
     def __init__(self, output: OutputVar):
         self.output = output
@@ -257,7 +231,7 @@ class FilterStep:
         self._env, self._name, self._blocks = template.environment, template.name, template.blocks
         self._root, self._globals = template.root_render_func, dict(template.globals)
 
-    async def run(self, variables: dict) -> bool:
+    async def run(self, variables: dict, unit: Unit) -> bool:
         return self.keep(variables)
 
     def _evaluate(self, variables: dict):
@@ -283,17 +257,14 @@ class FilterStep:
         )  # fmt: skip
 
 
-class CustomStep:
+class CustomStep(Step):
     """``outputs[]`` of type custom: the processor's function sets the variable ``name``."""
-
-    engine = None  # not an LLM step (ShardRunner._row)
-    wants_unit = False
 
     def __init__(self, output: OutputVar, pool: FunctionPool):
         self.output, self.pool = output, pool
         self.where = f"output '{output.name}': {pool.proc.function_name}() of {pool.proc.script_path}"
 
-    async def run(self, variables: dict) -> bool:
+    async def run(self, variables: dict, unit: Unit) -> bool:
         variables[self.output.name] = await self.pool.call(variables, self.where)
         return True
 
@@ -327,9 +298,3 @@ def make_step(output: OutputVar, steps_for_llm, pools: dict[str, FunctionPool]):
     if output.kind == "custom":
         return CustomStep(output, pools[output.processor])
     return steps_for_llm(output)
-
-
-__all__ = [
-    "FILTERED", "CustomProcessor", "CustomStep", "FilterStep", "FunctionPool", "close_pools", "FunctionMissing", "load_function", "make_step",
-    "predicate_expression", "predicate_problems", "start_pools",
-]  # fmt: skip

@@ -47,9 +47,12 @@ from pathlib import Path
 from mirageflow.config.types import ImageGenProcessor, OutputVar
 from mirageflow.files import atomic_write_bytes
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob
-from mirageflow.prompts import samples
+from mirageflow.shard import samples
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.prompts.templates import Template
+from mirageflow.shard.failures import ShardFailed
+from mirageflow.shard.ledger import ImageLedger, image_matches
+from mirageflow.shard.steps.base import Step, Unit
 from mirageflow.state.layout import image_relative, images_dir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -57,15 +60,6 @@ _FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP"}
 NAME_MAX = 255  # bytes of one file name on Linux's filesystems (ext4, xfs, btrfs, tmpfs, Lustre, GPFS)
 # what the filesystem answers for a name it refuses: the row's error, not the shard's
 _NAME_ERRNOS = {errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ}
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Where a row (sample) stands: its dataset, source index and sample (0 without n_samples)."""
-
-    dataset: int
-    source_index: int
-    sample: int = 0
 
 
 @dataclass
@@ -77,7 +71,7 @@ class ShardImages:
     starts: dict[int, tuple[int, int]]  # dataset -> (its first source index, units of the datasets before it)
     out_dirs: dict[int, Path]
     samples: int
-    ledger: object  # shard.ledger.ImageLedger
+    ledger: ImageLedger
 
     def sample_index(self, unit: Unit) -> int:
         """MMIRAGE's ``__sample_index``: the unit's position in this shard's work."""
@@ -101,9 +95,8 @@ def encode(image, file_format: str) -> bytes:
     return buf.getvalue()
 
 
-class ImageStep:
-    engine = None  # not an LLM step: the row path calls run()
-    wants_unit = True  # run() gets the row's Unit
+class ImageStep(Step):
+    """``outputs[]`` of type image_gen: ``run`` writes the row's image and sets its variables."""
 
     def __init__(self, output: OutputVar, processor: ImageGenProcessor, generator: ImageGenerator, shard: ShardImages, inputs: list[str]):
         self.output, self.processor, self.generator, self.shard, self.inputs = output, processor, generator, shard, inputs
@@ -137,10 +130,6 @@ class ImageStep:
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str, ensure_ascii=False).encode()).hexdigest()
 
     async def run(self, variables: dict, unit: Unit) -> bool:
-        # the shard package imports its runner, which imports this module: imported on use
-        from mirageflow.shard.failures import ShardFailed
-        from mirageflow.shard.ledger import image_matches
-
         name, seed_name, path_name = self.names
         prompt = self.prompt.render(variables)
         negative = self.negative.render(variables) if self.negative else self.default_negative
