@@ -107,7 +107,7 @@ def _check_run(cfg: PipelineConfig, target: Target) -> list[int]:
     from mirageflow.state.shards import states_of
 
     states = states_of(cfg)
-    not_done = {k: [s["shard_id"] for s in states if s["state"] == k] for k in ("failed", "running", "pending")}  # pending: stale too
+    not_done = {k: [s.shard_id for s in states if s.state == k] for k in ("failed", "running", "pending")}  # pending: stale too
     left_out = sorted({i for ids in not_done.values() for i in ids})
     if left_out and not target.allow_partial:
         what = "; ".join(f"{k}: {v[:20]}{' ...' if len(v) > 20 else ''}" for k, v in not_done.items() if v)
