@@ -467,9 +467,21 @@ def status_summary(cfg: PipelineConfig) -> dict:
                 else {}
             )
             | ({"repeats_identically": repeats[s["shard_id"]]} if s["shard_id"] in repeats else {})
+            | _healing(s)
             for s in states
         ],
     }
+
+
+def _healing(s: dict) -> dict:
+    """A shard's engine restarts (engines/server_restarts.py) from its status.json, failure.json
+    or progress.json, and the class of the death that failed it; nothing when there were none."""
+    record = s.get("status") or s.get("failure") or {}
+    restarts = (record.get("stats") or {}).get("engine_restarts") if record else (s.get("progress") or {}).get("engine_restarts")
+    out = {"engine_restarts": restarts} if restarts else {}
+    if (s.get("failure") or {}).get("failure_class"):
+        out["failure_class"] = s["failure"]["failure_class"]
+    return out
 
 
 def _status_line(s: dict, n_samples: int = 1) -> str:
@@ -497,8 +509,11 @@ def _status_line(s: dict, n_samples: int = 1) -> str:
     elif s["state"] == "failed":
         first = next(iter(str(s.get("error") or "no error recorded").splitlines()), "")
         detail = first + (f" [{s['signal']}]" if s.get("signal") else "")  # whole: it ends with the paths to look at
+        detail += f" [{s['failure_class']}]" if s.get("failure_class") else ""
     elif s["state"] == "done":
         detail = f"{fmt(s.get('runtime_seconds'))} s"
+    if s.get("engine_restarts"):
+        detail += f"{', ' if detail else ''}{s['engine_restarts']} engine restart{'s' if s['engine_restarts'] > 1 else ''}"
     elif s.get("stale"):
         detail = s["stale"]
     where = " ".join(

@@ -110,6 +110,8 @@ class OpenAIEngine(LoopEngine):
         if processor.retry_base_delay is not None:
             self.retry_base_delay = processor.retry_base_delay
         self._client: HTTPClient | None = None
+        # awaited after a connection error, before a retry; may raise instead (a launcher's: its server died)
+        self.on_transport_error = None
         self._whats: dict[str, str] = {}
         self._warned_usage = False
         self.info = EngineInfo(backend="openai", model_path=self.model)
@@ -208,6 +210,7 @@ class OpenAIEngine(LoopEngine):
             base_delay=self.retry_base_delay,
             max_delay=self.retry_max_delay,
             what=self._what(client, path),
+            on_transport_error=self.on_transport_error,
         )
         if not 200 <= response.status_code < 300:
             message = f"{client.url(path)} answered HTTP {response.status_code}: {error_message(response.content)}"
