@@ -21,6 +21,7 @@ from mirageflow.engines.server_restarts import ServerSupervisor
 from mirageflow.engines.vllm_server import VLLMServerEngine
 from mirageflow.errors import EngineDeathClass as D
 from mirageflow.prompts.samples import sample_seed
+from mirageflow.report.aggregate import write_report
 from mirageflow.shard import ShardFailed, index_datasets, run_shard
 
 ROWS = 24
@@ -110,9 +111,12 @@ def test_a_server_killed_three_times_and_frozen_once_is_restarted_and_the_shard_
     assert all(resent[pid] <= d["requests_resent"] <= 3 for d, pid in zip(deaths, pids)), (deaths, resent)
     assert sum(resent.values()) >= 4  # each death held at least the request that killed it
 
-    # mmirage status shows them
+    # mmirage status and the report show them
     summary = status_summary(cfg)
     assert summary["shards"][0]["engine_restarts"] == 4
+    metrics = write_report(tmp_path / "state", 1)
+    assert metrics["aggregate"]["engine_restarts"] == 4
+    assert "launched servers restarted inside their jobs" in (tmp_path / "state" / "report.html").read_text()
 
 
 def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, monkeypatch, tmp_path):
@@ -133,6 +137,8 @@ def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, 
     assert len(pids) == 3 and not any(alive(p) for p in pids)
     summary = status_summary(cfg)
     assert summary["shards"][0]["engine_restarts"] == 2 and summary["shards"][0]["failure_class"] == "failed_to_start"
+    (failed,) = write_report(tmp_path / "state", 1)["aggregate"]["failed_shards"]
+    assert (failed["engine_restarts"], failed["failure_class"]) == (2, "failed_to_start")
 
 
 @pytest.mark.parametrize(

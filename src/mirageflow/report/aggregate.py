@@ -46,7 +46,7 @@ def check_num_shards(status: dict, path: Path, num_shards: int) -> None:
 # which shards each figure of the aggregate covers (also in metrics.json, as "figure_scope")
 FIGURE_SCOPE = {
     "completed and failed shards": "total_rows_failed, rows_failed_by_class (a failed shard's rows from its failure.json); "
-    "split into rows_failed_completed_shards and rows_failed_failed_shards",
+    "split into rows_failed_completed_shards and rows_failed_failed_shards; engine_restarts",
     "failed shards": "rows_processed_failed_shards, failed_shards",
     "completed shards": "every other figure: total_rows_processed, runtimes, throughput, tokens and tokens/s, GPU, energy, roofline",
 }
@@ -171,6 +171,8 @@ def aggregate(
             {k: s.get(k) for k in ("shard_id", "error", "signal", "attempt", "host", "slurm_job_id", "finished_at")}
             | {k: fst.get(k) for k in ("rows_processed", "rows_failed")}
             | {"rows_failed_by_class": fst.get("rows_failed_by_class"), "attempts": attempts_count(fst)}
+            # the launched servers its job restarted, and the class of the death that ended it (engines/server_restarts.py)
+            | {"engine_restarts": fst.get("engine_restarts") or 0, "failure_class": (s.get("failure") or {}).get("failure_class")}
         )
     # energy and roofline over the shards that know them
     energy = [s for s in statuses if s["stats"].get("gpu_energy_joules") is not None]
@@ -203,6 +205,8 @@ def aggregate(
         "rows_failed_by_class": failed_by_class,
         "rows_failed_completed_shards": rows_failed_done,
         "rows_failed_failed_shards": rows_failed_failed,
+        # launched servers (vllm_server, sglang_server) restarted inside their shards' jobs
+        "engine_restarts": int(_sum(statuses, "engine_restarts")) + sum(f["engine_restarts"] for f in failed),
         "rows_processed_failed_shards": int(sum(f["rows_processed"] or 0 for f in failed)),
         "figure_scope": FIGURE_SCOPE,
         "damaged_state_files": [{"shard_id": s["shard_id"], **x} for s in states or [] for x in s.get("damaged") or []],
