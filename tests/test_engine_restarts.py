@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from fakes import alive, vllm_stand_in_command
-from mirageflow.cli import status_summary
+from mirageflow.cli import by_failure_class, retry_plan, status_summary
+from mirageflow.cli import main as cli_main
 from mirageflow.config import load_config
 from mirageflow.engines.server_process import classify_exit
 from mirageflow.engines.server_restarts import ServerSupervisor
@@ -119,7 +120,7 @@ def test_a_server_killed_three_times_and_frozen_once_is_restarted_and_the_shard_
     assert "launched servers restarted inside their jobs" in (tmp_path / "state" / "report.html").read_text()
 
 
-def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, monkeypatch, tmp_path):
+def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, monkeypatch, tmp_path, capsys):
     """Killed, then two restarts that exit before serving (out of memory at start): after
     max_restarts=2 the shard fails; failure.json names the last death's class and lists them all."""
     cfg = _shard(tmp_path, monkeypatch, "kill:2,exit,exit", max_restarts=2)
@@ -139,6 +140,13 @@ def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, 
     assert summary["shards"][0]["engine_restarts"] == 2 and summary["shards"][0]["failure_class"] == "failed_to_start"
     (failed,) = write_report(tmp_path / "state", 1)["aggregate"]["failed_shards"]
     assert (failed["engine_restarts"], failed["failure_class"]) == (2, "failed_to_start")
+    # mmirage retry --failure-class picks the failed shards by their death's class
+    plan = retry_plan(cfg, failed_rows=False)
+    assert plan["unfinished"] == [0] and by_failure_class(plan, ["failed_to_start", "frozen"])["unfinished"] == [0]
+    assert by_failure_class(plan, ["frozen"])["unfinished"] == [] and by_failure_class(plan, None) is plan
+    with pytest.raises(SystemExit):  # not a class: argparse says which are
+        cli_main(["retry", "--config", "c.yaml", "--failure-class", "oom"])
+    assert "invalid choice: 'oom'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
