@@ -82,7 +82,8 @@ class ServerSupervisor:
         self.ready_path, self.probe_path = ready_path, probe_path
         self.start_timeout, self.poll_interval, self.kill_grace = start_timeout, poll_interval, kill_grace
         self.max_restarts, self.hang_seconds = max_restarts, hang_seconds
-        # the engine's hooks: a death (fail the requests in flight now), a successor serving at base_url
+        # the engine's hooks: a death (its figures of the dead server end), a successor serving at
+        # base_url (its client points there), no successor (fail every request in flight now)
         self.on_death: Callable[[], None] | None = None
         self.on_restarted: Callable[[ServerProcess, str], None] | None = None
         self.on_final: Callable[[BaseException], None] | None = None
@@ -97,7 +98,7 @@ class ServerSupervisor:
         self._died_at: dict[int, float] = {}  # generation -> when it died (monotonic)
         self._successor: Future = Future()  # done when the serving server's successor serves (or never will)
         self._dying = False  # the serving server died; its successor is not serving yet
-        self._armed = False  # serving (watch called): a death is restarted
+        self.armed = False  # serving (watch called): a death is restarted
         self._closing = False
         self._wake = threading.Event()  # set by stop/close: the watchdog and a restart's backoff end
         self._lock = threading.Lock()
@@ -141,7 +142,7 @@ class ServerSupervisor:
 
     def watch(self) -> None:
         """Serving from now on (the engine loaded): deaths are restarted, hangs watched for."""
-        self._armed = True
+        self.armed = True
         self._last_alive = time.monotonic()
         if self.hang_seconds:
             threading.Thread(target=self._watch_hang, name=f"{self.name}-hang-watch", daemon=True).start()
@@ -170,7 +171,7 @@ class ServerSupervisor:
         log.error("%s (pid %s) died (%s): %s; log: %s", self.name, server.pid, death_class, cause, self.log_path)
         if self.on_death is not None:
             self.on_death()
-        if not self._armed:  # the engine was still loading: its load fails, as without restarts
+        if not self.armed:  # the engine was still loading: its load fails, as without restarts
             self._give_up(server)
             return
         threading.Thread(target=self._heal, args=(server, death), name=f"{self.name}-restart", daemon=True).start()
@@ -246,26 +247,13 @@ class ServerSupervisor:
         with self._lock:
             if self.final is None:
                 self.final = (
-                    EngineStopped(f"{self.name} was not restarted: the engine is stopping") if self._closing else self._died_error(last)
+                    EngineStopped(f"{self.name} was not restarted: the engine is stopping") if self._closing else _final_error(self, last)
                 )
             final = self.final
         if not self._successor.done():
             self._successor.set_exception(final)
         if self.on_final is not None:
             self.on_final(final)
-
-    def _died_error(self, last: ServerProcess) -> ServerDied:
-        death = self.deaths[-1]
-        where = f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{last.tail()}"
-        if len(self.deaths) == 1:
-            why = "" if not self._armed else f" (processors[].max_restarts={self.max_restarts}: not restarted)"
-            return ServerDied(f"{self.name} (pid {death['pid']}) {death['cause']} during the run{why}; {where}", death["class"])
-        listed = "; ".join(f"{i}. {d['at']} {d['class']}: {d['cause']}" for i, d in enumerate(self.deaths, 1))
-        return ServerDied(
-            f"{self.name} died {len(self.deaths)} times during the run and was restarted {self.restarts} times, the most "
-            f"processors[].max_restarts={self.max_restarts} allows: {listed}; {where}",
-            death["class"],
-        )
 
     # ------------------------------------------------------------------ hangs
 
@@ -369,6 +357,21 @@ class ServerSupervisor:
             server.closing = True
         for server in servers:
             server.kill(self.kill_grace)
+
+
+def _final_error(supervisor: ServerSupervisor, last: ServerProcess) -> ServerDied:
+    """The death no restart follows, naming each death (time, class, cause) and ``last``'s log tail."""
+    s, death = supervisor, supervisor.deaths[-1]
+    where = f"last {LOG_TAIL_LINES} lines of {s.log_path}:\n{last.tail()}"
+    if len(s.deaths) == 1:
+        why = f" (processors[].max_restarts={s.max_restarts}: not restarted)" if s.armed else ""
+        return ServerDied(f"{s.name} (pid {death['pid']}) {death['cause']} during the run{why}; {where}", death["class"])
+    listed = "; ".join(f"{i}. {d['at']} {d['class']}: {d['cause']}" for i, d in enumerate(s.deaths, 1))
+    return ServerDied(
+        f"{s.name} died {len(s.deaths)} times during the run and was restarted {s.restarts} times, the most "
+        f"processors[].max_restarts={s.max_restarts} allows: {listed}; {where}",
+        death["class"],
+    )
 
 
 def _fresh(error: BaseException) -> BaseException:
