@@ -207,6 +207,7 @@ def test_a_launched_server_of_the_engine_service_is_restarted_and_its_shards_go_
         outputs=[{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
         processor={"backend": "vllm_server", "server_command": vllm_stand_in_command(), "server_start_timeout": 30},
         execution_params={"shards_per_engine": 2, "merge": False},
+        shard_params={"max_inflight": 2},  # 4 requests in flight at most: the server has answered 3 before the 8th arrives
     )  # fmt: skip
     env = {**os.environ, "FAKE_VLLM_DEATHS": "kill:3", "FAKE_VLLM_STARTS": str(tmp_path / "starts"), "FAKE_VLLM_LATENCY": "0.1"}
     env.pop("LD_PRELOAD", None)
