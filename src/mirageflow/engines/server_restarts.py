@@ -185,6 +185,7 @@ class ServerSupervisor:
             "pid": server.pid if server is not None else None,
             "requests_resent": 0,
             "restarted_after_seconds": None,  # from the death to the successor's first healthy answer
+            "successor_start_seconds": None,  # of which the successor's own start (the rest: sweep and backoff)
             "first_answer_after_seconds": None,  # from the death to the successor's first answer to a request
         }
         self.deaths.append(death)
@@ -208,7 +209,7 @@ class ServerSupervisor:
             try:
                 server, port, command = self._launch()
                 log.info("restarting %s (restart %d of at most %d) on port %d", self.name, self.restarts, self.max_restarts, port)
-                server.wait_healthy(f"http://{self.host}:{port}", self.ready_path, self.start_timeout, self.poll_interval)
+                started = server.wait_healthy(f"http://{self.host}:{port}", self.ready_path, self.start_timeout, self.poll_interval)
                 if self.on_restarted is not None:
                     self.on_restarted(server, f"http://{self.host}:{port}")
             except Exception as e:  # noqa: BLE001 - a restart that failed is a death of its own
@@ -238,6 +239,7 @@ class ServerSupervisor:
                 self._give_up(last)
                 return
             death["restarted_after_seconds"] = round(time.monotonic() - t0, 3)
+            death["successor_start_seconds"] = round(started, 3)
             log.warning("%s serves again after %.1f s (pid %d)", self.name, time.monotonic() - t0, server.pid)
             successor.set_result(None)
             return
