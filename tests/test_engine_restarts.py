@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fakes import alive, vllm_stand_in_command
+from mirageflow.cli import _status_line as status_line
 from mirageflow.cli import by_failure_class, retry_plan, status_summary
 from mirageflow.cli import main as cli_main
 from mirageflow.config import load_config
@@ -138,6 +139,8 @@ def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, 
     assert len(pids) == 3 and not any(alive(p) for p in pids)
     summary = status_summary(cfg)
     assert summary["shards"][0]["engine_restarts"] == 2 and summary["shards"][0]["failure_class"] == "failed_to_start"
+    line = status_line(summary["shards"][0])
+    assert "[failed_to_start], 2 engine restarts" in line and "died 3 times" in line
     (failed,) = write_report(tmp_path / "state", 1)["aggregate"]["failed_shards"]
     assert (failed["engine_restarts"], failed["failure_class"]) == (2, "failed_to_start")
     # mmirage retry --failure-class picks the failed shards by their death's class
