@@ -184,7 +184,7 @@ def test_server_dying_mid_run_fails_the_requests(fast, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_SGLANG_CRASH_AFTER", "5")
     monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.05")
     monkeypatch.setenv("FAKE_SGLANG_SPAWN_CHILD", "1")
-    engine = SGLangServerEngine(processor(extra={"max_running_requests": 2}), log_dir=tmp_path)
+    engine = SGLangServerEngine(processor(extra={"max_running_requests": 2}, max_restarts=0), log_dir=tmp_path)
     engine.load()
     try:
         with pytest.raises(ServerDied) as err:
@@ -199,6 +199,32 @@ def test_server_dying_mid_run_fails_the_requests(fast, monkeypatch, tmp_path):
     finally:
         engine.close()
     assert not alive(child_pid(tmp_path / "sglang_server.log"))  # the orphaned scheduler too
+
+
+def test_server_killed_then_frozen_is_restarted_and_every_request_answered(fast, monkeypatch, tmp_path):
+    """sglang_server heals as vllm_server does (engines/server_restarts.py): the first server
+    kills itself, the second freezes (SIGSTOP) and is killed after hang_seconds; the third
+    answers the rest. Each dead server's scheduler child is killed with it."""
+    from mirageflow.engines.server_restarts import ServerSupervisor
+
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 0.05)
+    monkeypatch.setenv("FAKE_SGLANG_DEATHS", "kill:4,freeze:3")
+    monkeypatch.setenv("FAKE_SGLANG_STARTS", str(tmp_path / "starts"))
+    monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.05")
+    monkeypatch.setenv("FAKE_SGLANG_SPAWN_CHILD", "1")
+    engine = SGLangServerEngine(processor(max_restarts=2, hang_seconds=1.0, max_retries=0), log_dir=tmp_path)
+    engine.load()
+    try:
+        done = drive(engine, [req(i) for i in range(16)], window=3)
+        deaths, restarts = engine.deaths(), engine.restarts()
+    finally:
+        engine.close()
+    assert [c.id for c in done] == list(range(16)) and all(c.error_kind is None and c.completion_tokens > 0 for c in done)
+    assert restarts == 2 and [d["class"] for d in deaths] == ["killed_by_signal", "frozen"]
+    assert all(1 <= d["requests_resent"] <= 3 for d in deaths)
+    pids = [int(p) for p in (tmp_path / "starts").read_text().split()]
+    children = [int(c) for c in re.findall(r"scheduler child pid (\d+)", (tmp_path / "sglang_server.log").read_text())]
+    assert len(pids) == len(children) == 3 and not any(alive(p) for p in pids + children)
 
 
 def test_retries_and_row_errors_on_generate(fast, monkeypatch, tmp_path):

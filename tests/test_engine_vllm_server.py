@@ -148,11 +148,13 @@ def test_a_server_that_never_gets_healthy_or_exits_at_start(fast, monkeypatch, t
 def test_a_server_dying_mid_run_fails_the_requests_at_once(fast, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_VLLM_CRASH_AFTER", "3")
     monkeypatch.setenv("FAKE_VLLM_LATENCY", "0.05")
-    engine = VLLMServerEngine(processor(max_retries=50), log_dir=tmp_path)  # retries would take minutes
+    engine = VLLMServerEngine(processor(max_retries=50, max_restarts=0), log_dir=tmp_path)  # retries would take minutes
     engine.load()
     try:
         t0 = time.monotonic()
-        with pytest.raises(ServerDied, match="the vLLM server .* exited with code 7 during the run") as err:
+        with pytest.raises(
+            ServerDied, match=r"the vLLM server .* exited with code 7 during the run \(processors\[\].max_restarts=0: not restarted\)"
+        ) as err:
             drive(engine, [Request(i, messages(i), None, {}) for i in range(20)], window=2)
         assert time.monotonic() - t0 < 5
         assert "illegal memory access" in str(err.value)  # the log's tail

@@ -83,6 +83,17 @@ def test_the_docs_list_every_row_error_class_as_the_enum_says():
         assert f"| `{c.value}` | {c.stage} | {'fails the same way' if c.deterministic else 'may succeed'} |" in page
 
 
+def test_docs_list_every_engine_death_class_as_the_enum_says():
+    from mirageflow.errors import EngineDeathClass
+
+    assert [c.value for c in EngineDeathClass] == ["out_of_memory", "killed_by_signal", "exited_with_error", "frozen", "failed_to_start"]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "row_error_docs.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    engines = (REPO / "docs" / "engines.md").read_text()
+    for c in EngineDeathClass:
+        assert f"| `{c.value}` | {c.meaning} |" in engines
+
+
 def test_the_cli_maps_only_our_input_errors_to_exit_2(monkeypatch, capsys):
     def bad_input(args):
         raise cli.UsageError("state_dir /x does not exist")

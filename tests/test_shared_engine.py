@@ -194,6 +194,37 @@ def test_an_engine_killed_mid_run_fails_its_shards_clearly_and_a_rerun_completes
     assert [entry["state"] for entry in _loads(tmp_path)] == ["ready", "stopped"]  # the killed load never wrote its end
 
 
+def test_a_launched_server_of_the_engine_service_is_restarted_and_its_shards_go_on(tmp_path, tiny_model):
+    """The engine service of two shards runs a vllm_server (its stand-in) that kills itself after
+    three answers: the service restarts it, the shards' requests wait and go on, both shards
+    succeed in their first attempt, and the service's stats count the restart."""
+    from fakes import alive, vllm_stand_in_command
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"title": f"Title number {i}"}) + "\n" for i in range(12)))
+    cfg = pipeline_config(
+        data, model=tiny_model, num_shards=2, dataset={"output_format": "jsonl"}, inputs=["title"],
+        outputs=[{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
+        processor={"backend": "vllm_server", "server_command": vllm_stand_in_command(), "server_start_timeout": 30},
+        execution_params={"shards_per_engine": 2, "merge": False},
+        shard_params={"max_inflight": 2},  # 4 requests in flight at most: the server has answered 3 before the 8th arrives
+    )  # fmt: skip
+    env = {**os.environ, "FAKE_VLLM_DEATHS": "kill:3", "FAKE_VLLM_STARTS": str(tmp_path / "starts"), "FAKE_VLLM_LATENCY": "0.1"}
+    env.pop("LD_PRELOAD", None)
+    run_workflow(tmp_path, cfg, "--cores", "3", env=env)
+    assert len(_records(tmp_path)) == 12
+    for shard in range(2):
+        status = json.loads((tmp_path / "state" / f"shard_{shard}" / "status.json").read_text())
+        assert [a["outcome"] for a in status["stats"]["attempts"]] == ["success"]
+    (load,) = _loads(tmp_path)
+    assert load["state"] == "stopped" and load["engine_restarts"] == 1
+    assert [d["class"] for d in load["engine_deaths"]] == ["killed_by_signal"]
+    pids = [int(p) for p in (tmp_path / "starts").read_text().split()]
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+    metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())
+    assert metrics["aggregate"]["shared_engines"]["engine_restarts"] == 1
+
+
 # --------------------------------------------------------------------------- config, resources
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from mirageflow.config.types import PipelineConfig
-from mirageflow.errors import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, InputError
+from mirageflow.errors import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, EngineDeathClass, InputError
 from mirageflow.state.layout import StateLayout
 
 EPILOG = """\
@@ -244,6 +244,18 @@ def retry_plan(cfg: PipelineConfig, failed_rows: bool) -> dict:
     }  # fmt: skip
 
 
+def by_failure_class(plan: dict, classes: list[str] | None) -> dict:
+    """``plan`` cut to the failed shards whose failure.json names one of ``classes`` (the death
+    class of their launched server, engines/server_restarts.py); all of it without classes."""
+    if not classes:
+        return plan
+    chosen = [s.shard_id for s in plan["states"] if s.state == "failed" and (s.failure or {}).get("failure_class") in classes]
+    return plan | {
+        "unfinished": chosen, "with_failed_rows": [], "stale": [i for i in plan["stale"] if i in chosen],
+        "damaged_status": [i for i in plan["damaged_status"] if i in chosen],
+    }  # fmt: skip
+
+
 def _ids(ids: list[int]) -> str:
     return str(ids[:20])[:-1] + ", ...]" if len(ids) > 20 else str(ids)
 
@@ -289,14 +301,14 @@ def cmd_retry(args) -> int:
     from mirageflow.state.shards import states_of
 
     cfg = _load(args.config)
-    plan = retry_plan(cfg, args.failed_rows)
+    plan = by_failure_class(retry_plan(cfg, args.failed_rows), args.failure_class)
     paths = StateLayout(cfg.state_dir)
     for batch_id in args.resubmit_batch or ():
         rc = resubmit_batch(cfg, paths, plan, batch_id)
         if rc != EXIT_OK:
             return rc
     if args.resubmit_batch:
-        plan = retry_plan(cfg, args.failed_rows)
+        plan = by_failure_class(retry_plan(cfg, args.failed_rows), args.failure_class)
     if plan["running"]:
         print(
             f"mmirage: shard(s) {_ids(plan['running'])} look alive (fresh progress.json/lease.json); their rerun waits for "
@@ -429,9 +441,22 @@ def status_summary(cfg: PipelineConfig) -> dict:
             s.to_json()
             | ({"runtime_seconds": s.stats["runtime_seconds"], "samples_done": units_of(s.stats)} if s.state == "done" else {})
             | ({"repeats_identically": repeats[s.shard_id]} if s.shard_id in repeats else {})
+            | _healing(s)
             for s in states
         ],
     }
+
+
+def _healing(s) -> dict:
+    """A shard's engine restarts (engines/server_restarts.py) from its status.json, failure.json
+    or progress.json (a ``ShardState``), and the class of the death that failed it; nothing
+    when there were none."""
+    record = s.status or s.failure
+    restarts = (record.get("stats") or {}).get("engine_restarts") if record else (s.progress or {}).get("engine_restarts")
+    out = {"engine_restarts": restarts} if restarts else {}
+    if (s.failure or {}).get("failure_class"):
+        out["failure_class"] = s.failure["failure_class"]
+    return out
 
 
 def _status_line(s: dict, n_samples: int = 1) -> str:
@@ -459,8 +484,11 @@ def _status_line(s: dict, n_samples: int = 1) -> str:
     elif s["state"] == "failed":
         first = next(iter(str(s.get("error") or "no error recorded").splitlines()), "")
         detail = first + (f" [{s['signal']}]" if s.get("signal") else "")  # whole: it ends with the paths to look at
+        detail += f" [{s['failure_class']}]" if s.get("failure_class") else ""
     elif s["state"] == "done":
         detail = f"{fmt(s.get('runtime_seconds'))} s"
+    if s.get("engine_restarts"):
+        detail += f"{', ' if detail else ''}{s['engine_restarts']} engine restart{'s' if s['engine_restarts'] > 1 else ''}"
     elif s.get("stale"):
         detail = s["stale"]
     where = " ".join(
@@ -828,6 +856,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--resubmit-batch", action="append", metavar="BATCH_ID",
         help="batch_api: stop waiting for this provider batch (one the provider answers 401/403/404 about, as the shard's "
         "failure says) and submit its requests again, paid again; repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--failure-class", action="append", metavar="CLASS", choices=[c.value for c in EngineDeathClass],
+        help="only the failed shards whose launched server's last death was of this class (failure.json's failure_class: "
+        + ", ".join(c.value for c in EngineDeathClass) + "); repeatable",
     )  # fmt: skip
     p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")
     p.add_argument(

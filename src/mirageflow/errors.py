@@ -173,6 +173,25 @@ class RowErrorClass(enum.StrEnum):
     INTERNAL_ERROR = "internal_error", "row", False, "any other exception on the row's path (a bug of ours; the traceback is in the log)"
 
 
+class EngineDeathClass(enum.StrEnum):
+    """Why a launched inference server stopped serving (``engine_deaths[].class`` in status.json,
+    ``failure_class`` in failure.json), told from what can be seen: its exit code or signal,
+    its log's last lines, its health probe. The server's death, not a row's: the job restarts
+    the server (engines/server_restarts.py) and the requests it held are sent again."""
+
+    def __new__(cls, value: str, meaning: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.meaning = meaning
+        return member
+
+    OUT_OF_MEMORY = "out_of_memory", "its log's last lines say it ran out of GPU or host memory (whatever its exit code)"
+    KILLED_BY_SIGNAL = "killed_by_signal", "killed by a signal it did not handle (SIGKILL: the OOM killer, a person, the scheduler)"
+    EXITED_WITH_ERROR = "exited_with_error", "it exited by itself during the run (a Python error, a failed check; its exit code is kept)"
+    FROZEN = "frozen", "it answered neither a request nor its health probe for hang_seconds; the job killed its process tree"
+    FAILED_TO_START = "failed_to_start", "a restart did not become healthy within server_start_timeout, or exited first"
+
+
 DETERMINISTIC_CLASSES = frozenset(c.value for c in RowErrorClass if c.deterministic)
 
 
@@ -198,4 +217,11 @@ def row_error_table() -> str:
     for c in RowErrorClass:
         retry = "fails the same way" if c.deterministic else "may succeed"
         lines.append(f"| `{c.value}` | {c.stage} | {retry} | {c.meaning} |")
+    return "\n".join(lines)
+
+
+def death_class_table() -> str:
+    """The Markdown table of engine death classes (docs/engines.md, between the death-classes markers)."""
+    lines = ["| class | what |", "|---|---|"]
+    lines += [f"| `{c.value}` | {c.meaning} |" for c in EngineDeathClass]
     return "\n".join(lines)

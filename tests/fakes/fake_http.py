@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -112,6 +113,11 @@ class Behaviour:
     plan: list[str] = field(default_factory=list)
     crash_after: int | None = None
     crash_code: int = 7
+    # script mode only: ("kill", n) SIGKILLs the process, ("freeze", n) SIGSTOPs it, on the next
+    # generation request after n answers (a death the process cannot report)
+    death: tuple[str, int] | None = None
+    # append a JSON line per generation request asked and answered (pid, prompt, seed, n) to this file
+    request_log: str | None = None
     enable_metrics: bool = True
     model: str = "fake-model"
     allow_exit: bool = False  # only a stand-in process may exit
@@ -274,6 +280,36 @@ class FakeServer(LocalHTTPServer):
         return "\n".join(lines) + "\n"
 
 
+_log_lock = threading.Lock()
+
+
+def this_starts_death(env, prefix: str) -> tuple[str, int] | None:
+    """A stand-in server's death, scripted per start: this start's entry of ``<prefix>_DEATHS``
+    ("kill:n", "freeze:n", "exit" or "serve"; starts counted in the file ``<prefix>_STARTS``)."""
+    if not env.get(f"{prefix}_DEATHS"):
+        return None
+    with open(env[f"{prefix}_STARTS"], "a+") as f:
+        f.seek(0)
+        k = len(f.read().splitlines())
+        f.write(f"{os.getpid()}\n")
+    plan = env[f"{prefix}_DEATHS"].split(",")
+    if k >= len(plan) or plan[k] == "serve":
+        return None
+    how, _, after = plan[k].partition(":")
+    return how, int(after or 0)
+
+
+def _log_request(path: str | None, event: str, body: dict) -> None:
+    """One line of ``Behaviour.request_log``: who (pid) was asked or answered what."""
+    if path is None:
+        return
+    messages = body.get("messages")
+    prompt = messages[-1].get("content") if messages else body.get("prompt", body.get("text"))
+    line = json.dumps({"pid": os.getpid(), "event": event, "prompt": prompt, "seed": body.get("seed"), "n": body.get("n", 1)})
+    with _log_lock, open(path, "a") as f:
+        f.write(line + "\n")
+
+
 IMAGE_TOKEN = "<image>"
 TOKENS_PER_IMAGE = 16
 
@@ -315,7 +351,7 @@ def _handler(server: FakeServer):
                 self.close_connection = True
 
         def do_GET(self):
-            if self.path == "/health" and server.behaviour.flavour == "vllm":
+            if self.path == "/health":  # vLLM's readiness; SGLang's liveness (the probe of a hang watch)
                 self._send(200 if server.healthy() else 503, "")
             elif self.path == "/version":
                 self._send(200, {"version": "0.32.0+fake"})
@@ -358,6 +394,10 @@ def _handler(server: FakeServer):
             if b.crash_after is not None and server.answered >= b.crash_after and b.allow_exit:
                 print("fake sglang: CUDA error: an illegal memory access was encountered", flush=True)
                 os._exit(b.crash_code)
+            _log_request(b.request_log, "asked", body)
+            if b.death is not None and server.answered >= b.death[1] and b.allow_exit:
+                print(f"fake: {b.death[0]} after {server.answered} answers", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if b.death[0] == "kill" else signal.SIGSTOP)
             action = server.next_action()
             if action == "drop":
                 self.close_connection = True
@@ -393,6 +433,8 @@ def _handler(server: FakeServer):
                 used = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] if status == 200 else 0
                 return self._send(status, answer, headers=server.correct(estimate, used))
             self._send(status, answer)
+            if status == 200:
+                _log_request(b.request_log, "answered", body)
 
         def _estimate(self, body: dict) -> int:
             """A request's tokens as the provider counts them on arrival: its prompt's, and max_tokens per choice."""

@@ -18,6 +18,8 @@ from the environment (the engine's child inherits it):
 - FAKE_SGLANG_PLAN=503,drop,ok        scripted answers, one per generation request
 - FAKE_SGLANG_IGNORE_SIGTERM=1        survive SIGTERM (the engine must SIGKILL)
 - FAKE_SGLANG_SPAWN_CHILD=1           start a grandchild (like SGLang's scheduler) and log its pid
+- FAKE_SGLANG_DEATHS=kill:4,freeze:3  the k-th start (counted in the file FAKE_SGLANG_STARTS)
+                                      SIGKILLs or SIGSTOPs itself after n answers (as FAKE_VLLM_DEATHS)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import signal
 import subprocess
 import sys
 
-from fake_http import _FACTS, Behaviour, FakeServer
+from fake_http import _FACTS, Behaviour, FakeServer, this_starts_death
 
 _TYPED = {"port": int, "tp_size": int, "dp_size": int}
 
@@ -61,6 +63,7 @@ def main() -> None:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"fake sglang: scheduler child pid {child.pid}", flush=True)
     print("fake sglang: loading weights...", flush=True)
+    death = this_starts_death(env, "FAKE_SGLANG")
     if env.get("FAKE_SGLANG_EXIT_AT_START"):
         print("fake sglang: RuntimeError: not enough memory for the KV cache", flush=True)
         sys.exit(int(env["FAKE_SGLANG_EXIT_AT_START"]))
@@ -75,6 +78,7 @@ def main() -> None:
         enable_metrics=args.enable_metrics,
         model=args.model_path,
         allow_exit=True,
+        death=death,
     )
     server = FakeServer(behaviour, host=args.host, port=args.port)
     print(f"fake sglang: serving on {server.url}", flush=True)

@@ -13,6 +13,11 @@ server checks the flags themselves: tests/test_real_vllm.py). The environment it
 - FAKE_VLLM_CRASH_AFTER=n           exit (code 7) on the generation request after n answers
 - FAKE_VLLM_LATENCY=seconds         per generation request
 - FAKE_VLLM_IGNORE_SIGTERM=1        survive SIGTERM, as vLLM does while it compiles
+- FAKE_VLLM_DEATHS=kill:4,freeze:3,exit,...  the k-th start of the server (counted in the file
+                                    FAKE_VLLM_STARTS) SIGKILLs itself (kill:n) or SIGSTOPs itself
+                                    (freeze:n) on the generation request after n answers, or
+                                    exits (code 4) before serving (exit); later starts serve
+- FAKE_VLLM_REQUEST_LOG=path        a JSON line per generation request asked and answered
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 import signal
 import sys
 
-from fake_http import Behaviour, FakeServer
+from fake_http import Behaviour, FakeServer, this_starts_death
 
 
 def parse(argv: list[str]) -> dict:
@@ -53,6 +58,10 @@ def main() -> None:
     if env.get("FAKE_VLLM_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, lambda *a: print("fake vllm: ignoring SIGTERM (compiling)", flush=True))
     print("fake vllm: Loading weights took 0.94 seconds", flush=True)
+    death = this_starts_death(env, "FAKE_VLLM")
+    if death == ("exit", 0):
+        print("fake vllm: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+        sys.exit(4)
     if env.get("FAKE_VLLM_EXIT_AT_START"):
         print("fake vllm: ValueError: No available memory for the cache blocks", flush=True)
         sys.exit(int(env["FAKE_VLLM_EXIT_AT_START"]))
@@ -64,6 +73,8 @@ def main() -> None:
         allow_exit=True,
         flavour="vllm",
         seed_in_text=True,
+        death=death,
+        request_log=env.get("FAKE_VLLM_REQUEST_LOG"),
     )
     server = FakeServer(behaviour, host=args.get("host", "127.0.0.1"), port=int(args["port"]))
     print(f"fake vllm: Starting vLLM server on {server.url}", flush=True)

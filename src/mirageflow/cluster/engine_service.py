@@ -24,8 +24,13 @@ transport/http_client.py):
   the template has no portable fast path); 422 ``{"error"}`` when the template refuses.
 
 Its own measurements go to ``<state_dir>/engines/engine_<g>.stats.json``: one entry per
-load (``loads``, appended by each start), with load/warm-up seconds, device, engine info
-and requests served, so the report counts each load once. A service nobody talks to for
+load (``loads``, appended by each start), with load/warm-up seconds, device, engine info,
+requests served and the restarts and deaths of its launched servers, so the report counts
+each load once. A launched server (``vllm_server``, ``sglang_server``) that dies or freezes
+is restarted inside the service (engines/server_restarts.py): the requests it held are sent
+again, the shards' requests wait meanwhile (their heartbeat still answered), within the
+restarts' bound (``max_restarts`` x (backoff + ``server_start_timeout``)), and fail only once
+the restarts are spent. A service nobody talks to for
 ``$MIRAGEFLOW_ENGINE_IDLE_EXIT`` seconds (600; shards send a heartbeat every 5 s: engines/shared.py HEARTBEAT_SECONDS) exits:
 Snakemake does not stop a service whose consumers could not start.
 """
@@ -99,6 +104,7 @@ def shared_engine_summary(state_dir: str | Path, statuses: list[dict]) -> dict |
         "engine_model_load_seconds": engine_load,
         "engine_warmup_seconds": sum(entry.get("warmup_seconds") or 0 for entry in loads),
         "engine_requests": sum(entry.get("requests") or 0 for entry in loads),
+        "engine_restarts": sum(entry.get("engine_restarts") or 0 for entry in loads),
         "shards_served": len(served),
         "served_shards_wait_seconds": sum(s["stats"].get("model_load_seconds") or 0 for s in served),
         # what sum_model_load_seconds reports: engine loads once + shards that loaded their own
@@ -156,6 +162,9 @@ class EngineService:
             "engines": {name: _jsonable(vars(e.info)) for name, e in self.engines.items()},
             "requests": self.requests, "request_errors": self.errors,
             "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+            # its launched servers restarted while serving (engines/server_restarts.py); its shards waited meanwhile
+            "engine_restarts": sum(e.restarts() for e in self.engines.values()),
+            "engine_deaths": [{"processor": name, **d} for name, e in self.engines.items() for d in e.deaths()],
         }  # fmt: skip
 
     def write_stats(self, finished: bool = False) -> None:

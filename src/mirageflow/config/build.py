@@ -219,6 +219,8 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         server_start_timeout=p["server_start_timeout"],
         request_timeout=p["request_timeout"],
         max_retries=p["max_retries"] if p["max_retries"] is not None else DEFAULT_MAX_RETRIES,
+        max_restarts=p["max_restarts"],
+        hang_seconds=p["hang_seconds"],
         native_n=p["native_n"],
         index=i,
         max_concurrency=p.get("max_concurrency"),

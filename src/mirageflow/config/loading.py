@@ -254,6 +254,8 @@ _PROCESSOR_OPERATIONAL_KEYS = (
     "base_url", "api_key_env", "server_start_timeout", "request_timeout", "max_retries", "torch_threads",
     # a launched server's environment (VLLM_CPU_KVCACHE_SPACE, LD_PRELOAD): where and how fast it runs
     "server_env",
+    # a launched server restarted in the job when it dies or freezes: the same answers
+    "max_restarts", "hang_seconds",
     # one request with n or n requests: the same draw on servers that seed choice i with seed + i
     "native_n",
     # custom processors' (shard/steps/python.py): how the function is run, or accepted and unused

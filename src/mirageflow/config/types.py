@@ -148,6 +148,10 @@ class ProcessorConfig:
     server_start_timeout: float = 900.0
     request_timeout: float = 600.0
     max_retries: int = DEFAULT_MAX_RETRIES
+    # a launched server (vllm_server, sglang_server) that dies or freezes is restarted in the job
+    # this many times (engines/server_restarts.py); frozen: no answer, no health for hang_seconds
+    max_restarts: int = 3
+    hang_seconds: float | None = 300.0
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)

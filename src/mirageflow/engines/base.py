@@ -144,6 +144,15 @@ class Engine(abc.ABC):
         """Requests waiting or running inside the engine, when it can tell."""
         return None
 
+    def restarts(self) -> int:
+        """How many times this job restarted the engine's launched server (engines/server_restarts.py)."""
+        return 0
+
+    def deaths(self) -> list[dict]:
+        """Each death of the engine's launched server in this job: its class, time, cause, exit
+        code and the requests sent again to its successor (engines/server_restarts.py)."""
+        return []
+
     def stop(self) -> None:  # noqa: B027 - engines without long calls have nothing to interrupt
         """Interrupt running generation soon (called on SIGTERM/SIGINT, from any thread)."""
 

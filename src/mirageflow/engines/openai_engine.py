@@ -119,6 +119,8 @@ class OpenAIEngine(LoopEngine):
         self._client: HTTPClient | None = None
         self._limiter: RateLimiter | None = None
         self._output_seen = [0, 0]  # (completion tokens, choices) answered: the estimate without max_new_tokens
+        # awaited after a connection error, before a retry; may raise instead (a launcher's: its server died)
+        self.on_transport_error = None
         self._whats: dict[str, str] = {}
         self._warned_usage = False
         self.info = EngineInfo(backend="openai", model_path=self.model)
@@ -224,6 +226,7 @@ class OpenAIEngine(LoopEngine):
             what=self._what(client, path),
             limiter=self._limiter,
             tokens=self._estimate(request, n),
+            on_transport_error=self.on_transport_error,
         )
         if not 200 <= response.status_code < 300:
             message = f"{client.url(path)} answered HTTP {response.status_code}: {error_message(response.content)}"

@@ -7,6 +7,8 @@ is called when it exits), waits for a health endpoint to answer 200 within a sta
 deadline, and stops the whole process tree: SIGTERM to the group, SIGKILL to what is left
 after ``grace`` seconds (vLLM ignores SIGTERM while it compiles; SGLang's scheduler may
 outlive its parent), also at interpreter exit. Error messages quote the log's last lines.
+``classify_exit`` says why a serving one exited (an ``EngineDeathClass``); the restarts of
+``sglang_server`` and ``vllm_server`` are engines/server_restarts.py's, one ServerProcess per start.
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ from pathlib import Path
 from typing import Callable
 
 from mirageflow.engines.base import EngineError
+from mirageflow.errors import EngineDeathClass as D
 from mirageflow.redact import redact
 
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 30
+# What a server (PyTorch, CUDA, the C++ allocator, the kernel's ENOMEM) writes when memory ran
+# out; any of them in the log's tail makes an exit an out-of-memory death.
+_OOM_MARKERS = (
+    "out of memory", "outofmemoryerror", "memoryerror", "cannot allocate memory", "std::bad_alloc",
+    "failed to allocate", "cuda_error_out_of_memory",
+)  # fmt: skip
 
 
 def server_flags(args: dict) -> list[str]:
@@ -59,6 +68,30 @@ def log_tail(path: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
         return f"(log unreadable: {e})"
     text = b"".join(tail).decode("utf-8", "replace").rstrip()
     return text or "(the log is empty)"
+
+
+def exit_signal(rc: int) -> signal.Signals | None:
+    """The signal that ended a process with exit status ``rc``: Popen's ``-N``, or a shell's
+    ``128 + N`` (a ``server_command`` wrapped in a script)."""
+    number = -rc if rc < 0 else rc - 128 if 128 < rc < 128 + signal.NSIG else None
+    try:
+        return signal.Signals(number) if number else None
+    except ValueError:
+        return None
+
+
+def classify_exit(rc: int, tail: str) -> tuple[D, str]:
+    """Why a server that was serving exited with ``rc``, its log's last lines ``tail``: the
+    death's class and its cause in words."""
+    low = tail.lower()
+    marker = next((m for m in _OOM_MARKERS if m in low), None)
+    sig = exit_signal(rc)
+    how = f"killed by {sig.name}" if sig is not None else f"exited with code {rc}"
+    if marker is not None:
+        return D.OUT_OF_MEMORY, f"{how}; its log says {marker!r}"
+    if sig is not None:
+        return D.KILLED_BY_SIGNAL, how
+    return D.EXITED_WITH_ERROR, how
 
 
 class ServerProcess:

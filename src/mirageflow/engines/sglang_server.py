@@ -31,20 +31,22 @@ caller's event loop.
 - Chat template: applied client-side with the model's tokenizer (transformers
   AutoTokenizer on the local model path) and ``chat_template_kwargs``.
 - Failure: connection errors, timeouts, 429 and 5xx are retried with backoff
-  (``max_retries``); if the server process exits, every outstanding and later request
-  fails with EngineError naming the exit code and the log tail.
+  (``max_retries``); a server that exits or freezes is restarted on a new port and the
+  requests it held are sent again (engines/server_restarts.py: ``max_restarts``,
+  ``hang_seconds``, its hang probe ``GET /health``); once the restarts are spent, every
+  outstanding and later request fails with ``ServerDied`` naming each death and the log tail.
 - Shutdown: SIGTERM to the server's process group, SIGKILL after ``kill_grace`` seconds, on
   close(), on a failed load() and at interpreter exit.
 - ``extra_engine_args.enable_metrics: true`` starts the server with ``--enable-metrics``; the
   engine scrapes ``/metrics`` after start, during the run and before shutdown
   (engines/server_metrics.py) into ``info.details["server_metrics"]``: tokens, requests,
   radix-cache hit rate, retractions and queue length as the server counted them.
-- Process: engines/server_process.py (start, health wait, log tail, SIGTERM then SIGKILL).
+- Process: engines/server_process.py (start, health wait, log tail, SIGTERM then SIGKILL),
+  restarted by engines/server_restarts.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import tempfile
@@ -60,7 +62,6 @@ from mirageflow.engines.http import (
     EngineError,
     error_kind,
     error_message,
-    free_port,
     post_with_retries,
     redact,
     rejected,
@@ -69,6 +70,7 @@ from mirageflow.transport.http_client import HTTPClient
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.server_metrics import SGLANG, ServerMetrics
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, log_tail, server_flags  # noqa: F401 - re-exported
+from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
@@ -82,10 +84,6 @@ from mirageflow.prompts.images import image_token
 log = logging.getLogger(__name__)
 
 METRICS = SGLANG.all  # what is scraped (tests/real_sglang_checks.py checks the names against the package)
-
-
-class ServerDied(EngineError):
-    pass
 
 
 class SGLangServerEngine(LoopEngine):
@@ -103,10 +101,9 @@ class SGLangServerEngine(LoopEngine):
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
         self.enable_metrics = bool(self.extra.get("enable_metrics"))
-        self.server: ServerProcess | None = None
-        self.port: int | None = None
+        self.supervisor: ServerSupervisor | None = None  # the server's starts and restarts
         self.log_path: Path | None = None
-        self.command: list[str] = []
+        self._old_clients: list[HTTPClient] = []  # clients of servers that died
         self.tokenizer = None
         self._prompt_ids: PromptTokenizer | None = None
         self._client: HTTPClient | None = None  # requests
@@ -129,6 +126,19 @@ class SGLangServerEngine(LoopEngine):
         return [*launcher, "--model-path", str(model), "--host", self.host, "--port", str(port), *server_flags(args)]
 
     @property
+    def server(self) -> ServerProcess | None:
+        """The server serving now (the dead one while a restart is under way)."""
+        return self.supervisor.server if self.supervisor is not None else None
+
+    @property
+    def port(self) -> int | None:
+        return self.supervisor.port if self.supervisor is not None else None
+
+    @property
+    def command(self) -> list[str]:
+        return self.supervisor.command if self.supervisor is not None else []
+
+    @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
@@ -140,19 +150,21 @@ class SGLangServerEngine(LoopEngine):
     def load(self) -> None:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="mirageflow-sglang-server-"))
         self.log_path = log_dir / "sglang_server.log"
-        self.port = free_port(self.host)
-        self.command = self.build_command(self.port)
         env = {str(k): str(v) for k, v in (self.processor.server_env or {}).items()}
-        self.server = ServerProcess("the SGLang server", self.command, self.log_path, env)
-        log.info("starting the SGLang server on port %d (log: %s)", self.port, self.log_path)
-        self.server.start(on_exit=self._on_exit)
+        self.supervisor = supervisor = ServerSupervisor(
+            "the SGLang server", self.build_command, self.log_path, env, host=self.host, ready_path="/health_generate",
+            probe_path="/health", start_timeout=float(self.processor.server_start_timeout),
+            poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
+            max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
+        )  # fmt: skip
+        supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._fail_all
         try:
+            supervisor.start_process()
+            log.info("starting the SGLang server on port %d (log: %s)", self.port, self.log_path)
             if self.processor.apply_chat_template:
                 self.tokenizer = _load_tokenizer(self.server_args)  # while the server boots
                 self._prompt_ids = PromptTokenizer(self.tokenizer)
-            started = self.server.wait_healthy(
-                self.base_url, "/health_generate", float(self.processor.server_start_timeout), self.health_poll_interval
-            )
+            started = supervisor.wait_started()
             self._start_loop("sglang-server-client")  # versions: not requests
             self._control = HTTPClient(self.base_url, timeout=10.0, trust_env=False)
             # requests run in the caller's loop (LoopEngine._on_caller_loop), at most max_inflight at once
@@ -172,11 +184,14 @@ class SGLangServerEngine(LoopEngine):
                     "server_start_seconds": round(started, 3),
                     "max_inflight": self.max_inflight,
                     "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
+                    "max_restarts": self.processor.max_restarts,
+                    "hang_seconds": self.processor.hang_seconds,
                 },
             )
             if self.enable_metrics:
                 self._metrics = ServerMetrics(f"{self.base_url}/metrics", "sglang")
                 self._metrics.begin()
+            supervisor.watch()
         except BaseException:
             self.close()
             raise
@@ -204,7 +219,15 @@ class SGLangServerEngine(LoopEngine):
     # ------------------------------------------------------------------ requests
 
     async def generate_one(self, request: Request) -> Completion:
-        return await self._on_caller_loop(self._generate, request)
+        if self.supervisor is None:
+            raise RuntimeError("SGLangServerEngine: load() was not called, or the engine is closed")
+        return await self.supervisor.call(lambda: self._on_caller_loop(self._generate, request))
+
+    def restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else 0
+
+    def deaths(self) -> list[dict]:
+        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
 
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:
@@ -220,10 +243,11 @@ class SGLangServerEngine(LoopEngine):
             body["input_ids"] = self._prompt_ids(request.prompt)
         else:
             body["text"] = request.prompt
-        if self._client is None:
+        client, server = self._client, self.server  # this request's server, also if it dies meanwhile
+        if client is None:
             raise RuntimeError("SGLangServerEngine: load() was not called, or the engine is closed")
         response = await post_with_retries(
-            self._client,
+            client,
             "/generate",
             body,
             max_retries=int(self.processor.max_retries),
@@ -231,7 +255,7 @@ class SGLangServerEngine(LoopEngine):
             base_delay=self.retry_base_delay,
             max_delay=self.retry_max_delay,
             what=f"SGLang server {self.base_url}/generate",
-            on_transport_error=self._check_alive,
+            on_transport_error=lambda: self.supervisor.check_alive(server),
             final=_request_failure,
         )
         if response.status_code != 200:
@@ -244,37 +268,42 @@ class SGLangServerEngine(LoopEngine):
             out = out[0]
         return with_image_tokens(completion_from_output(request.id, out), text_tokens)
 
-    async def _check_alive(self) -> None:
-        """After a connection error: fail with the server's exit, if that is what it was."""
-        for _ in range(5):  # the socket may close a moment before the exit is seen
-            if self._failure is not None or self.server.poll() is not None:
-                break
-            await asyncio.sleep(0.05)
-        if self._failure is not None:
-            raise self._failure_error()
-        rc = self.server.poll()
-        if rc is not None:
-            raise ServerDied(self.server.died(rc))
+    def _on_death(self) -> None:
+        if self._metrics is not None:  # the counters of a dead server are gone: its figures stop here
+            self._metrics.end(alive=False)
 
-    def _on_exit(self, rc: int) -> None:
-        error = ServerDied(self.server.died(rc))
-        log.error("%s", error)
-        self._fail_all(error)
+    def _on_restarted(self, server: ServerProcess, base_url: str) -> None:
+        """A successor serves at ``base_url``: later requests go there (the old client is closed with the engine)."""
+        old = self._client
+        self._client = HTTPClient(
+            base_url, max_connections=self.max_inflight, timeout=float(self.processor.request_timeout), trust_env=False
+        )  # fmt: skip
+        if old is not None:
+            self._old_clients.append(old)
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        super().stop()
 
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        server = self.server
-        if server is not None:
-            server.closing = True
+        supervisor = self.supervisor
+        if supervisor is not None:
+            supervisor.stop()  # its exit from now on is no death
         try:
             if self._metrics is not None:
+                server = self.server
                 self._metrics.end(alive=server is not None and server.poll() is None)
                 self.info.details["server_metrics"] = self._metrics.summary()
+            for client in self._old_clients:
+                client.close()
+            self._old_clients = []
             self._close_client_and_loop()
         finally:
-            if server is not None:
-                server.kill(self.kill_grace)
+            if supervisor is not None:
+                supervisor.kill()
 
 
 def _request_failure(response) -> bool:

@@ -24,17 +24,20 @@ native ``n``, seeds, reasoning, retries and error classes as ``backend: openai``
 - Requests in flight: 2 x ``max_num_seqs`` when set, else 256 (``shard_params.max_inflight``
   overrides).
 - Log: ``<log_dir>/vllm_server.log`` (appended). Start-up failures and deaths quote its tail.
-- A server that exits during the run fails every outstanding and later request at once
-  (``ServerDied``, with the exit code and the log's tail), never after the retries.
+- A server that exits or freezes during the run is restarted on a new port and the requests
+  it held are sent again (engines/server_restarts.py: ``max_restarts``, ``hang_seconds``);
+  a connection error is checked against its exit first, so they go at once, not after the
+  retries. Once the restarts are spent, every outstanding and later request fails
+  (``ServerDied``, naming each death and the log's tail).
 - Metrics: ``/metrics`` scraped after start, every few seconds and before shutdown
-  (engines/server_metrics.py) into ``info.details["server_metrics"]``.
+  (engines/server_metrics.py) into ``info.details["server_metrics"]``; a death ends them (the
+  first server's figures, ``complete: false``).
 - Shutdown: SIGTERM to the process group, SIGKILL after ``kill_grace`` seconds (vLLM ignores
   SIGTERM while it compiles), on close(), on a failed load() and at interpreter exit.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import shutil
@@ -43,12 +46,13 @@ import tempfile
 from pathlib import Path
 
 from mirageflow.config.types import ProcessorConfig, ServerArgs
-from mirageflow.engines.base import Engine, EngineError
-from mirageflow.engines.http import free_port, redact
+from mirageflow.engines.base import Engine
+from mirageflow.engines.http import redact
 from mirageflow.transport.http_client import get_blocking
 from mirageflow.engines.registry import engine_class
 from mirageflow.engines.server_metrics import ServerMetrics
 from mirageflow.engines.server_process import ServerProcess, server_flags
+from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import resolve_parallelism
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 
@@ -56,10 +60,6 @@ log = logging.getLogger(__name__)
 
 LAUNCHER = ["-m", "vllm.entrypoints.openai.api_server"]
 DEFAULT_MAX_INFLIGHT = 256
-
-
-class ServerDied(EngineError):
-    pass
 
 
 def default_max_inflight(server_args: ServerArgs) -> int:
@@ -95,11 +95,9 @@ class VLLMServerEngine(Engine):
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
         self.served_model = processor.model or str(self.server_args.model_path)
-        self.server: ServerProcess | None = None
         self.client: Engine | None = None  # the openai backend, pointed at the server
-        self.port: int | None = None
-        self.command: list[str] = []
-        self._died: ServerDied | None = None
+        self.supervisor: ServerSupervisor | None = None  # the server's starts and restarts
+        self._old_clients: list[Engine] = []  # clients of servers that died
         self._metrics: ServerMetrics | None = None
         self.info = EngineInfo(backend="vllm_server", model_path=str(self.server_args.model_path))
 
@@ -136,6 +134,19 @@ class VLLMServerEngine(Engine):
         return env
 
     @property
+    def server(self) -> ServerProcess | None:
+        """The server serving now (the dead one while a restart is under way)."""
+        return self.supervisor.server if self.supervisor is not None else None
+
+    @property
+    def port(self) -> int | None:
+        return self.supervisor.port if self.supervisor is not None else None
+
+    @property
+    def command(self) -> list[str]:
+        return self.supervisor.command if self.supervisor is not None else []
+
+    @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
@@ -146,23 +157,18 @@ class VLLMServerEngine(Engine):
 
     def load(self) -> None:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="mirageflow-vllm-server-"))
-        self.port = free_port(self.host)
-        self.command = self.build_command(self.port)
         env = self.server_env()
-        self.server = ServerProcess("the vLLM server", self.command, log_dir / "vllm_server.log", env)
-        log.info("starting the vLLM server on port %d (log: %s)", self.port, self.server.log_path)
-        self.server.start(on_exit=self._on_exit)
+        self.supervisor = supervisor = ServerSupervisor(
+            "the vLLM server", self.build_command, log_dir / "vllm_server.log", env, host=self.host, ready_path="/health",
+            probe_path="/health", start_timeout=float(self.processor.server_start_timeout),
+            poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
+            max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
+        )  # fmt: skip
+        supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._on_final
         try:
-            started = self.server.wait_healthy(
-                self.base_url, "/health", float(self.processor.server_start_timeout), self.health_poll_interval
-            )
-            log.info("the vLLM server is ready after %.1f s", started)
-            client_processor = dataclasses.replace(
-                self.processor, backend="openai", base_url=f"{self.base_url}/v1", model=self.served_model, api_key_env=None
-            )  # fmt: skip
-            self.client = engine_class("openai")(client_processor, self.batch_size)
-            self.client.max_inflight = self.max_inflight
-            self.client.load()
+            started = supervisor.start()
+            log.info("the vLLM server is ready after %.1f s (log: %s)", started, self.server.log_path)
+            self.client = self._client_for(supervisor.server, self.base_url)
             self._metrics = ServerMetrics(f"{self.base_url}/metrics", "vllm")
             self._metrics.begin()
             self.info = EngineInfo(
@@ -181,11 +187,41 @@ class VLLMServerEngine(Engine):
                     "served_model_name": self.served_model,
                     "max_retries": self.processor.max_retries,
                     "request_timeout": self.processor.request_timeout,
+                    "max_restarts": self.processor.max_restarts,
+                    "hang_seconds": self.processor.hang_seconds,
                 },
             )
+            supervisor.watch()
         except BaseException:
             self.close()
             raise
+
+    def _client_for(self, server: ServerProcess, base_url: str) -> Engine:
+        """The openai backend pointed at ``server``, serving at ``base_url``: a connection error
+        there is its death when it died (the request then goes to its successor), else retried."""
+        client_processor = dataclasses.replace(
+            self.processor, backend="openai", base_url=f"{base_url}/v1", model=self.served_model, api_key_env=None
+        )  # fmt: skip
+        client = engine_class("openai")(client_processor, self.batch_size)
+        client.max_inflight = self.max_inflight
+        client.on_transport_error = lambda: self.supervisor.check_alive(server)
+        client.load()
+        return client
+
+    def _on_death(self) -> None:
+        if self._metrics is not None:  # the counters of a dead server are gone: its figures stop here
+            self._metrics.end(alive=False)
+
+    def _on_restarted(self, server: ServerProcess, base_url: str) -> None:
+        """A successor serves at ``base_url``: later requests go there."""
+        old, self.client = self.client, self._client_for(server, base_url)
+        if old is not None:
+            self._old_clients.append(old)  # closed with the engine: its requests may still be unwinding
+
+    def _on_final(self, error: BaseException) -> None:
+        """No successor: the requests in flight fail now, not after their retries."""
+        if self.client is not None:
+            self.client.stop()
 
     def _version(self) -> str:
         try:
@@ -205,60 +241,52 @@ class VLLMServerEngine(Engine):
         return self.processor.native_n is not False
 
     async def generate_one(self, request: Request) -> Completion:
-        return await self._guarded(self._require_client().generate_one(request))
+        return await self._require_supervisor().call(lambda: self._require_client().generate_one(request))
 
     async def generate_samples(self, request: Request, n: int) -> list[Completion]:
-        return await self._guarded(self._require_client().generate_samples(request, n))
-
-    async def _guarded(self, call):
-        """The client's answer; the server's death instead of the client's error when it died."""
-        if self._died is not None:
-            call.close()
-            raise self._died_error()
-        try:
-            return await call
-        except EngineError:
-            if self._died is not None:
-                raise self._died_error() from None
-            raise
+        return await self._require_supervisor().call(lambda: self._require_client().generate_samples(request, n))
 
     def _require_client(self) -> Engine:
         if self.client is None:
             raise RuntimeError("VLLMServerEngine: load() was not called, or the engine is closed")
         return self.client
 
-    def _died_error(self) -> ServerDied:
-        error = copy.copy(self._died)
-        error.__traceback__ = None
-        return error
+    def _require_supervisor(self) -> ServerSupervisor:
+        if self.supervisor is None:
+            raise RuntimeError("VLLMServerEngine: load() was not called, or the engine is closed")
+        return self.supervisor
 
-    def _on_exit(self, rc: int) -> None:
-        self._died = ServerDied(self.server.died(rc))
-        log.error("%s", self._died)
-        if self.client is not None:
-            self.client.stop()  # outstanding requests fail now, not after their retries
+    def restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else 0
+
+    def deaths(self) -> list[dict]:
+        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
 
     def queue_depth(self) -> int | None:
         return self.client.queue_depth() if self.client is not None else None
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.client is not None:
             self.client.stop()
 
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        server = self.server
-        if server is not None:
-            server.closing = True
+        supervisor = self.supervisor
+        if supervisor is not None:
+            supervisor.stop()  # its exit from now on is no death
         try:
             if self._metrics is not None:
+                server = self.server
                 self._metrics.end(alive=server is not None and server.poll() is None)
                 self.info.details["server_metrics"] = self._metrics.summary()
                 self._metrics = None
-            if self.client is not None:
-                self.client.close()
-                self.client = None
+            for client in [*self._old_clients, self.client]:
+                if client is not None:
+                    client.close()
+            self.client, self._old_clients = None, []
         finally:
-            if server is not None:
-                server.kill(self.kill_grace)
+            if supervisor is not None:
+                supervisor.kill()

@@ -47,7 +47,7 @@ def check_num_shards(status: dict, path: Path, num_shards: int) -> None:
 # which shards each figure of the aggregate covers (also in metrics.json, as "figure_scope")
 FIGURE_SCOPE = {
     "completed and failed shards": "total_rows_failed, rows_failed_by_class (a failed shard's rows from its failure.json); "
-    "split into rows_failed_completed_shards and rows_failed_failed_shards",
+    "split into rows_failed_completed_shards and rows_failed_failed_shards; engine_restarts",
     "failed shards": "rows_processed_failed_shards, failed_shards",
     "completed shards": "every other figure: total_rows_processed, runtimes, throughput, tokens and tokens/s, GPU, energy, roofline",
 }
@@ -145,6 +145,8 @@ def _failed_shards(states: list[ShardState]) -> list[dict]:
             }  # fmt: skip
             | {k: fst.get(k) for k in ("rows_processed", "rows_failed")}
             | {"rows_failed_by_class": fst.get("rows_failed_by_class"), "attempts": attempts_count(fst)}
+            # the launched servers its job restarted, and the class of the death that ended it (engines/server_restarts.py)
+            | {"engine_restarts": fst.get("engine_restarts") or 0, "failure_class": (s.failure or {}).get("failure_class")}
         )
     return failed
 
@@ -174,6 +176,8 @@ def _shards_section(statuses: list[dict], num_shards: int, missing: list[int], s
         "rows_failed_by_class": failed_by_class,
         "rows_failed_completed_shards": rows_failed_done,
         "rows_failed_failed_shards": rows_failed_failed,
+        # launched servers (vllm_server, sglang_server) restarted inside their shards' jobs
+        "engine_restarts": int(_sum(statuses, "engine_restarts")) + sum(f["engine_restarts"] for f in failed),
         "rows_processed_failed_shards": int(sum(f["rows_processed"] or 0 for f in failed)),
         "figure_scope": FIGURE_SCOPE,
         "damaged_state_files": [{"shard_id": s.shard_id, **x} for s in states for x in s.damaged],

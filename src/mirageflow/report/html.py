@@ -614,6 +614,7 @@ LABELS = {
     "tokens_per_sec_per_gpu": "output tokens/s per GPU",
     "gpu_days_per_billion_tokens": "GPU-days per billion output tokens",
     "total_input_tokens_each_choice": "input tokens, a prompt counted once per choice (as vLLM counts under native n)",
+    "engine_restarts": "launched servers restarted inside their jobs (completed and failed shards)",
 }
 _TABLE_SKIP = {
     "output_tokens_per_row_hist",

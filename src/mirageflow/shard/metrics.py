@@ -59,6 +59,8 @@ class ShardMetrics:
         self.num_gpus = stats.allocated_gpus()
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
+        # the loaded engines, by processor: their launched servers' restarts and deaths (engine_restarts, engine_deaths)
+        self.engines: dict = {}
 
     def book(
         self, request, completion, sent: bool = True, cached: bool = False, processor: str | None = None, choice_prompt: int | None = None
@@ -154,6 +156,8 @@ class ShardMetrics:
             "json_answers": self.json_answers,
             "num_gpus": self.num_gpus,
             "gpu_seconds_allocated": self.num_gpus * runtime,
+            "engine_restarts": sum(e.restarts() for e in list(self.engines.values())),
+            "engine_deaths": [{"processor": name, **d} for name, e in list(self.engines.items()) for d in e.deaths()],
         }
 
     def begin_attempt(self, checkpoint) -> None:
@@ -206,8 +210,10 @@ class ShardMetrics:
             **self._roofline(stats.tokens_per_sec_per_gpu(self.output_tokens, self.tracker.window_seconds, num_gpus)),
             # what the committed records hold, counted once per record whatever the attempts did
             **(self.checkpoint.records_tally() if self.checkpoint is not None else RecordTally.merge([])),
+            # each death of a launched server, every attempt's (engines/server_restarts.py), oldest first
+            "engine_deaths": [{"attempt": a.get("attempt"), **d} for a in attempts for d in a.get("engine_deaths") or ()],
             # (attempts of earlier versions kept a work histogram each: not shown)
-            "attempts": [{k: v for k, v in a.items() if k != "output_tokens_per_row_hist"} for a in attempts],
+            "attempts": [{k: v for k, v in a.items() if k not in ("output_tokens_per_row_hist", "engine_deaths")} for a in attempts],
             **({} if request_cache is None else {"request_cache": request_cache}),
         }
 

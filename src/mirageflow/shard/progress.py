@@ -119,7 +119,7 @@ class ProgressReporter:
     returns a dict with ``samples_done`` (finished, including those resumed from a
     checkpoint; with one sample per row ``rows_done`` alone will do), and optionally
     ``rows_done`` (rows whose every sample finished), ``samples_committed``,
-    ``rows_failed``, ``output_tokens``, ``queue_depth`` and ``inflight``. It runs in the
+    ``rows_failed``, ``output_tokens``, ``queue_depth``, ``inflight`` and ``engine_restarts``. It runs in the
     reporter's thread.
     """
 
@@ -247,6 +247,7 @@ class ProgressReporter:
             "eta_note": note,
             "queue_depth": snap.get("queue_depth"),
             "inflight": snap.get("inflight"),
+            "engine_restarts": snap.get("engine_restarts"),  # the launched servers this attempt restarted
             "elapsed_seconds": now - self.t0,
             "started_at": self.started_at,
             "updated_at": stats.utc_now(),

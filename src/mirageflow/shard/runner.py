@@ -101,6 +101,7 @@ class ShardRunner:
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = paths.shard_server_logs(shard_id)
         self.metrics = ShardMetrics(cfg, attempt)
+        self.metrics.engines = self.engines  # their servers' restarts and deaths, in each attempt's counters
         self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/shard/samples.py)
         render = RecordRenderer(
             cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns,
@@ -527,7 +528,20 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
         "output_tokens": runner.metrics.output_tokens,
         "queue_depth": sum(depths) if depths else None,
         "inflight": runner.metrics.tracker.inflight,
+        "engine_restarts": sum(e.restarts() for e in list(runner.engines.values())),
     }
+
+
+def _death_class(error: BaseException) -> str | None:
+    """The death class a ServerDied carries, anywhere in ``error``'s chain of causes."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found = getattr(error, "death_class", None)
+        if found is not None:
+            return str(found)
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def run_shard(
@@ -565,6 +579,8 @@ def run_shard(
             "finished_at": stats.utc_now(),
             "error": redact_text(f"{type(e).__name__}: {e}"),
             "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
+            # why the engine's launched server died the last time, when that ended the shard (an EngineDeathClass)
+            "failure_class": _death_class(e),
             # what a rerun keeps ("3 rows"), for the run summary of an interrupted run
             "committed": runner.checkpoint.describe_committed() if runner.checkpoint is not None else "nothing",
             "traceback": redact_text(traceback.format_exc()),

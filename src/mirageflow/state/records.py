@@ -88,6 +88,7 @@ STATS_FIELDS: tuple[StatsField, ...] = (
     _F("answers", int, summed=True, number=True),
     _F("answers_length_cut", int, summed=True, number=True),
     _F("json_answers", int, summed=True, number=True),
+    _F("engine_restarts", int, summed=True, number=True),  # launched servers restarted in the job (engines/server_restarts.py)
     # the shard's units
     _F("n_samples", int, number=True),  # records (samples) per source row; the rows_* counts below are records
     _F("runtime_human", str),
@@ -128,6 +129,8 @@ STATS_FIELDS: tuple[StatsField, ...] = (
     _F("record_output_tokens", int, number=True),
     _F("record_output_tokens_cached", int, number=True),
     _F("output_tokens_per_row_hist", dict),
+    # each death of a launched server, every attempt's, oldest first: {attempt, processor, class, at, cause, ...}
+    _F("engine_deaths", list[dict]),
     _F("attempts", list[AttemptRecord]),
     # what the request cache holds at the end (shard_params.request_cache on): {answers_kept, bytes}
     _F("request_cache", dict, optional=True),

@@ -1,0 +1,177 @@
+"""A launched server that dies or freezes is restarted inside the job (engines/server_restarts.py):
+a shard on ``backend: vllm_server`` whose stand-in server (tests/fakes/fake_vllm_server.py) kills
+itself three times and freezes once goes on to the end in one attempt, every row once, only
+the requests the dead servers held sent again, with the same seeds and ``n``; a server that
+cannot be brought back fails the shard after ``max_restarts`` naming each death. The real vLLM:
+tests/test_real_vllm.py."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from fakes import alive, vllm_stand_in_command
+from mirageflow.cli import _status_line as status_line
+from mirageflow.cli import by_failure_class, retry_plan, status_summary
+from mirageflow.cli import main as cli_main
+from mirageflow.config import load_config
+from mirageflow.engines.server_process import classify_exit
+from mirageflow.engines.server_restarts import ServerSupervisor
+from mirageflow.engines.vllm_server import VLLMServerEngine
+from mirageflow.errors import EngineDeathClass as D
+from mirageflow.prompts.samples import sample_seed
+from mirageflow.report.aggregate import write_report
+from mirageflow.shard import ShardFailed, index_datasets, run_shard
+
+ROWS = 24
+SEED = 11
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(VLLMServerEngine, "health_poll_interval", 0.05)
+    monkeypatch.setattr(VLLMServerEngine, "kill_grace", 2.0)
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 0.05)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _shard(tmp_path: Path, monkeypatch, deaths: str, max_restarts: int):
+    """One shard of ROWS rows, two samples each (one request with n=2), on a stand-in vLLM
+    whose k-th start dies as ``deaths`` says (FAKE_VLLM_DEATHS)."""
+    monkeypatch.setenv("FAKE_VLLM_DEATHS", deaths)
+    monkeypatch.setenv("FAKE_VLLM_STARTS", str(tmp_path / "starts"))
+    monkeypatch.setenv("FAKE_VLLM_REQUEST_LOG", str(tmp_path / "requests.jsonl"))
+    monkeypatch.setenv("FAKE_VLLM_LATENCY", "0.05")
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(ROWS)))
+    cfg = load_config({
+        "processors": [{"type": "llm", "backend": "vllm_server", "server_args": {"model_path": "m"},
+                        "server_command": vllm_stand_in_command(), "server_start_timeout": 30, "max_retries": 0,
+                        "max_restarts": max_restarts, "hang_seconds": 2,
+                        "default_sampling_params": {"temperature": 0.7, "seed": SEED}}],
+        "loading_params": {"state_dir": str(tmp_path / "state"),
+                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}]},
+        "shard_params": {"max_inflight": 6, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}],
+                              "n_samples": 2, "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+    }, check_paths=False)  # fmt: skip
+    index_datasets(cfg)
+    return cfg
+
+
+def _requests(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted((tmp_path / "out" / "shard_0").glob("part-*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_a_server_killed_three_times_and_frozen_once_is_restarted_and_the_shard_goes_on(fast, monkeypatch, tmp_path):
+    cfg = _shard(tmp_path, monkeypatch, "kill:3,kill:4,freeze:3,kill:2", max_restarts=4)
+    status = run_shard(cfg, 0)
+
+    st = status["stats"]
+    assert [(a["attempt"], a["outcome"]) for a in st["attempts"]] == [(1, "success")]  # one job attempt
+    assert st["engine_restarts"] == 4 and st["rows_failed"] == 0
+    deaths = st["engine_deaths"]
+    assert [d["class"] for d in deaths] == ["killed_by_signal", "killed_by_signal", "frozen", "killed_by_signal"]
+    assert all(d["processor"] == "llm" and d["attempt"] == 1 and d["restarted_after_seconds"] is not None for d in deaths)
+    assert deaths[0]["cause"] == "killed by SIGKILL" and "hang_seconds=2" in deaths[2]["cause"]
+    assert all(d["first_answer_after_seconds"] >= d["restarted_after_seconds"] >= d["successor_start_seconds"] > 0 for d in deaths)
+    pids = [int(p) for p in (tmp_path / "starts").read_text().split()]
+    assert [d["pid"] for d in deaths] == pids[:4] and len(pids) == 5 and not any(alive(p) for p in pids)
+
+    # every row's two samples once, with the seeds its row always gets (choice k of the one request: seed + k)
+    records = _records(tmp_path)
+    assert sorted((r["source_index"], r["sample_index"]) for r in records) == [(i, k) for i in range(ROWS) for k in range(2)]
+    for r in records:
+        assert r["a"].endswith(f" s={sample_seed(SEED, 0, r['source_index'], r['sample_index'])}"), r
+
+    # only the requests the dead servers held were sent again, the same request each time
+    log = _requests(tmp_path)
+    asked, answered = defaultdict(list), defaultdict(list)
+    for line in log:
+        (asked if line["event"] == "asked" else answered)[line["prompt"]].append(line)
+    # never answered twice (a server killed by another request's thread may not log an answer it sent)
+    assert len(asked) == ROWS and all(len(a) == 1 for a in answered.values()) and len(answered) >= ROWS - 4
+    resent = Counter()
+    for prompt, asks in asked.items():
+        assert all((a["seed"], a["n"]) == (asks[0]["seed"], 2) for a in asks)  # seeds and native n unchanged
+        # each ask but the last went to a server that died holding it, each to a later server
+        dead_holders = [a["pid"] for a in asks[:-1]]
+        assert all(pid in pids[:4] for pid in dead_holders)
+        assert all(a["pid"] == asks[-1]["pid"] for a in answered[prompt])  # an answered request is never asked again
+        assert [pids.index(a["pid"]) for a in asks] == sorted({pids.index(a["pid"]) for a in asks})
+        resent.update(dead_holders)
+    # a death's requests sent again: those it was seen holding, and at most the 3 requests in
+    # flight (6 samples, 2 a request); those it refused at connect time were never logged
+    assert all(resent[pid] <= d["requests_resent"] <= 3 for d, pid in zip(deaths, pids)), (deaths, resent)
+    assert sum(resent.values()) >= 4  # each death held at least the request that killed it
+
+    # mmirage status and the report show them
+    summary = status_summary(cfg)
+    assert summary["shards"][0]["engine_restarts"] == 4
+    metrics = write_report(tmp_path / "state", 1)
+    assert metrics["aggregate"]["engine_restarts"] == 4
+    assert "launched servers restarted inside their jobs" in (tmp_path / "state" / "report.html").read_text()
+
+
+def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, monkeypatch, tmp_path, capsys):
+    """Killed, then two restarts that exit before serving (out of memory at start): after
+    max_restarts=2 the shard fails; failure.json names the last death's class and lists them all."""
+    cfg = _shard(tmp_path, monkeypatch, "kill:2,exit,exit", max_restarts=2)
+    with pytest.raises(ShardFailed) as err:
+        run_shard(cfg, 0)
+    message = str(err.value)
+    assert "the vLLM server died 3 times during the run and was restarted 2 times" in message
+    assert "1. " in message and "killed_by_signal: killed by SIGKILL" in message
+    assert "failed_to_start: the vLLM server exited with code 4 before it became healthy" in message
+    failure = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
+    assert failure["failure_class"] == "failed_to_start"
+    assert [d["class"] for d in failure["stats"]["engine_deaths"]] == ["killed_by_signal", "failed_to_start", "failed_to_start"]
+    assert failure["stats"]["engine_restarts"] == 2
+    pids = [int(p) for p in (tmp_path / "starts").read_text().split()]
+    assert len(pids) == 3 and not any(alive(p) for p in pids)
+    summary = status_summary(cfg)
+    assert summary["shards"][0]["engine_restarts"] == 2 and summary["shards"][0]["failure_class"] == "failed_to_start"
+    line = status_line(summary["shards"][0])
+    assert "[failed_to_start], 2 engine restarts" in line and "died 3 times" in line
+    (failed,) = write_report(tmp_path / "state", 1)["aggregate"]["failed_shards"]
+    assert (failed["engine_restarts"], failed["failure_class"]) == (2, "failed_to_start")
+    # mmirage retry --failure-class picks the failed shards by their death's class
+    plan = retry_plan(cfg, failed_rows=False)
+    assert plan["unfinished"] == [0] and by_failure_class(plan, ["failed_to_start", "frozen"])["unfinished"] == [0]
+    assert by_failure_class(plan, ["frozen"])["unfinished"] == [] and by_failure_class(plan, None) is plan
+    with pytest.raises(SystemExit):  # not a class: argparse says which are
+        cli_main(["retry", "--config", "c.yaml", "--failure-class", "oom"])
+    assert "invalid choice: 'oom'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("rc", "tail", "death_class", "cause"),
+    [
+        (-9, "INFO serving", D.KILLED_BY_SIGNAL, "killed by SIGKILL"),
+        (137, "", D.KILLED_BY_SIGNAL, "killed by SIGKILL"),  # a shell's 128 + 9
+        (
+            1,
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate",
+            D.OUT_OF_MEMORY,
+            "exited with code 1; its log says 'out of memory'",
+        ),
+        (
+            -6,
+            "terminate called after throwing an instance of 'std::bad_alloc'",
+            D.OUT_OF_MEMORY,
+            "killed by SIGABRT; its log says 'std::bad_alloc'",
+        ),
+        (7, "RuntimeError: CUDA error: an illegal memory access", D.EXITED_WITH_ERROR, "exited with code 7"),
+        (0, "", D.EXITED_WITH_ERROR, "exited with code 0"),
+    ],
+)
+def test_a_death_is_classified_from_its_exit_and_its_log(rc, tail, death_class, cause):
+    assert classify_exit(rc, tail) == (death_class, cause)
