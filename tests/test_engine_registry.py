@@ -40,7 +40,7 @@ SHARED = {
     "server_process", "server_metrics", "server_restarts",
 }  # fmt: skip
 # parts of one backend, imported by that backend's module only
-COMPANIONS = {"transformers_cb": "transformers_engine", "batch_providers": "batch_api"}
+COMPANIONS = {"transformers_cb": "transformers_engine", "batch_time": "transformers_engine", "batch_providers": "batch_api"}
 
 
 def engine_imports(path: Path) -> set[str]:

@@ -22,9 +22,10 @@ from mirageflow.engines.server_process import classify_exit
 from mirageflow.engines.server_restarts import ServerSupervisor
 from mirageflow.engines.vllm_server import VLLMServerEngine
 from mirageflow.errors import EngineDeathClass as D
-from mirageflow.prompts.samples import sample_seed
+from mirageflow.shard.samples import sample_seed
 from mirageflow.report.aggregate import write_report
-from mirageflow.shard import ShardFailed, index_datasets, run_shard
+from mirageflow.shard import ShardFailed
+from mirageflow.shard.runner import index_datasets, run_shard
 
 ROWS = 24
 SEED = 11

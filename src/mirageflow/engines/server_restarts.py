@@ -361,6 +361,43 @@ class ServerSupervisor:
             server.kill(self.kill_grace)
 
 
+class Supervised:
+    """What an engine that launches its server (sglang_server, vllm_server) shows of it, through
+    its ``supervisor`` (None before load): the server serving now, its port, command and URL,
+    and the restarts and deaths so far (``ShardMetrics`` reads them). Needs ``self.host``."""
+
+    supervisor: ServerSupervisor | None = None
+    host: str
+
+    @property
+    def server(self) -> ServerProcess | None:
+        """The server serving now (the dead one while a restart is under way)."""
+        return self.supervisor.server if self.supervisor is not None else None
+
+    @property
+    def port(self) -> int | None:
+        return self.supervisor.port if self.supervisor is not None else None
+
+    @property
+    def command(self) -> list[str]:
+        return self.supervisor.command if self.supervisor is not None else []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def process(self):
+        """The server's Popen (None before load)."""
+        return self.server.process if self.server is not None else None
+
+    def restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else 0
+
+    def deaths(self) -> list[dict]:
+        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
+
+
 def _final_error(supervisor: ServerSupervisor, last: ServerProcess) -> ServerDied:
     """The death no restart follows, naming each death (time, class, cause) and ``last``'s log tail."""
     s, death = supervisor, supervisor.deaths[-1]

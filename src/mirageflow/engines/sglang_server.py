@@ -70,7 +70,7 @@ from mirageflow.transport.http_client import HTTPClient
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.server_metrics import SGLANG, ServerMetrics
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, log_tail, server_flags  # noqa: F401 - re-exported
-from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor  # noqa: F401 - ServerDied: re-exported
+from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor, Supervised  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import (
     completion_from_output,
     default_max_inflight,
@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 METRICS = SGLANG.all  # what is scraped (tests/real_sglang_checks.py checks the names against the package)
 
 
-class SGLangServerEngine(LoopEngine):
+class SGLangServerEngine(Supervised, LoopEngine):
     health_poll_interval = 0.1  # first wait between health checks; grows x1.5 up to 2 s
     kill_grace = 15.0  # seconds between SIGTERM and SIGKILL
     retry_base_delay = 0.5
@@ -124,28 +124,6 @@ class SGLangServerEngine(LoopEngine):
             if args.pop(owned, None) is not None:
                 log.warning("sglang_server: extra_engine_args.%s is ignored; the engine chooses it", owned)
         return [*launcher, "--model-path", str(model), "--host", self.host, "--port", str(port), *server_flags(args)]
-
-    @property
-    def server(self) -> ServerProcess | None:
-        """The server serving now (the dead one while a restart is under way)."""
-        return self.supervisor.server if self.supervisor is not None else None
-
-    @property
-    def port(self) -> int | None:
-        return self.supervisor.port if self.supervisor is not None else None
-
-    @property
-    def command(self) -> list[str]:
-        return self.supervisor.command if self.supervisor is not None else []
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def process(self):
-        """The server's Popen (None before load)."""
-        return self.server.process if self.server is not None else None
 
     def load(self) -> None:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="mirageflow-sglang-server-"))
@@ -222,12 +200,6 @@ class SGLangServerEngine(LoopEngine):
         if self.supervisor is None:
             raise RuntimeError("SGLangServerEngine: load() was not called, or the engine is closed")
         return await self.supervisor.call(lambda: self._on_caller_loop(self._generate, request))
-
-    def restarts(self) -> int:
-        return self.supervisor.restarts if self.supervisor is not None else 0
-
-    def deaths(self) -> list[dict]:
-        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
 
     async def _generate(self, request: Request) -> Completion:
         if request.prompt is None:

@@ -52,7 +52,7 @@ from mirageflow.transport.http_client import get_blocking
 from mirageflow.engines.registry import engine_class
 from mirageflow.engines.server_metrics import ServerMetrics
 from mirageflow.engines.server_process import ServerProcess, server_flags
-from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor  # noqa: F401 - ServerDied: re-exported
+from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor, Supervised  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import resolve_parallelism
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 
@@ -78,7 +78,7 @@ def iomp_preload(launcher: list[str]) -> str | None:
     return str(lib) if lib.is_file() else None
 
 
-class VLLMServerEngine(Engine):
+class VLLMServerEngine(Supervised, Engine):
     # capabilities (its line in engines/registry.py says the same)
     templates_server_side = True  # the server applies the chat template (the openai client sends messages)
     native_n = True  # one request with n for a row's samples (native_samples)
@@ -132,28 +132,6 @@ class VLLMServerEngine(Engine):
             if lib:
                 env["LD_PRELOAD"] = lib
         return env
-
-    @property
-    def server(self) -> ServerProcess | None:
-        """The server serving now (the dead one while a restart is under way)."""
-        return self.supervisor.server if self.supervisor is not None else None
-
-    @property
-    def port(self) -> int | None:
-        return self.supervisor.port if self.supervisor is not None else None
-
-    @property
-    def command(self) -> list[str]:
-        return self.supervisor.command if self.supervisor is not None else []
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def process(self):
-        """The server's Popen (None before load)."""
-        return self.server.process if self.server is not None else None
 
     def load(self) -> None:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="mirageflow-vllm-server-"))
@@ -255,12 +233,6 @@ class VLLMServerEngine(Engine):
         if self.supervisor is None:
             raise RuntimeError("VLLMServerEngine: load() was not called, or the engine is closed")
         return self.supervisor
-
-    def restarts(self) -> int:
-        return self.supervisor.restarts if self.supervisor is not None else 0
-
-    def deaths(self) -> list[dict]:
-        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
 
     def queue_depth(self) -> int | None:
         return self.client.queue_depth() if self.client is not None else None
