@@ -733,6 +733,7 @@ def cmd_check(args) -> int:
         if not _confirm(f"retry {summary['failed']} failed shard(s)?", args.yes):
             return EXIT_FAILED
         args.failed_rows, args.submit, args.profile, args.local, args.cores, args.resubmit_batch = False, False, None, False, "1", []
+        args.failure_class = None  # every failed shard, whatever ended it
         cmd_retry(args)
         summary = shard_status(cfg)
         _print_shards(summary)
