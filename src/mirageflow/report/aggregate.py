@@ -83,23 +83,27 @@ def mean_gpu_util(statuses: list[dict]) -> float | None:
 
 def wall_clock(statuses: list[dict]) -> tuple[float | None, float | None]:
     """(seconds during which at least one attempt of a completed shard ran, seconds from the
-    first shard's start to the last one's finish). The first leaves out the time between
+    first attempt's start to the last one's finish). The first leaves out the time between
     invocations (a run stopped, resumed an hour later); the second spans it."""
     if not statuses:
         return None, None
     first = min(stats.parse_time(s["started_at"]).timestamp() for s in statuses)  # the shard's last attempt's start
     last = max(stats.parse_time(s["finished_at"]).timestamp() for s in statuses)
-    intervals = []
+    intervals, ends = [], []
     for s in statuses:
         for a in s["stats"].get("attempts") or []:
             try:
                 start = stats.parse_time(a["started_at"]).timestamp()
                 intervals.append((start, start + float(a["runtime_seconds"])))
+                # a killed attempt has no finish of its own: its start plus its runtime
+                ends.append(stats.parse_time(a["finished_at"]).timestamp() if a.get("finished_at") else intervals[-1][1])
             except (KeyError, TypeError, ValueError):  # an attempt without its times: the span is all we know
                 return last - first, last - first
     if not intervals:
         return last - first, last - first
-    span = last - min(first, *(start for start, _ in intervals))
+    # from the first attempt's start to the last one's finish: the attempts' own clock readings, as
+    # the busy time's (status.json's finished_at comes later, after the engines are closed)
+    span = max(ends) - min(start for start, _ in intervals)
     busy, end = 0.0, None
     for start, stop in sorted(intervals):
         if end is None or start > end:
