@@ -186,6 +186,8 @@ def test_shard_start_marks_what_was_built_from_earlier_shards_as_the_previous_ru
     (out / "shard_0").mkdir()
     seen = {}
     monkeypatch.setattr(mirageflow.shard.runner, "run_shard", lambda cfg, shard, attempt: seen.update(shard=shard, attempt=attempt))
+    for name in ("HF_HUB_OFFLINE", "HF_HOME"):  # a job's environment (hub_models.offline_environment): undone after the test
+        monkeypatch.delenv(name, raising=False)
     jobs.run_shard(str(path), 0, 4)
     assert seen == {"shard": 0, "attempt": 4}
     # readable until this run's replace them, and marked as the previous run's

@@ -97,8 +97,9 @@ def test_a_cluster_jobs_parse_imports_no_job_code(tmp_path):
     """The command a SLURM job runs for its shard (Snakemake's remote mode, as the executor
     writes it: scripts/bench/snakemake_scale.py JOB_ARGS), in a state_dir where the driver
     made what a shard needs; -n stops after the parse and the one-job DAG."""
-    sys.path.insert(0, str(REPO / "scripts" / "bench"))
-    from snakemake_scale import JOB_ARGS
+    # the job's arguments from the benchmark that measures them (one copy), read in its folder
+    read = [sys.executable, "-c", "import json, snakemake_scale; print(json.dumps(snakemake_scale.JOB_ARGS))"]
+    JOB_ARGS = json.loads(subprocess.run(read, cwd=REPO / "scripts" / "bench", capture_output=True, text=True, check=True).stdout)
 
     from mirageflow.state.layout import StateLayout
 

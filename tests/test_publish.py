@@ -95,7 +95,7 @@ def hub_environment(hub: FakeHub, root: Path) -> dict:
     hf_home = root / "hf"
     hf_home.mkdir(exist_ok=True)
     (hf_home / "token").write_text(TOKEN)
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE")}
     return env | {"HF_ENDPOINT": hub.url, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 

@@ -30,8 +30,8 @@ def test_a_reader_that_raises_mid_shard_fails_it_naming_the_dataset(tmp_path, mo
     cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(10)], PLAIN)
     real = readers.read_shard
 
-    def broken(ds, piece, skip=lambda i: False):
-        for row in real(ds, piece, skip):
+    def broken(ds, piece, skip=lambda i: False, columns=None):
+        for row in real(ds, piece, skip, columns=columns):
             if row.index == 4:
                 raise OSError("corrupt row group 1 of in.parquet")
             yield row
@@ -48,8 +48,8 @@ def test_a_reader_that_silently_drops_rows_fails_the_accounting(tmp_path, monkey
     cfg = shard_config(tmp_path, [{"q": f"r{i}"} for i in range(10)], PLAIN)
     real = readers.read_shard
 
-    def dropping(ds, piece, skip):
-        return (r for r in real(ds, piece, skip) if r.index not in (3, 4, 7))
+    def dropping(ds, piece, skip, columns=None):
+        return (r for r in real(ds, piece, skip, columns=columns) if r.index not in (3, 4, 7))
 
     monkeypatch.setattr("mirageflow.shard.feed.read_shard", dropping)
     with pytest.raises(
