@@ -456,11 +456,19 @@ def _golden_text(text: str, root: Path) -> str:
     return re.sub(r"data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)", plot, text)
 
 
-def test_the_report_of_a_fixed_state_is_byte_identical_to_its_golden_files(tmp_path):
+def test_the_report_of_a_fixed_state_is_byte_identical_to_its_golden_files(tmp_path, monkeypatch):
     """metrics.json, summary.md and report.html of a fixed state (make_state: a straggler, a failed
     shard, GPU samples, progress histories, example records and failed rows) as the tests/golden/report
     files pin them: a refactoring of the aggregate or the page changes no byte. A deliberate change
-    rewrites them: MIRAGEFLOW_UPDATE_GOLDEN=1 python -m pytest tests/test_report.py -k golden."""
+    rewrites them: MIRAGEFLOW_UPDATE_GOLDEN=1 python -m pytest tests/test_report.py -k golden.
+    The state's SLURM job ids go to a `sacct` that knows none of them (a process boundary): the
+    machine's own accounting (the test cluster's jobs 77, 78, ... once it has run them) is not
+    the fixed state's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     state = make_state(tmp_path)
     _with_progress_and_records(state)
     report.write_report(state, 6)
