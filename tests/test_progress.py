@@ -239,3 +239,25 @@ def test_progress_json_has_a_history_of_rows_and_tokens(tmp_path):
     assert state["history"][-3:] == [[5.0, 10, 100], [10.0, 20, 200], [15.0, 30, 300]]
     assert check_progress({**state, "history": [[1, 2]]}) == "history is not a list of [seconds, rows, tokens] samples"
     assert check_progress({**state, "history": "x"}) is not None
+
+
+def test_tokens_of_a_sample_just_after_generation_began_are_drawn(tmp_path):
+    """A sample taken 0.03 s after generation began (a tiny model's first batch done) must not
+    read as taken before it: history's time resolution (0.1 s) once rounded it down to before
+    the start, and the report's windows lost that batch's tokens (test_workflow_e2e, under load)."""
+    from mirageflow.report.html import work_windows
+
+    clock = Clock()
+    snap = {"rows_done": 0, "output_tokens": 0}
+    rep = ProgressReporter(tmp_path / "progress.json", 0, 8, lambda: dict(snap), clock=clock)
+    clock.now = 10.21
+    rep.set_phase("generating")
+    clock.now = 10.24
+    snap.update(rows_done=4, output_tokens=16)
+    rep.write()
+    clock.now = 15.0
+    snap.update(rows_done=8, output_tokens=32)
+    rep.write()
+    state, _ = read_progress(tmp_path / "progress.json")
+    windows = work_windows(state["history"], state["generation_started_seconds"])
+    assert sum(grown for _, _, grown in windows) == 32

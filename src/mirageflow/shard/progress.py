@@ -18,6 +18,7 @@ no rate and no ETA, and ``eta_note`` says why, instead of "0 rows/s".
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -55,7 +56,9 @@ class History:
         self._newest_only = False  # the last sample is there only as the newest one
 
     def add(self, t: float, rows: int | None, tokens: int | None) -> None:
-        sample = [round(t, 1), int(rows or 0), int(tokens or 0)]
+        # Up to the next tenth, never down: a sample taken just after generation began must
+        # not read as taken before it (the report's windows start there and would lose its tokens).
+        sample = [math.ceil(round(t * 10, 6)) / 10, int(rows or 0), int(tokens or 0)]
         if self._newest_only:
             self.samples.pop()
         self._newest_only = self._n % self._stride != 0
