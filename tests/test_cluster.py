@@ -292,7 +292,12 @@ _INTERNALS = ("workflow.dag", "workflow.scheduler", "workflow.persistence", ".fo
 def test_snakemakes_internals_are_read_in_one_module_only():
     from conftest import REPO
 
-    sources = [*(REPO / "src" / "mirageflow").rglob("*.py"), REPO / "Snakefile", *(REPO / "workflow" / "rules").glob("*.smk")]
+    sources = [
+        *(REPO / "src" / "mirageflow").rglob("*.py"),
+        REPO / "Snakefile",
+        REPO / "workflow" / "Snakefile",
+        *(REPO / "workflow" / "rules").glob("*.smk"),
+    ]
     found = [
         f"{path.relative_to(REPO)}: {name}"
         for path in sources

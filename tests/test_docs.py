@@ -29,7 +29,7 @@ def test_relative_links_resolve_from_their_file():
 
 def test_every_environment_variable_the_code_reads_is_documented():
     read = set()
-    for path in [*SRC.rglob("*.py"), *(REPO / "workflow").rglob("*.smk"), REPO / "Snakefile"]:
+    for path in [*SRC.rglob("*.py"), *(REPO / "workflow").rglob("*.smk"), REPO / "Snakefile", REPO / "workflow" / "Snakefile"]:
         read |= set(re.findall(r"\"(MIRAGEFLOW_[A-Z_]*[A-Z])\"", path.read_text()))
     text = "".join(doc.read_text() for doc in DOCS)
     assert sorted(v for v in read if v not in text) == []

@@ -85,7 +85,7 @@ def shards_run(proc) -> list[int]:
 
 def test_the_rules_take_their_paths_from_the_layout(tmp_path, tiny_model):
     """Every output Snakemake plans is a path of StateLayout, and the rule files spell none by hand."""
-    for rules in [REPO / "Snakefile", *sorted((REPO / "workflow" / "rules").glob("*.smk"))]:
+    for rules in [REPO / "Snakefile", REPO / "workflow" / "Snakefile", *sorted((REPO / "workflow" / "rules").glob("*.smk"))]:
         strings = re.findall(r"""["']([^"'\n]*)["']""", rules.read_text())  # one-line string literals (paths are)
         for literal in (
             "status.json",

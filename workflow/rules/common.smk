@@ -10,7 +10,10 @@ from snakemake.logging import logger
 try:
     import mirageflow
 except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+    # this file is <checkout>/workflow/rules/common.smk, whichever Snakefile was given
+    sys.path.insert(
+        0, os.path.join(str(workflow.current_basedir), os.pardir, os.pardir, "src")
+    )
 
 from mirageflow import hub_models
 from mirageflow.cluster import executor as cluster_executor
