@@ -77,6 +77,7 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
         "state": "ready", "host": "127.0.0.1", "port": server.httpd.server_address[1], "hostname": socket.gethostname(), "pid": os.getpid(),
     }))  # fmt: skip
     monkeypatch.setattr(shared, "HEARTBEAT_SECONDS", 0.5)
+    monkeypatch.setattr(shared, "HEARTBEAT_TIMEOUT", 5.0)  # the bound, not its 60 s default, is under test
     engine = shared.SharedEngine(_processor("transformers"), 4, endpoint=endpoint)
     engine.load()
     try:
