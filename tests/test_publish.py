@@ -323,3 +323,22 @@ def test_the_workflow_writes_the_card_beside_merged_and_publishes_it(tmp_path, h
     log = (tmp_path / "state" / "logs" / "publish.log").read_text()
     assert "published to org/run" in log
     no_token_anywhere(tmp_path, log)
+
+
+def test_the_repo_comes_from_the_config_when_no_flag_names_it(tmp_path, hub):
+    """`mmirage publish --config C` alone publishes where execution_params.publish says (its
+    revision too); a flag given wins; with neither, a usage error that names both."""
+    config_file = make_run(tmp_path)
+    proc = mmirage("publish", "--config", "pipeline.yaml", hub=hub, root=tmp_path)
+    assert proc.returncode == 2 and "no --repo-id" in proc.text and "execution_params.publish.repo_id" in proc.text, proc.text
+    assert not hub.requests
+
+    config = yaml.safe_load(config_file.read_text())
+    config["execution_params"]["publish"] = {"repo_id": "org/from-config", "revision": "v2"}
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = mmirage("publish", "--config", "pipeline.yaml", hub=hub, root=tmp_path)
+    assert proc.returncode == 0, proc.text
+    assert "README.md" in repo_files(hub, "org/from-config", "v2")
+    proc = mmirage("publish", "--config", "pipeline.yaml", "--repo-id", "org/from-flag", hub=hub, root=tmp_path)
+    assert proc.returncode == 0, proc.text
+    assert "README.md" in repo_files(hub, "org/from-flag", "v2")  # the config's revision still applies

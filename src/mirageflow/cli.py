@@ -644,12 +644,20 @@ def _copy_tree(src: Path, dest: Path) -> None:
 def cmd_publish(args) -> int:
     """Upload the merged records (and the deduplicated ones) as Parquet, with the dataset card (mirageflow/publish/hub.py)."""
     from mirageflow.publish.card import CardInputsMissing
-    from mirageflow.publish.hub import PublishFailed, PublishRefused, Target, publish
+    from mirageflow.config.types import PublishParams
+    from mirageflow.publish.hub import PublishFailed, PublishRefused, publish
 
     cfg = _load(args.config)
-    target = Target(
-        args.repo_id, private=args.private, revision=args.revision, allow_partial=args.allow_partial, overwrite_other=args.overwrite_other
-    )
+    configured = cfg.execution.publish  # execution_params.publish: the flags given override it
+    repo_id = args.repo_id or (configured.repo_id if configured else None)
+    if not repo_id:
+        print(f"mmirage publish: no --repo-id, and {args.config} has no execution_params.publish.repo_id", file=sys.stderr)
+        return EXIT_USAGE
+    base = configured or PublishParams(repo_id)
+    target = PublishParams(
+        repo_id, private=args.private or base.private, revision=args.revision or base.revision,
+        allow_partial=args.allow_partial or base.allow_partial, overwrite_other=args.overwrite_other or base.overwrite_other,
+    )  # fmt: skip
     try:
         record = publish(cfg, args.config, target)
     except (PublishRefused, PublishFailed, CardInputsMissing) as e:
@@ -901,7 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
         "upload the merged records (and the deduplicated ones) as Parquet, with the dataset card, to a Hugging Face dataset repo",
         cmd_publish,
     )
-    p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the dataset repo (created when absent)")
+    p.add_argument(
+        "--repo-id", metavar="ORG/NAME", help="the dataset repo (created when absent); default: execution_params.publish.repo_id"
+    )
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--revision", metavar="BRANCH", help="commit to this branch (created from main when absent)")
     p.add_argument("--allow-partial", action="store_true", help="publish the done shards' records when some shard is not done")

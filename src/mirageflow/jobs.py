@@ -372,16 +372,13 @@ def card(config: str) -> None:
 def publish(config: str) -> None:
     """Upload the records and the card as execution_params.publish says (mirageflow/publish/hub.py)."""
     from mirageflow.errors import MirageflowError
-    from mirageflow.publish.hub import Target
     from mirageflow.publish.hub import publish as upload
 
     cfg = _config(config, check_paths=False)
-    p = cfg.execution.publish
-    if p is None:
+    if cfg.execution.publish is None:
         raise SystemExit("execution_params.publish is not set: nothing to publish")
-    target = Target(p.repo_id, private=p.private, revision=p.revision, allow_partial=p.allow_partial, overwrite_other=p.overwrite_other)
     try:
-        record = upload(cfg, config, target)  # writes <state_dir>/publish/published.json: the rule's output
+        record = upload(cfg, config, cfg.execution.publish)  # writes <state_dir>/publish/published.json: the rule's output
     except MirageflowError as e:  # refused, or the Hub failed: the message alone (redacted), no traceback
         logging.error("mirageflow: %s", e)
         sys.exit(1)

@@ -32,10 +32,9 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from mirageflow.config.types import PipelineConfig
+from mirageflow.config.types import PipelineConfig, PublishParams
 from mirageflow.errors import MirageflowError
 from mirageflow.files import atomic_write_json, atomic_write_text
 from mirageflow.publish import card as cards
@@ -58,16 +57,7 @@ class PublishFailed(MirageflowError, RuntimeError):
     """The Hub refused or failed the upload; the message is redacted (a server may echo the token)."""
 
 
-@dataclass(frozen=True)
-class Target:
-    repo_id: str
-    private: bool = False
-    revision: str | None = None
-    allow_partial: bool = False
-    overwrite_other: bool = False
-
-
-def publish(cfg: PipelineConfig, config_file: str | os.PathLike, target: Target) -> dict:
+def publish(cfg: PipelineConfig, config_file: str | os.PathLike, target: PublishParams) -> dict:
     """Stage and upload; returns the record written to ``<state_dir>/publish/published.json``."""
     from huggingface_hub import get_token
 
@@ -101,7 +91,7 @@ def publish(cfg: PipelineConfig, config_file: str | os.PathLike, target: Target)
     return record
 
 
-def _check_run(cfg: PipelineConfig, target: Target) -> list[int]:
+def _check_run(cfg: PipelineConfig, target: PublishParams) -> list[int]:
     """The shards left out (none unless allow_partial); refuses a run not fit to publish."""
     from mirageflow.state import pipeline as pipeline_state
     from mirageflow.state.shards import states_of
@@ -207,7 +197,7 @@ def _jsonl_to_parquet(parts: list[Path], outs: list[Path]) -> None:
 # --------------------------------------------------------------------------- the Hub
 
 
-def _upload(staging: Path, target: Target, pid: str):
+def _upload(staging: Path, target: PublishParams, pid: str):
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
@@ -263,7 +253,7 @@ def _transient(error: BaseException, attempt: int) -> float | None:
     return backoff_delay(attempt, UPLOAD_RETRY_BASE_SECONDS, UPLOAD_RETRY_MAX_SECONDS)
 
 
-def _failure(error: BaseException, target: Target) -> str:
+def _failure(error: BaseException, target: PublishParams) -> str:
     """What failed, with the causes huggingface_hub chained, redacted."""
     from mirageflow.redact import redact_text
 
@@ -277,7 +267,7 @@ def _failure(error: BaseException, target: Target) -> str:
     )
 
 
-def _check_owner(info, target: Target, pid: str) -> None:
+def _check_owner(info, target: PublishParams, pid: str) -> None:
     """Refuse a repo with files whose card names another pipeline (or none)."""
     files = [s.rfilename for s in info.siblings or [] if s.rfilename != ".gitattributes"]
     if not files:
