@@ -183,6 +183,8 @@ def test_shard_start_marks_what_was_built_from_earlier_shards_as_the_previous_ru
         p.write_text("{}")
     (out / "merged").mkdir(parents=True)
     (out / "merged" / "part-00000.jsonl").write_text("{}\n")
+    (out / "README.md").write_text("# the dataset card\n")  # the card rule's, beside merged/
+    derived.append(out / "README.md")
     (out / "shard_0").mkdir()
     seen = {}
     monkeypatch.setattr(mirageflow.shard.runner, "run_shard", lambda cfg, shard, attempt: seen.update(shard=shard, attempt=attempt))

@@ -302,7 +302,7 @@ def claim_output_dirs(cfg: PipelineConfig, config_file: str | os.PathLike | None
 
 
 def derived_outputs(cfg: PipelineConfig) -> list[Path]:
-    """What the aggregate and merge rules build from the shards (files and directories)."""
+    """What the aggregate, merge, dedup and card rules build from the shards (files and directories)."""
     paths = L.StateLayout(cfg.state_dir)
     out = [paths.metrics, paths.summary, paths.report_html]
     out += [paths.merge_manifest(ds.index) for ds in cfg.datasets]
@@ -310,6 +310,7 @@ def derived_outputs(cfg: PipelineConfig) -> list[Path]:
     from mirageflow.data.dedup import dedup_outputs
 
     out += [p for ds in cfg.datasets for p in dedup_outputs(cfg, ds)]  # built from merged/
+    out += L.dataset_cards(cfg)  # built from merged/ and metrics.json (rule card)
     return out
 
 
