@@ -1,0 +1,170 @@
+"""One engine across the nodes of a SLURM job (execution_params.nodes > 1; engines/server_ranks.py):
+rank 0 started by the engine, ranks 1..N-1 by srun, as one server.
+
+The server is the SGLang stand-in (tests/fakes/fake_sglang_server.py), whose ranks meet over
+TCP (fakes/fake_ranks.py) before rank 0 serves; ``srun`` is tests/fakes/fake_srun.py first on
+PATH, running the "other nodes'" ranks as processes here with srun's task environment.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fakes import FAKES, alive, drive
+from test_engine_http import processor, req
+
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.server_ranks import NodeSpan
+from mirageflow.engines.sglang_server import SGLangServerEngine, ServerDied
+from mirageflow.engines.vllm_server import RANKS as VLLM_RANKS
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """Quick health polls and kill grace."""
+    monkeypatch.setattr(SGLangServerEngine, "health_poll_interval", 0.05)
+    monkeypatch.setattr(SGLangServerEngine, "kill_grace", 2.0)
+
+
+@pytest.fixture
+def job(monkeypatch, tmp_path):
+    """This process as the shard step of a 3-node SLURM job, with the srun stand-in on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nexec {sys.executable} {FAKES / "fake_srun.py"} "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    monkeypatch.setenv("SLURMD_NODENAME", "localhost")  # rank 0's node: where the ranks meet
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # the shard's step: srun must not inherit it
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
+    return tmp_path
+
+
+def engine(tmp_path: Path, **fields) -> SGLangServerEngine:
+    return SGLangServerEngine(processor(nodes=3, server_args={"tp_size": 3}, **fields), 8, log_dir=tmp_path / "logs")
+
+
+def argv(log: Path, label: str = "") -> list[list[str]]:
+    return [json.loads(a) for a in re.findall(rf"^{label}fake sglang argv: (.*)$", log.read_text(), re.M)]
+
+
+def pids(log: Path) -> list[int]:
+    text = log.read_text()
+    return [
+        int(p) for p in re.findall(r"fake srun: task \d+ pid (\d+)", text) + re.findall(r"rank \d+ of \d+, meeting at \S+, pid (\d+)", text)
+    ]
+
+
+def test_the_ranks_get_their_flags_meet_and_the_engine_serves_from_rank_0(fast, job):
+    e = engine(job)
+    e.load()
+    try:
+        done = drive(e, [req(i) for i in range(12)])
+        server_pid, srun_pid = e.server.pid, e.server.ranks.pid
+    finally:
+        e.close()
+    assert [c.id for c in done] == list(range(12)) and all(c.error_kind is None for c in done)
+    logs = job / "logs"
+    [rank0] = argv(logs / "sglang_server.log")
+    port = rank0[rank0.index("--dist-init-addr") + 1].rpartition(":")[2]
+    assert rank0[-6:] == ["--nnodes", "3", "--dist-init-addr", f"localhost:{port}", "--node-rank", "0"]
+    assert "--tp-size" in rank0 and rank0[rank0.index("--tp-size") + 1] == "3"  # tp spans the nodes
+    ranks_log = logs / "sglang_server.ranks.log"
+    srun_line = re.search(r"^fake srun: (.*)$", ranks_log.read_text(), re.M).group(1).split()
+    assert srun_line[:8] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--relative=1", "--kill-on-bad-exit=1", "--label",
+                             "--cpus-per-task=6", "--mem=0"]  # fmt: skip
+    for task in (0, 1):  # node ranks 1 and 2, each on its node, told where rank 0 waits
+        [flags] = argv(ranks_log, f"{task}: ")
+        assert flags[:-6] == rank0[:-6]
+        assert flags[-6:] == ["--nnodes", "3", "--dist-init-addr", f"localhost:{port}", "--node-rank", str(task + 1)]
+        assert f"{task}: mirageflow: engine rank {task + 1} on " in ranks_log.read_text()
+    assert "fake rendezvous: all 3 ranks joined" in (logs / "sglang_server.log").read_text()
+    left = [p for p in [server_pid, srun_pid, *pids(ranks_log)] if alive(p)]
+    assert not left  # no rank on any "node"
+
+
+def test_a_rank_that_dies_at_start_fails_the_start_naming_its_node_and_log(fast, job, monkeypatch):
+    monkeypatch.setenv("FAKE_RANK_EXIT_AT_START", "2")
+    e = engine(job)
+    with pytest.raises(EngineError) as err:
+        e.load()
+    message = str(err.value)
+    ranks_log = job / "logs" / "sglang_server.ranks.log"
+    assert "a rank exited (srun code 3) before the engine became healthy" in message
+    assert "srun: error: fakenode2: task 1: Exited with exit code 3" in message  # the node
+    assert str(ranks_log) in message and "NCCL error" in message
+    assert not [p for p in pids(ranks_log) + pids(job / "logs" / "sglang_server.log") if alive(p)]
+
+
+def test_a_rank_that_never_joins_fails_the_start_naming_the_ranks_log(fast, job, monkeypatch):
+    monkeypatch.setenv("FAKE_RANK_NEVER_JOINS", "1")
+    e = engine(job, server_start_timeout=2.0)
+    with pytest.raises(EngineError) as err:
+        e.load()
+    message = str(err.value)
+    ranks_log = job / "logs" / "sglang_server.ranks.log"
+    assert "did not become healthy within server_start_timeout=2 s" in message
+    assert "every rank must join first" in message and str(ranks_log) in message
+    assert "0: fake rendezvous: rank 1 stuck before joining" in message
+    assert not [p for p in pids(ranks_log) + pids(job / "logs" / "sglang_server.log") if alive(p)]
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_killing_a_rank_mid_run_fails_or_restarts_every_rank(fast, job, monkeypatch, restarts):
+    """A rank SIGKILLed while serving: srun ends the other ranks, rank 0 loses it; the engine
+    restarts all of them (max_restarts 1) or fails the requests naming the lost rank (0)."""
+    from mirageflow.engines.server_restarts import ServerSupervisor
+
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 0.05)
+    monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.05")
+    e = engine(job, max_restarts=restarts, max_retries=0)
+    e.load()
+    ranks_log = job / "logs" / "sglang_server.ranks.log"
+    victim = int(re.search(r"fake srun: task 1 pid (\d+)", ranks_log.read_text()).group(1))
+    first = drive(e, [req(i) for i in range(4)])
+    try:
+        __import__("os").kill(victim, 9)
+        deadline = time.monotonic() + 20
+        while not e.deaths() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [death] = e.deaths()
+        assert death["cause"].startswith("lost a rank: srun of ranks 1..2 on ") and str(ranks_log) in death["cause"]
+        if restarts:
+            later = drive(e, [req(i) for i in range(4, 10)])
+            assert [c.id for c in first + later] == list(range(10)) and e.restarts() == 1
+        else:
+            with pytest.raises(ServerDied, match="lost a rank"):
+                drive(e, [req(i) for i in range(4, 10)])
+    finally:
+        e.close()
+    everyone = pids(ranks_log) + pids(job / "logs" / "sglang_server.log")
+    assert len(everyone) == (3 if not restarts else 6) + (2 if not restarts else 4) and not [p for p in everyone if alive(p)]
+
+
+def test_the_span_comes_from_the_slurm_job_or_the_engine_refuses_to_start(monkeypatch):
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURMD_NODENAME": "n1", "SLURM_JOB_NODELIST": "n1"}
+    assert NodeSpan.from_slurm(2, env).hosts[0] == "n1"
+    with pytest.raises(EngineError, match="this is not a SLURM job"):
+        NodeSpan.from_slurm(2, {})
+    with pytest.raises(EngineError, match="job 7 holds 1"):
+        NodeSpan.from_slurm(2, {**env, "SLURM_JOB_NUM_NODES": "1"})
+
+
+def test_vllm_ranks_use_its_multiprocessing_multi_node_flags():
+    """vLLM's route: --nnodes/--node-rank with --master-addr/--master-port, ranks > 0 headless (no Ray)."""
+    span = NodeSpan(2, ("n1", "n2"))
+    server = span.server("the vLLM server", ["vllm", "--model", "m"], Path("/tmp/v.log"), None, VLLM_RANKS, 29600)
+    assert server.command == ["vllm", "--model", "m", "--nnodes", "2", "--master-addr", "n1", "--master-port", "29600", "--node-rank", "0"]
+    assert (
+        server.ranks.command[-9:]
+        == ["vllm", "--model", "m", "--nnodes", "2", "--master-addr", "n1", "--master-port", "29600", "--headless"][-9:]
+    )
+    assert server.ranks.log_path == Path("/tmp/v.ranks.log")
