@@ -15,13 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from fakes import FAKES, alive, drive
+from fakes import FAKES, alive, drive, stand_in_command
 from test_engine_http import processor, req
 
+from mirageflow.config import load_config
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.server_ranks import NodeSpan
 from mirageflow.engines.sglang_server import SGLangServerEngine, ServerDied
 from mirageflow.engines.vllm_server import RANKS as VLLM_RANKS
+from mirageflow.shard.runner import index_datasets, run_shard
 
 
 @pytest.fixture
@@ -168,3 +170,33 @@ def test_vllm_ranks_use_its_multiprocessing_multi_node_flags():
         == ["vllm", "--model", "m", "--nnodes", "2", "--master-addr", "n1", "--master-port", "29600", "--headless"][-9:]
     )
     assert server.ranks.log_path == Path("/tmp/v.ranks.log")
+
+
+def test_a_shard_runs_on_an_engine_across_nodes_and_counts_every_nodes_gpus(fast, job, monkeypatch):
+    """The shard runner feeds the engine's rank 0 as on one node; its numbers count the GPUs of
+    all 3 nodes (this node's 2 each), and its engine details say NVML saw this node's only."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    data = job / "in.jsonl"
+    data.write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(10)))
+    cfg = load_config({
+        "processors": [{"type": "llm", "backend": "sglang_server", "server_args": {"model_path": "m", "tp_size": 6},
+                        "server_command": stand_in_command(), "server_start_timeout": 30, "apply_chat_template": False}],
+        "loading_params": {"state_dir": str(job / "state"),
+                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(job / "out"), "output_format": "jsonl"}]},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}],
+                              "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        "execution_params": {"nodes": 3, "gpus": 2},
+    }, check_paths=False)  # fmt: skip
+    index_datasets(cfg)
+    status = run_shard(cfg, 0)
+    st = status["stats"]
+    assert st["rows_processed"] == 10 and st["rows_failed"] == 0
+    assert st["num_gpus"] == 6  # 3 nodes x 2
+    assert st["tokens_per_sec_per_gpu"] * 6 == pytest.approx(st["tokens_per_sec"])
+    [engine_info] = status["engines"].values() if isinstance(status["engines"], dict) else status["engines"]
+    details = engine_info["details"]
+    assert details["nodes"] == 3 and details["node_hosts"][0] == "localhost"
+    assert details["gpu_sampling"].startswith("NVML samples the GPUs of localhost (rank 0's node) only")
+    ranks_log = Path(details["ranks_log"])
+    assert "all 3 ranks joined" in Path(details["log"]).read_text()
+    assert not [p for p in pids(ranks_log) + pids(Path(details["log"])) if alive(p)]  # every rank ended with the shard

@@ -192,3 +192,17 @@ class RankedServer(ServerProcess):
         self.ranks.terminate()  # srun passes SIGTERM to every rank while rank 0 stops
         super().kill(grace)
         self.ranks.kill(grace)
+
+
+def span_details(server: ServerProcess | None) -> dict:
+    """What an engine's info shows of a server across nodes (status.json -> engines): its nodes,
+    the ranks' log, and which GPUs the shard's NVML sampling saw. {} for a server on one node."""
+    if not isinstance(server, RankedServer):
+        return {}
+    span = server.span
+    return {
+        "nodes": span.nodes,
+        "node_hosts": list(span.hosts),
+        "ranks_log": str(server.ranks.log_path),
+        "gpu_sampling": f"NVML samples the GPUs of {span.hosts[0]} (rank 0's node) only; num_gpus counts all {span.nodes} nodes'",
+    }

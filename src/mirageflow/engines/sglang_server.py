@@ -70,7 +70,7 @@ from mirageflow.transport.http_client import HTTPClient
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.server_metrics import SGLANG, ServerMetrics
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, log_tail, server_flags  # noqa: F401 - re-exported
-from mirageflow.engines.server_ranks import NodeSpan, RankFlags
+from mirageflow.engines.server_ranks import NodeSpan, RankFlags, span_details
 from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor, Supervised  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import (
     completion_from_output,
@@ -169,6 +169,7 @@ class SGLangServerEngine(Supervised, LoopEngine):
                     "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
                     "max_restarts": self.processor.max_restarts,
                     "hang_seconds": self.processor.hang_seconds,
+                    **span_details(self.server),
                 },
             )
             if self.enable_metrics:

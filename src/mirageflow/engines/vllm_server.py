@@ -52,7 +52,7 @@ from mirageflow.transport.http_client import get_blocking
 from mirageflow.engines.registry import engine_class
 from mirageflow.engines.server_metrics import ServerMetrics
 from mirageflow.engines.server_process import ServerProcess, server_flags
-from mirageflow.engines.server_ranks import NodeSpan, RankFlags
+from mirageflow.engines.server_ranks import NodeSpan, RankFlags, span_details
 from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor, Supervised  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import resolve_parallelism
 from mirageflow.engines.wire import Completion, EngineInfo, Request
@@ -174,6 +174,7 @@ class VLLMServerEngine(Supervised, Engine):
                     "request_timeout": self.processor.request_timeout,
                     "max_restarts": self.processor.max_restarts,
                     "hang_seconds": self.processor.hang_seconds,
+                    **span_details(self.server),
                 },
             )
             supervisor.watch()
