@@ -9,7 +9,10 @@ PATH, running the "other nodes'" ranks as processes here with srun's task enviro
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,9 +63,8 @@ def argv(log: Path, label: str = "") -> list[list[str]]:
 
 def pids(log: Path) -> list[int]:
     text = log.read_text()
-    return [
-        int(p) for p in re.findall(r"fake srun: task \d+ pid (\d+)", text) + re.findall(r"rank \d+ of \d+, meeting at \S+, pid (\d+)", text)
-    ]
+    found = re.findall(r"fake srun: (?:task \d+ )?pid (\d+)", text) + re.findall(r"rank \d+ of \d+, meeting at \S+, pid (\d+)", text)
+    return [int(p) for p in found]
 
 
 def test_the_ranks_get_their_flags_meet_and_the_engine_serves_from_rank_0(fast, job):
@@ -148,7 +150,7 @@ def test_killing_a_rank_mid_run_fails_or_restarts_every_rank(fast, job, monkeypa
     finally:
         e.close()
     everyone = pids(ranks_log) + pids(job / "logs" / "sglang_server.log")
-    assert len(everyone) == (3 if not restarts else 6) + (2 if not restarts else 4) and not [p for p in everyone if alive(p)]
+    assert len(everyone) == 6 * (1 + restarts) and not [p for p in everyone if alive(p)]
 
 
 def test_the_span_comes_from_the_slurm_job_or_the_engine_refuses_to_start(monkeypatch):
@@ -172,31 +174,67 @@ def test_vllm_ranks_use_its_multiprocessing_multi_node_flags():
     assert server.ranks.log_path == Path("/tmp/v.ranks.log")
 
 
-def test_a_shard_runs_on_an_engine_across_nodes_and_counts_every_nodes_gpus(fast, job, monkeypatch):
-    """The shard runner feeds the engine's rank 0 as on one node; its numbers count the GPUs of
-    all 3 nodes (this node's 2 each), and its engine details say NVML saw this node's only."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+def shard_config(job: Path, rows: int, model: str = "m") -> dict:
+    """A one-shard pipeline on sglang_server (the stand-in) across 3 nodes of 2 GPUs each."""
     data = job / "in.jsonl"
-    data.write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(10)))
-    cfg = load_config({
-        "processors": [{"type": "llm", "backend": "sglang_server", "server_args": {"model_path": "m", "tp_size": 6},
+    data.write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(rows)))
+    return {
+        "processors": [{"type": "llm", "backend": "sglang_server", "server_args": {"model_path": model, "tp_size": 6},
                         "server_command": stand_in_command(), "server_start_timeout": 30, "apply_chat_template": False}],
         "loading_params": {"state_dir": str(job / "state"),
                            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(job / "out"), "output_format": "jsonl"}]},
         "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}],
                               "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        "shard_params": {"checkpoint_rows": 2, "checkpoint_min_seconds": 0},
         "execution_params": {"nodes": 3, "gpus": 2},
-    }, check_paths=False)  # fmt: skip
+    }  # fmt: skip
+
+
+def test_a_shard_runs_on_an_engine_across_nodes_and_counts_every_nodes_gpus(fast, job, monkeypatch):
+    """The shard runner feeds the engine's rank 0 as on one node; its numbers count the GPUs of
+    all 3 nodes (this node's 2 each), and its engine details say NVML saw this node's only."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cfg = load_config(shard_config(job, 10), check_paths=False)
     index_datasets(cfg)
     status = run_shard(cfg, 0)
     st = status["stats"]
     assert st["rows_processed"] == 10 and st["rows_failed"] == 0
     assert st["num_gpus"] == 6  # 3 nodes x 2
     assert st["tokens_per_sec_per_gpu"] * 6 == pytest.approx(st["tokens_per_sec"])
-    [engine_info] = status["engines"].values() if isinstance(status["engines"], dict) else status["engines"]
+    [engine_info] = status["engines"].values()
     details = engine_info["details"]
     assert details["nodes"] == 3 and details["node_hosts"][0] == "localhost"
     assert details["gpu_sampling"].startswith("NVML samples the GPUs of localhost (rank 0's node) only")
     ranks_log = Path(details["ranks_log"])
     assert "all 3 ranks joined" in Path(details["log"]).read_text()
     assert not [p for p in pids(ranks_log) + pids(Path(details["log"])) if alive(p)]  # every rank ended with the shard
+
+
+def test_sigterm_to_the_shard_job_ends_every_rank(job, monkeypatch):
+    """SLURM's SIGTERM before the time limit reaches the shard job (python -m mirageflow.jobs):
+    it commits, writes failure.json, and no rank is left on any node."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.2")
+    model = job / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    config = job / "pipeline.yaml"
+    config.write_text(__import__("yaml").safe_dump(shard_config(job, 400, str(model))))
+    index_datasets(load_config(str(config)))
+    log = job / "state" / "logs" / "shard_0.log"
+    proc = subprocess.Popen([sys.executable, "-m", "mirageflow.jobs", "--config", str(config), "--log", str(log), "shard", "0"])
+    server_log = job / "state" / "logs"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(server_log.rglob("sglang_server.log"))
+        if found and "all 3 ranks joined" in found[0].read_text() and list((job / "out").rglob("part-*")):
+            break
+        time.sleep(0.1)
+    [rank0_log] = list(server_log.rglob("sglang_server.log"))
+    ranks_log = rank0_log.with_name("sglang_server.ranks.log")
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    failure = json.loads((job / "state/shard_0/failure.json").read_text())
+    assert failure["signal"] == "SIGTERM", failure
+    everyone = pids(ranks_log) + pids(rank0_log)
+    assert len(everyone) == 6 and not [p for p in everyone if alive(p)]  # srun, its 2 tasks (ranks 1, 2), rank 0: none left

@@ -10,7 +10,7 @@ What srun does that the engine relies on: it runs ``--ntasks`` copies of CMD, ta
 code after ``srun: error: NODE: task i: Exited with exit code RC``; SIGTERM (or SIGINT) is passed
 to every task, then srun exits. It refuses (exit 1) what real srun would get wrong: no
 ``SLURM_JOB_ID`` (not in an allocation), or the shard step's ``SLURM_STEP_ID`` inherited (its
-one-task step's settings would leak in). Each task's pid is printed (``fake srun: task i pid P``).
+one-task step's settings would leak in). Its pid and each task's are printed (``fake srun: pid P``, ``fake srun: task i pid P``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def _options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 def main() -> None:
     options, command = _options(sys.argv[1:])
     print(f"fake srun: {' '.join(sys.argv[1:])}", flush=True)
+    print(f"fake srun: pid {os.getpid()}", flush=True)
     if not os.environ.get("SLURM_JOB_ID"):
         sys.exit("srun: error: no allocation (SLURM_JOB_ID unset)")
     if "SLURM_STEP_ID" in os.environ:
