@@ -238,3 +238,23 @@ def test_sigterm_to_the_shard_job_ends_every_rank(job, monkeypatch):
     assert failure["signal"] == "SIGTERM", failure
     everyone = pids(ranks_log) + pids(rank0_log)
     assert len(everyone) == 6 and not [p for p in everyone if alive(p)]  # srun, its 2 tasks (ranks 1, 2), rank 0: none left
+
+
+@pytest.mark.parametrize("submits", [False, True], ids=["local", "slurm-profile"])
+def test_a_run_that_executes_its_jobs_here_is_refused_before_any_job(tmp_path, submits):
+    """nodes > 1 needs SLURM's nodes: a local run stops before any job, naming the key; the same
+    config with the SLURM profile (a dry run) shows the shard job with its nodes."""
+    from conftest import run_workflow
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    extra = ["--profile", str(Path(__file__).resolve().parents[1] / "profiles" / "slurm")] if submits else []
+    proc = run_workflow(tmp_path, shard_config(tmp_path, 4, str(model)), "-n", *extra, check=False)
+    if submits:
+        assert proc.returncode == 0, proc.text[-3000:]
+        assert "rule shard:" in proc.text and "nodes=3" in proc.text and "gres=gpu:2" in proc.text
+    else:
+        assert proc.returncode == 1
+        assert "execution_params.nodes: 3 runs each shard's engine across that many nodes of a SLURM job" in proc.text
+        assert "rule shard:" not in proc.text
