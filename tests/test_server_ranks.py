@@ -258,3 +258,66 @@ def test_a_run_that_executes_its_jobs_here_is_refused_before_any_job(tmp_path, s
         assert proc.returncode == 1
         assert "execution_params.nodes: 3 runs each shard's engine across that many nodes of a SLURM job" in proc.text
         assert "rule shard:" not in proc.text
+
+
+# --------------------------------------------------------------------------- the real srun (tests/slurm_cluster.py)
+
+# Run as a batch job of 3 tasks on the test cluster's one node: rank 0 in the batch shell, ranks 1
+# and 2 through the real srun, placed beside it (the cluster has no second node for --relative=1).
+REAL_SRUN_JOB = """
+import json, os, re, signal, socket, sys, time
+from pathlib import Path
+from mirageflow.engines.http import free_port
+from mirageflow.engines.server_ranks import NodeSpan
+from mirageflow.engines.sglang_server import RANKS
+out = Path(sys.argv[1])
+host = socket.gethostname().split(".")[0]
+span = NodeSpan(3, (host,), placement=("--nodes=1", "--ntasks=2", "--ntasks-per-node=2"))
+port = free_port()
+command = [sys.executable, sys.argv[2], "--model-path", "m", "--host", "127.0.0.1", "--port", str(port), "--tp-size", "3"]
+server = span.server("the SGLang server", command, out / "sglang_server.log", None, RANKS, free_port("0.0.0.0"))
+deaths = []
+server.start(on_exit=lambda rc: deaths.append(server.exit_cause(rc)[1]))
+server.wait_healthy(f"http://127.0.0.1:{port}", "/health_generate", 120)
+ranks_log = server.ranks.log_path.read_text()
+victim = int(re.search(r"^1: fake rendezvous: rank 2 of 3, meeting at \\S+, pid (\\d+)", ranks_log, re.M).group(1))
+os.kill(victim, signal.SIGKILL)
+deadline = time.monotonic() + 60
+while not deaths and time.monotonic() < deadline:
+    time.sleep(0.1)
+server.kill(5.0)
+(out / "result.json").write_text(json.dumps({"deaths": deaths, "srun_rc": server.ranks.poll()}))
+"""
+
+
+def test_the_ranks_start_under_the_real_srun_and_a_killed_rank_ends_them_all(tmp_path):
+    import slurm_cluster
+
+    reason = slurm_cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    started_here = slurm_cluster.start()
+    try:
+        script = tmp_path / "job.py"
+        script.write_text(REAL_SRUN_JOB)
+        cmd = f"{sys.executable} {script} {tmp_path} {FAKES / 'fake_sglang_server.py'}"
+        proc = subprocess.run(
+            ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks=3", "--cpus-per-task=1", "-t", "5",
+             f"--output={tmp_path / 'job.out'}", f"--wrap={cmd}"],
+            capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+        assert proc.returncode == 0, proc.stderr + output
+    finally:
+        if started_here:
+            slurm_cluster.stop()
+    ranks_log = (tmp_path / "sglang_server.ranks.log").read_text()
+    for task in (0, 1):  # SLURM_PROCID from the real srun: node ranks 1 and 2
+        [flags] = argv(tmp_path / "sglang_server.ranks.log", f"{task}: ")
+        assert flags[-2:] == ["--node-rank", str(task + 1)] and flags[flags.index("--nnodes") + 1] == "3"
+    assert "fake rendezvous: all 3 ranks joined" in (tmp_path / "sglang_server.log").read_text()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["deaths"] and result["deaths"][0].startswith("lost a rank: srun of ranks 1..2"), result
+    assert result["srun_rc"] is not None  # --kill-on-bad-exit ended the step
+    everyone = [int(p) for p in re.findall(r"meeting at \S+, pid (\d+)", ranks_log + (tmp_path / "sglang_server.log").read_text())]
+    assert len(everyone) == 3 and not [p for p in everyone if alive(p)], ranks_log

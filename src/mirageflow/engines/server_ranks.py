@@ -74,6 +74,9 @@ class NodeSpan:
     nodes: int
     hosts: tuple[str, ...]
     cpus_per_task: str | None = None  # the shard step's, given to each rank
+    # srun's placement of ranks 1..N-1; empty: one per other node, from the allocation's second
+    # (tests on the one-node SLURM test cluster place them beside rank 0 instead)
+    placement: tuple[str, ...] = ()
 
     @classmethod
     def from_slurm(cls, nodes: int, environ: Mapping[str, str] = os.environ) -> NodeSpan:
@@ -97,7 +100,7 @@ class NodeSpan:
     def srun(self, command: list[str], name: str) -> list[str]:
         """The srun command that starts ranks 1..N-1 of ``command`` (node rank appended per task)."""
         n = self.nodes - 1
-        placement = [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--relative=1"]
+        placement = list(self.placement) or [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--relative=1"]
         cpus = [f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []
         job = name.replace(" ", "-").strip("-") + "-ranks"
         return ["srun", *placement, "--kill-on-bad-exit=1", "--label", *cpus, "--mem=0", f"--job-name={job}", "sh", "-c", RANK_SHELL, "rank", *command]  # fmt: skip
