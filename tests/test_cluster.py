@@ -415,6 +415,8 @@ def test_the_job_across_nodes_is_submitted_as_the_plugin_writes_it(cfg, tmp_path
     call = submit.get_submit_command(job, params) + pytest.importorskip("snakemake_executor_plugin_slurm.utils").set_gres_string(job)
     assert "--nodes=2" in call and "--gres=gpu:4" in call and "--ntasks-per-node=1" in call and "--cpus-per-task=32" in call
     assert "--gpus" not in call and "--ntasks=" not in call and "--ntasks-per-gpu" not in call
+    validation = pytest.importorskip("snakemake_executor_plugin_slurm.validation")
+    assert not [p for p in validation.get_forbidden_slurm_options() if __import__("re").search(p, res["slurm_extra"])]
     # the job step the plugin runs the shard in (srun -n1 ...): no --gpus (it gets the job's gres on its
     # node), so the engine's rank 0 holds the first node's GPUs; srun places 1 task on 1 node
     jobstep = pytest.importorskip("snakemake_executor_plugin_slurm_jobstep")
