@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fakes import FAKES, alive, drive, stand_in_command
+from fakes import FAKES, alive, drive, stand_in_command, vllm_stand_in_command
 from test_engine_http import processor, req
 
 from mirageflow.config import load_config
@@ -174,13 +174,14 @@ def test_vllm_ranks_use_its_multiprocessing_multi_node_flags():
     assert server.ranks.log_path == Path("/tmp/v.ranks.log")
 
 
-def shard_config(job: Path, rows: int, model: str = "m") -> dict:
-    """A one-shard pipeline on sglang_server (the stand-in) across 3 nodes of 2 GPUs each."""
+def shard_config(job: Path, rows: int, model: str = "m", backend: str = "sglang_server") -> dict:
+    """A one-shard pipeline on ``backend`` (its stand-in) across 3 nodes of 2 GPUs each."""
     data = job / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(rows)))
     return {
-        "processors": [{"type": "llm", "backend": "sglang_server", "server_args": {"model_path": model, "tp_size": 6},
-                        "server_command": stand_in_command(), "server_start_timeout": 30, "apply_chat_template": False}],
+        "processors": [{"type": "llm", "backend": backend, "server_args": {"model_path": model, "tp_size": 6},
+                        "server_command": stand_in_command() if backend == "sglang_server" else vllm_stand_in_command(),
+                        "server_start_timeout": 30, "apply_chat_template": False}],
         "loading_params": {"state_dir": str(job / "state"),
                            "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(job / "out"), "output_format": "jsonl"}]},
         "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}],
@@ -190,11 +191,13 @@ def shard_config(job: Path, rows: int, model: str = "m") -> dict:
     }  # fmt: skip
 
 
-def test_a_shard_runs_on_an_engine_across_nodes_and_counts_every_nodes_gpus(fast, job, monkeypatch):
+@pytest.mark.parametrize("backend", ["sglang_server", "vllm_server"])
+def test_a_shard_runs_on_an_engine_across_nodes_and_counts_every_nodes_gpus(fast, job, monkeypatch, backend):
     """The shard runner feeds the engine's rank 0 as on one node; its numbers count the GPUs of
-    all 3 nodes (this node's 2 each), and its engine details say NVML saw this node's only."""
+    all 3 nodes (this node's 2 each), and its engine details say NVML saw this node's only.
+    vLLM's ranks > 0 are --headless (its stand-in refuses otherwise) and meet at --master-addr."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    cfg = load_config(shard_config(job, 10), check_paths=False)
+    cfg = load_config(shard_config(job, 10, backend=backend), check_paths=False)
     index_datasets(cfg)
     status = run_shard(cfg, 0)
     st = status["stats"]
