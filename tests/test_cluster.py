@@ -7,6 +7,7 @@ import math
 import pytest
 from fakes.configs import pipeline_config
 
+from mirageflow.cluster import node_span
 from mirageflow.cluster import resources as cluster
 from mirageflow.config import ConfigError, load_config
 
@@ -319,3 +320,109 @@ def test_another_snakemake_major_version_is_refused_with_one_message(monkeypatch
     monkeypatch.setattr(snakemake, "__version__", "10.0.0")
     with pytest.raises(snakemake_internals.UnsupportedSnakemake, match=r"needs Snakemake 9\.x .* this is Snakemake 10\.0\.0"):
         snakemake_internals.force(SimpleNamespace(dag=SimpleNamespace(forcefiles=set())), "state/shard_0/status.json")
+
+
+# --------------------------------------------------------------------------- one engine across nodes (cluster/node_span.py)
+
+
+def span(cfg: dict, backend: str = "sglang_server", **server_args) -> dict:
+    """``cfg`` with its processor on ``backend`` and these server_args (tp 4, dp 1 unless given)."""
+    cfg["processors"][0]["backend"] = backend
+    cfg["processors"][0]["server_args"] = {"model_path": "org/model", "tp_size": 4, "dp_size": 1, **server_args}
+    if backend == "openai":
+        cfg["processors"][0]["base_url"] = "http://llm:8000/v1"
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "ep, server_args",
+    [
+        ({"nodes": 2, "gpus": 2}, {}),  # 2 nodes x 2 GPUs = tp 4
+        ({"nodes": 2}, {"tp_size": 8}),  # gpus unset: 8 / 2 per node
+        ({"nodes": 2, "gres": "gpu:h100:4"}, {"extra_engine_args": {"pp_size": 2}}),  # tp 4 x pp 2 = 2 x 4
+        ({"nodes": 4, "gpus": 4}, {"dp_size": 2, "tp_size": 4, "extra_engine_args": {"pipeline_parallel_size": 2}}),
+    ],
+)
+@pytest.mark.parametrize("backend", ["sglang_server", "vllm_server"])
+def test_an_engine_across_nodes_loads_when_its_gpus_are_every_gpu_of_every_node(cfg, ep, server_args, backend):
+    assert load_config(span(cfg, backend, **server_args) | {"execution_params": ep}, environ={}).execution.nodes == ep["nodes"]
+
+
+def test_pipeline_parallel_size_is_read_under_either_engines_name():
+    assert [node_span.pipeline_parallel(a) for a in ({}, {"pp_size": 2}, {"pipeline_parallel_size": 4}, {"pp_size": None})] == [1, 2, 4, 1]
+
+
+def test_gpus_of_the_nodes_must_be_the_engines(cfg):
+    found = problems(span(cfg), nodes=2, gpus=4)  # 2 x 4 = 8 GPUs, tp 4
+    assert found == [
+        "processors[0].server_args: tp_size 4 x pp_size 1 x dp_size 1 = 4 GPUs, but execution_params.nodes x gpus = 2 x 4 = 8 "
+        "(with nodes > 1, gpus counts the GPUs of each node); they must be equal"
+    ]
+    assert "execution_params.nodes x gres = 2 x 1" in problems(span(cfg), nodes=2, gres="gpu:a100:1")[0]
+    assert problems(span(cfg), nodes=3)[0].startswith(
+        "execution_params.gpus: tp_size 4 x pp_size 1 x dp_size 1 = 4 GPUs do not divide over nodes: 3"
+    )
+
+
+@pytest.mark.parametrize("backend", ["transformers", "openai", "auto", "sglang"])
+def test_backends_that_cannot_span_nodes_are_refused_by_name(cfg, backend):
+    found = problems(span(cfg, backend), nodes=2, gpus=2)
+    assert len(found) == 1 and found[0].startswith(f"processors[0].backend: '{backend}' cannot span nodes")
+    assert "only sglang_server and vllm_server can" in found[0]
+
+
+def test_a_batch_api_pipeline_cannot_span_nodes(cfg):
+    cfg["processors"] = [{"type": "batch_api", "provider": "openai", "model": "gpt-x", "api_key_env": "K"}]
+    cfg["processing_params"]["outputs"][0]["type"] = "batch_api"
+    found = problems(cfg, nodes=2)
+    assert any(p.startswith("processors[0].backend: 'batch_api' cannot span nodes") for p in found), found
+
+
+def test_shared_engines_and_a_null_tp_size_are_refused_across_nodes(cfg):
+    found = problems(span(cfg, tp_size=None), nodes=2, gpus=2, shards_per_engine=3)
+    assert found[0].startswith("execution_params.shards_per_engine: 3 shares an engine service over localhost on one node")
+    assert found[1].startswith("processors[0].server_args.tp_size: null (the GPUs the job holds) is not allowed")
+
+
+def test_one_node_keeps_its_meaning(cfg):
+    """nodes 1 (the default) is checked as before: tp x dp GPUs of one node, any backend."""
+    assert load_config(span(cfg, "transformers") | {"execution_params": {"gpus": 4}}, environ={}).execution.nodes == 1
+
+
+def test_a_job_across_nodes_asks_slurm_for_the_nodes_and_the_gpus_of_each(cfg):
+    res = resources(span(cfg, tp_size=8), nodes=2, mem="200G", account="a1", time_limit="01:00:00")
+    res.pop("runtime")
+    # gres (per node), never gpu (--gpus is the job's total, and the plugin's job step would ask rank 0's
+    # one-node step for all of it); CPUs and memory per node; one task per node
+    assert res == {
+        "slurm_account": "a1", "nodes": 2, "gres": "gpu:4", "cpus_per_task": 32, "mem_mb": 204800,
+        "slurm_extra": "--ntasks-per-node=1 --signal=TERM@300",
+    }  # fmt: skip
+    assert resources(span(cfg), "canary", nodes=2, gres="gpu:h100:2")["gres"] == "gpu:h100:2"
+    index = resources(span(cfg), "index", nodes=2, gpus=2)
+    assert "nodes" not in index and "gres" not in index  # the index job reads the dataset on one node
+    assert cluster.shard_gpus(load_config(span(cfg, tp_size=8) | {"execution_params": {"nodes": 2}}, environ={})) == 4
+
+
+def test_the_job_across_nodes_is_submitted_as_the_plugin_writes_it(cfg, tmp_path):
+    """The plugin's own sbatch line for these resources: --nodes, per-node --gres, no --gpus, no --ntasks."""
+    submit = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
+    from types import SimpleNamespace
+
+    res = resources(span(cfg, tp_size=8), nodes=2, time_limit="01:00:00")
+    res["runtime"] = res["runtime"](None, 1)
+
+    class Resources(dict):
+        __getattr__ = dict.__getitem__
+
+    job = SimpleNamespace(resources=Resources(res), threads=1, name="shard", is_group=lambda: False)
+    params = {"run_uuid": "u", "slurm_logfile": str(tmp_path / "l"), "comment_str": "c", "account": "", "partition": "", "workdir": None}
+    call = submit.get_submit_command(job, params) + pytest.importorskip("snakemake_executor_plugin_slurm.utils").set_gres_string(job)
+    assert "--nodes=2" in call and "--gres=gpu:4" in call and "--ntasks-per-node=1" in call and "--cpus-per-task=32" in call
+    assert "--gpus" not in call and "--ntasks=" not in call and "--ntasks-per-gpu" not in call
+    validation = pytest.importorskip("snakemake_executor_plugin_slurm.validation")
+    assert not [p for p in validation.get_forbidden_slurm_options() if __import__("re").search(p, res["slurm_extra"])]
+    # the job step the plugin runs the shard in (srun -n1 ...): no --gpus (it gets the job's gres on its
+    # node), so the engine's rank 0 holds the first node's GPUs; srun places 1 task on 1 node
+    jobstep = pytest.importorskip("snakemake_executor_plugin_slurm_jobstep")
+    assert jobstep.get_gpu_setting(job) == "" and jobstep.get_node_setting(job) == "--nodes=2"

@@ -18,6 +18,7 @@ from the environment (the engine's child inherits it):
 - FAKE_SGLANG_PLAN=503,drop,ok        scripted answers, one per generation request
 - FAKE_SGLANG_IGNORE_SIGTERM=1        survive SIGTERM (the engine must SIGKILL)
 - FAKE_SGLANG_SPAWN_CHILD=1           start a grandchild (like SGLang's scheduler) and log its pid
+- FAKE_RANK_EXIT_AT_START, FAKE_RANK_NEVER_JOINS   with --nnodes > 1: fake_ranks.py's rendezvous
 - FAKE_SGLANG_DEATHS=kill:4,freeze:3  the k-th start (counted in the file FAKE_SGLANG_STARTS)
                                       SIGKILLs or SIGSTOPs itself after n answers (as FAKE_VLLM_DEATHS)
 """
@@ -31,6 +32,7 @@ import signal
 import subprocess
 import sys
 
+import fake_ranks
 from fake_http import _FACTS, Behaviour, FakeServer, this_starts_death
 
 _TYPED = {"port": int, "tp_size": int, "dp_size": int}
@@ -62,6 +64,8 @@ def main() -> None:
     if env.get("FAKE_SGLANG_SPAWN_CHILD"):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"fake sglang: scheduler child pid {child.pid}", flush=True)
+    if int(args.nnodes or 1) > 1:  # one engine across nodes: the ranks meet first (fake_ranks.py)
+        fake_ranks.join(int(args.nnodes), int(args.node_rank or 0), args.dist_init_addr)
     print("fake sglang: loading weights...", flush=True)
     death = this_starts_death(env, "FAKE_SGLANG")
     if env.get("FAKE_SGLANG_EXIT_AT_START"):

@@ -17,6 +17,8 @@ server checks the flags themselves: tests/test_real_vllm.py). The environment it
                                     FAKE_VLLM_STARTS) SIGKILLs itself (kill:n) or SIGSTOPs itself
                                     (freeze:n) on the generation request after n answers, or
                                     exits (code 4) before serving (exit); later starts serve
+- FAKE_RANK_EXIT_AT_START, FAKE_RANK_NEVER_JOINS   with --nnodes > 1: fake_ranks.py's rendezvous
+                                    (at --master-addr:--master-port; ranks > 0 must be --headless)
 - FAKE_VLLM_REQUEST_LOG=path        a JSON line per generation request asked and answered
 """
 
@@ -27,6 +29,7 @@ import os
 import signal
 import sys
 
+import fake_ranks
 from fake_http import Behaviour, FakeServer, this_starts_death
 
 
@@ -57,6 +60,11 @@ def main() -> None:
     print(f"fake vllm env: {json.dumps(seen, sort_keys=True)}", flush=True)
     if env.get("FAKE_VLLM_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, lambda *a: print("fake vllm: ignoring SIGTERM (compiling)", flush=True))
+    nnodes, node_rank = int(args.get("nnodes", 1)), int(args.get("node_rank", 0))
+    if nnodes > 1:  # vLLM's multiprocessing multi-node route: ranks > 0 run headless (no API server)
+        if (node_rank > 0) != bool(args.get("headless")):
+            sys.exit(f"fake vllm: node rank {node_rank} of {nnodes} {'needs' if node_rank else 'must not have'} --headless")
+        fake_ranks.join(nnodes, node_rank, f"{args['master_addr']}:{args['master_port']}")
     print("fake vllm: Loading weights took 0.94 seconds", flush=True)
     death = this_starts_death(env, "FAKE_VLLM")
     if death == ("exit", 0):

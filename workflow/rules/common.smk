@@ -58,6 +58,14 @@ STATE_DIR = PIPELINE.state_dir
 STATE = state_layout.StateLayout(STATE_DIR)
 # Whether the jobs go to a cluster (profiles/slurm): only then do they carry SLURM resources.
 SUBMITS_TO_CLUSTER = cluster_executor.submits_to_cluster(workflow)
+# An engine across nodes (execution_params.nodes > 1; docs/cluster.md) needs a SLURM job of that
+# many nodes: a run whose jobs execute on this machine would fail each shard at its engine's start.
+if workflow.is_main_process and not SUBMITS_TO_CLUSTER and PIPELINE.execution.nodes > 1:
+    config_error_exit(
+        f"mirageflow: execution_params.nodes: {PIPELINE.execution.nodes} runs each shard's engine across that many "
+        "nodes of a SLURM job, and this run executes its jobs on this machine; submit it to SLURM "
+        "(snakemake --profile profiles/slurm, or mmirage run with execution_params.mode: slurm)"
+    )
 # The demo model, built by the smollm2_model rule (workflow/rules/models.smk).
 SMOLLM2_DIR = "resources/models/SmolLM2-135M-Instruct"
 # Secrets written literally in the config are not stored with it: the jobs get them from

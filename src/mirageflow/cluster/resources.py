@@ -22,13 +22,13 @@ import math
 import re
 from typing import Any, Callable, Collection
 
+from mirageflow.cluster.node_span import engine_gpus, gpus_per_node, gres_gpus
 from mirageflow.config.types import ExecutionParams, PipelineConfig, ProcessorConfig
 
 # [D-]HH:MM:SS, as sbatch --time takes it (the schema has the same pattern).
 _TIME_RE = re.compile(r"(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})")
 _MEM_RE = re.compile(r"(\d+)([KMGT]?)")
 _MEM_SCALE_MB = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}
-_GRES_GPUS_RE = re.compile(r"gpu(?::[^:]+)?:(\d+)")
 INDEX_MAX_MINUTES = 60  # index jobs only read the dataset once
 # SIGTERM before the time limit: a tenth of the limit, at least TERM_MIN_SECONDS, at most
 # TERM_MAX_SECONDS (SLURM may send it up to a minute earlier than asked: it checks limits
@@ -177,15 +177,27 @@ def _gpus(ep: ExecutionParams, processors: dict[str, ProcessorConfig], image_gpu
         batches = any(p.batch is not None for p in processors.values())
         gpus = max(models + ([image_gpus] if image_gpus is not None else []), default=0 if batches or image_gpus is not None else 1)
     if ep.gres:
-        counted = _GRES_GPUS_RE.fullmatch(ep.gres)
-        gpus = int(counted.group(1)) if counted else gpus
+        counted = gres_gpus(ep.gres)
+        gpus = counted if counted is not None else gpus
     return gpus
 
 
+def node_gpus(pipeline: PipelineConfig) -> int | None:
+    """GPUs of each node of a shard job spanning ``execution_params.nodes`` > 1 nodes (node_span.py); None with one node."""
+    ep = pipeline.execution
+    if ep.nodes <= 1:
+        return None
+    engines = [engine_gpus(p.server_args) for p in pipeline.processors.values() if p.batch is None]
+    return gpus_per_node({"gres": ep.gres, "gpus": ep.gpus, "nodes": ep.nodes}, engines)
+
+
 def shard_gpus(pipeline: PipelineConfig) -> int:
-    """GPUs a shard job asks for: execution_params.gpus (or the gres count), else tp_size x dp_size."""
+    """GPUs a shard job asks for (of each node when it spans nodes): execution_params.gpus (or the
+    gres count), else tp_size x dp_size (/ nodes)."""
     if waits_on_batches(pipeline):
         return 0
+    if pipeline.execution.nodes > 1:
+        return node_gpus(pipeline)
     return _gpus(pipeline.execution, pipeline.processors, _image_gpus_or_none(pipeline))
 
 
@@ -231,6 +243,18 @@ def cluster_resources(pipeline: PipelineConfig, job: str) -> dict:
         res["cpus_per_task"] = 1
         if batch and ep.mem is not None:  # the rows waiting on the provider are in memory
             res["mem_mb"] = mem_mb(ep.mem)
+    elif job != "index" and ep.nodes > 1:  # one engine across the nodes (node_span.py): resources per node
+        gpus = node_gpus(pipeline)
+        res["nodes"] = ep.nodes
+        # --gres is per node (--gpus would be the job's total, and the plugin's job step would
+        # ask it of rank 0's one-node step); every step gets the job's gres on its nodes
+        res["gres"] = ep.gres or f"gpu:{gpus}"
+        res["cpus_per_task"] = ep.cpus_per_task or 8 * gpus
+        if ep.mem is not None:  # sbatch --mem is per node
+            res["mem_mb"] = mem_mb(ep.mem)
+        if ep.constraint:
+            res["constraint"] = ep.constraint
+        extra.append("--ntasks-per-node=1")  # the shard process on the first node, one engine rank on each other
     else:
         gpus = _gpus(ep, pipeline.processors, _image_gpus_or_none(pipeline))
         if ep.gres:

@@ -12,6 +12,7 @@ registry's to say (engines/registry.py), never a backend name compared here.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from mirageflow.cluster import resources as cluster
+from mirageflow.cluster.node_span import node_span_problems
 from mirageflow.config.types import (
     BATCH_LIMITS,
     DEFAULT_MAX_RETRIES,
@@ -69,6 +71,8 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
     problems += _sample_problems(pp, processors, outputs)
     execution, found = _execution(cfg["execution_params"], processors, outputs)
     problems += found
+    if execution.nodes > 1:  # their engines span the job's nodes (checked by _execution)
+        processors = {name: dataclasses.replace(p, nodes=execution.nodes) for name, p in processors.items()}
     dedup, found = _dedup(cfg, outputs)
     problems += found
     return PipelineConfig(
@@ -977,7 +981,7 @@ def _sample_problems(pp: dict, processors: dict, outputs: list) -> list[str]:
 
 
 def _execution(ep: dict, processors: dict[str, ProcessorConfig], outputs: list[OutputVar]) -> tuple[ExecutionParams, list[str]]:
-    """execution_params: the SLURM keys' mistakes, and engine groups that would load nothing."""
+    """execution_params: the SLURM keys' mistakes, engine groups that would load nothing, engines across nodes."""
     problems = cluster.execution_problems(ep)
     used = sorted({processors[o.processor].backend for o in outputs if o.processor in processors})
     if ep["shards_per_engine"] > 1 and not any(registry.capabilities(b).loads_model for b in used):
@@ -987,6 +991,7 @@ def _execution(ep: dict, processors: dict[str, ProcessorConfig], outputs: list[O
         )  # fmt: skip
         problems.append(f"execution_params.shards_per_engine: shared engines serve processors that load a model; {what}: set it to 1")
     waiting = [processors[o.processor] for o in outputs if o.processor in processors]
+    problems += node_span_problems(ep, list({id(p): p for p in waiting}.values()), [o.name for o in outputs if o.image is not None])
     if any(p.batch is not None for p in waiting) and not any(registry.capabilities(p.backend).loads_model for p in waiting):
         for key in ("gpus", "gres"):
             if ep[key]:

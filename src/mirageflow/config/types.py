@@ -160,6 +160,7 @@ class ProcessorConfig:
     # openai: the pace the run's shards keep together (transport/rate_limit.py); None: no limit
     max_requests_per_minute: float | None = None
     max_tokens_per_minute: float | None = None
+    nodes: int = 1  # nodes its engine spans: execution_params.nodes (engines/server_ranks.py)
 
 
 # The providers' own limits on one batch (requests, bytes of its JSONL): OpenAI Batch (a 200 MB

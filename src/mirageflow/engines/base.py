@@ -63,6 +63,9 @@ class Engine(abc.ABC):
     # The chat template's tokenizer loads without the model's weights (key_tokenizer): the
     # request cache's keys of a chat-templated prompt can be made before the model is loaded.
     tokenizer_without_weights: bool = False
+    # One engine can span the nodes of a job (execution_params.nodes > 1): rank 0 here, the
+    # other ranks started by srun on the other nodes (engines/server_ranks.py).
+    spans_nodes: bool = False
     # warmup() does work (compile, capture graphs): the runner times it as the warmup phase.
     warms_up: bool = False
     # Keeps work of its own in the shard's checkpoint across attempts (a provider's batches):

@@ -42,6 +42,7 @@ class Capabilities:
     needs_base_url: bool = False  # processors[].base_url is required
     grammar_in_process: bool = False  # JSON outputs constrained here by xgrammar (the driver checks it is installed)
     tokenizer_without_weights: bool = False  # Engine.key_tokenizer: the chat template without the weights (request cache keys)
+    spans_nodes: bool = False  # one engine across the nodes of a job (execution_params.nodes > 1; engines/server_ranks.py)
 
     @classmethod
     def of(cls, engine: type[Engine] | Engine) -> Capabilities:
@@ -67,12 +68,16 @@ BACKENDS: dict[str, Backend] = {
     ),
     "sglang": Backend("mirageflow.engines.sglang_engine:SGLangEngine", package="sglang", install=SGLANG_INSTALL),
     "sglang_server": Backend(
-        "mirageflow.engines.sglang_server:SGLangServerEngine", package="sglang", install=SGLANG_INSTALL, launched=True
+        "mirageflow.engines.sglang_server:SGLangServerEngine",
+        Capabilities(spans_nodes=True),
+        package="sglang",
+        install=SGLANG_INSTALL,
+        launched=True,
     ),
     # vLLM's OpenAI server launched on this node, fed through the openai client (chat messages, n)
     "vllm_server": Backend(
         "mirageflow.engines.vllm_server:VLLMServerEngine",
-        Capabilities(templates_server_side=True, native_n=True, loads_model=True, needs_base_url=False),
+        Capabilities(templates_server_side=True, native_n=True, loads_model=True, needs_base_url=False, spans_nodes=True),
         package="vllm",
         install=VLLM_INSTALL,
         launched=True,
@@ -111,6 +116,7 @@ def capabilities(backend: str) -> Capabilities:
         needs_base_url=any(c.needs_base_url for c in picks),
         grammar_in_process=any(c.grammar_in_process for c in picks),
         tokenizer_without_weights=all(c.tokenizer_without_weights for c in picks),
+        spans_nodes=all(c.spans_nodes for c in picks),
     )
 
 

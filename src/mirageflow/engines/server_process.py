@@ -97,8 +97,9 @@ def classify_exit(rc: int, tail: str) -> tuple[D, str]:
 class ServerProcess:
     """One server process and its log. ``name`` names it in messages ("the vLLM server")."""
 
-    def __init__(self, name: str, command: list[str], log_path: Path, env: dict | None = None):
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict | None = None, unset: tuple[str, ...] = ()):
         self.name, self.command, self.log_path, self.env = name, list(command), Path(log_path), env
+        self.unset = unset  # inherited variables the command must not see (a nested srun: the step's SLURM_*)
         self.process: subprocess.Popen | None = None
         self.log_offset = 0  # where this start's lines begin in the (appended) log
         self.started = 0.0
@@ -119,7 +120,9 @@ class ServerProcess:
             logf.flush()
             self.log_offset = logf.tell()
             self.started = time.monotonic()
-            env = None if self.env is None else {**os.environ, **self.env}
+            env = None if self.env is None and not self.unset else {**os.environ, **(self.env or {})}
+            for name in self.unset:
+                env.pop(name, None)
             self.process = subprocess.Popen(
                 self.command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
@@ -144,6 +147,20 @@ class ServerProcess:
     def poll(self) -> int | None:
         return self.process.poll() if self.process is not None else None
 
+    def exit_cause(self, rc: int) -> tuple[D, str]:
+        """Why it exited with ``rc`` while serving (classify_exit of its log's tail)."""
+        return classify_exit(rc, self.tail())
+
+    def exited_early(self) -> str | None:
+        """The message when it exited before it became healthy, else None."""
+        rc = self.process.poll()
+        if rc is None:
+            return None
+        return (
+            f"{self.name} exited with code {rc} before it became healthy ({self.shown_command()}); "
+            f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self.tail()}"
+        )
+
     def wait_healthy(
         self, base_url: str, path: str, timeout: float, poll_interval: float = 0.1, timeout_name: str = "server_start_timeout"
     ) -> float:
@@ -156,12 +173,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         interval = poll_interval
         while True:
-            rc = self.process.poll()
-            if rc is not None:
-                raise EngineError(
-                    f"{self.name} exited with code {rc} before it became healthy ({self.shown_command()}); "
-                    f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self.tail()}"
-                )
+            exited = self.exited_early()
+            if exited is not None:
+                raise EngineError(exited)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineError(

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
 from mirageflow.engines.base import EngineError, EngineStopped
-from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, classify_exit
+from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess
+from mirageflow.engines.server_ranks import NodeSpan, RankFlags
 from mirageflow.errors import EngineDeathClass as D
 from mirageflow.transport.retry import backoff_delay
 
@@ -76,9 +77,11 @@ class ServerSupervisor:
     def __init__(
         self, name: str, make_command: Callable[[int], list[str]], log_path: Path, env: dict | None, *, host: str,
         ready_path: str, probe_path: str, start_timeout: float, poll_interval: float, kill_grace: float,
-        max_restarts: int, hang_seconds: float | None,
+        max_restarts: int, hang_seconds: float | None, span: NodeSpan | None = None, rank_flags: RankFlags | None = None,
     ):  # fmt: skip
         self.name, self.make_command, self.log_path, self.env, self.host = name, make_command, Path(log_path), env, host
+        # an engine across nodes (execution_params.nodes > 1): every start is rank 0 here and srun's ranks elsewhere
+        self.span, self.rank_flags = span, rank_flags
         self.ready_path, self.probe_path = ready_path, probe_path
         self.start_timeout, self.poll_interval, self.kill_grace = start_timeout, poll_interval, kill_grace
         self.max_restarts, self.hang_seconds = max_restarts, hang_seconds
@@ -116,7 +119,11 @@ class ServerSupervisor:
 
         port = free_port(self.host)
         command = self.make_command(port)
-        server = ServerProcess(self.name, command, self.log_path, self.env)
+        if self.span is not None:  # the ranks meet at a port of this node, on every interface
+            server = self.span.server(self.name, command, self.log_path, self.env, self.rank_flags, free_port("0.0.0.0"))
+            command = server.command
+        else:
+            server = ServerProcess(self.name, command, self.log_path, self.env)
         with self._lock:
             if self._closing:
                 raise EngineStopped(f"{self.name} was not restarted: the engine is stopping")
@@ -156,7 +163,7 @@ class ServerSupervisor:
         """The watch thread of ``server``: it exited while nobody stopped it."""
         if server is not self.server:  # a restart that had not become healthy: its wait_healthy says why
             return
-        death_class, cause = classify_exit(rc, server.tail())
+        death_class, cause = server.exit_cause(rc)
         self._died(server, death_class, cause, rc)
 
     def _died(self, server: ServerProcess, death_class: D, cause: str, exit_code: int | None = None) -> None:

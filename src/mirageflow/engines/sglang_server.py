@@ -70,6 +70,7 @@ from mirageflow.transport.http_client import HTTPClient
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.server_metrics import SGLANG, ServerMetrics
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, log_tail, server_flags  # noqa: F401 - re-exported
+from mirageflow.engines.server_ranks import NodeSpan, RankFlags, span_details
 from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor, Supervised  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import (
     completion_from_output,
@@ -83,10 +84,13 @@ from mirageflow.prompts.images import image_token
 
 log = logging.getLogger(__name__)
 
+# execution_params.nodes > 1: SGLang's own multi-node flags (tp_size spans the nodes; ranks > 0 serve no HTTP)
+RANKS = RankFlags(lambda nnodes, host, port: ["--nnodes", str(nnodes), "--dist-init-addr", f"{host}:{port}"])
 METRICS = SGLANG.all  # what is scraped (tests/real_sglang_checks.py checks the names against the package)
 
 
 class SGLangServerEngine(Supervised, LoopEngine):
+    spans_nodes = True  # execution_params.nodes > 1: --nnodes/--node-rank/--dist-init-addr (engines/server_ranks.py)
     health_poll_interval = 0.1  # first wait between health checks; grows x1.5 up to 2 s
     kill_grace = 15.0  # seconds between SIGTERM and SIGKILL
     retry_base_delay = 0.5
@@ -134,6 +138,7 @@ class SGLangServerEngine(Supervised, LoopEngine):
             probe_path="/health", start_timeout=float(self.processor.server_start_timeout),
             poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
             max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
+            span=NodeSpan.from_slurm(self.processor.nodes) if self.processor.nodes > 1 else None, rank_flags=RANKS,
         )  # fmt: skip
         supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._fail_all
         try:
@@ -164,6 +169,7 @@ class SGLangServerEngine(Supervised, LoopEngine):
                     "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
                     "max_restarts": self.processor.max_restarts,
                     "hang_seconds": self.processor.hang_seconds,
+                    **span_details(self.server),
                 },
             )
             if self.enable_metrics:

@@ -52,6 +52,7 @@ from mirageflow.transport.http_client import get_blocking
 from mirageflow.engines.registry import engine_class
 from mirageflow.engines.server_metrics import ServerMetrics
 from mirageflow.engines.server_process import ServerProcess, server_flags
+from mirageflow.engines.server_ranks import NodeSpan, RankFlags, span_details
 from mirageflow.engines.server_restarts import ServerDied, ServerSupervisor, Supervised  # noqa: F401 - ServerDied: re-exported
 from mirageflow.engines.sglang_common import resolve_parallelism
 from mirageflow.engines.wire import Completion, EngineInfo, Request
@@ -60,6 +61,10 @@ log = logging.getLogger(__name__)
 
 LAUNCHER = ["-m", "vllm.entrypoints.openai.api_server"]
 DEFAULT_MAX_INFLIGHT = 256
+# execution_params.nodes > 1: vLLM's multiprocessing multi-node route (--nnodes/--node-rank with
+# --master-addr/--master-port; ranks > 0 --headless, serving no API): no Ray cluster to start and
+# stop inside the allocation, so every rank is a process srun starts and ends like any other.
+RANKS = RankFlags(lambda nnodes, host, port: ["--nnodes", str(nnodes), "--master-addr", host, "--master-port", str(port)], ("--headless",))
 
 
 def default_max_inflight(server_args: ServerArgs) -> int:
@@ -83,6 +88,7 @@ class VLLMServerEngine(Supervised, Engine):
     templates_server_side = True  # the server applies the chat template (the openai client sends messages)
     native_n = True  # one request with n for a row's samples (native_samples)
     loads_model = True  # the server it launches loads server_args.model_path on this node
+    spans_nodes = True  # execution_params.nodes > 1: --nnodes/--node-rank, ranks 1.. --headless (engines/server_ranks.py)
     health_poll_interval = 0.5  # first wait between health checks; grows x1.5 up to 2 s
     kill_grace = 30.0  # seconds between SIGTERM and SIGKILL
     host = "127.0.0.1"
@@ -141,6 +147,7 @@ class VLLMServerEngine(Supervised, Engine):
             probe_path="/health", start_timeout=float(self.processor.server_start_timeout),
             poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
             max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
+            span=NodeSpan.from_slurm(self.processor.nodes) if self.processor.nodes > 1 else None, rank_flags=RANKS,
         )  # fmt: skip
         supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._on_final
         try:
@@ -167,6 +174,7 @@ class VLLMServerEngine(Supervised, Engine):
                     "request_timeout": self.processor.request_timeout,
                     "max_restarts": self.processor.max_restarts,
                     "hang_seconds": self.processor.hang_seconds,
+                    **span_details(self.server),
                 },
             )
             supervisor.watch()

@@ -56,7 +56,10 @@ class ShardMetrics:
         # (dataset, row, sample) -> the tally of a record rendered and not yet booked (shard/tally.py)
         self._rendered: dict[tuple, UnitTally] = {}
         self.sampler = gpu.GpuSampler(cfg.shard.gpu_sample_interval_seconds, sample=cfg.stats)
-        self.num_gpus = stats.allocated_gpus()
+        # an engine across N nodes holds this node's GPUs on each of them (the job asks SLURM for the same
+        # gres per node): tokens/s per GPU, GPU-hours and the roofline count every GPU of every node.
+        # NVML samples (gpus, gpu_util_mean, energy) are this node's only: the engine's details say so.
+        self.num_gpus = stats.allocated_gpus() * cfg.execution.nodes
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
         # the loaded engines, by processor: their launched servers' restarts and deaths (engine_restarts, engine_deaths)

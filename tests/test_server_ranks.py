@@ -1,0 +1,326 @@
+"""One engine across the nodes of a SLURM job (execution_params.nodes > 1; engines/server_ranks.py):
+rank 0 started by the engine, ranks 1..N-1 by srun, as one server.
+
+The server is the SGLang stand-in (tests/fakes/fake_sglang_server.py), whose ranks meet over
+TCP (fakes/fake_ranks.py) before rank 0 serves; ``srun`` is tests/fakes/fake_srun.py first on
+PATH, running the "other nodes'" ranks as processes here with srun's task environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fakes import FAKES, alive, drive, stand_in_command, vllm_stand_in_command
+from test_engine_http import processor, req
+
+from mirageflow.config import load_config
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.server_ranks import NodeSpan
+from mirageflow.engines.sglang_server import SGLangServerEngine, ServerDied
+from mirageflow.engines.vllm_server import RANKS as VLLM_RANKS
+from mirageflow.shard.runner import index_datasets, run_shard
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """Quick health polls and kill grace."""
+    monkeypatch.setattr(SGLangServerEngine, "health_poll_interval", 0.05)
+    monkeypatch.setattr(SGLangServerEngine, "kill_grace", 2.0)
+
+
+@pytest.fixture
+def job(monkeypatch, tmp_path):
+    """This process as the shard step of a 3-node SLURM job, with the srun stand-in on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nexec {sys.executable} {FAKES / "fake_srun.py"} "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    monkeypatch.setenv("SLURMD_NODENAME", "localhost")  # rank 0's node: where the ranks meet
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # the shard's step: srun must not inherit it
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
+    return tmp_path
+
+
+def engine(tmp_path: Path, **fields) -> SGLangServerEngine:
+    return SGLangServerEngine(processor(nodes=3, server_args={"tp_size": 3}, **fields), 8, log_dir=tmp_path / "logs")
+
+
+def argv(log: Path, label: str = "") -> list[list[str]]:
+    return [json.loads(a) for a in re.findall(rf"^{label}fake sglang argv: (.*)$", log.read_text(), re.M)]
+
+
+def pids(log: Path) -> list[int]:
+    text = log.read_text()
+    found = re.findall(r"fake srun: (?:task \d+ )?pid (\d+)", text) + re.findall(r"rank \d+ of \d+, meeting at \S+, pid (\d+)", text)
+    return [int(p) for p in found]
+
+
+def test_the_ranks_get_their_flags_meet_and_the_engine_serves_from_rank_0(fast, job):
+    e = engine(job)
+    e.load()
+    try:
+        done = drive(e, [req(i) for i in range(12)])
+        server_pid, srun_pid = e.server.pid, e.server.ranks.pid
+    finally:
+        e.close()
+    assert [c.id for c in done] == list(range(12)) and all(c.error_kind is None for c in done)
+    logs = job / "logs"
+    [rank0] = argv(logs / "sglang_server.log")
+    port = rank0[rank0.index("--dist-init-addr") + 1].rpartition(":")[2]
+    assert rank0[-6:] == ["--nnodes", "3", "--dist-init-addr", f"localhost:{port}", "--node-rank", "0"]
+    assert "--tp-size" in rank0 and rank0[rank0.index("--tp-size") + 1] == "3"  # tp spans the nodes
+    ranks_log = logs / "sglang_server.ranks.log"
+    srun_line = re.search(r"^fake srun: (.*)$", ranks_log.read_text(), re.M).group(1).split()
+    assert srun_line[:8] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--relative=1", "--kill-on-bad-exit=1", "--label",
+                             "--cpus-per-task=6", "--mem=0"]  # fmt: skip
+    for task in (0, 1):  # node ranks 1 and 2, each on its node, told where rank 0 waits
+        [flags] = argv(ranks_log, f"{task}: ")
+        assert flags[:-6] == rank0[:-6]
+        assert flags[-6:] == ["--nnodes", "3", "--dist-init-addr", f"localhost:{port}", "--node-rank", str(task + 1)]
+        assert f"{task}: mirageflow: engine rank {task + 1} on " in ranks_log.read_text()
+    assert "fake rendezvous: all 3 ranks joined" in (logs / "sglang_server.log").read_text()
+    left = [p for p in [server_pid, srun_pid, *pids(ranks_log)] if alive(p)]
+    assert not left  # no rank on any "node"
+
+
+def test_a_rank_that_dies_at_start_fails_the_start_naming_its_node_and_log(fast, job, monkeypatch):
+    monkeypatch.setenv("FAKE_RANK_EXIT_AT_START", "2")
+    e = engine(job)
+    with pytest.raises(EngineError) as err:
+        e.load()
+    message = str(err.value)
+    ranks_log = job / "logs" / "sglang_server.ranks.log"
+    assert "a rank exited (srun code 3) before the engine became healthy" in message
+    assert "srun: error: fakenode2: task 1: Exited with exit code 3" in message  # the node
+    assert str(ranks_log) in message and "NCCL error" in message
+    assert not [p for p in pids(ranks_log) + pids(job / "logs" / "sglang_server.log") if alive(p)]
+
+
+def test_a_rank_that_never_joins_fails_the_start_naming_the_ranks_log(fast, job, monkeypatch):
+    monkeypatch.setenv("FAKE_RANK_NEVER_JOINS", "1")
+    e = engine(job, server_start_timeout=2.0)
+    with pytest.raises(EngineError) as err:
+        e.load()
+    message = str(err.value)
+    ranks_log = job / "logs" / "sglang_server.ranks.log"
+    assert "did not become healthy within server_start_timeout=2 s" in message
+    assert "every rank must join first" in message and str(ranks_log) in message
+    assert "0: fake rendezvous: rank 1 stuck before joining" in message
+    assert not [p for p in pids(ranks_log) + pids(job / "logs" / "sglang_server.log") if alive(p)]
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_killing_a_rank_mid_run_fails_or_restarts_every_rank(fast, job, monkeypatch, restarts):
+    """A rank SIGKILLed while serving: srun ends the other ranks, rank 0 loses it; the engine
+    restarts all of them (max_restarts 1) or fails the requests naming the lost rank (0)."""
+    from mirageflow.engines.server_restarts import ServerSupervisor
+
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 0.05)
+    monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.05")
+    e = engine(job, max_restarts=restarts, max_retries=0)
+    e.load()
+    ranks_log = job / "logs" / "sglang_server.ranks.log"
+    victim = int(re.search(r"fake srun: task 1 pid (\d+)", ranks_log.read_text()).group(1))
+    first = drive(e, [req(i) for i in range(4)])
+    try:
+        __import__("os").kill(victim, 9)
+        deadline = time.monotonic() + 20
+        while not e.deaths() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [death] = e.deaths()
+        assert death["cause"].startswith("lost a rank: srun of ranks 1..2 on ") and str(ranks_log) in death["cause"]
+        if restarts:
+            later = drive(e, [req(i) for i in range(4, 10)])
+            assert [c.id for c in first + later] == list(range(10)) and e.restarts() == 1
+        else:
+            with pytest.raises(ServerDied, match="lost a rank"):
+                drive(e, [req(i) for i in range(4, 10)])
+    finally:
+        e.close()
+    everyone = pids(ranks_log) + pids(job / "logs" / "sglang_server.log")
+    assert len(everyone) == 6 * (1 + restarts) and not [p for p in everyone if alive(p)]
+
+
+def test_the_span_comes_from_the_slurm_job_or_the_engine_refuses_to_start(monkeypatch):
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURMD_NODENAME": "n1", "SLURM_JOB_NODELIST": "n1"}
+    assert NodeSpan.from_slurm(2, env).hosts[0] == "n1"
+    with pytest.raises(EngineError, match="this is not a SLURM job"):
+        NodeSpan.from_slurm(2, {})
+    with pytest.raises(EngineError, match="job 7 holds 1"):
+        NodeSpan.from_slurm(2, {**env, "SLURM_JOB_NUM_NODES": "1"})
+
+
+def test_vllm_ranks_use_its_multiprocessing_multi_node_flags():
+    """vLLM's route: --nnodes/--node-rank with --master-addr/--master-port, ranks > 0 headless (no Ray)."""
+    span = NodeSpan(2, ("n1", "n2"))
+    server = span.server("the vLLM server", ["vllm", "--model", "m"], Path("/tmp/v.log"), None, VLLM_RANKS, 29600)
+    assert server.command == ["vllm", "--model", "m", "--nnodes", "2", "--master-addr", "n1", "--master-port", "29600", "--node-rank", "0"]
+    assert (
+        server.ranks.command[-9:]
+        == ["vllm", "--model", "m", "--nnodes", "2", "--master-addr", "n1", "--master-port", "29600", "--headless"][-9:]
+    )
+    assert server.ranks.log_path == Path("/tmp/v.ranks.log")
+
+
+def shard_config(job: Path, rows: int, model: str = "m", backend: str = "sglang_server") -> dict:
+    """A one-shard pipeline on ``backend`` (its stand-in) across 3 nodes of 2 GPUs each."""
+    data = job / "in.jsonl"
+    data.write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(rows)))
+    return {
+        "processors": [{"type": "llm", "backend": backend, "server_args": {"model_path": model, "tp_size": 6},
+                        "server_command": stand_in_command() if backend == "sglang_server" else vllm_stand_in_command(),
+                        "server_start_timeout": 30, "apply_chat_template": False}],
+        "loading_params": {"state_dir": str(job / "state"),
+                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(job / "out"), "output_format": "jsonl"}]},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}],
+                              "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        "shard_params": {"checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+        "execution_params": {"nodes": 3, "gpus": 2},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["sglang_server", "vllm_server"])
+def test_a_shard_runs_on_an_engine_across_nodes_and_counts_every_nodes_gpus(fast, job, monkeypatch, backend):
+    """The shard runner feeds the engine's rank 0 as on one node; its numbers count the GPUs of
+    all 3 nodes (this node's 2 each), and its engine details say NVML saw this node's only.
+    vLLM's ranks > 0 are --headless (its stand-in refuses otherwise) and meet at --master-addr."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cfg = load_config(shard_config(job, 10, backend=backend), check_paths=False)
+    index_datasets(cfg)
+    status = run_shard(cfg, 0)
+    st = status["stats"]
+    assert st["rows_processed"] == 10 and st["rows_failed"] == 0
+    assert st["num_gpus"] == 6  # 3 nodes x 2
+    assert st["tokens_per_sec_per_gpu"] * 6 == pytest.approx(st["tokens_per_sec"])
+    [engine_info] = status["engines"].values()
+    details = engine_info["details"]
+    assert details["nodes"] == 3 and details["node_hosts"][0] == "localhost"
+    assert details["gpu_sampling"].startswith("NVML samples the GPUs of localhost (rank 0's node) only")
+    ranks_log = Path(details["ranks_log"])
+    assert "all 3 ranks joined" in Path(details["log"]).read_text()
+    assert not [p for p in pids(ranks_log) + pids(Path(details["log"])) if alive(p)]  # every rank ended with the shard
+
+
+def test_sigterm_to_the_shard_job_ends_every_rank(job, monkeypatch):
+    """SLURM's SIGTERM before the time limit reaches the shard job (python -m mirageflow.jobs):
+    it commits, writes failure.json, and no rank is left on any node."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("FAKE_SGLANG_LATENCY", "0.2")
+    model = job / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    config = job / "pipeline.yaml"
+    config.write_text(__import__("yaml").safe_dump(shard_config(job, 400, str(model))))
+    index_datasets(load_config(str(config)))
+    log = job / "state" / "logs" / "shard_0.log"
+    proc = subprocess.Popen([sys.executable, "-m", "mirageflow.jobs", "--config", str(config), "--log", str(log), "shard", "0"])
+    server_log = job / "state" / "logs"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(server_log.rglob("sglang_server.log"))
+        if found and "all 3 ranks joined" in found[0].read_text() and list((job / "out").rglob("part-*")):
+            break
+        time.sleep(0.1)
+    [rank0_log] = list(server_log.rglob("sglang_server.log"))
+    ranks_log = rank0_log.with_name("sglang_server.ranks.log")
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    failure = json.loads((job / "state/shard_0/failure.json").read_text())
+    assert failure["signal"] == "SIGTERM", failure
+    everyone = pids(ranks_log) + pids(rank0_log)
+    assert len(everyone) == 6 and not [p for p in everyone if alive(p)]  # srun, its 2 tasks (ranks 1, 2), rank 0: none left
+
+
+@pytest.mark.parametrize("submits", [False, True], ids=["local", "slurm-profile"])
+def test_a_run_that_executes_its_jobs_here_is_refused_before_any_job(tmp_path, submits):
+    """nodes > 1 needs SLURM's nodes: a local run stops before any job, naming the key; the same
+    config with the SLURM profile (a dry run) shows the shard job with its nodes."""
+    from conftest import run_workflow
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    extra = ["--profile", str(Path(__file__).resolve().parents[1] / "profiles" / "slurm")] if submits else []
+    proc = run_workflow(tmp_path, shard_config(tmp_path, 4, str(model)), "-n", *extra, check=False)
+    if submits:
+        assert proc.returncode == 0, proc.text[-3000:]
+        assert "rule shard:" in proc.text and "nodes=3" in proc.text and "gres=gpu:2" in proc.text
+    else:
+        assert proc.returncode == 1
+        assert "execution_params.nodes: 3 runs each shard's engine across that many nodes of a SLURM job" in proc.text
+        assert "rule shard:" not in proc.text
+
+
+# --------------------------------------------------------------------------- the real srun (tests/slurm_cluster.py)
+
+# Run as a batch job of 3 tasks on the test cluster's one node: rank 0 in the batch shell, ranks 1
+# and 2 through the real srun, placed beside it (the cluster has no second node for --relative=1).
+REAL_SRUN_JOB = """
+import json, os, re, signal, socket, sys, time
+from pathlib import Path
+from mirageflow.engines.http import free_port
+from mirageflow.engines.server_ranks import NodeSpan
+from mirageflow.engines.sglang_server import RANKS
+out = Path(sys.argv[1])
+host = socket.gethostname().split(".")[0]
+span = NodeSpan(3, (host,), placement=("--nodes=1", "--ntasks=2", "--ntasks-per-node=2"))
+port = free_port()
+command = [sys.executable, sys.argv[2], "--model-path", "m", "--host", "127.0.0.1", "--port", str(port), "--tp-size", "3"]
+server = span.server("the SGLang server", command, out / "sglang_server.log", None, RANKS, free_port("0.0.0.0"))
+deaths = []
+server.start(on_exit=lambda rc: deaths.append(server.exit_cause(rc)[1]))
+server.wait_healthy(f"http://127.0.0.1:{port}", "/health_generate", 120)
+ranks_log = server.ranks.log_path.read_text()
+victim = int(re.search(r"^1: fake rendezvous: rank 2 of 3, meeting at \\S+, pid (\\d+)", ranks_log, re.M).group(1))
+os.kill(victim, signal.SIGKILL)
+deadline = time.monotonic() + 60
+while not deaths and time.monotonic() < deadline:
+    time.sleep(0.1)
+server.kill(5.0)
+(out / "result.json").write_text(json.dumps({"deaths": deaths, "srun_rc": server.ranks.poll()}))
+"""
+
+
+def test_the_ranks_start_under_the_real_srun_and_a_killed_rank_ends_them_all(tmp_path):
+    import slurm_cluster
+
+    reason = slurm_cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    started_here = slurm_cluster.start()
+    try:
+        script = tmp_path / "job.py"
+        script.write_text(REAL_SRUN_JOB)
+        cmd = f"{sys.executable} {script} {tmp_path} {FAKES / 'fake_sglang_server.py'}"
+        proc = subprocess.run(
+            ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks=3", "--cpus-per-task=1", "-t", "5",
+             f"--output={tmp_path / 'job.out'}", f"--wrap={cmd}"],
+            capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+        assert proc.returncode == 0, proc.stderr + output
+    finally:
+        if started_here:
+            slurm_cluster.stop()
+    ranks_log = (tmp_path / "sglang_server.ranks.log").read_text()
+    for task in (0, 1):  # SLURM_PROCID from the real srun: node ranks 1 and 2
+        [flags] = argv(tmp_path / "sglang_server.ranks.log", f"{task}: ")
+        assert flags[-2:] == ["--node-rank", str(task + 1)] and flags[flags.index("--nnodes") + 1] == "3"
+    assert "fake rendezvous: all 3 ranks joined" in (tmp_path / "sglang_server.log").read_text()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["deaths"] and result["deaths"][0].startswith("lost a rank: srun of ranks 1..2"), result
+    assert result["srun_rc"] is not None  # --kill-on-bad-exit ended the step
+    everyone = [int(p) for p in re.findall(r"meeting at \S+, pid (\d+)", ranks_log + (tmp_path / "sglang_server.log").read_text())]
+    assert len(everyone) == 3 and not [p for p in everyone if alive(p)], ranks_log
