@@ -461,7 +461,7 @@ def job_parse_lines(parse: dict) -> list[str]:
         lines += [
             "",
             f"A SLURM job starts Snakemake twice before its shard (the batch script's `--executor slurm-jobstep`, "
-            f"then the same command again inside `srun`: docs/cluster.md), so at {n:,} shards one job pays about "
+            f"then a second `python -m snakemake` for the same job inside `srun`: docs/cluster.md), so at {n:,} shards one job pays about "
             f"{2 * parse[n]['cpu_s']:.1f} CPU-s before its shard, of which {2 * (parse[n]['cpu_s'] - floor):.1f} are the "
             f"workflow's and {2 * parse['snakemake_version']['cpu_s']:.1f} Snakemake's imports alone.",
         ]
