@@ -241,7 +241,6 @@ FLOOR_SNAKEFILE = """rule shard:
 """
 
 
-FLOOR_PARTS = ("python", "snakemake_version", "floor")
 # Who imports what at `import snakemake` (snakemake 9.27, SLURM plugin 2.8): grouped by
 # top-level package, the groups named for the importer that makes a job pay them.
 IMPORT_GROUPS = {
@@ -274,7 +273,13 @@ def import_shares(repeats: int) -> dict[str, float]:
     return {g: statistics.median(v) for g, v in sorted(shares.items(), key=lambda kv: -statistics.median(kv[1]))}
 
 
-def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int) -> dict:
+def distributions(python: str) -> int:
+    """How many distributions an interpreter's environment holds (Snakemake's plugin registries list them all)."""
+    code = "import importlib.metadata as m; print(len(list(m.distributions())))"
+    return int(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int, other_pythons: list[Path] = ()) -> dict:
     """What one cluster job pays before its shard runs: the job's snakemake parses everything again."""
     dirs = {}
     for n in shard_counts:
@@ -295,18 +300,24 @@ def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], r
         "snakemake_version": [sys.executable, "-m", "snakemake", "--version"],
         "floor": floor_cmd,
     }
-    names: list[int | str] = [*FLOOR_PARTS, *shard_counts]
+    envs = {sys.executable: distributions(sys.executable)}
+    for python in map(str, other_pythons):  # the floor in other environments (--floor-python)
+        label = f"{Path(python).parent.parent.name}, {distributions(python)} distributions"
+        parts[f"snakemake_version@{label}"] = [python, "-m", "snakemake", "--version"]
+        parts[f"floor@{label}"] = [python, *floor_cmd[1:]]
+    names: list[int | str] = [*parts, *shard_counts]
     runs: dict[int | str, list[dict]] = {n: [] for n in names}
     for r in range(repeats):
         for n in names if r % 2 == 0 else reversed(names):
             m = measure(parts[n] if n in parts else [*snakemake(dirs[n], *JOB_ARGS)], floor if n in parts else dirs[n])
             output = m.pop("output")
-            if n not in ("python", "snakemake_version") and ("shard" not in output or job_count(output) != 1):
+            if not str(n).startswith(("python", "snakemake_version")) and ("shard" not in output or job_count(output) != 1):
                 raise RuntimeError(f"the job's command did not plan one shard job:\n{output[-2000:]}")
             runs[n].append(m)
             print(f"[job parse {n}] {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU", file=sys.stderr)
     out: dict = {n: summarize(v) for n, v in runs.items()}
     out["import_shares"] = import_shares(repeats)
+    out["distributions"] = envs[sys.executable]
     from mirageflow.config import load_config
     from mirageflow.data.readers import SHARD_START, load_shard, offsets_path
 
@@ -423,19 +434,26 @@ def job_parse_lines(parse: dict) -> list[str]:
         "own parse of the workflow and its one-job DAG; `-n` stops before the shard), in a state_dir where the "
         "driver has indexed the dataset and written the records fingerprint; and what its shard reads of the "
         "dataset index (`load_shard`: the JSON header and its 16-byte entry of the offsets table, whatever the "
-        "number of shards). The first three lines are Snakemake's own floor and its parts: the interpreter "
-        "alone, `python -m snakemake --version` (Snakemake's imports, with every installed plugin, which its "
-        "plugin registries import, and its argument parser), and the job's command on a one-rule Snakefile, "
-        "paid whatever the workflow; the workflow's own part is the difference to the last of them.",
+        "number of shards). The lines before the shard counts are Snakemake's own floor and its parts: the "
+        "interpreter alone, `python -m snakemake --version` (Snakemake's imports, with every installed plugin, "
+        "which its plugin registries import, and its argument parser), and the job's command on a one-rule "
+        "Snakefile, paid whatever the workflow (with `--floor-python`, the same in other environments: their "
+        "directory's name and how many distributions they hold); the workflow's own part is the difference "
+        "to the floor in this environment.",
         "",
         "| shards | wall s | CPU s | CPU s over Snakemake's floor | max RSS MB | index header bytes | offsets table bytes | bytes a shard reads | load_shard ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    env = f" (this environment, {parse['distributions']} distributions)" if "distributions" in parse else ""
     labels = {
         "python": "Python alone (`python -c pass`)",
-        "snakemake_version": "Snakemake's imports (`python -m snakemake --version`)",
-        "floor": "Snakemake's floor (one-rule Snakefile)",
+        "snakemake_version": f"Snakemake's imports (`python -m snakemake --version`){env}",
+        "floor": f"Snakemake's floor (one-rule Snakefile){env}",
     }
+    for part in parse:  # --floor-python: the same in other environments
+        if isinstance(part, str) and "@" in part:
+            what, where = part.split("@", 1)
+            labels[part] = f"{labels[what].split(' (this environment')[0]}, environment `{where}`"
     for part, label in labels.items():
         m = parse[part]
         lines.append(f"| {label} | {m['wall_s']:.2f} | {m['cpu_s']:.2f} | - | {m['max_rss_mb']:.0f} | - | - | - | - |")
@@ -576,7 +594,7 @@ def job_parse_main(args, cmd: str, counts: list[int]) -> None:
         dataset = root / "data.jsonl"
         write_dataset(dataset, args.rows)
         probe = slurm_probe(root)
-        parse = job_parse(root, model, dataset, counts, args.repeats)
+        parse = job_parse(root, model, dataset, counts, args.repeats, args.floor_python)
     load1 = os.getloadavg()[0]
     info = machine("snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-jobstep")
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
@@ -613,6 +631,13 @@ def main() -> None:
     ap.add_argument("--snakefile", type=Path, default=None, help="another copy of the workflow (before/after comparisons)")
     ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     ap.add_argument(
+        "--floor-python",
+        type=Path,
+        action="append",
+        default=[],
+        help="another environment's python (with snakemake and the SLURM plugins): its floor and imports too, for the job parse",
+    )
+    ap.add_argument(
         "--job-parse-only",
         action="store_true",
         help=f"only part 2 (one job's parse and the floor's parts), into BENCHMARKS.md's {JOB_PARSE_SECTION} section",
@@ -641,7 +666,7 @@ def main() -> None:
         write_dataset(dataset, args.rows)
         probe = slurm_probe(root)
         dry = dry_runs(root, model, dataset, counts, args.repeats, modes)
-        parse = job_parse(root, model, dataset, counts, args.repeats)
+        parse = job_parse(root, model, dataset, counts, args.repeats, args.floor_python)
         parsed = parse_only(root, model, dataset, parse_counts, args.repeats)
         run = local_run(root, model, args.run_shards, args.rows_per_shard) if args.run_shards else None
     load1 = os.getloadavg()[0]
