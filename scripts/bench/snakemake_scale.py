@@ -302,7 +302,7 @@ def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], r
     }
     envs = {sys.executable: distributions(sys.executable)}
     for python in map(str, other_pythons):  # the floor in other environments (--floor-python)
-        label = f"{Path(python).parent.parent.name}, {distributions(python)} distributions"
+        label = f"environment `{Path(python).parent.parent.name}` ({distributions(python)} distributions)"
         parts[f"snakemake_version@{label}"] = [python, "-m", "snakemake", "--version"]
         parts[f"floor@{label}"] = [python, *floor_cmd[1:]]
     names: list[int | str] = [*parts, *shard_counts]
@@ -444,7 +444,7 @@ def job_parse_lines(parse: dict) -> list[str]:
         "| shards | wall s | CPU s | CPU s over Snakemake's floor | max RSS MB | index header bytes | offsets table bytes | bytes a shard reads | load_shard ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    env = f" (this environment, {parse['distributions']} distributions)" if "distributions" in parse else ""
+    env = f", this environment ({parse['distributions']} distributions)" if "distributions" in parse else ""
     labels = {
         "python": "Python alone (`python -c pass`)",
         "snakemake_version": f"Snakemake's imports (`python -m snakemake --version`){env}",
@@ -453,7 +453,7 @@ def job_parse_lines(parse: dict) -> list[str]:
     for part in parse:  # --floor-python: the same in other environments
         if isinstance(part, str) and "@" in part:
             what, where = part.split("@", 1)
-            labels[part] = f"{labels[what].split(' (this environment')[0]}, environment `{where}`"
+            labels[part] = f"{labels[what].removesuffix(env)}, {where}"
     for part, label in labels.items():
         m = parse[part]
         lines.append(f"| {label} | {m['wall_s']:.2f} | {m['cpu_s']:.2f} | - | {m['max_rss_mb']:.0f} | - | - | - | - |")
