@@ -547,7 +547,14 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
             f"max RSS x{dry[b]['quiet']['max_rss_mb'] / dry[a]['quiet']['max_rss_mb']:.1f}"
             for a, b in zip(counts, counts[1:])
         ]
-        lines += ["", "Growth of `-n --quiet`: " + "; ".join(steps) + "."]
+        # linear in shards: each added shard costs the same, whatever the count (the fixed
+        # start-up makes the ratios above smaller than the shard ratio)
+        added = [
+            f"{a:,} -> {b:,}: {(dry[b]['quiet']['cpu_s'] - dry[a]['quiet']['cpu_s']) / (b - a) * 1000:.2f} ms CPU, "
+            f"{(dry[b]['quiet']['max_rss_mb'] - dry[a]['quiet']['max_rss_mb']) / (b - a) * 1024:.0f} KB"
+            for a, b in zip(counts, counts[1:])
+        ]
+        lines += ["", "Growth of `-n --quiet`: " + "; ".join(steps) + ".", "", "Cost of one more shard: " + "; ".join(added) + "."]
     lines += ["", *job_parse_lines(parse)]
     lines += [
         "",
