@@ -3,6 +3,7 @@
     python scripts/bench/snakemake_scale.py                 # all parts, writes BENCHMARKS.md
     python scripts/bench/snakemake_scale.py --run-shards 0  # dry runs only
     python scripts/bench/snakemake_scale.py --no-write
+    python scripts/bench/snakemake_scale.py --job-parse-only   # part 2 alone, its own dated section
 
 Everything runs in a scratch directory against this checkout's Snakefile, with a real
 pipeline config: a generated JSONL dataset (--rows, 20,000 by default, and at least as
@@ -21,7 +22,10 @@ many rows as the largest shard count: num_shards > rows is refused), the tiny te
    and the one-job DAG, not the shard itself) in a state_dir where the driver has indexed
    the dataset and written the records fingerprint (what a job finds when it starts), for
    each --shards count; next to it the same command on a one-rule Snakefile (Snakemake's
-   own floor: its imports and plugins, paid whatever the workflow). The Snakefile parse
+   own floor: its imports and plugins, paid whatever the workflow), and the floor's parts:
+   the interpreter alone, ``python -m snakemake --version`` (Snakemake's imports, every
+   installed plugin with them) and, by ``python -X importtime``, the shares of that import
+   time by package. The Snakefile parse
    alone (``snakemake --list-rules``) is measured up to 100,000 shards: none may grow with
    N. What a shard job reads of the dataset index is measured too (``load_shard``: the JSON
    header and its entry of the offsets table): bytes and time, which must not grow with N
@@ -67,6 +71,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 SNAKEFILE = REPO / "Snakefile"
 SECTION = "snakemake_scale"
+JOB_PARSE_SECTION = "snakemake_job_parse"  # --job-parse-only: part 2 alone, dated, after the whole section
 TARGET_DRYRUN_10K_S = 20.0
 
 
@@ -236,7 +241,45 @@ FLOOR_SNAKEFILE = """rule shard:
 """
 
 
-def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int) -> dict:
+# Who imports what at `import snakemake` (snakemake 9.27, SLURM plugin 2.8): grouped by
+# top-level package, the groups named for the importer that makes a job pay them.
+IMPORT_GROUPS = {
+    "pandas, numpy (the SLURM plugin's efficiency report, imported with the plugin)": ("pandas", "numpy", "pytz", "dateutil", "tzdata"),
+    "sqlalchemy, sqlmodel, pydantic (Snakemake's persistence records)": ("sqlalchemy", "sqlmodel", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "greenlet"),
+    "snakemake and its plugin interfaces": ("snakemake", "snakemake_interface_common", "snakemake_interface_executor_plugins", "snakemake_interface_storage_plugins", "snakemake_interface_report_plugins", "snakemake_interface_logger_plugins", "snakemake_interface_scheduler_plugins", "snakemake_executor_plugin_slurm", "snakemake_executor_plugin_slurm_jobstep"),
+    "docutils, jinja2, PIL (Snakemake's report)": ("docutils", "jinja2", "markupsafe", "PIL"),
+}  # fmt: skip
+
+
+def import_shares(repeats: int) -> dict[str, float]:
+    """Shares of `python -X importtime -m snakemake --version`'s import time (self times,
+    wall clock, so shares only), by IMPORT_GROUPS, medians over the repeats."""
+    import re
+
+    line = re.compile(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)")
+    owner = {pkg: group for group, pkgs in IMPORT_GROUPS.items() for pkg in pkgs}
+    shares: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        err = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "snakemake", "--version"], capture_output=True, text=True, check=True
+        ).stderr
+        totals: dict[str, int] = {}
+        for m in line.finditer(err):
+            group = owner.get(m.group(2).split(".")[0], "everything else (stdlib, yaml, pulp, smart_open, ...)")
+            totals[group] = totals.get(group, 0) + int(m.group(1))
+        whole = sum(totals.values())
+        for group, us in totals.items():
+            shares.setdefault(group, []).append(us / whole)
+    return {g: statistics.median(v) for g, v in sorted(shares.items(), key=lambda kv: -statistics.median(kv[1]))}
+
+
+def distributions(python: str) -> int:
+    """How many distributions an interpreter's environment holds (Snakemake's plugin registries list them all)."""
+    code = "import importlib.metadata as m; print(len(list(m.distributions())))"
+    return int(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], repeats: int, other_pythons: list[Path] = ()) -> dict:
     """What one cluster job pays before its shard runs: the job's snakemake parses everything again."""
     dirs = {}
     for n in shard_counts:
@@ -250,17 +293,31 @@ def job_parse(root: Path, model: Path, dataset: Path, shard_counts: list[int], r
     floor.mkdir(exist_ok=True)
     (floor / "Snakefile").write_text(FLOOR_SNAKEFILE)
     floor_cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(floor / "Snakefile"), "--directory", str(floor), *JOB_ARGS]
-    runs: dict[int | str, list[dict]] = {n: [] for n in [*shard_counts, "floor"]}
+    # the floor's parts: the interpreter alone, then Snakemake's imports (with every installed
+    # plugin, which its plugin registries import) and its argument parser, no workflow
+    parts = {
+        "python": [sys.executable, "-c", "pass"],
+        "snakemake_version": [sys.executable, "-m", "snakemake", "--version"],
+        "floor": floor_cmd,
+    }
+    envs = {sys.executable: distributions(sys.executable)}
+    for python in map(str, other_pythons):  # the floor in other environments (--floor-python)
+        label = f"environment `{Path(python).parent.parent.name}` ({distributions(python)} distributions)"
+        parts[f"snakemake_version@{label}"] = [python, "-m", "snakemake", "--version"]
+        parts[f"floor@{label}"] = [python, *floor_cmd[1:]]
+    names: list[int | str] = [*parts, *shard_counts]
+    runs: dict[int | str, list[dict]] = {n: [] for n in names}
     for r in range(repeats):
-        for n in [*shard_counts, "floor"] if r % 2 == 0 else ["floor", *reversed(shard_counts)]:
-            cmd = floor_cmd if n == "floor" else [*snakemake(dirs[n], *JOB_ARGS)]
-            m = measure(cmd, floor if n == "floor" else dirs[n])
+        for n in names if r % 2 == 0 else reversed(names):
+            m = measure(parts[n] if n in parts else [*snakemake(dirs[n], *JOB_ARGS)], floor if n in parts else dirs[n])
             output = m.pop("output")
-            if "shard" not in output or job_count(output) != 1:
+            if not str(n).startswith(("python", "snakemake_version")) and ("shard" not in output or job_count(output) != 1):
                 raise RuntimeError(f"the job's command did not plan one shard job:\n{output[-2000:]}")
             runs[n].append(m)
-            print(f"[job parse {n} shards] {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU", file=sys.stderr)
-    out = {n: summarize(v) for n, v in runs.items()}
+            print(f"[job parse {n}] {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU", file=sys.stderr)
+    out: dict = {n: summarize(v) for n, v in runs.items()}
+    out["import_shares"] = import_shares(repeats)
+    out["distributions"] = envs[sys.executable]
     from mirageflow.config import load_config
     from mirageflow.data.readers import SHARD_START, load_shard, offsets_path
 
@@ -343,9 +400,11 @@ def figures(dry: dict, parse: dict, run: dict | None, parsed: dict, probe: dict)
             v = r["verbose"]
             out[f"dryrun_{n}_shards_printing_jobs_wall_s"] = round(v["wall_s"], 2)
             out[f"dryrun_{n}_shards_printing_jobs_cpu_s"] = round(v["cpu_s"], 2)
+    out["job_parse_python_cpu_s"] = round(parse["python"]["cpu_s"], 2)
+    out["job_parse_snakemake_version_cpu_s"] = round(parse["snakemake_version"]["cpu_s"], 2)
     out["job_parse_snakemake_floor_cpu_s"] = round(parse["floor"]["cpu_s"], 2)
     for n, r in parse.items():
-        if n == "floor":
+        if not isinstance(n, int):
             continue
         out[f"job_parse_{n}_shards_cpu_s"] = round(r["cpu_s"], 2)
         out[f"job_parse_{n}_shards_max_rss_mb"] = round(r["max_rss_mb"], 1)
@@ -362,6 +421,69 @@ def figures(dry: dict, parse: dict, run: dict | None, parsed: dict, probe: dict)
         out["run_model_load_per_job_s"] = round(run["model_load_median_s"], 3)
         out["run_inference_per_job_s"] = round(run["inference_median_s"], 3)
     return out
+
+
+def job_parse_lines(parse: dict) -> list[str]:
+    """The table of what one cluster job pays before its shard runs, with the floor's parts."""
+    floor = parse["floor"]["cpu_s"]
+    counts = [n for n in parse if isinstance(n, int)]
+    lines = [
+        "### What one cluster job pays before its shard runs",
+        "",
+        "The command a SLURM job runs for shard 0 (`python -m snakemake " + " ".join(JOB_ARGS) + "`: the job's "
+        "own parse of the workflow and its one-job DAG; `-n` stops before the shard), in a state_dir where the "
+        "driver has indexed the dataset and written the records fingerprint; and what its shard reads of the "
+        "dataset index (`load_shard`: the JSON header and its 16-byte entry of the offsets table, whatever the "
+        "number of shards). The lines before the shard counts are Snakemake's own floor and its parts: the "
+        "interpreter alone, `python -m snakemake --version` (Snakemake's imports, with every installed plugin, "
+        "which its plugin registries import, and its argument parser), and the job's command on a one-rule "
+        "Snakefile, paid whatever the workflow (with `--floor-python`, the same in other environments: their "
+        "directory's name and how many distributions they hold); the workflow's own part is the difference "
+        "to the floor in this environment.",
+        "",
+        "| shards | wall s | CPU s | CPU s over Snakemake's floor | max RSS MB | index header bytes | offsets table bytes | bytes a shard reads | load_shard ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    env = f", this environment ({parse['distributions']} distributions)" if "distributions" in parse else ""
+    labels = {
+        "python": "Python alone (`python -c pass`)",
+        "snakemake_version": f"Snakemake's imports (`python -m snakemake --version`){env}",
+        "floor": f"Snakemake's floor (one-rule Snakefile){env}",
+    }
+    for part in parse:  # --floor-python: the same in other environments
+        if isinstance(part, str) and "@" in part:
+            what, where = part.split("@", 1)
+            labels[part] = f"{labels[what].removesuffix(env)}, {where}"
+    for part, label in labels.items():
+        m = parse[part]
+        lines.append(f"| {label} | {m['wall_s']:.2f} | {m['cpu_s']:.2f} | - | {m['max_rss_mb']:.0f} | - | - | - | - |")
+    for n in counts:
+        r = parse[n]
+        lines.append(
+            f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] - floor:.2f} | {r['max_rss_mb']:.0f} | "
+            f"{r['index_header_bytes']:,} | {r['index_table_bytes']:,} | {r['index_read_bytes']:,} | {r['index_read_ms']:.2f} |"
+        )
+    shares = parse.get("import_shares") or {}
+    if shares:
+        lines += [
+            "",
+            "Where `python -m snakemake --version`'s import time goes (`python -X importtime`, self times grouped by "
+            "top-level package; wall-clock based, so shares only):",
+            "",
+            "| imported | share |",
+            "|---|---|",
+            *[f"| {group} | {share:.0%} |" for group, share in shares.items()],
+        ]
+    if counts:
+        n = counts[0]
+        lines += [
+            "",
+            f"A SLURM job starts Snakemake twice before its shard (the batch script's `--executor slurm-jobstep`, "
+            f"then a second `python -m snakemake` for the same job inside `srun`: docs/cluster.md), so at {n:,} shards one job pays about "
+            f"{2 * parse[n]['cpu_s']:.1f} CPU-s before its shard, of which {2 * (parse[n]['cpu_s'] - floor):.1f} are the "
+            f"workflow's and {2 * parse['snakemake_version']['cpu_s']:.1f} Snakemake's imports alone.",
+        ]
+    return lines
 
 
 def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None, parsed: dict, load: tuple, probe: dict) -> str:
@@ -425,31 +547,15 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
             f"max RSS x{dry[b]['quiet']['max_rss_mb'] / dry[a]['quiet']['max_rss_mb']:.1f}"
             for a, b in zip(counts, counts[1:])
         ]
-        lines += ["", "Growth of `-n --quiet`: " + "; ".join(steps) + "."]
-    lines += [
-        "",
-        "### What one cluster job pays before its shard runs",
-        "",
-        "The command a SLURM job runs for shard 0 (`python -m snakemake " + " ".join(JOB_ARGS) + "`: the job's "
-        "own parse of the workflow and its one-job DAG; `-n` stops before the shard), in a state_dir where the "
-        "driver has indexed the dataset and written the records fingerprint; and what its shard reads of the "
-        "dataset index (`load_shard`: the JSON header and its 16-byte entry of the offsets table, whatever the "
-        "number of shards). The first line is Snakemake's own floor: the same command on a one-rule Snakefile "
-        "(its imports, the executor plugins, reading a Snakefile), paid whatever the workflow; the workflow's "
-        "own part is the difference.",
-        "",
-        "| shards | wall s | CPU s | CPU s over Snakemake's floor | max RSS MB | index header bytes | offsets table bytes | bytes a shard reads | load_shard ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| Snakemake's floor (one-rule Snakefile) | {parse['floor']['wall_s']:.2f} | {parse['floor']['cpu_s']:.2f} | - | "
-        f"{parse['floor']['max_rss_mb']:.0f} | - | - | - | - |",
-    ]
-    for n, r in parse.items():
-        if n == "floor":
-            continue
-        lines.append(
-            f"| {n:,} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] - parse['floor']['cpu_s']:.2f} | {r['max_rss_mb']:.0f} | "
-            f"{r['index_header_bytes']:,} | {r['index_table_bytes']:,} | {r['index_read_bytes']:,} | {r['index_read_ms']:.2f} |"
-        )
+        # linear in shards: each added shard costs the same, whatever the count (the fixed
+        # start-up makes the ratios above smaller than the shard ratio)
+        added = [
+            f"{a:,} -> {b:,}: {(dry[b]['quiet']['cpu_s'] - dry[a]['quiet']['cpu_s']) / (b - a) * 1000:.2f} ms CPU, "
+            f"{(dry[b]['quiet']['max_rss_mb'] - dry[a]['quiet']['max_rss_mb']) / (b - a) * 1024:.0f} KB"
+            for a, b in zip(counts, counts[1:])
+        ]
+        lines += ["", "Growth of `-n --quiet`: " + "; ".join(steps) + ".", "", "Cost of one more shard: " + "; ".join(added) + "."]
+    lines += ["", *job_parse_lines(parse)]
     lines += [
         "",
         "Parsing the Snakefile alone (`snakemake --list-rules`: config validation and rule declarations), the part "
@@ -485,6 +591,40 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
     return "\n".join(lines)
 
 
+def job_parse_main(args, cmd: str, counts: list[int]) -> None:
+    """Part 2 alone (--job-parse-only): minutes instead of the dry runs' hour at 30,000 shards."""
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-snakemake-", dir=args.workdir) as tmp:
+        root = Path(tmp)
+        model = root / "tiny-llama"
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
+        dataset = root / "data.jsonl"
+        write_dataset(dataset, args.rows)
+        probe = slurm_probe(root)
+        parse = job_parse(root, model, dataset, counts, args.repeats, args.floor_python)
+    load1 = os.getloadavg()[0]
+    info = machine("snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-jobstep")
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    body = "\n".join(
+        [
+            f"## Snakemake at scale: one cluster job's start, {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+            "",
+            f"Command: `{cmd}`",
+            "",
+            f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, {versions}; commit {git_rev()}; "
+            f"load average {load0:.2f} at start, {load1:.2f} at end (shared machine: compare CPU times within this table). "
+            f"Workflow: `{os.path.relpath(SNAKEFILE, REPO)}`; the section above has the rest of the benchmark. "
+            f"Medians of {args.repeats} interleaved repeats."
+            + (" `scontrol` stubbed as in the section above." if probe["stubbed"] else ""),
+            "",
+            *job_parse_lines(parse)[2:],
+        ]
+    )
+    if not args.no_write:
+        write_section(JOB_PARSE_SECTION, body)
+    print(body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", default="1000,10000,30000", help="comma-separated shard counts for the dry runs and the job parse")
@@ -497,6 +637,18 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--snakefile", type=Path, default=None, help="another copy of the workflow (before/after comparisons)")
     ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
+    ap.add_argument(
+        "--floor-python",
+        type=Path,
+        action="append",
+        default=[],
+        help="another environment's python (with snakemake and the SLURM plugins): its floor and imports too, for the job parse",
+    )
+    ap.add_argument(
+        "--job-parse-only",
+        action="store_true",
+        help=f"only part 2 (one job's parse and the floor's parts), into BENCHMARKS.md's {JOB_PARSE_SECTION} section",
+    )
     args = ap.parse_args()
     global SNAKEFILE
     SNAKEFILE = (args.snakefile or SNAKEFILE).resolve()
@@ -508,6 +660,10 @@ def main() -> None:
         ap.error(f"--dry-modes: unknown {sorted(unknown)} (known: {', '.join(DRY_MODES)})")
     args.rows = max(args.rows, *counts, *parse_counts)  # num_shards > rows is refused
 
+    if args.job_parse_only:
+        args.rows = max(args.rows, *counts)
+        return job_parse_main(args, cmd, counts)
+
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-snakemake-", dir=args.workdir) as tmp:
         root = Path(tmp)
@@ -517,7 +673,7 @@ def main() -> None:
         write_dataset(dataset, args.rows)
         probe = slurm_probe(root)
         dry = dry_runs(root, model, dataset, counts, args.repeats, modes)
-        parse = job_parse(root, model, dataset, counts, args.repeats)
+        parse = job_parse(root, model, dataset, counts, args.repeats, args.floor_python)
         parsed = parse_only(root, model, dataset, parse_counts, args.repeats)
         run = local_run(root, model, args.run_shards, args.rows_per_shard) if args.run_shards else None
     load1 = os.getloadavg()[0]
