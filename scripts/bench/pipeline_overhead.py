@@ -4,6 +4,7 @@
     python scripts/bench/pipeline_overhead.py --rows 20000 --repeats 3 --no-mmirage
     python scripts/bench/pipeline_overhead.py --profile plain   # cProfile of our shard, top functions
     python scripts/bench/pipeline_overhead.py --cache-cost --rows 20000 --repeats 4   # the request cache's cost per row
+    python scripts/bench/pipeline_overhead.py --cache-cost --compare-src ../main/src   # ... side by side with other code
 
 An instant engine answers every request at once with a fixed completion (and token
 counts), so what is measured is the work that must never make a GPU wait: reading the
@@ -115,14 +116,21 @@ def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> d
     completion = PLAIN_COMPLETION if kind.startswith("plain") else JSON_COMPLETION
 
     engines = []
+    load_cpu = []  # process CPU time when the shard starts loading its engines
 
     def factory(processor, batch_size, *args, **kwargs):
+        load_cpu.append(time.process_time())
         engines.append(InstantEngine(tokenizer, completion, COMPLETION_TOKENS, chat=chat))
         return engines[-1]
 
     cpu0, children0 = time.process_time(), os.times()
     status = run_shard(cfg, 0, engine_factory=factory)
-    cpu = time.process_time() - cpu0 - sum(e.load_cpu_seconds for e in engines)
+    cpu1 = time.process_time()
+    cpu = cpu1 - cpu0 - sum(e.load_cpu_seconds for e in engines)
+    # per shard, not per row: from the engine load to the first request (the load, the one full
+    # garbage collection after it, the request cache's engine identity)
+    firsts = [e.first_request_cpu for e in engines if e.first_request_cpu is not None]
+    fixed = (min(firsts) - load_cpu[0]) if firsts and load_cpu else 0.0
     children1 = os.times()  # a custom step's workers, stopped and reaped by run_shard (their start included)
     child_cpu = children1.children_user + children1.children_system - children0.children_user - children0.children_system
     st = status["stats"]
@@ -131,7 +139,7 @@ def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> d
     assert st["rows_failed"] == 0 and not st.get("rows_filtered"), st
     return {
         "rows": rows, "seconds": seconds, "rows_per_sec": rows / seconds, "cpu_seconds": cpu, "cpu_rows_per_sec": rows / cpu,
-        "child_cpu_seconds": child_cpu,
+        "child_cpu_seconds": child_cpu, "row_cpu_seconds": cpu1 - cpu0 - fixed, "row_cpu_rows_per_sec": rows / (cpu1 - cpu0 - fixed),
     }  # fmt: skip
 
 
@@ -235,21 +243,78 @@ def profile(kind: str, rows: int, tokenizer: str, work: Path) -> None:
     print(f"rows/s (under cProfile): {res['rows_per_sec']:.0f}")
 
 
-def cache_cost(rows: int, repeats: int, tokenizer: str, work: Path) -> None:
-    """ours_plain with the request cache on and off (``shard_params.request_cache``), interleaved
-    in one process after a warm-up: what the cache costs per row (CPU of the shard process)."""
+CACHE_TARGET_US = 5.0  # what the request cache may add per row (CPU of the shard process)
+
+
+def cache_runs(rows: int, repeats: int, tokenizer: str, work: Path) -> dict[str, list[dict]]:
+    """ours_plain with the request cache on and off (``shard_params.request_cache``), after a
+    warm-up, in turns (on, off, then off, on: a drift of the machine's load weighs on both)."""
     data = C.write_jsonl(work / "data.jsonl", C.make_rows(rows))
     on = pipeline_config(data, work / "out", work / "state", "plain", tokenizer)
     off = {**on, "shard_params": {"request_cache": False}}
     run_ours(copy.deepcopy(on), tokenizer, "plain")
     results: dict[str, list[dict]] = {"cache_on": [], "cache_off": []}
-    for _ in range(repeats):
-        for name, cfg in (("cache_on", on), ("cache_off", off)):
+    for rep in range(repeats):
+        order = (("cache_on", on), ("cache_off", off))
+        for name, cfg in order if rep % 2 == 0 else order[::-1]:
             results[name].append(run_ours(copy.deepcopy(cfg), tokenizer, "plain"))
-    us = {name: C.median([1e6 / r["cpu_rows_per_sec"] for r in rs]) for name, rs in results.items()}
+    return results
+
+
+def cache_figures(results: dict[str, list[dict]]) -> dict[str, float]:
+    """Medians: rows/s, CPU per row of the whole shard (minus the tokenizer's load), and CPU per
+    row without the per-shard fixed costs (``row_cpu_seconds``), per variant; and the cache's cost."""
+    out = {}
     for name, rs in results.items():
-        print(f"ours_plain {name}: {C.fmt(C.median([r['rows_per_sec'] for r in rs]))} rows/s, {us[name]:.1f} us CPU per row")
-    print(f"request cache: {us['cache_on'] - us['cache_off']:.1f} us CPU per row")
+        out[f"{name}_rows_per_sec"] = C.median([r["rows_per_sec"] for r in rs])
+        out[f"{name}_cpu_us_per_row"] = C.median([1e6 * r["cpu_seconds"] / r["rows"] for r in rs])
+        out[f"{name}_row_cpu_us_per_row"] = C.median([1e6 * r["row_cpu_seconds"] / r["rows"] for r in rs])
+    out["cache_on_rows_per_cpu_sec"] = 1e6 / out["cache_on_row_cpu_us_per_row"]
+    out["request_cache_cpu_us_per_row"] = out["cache_on_row_cpu_us_per_row"] - out["cache_off_row_cpu_us_per_row"]
+    return out
+
+
+def cache_cost(rows: int, repeats: int, tokenizer: str, work: Path, compare_src: str | None, rounds: int) -> None:
+    """What the request cache costs per row, and whether the plain pipeline with it meets the
+    targets; with ``compare_src``, this code and that one (e.g. main's src) side by side: each
+    round runs both, each in a fresh process, in turns."""
+    if compare_src is None:
+        figures = cache_figures(cache_runs(rows, repeats, tokenizer, work))
+        _print_cache_figures("this code", figures)
+        return
+    per: dict[str, dict[str, list[dict]]] = {"this code": {}, "compare": {}}
+    for rnd in range(rounds):
+        sides = (("this code", None), ("compare", compare_src))
+        for side, src in sides if rnd % 2 == 0 else sides[::-1]:
+            env = {k: v for k, v in os.environ.items() if k != "BENCH_MIRAGEFLOW_SRC"}
+            if src:
+                env["BENCH_MIRAGEFLOW_SRC"] = src
+            cmd = [sys.executable, __file__, "--cache-cost", "--rows", str(rows), "--repeats", str(repeats), "--no-pin", "--raw-results"]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                raise RuntimeError(f"{side} failed:\n{out.stderr[-4000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            for name, rs in got.items():
+                per[side].setdefault(name, []).extend(rs)
+            print(f"round {rnd + 1}/{rounds} {side}: done", file=sys.stderr, flush=True)
+    for side, results in per.items():
+        _print_cache_figures(f"{side} ({compare_src})" if side == "compare" else side, cache_figures(results))
+
+
+def _print_cache_figures(label: str, f: dict[str, float]) -> None:
+    print(f"{label}:")
+    for name in ("cache_on", "cache_off"):
+        print(
+            f"  ours_plain {name}: {C.fmt(f[f'{name}_rows_per_sec'])} rows/s, {f[f'{name}_cpu_us_per_row']:.1f} us CPU per row "
+            f"(whole shard), {f[f'{name}_row_cpu_us_per_row']:.1f} us per row without the fixed costs"
+        )
+    rate, cost = f["cache_on_rows_per_cpu_sec"], f["request_cache_cpu_us_per_row"]
+    print(
+        f"  plain, cache on: {C.fmt(rate)} rows per CPU-second (target {TARGET_ROWS_PER_SEC:,}: {'met' if rate >= TARGET_ROWS_PER_SEC else 'NOT met'})"
+    )
+    print(
+        f"  request cache: {cost:.1f} us CPU per row (target <= {CACHE_TARGET_US:.0f}: {'met' if cost <= CACHE_TARGET_US else 'NOT met'})"
+    )
 
 
 def main() -> None:
@@ -262,6 +327,9 @@ def main() -> None:
     ap.add_argument("--profile", choices=["plain", "json"], help="cProfile our shard on this variant and exit")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     ap.add_argument("--cache-cost", action="store_true", help="ours_plain with the request cache on and off, interleaved, and exit")
+    ap.add_argument("--compare-src", help="--cache-cost: also measure this copy of src/ (e.g. main's), side by side in turns")
+    ap.add_argument("--rounds", type=int, default=3, help="--compare-src: rounds of both codes, each a fresh process per code")
+    ap.add_argument("--raw-results", action="store_true", help=argparse.SUPPRESS)  # --cache-cost's runs as JSON (--compare-src)
     args = ap.parse_args()
 
     pinned = "not pinned" if args.no_pin else C.pin_to_one_core()
@@ -272,8 +340,11 @@ def main() -> None:
         if args.profile:
             profile(args.profile, args.rows, tokenizer, work)
             return
+        if args.cache_cost and args.raw_results:
+            print(json.dumps(cache_runs(args.rows, args.repeats, tokenizer, work)))
+            return
         if args.cache_cost:
-            cache_cost(args.rows, args.repeats, tokenizer, work)
+            cache_cost(args.rows, args.repeats, tokenizer, work, args.compare_src, args.rounds)
             return
         mm_python = None if args.no_mmirage else mmirage_python()
         all_rows = C.make_rows(args.rows)
