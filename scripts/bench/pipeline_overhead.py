@@ -270,7 +270,13 @@ def cache_figures(results: dict[str, list[dict]]) -> dict[str, float]:
         out[f"{name}_cpu_us_per_row"] = C.median([1e6 * r["cpu_seconds"] / r["rows"] for r in rs])
         out[f"{name}_row_cpu_us_per_row"] = C.median([1e6 * r["row_cpu_seconds"] / r["rows"] for r in rs])
     out["cache_on_rows_per_cpu_sec"] = 1e6 / out["cache_on_row_cpu_us_per_row"]
-    out["request_cache_cpu_us_per_row"] = out["cache_on_row_cpu_us_per_row"] - out["cache_off_row_cpu_us_per_row"]
+    # the median of the differences of the runs made one after the other (a pair), steadier on a
+    # shared machine than the difference of the medians, which is also given
+    out["request_cache_cpu_us_per_row"] = C.median([
+        1e6 * (on["row_cpu_seconds"] / on["rows"] - off["row_cpu_seconds"] / off["rows"])
+        for on, off in zip(results["cache_on"], results["cache_off"])
+    ])  # fmt: skip
+    out["request_cache_cpu_us_per_row_of_medians"] = out["cache_on_row_cpu_us_per_row"] - out["cache_off_row_cpu_us_per_row"]
     return out
 
 
@@ -313,7 +319,9 @@ def _print_cache_figures(label: str, f: dict[str, float]) -> None:
         f"  plain, cache on: {C.fmt(rate)} rows per CPU-second (target {TARGET_ROWS_PER_SEC:,}: {'met' if rate >= TARGET_ROWS_PER_SEC else 'NOT met'})"
     )
     print(
-        f"  request cache: {cost:.1f} us CPU per row (target <= {CACHE_TARGET_US:.0f}: {'met' if cost <= CACHE_TARGET_US else 'NOT met'})"
+        f"  request cache: {cost:.1f} us CPU per row, the median of the pairs' differences (target <= {CACHE_TARGET_US:.0f}: "
+        f"{'met' if cost <= CACHE_TARGET_US else 'NOT met'}); the difference of the medians: "
+        f"{f['request_cache_cpu_us_per_row_of_medians']:.1f} us"
     )
 
 
