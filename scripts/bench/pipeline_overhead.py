@@ -4,7 +4,7 @@
     python scripts/bench/pipeline_overhead.py --rows 20000 --repeats 3 --no-mmirage
     python scripts/bench/pipeline_overhead.py --profile plain   # cProfile of our shard, top functions
     python scripts/bench/pipeline_overhead.py --cache-cost --rows 20000 --repeats 4   # the request cache's cost per row
-    python scripts/bench/pipeline_overhead.py --cache-cost --compare-src ../main/src   # ... side by side with other code
+    python scripts/bench/pipeline_overhead.py --cache-cost --compare-src ../main/src --repeats 8   # ... and other code, run for run
 
 An instant engine answers every request at once with a fixed completion (and token
 counts), so what is measured is the work that must never make a GPU wait: reading the
@@ -246,19 +246,32 @@ def profile(kind: str, rows: int, tokenizer: str, work: Path) -> None:
 CACHE_TARGET_US = 5.0  # what the request cache may add per row (CPU of the shard process)
 
 
+def _cache_configs(rows: int, tokenizer: str, work: Path) -> dict[str, dict]:
+    data = C.write_jsonl(work / "data.jsonl", C.make_rows(rows))
+    on = pipeline_config(data, work / "out", work / "state", "plain", tokenizer)
+    return {"cache_on": on, "cache_off": {**on, "shard_params": {"request_cache": False}}}
+
+
 def cache_runs(rows: int, repeats: int, tokenizer: str, work: Path) -> dict[str, list[dict]]:
     """ours_plain with the request cache on and off (``shard_params.request_cache``), after a
     warm-up, in turns (on, off, then off, on: a drift of the machine's load weighs on both)."""
-    data = C.write_jsonl(work / "data.jsonl", C.make_rows(rows))
-    on = pipeline_config(data, work / "out", work / "state", "plain", tokenizer)
-    off = {**on, "shard_params": {"request_cache": False}}
-    run_ours(copy.deepcopy(on), tokenizer, "plain")
+    configs = _cache_configs(rows, tokenizer, work)
+    run_ours(copy.deepcopy(configs["cache_on"]), tokenizer, "plain")
     results: dict[str, list[dict]] = {"cache_on": [], "cache_off": []}
     for rep in range(repeats):
-        order = (("cache_on", on), ("cache_off", off))
-        for name, cfg in order if rep % 2 == 0 else order[::-1]:
-            results[name].append(run_ours(copy.deepcopy(cfg), tokenizer, "plain"))
+        for name in ("cache_on", "cache_off") if rep % 2 == 0 else ("cache_off", "cache_on"):
+            results[name].append(run_ours(copy.deepcopy(configs[name]), tokenizer, "plain"))
     return results
+
+
+def cache_serve(rows: int, tokenizer: str, work: Path) -> None:
+    """--compare-src's worker: after a warm-up, one run per line read (``cache_on`` or
+    ``cache_off``), its result a JSON line."""
+    configs = _cache_configs(rows, tokenizer, work)
+    run_ours(copy.deepcopy(configs["cache_on"]), tokenizer, "plain")
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run_ours(copy.deepcopy(configs[line.strip()]), tokenizer, "plain")), flush=True)
 
 
 def cache_figures(results: dict[str, list[dict]]) -> dict[str, float]:
@@ -280,31 +293,51 @@ def cache_figures(results: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
-def cache_cost(rows: int, repeats: int, tokenizer: str, work: Path, compare_src: str | None, rounds: int) -> None:
+def cache_cost(rows: int, repeats: int, tokenizer: str, work: Path, compare_src: str | None) -> None:
     """What the request cache costs per row, and whether the plain pipeline with it meets the
-    targets; with ``compare_src``, this code and that one (e.g. main's src) side by side: each
-    round runs both, each in a fresh process, in turns."""
+    targets; with ``compare_src``, this code and that one (e.g. main's src) side by side: a
+    worker process per code, each run of one followed by the same run of the other (their
+    order alternating), so both see the same load."""
     if compare_src is None:
-        figures = cache_figures(cache_runs(rows, repeats, tokenizer, work))
-        _print_cache_figures("this code", figures)
+        _print_cache_figures("this code", cache_figures(cache_runs(rows, repeats, tokenizer, work)))
         return
-    per: dict[str, dict[str, list[dict]]] = {"this code": {}, "compare": {}}
-    for rnd in range(rounds):
-        sides = (("this code", None), ("compare", compare_src))
-        for side, src in sides if rnd % 2 == 0 else sides[::-1]:
-            env = {k: v for k, v in os.environ.items() if k != "BENCH_MIRAGEFLOW_SRC"}
-            if src:
-                env["BENCH_MIRAGEFLOW_SRC"] = src
-            cmd = [sys.executable, __file__, "--cache-cost", "--rows", str(rows), "--repeats", str(repeats), "--no-pin", "--raw-results"]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if out.returncode != 0:
-                raise RuntimeError(f"{side} failed:\n{out.stderr[-4000:]}")
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-            for name, rs in got.items():
-                per[side].setdefault(name, []).extend(rs)
-            print(f"round {rnd + 1}/{rounds} {side}: done", file=sys.stderr, flush=True)
+    workers, logs = {}, {}
+    for side, src in (("this code", None), ("compare", compare_src)):
+        env = {k: v for k, v in os.environ.items() if k != "BENCH_MIRAGEFLOW_SRC"}
+        if src:
+            env["BENCH_MIRAGEFLOW_SRC"] = src
+        cmd = [sys.executable, __file__, "--cache-cost", "--rows", str(rows), "--no-pin", "--serve"]
+        logs[side] = work / ("this.stderr" if src is None else "compare.stderr")
+        with open(logs[side], "w") as err:  # the worker keeps its own descriptor
+            workers[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    for side, w in workers.items():
+        if w.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{side} failed: {logs[side].read_text()[-4000:]}")
+    per: dict[str, dict[str, list[dict]]] = {side: {"cache_on": [], "cache_off": []} for side in workers}
+    sides = list(workers)
+    try:
+        for rep in range(repeats):
+            for name in ("cache_on", "cache_off") if rep % 2 == 0 else ("cache_off", "cache_on"):
+                for side in sides if (rep // 2) % 2 == 0 else sides[::-1]:
+                    workers[side].stdin.write(name + "\n")
+                    workers[side].stdin.flush()
+                    line = workers[side].stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"{side} failed: {logs[side].read_text()[-4000:]}")
+                    per[side][name].append(json.loads(line))
+            print(f"repeat {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+            w.wait()
     for side, results in per.items():
         _print_cache_figures(f"{side} ({compare_src})" if side == "compare" else side, cache_figures(results))
+    for name in ("cache_on", "cache_off"):  # the paired ratio: each run of this code over the same run of the other
+        ratio = C.median([
+            (a["rows"] / a["row_cpu_seconds"]) / (b["rows"] / b["row_cpu_seconds"])
+            for a, b in zip(per["this code"][name], per["compare"][name])
+        ])  # fmt: skip
+        print(f"ours_plain {name}: this code / compare, rows per CPU-second (median of the pairs): {ratio:.2f}")
 
 
 def _print_cache_figures(label: str, f: dict[str, float]) -> None:
@@ -336,8 +369,7 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     ap.add_argument("--cache-cost", action="store_true", help="ours_plain with the request cache on and off, interleaved, and exit")
     ap.add_argument("--compare-src", help="--cache-cost: also measure this copy of src/ (e.g. main's), side by side in turns")
-    ap.add_argument("--rounds", type=int, default=3, help="--compare-src: rounds of both codes, each a fresh process per code")
-    ap.add_argument("--raw-results", action="store_true", help=argparse.SUPPRESS)  # --cache-cost's runs as JSON (--compare-src)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # --compare-src's worker
     args = ap.parse_args()
 
     pinned = "not pinned" if args.no_pin else C.pin_to_one_core()
@@ -348,11 +380,11 @@ def main() -> None:
         if args.profile:
             profile(args.profile, args.rows, tokenizer, work)
             return
-        if args.cache_cost and args.raw_results:
-            print(json.dumps(cache_runs(args.rows, args.repeats, tokenizer, work)))
+        if args.cache_cost and args.serve:
+            cache_serve(args.rows, tokenizer, work)
             return
         if args.cache_cost:
-            cache_cost(args.rows, args.repeats, tokenizer, work, args.compare_src, args.rounds)
+            cache_cost(args.rows, args.repeats, tokenizer, work, args.compare_src)
             return
         mm_python = None if args.no_mmirage else mmirage_python()
         all_rows = C.make_rows(args.rows)
