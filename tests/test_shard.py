@@ -470,32 +470,6 @@ def test_rows_sharing_a_prompt_prefix_are_fed_together_and_written_as_before(tmp
     assert [r["a"] for r in records] == [f"answer to {k}" for k in SHUFFLED]
 
 
-@pytest.mark.parametrize("mode", ["shard", "window", "none"])
-def test_a_row_fed_by_prefix_is_extracted_and_templated_once(tmp_path, monkeypatch, mode):
-    """Ordering by prompt extracts each row and renders its first prompt: the row path takes
-    them over (prefix_order.PromptKeys.take) instead of doing it again, a per-row cost."""
-    from mirageflow.prompts import templates
-
-    calls = {"extract": 0, "messages": 0}
-    extract, messages = templates.Extractor.__call__, templates.PromptBuilder.messages
-
-    def counted(name, real):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return real(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(templates.Extractor, "__call__", counted("extract", extract))
-    monkeypatch.setattr(templates.PromptBuilder, "messages", counted("messages", messages))
-    cfg = _prefix_setup(tmp_path, mode)
-    engine = ScriptedEngine(lambda p: "answer to " + p.rsplit("question ", 1)[1])
-    run_shard(cfg, 0, engine_factory=lambda p, b, **kw: engine)
-    assert calls == {"extract": 12, "messages": 12}
-    assert [r["a"] for r in _records(tmp_path)] == [f"answer to {k}" for k in SHUFFLED]
-    assert [p.split("\nQ: ")[1] for p in engine.prompts] == [f"question {k}" for k in _asked(engine)]
-
-
 def test_a_shard_fed_by_prefix_resumes_exactly(tmp_path):
     """A crash mid-run with rows fed out of source order: the rerun asks exactly the rows
     not committed, and every row is written once."""

@@ -64,42 +64,25 @@ def ordered(units: Iterable, key: Callable, block: int | None) -> Iterator:
         descending = not descending
 
 
-class PromptKeys:
+def prompt_key(extract, step) -> Callable:
     """The order key of a unit ``(dataset, row, sample)``: its prompt's messages as one string.
 
     A row that will fail (unreadable, a missing variable, a template error) sorts after the
     rows of its block: failures are not fed first, where they would weigh on the error
     budget's mid-run check (max_error_rate after min_rows_for_error_rate rows) more than
-    they do in source order.
+    they do in source order."""
 
-    Keying a row extracts its variables and renders the step's messages, which the row path
-    would do again: ``take(row)`` hands them over once (shard/rows.py ``RowPath._start``), so
-    the feed order costs a row one join, not a second extraction and rendering. What is kept
-    is for the unit keyed last of a row (one per sample with n_samples > 1: the others, and a
-    unit fed again, compute their own); it lives from the key to the row's start, one block."""
-
-    def __init__(self, extract, step):
-        self.extract, self.step = extract, step
-        self._made: dict[int, tuple] = {}  # id(row) -> (row, variables, messages)
-
-    def __call__(self, unit) -> tuple[int, str]:
+    def key(unit) -> tuple[int, str]:
         row = unit[1]
         if row.value.__class__ is RowError:
             return LAST
         try:
-            variables = self.extract(row.value)
-            messages = self.step.builder.messages(variables)
+            messages = step.builder.messages(extract(row.value))
         except Exception:  # noqa: BLE001 - only the order: the row raises again, and is recorded, when it runs
             return LAST
-        self._made[id(row)] = (row, variables, messages)
         return 0, "\x1e".join(f"{m.get('role')}\x1f{m.get('content')}" for m in messages)
 
-    def take(self, row) -> tuple[dict, list] | None:
-        """(variables, the keyed step's messages) of ``row`` as its key made them, once; None if not kept."""
-        made = self._made.pop(id(row), None)
-        if made is None or made[0] is not row:
-            return None
-        return made[1], made[2]
+    return key
 
 
 def keyed_step(steps: list[Step]):
@@ -108,14 +91,12 @@ def keyed_step(steps: list[Step]):
     return None if at is None else steps[at]
 
 
-def feed_order(mode: str, units: Iterable, steps: list, extract, window: int) -> tuple[Iterable, PromptKeys | None]:
-    """``units`` in the order ``mode`` asks for (see the module's docstring), and the keys that
-    ordered them (None: source order), which hold what keying made for the row path."""
+def feed_order(mode: str, units: Iterable, steps: list, extract, window: int) -> Iterable:
+    """``units`` in the order ``mode`` asks for (see the module's docstring)."""
     if mode == "none":
-        return units, None
+        return units
     step = keyed_step(steps)
     if step is None:
         log.info("prefix_order %s: a Python step comes before the first LLM output; rows go in source order", mode)
-        return units, None
-    keys = PromptKeys(extract, step)
-    return ordered(units, keys, None if mode == "shard" else max(1, BLOCK_WINDOWS * window)), keys
+        return units
+    return ordered(units, prompt_key(extract, step), None if mode == "shard" else max(1, BLOCK_WINDOWS * window))

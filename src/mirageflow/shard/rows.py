@@ -25,7 +25,6 @@ from mirageflow.data.readers import SourceRow
 from mirageflow.errors import RowError, RowErrorClass as E
 from mirageflow.shard.cached_answers import AnswerNotCached
 from mirageflow.shard.failures import ShardFailed
-from mirageflow.shard.prefix_order import PromptKeys
 from mirageflow.shard.request_cache import RequestCache
 from mirageflow.shard.steps.base import FILTERED, Step, Unit, first_engine_step
 from mirageflow.shard.steps.llm import LLMStep
@@ -60,9 +59,6 @@ class RowPath:
         # answers come from the request cache alone (shard/cached_answers.py): a request it
         # does not hold raises AnswerNotCached, and the unit's bookings are taken back
         self.cache_only = False
-        # the feed order's keys (shard/prefix_order.py), which hand over a row's variables and
-        # its first LLM step's messages made for its key (None: rows fed in source order)
-        self.keyed: PromptKeys | None = None
 
     def set_steps(self, steps: list[Step], cache_only: bool = False) -> None:
         self.cache_only = cache_only
@@ -72,30 +68,23 @@ class RowPath:
     async def row(self, row: SourceRow, steps: list[Step], ds_index: int = 0, sample: int | None = None) -> dict:
         """The row's record (of sample ``sample`` with n_samples > 1); raises RowError for a
         row that cannot be completed, EngineFailed when the engine raised."""
-        variables, images, messages = await self._start(row, ds_index)
-        return await self._steps(row, steps, variables, images, ds_index, sample, messages=messages)
+        variables, images = await self._start(row, ds_index)
+        return await self._steps(row, steps, variables, images, ds_index, sample)
 
-    async def _start(self, row: SourceRow, ds_index: int) -> tuple[dict, dict | None, list | None]:
-        """The row's variables, its loaded images (None without image inputs) and its first LLM
-        step's messages when the feed order made them (``self.keyed``; None: the step makes them)."""
+    async def _start(self, row: SourceRow, ds_index: int) -> tuple[dict, dict | None]:
+        """The row's variables and its loaded images (None without image inputs)."""
         if row.value.__class__ is RowError:
             raise row.value
-        made = self.keyed.take(row) if self.keyed is not None else None
-        if made is None:
-            variables, messages = self.extract(row.value), None
-        else:
-            variables, messages = made
+        variables = self.extract(row.value)
         # decoded off the event loop (Pillow releases the GIL), once for all outputs
         images = await asyncio.to_thread(self.images, variables, ds_index) if self.images else None
-        return variables, images, messages
+        return variables, images
 
-    async def _steps(self, row, steps, variables: dict, images, ds_index: int, sample: int | None, answered=None, messages=None) -> dict:
+    async def _steps(self, row, steps, variables: dict, images, ds_index: int, sample: int | None, answered=None) -> dict:
         """Run ``steps`` on the row's variables and render the record. ``answered``: (request,
         completion, whether the request was sent for this sample, its cache key, whether it came
         from the cache, the prompt tokens of the request it is a choice of under native n) of
-        the first step, already generated (``_row_samples``). ``messages``: the first LLM
-        step's, made by the feed order (``_start``); only filters, which change no variable,
-        come before that step then (prefix_order.keyed_step)."""
+        the first step, already generated (``_row_samples``)."""
         m = self.metrics
         tally = UnitTally()  # what the record holds, committed with it (shard/tally.py)
         unit = None  # where the unit stands, for the steps that run: made on first use (none for LLM steps alone)
@@ -116,12 +105,9 @@ class RowPath:
                 else:
                     if self.seeded:
                         seed = samples.sample_seed(step.base_seed, ds_index, row.index, sample or 0)
-                        request = step.request(
-                            row.index if sample is None else row.index * self.n + sample, variables, seed, images=images, messages=messages
-                        )  # fmt: skip
+                        request = step.request(row.index if sample is None else row.index * self.n + sample, variables, seed, images=images)
                     else:
-                        request = step.request(row.index, variables, images=images, messages=messages)
-                    messages = None  # the first LLM step's only
+                        request = step.request(row.index, variables, images=images)
                     (completion,), (key,), cached = await self._answers(step, request, 1, row)
                 m.book(request, completion, sent, cached, step.output.processor, choice_prompt)
                 tally.book(request, completion, cached)
@@ -160,7 +146,7 @@ class RowPath:
         of the steps per sample."""
         at = self.grouped
         try:
-            variables, images, messages = await self._start(row, ds_index)
+            variables, images = await self._start(row, ds_index)
             unit = Unit(ds_index, row.index, todo[0])  # steps once_per_row: the same for every sample
             for step in steps[:at]:
                 kept = await step.run(variables, unit)
@@ -172,7 +158,7 @@ class RowPath:
             asked = []
             for run in samples.runs(todo):
                 seed = samples.sample_seed(step.base_seed, ds_index, row.index, run[0])
-                asked.append((run, step.request(row.index * self.n + run[0], variables, seed, images=images, messages=messages)))
+                asked.append((run, step.request(row.index * self.n + run[0], variables, seed, images=images)))
             answers = await asyncio.gather(*(self._answers(step, request, len(run), row) for run, request in asked))
         except RowError as e:
             return [(k, None, e) for k in todo]

@@ -305,7 +305,7 @@ class ShardRunner:
             self.shard_id, self.cfg.datasets, slices, self.checkpoint.committed_before, self.n, self.rows.grouped is not None,
             columns=self.columns,
         )  # fmt: skip
-        rows, self.rows.keyed = prefix_order.feed_order(self.params.prefix_order, units, steps, self.rows.extract, window)
+        rows = prefix_order.feed_order(self.params.prefix_order, units, steps, self.rows.extract, window)
         try:
             workers = asyncio.gather(*(self._worker(rows, steps) for _ in range(window)))
             stopping = asyncio.create_task(self._stopping.wait())

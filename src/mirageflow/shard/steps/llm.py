@@ -69,18 +69,13 @@ class LLMStep(Step):
         """Key this step's requests for the request cache, under the engine identity ``identity``."""
         self.cache_keys = RequestKeys(identity, self.sampling, self.schema_json, self.output.response_prefix)
 
-    def request(
-        self, rid: int, variables: dict, seed: int | None = None, images: dict | None = None, messages: list | None = None
-    ) -> Request:
-        """``images``: the row's loaded image inputs (name -> list), put into the user turn.
-        ``messages``: ``self.builder.messages(variables)``, made already (the feed order's, shard/rows.py)."""
+    def request(self, rid: int, variables: dict, seed: int | None = None, images: dict | None = None) -> Request:
+        """``images``: the row's loaded image inputs (name -> list), put into the user turn."""
         if images:
             messages = self.builder.messages(image_inputs.marked(variables, images))
             placed = image_inputs.attach(messages, images, images)
         else:
-            if messages is None:
-                messages = self.builder.messages(variables)
-            placed = None
+            messages, placed = self.builder.messages(variables), None
         prefix = self.output.response_prefix
         if not self.processor.apply_chat_template:
             prompt = messages[-1]["content"] + prefix
