@@ -254,6 +254,18 @@ def test_lone_surrogates_are_row_errors(tmp_path):
     assert "text" in str(bad[1]) and "meta.tags[1]" in str(bad[3])
 
 
+def test_a_byte_order_mark_at_a_lines_start_is_dropped_as_utf_8_sig_does(tmp_path):
+    """Each line is UTF-8 with an optional BOM (``utf-8-sig``): the first line of a file saved
+    by an editor that writes one, or files concatenated; a BOM anywhere else is text."""
+    path = tmp_path / "bom.jsonl"
+    bom = "\ufeff".encode()
+    path.write_bytes(bom + b'{"id": 0}\n' + b'{"id": 1, "t": "x' + bom + b'y"}\n' + bom + b'{"id": 2}\n' + bom + bom + b'{"id": 3}\n')
+    for k in (1, 2):
+        rows = read_all(dataset(path, "jsonl"), k)
+        assert [r.value for r in rows[:3]] == [{"id": 0}, {"id": 1, "t": "x\ufeffy"}, {"id": 2}]
+        assert (rows[3].value.stage, rows[3].value.kind) == ("read", "bad_row")  # a second BOM is not JSON
+
+
 # --------------------------------------------------------------------------- 3. MAP columns
 
 

@@ -4,6 +4,7 @@
     python scripts/bench/pipeline_overhead.py --rows 20000 --repeats 3 --no-mmirage
     python scripts/bench/pipeline_overhead.py --profile plain   # cProfile of our shard, top functions
     python scripts/bench/pipeline_overhead.py --cache-cost --rows 20000 --repeats 4   # the request cache's cost per row
+    python scripts/bench/pipeline_overhead.py --cache-cost --compare-src ../main/src --repeats 8   # ... and other code, run for run
 
 An instant engine answers every request at once with a fixed completion (and token
 counts), so what is measured is the work that must never make a GPU wait: reading the
@@ -115,14 +116,21 @@ def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> d
     completion = PLAIN_COMPLETION if kind.startswith("plain") else JSON_COMPLETION
 
     engines = []
+    load_cpu = []  # process CPU time when the shard starts loading its engines
 
     def factory(processor, batch_size, *args, **kwargs):
+        load_cpu.append(time.process_time())
         engines.append(InstantEngine(tokenizer, completion, COMPLETION_TOKENS, chat=chat))
         return engines[-1]
 
     cpu0, children0 = time.process_time(), os.times()
     status = run_shard(cfg, 0, engine_factory=factory)
-    cpu = time.process_time() - cpu0 - sum(e.load_cpu_seconds for e in engines)
+    cpu1 = time.process_time()
+    cpu = cpu1 - cpu0 - sum(e.load_cpu_seconds for e in engines)
+    # per shard, not per row: from the engine load to the first request (the load, the one full
+    # garbage collection after it, the request cache's engine identity)
+    firsts = [e.first_request_cpu for e in engines if e.first_request_cpu is not None]
+    fixed = (min(firsts) - load_cpu[0]) if firsts and load_cpu else 0.0
     children1 = os.times()  # a custom step's workers, stopped and reaped by run_shard (their start included)
     child_cpu = children1.children_user + children1.children_system - children0.children_user - children0.children_system
     st = status["stats"]
@@ -131,7 +139,7 @@ def run_ours(cfg_dict: dict, tokenizer: str, kind: str, chat: str = "fast") -> d
     assert st["rows_failed"] == 0 and not st.get("rows_filtered"), st
     return {
         "rows": rows, "seconds": seconds, "rows_per_sec": rows / seconds, "cpu_seconds": cpu, "cpu_rows_per_sec": rows / cpu,
-        "child_cpu_seconds": child_cpu,
+        "child_cpu_seconds": child_cpu, "row_cpu_seconds": cpu1 - cpu0 - fixed, "row_cpu_rows_per_sec": rows / (cpu1 - cpu0 - fixed),
     }  # fmt: skip
 
 
@@ -235,21 +243,122 @@ def profile(kind: str, rows: int, tokenizer: str, work: Path) -> None:
     print(f"rows/s (under cProfile): {res['rows_per_sec']:.0f}")
 
 
-def cache_cost(rows: int, repeats: int, tokenizer: str, work: Path) -> None:
-    """ours_plain with the request cache on and off (``shard_params.request_cache``), interleaved
-    in one process after a warm-up: what the cache costs per row (CPU of the shard process)."""
+CACHE_TARGET_US = 5.0  # what the request cache may add per row (CPU of the shard process)
+
+
+def _cache_configs(rows: int, tokenizer: str, work: Path) -> dict[str, dict]:
     data = C.write_jsonl(work / "data.jsonl", C.make_rows(rows))
     on = pipeline_config(data, work / "out", work / "state", "plain", tokenizer)
-    off = {**on, "shard_params": {"request_cache": False}}
-    run_ours(copy.deepcopy(on), tokenizer, "plain")
+    return {"cache_on": on, "cache_off": {**on, "shard_params": {"request_cache": False}}}
+
+
+def cache_runs(rows: int, repeats: int, tokenizer: str, work: Path) -> dict[str, list[dict]]:
+    """ours_plain with the request cache on and off (``shard_params.request_cache``), after a
+    warm-up, in turns (on, off, then off, on: a drift of the machine's load weighs on both)."""
+    configs = _cache_configs(rows, tokenizer, work)
+    run_ours(copy.deepcopy(configs["cache_on"]), tokenizer, "plain")
     results: dict[str, list[dict]] = {"cache_on": [], "cache_off": []}
-    for _ in range(repeats):
-        for name, cfg in (("cache_on", on), ("cache_off", off)):
-            results[name].append(run_ours(copy.deepcopy(cfg), tokenizer, "plain"))
-    us = {name: C.median([1e6 / r["cpu_rows_per_sec"] for r in rs]) for name, rs in results.items()}
+    for rep in range(repeats):
+        for name in ("cache_on", "cache_off") if rep % 2 == 0 else ("cache_off", "cache_on"):
+            results[name].append(run_ours(copy.deepcopy(configs[name]), tokenizer, "plain"))
+    return results
+
+
+def cache_serve(rows: int, tokenizer: str, work: Path) -> None:
+    """--compare-src's worker: after a warm-up, one run per line read (``cache_on`` or
+    ``cache_off``), its result a JSON line."""
+    configs = _cache_configs(rows, tokenizer, work)
+    run_ours(copy.deepcopy(configs["cache_on"]), tokenizer, "plain")
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run_ours(copy.deepcopy(configs[line.strip()]), tokenizer, "plain")), flush=True)
+
+
+def cache_figures(results: dict[str, list[dict]]) -> dict[str, float]:
+    """Medians: rows/s, CPU per row of the whole shard (minus the tokenizer's load), and CPU per
+    row without the per-shard fixed costs (``row_cpu_seconds``), per variant; and the cache's cost."""
+    out = {}
     for name, rs in results.items():
-        print(f"ours_plain {name}: {C.fmt(C.median([r['rows_per_sec'] for r in rs]))} rows/s, {us[name]:.1f} us CPU per row")
-    print(f"request cache: {us['cache_on'] - us['cache_off']:.1f} us CPU per row")
+        out[f"{name}_rows_per_sec"] = C.median([r["rows_per_sec"] for r in rs])
+        out[f"{name}_cpu_us_per_row"] = C.median([1e6 * r["cpu_seconds"] / r["rows"] for r in rs])
+        out[f"{name}_row_cpu_us_per_row"] = C.median([1e6 * r["row_cpu_seconds"] / r["rows"] for r in rs])
+        # the least disturbed run: other tenants only ever add CPU time (caches, a busy sibling hyperthread)
+        out[f"{name}_row_cpu_us_per_row_min"] = min(1e6 * r["row_cpu_seconds"] / r["rows"] for r in rs)
+    out["cache_on_rows_per_cpu_sec"] = 1e6 / out["cache_on_row_cpu_us_per_row"]
+    # the median of the differences of the runs made one after the other (a pair), steadier on a
+    # shared machine than the difference of the medians, which is also given
+    out["request_cache_cpu_us_per_row"] = C.median([
+        1e6 * (on["row_cpu_seconds"] / on["rows"] - off["row_cpu_seconds"] / off["rows"])
+        for on, off in zip(results["cache_on"], results["cache_off"])
+    ])  # fmt: skip
+    out["request_cache_cpu_us_per_row_of_medians"] = out["cache_on_row_cpu_us_per_row"] - out["cache_off_row_cpu_us_per_row"]
+    return out
+
+
+def cache_cost(rows: int, repeats: int, tokenizer: str, work: Path, compare_src: str | None) -> None:
+    """What the request cache costs per row, and whether the plain pipeline with it meets the
+    targets; with ``compare_src``, this code and that one (e.g. main's src) side by side: a
+    worker process per code, each run of one followed by the same run of the other (their
+    order alternating), so both see the same load."""
+    if compare_src is None:
+        _print_cache_figures("this code", cache_figures(cache_runs(rows, repeats, tokenizer, work)))
+        return
+    workers, logs = {}, {}
+    for side, src in (("this code", None), ("compare", compare_src)):
+        env = {k: v for k, v in os.environ.items() if k != "BENCH_MIRAGEFLOW_SRC"}
+        if src:
+            env["BENCH_MIRAGEFLOW_SRC"] = src
+        cmd = [sys.executable, __file__, "--cache-cost", "--rows", str(rows), "--no-pin", "--serve"]
+        logs[side] = work / ("this.stderr" if src is None else "compare.stderr")
+        with open(logs[side], "w") as err:  # the worker keeps its own descriptor
+            workers[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    for side, w in workers.items():
+        if w.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{side} failed: {logs[side].read_text()[-4000:]}")
+    per: dict[str, dict[str, list[dict]]] = {side: {"cache_on": [], "cache_off": []} for side in workers}
+    sides = list(workers)
+    try:
+        for rep in range(repeats):
+            for name in ("cache_on", "cache_off") if rep % 2 == 0 else ("cache_off", "cache_on"):
+                for side in sides if (rep // 2) % 2 == 0 else sides[::-1]:
+                    workers[side].stdin.write(name + "\n")
+                    workers[side].stdin.flush()
+                    line = workers[side].stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"{side} failed: {logs[side].read_text()[-4000:]}")
+                    per[side][name].append(json.loads(line))
+            print(f"repeat {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+            w.wait()
+    for side, results in per.items():
+        _print_cache_figures(f"{side} ({compare_src})" if side == "compare" else side, cache_figures(results))
+    for name in ("cache_on", "cache_off"):  # the paired ratio: each run of this code over the same run of the other
+        ratio = C.median([
+            (a["rows"] / a["row_cpu_seconds"]) / (b["rows"] / b["row_cpu_seconds"])
+            for a, b in zip(per["this code"][name], per["compare"][name])
+        ])  # fmt: skip
+        print(f"ours_plain {name}: this code / compare, rows per CPU-second (median of the pairs): {ratio:.2f}")
+
+
+def _print_cache_figures(label: str, f: dict[str, float]) -> None:
+    print(f"{label}:")
+    for name in ("cache_on", "cache_off"):
+        print(
+            f"  ours_plain {name}: {C.fmt(f[f'{name}_rows_per_sec'])} rows/s, {f[f'{name}_cpu_us_per_row']:.1f} us CPU per row "
+            f"(whole shard), {f[f'{name}_row_cpu_us_per_row']:.1f} us per row without the fixed costs "
+            f"(fastest run: {f[f'{name}_row_cpu_us_per_row_min']:.1f} us)"
+        )
+    rate, cost = f["cache_on_rows_per_cpu_sec"], f["request_cache_cpu_us_per_row"]
+    print(
+        f"  plain, cache on: {C.fmt(rate)} rows per CPU-second (target {TARGET_ROWS_PER_SEC:,}: {'met' if rate >= TARGET_ROWS_PER_SEC else 'NOT met'})"
+    )
+    print(
+        f"  request cache: {cost:.1f} us CPU per row, the median of the pairs' differences (target <= {CACHE_TARGET_US:.0f}: "
+        f"{'met' if cost <= CACHE_TARGET_US else 'NOT met'}); the difference of the medians: "
+        f"{f['request_cache_cpu_us_per_row_of_medians']:.1f} us"
+    )
 
 
 def main() -> None:
@@ -262,6 +371,8 @@ def main() -> None:
     ap.add_argument("--profile", choices=["plain", "json"], help="cProfile our shard on this variant and exit")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     ap.add_argument("--cache-cost", action="store_true", help="ours_plain with the request cache on and off, interleaved, and exit")
+    ap.add_argument("--compare-src", help="--cache-cost: also measure this copy of src/ (e.g. main's), side by side in turns")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # --compare-src's worker
     args = ap.parse_args()
 
     pinned = "not pinned" if args.no_pin else C.pin_to_one_core()
@@ -272,8 +383,11 @@ def main() -> None:
         if args.profile:
             profile(args.profile, args.rows, tokenizer, work)
             return
+        if args.cache_cost and args.serve:
+            cache_serve(args.rows, tokenizer, work)
+            return
         if args.cache_cost:
-            cache_cost(args.rows, args.repeats, tokenizer, work)
+            cache_cost(args.rows, args.repeats, tokenizer, work, args.compare_src)
             return
         mm_python = None if args.no_mmirage else mmirage_python()
         all_rows = C.make_rows(args.rows)

@@ -279,13 +279,13 @@ def _segment(pending: list[tuple[str, tuple]]) -> bytearray:
     thread) rather than per put, into one buffer (orjson's bytes, kept one per answer until a
     join, cost more than the serializing)."""
     data = bytearray()
+    dumps, newline = orjson.dumps, orjson.OPT_APPEND_NEWLINE
     for key, answer in pending:
         value = (key, *answer)
         try:
-            data += orjson.dumps(value)
+            data += dumps(value, option=newline)
         except (orjson.JSONEncodeError, TypeError):  # a lone surrogate: json's spelling, the bytes as they are
-            data += json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        data += b"\n"
+            data += json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n"
     return data
 
 
@@ -308,9 +308,11 @@ class RequestCache:
         self.manifest = self.dir / MANIFEST
         self.lookups = lookups
         self._answers: dict[str, tuple] = {}
-        # (key, answer) kept since the last commit: put() appends on the event loop (a deque's
-        # append and popleft are atomic), commit() takes them in the writer thread
-        self._pending: collections.deque[tuple[str, tuple]] = collections.deque()
+        # the keys of the answers kept since the last commit: put() appends on the event loop (a
+        # deque's append and popleft are atomic), commit() takes them in the writer thread and
+        # writes each key's answer in _answers (a key put twice: its latest answer, twice). Keys
+        # alone, not (key, answer) pairs: a str is no work for the cyclic GC, a pair per row was
+        self._pending: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()  # one commit at a time
         self.segments: list[dict] = []
         self.next_segment = 0
@@ -334,9 +336,8 @@ class RequestCache:
 
     def put(self, key: str, c: Completion) -> None:
         """Keep an accepted answer (written with the next commit)."""
-        answer = (c.text, c.reasoning, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.image_tokens)
-        self._answers[key] = answer
-        self._pending.append((key, answer))
+        self._answers[key] = (c.text, c.reasoning, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.image_tokens)
+        self._pending.append(key)
         self.stored += 1
 
     # ------------------------------------------------------------------ disk
@@ -435,15 +436,16 @@ class RequestCache:
         """Make the answers kept since the last commit durable: a new segment, then the manifest."""
         with self._lock:
             pending = self._pending
-            lines = [pending.popleft() for _ in range(len(pending))]
-            if lines:
-                self._write_segment(lines)
+            keys = [pending.popleft() for _ in range(len(pending))]
+            if keys:
+                self._write_segment(keys)
 
-    def _write_segment(self, lines: list[tuple[str, tuple]]) -> None:
+    def _write_segment(self, keys: list[str]) -> None:
         name = f"seg-{self.next_segment:05d}.jsonl"
         path = self.dir / name
         try:
-            data = _segment(lines)
+            answers = self._answers
+            data = _segment([(key, answers[key]) for key in keys])
             fd, tmp = new_temp_file(path)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -453,10 +455,10 @@ class RequestCache:
                 os.replace(tmp, path)
             finally:
                 Path(tmp).unlink(missing_ok=True)
-            self._add_segment({"name": name, "bytes": len(data), "sha256": _sha256(data), "entries": len(lines)})
+            self._add_segment({"name": name, "bytes": len(data), "sha256": _sha256(data), "entries": len(keys)})
             self._write_manifest()
         except BaseException:  # kept for the next commit, before any put since
-            self._pending.extendleft(reversed(lines))
+            self._pending.extendleft(reversed(keys))
             raise
 
     def _write_manifest(self) -> None:
