@@ -227,6 +227,7 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         retry_base_delay=p.get("retry_base_delay"),
         max_requests_per_minute=p.get("max_requests_per_minute"),
         max_tokens_per_minute=p.get("max_tokens_per_minute"),
+        pricing=p.get("pricing"),
     ), problems
 
 
@@ -377,6 +378,7 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         native_n=False,
         index=i,
         batch=settings,
+        pricing=p.get("pricing"),
     ), problems
 
 

@@ -160,6 +160,8 @@ class ProcessorConfig:
     # openai: the pace the run's shards keep together (transport/rate_limit.py); None: no limit
     max_requests_per_minute: float | None = None
     max_tokens_per_minute: float | None = None
+    # what its tokens cost (stats/pricing.py): {input_per_million, cached_input_per_million, output_per_million, gpu_hour_usd}
+    pricing: dict | None = None
 
 
 # The providers' own limits on one batch (requests, bytes of its JSONL): OpenAI Batch (a 200 MB
@@ -302,6 +304,8 @@ class ExecutionParams:
     constraint: str | None = None
     slurm_extra: str | None = None
     shards_per_engine: int = 1
+    max_cost_usd: float | None = None  # the run's budget in dollars (transport/spend.py)
+    allow_over_budget: bool = False  # check and the DAG build warn instead of refusing an over-budget forecast
     canary_rows: int | None = None  # run this many rows of shard 0 first; the shards wait for its verdict (shard/canary.py)
     hf_home: str | None = None
     license: str | None = None  # the dataset card's (mirageflow.publish.card)
