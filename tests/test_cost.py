@@ -122,3 +122,25 @@ def test_anthropics_rate_limit_headers_hold_the_pace_back(tmp_path):
     until, _, next_slot = json.loads(shared.read_text())["requests_headers"]
     assert 28 < until - time.time() <= 30 and next_slot == until
     limiter.close()
+
+
+def test_check_and_preview_forecast_the_whole_dataset_and_check_refuses_one_past_the_cap(provider, tmp_path, monkeypatch, capsys):
+    """10 rows, each request estimated at its max_new_tokens (5) x $1 (input free): ~$50 for the dataset."""
+    import yaml
+
+    from mirageflow import cli
+
+    raw = config(tmp_path, provider, {"input_per_million": 0, "output_per_million": 1_000_000}, {"max_cost_usd": 20})
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.delenv("MIRAGEFLOW_ALLOW_OVER_BUDGET", raising=False)
+    assert cli.main(["preview", "--config", str(path)]) == cli.EXIT_OK
+    assert "cost forecast for the whole dataset: ~$50.00 (from 3 rows previewed)" in capsys.readouterr().out
+    assert cli.main(["check", "--config", str(path)]) == cli.EXIT_USAGE
+    refused = capsys.readouterr().err
+    assert "execution_params.max_cost_usd: the run is forecast to cost ~$50.00 (from 3 rows previewed" in refused
+    assert "over the cap of $20.00: raise max_cost_usd, or set execution_params.allow_over_budget: true" in refused
+    monkeypatch.setenv("MIRAGEFLOW_ALLOW_OVER_BUDGET", "1")
+    assert cli.main(["check", "--config", str(path)]) == cli.EXIT_OK
+    assert "~$50.00 (from 3 rows previewed); execution_params.max_cost_usd $20.00: the forecast passes it" in capsys.readouterr().out
+    assert provider.records == []  # nothing was sent

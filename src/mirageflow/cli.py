@@ -680,13 +680,38 @@ def cmd_preview(args) -> int:
     except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or engine that cannot load
         print(f"mmirage preview: cannot load the engine: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
+    forecast = _preview_forecast(cfg, result)
     if args.json:
-        json.dump(result, sys.stdout, indent=2, ensure_ascii=False, default=str)
+        json.dump({**result, "cost_forecast": forecast}, sys.stdout, indent=2, ensure_ascii=False, default=str)
         sys.stdout.write("\n")
     else:
         print_preview(result)
+        if forecast is not None:
+            print(forecast["line"])
     failed = any(r["error"] for ds in result["datasets"] for r in ds["rows"]) or any(ds["error"] for ds in result["datasets"])
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _preview_forecast(cfg, result: dict) -> dict | None:
+    """The whole dataset's cost forecast from the previewed rows (shard/preview.py cost_of_preview), when anything costs."""
+    from mirageflow.config.preflight import dataset_rows
+    from mirageflow.shard.preview import cost_of_preview
+    from mirageflow.stats.pricing import FREE, processor_price
+
+    if all(processor_price(p) == FREE for p in cfg.processors.values()):
+        return None  # nothing costs
+    forecast = cost_of_preview(cfg, result, dataset_rows(cfg))
+    if forecast is None:
+        return None
+    return {"usd": forecast.total_usd, "basis": forecast.basis, "line": _forecast_line(cfg, forecast)}
+
+
+def _forecast_line(cfg, forecast) -> str:
+    cap = cfg.execution.max_cost_usd
+    cap_text = ""
+    if cap is not None:
+        cap_text = f"; execution_params.max_cost_usd ${cap:,.2f}" + (": the forecast passes it" if forecast.total_usd > cap else "")
+    return f"cost forecast for the whole dataset: ~${forecast.total_usd:,.2f} ({forecast.basis}){cap_text}"
 
 
 def shard_status(cfg) -> dict | None:
@@ -724,6 +749,15 @@ def cmd_check(args) -> int:
         print(f"warning: {warning}")
     for warning in _row_group_warnings(cfg):
         print(f"warning: {warning}")
+    from mirageflow.stats.pricing import unpriced_warnings
+
+    for warning in unpriced_warnings(cfg.processors):
+        print(f"warning: {warning}")
+    from mirageflow.config.preflight import budget_forecast
+
+    forecast = budget_forecast(cfg)  # before anything is sent; None when nothing costs
+    if forecast is not None and forecast.total_usd is not None:
+        print(_forecast_line(cfg, forecast))
     summary = shard_status(cfg)
     if summary is None:
         print(f"no state yet ({Path(cfg.state_dir).resolve()} does not exist): nothing has run, no shard to check")

@@ -281,7 +281,7 @@ class OpenAIEngine(LoopEngine):
     def _estimate(self, request: Request, n: int) -> tuple[int, int]:
         """The request's (input, output) tokens before it is sent (the limiter's and the budget's estimate)."""
         if request.messages is not None and (self.processor.apply_chat_template or request.prompt is None):
-            chars = sum(_text_chars(m.get("content")) for m in request.messages) + len(request.response_prefix or "")
+            chars = sum(text_chars(m.get("content")) for m in request.messages) + len(request.response_prefix or "")
         else:
             chars = len(request.prompt or "")
         limit = request.sampling_params.get("max_new_tokens")
@@ -317,7 +317,7 @@ class OpenAIEngine(LoopEngine):
             self.spend_ledger.close()
 
 
-def _text_chars(content) -> int:
+def text_chars(content) -> int:
     """Characters of a message's text (a string, or OpenAI's content parts' text)."""
     if isinstance(content, str):
         return len(content)

@@ -130,11 +130,12 @@ class CostForecast:
     total_usd: float | None  # None: nothing finished yet, or the run's size unknown
     units_done: int  # the basis: units (rows; samples with n_samples > 1) finished at ``spent_usd``
     unpriced_tokens: int = 0  # tokens of processors whose price is unknown: the figures leave them out
+    done: str = "done"  # how the basis's rows were had: "done", or "previewed" (shard/preview.py)
 
     @property
     def basis(self) -> str:
-        unknown = f" ({self.unpriced_tokens:,} tokens of unknown price left out)" if self.unpriced_tokens else ""
-        return f"from {self.units_done:,} rows done{unknown}"
+        unknown = f", {self.unpriced_tokens:,} tokens of unknown price left out" if self.unpriced_tokens else ""
+        return f"from {self.units_done:,} rows {self.done}{unknown}"
 
 
 def cost_forecast(spent_usd: float, units_done: int, units_total: int | None, unpriced_tokens: int = 0) -> CostForecast:
