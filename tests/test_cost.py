@@ -16,7 +16,7 @@ from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.config import load_config
 from mirageflow.report.aggregate import compute_metrics
 from mirageflow.shard.runner import index_datasets, run_shard
-from mirageflow.stats.pricing import processor_price, table_price
+from mirageflow.stats.pricing import processor_price, table_price, unpriced_warnings
 from mirageflow.transport.http_client import Response
 from mirageflow.transport.rate_limit import RateLimiter, RateLimits
 
@@ -86,6 +86,8 @@ def test_cached_input_tokens_are_priced_apart_and_the_batch_price_is_the_tables(
         check_paths=False,
     )  # fmt: skip
     assert processor_price(hosted.processors["llm"]) is None  # unknown, not 0
+    (warning,) = unpriced_warnings(hosted.processors)  # what mmirage check prints
+    assert "no price known for model 'no-such-model'" in warning and "processors[].pricing" in warning
 
 
 def test_the_budget_stops_the_spending_and_a_raised_cap_resumes_asking_nothing_twice(provider, tmp_path):
