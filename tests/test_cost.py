@@ -146,3 +146,15 @@ def test_check_and_preview_forecast_the_whole_dataset_and_check_refuses_one_past
     assert cli.main(["check", "--config", str(path)]) == cli.EXIT_OK
     assert "~$50.00 (from 3 rows previewed); execution_params.max_cost_usd $20.00: the forecast passes it" in capsys.readouterr().out
     assert provider.records == []  # nothing was sent
+
+
+def test_the_canary_spends_from_the_runs_budget(provider, tmp_path):
+    """The canary runs in a state_dir of its own; its requests count in the run's ledger."""
+    from mirageflow.shard.canary import run_canary
+
+    raw = config(tmp_path, provider, {"input_per_million": 0, "output_per_million": 1_000_000}, {"max_cost_usd": 1000, "canary_rows": 3})
+    cfg = load_config(raw)
+    index_datasets(cfg)
+    run_canary(cfg, tmp_path / "state" / "canary" / "verdict.json")
+    assert len(provider.records) == 3
+    assert json.loads((tmp_path / "state" / "spend.json").read_text())["spent_usd"] == provider.generation_tokens

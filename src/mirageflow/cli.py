@@ -755,7 +755,11 @@ def cmd_check(args) -> int:
         print(f"warning: {warning}")
     from mirageflow.config.preflight import budget_forecast
 
-    forecast = budget_forecast(cfg)  # before anything is sent; None when nothing costs
+    try:
+        forecast = budget_forecast(cfg)  # before anything is sent; None when nothing costs
+    except Exception as e:  # noqa: BLE001 - a preview that cannot run (a tokenizer not here): check goes on
+        print(f"warning: no cost forecast: the preview of the first rows failed: {type(e).__name__}: {e}")
+        forecast = None
     if forecast is not None and forecast.total_usd is not None:
         print(_forecast_line(cfg, forecast))
     summary = shard_status(cfg)

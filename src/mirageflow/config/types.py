@@ -354,6 +354,14 @@ class PipelineConfig:
     # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)
     warnings: tuple[str, ...] = ()
     fresh_answers: bool = False  # this run takes no answer from the request cache
+    # the canary's config (shard/canary.py): the run's own state_dir, where the files every shard of
+    # the run shares live (the spend ledger, the rate limits); None: state_dir is the run's
+    run_state_dir: str | None = None
+
+    @property
+    def shared_state_dir(self) -> str:
+        """Where the run's shared files live (the canary's config names its run's)."""
+        return self.run_state_dir or self.state_dir
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"

@@ -199,7 +199,7 @@ class ShardRunner:
                     engine.max_inflight = self.params.max_inflight
                 engine.commit_seconds = self.params.checkpoint_seconds
                 # one pace for the run's shards under the processor's rate limits
-                engine.rate_limit_file = StateLayout(self.cfg.state_dir).rate_limits(name)
+                engine.rate_limit_file = StateLayout(self.cfg.shared_state_dir).rate_limits(name)
                 engine.spend_ledger = self._spend_ledger(name)
                 if engine.keeps_state:  # a provider's batches, across attempts (engines/batch_api.py)
                     engine.bind_state(self.checkpoint, self.shard_id, self.n)
@@ -521,7 +521,7 @@ class ShardRunner:
             return None
         p = self.cfg.processors[processor]
         stale = (p.max_retries + 1) * float(p.request_timeout) + p.max_retries * 60.0  # longer than one request can take
-        return SpendLedger(StateLayout(self.cfg.state_dir).spend, cap, price, stale)
+        return SpendLedger(StateLayout(self.cfg.shared_state_dir).spend, cap, price, stale)
 
     def stats(self) -> dict:
         # what the request cache holds now, for the docs' size figures
