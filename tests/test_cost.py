@@ -61,6 +61,16 @@ def test_the_dollars_are_the_providers_usage_at_the_price(provider, tmp_path):
     assert agg["cost_forecast_basis"] == f"from {ROWS} rows done"
 
 
+def test_a_self_hosted_model_costs_its_gpu_hours_at_gpu_hour_usd(provider, tmp_path, monkeypatch):
+    """An openai backend at 127.0.0.1 is a server of ours: its tokens are free, its 2 GPUs' hours cost $3.60 each."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cfg = load_config(config(tmp_path, provider, {"gpu_hour_usd": 3.6}))
+    index_datasets(cfg)
+    st = run_shard(cfg, 0)["stats"]
+    assert st["num_gpus"] == 2 and st["gpu_seconds_allocated"] > 0
+    assert st["cost_usd"] == pytest.approx(st["gpu_seconds_allocated"] * 3.6 / 3600, rel=1e-9)
+
+
 def test_cached_input_tokens_are_priced_apart_and_the_batch_price_is_the_tables():
     cached = Response(
         200, {}, json.dumps({"usage": {"prompt_tokens": 1000, "completion_tokens": 10, "prompt_tokens_details": {"cached_tokens": 600}}}).encode()
