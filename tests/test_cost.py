@@ -100,11 +100,14 @@ def test_cached_input_tokens_are_priced_apart_and_the_batch_price_is_the_tables(
     assert "no price known for model 'no-such-model'" in warning and "processors[].pricing" in warning
 
 
-def test_the_budget_stops_the_spending_and_a_raised_cap_resumes_asking_nothing_twice(provider, tmp_path):
+@pytest.mark.parametrize("inflight", [1, 4])
+def test_the_budget_stops_the_spending_and_a_raised_cap_resumes_asking_nothing_twice(provider, tmp_path, inflight):
     # $1 per output token, input free: a request holds $5 (its max_new_tokens) before it goes and
-    # costs its answer's 1-5 tokens; a $12 cap lets requests go while the spend is at most $7
+    # costs its answer's 1-5 tokens; a $12 cap lets requests go while the spend is at most $7 (with
+    # 4 in flight, a request waits for the others' answers while their holds leave no room)
     pricing = {"input_per_million": 0, "output_per_million": 1_000_000}
     raw = config(tmp_path, provider, pricing, {"max_cost_usd": 12})
+    raw["shard_params"]["max_inflight"] = inflight
     cfg = load_config(raw)
     index_datasets(cfg)
     with pytest.raises(Exception, match=r"max_cost_usd.*cap \$12\.0000.*raise execution_params\.max_cost_usd and rerun"):

@@ -151,7 +151,7 @@ async def with_retries(
     last, last_error = "", None
     for n in range(policy.retries + 1):
         retry_after, last_error = None, None
-        held = spend.reserve(cost_estimate) if spend is not None else 0.0
+        held = await spend.reserve(cost_estimate) if spend is not None else 0.0
         response, sent = None, False
         try:
             ticket = await limiter.acquire(tokens) if limiter is not None else None

@@ -4,9 +4,11 @@ canary included.
 One ledger per run, ``<state_dir>/spend.json`` (transport/shared_state.py: the locked file
 the rate limits use), holds the dollars the answers cost (``spent_usd``) and what each
 process has in flight (``holds``: ``host:pid`` -> [dollars, when last changed]). Before each
-attempt of a request ``with_retries`` (transport/retry.py) asks ``reserve(estimate)``: when
-the spend, the holds and this request's estimate together pass the cap, nothing is sent and
-``BudgetExceeded`` ends the shard (failure.json's failure_class ``budget_exceeded``); every
+attempt of a request ``with_retries`` (transport/retry.py) awaits ``reserve(estimate)``: when
+the spend, the holds and this request's estimate together pass the cap, it waits for the
+requests in flight to be answered (they may cost less than they hold); once the spend alone
+and the estimate pass it, nothing is sent and ``BudgetExceeded`` ends the shard
+(failure.json's failure_class ``budget_exceeded``) with nothing of the run in flight; every
 answer already committed is kept, so raising the cap and rerunning asks nothing twice.
 ``settle`` turns the hold into the answer's cost (its ``usage`` at the processor's price; an
 error status costs nothing; no whole answer costs its estimate: the provider may have
@@ -19,6 +21,7 @@ A request's estimate: its prompt's characters / 4 at the input price and its
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -59,8 +62,21 @@ class SpendLedger:
         self._file = SharedState(path, "the run's spend ledger")
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
 
-    def reserve(self, estimate_usd: float) -> float:
-        """Hold ``estimate_usd`` for a request about to go; raises BudgetExceeded when it would pass the cap."""
+    async def reserve(self, estimate_usd: float) -> float:
+        """Hold ``estimate_usd`` for a request about to go. While the requests in flight (anyone's)
+        leave no room for it, wait for their answers (they may cost less than they hold); raises
+        BudgetExceeded once the spend alone leaves no room: then nothing of the run is in flight,
+        so no answer being received is lost when the shard stops."""
+        wait = 0.02
+        while True:
+            room = self._try_reserve(estimate_usd)
+            if room:
+                return estimate_usd
+            await asyncio.sleep(wait)
+            wait = min(1.0, wait * 2)
+
+    def _try_reserve(self, estimate_usd: float) -> bool:
+        """Hold it when it fits; False when it would fit once the holds in flight settle."""
         now = time.time()
         with self._file.use() as state:
             holds = state.setdefault("holds", {})
@@ -68,17 +84,17 @@ class SpendLedger:
                 if who != self.holder and now - at > self.stale_seconds:
                     del holds[who]  # a process killed with requests in flight
             spent = float(state.get("spent_usd") or 0.0)
-            held = sum(usd for usd, _ in holds.values())
-            if spent + held + estimate_usd > self.cap:
+            if spent + estimate_usd > self.cap:
                 raise BudgetExceeded(
-                    f"the run's spend would pass execution_params.max_cost_usd: ${spent:.4f} spent"
-                    + (f" and ${held:.4f} in flight" if held else "")
-                    + f", this request's estimate ${estimate_usd:.4f}, cap ${self.cap:.4f}; every answer so far is kept: "
+                    f"the run's spend would pass execution_params.max_cost_usd: ${spent:.4f} spent, this request's "
+                    f"estimate ${estimate_usd:.4f}, cap ${self.cap:.4f}; every answer so far is kept: "
                     "raise execution_params.max_cost_usd and rerun to go on"
                 )
+            if spent + sum(usd for usd, _ in holds.values()) + estimate_usd > self.cap:
+                return False
             mine = holds.get(self.holder, [0.0, now])
             holds[self.holder] = [mine[0] + estimate_usd, now]
-        return estimate_usd
+        return True
 
     def settle(self, held_usd: float, response: Any | None, sent: bool = True) -> None:
         """Replace a hold by what its answer cost (None: no whole answer, counted at the estimate;
