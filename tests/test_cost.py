@@ -171,3 +171,23 @@ def test_the_canary_spends_from_the_runs_budget(provider, tmp_path):
     run_canary(cfg, tmp_path / "state" / "canary" / "verdict.json")
     assert len(provider.records) == 3
     assert json.loads((tmp_path / "state" / "spend.json").read_text())["spent_usd"] == provider.generation_tokens
+
+
+def test_the_holds_of_a_killed_process_do_not_hold_the_budget(tmp_path):
+    """A shard killed with requests in flight leaves their holds in the ledger: a process of this
+    machine that is gone holds nothing, so the next one's request goes at once."""
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+
+    from mirageflow.stats.pricing import Price
+    from mirageflow.transport.spend import SpendLedger
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    ledger_file = tmp_path / "spend.json"
+    ledger_file.write_text(json.dumps({"spent_usd": 2.0, "holds": {f"{socket.gethostname()}:{dead}": [7.0, time.time()]}}))
+    ledger = SpendLedger(ledger_file, 10.0, Price(0, 0, 1_000_000, "test"), stale_seconds=3600)
+    assert asyncio.run(asyncio.wait_for(ledger.reserve(5.0), 5)) == 5.0  # $2 + $5 fit once the dead $7 is dropped
+    assert json.loads(ledger_file.read_text())["holds"] == {ledger.holder: [5.0, pytest.approx(time.time(), abs=5)]}
+    ledger.close()

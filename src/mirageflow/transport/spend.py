@@ -12,8 +12,9 @@ and the estimate pass it, nothing is sent and ``BudgetExceeded`` ends the shard
 answer already committed is kept, so raising the cap and rerunning asks nothing twice.
 ``settle`` turns the hold into the answer's cost (its ``usage`` at the processor's price; an
 error status costs nothing; no whole answer costs its estimate: the provider may have
-counted it). A holder that has not changed its holds for ``stale_seconds`` (longer than one
-request can take) is gone (killed): its holds no longer count.
+counted it). A holder whose process is gone (on this machine), or that has not changed its
+holds for ``stale_seconds`` (longer than one request can take; another node's), was killed:
+its holds no longer count.
 
 A request's estimate: its prompt's characters / 4 at the input price and its
 ``max_new_tokens`` (per choice) at the output price (engines/openai_engine.py).
@@ -60,7 +61,8 @@ class SpendLedger:
     def __init__(self, path: str | os.PathLike, cap_usd: float, price: Price, stale_seconds: float):
         self.cap, self.price, self.stale_seconds = cap_usd, price, stale_seconds
         self._file = SharedState(path, "the run's spend ledger")
-        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.host = socket.gethostname()
+        self.holder = f"{self.host}:{os.getpid()}"
 
     async def reserve(self, estimate_usd: float) -> float:
         """Hold ``estimate_usd`` for a request about to go. While the requests in flight (anyone's)
@@ -80,8 +82,8 @@ class SpendLedger:
         now = time.time()
         with self._file.use() as state:
             holds = state.setdefault("holds", {})
-            for who, (usd, at) in list(holds.items()):
-                if who != self.holder and now - at > self.stale_seconds:
+            for who, (_usd, at) in list(holds.items()):
+                if who != self.holder and (now - at > self.stale_seconds or self._gone(who)):
                     del holds[who]  # a process killed with requests in flight
             spent = float(state.get("spent_usd") or 0.0)
             if spent + estimate_usd > self.cap:
@@ -95,6 +97,19 @@ class SpendLedger:
             mine = holds.get(self.holder, [0.0, now])
             holds[self.holder] = [mine[0] + estimate_usd, now]
         return True
+
+    def _gone(self, holder: str) -> bool:
+        """A holder on this machine whose process is no more (others' wait for stale_seconds)."""
+        host, _, pid = holder.rpartition(":")
+        if host != self.host or not pid.isdigit():
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # another user's process: alive
+            return False
+        return False
 
     def settle(self, held_usd: float, response: Any | None, sent: bool = True) -> None:
         """Replace a hold by what its answer cost (None: no whole answer, counted at the estimate;
