@@ -96,6 +96,12 @@ def test_cached_input_tokens_are_priced_apart_and_the_batch_price_is_the_tables(
         check_paths=False,
     )  # fmt: skip
     assert processor_price(hosted.processors["llm"]) is None  # unknown, not 0
+    custom = pipeline_config(
+        "in.jsonl", processor={"type": "custom", "script_path": "f.py", "function_name": "f", "pricing": {"input_per_million": 1}}
+    )
+    del custom["processors"][0]["server_args"]
+    with pytest.raises(Exception, match=r"processors\[0\]\.pricing: only model processors"):
+        load_config(custom, check_paths=False)
     (warning,) = unpriced_warnings(hosted.processors)  # what mmirage check prints
     assert "no price known for model 'no-such-model'" in warning and "processors[].pricing" in warning
 
