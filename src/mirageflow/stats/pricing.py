@@ -103,7 +103,7 @@ def table_price(model: str, provider: str | None, base_url: str | None, batch: b
 
 def processor_price(processor) -> Price | None:
     """The price of a model processor's tokens (see the module's docstring); None: unknown."""
-    pricing = getattr(processor, "pricing", None) or {}
+    pricing = processor.pricing or {}
     if pricing.get("input_per_million") is not None or pricing.get("output_per_million") is not None:
         given = float(pricing.get("input_per_million") or 0.0)
         return Price(
@@ -126,7 +126,7 @@ def gpu_hour_usd(processors) -> float | None:
     prices = [
         float(p.pricing["gpu_hour_usd"])
         for p in processors
-        if getattr(p, "pricing", None) and p.pricing.get("gpu_hour_usd") is not None and not is_hosted(p)
+        if p.pricing and p.pricing.get("gpu_hour_usd") is not None and not is_hosted(p)
     ]
     return max(prices) if prices else None
 
@@ -135,7 +135,7 @@ def unpriced_warnings(processors: dict) -> list[str]:
     """One line per hosted processor whose price is unknown (``mmirage check`` shows them)."""
     out = []
     for name, p in processors.items():
-        if getattr(p, "server_args", None) is None or processor_price(p) is not None:
+        if processor_price(p) is not None:
             continue
         model = p.model or p.server_args.model_path
         out.append(
