@@ -124,9 +124,7 @@ def gpu_hour_usd(processors) -> float | None:
     """Dollars per GPU-hour of a shard's GPUs: the largest ``pricing.gpu_hour_usd`` of its
     self-hosted processors (they share the job's GPUs); None when none gives one."""
     prices = [
-        float(p.pricing["gpu_hour_usd"])
-        for p in processors
-        if p.pricing and p.pricing.get("gpu_hour_usd") is not None and not is_hosted(p)
+        float(p.pricing["gpu_hour_usd"]) for p in processors if p.pricing and p.pricing.get("gpu_hour_usd") is not None and not is_hosted(p)
     ]
     return max(prices) if prices else None
 
