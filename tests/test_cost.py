@@ -197,3 +197,17 @@ def test_the_holds_of_a_killed_process_do_not_hold_the_budget(tmp_path):
     assert asyncio.run(asyncio.wait_for(ledger.reserve(5.0), 5)) == 5.0  # $2 + $5 fit once the dead $7 is dropped
     assert json.loads(ledger_file.read_text())["holds"] == {ledger.holder: [5.0, pytest.approx(time.time(), abs=5)]}
     ledger.close()
+
+
+def test_the_dag_build_refuses_a_run_forecast_past_the_cap_unless_allowed(provider, tmp_path):
+    """`snakemake -n` validates as `mmirage check` does: ~$50 forecast, $20 cap."""
+    import os
+
+    from conftest import run_workflow, shard_jobs
+
+    raw = config(tmp_path, provider, {"input_per_million": 0, "output_per_million": 1_000_000}, {"max_cost_usd": 20})
+    refused = run_workflow(tmp_path, raw, "-n", check=False, env={**os.environ, "MIRAGEFLOW_ALLOW_OVER_BUDGET": ""})
+    assert refused.returncode != 0 and "execution_params.max_cost_usd: the run is forecast to cost ~$50.00" in refused.text
+    allowed = run_workflow(tmp_path, raw, "-n", env={**os.environ, "MIRAGEFLOW_ALLOW_OVER_BUDGET": "1"})
+    assert shard_jobs(allowed) == 1
+    assert provider.records == []
