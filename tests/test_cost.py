@@ -45,7 +45,7 @@ def config(tmp_path, server, pricing: dict, execution: dict | None = None, max_n
     )  # fmt: skip
 
 
-def test_the_dollars_are_the_providers_usage_at_the_price(provider, tmp_path):
+def test_the_dollars_are_the_providers_usage_at_the_price(provider, tmp_path, capsys):
     raw = config(tmp_path, provider, {"input_per_million": 2.5, "output_per_million": 10.0})
     cfg = load_config(raw)
     index_datasets(cfg)
@@ -59,6 +59,13 @@ def test_the_dollars_are_the_providers_usage_at_the_price(provider, tmp_path):
     assert agg["cost_usd"] == pytest.approx(expected, rel=1e-12)
     assert agg["cost_forecast_usd"] == pytest.approx(expected, rel=1e-12)  # every row done: the forecast is the spend
     assert agg["cost_forecast_basis"] == f"from {ROWS} rows done"
+    from mirageflow import cli
+
+    summary = cli.status_summary(cfg)  # mmirage status
+    assert (summary["cost_usd"], summary["cost_forecast_usd"]) == (pytest.approx(expected), pytest.approx(expected))
+    (tmp_path / "pipeline.yaml").write_text(json.dumps(raw))
+    assert cli.main(["status", "--config", str(tmp_path / "pipeline.yaml")]) == cli.EXIT_OK
+    assert f"spent ${expected:,.2f}; forecast ~${expected:,.2f} for the run (from {ROWS} rows done)" in capsys.readouterr().out
 
 
 def test_a_self_hosted_model_costs_its_gpu_hours_at_gpu_hour_usd(provider, tmp_path, monkeypatch):

@@ -415,12 +415,14 @@ def cmd_stats(args) -> int:
 def status_summary(cfg: PipelineConfig) -> dict:
     """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
     from mirageflow.report.terminal import repeats_identically
-    from mirageflow.state.remaining import remaining
+    from mirageflow.state.remaining import indexed_rows, remaining, run_cost
     from mirageflow.state.shards import count, states_of, units_of
     from mirageflow.stats import formulas as stats
 
     states = states_of(cfg)
     left = remaining(states, cfg.num_shards)
+    rows = indexed_rows(cfg.state_dir)
+    cost = run_cost(states, cfg.n_samples, rows * cfg.n_samples if rows else None)
     repeats = {s.shard_id: cls for s in states if s.state == "failed" and (cls := repeats_identically(s.failure_stats, str(s.error or "")))}
     gpus = [s.stats.get("num_gpus") if s.state == "done" else (s.progress or {}).get("num_gpus") for s in states]
     known_gpus = [g for g in gpus if isinstance(g, (int, float))]
@@ -437,6 +439,10 @@ def status_summary(cfg: PipelineConfig) -> dict:
         "eta_seconds": left.eta_seconds,
         "eta_human": stats.human_duration(left.eta_seconds),
         "gpu_hours_remaining_estimate": left.gpu_hours,
+        "cost_usd": cost.spent_usd,
+        "cost_unpriced_tokens": cost.unpriced_tokens,
+        "cost_forecast_usd": cost.total_usd,
+        "cost_forecast_basis": cost.basis,
         "shards": [
             s.to_json()
             | ({"runtime_seconds": s.stats["runtime_seconds"], "samples_done": units_of(s.stats)} if s.state == "done" else {})
@@ -546,6 +552,12 @@ def cmd_status(args) -> int:
             f"done {summary['done']}, running {summary['running']}, failed {summary['failed']}, pending {summary['pending']}; "
             f"ETA {summary['eta_human'] or 'n/a'} (rough){gpu_hours}" + (" (CPU run)" if summary["cpu_only"] else "")
         )
+        if summary["cost_usd"] or summary["cost_unpriced_tokens"]:
+            forecast = summary["cost_forecast_usd"]
+            print(
+                f"spent ${summary['cost_usd']:,.2f}" + (" + unknown" if summary["cost_unpriced_tokens"] else "")
+                + (f"; forecast ~${forecast:,.2f} for the run ({summary['cost_forecast_basis']})" if forecast is not None else "")
+            )  # fmt: skip
         if summary["stale"]:
             print(
                 f"pending {_ids(summary['stale'])}: their status.json is from an earlier config (the records fingerprint "
