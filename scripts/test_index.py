@@ -47,6 +47,7 @@ THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.shard.steps": (["test_filter_custom_steps.py", "test_image_gen.py", "test_state_contract.py"], "the steps of the row path"),
     "mirageflow.shard.ledger": (["test_batch_api.py", "test_image_gen.py"], "batches and images kept across attempts"),
     "mirageflow.shard.tally": (["test_tally.py", "test_shard_parts.py"], "the record tallies of finished shards"),
+    "mirageflow.transport.shared_state": (["test_rate_limits.py", "test_cost.py"], "the rate limits' and the spend ledger's shared files"),
     "mirageflow.state.inputs": (["test_canary.py", "test_data_integrity.py"], "edits seen by the workflow"),
     "mirageflow.transport": (["test_transport.py", "test_http_client.py"], "the HTTP layer"),
 }

@@ -54,6 +54,21 @@ def test_progress_line_sums_the_running_shards(tmp_path):
     assert "ETA 00:00:08" in line  # 24 rows left at 3 rows/s
 
 
+def test_progress_line_shows_the_dollars_spent_and_the_runs_forecast(tmp_path):
+    state = _state(tmp_path)
+    done = _status(10)
+    done["stats"]["cost_usd"] = 1.5
+    atomic_write_json(state / "shard_0/status.json", done)
+    atomic_write_json(state / "shard_1/progress.json", _progress(rows_done=10, rows_per_sec=2.0, cost_usd=0.5))
+    line = terminal.LiveProgress(state, 4, 1.0, lambda s: None).line()
+    assert line.endswith("$2.00 spent, ~$4.00 forecast (from 20 rows done)")  # 40 rows at $0.10 a row
+    atomic_write_json(state / "shard_1/progress.json", _progress(rows_done=10, rows_per_sec=2.0, cost_usd=0.5, unpriced_tokens=7))
+    assert (
+        "$2.00 spent + unknown, ~$4.00 forecast (from 20 rows done, 7 tokens of unknown price left out)"
+        in terminal.LiveProgress(state, 4, 1.0, lambda s: None).line()
+    )
+
+
 def test_progress_line_names_the_phase_of_a_single_shard_and_says_nothing_when_none_runs(tmp_path):
     state = _state(tmp_path)
     live = terminal.LiveProgress(state, 4, 1.0, lambda s: None)

@@ -415,12 +415,14 @@ def cmd_stats(args) -> int:
 def status_summary(cfg: PipelineConfig) -> dict:
     """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
     from mirageflow.report.terminal import repeats_identically
-    from mirageflow.state.remaining import remaining
+    from mirageflow.state.remaining import indexed_rows, remaining, run_cost
     from mirageflow.state.shards import count, states_of, units_of
     from mirageflow.stats import formulas as stats
 
     states = states_of(cfg)
     left = remaining(states, cfg.num_shards)
+    rows = indexed_rows(cfg.state_dir)
+    cost = run_cost(states, cfg.n_samples, rows * cfg.n_samples if rows else None)
     repeats = {s.shard_id: cls for s in states if s.state == "failed" and (cls := repeats_identically(s.failure_stats, str(s.error or "")))}
     gpus = [s.stats.get("num_gpus") if s.state == "done" else (s.progress or {}).get("num_gpus") for s in states]
     known_gpus = [g for g in gpus if isinstance(g, (int, float))]
@@ -437,6 +439,10 @@ def status_summary(cfg: PipelineConfig) -> dict:
         "eta_seconds": left.eta_seconds,
         "eta_human": stats.human_duration(left.eta_seconds),
         "gpu_hours_remaining_estimate": left.gpu_hours,
+        "cost_usd": cost.spent_usd,
+        "cost_unpriced_tokens": cost.unpriced_tokens,
+        "cost_forecast_usd": cost.total_usd,
+        "cost_forecast_basis": cost.basis,
         "shards": [
             s.to_json()
             | ({"runtime_seconds": s.stats["runtime_seconds"], "samples_done": units_of(s.stats)} if s.state == "done" else {})
@@ -546,6 +552,12 @@ def cmd_status(args) -> int:
             f"done {summary['done']}, running {summary['running']}, failed {summary['failed']}, pending {summary['pending']}; "
             f"ETA {summary['eta_human'] or 'n/a'} (rough){gpu_hours}" + (" (CPU run)" if summary["cpu_only"] else "")
         )
+        if summary["cost_usd"] or summary["cost_unpriced_tokens"]:
+            forecast = summary["cost_forecast_usd"]
+            print(
+                f"spent ${summary['cost_usd']:,.2f}" + (" + unknown" if summary["cost_unpriced_tokens"] else "")
+                + (f"; forecast ~${forecast:,.2f} for the run ({summary['cost_forecast_basis']})" if forecast is not None else "")
+            )  # fmt: skip
         if summary["stale"]:
             print(
                 f"pending {_ids(summary['stale'])}: their status.json is from an earlier config (the records fingerprint "
@@ -688,13 +700,38 @@ def cmd_preview(args) -> int:
     except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or engine that cannot load
         print(f"mmirage preview: cannot load the engine: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
+    forecast = _preview_forecast(cfg, result)
     if args.json:
-        json.dump(result, sys.stdout, indent=2, ensure_ascii=False, default=str)
+        json.dump({**result, "cost_forecast": forecast}, sys.stdout, indent=2, ensure_ascii=False, default=str)
         sys.stdout.write("\n")
     else:
         print_preview(result)
+        if forecast is not None:
+            print(forecast["line"])
     failed = any(r["error"] for ds in result["datasets"] for r in ds["rows"]) or any(ds["error"] for ds in result["datasets"])
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _preview_forecast(cfg, result: dict) -> dict | None:
+    """The whole dataset's cost forecast from the previewed rows (shard/preview.py cost_of_preview), when anything costs."""
+    from mirageflow.config.preflight import dataset_rows
+    from mirageflow.shard.preview import cost_of_preview
+    from mirageflow.stats.pricing import FREE, processor_price
+
+    if all(processor_price(p) == FREE for p in cfg.processors.values()):
+        return None  # nothing costs
+    forecast = cost_of_preview(cfg, result, dataset_rows(cfg))
+    if forecast is None:
+        return None
+    return {"usd": forecast.total_usd, "basis": forecast.basis, "line": _forecast_line(cfg, forecast)}
+
+
+def _forecast_line(cfg, forecast) -> str:
+    cap = cfg.execution.max_cost_usd
+    cap_text = ""
+    if cap is not None:
+        cap_text = f"; execution_params.max_cost_usd ${cap:,.2f}" + (": the forecast passes it" if forecast.total_usd > cap else "")
+    return f"cost forecast for the whole dataset: ~${forecast.total_usd:,.2f} ({forecast.basis}){cap_text}"
 
 
 def shard_status(cfg) -> dict | None:
@@ -732,6 +769,19 @@ def cmd_check(args) -> int:
         print(f"warning: {warning}")
     for warning in _row_group_warnings(cfg):
         print(f"warning: {warning}")
+    from mirageflow.stats.pricing import unpriced_warnings
+
+    for warning in unpriced_warnings(cfg.processors):
+        print(f"warning: {warning}")
+    from mirageflow.config.preflight import budget_forecast
+
+    try:
+        forecast = budget_forecast(cfg)  # before anything is sent; None when nothing costs
+    except Exception as e:  # noqa: BLE001 - a preview that cannot run (a tokenizer not here): check goes on
+        print(f"warning: no cost forecast: the preview of the first rows failed: {type(e).__name__}: {e}")
+        forecast = None
+    if forecast is not None and forecast.total_usd is not None:
+        print(_forecast_line(cfg, forecast))
     summary = shard_status(cfg)
     if summary is None:
         print(f"no state yet ({Path(cfg.state_dir).resolve()} does not exist): nothing has run, no shard to check")
@@ -868,7 +918,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--failure-class", action="append", metavar="CLASS", choices=[c.value for c in EngineDeathClass],
-        help="only the failed shards whose launched server's last death was of this class (failure.json's failure_class: "
+        help="only the failed shards whose launched server's last death was of this class, or that the run's budget "
+        "stopped (budget_exceeded) (failure.json's failure_class: "
         + ", ".join(c.value for c in EngineDeathClass) + "); repeatable",
     )  # fmt: skip
     p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")

@@ -190,6 +190,8 @@ class EngineDeathClass(enum.StrEnum):
     EXITED_WITH_ERROR = "exited_with_error", "it exited by itself during the run (a Python error, a failed check; its exit code is kept)"
     FROZEN = "frozen", "it answered neither a request nor its health probe for hang_seconds; the job killed its process tree"
     FAILED_TO_START = "failed_to_start", "a restart did not become healthy within server_start_timeout, or exited first"
+    # not a death: the one other reason failure.json's failure_class names (transport/spend.py)
+    BUDGET_EXCEEDED = "budget_exceeded", "no death: the run's spend reached execution_params.max_cost_usd; raise it and rerun to go on"
 
 
 DETERMINISTIC_CLASSES = frozenset(c.value for c in RowErrorClass if c.deterministic)

@@ -173,6 +173,13 @@ def _rate_limit_problems(p: dict, where: str, what: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _unpriced_problems(p: dict, where: str) -> list[str]:
+    """pricing set on a processor whose work is not priced (stats/pricing.py prices tokens and GPU-hours)."""
+    if p.get("pricing") is None:
+        return []
+    return [f"{where}.pricing: only model processors (llm, api_llm, batch_api) are priced (this one is of type {p['type']})"]
+
+
 def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ProcessorConfig | None, list[str]]:
     """A processor that runs a model (type llm): its engine's settings."""
     where = f"processors[{i}]"
@@ -231,6 +238,7 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         retry_base_delay=p.get("retry_base_delay"),
         max_requests_per_minute=p.get("max_requests_per_minute"),
         max_tokens_per_minute=p.get("max_tokens_per_minute"),
+        pricing=p.get("pricing"),
     ), problems
 
 
@@ -282,7 +290,7 @@ def _api_llm_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> t
 def _custom_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[CustomProcessor, list[str]]:
     """A processor of type custom: its script and function (preflight imports it)."""
     where = f"processors[{i}]"
-    problems = _rate_limit_problems(p, where, "type is custom")
+    problems = _rate_limit_problems(p, where, "type is custom") + _unpriced_problems(p, where)
     if p["type"] in taken:
         problems.append(f"{where}.type: a second 'custom' processor; outputs could not tell them apart")
     for key in ("script_path", "function_name"):
@@ -381,6 +389,7 @@ def _batch_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         native_n=False,
         index=i,
         batch=settings,
+        pricing=p.get("pricing"),
     ), problems
 
 
@@ -388,6 +397,7 @@ def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
     """A processor of type image_gen: where images are generated (mirageflow.imagegen)."""
     where = f"processors[{i}]"
     problems = _foreign_keys(p, where, _BATCH_KEYS, "batch_api") + _foreign_keys(p, where, ("script_path", "function_name"), "custom")
+    problems += _unpriced_problems(p, where)
     problems += _rate_limit_problems(p, where, "type is image_gen")
     if p["type"] in taken:
         problems.append(f"{where}.type: a second 'image_gen' processor; outputs could not tell them apart")

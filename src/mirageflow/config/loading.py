@@ -269,6 +269,8 @@ _PROCESSOR_OPERATIONAL_KEYS = (
     "max_concurrency", "retry_base_delay",
     # backend openai's pace under a provider's limits (transport/rate_limit.py)
     "max_requests_per_minute", "max_tokens_per_minute",
+    # what the tokens cost (stats/pricing.py): the same answers at any price
+    "pricing",
 )  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import difflib
 import glob
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -52,6 +53,8 @@ from mirageflow.files import open_regular, path_hint
 from mirageflow.data.dedup import dedup_problems, text_field_sample_problems
 from mirageflow.engines import registry
 from mirageflow.state.layout import StateLayout
+
+log = logging.getLogger(__name__)
 
 SAMPLE_ROWS = 20
 IMPORT_TIMEOUT_SECONDS = 120.0  # a custom processor's script, imported once by the driver
@@ -116,6 +119,7 @@ def preflight_problems(
         else:
             problems += _processor_problems(cfg, proc, environ, built_models)
     problems += _owner_problems(cfg)
+    problems += budget_problems(cfg, rows_known, environ)
     missing_xgrammar = _xgrammar_problems(cfg)
     problems += missing_xgrammar or _json_prefix_problems(cfg)  # that check compiles grammars with xgrammar
     problems += dedup_problems(cfg)
@@ -123,6 +127,59 @@ def preflight_problems(
 
 
 XGRAMMAR_INSTALL = "pip install --no-deps -r requirements-no-deps.txt (README.md, Quick start)"
+
+
+def dataset_rows(cfg: PipelineConfig) -> list[int | None]:
+    """Each dataset's rows: its index's count, else the count (or bound) its first look finds; None: unknown."""
+    out = []
+    for ds in cfg.datasets:
+        indexed = _indexed_rows(cfg, ds)
+        out.append(indexed if indexed is not None else _inspect_dataset(ds, ds.key)[2])
+    return out
+
+
+def over_budget_allowed(cfg: PipelineConfig, environ: Mapping[str, str]) -> bool:
+    return cfg.execution.allow_over_budget or environ.get(ALLOW_OVER_BUDGET_ENV, "") in ("1", "true", "yes")
+
+
+ALLOW_OVER_BUDGET_ENV = "MIRAGEFLOW_ALLOW_OVER_BUDGET"
+
+
+def budget_forecast(cfg: PipelineConfig, rows_known: list[int | None] | None = None):
+    """The whole run's cost forecast from a preview of the first rows (shard/preview.py
+    cost_of_preview), or None when nothing is priced above 0 or the size is unknown."""
+    from mirageflow.stats.pricing import FREE, processor_price
+
+    if all(processor_price(p) == FREE for p in cfg.processors.values()):
+        return None  # nothing costs: no preview to make
+    from mirageflow.shard.preview import cost_of_preview, preview
+
+    result = preview(cfg)
+    return cost_of_preview(cfg, result, dataset_rows(cfg) if rows_known is None else rows_known)
+
+
+def budget_problems(cfg: PipelineConfig, rows_known: list[int | None], environ: Mapping[str, str]) -> list[str]:
+    """execution_params.max_cost_usd below the run's forecast: refused unless allowed (a warning then)."""
+    cap = cfg.execution.max_cost_usd
+    if cap is None:
+        return []
+    try:
+        forecast = budget_forecast(cfg, rows_known)
+    except Exception as e:  # noqa: BLE001 - a preview that cannot run: the shards report the real error
+        log.warning("execution_params.max_cost_usd: no cost forecast (the preview failed: %s: %s)", type(e).__name__, e)
+        return []
+    if forecast is None or forecast.total_usd is None or forecast.total_usd <= cap:
+        return []
+    text = (
+        f"execution_params.max_cost_usd: the run is forecast to cost ~${forecast.total_usd:,.2f} ({forecast.basis}"
+        f", each request at its estimate: its text's characters / 4 at the input price, its max_new_tokens at the output price), "
+        f"over the cap of ${cap:,.2f}: raise max_cost_usd, or set execution_params.allow_over_budget: true "
+        f"(or {ALLOW_OVER_BUDGET_ENV}=1) to run anyway, the budget stopping the spending at the cap"
+    )
+    if over_budget_allowed(cfg, environ):
+        log.warning("%s", text)
+        return []
+    return [text]
 
 
 def _xgrammar_problems(cfg: PipelineConfig) -> list[str]:

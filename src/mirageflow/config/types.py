@@ -161,6 +161,8 @@ class ProcessorConfig:
     max_requests_per_minute: float | None = None
     max_tokens_per_minute: float | None = None
     nodes: int = 1  # nodes its engine spans: execution_params.nodes (engines/server_ranks.py)
+    # what its tokens cost (stats/pricing.py): {input_per_million, cached_input_per_million, output_per_million, gpu_hour_usd}
+    pricing: dict | None = None
 
 
 # The providers' own limits on one batch (requests, bytes of its JSONL): OpenAI Batch (a 200 MB
@@ -303,6 +305,8 @@ class ExecutionParams:
     constraint: str | None = None
     slurm_extra: str | None = None
     shards_per_engine: int = 1
+    max_cost_usd: float | None = None  # the run's budget in dollars (transport/spend.py)
+    allow_over_budget: bool = False  # check and the DAG build warn instead of refusing an over-budget forecast
     canary_rows: int | None = None  # run this many rows of shard 0 first; the shards wait for its verdict (shard/canary.py)
     hf_home: str | None = None
     license: str | None = None  # the dataset card's (mirageflow.publish.card)
@@ -351,6 +355,14 @@ class PipelineConfig:
     # what the driver and `mmirage check` say without refusing (an MMIRAGE key that changes nothing here)
     warnings: tuple[str, ...] = ()
     fresh_answers: bool = False  # this run takes no answer from the request cache
+    # the canary's config (shard/canary.py): the run's own state_dir, where the files every shard of
+    # the run shares live (the spend ledger, the rate limits); None: state_dir is the run's
+    run_state_dir: str | None = None
+
+    @property
+    def shared_state_dir(self) -> str:
+        """Where the run's shared files live (the canary's config names its run's)."""
+        return self.run_state_dir or self.state_dir
 
     def shard_dir(self, shard_id: int) -> Path:
         return Path(self.state_dir) / f"shard_{shard_id}"

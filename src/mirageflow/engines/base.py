@@ -78,6 +78,9 @@ class Engine(abc.ABC):
     # max_tokens_per_minute shares that pace with the run's other shards (transport/rate_limit.py):
     # set by the runner before load(); None: this process's own pace.
     rate_limit_file: Path | None = None
+    # The run's spend ledger under execution_params.max_cost_usd (transport/spend.py): set by the
+    # runner before load() for a processor with a known price; None: no budget holds its requests.
+    spend_ledger: Any = None
     # The Hugging Face tokenizer, once loaded, for engines that have one (chat_prompt's default).
     tokenizer: Any = None
 

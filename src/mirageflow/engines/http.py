@@ -112,6 +112,8 @@ async def post_with_retries(
     final: Callable[[Any], bool] | None = None,
     limiter: RateLimiter | None = None,
     tokens: int = 0,
+    spend=None,
+    cost_estimate: float = 0.0,
 ) -> Response:
     """POST ``body`` as JSON to ``path`` (under the client's base URL) under the transport's
     one retry policy (transport/retry.py): connection errors, deadlines, 429, 5xx and a 2xx
@@ -125,7 +127,9 @@ async def post_with_retries(
     instead of retrying (e.g. when the server process is gone). ``final(response)`` true: a
     retryable status that is this request's own answer (SGLang's 500 for a grammar
     failure) is returned as is. ``limiter``: each attempt is paced under the processor's
-    limits (transport/rate_limit.py), ``tokens`` its estimate.
+    limits (transport/rate_limit.py), ``tokens`` its estimate; ``spend``: each attempt holds
+    ``cost_estimate`` dollars in the run's spend ledger first (transport/spend.py: BudgetExceeded
+    past the budget, an EngineError carrying it as its context).
     """
     data = dumps(body)  # once, whatever the number of attempts
     policy = RetryPolicy(max_retries, base_delay, max_delay, timeout, "request_timeout")
@@ -133,6 +137,7 @@ async def post_with_retries(
         return await with_retries(
             lambda: client.request("POST", path, data, timeout=timeout), policy=policy, what=what, json_answer=True,
             on_transport_error=on_transport_error, final=final, limiter=limiter, tokens=tokens,
+            spend=spend, cost_estimate=cost_estimate,
         )  # fmt: skip
     except TransportError as e:  # retries spent, or an answer over the size limit
         raise EngineError(f"{what}: {e}" if isinstance(e, ResponseTooLarge) else str(e)) from None

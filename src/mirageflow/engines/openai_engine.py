@@ -62,6 +62,7 @@ import os
 
 from mirageflow.config.types import ProcessorConfig
 from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request, usage_counts
+from mirageflow.stats.pricing import cached_prompt_tokens
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
 from mirageflow.engines.http import FATAL_STATUS, EngineError, error_message, post_with_retries, rejected
@@ -212,6 +213,7 @@ class OpenAIEngine(LoopEngine):
         path, body = self.request_body(request)
         if n > 1:
             body["n"] = n
+        estimate = self._estimate(request, n)
         client = self._client
         if client is None:
             raise RuntimeError("OpenAIEngine: load() was not called, or the engine is closed")
@@ -225,8 +227,10 @@ class OpenAIEngine(LoopEngine):
             max_delay=self.retry_max_delay,
             what=self._what(client, path),
             limiter=self._limiter,
-            tokens=self._estimate(request, n),
+            tokens=sum(estimate),
             on_transport_error=self.on_transport_error,
+            spend=self.spend_ledger,
+            cost_estimate=self.spend_ledger.price.cost(*estimate) if self.spend_ledger is not None else 0.0,
         )
         if not 200 <= response.status_code < 300:
             message = f"{client.url(path)} answered HTTP {response.status_code}: {error_message(response.content)}"
@@ -266,16 +270,18 @@ class OpenAIEngine(LoopEngine):
             completion = Completion(
                 request.id + k, text, prompt_tokens if k == 0 else 0, tokens, finish_reason(reason), reasoning=reasoning
             )  # fmt: skip
+            if k == 0:
+                completion.cached_tokens = cached_prompt_tokens(usage)
             if completion.finish_reason == "abort":
                 completion.error_kind = E.ABORTED
                 completion.error = f"the server ended the request with finish_reason {reason!r}"
             completions.append(completion)
         return completions
 
-    def _estimate(self, request: Request, n: int) -> int:
-        """The request's input + output tokens before it is sent (the limiter's estimate)."""
+    def _estimate(self, request: Request, n: int) -> tuple[int, int]:
+        """The request's (input, output) tokens before it is sent (the limiter's and the budget's estimate)."""
         if request.messages is not None and (self.processor.apply_chat_template or request.prompt is None):
-            chars = sum(_text_chars(m.get("content")) for m in request.messages) + len(request.response_prefix or "")
+            chars = sum(text_chars(m.get("content")) for m in request.messages) + len(request.response_prefix or "")
         else:
             chars = len(request.prompt or "")
         limit = request.sampling_params.get("max_new_tokens")
@@ -283,7 +289,7 @@ class OpenAIEngine(LoopEngine):
             output = limit
         else:  # no limit given: what answers so far averaged
             output = self._output_seen[0] // self._output_seen[1] if self._output_seen[1] else 0
-        return estimate_tokens(chars, output * n)
+        return estimate_tokens(chars, 0), output * n
 
     def _what(self, client: HTTPClient, path: str) -> str:
         """``POST <url>`` for messages (the URL with its secrets masked), made once per path."""
@@ -307,9 +313,11 @@ class OpenAIEngine(LoopEngine):
         self._close_client_and_loop()
         if self._limiter is not None:
             self._limiter.close()
+        if self.spend_ledger is not None:
+            self.spend_ledger.close()
 
 
-def _text_chars(content) -> int:
+def text_chars(content) -> int:
     """Characters of a message's text (a string, or OpenAI's content parts' text)."""
     if isinstance(content, str):
         return len(content)

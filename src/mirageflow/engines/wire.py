@@ -40,6 +40,7 @@ class Completion:
     error: str | None = None
     reasoning: str | None = None  # a server's reasoning_content, kept apart from text (the answer)
     image_tokens: int | None = None  # prompt tokens the images became, when the engine can tell
+    cached_tokens: int = 0  # prompt tokens the provider read from its prompt cache (priced apart: stats/pricing.py)
 
     def __post_init__(self) -> None:
         if self.error_kind is not None and self.error_kind.__class__ is not RowErrorClass:

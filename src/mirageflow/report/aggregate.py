@@ -22,7 +22,7 @@ from mirageflow.report.wording import ROW_LABELS, scope_sentence, unit_note
 from mirageflow.shard.tally import RECORD_KEYS
 from mirageflow.state import layout as L
 from mirageflow.state.records import DAMAGED_CONSEQUENCE, damaged_note
-from mirageflow.state.remaining import gpu_hours_remaining
+from mirageflow.state.remaining import gpu_hours_remaining, indexed_rows, run_cost
 from mirageflow.state.shards import ShardState, attempts_count, default_lease_timeout, shard_states
 from mirageflow.stats import formulas as stats
 
@@ -428,7 +428,21 @@ def compute_metrics(
     agg["inference_servers"] = servers.server_aggregate(statuses)
     if agg["shared_engines"]:
         agg["sum_model_load_seconds"] = agg["shared_engines"]["sum_model_load_seconds_attributed"]
+    agg.update(cost_figures(state_dir, states, agg.get("n_samples") or 1))
     return {"per_shard": per_shard, "aggregate": agg}
+
+
+def cost_figures(state_dir: str | Path, states: list[ShardState], n_samples: int) -> dict:
+    """Dollars spent by every shard's every attempt (done, failed, running), and the whole run's
+    forecast at the cost per row done so far (state/remaining.py run_cost)."""
+    rows = indexed_rows(state_dir)
+    cost = run_cost(states, n_samples, rows * n_samples if rows else None)
+    return {
+        "cost_usd": cost.spent_usd,
+        "cost_unpriced_tokens": cost.unpriced_tokens,
+        "cost_forecast_usd": cost.total_usd,
+        "cost_forecast_basis": cost.basis,
+    }
 
 
 def full_metrics(

@@ -47,7 +47,7 @@ from mirageflow.numbers import fmt_rate, percent
 from mirageflow.shard.progress import RateWindow
 from mirageflow.state import layout as L
 from mirageflow.state.records import read
-from mirageflow.state.remaining import eta_seconds
+from mirageflow.state.remaining import cost_forecast, eta_seconds, indexed_rows
 from mirageflow.state.shards import (
     PROGRESS_STALE_SECONDS,
     ShardState,
@@ -175,6 +175,7 @@ class _Scan:
     other_rows: int  # work of the shards neither running nor done (failed, or done without status.json yet)
     other_samples: int
     other_tokens: int
+    other_cost: float = 0.0  # their dollars (progress.json's cost_usd)
 
 
 class LiveProgress:
@@ -199,6 +200,7 @@ class LiveProgress:
         self.n = max(1, n_samples)
         self.fingerprint = fingerprint
         self._done_units: dict[int, tuple[int, int]] = {}  # shard -> (samples, output tokens), once done
+        self._done_cost: dict[int, tuple[float, int]] = {}  # shard -> (dollars, unpriced tokens), once done
         self._not_done: dict[int, float] = {}  # shard -> mtime of a status.json that is not done (stale, damaged)
         self._total_rows: int | None = None
         self._window = RateWindow(RATE_WINDOW)  # what this thread saw finish, run-wide
@@ -213,13 +215,7 @@ class LiveProgress:
     def total_rows(self) -> int | None:
         """Source rows of the run, from the dataset indices (written by the index jobs)."""
         if self._total_rows is None:
-            total = 0
-            for path in self.paths.dataset_indices():
-                try:
-                    total += int(json.loads(path.read_text())["rows"])
-                except (OSError, ValueError, KeyError, TypeError):
-                    return None
-            self._total_rows = total if total else None
+            self._total_rows = indexed_rows(self.paths.root)
         return self._total_rows
 
     def _done(self, shard_id: int) -> bool:
@@ -238,6 +234,7 @@ class LiveProgress:
             return False
         st = status.get("stats") or {}
         self._done_units[shard_id] = (units_of(st), int(st.get("output_tokens") or 0))
+        self._done_cost[shard_id] = (float(st.get("cost_usd") or 0.0), int(st.get("unpriced_tokens") or 0))
         return True
 
     def line(self) -> str | None:
@@ -263,7 +260,19 @@ class LiveProgress:
             self._rate_part(rate, tokens_rate, why),
             self._eta_part(rate, total, samples),
         ]
-        return "mirageflow: " + " | ".join(parts)
+        cost = self._cost_part(scan, samples, total)
+        return "mirageflow: " + " | ".join(parts + ([cost] if cost else []))
+
+    def _cost_part(self, scan: _Scan, samples: int, total: int | None) -> str | None:
+        """Dollars spent and the run's forecast (state/remaining.py cost_forecast); None when nothing costs."""
+        spent = sum(c for c, _ in self._done_cost.values()) + scan.other_cost
+        spent += sum(float(p.get("cost_usd") or 0.0) for p in scan.running)
+        unpriced = sum(u for _, u in self._done_cost.values()) + sum(int(p.get("unpriced_tokens") or 0) for p in scan.running)
+        if not spent and not unpriced:
+            return None
+        cost = cost_forecast(spent, samples, total * self.n if total else None, unpriced)
+        text = f"${spent:,.2f} spent" + (" + unknown" if unpriced else "")
+        return text + (f", ~${cost.total_usd:,.2f} forecast ({cost.basis})" if cost.total_usd is not None else "")
 
     def _scan(self, now: float) -> _Scan:
         """The shards not done: the running ones' progress.json, how many failed, and the work of
@@ -293,6 +302,7 @@ class LiveProgress:
             scan.other_rows += rows
             scan.other_samples += samples
             scan.other_tokens += int(p.get("output_tokens") or 0)
+            scan.other_cost += float(p.get("cost_usd") or 0.0)
         return scan
 
     def _shards_part(self, running: list[dict], failed: int) -> str:

@@ -129,7 +129,7 @@ def canary_config(cfg: PipelineConfig) -> PipelineConfig:
     """The pipeline as the canary runs it: its own state_dir and output_dirs, everything else the same."""
     paths = StateLayout(cfg.state_dir)
     datasets = [dataclasses.replace(ds, output_dir=str(paths.canary_output / f"dataset_{ds.index}")) for ds in cfg.datasets]
-    return dataclasses.replace(cfg, state_dir=str(paths.canary_state), datasets=datasets)
+    return dataclasses.replace(cfg, state_dir=str(paths.canary_state), datasets=datasets, run_state_dir=cfg.state_dir)
 
 
 def _prepare(cfg: PipelineConfig, canary: PipelineConfig) -> None:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from mirageflow.config.types import PipelineConfig
-from mirageflow.stats import gpu
+from mirageflow.stats import gpu, pricing
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 from mirageflow.redact import redact_text
@@ -64,6 +64,10 @@ class ShardMetrics:
         self.index = 0  # this attempt's place in checkpoint.attempts
         # the loaded engines, by processor: their launched servers' restarts and deaths (engine_restarts, engine_deaths)
         self.engines: dict = {}
+        # dollars of the answers' tokens at each processor's price (None: unknown), and of the GPU-hours
+        self.prices = {name: pricing.processor_price(p) for name, p in cfg.processors.items()}
+        self.gpu_hour_usd = pricing.gpu_hour_usd(cfg.processors.values())
+        self.token_cost_usd, self.unpriced_tokens = 0.0, 0
 
     def book(
         self, request, completion, sent: bool = True, cached: bool = False, processor: str | None = None, choice_prompt: int | None = None
@@ -94,12 +98,30 @@ class ShardMetrics:
             mine["input_tokens"] += completion.prompt_tokens
             mine["output_tokens"] += completion.completion_tokens
             mine["input_tokens_each_choice"] += each_choice
+        price = self.prices.get(processor) if processor is not None else None
+        if price is not None:
+            self.token_cost_usd += price.cost(completion.prompt_tokens, completion.completion_tokens, completion.cached_tokens)
+        elif processor in self.prices:
+            self.unpriced_tokens += completion.prompt_tokens + completion.completion_tokens
         if sent:
             self.requests += 1
             if request.images:
                 self.images += len(request.images)
         if request.images:
             self.image_tokens += completion.image_tokens or 0
+
+    def cost_usd(self, runtime: float | None = None) -> float:
+        """This attempt's dollars: its answers' tokens, and its GPU-hours at gpu_hour_usd."""
+        runtime = self.runtime() if runtime is None else runtime
+        return self.token_cost_usd + (self.num_gpus * runtime / 3600 * self.gpu_hour_usd if self.gpu_hour_usd else 0.0)
+
+    def spend_so_far(self) -> tuple[float, int]:
+        """(dollars, unpriced tokens) of every attempt: the earlier ones' from the checkpoint, and this one's now."""
+        earlier = [a for i, a in enumerate(self.checkpoint.attempts) if i != self.index] if self.checkpoint is not None else []
+        return (
+            sum(a.get("cost_usd") or 0.0 for a in earlier) + self.cost_usd(),
+            sum(a.get("unpriced_tokens") or 0 for a in earlier) + self.unpriced_tokens,
+        )
 
     def unbook_cached(self, tally: UnitTally) -> None:
         """Take back ``book``'s counts of a unit's answers, all from the request cache, that
@@ -160,6 +182,8 @@ class ShardMetrics:
             "num_gpus": self.num_gpus,
             "gpu_seconds_allocated": self.num_gpus * runtime,
             "engine_restarts": sum(e.restarts() for e in list(self.engines.values())),
+            "cost_usd": self.cost_usd(runtime),
+            "unpriced_tokens": self.unpriced_tokens,
             "engine_deaths": [{"processor": name, **d} for name, e in list(self.engines.items()) for d in e.deaths()],
         }
 

@@ -49,6 +49,7 @@ from mirageflow.shard.steps import python as python_steps
 from mirageflow.shard.steps.base import FILTERED, Unit
 from mirageflow.shard.steps.image import ImageStep
 from mirageflow.shard.steps.llm import LLMStep
+from mirageflow.state.remaining import CostForecast
 from mirageflow.stats import formulas as stats
 
 DEFAULT_ROWS = 3
@@ -402,6 +403,48 @@ def preview(
         return result
     finally:
         session.close()
+
+
+def cost_of_preview(cfg: PipelineConfig, result: dict, dataset_rows: list[int | None]) -> CostForecast | None:
+    """The whole dataset's cost forecast from the previewed records (state/remaining.py cost_forecast,
+    per dataset over its ``dataset_rows``): with answers, their usage at each processor's price;
+    without, each request's estimate, as the budget holds it (its text's characters / 4 at the
+    input price, its max_new_tokens at the output price). None when a dataset's size is unknown
+    or nothing was previewed; a processor without a known price counts as unpriced."""
+    from mirageflow.engines.openai_engine import text_chars
+    from mirageflow.state.remaining import cost_forecast
+    from mirageflow.stats.pricing import processor_price
+    from mirageflow.transport.rate_limit import estimate_tokens
+
+    prices = {name: processor_price(p) for name, p in cfg.processors.items()}
+    spent = total = 0.0
+    units = unpriced = 0
+    for ds, rows in zip(result["datasets"], dataset_rows):
+        if rows is None or not ds["rows"]:
+            return None
+        ds_spent = 0.0
+        for unit in ds["rows"]:
+            for o in unit["outputs"]:
+                if "messages" not in o or o["processor"] not in prices:
+                    continue
+                if "prompt_tokens" in o:
+                    tokens = (o["prompt_tokens"], o["completion_tokens"])
+                else:
+                    chars = (
+                        len(o["prompt"]) if o.get("prompt") is not None else sum(text_chars(m.get("content")) for m in o["messages"] or [])
+                    )
+                    limit = (o.get("sampling_params") or {}).get("max_new_tokens")
+                    tokens = (estimate_tokens(chars, 0), limit if isinstance(limit, int) and limit > 0 else 0)
+                price = prices[o["processor"]]
+                if price is None:
+                    unpriced += sum(tokens)
+                else:
+                    ds_spent += price.cost(*tokens)
+        forecast = cost_forecast(ds_spent, len(ds["rows"]), rows * cfg.n_samples)
+        spent, units, total = spent + ds_spent, units + len(ds["rows"]), total + (forecast.total_usd or 0.0)
+    if not units:
+        return None
+    return CostForecast(spent, total, units, unpriced, done="previewed")
 
 
 EXPORT_CHUNK = 256  # rows rendered at a time by export_prompts

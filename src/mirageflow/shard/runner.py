@@ -38,6 +38,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from mirageflow.stats import formulas as stats
+from mirageflow.stats import pricing
 from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
 from mirageflow.shard import cached_answers, request_cache
 from mirageflow.config import PipelineConfig, processor_identity
@@ -66,6 +67,7 @@ from mirageflow.shard.steps.llm import LLMStep
 from mirageflow.state import layout as L
 from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed
 from mirageflow.state.layout import StateLayout, shard_output_dir
+from mirageflow.transport.spend import SpendLedger
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +199,8 @@ class ShardRunner:
                     engine.max_inflight = self.params.max_inflight
                 engine.commit_seconds = self.params.checkpoint_seconds
                 # one pace for the run's shards under the processor's rate limits
-                engine.rate_limit_file = StateLayout(self.cfg.state_dir).rate_limits(name)
+                engine.rate_limit_file = StateLayout(self.cfg.shared_state_dir).rate_limits(name)
+                engine.spend_ledger = self._spend_ledger(name)
                 if engine.keeps_state:  # a provider's batches, across attempts (engines/batch_api.py)
                     engine.bind_state(self.checkpoint, self.shard_id, self.n)
                 self.engines[name] = engine
@@ -509,6 +512,17 @@ class ShardRunner:
             except Exception:  # closing must not hide the shard's own error
                 log.exception("closing engine failed")
 
+    def _spend_ledger(self, processor: str):
+        """The run's spend ledger for a processor's requests under execution_params.max_cost_usd
+        (transport/spend.py); None without a budget, or for a processor that costs nothing."""
+        cap = self.cfg.execution.max_cost_usd
+        price = self.metrics.prices.get(processor)
+        if cap is None or price is None or price == pricing.FREE:
+            return None
+        p = self.cfg.processors[processor]
+        stale = (p.max_retries + 1) * float(p.request_timeout) + p.max_retries * 60.0  # longer than one request can take
+        return SpendLedger(StateLayout(self.cfg.shared_state_dir).spend, cap, price, stale)
+
     def stats(self) -> dict:
         # what the request cache holds now, for the docs' size figures
         cache = None if self.cache is None else {"answers_kept": len(self.cache), "bytes": self.cache.disk_bytes()}
@@ -529,15 +543,18 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
         "queue_depth": sum(depths) if depths else None,
         "inflight": runner.metrics.tracker.inflight,
         "engine_restarts": sum(e.restarts() for e in list(runner.engines.values())),
+        # dollars of every attempt so far, and the tokens no price is known for (stats/pricing.py)
+        **dict(zip(("cost_usd", "unpriced_tokens"), runner.metrics.spend_so_far())),
     }
 
 
 def _death_class(error: BaseException) -> str | None:
-    """The death class a ServerDied carries, anywhere in ``error``'s chain of causes."""
+    """The failure class anywhere in ``error``'s chain of causes: a ServerDied's death class, or
+    a BudgetExceeded's ``budget_exceeded``."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        found = getattr(error, "death_class", None)
+        found = getattr(error, "death_class", None) or getattr(error, "failure_class", None)
         if found is not None:
             return str(found)
         error = error.__cause__ or error.__context__
@@ -579,7 +596,7 @@ def run_shard(
             "finished_at": stats.utc_now(),
             "error": redact_text(f"{type(e).__name__}: {e}"),
             "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
-            # why the engine's launched server died the last time, when that ended the shard (an EngineDeathClass)
+            # why the engine's launched server died the last time, when that ended the shard, or budget_exceeded (an EngineDeathClass)
             "failure_class": _death_class(e),
             # what a rerun keeps ("3 rows"), for the run summary of an interrupted run
             "committed": runner.checkpoint.describe_committed() if runner.checkpoint is not None else "nothing",

@@ -153,6 +153,11 @@ class StateLayout:
     def engine_stats(self, group: Id) -> Path:
         return self.root / "engines" / f"engine_{group}.stats.json"
 
+    @property
+    def spend(self) -> Path:
+        """The run's spend ledger under execution_params.max_cost_usd (transport/spend.py; locked per request)."""
+        return self.root / "spend.json"
+
     def rate_limits(self, processor: str) -> Path:
         """The pace every shard of a processor with max_requests/tokens_per_minute shares (locked per request)."""
         return self.root / "rate_limits" / f"{processor}.json"

@@ -89,6 +89,9 @@ STATS_FIELDS: tuple[StatsField, ...] = (
     _F("answers_length_cut", int, summed=True, number=True),
     _F("json_answers", int, summed=True, number=True),
     _F("engine_restarts", int, summed=True, number=True),  # launched servers restarted in the job (engines/server_restarts.py)
+    # dollars the answers' tokens cost at their processors' prices, and the GPU-hours at gpu_hour_usd (stats/pricing.py)
+    _F("cost_usd", float, summed=True, number=True),
+    _F("unpriced_tokens", int, summed=True, number=True),  # tokens of processors whose price is unknown (not in cost_usd)
     # the shard's units
     _F("n_samples", int, number=True),  # records (samples) per source row; the rows_* counts below are records
     _F("runtime_human", str),
@@ -189,6 +192,8 @@ class ProgressRecord(TypedDict, total=False):
     tokens_per_sec: float | None
     eta_seconds: float | None  # only from a measured rate
     eta_note: str | None  # why there is no ETA
+    cost_usd: float  # dollars of every attempt so far (stats' cost_usd, live)
+    unpriced_tokens: int  # tokens of processors whose price is unknown
     updated_at_unix: float
     hostname: str
     pid: int

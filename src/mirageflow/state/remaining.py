@@ -105,3 +105,60 @@ def gpu_hours_remaining(statuses: list[StatusRecord], states: list[ShardState] |
         fraction = (s.progress or {}).get("fraction_done") if s is not None and s.state == "running" else None
         left += mean * (1 - min(1.0, fraction or 0.0))
     return left / 3600
+
+
+def indexed_rows(state_dir) -> int | None:
+    """Source rows of the run, from the dataset indices (written by the index jobs); None until every one is."""
+    import json
+
+    from mirageflow.state.layout import StateLayout
+
+    total = 0
+    for path in StateLayout(state_dir).dataset_indices():
+        try:
+            total += int(json.loads(path.read_text())["rows"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return total or None
+
+
+@dataclass(frozen=True)
+class CostForecast:
+    """Dollars spent, and the whole run's forecast from the cost per unit finished so far."""
+
+    spent_usd: float
+    total_usd: float | None  # None: nothing finished yet, or the run's size unknown
+    units_done: int  # the basis: units (rows; samples with n_samples > 1) finished at ``spent_usd``
+    unpriced_tokens: int = 0  # tokens of processors whose price is unknown: the figures leave them out
+    done: str = "done"  # how the basis's rows were had: "done", or "previewed" (shard/preview.py)
+
+    @property
+    def basis(self) -> str:
+        unknown = f", {self.unpriced_tokens:,} tokens of unknown price left out" if self.unpriced_tokens else ""
+        return f"from {self.units_done:,} rows {self.done}{unknown}"
+
+
+def cost_forecast(spent_usd: float, units_done: int, units_total: int | None, unpriced_tokens: int = 0) -> CostForecast:
+    """The run's cost: ``spent_usd`` for ``units_done`` units, the ``units_total - units_done`` left at
+    the same cost per unit. The one derivation of the forecast (metrics.json, the live line,
+    ``mmirage preview`` and ``check`` from the previewed rows)."""
+    if not units_done or not units_total:
+        return CostForecast(spent_usd, None if units_total != units_done else spent_usd, units_done, unpriced_tokens)
+    left = max(0, units_total - units_done)
+    return CostForecast(spent_usd, spent_usd + left * spent_usd / units_done, units_done, unpriced_tokens)
+
+
+def run_cost(states: list[ShardState], n_samples: int, units_total: int | None) -> CostForecast:
+    """The run's spend (done shards' status.json, failed ones' failure.json, running ones'
+    progress.json: every attempt's) and its forecast over ``units_total`` units."""
+    from mirageflow.state.shards import progress_work, units_of
+
+    spent, units, unpriced = 0.0, 0, 0
+    for s in states:
+        figures = s.stats if s.state == "done" else s.failure_stats if s.state == "failed" else s.progress if s.state == "running" else None
+        if not figures:
+            continue
+        spent += float(figures.get("cost_usd") or 0.0)
+        unpriced += int(figures.get("unpriced_tokens") or 0)
+        units += progress_work(figures, n_samples)[1] if s.state == "running" else units_of(figures)
+    return cost_forecast(spent, units, units_total, unpriced)

@@ -17,6 +17,10 @@ engines, the batch APIs, image generation, remote image inputs).
   per minute, shared by a run's shards through a locked file in the state dir, tightened by
   the provider's x-ratelimit-* headers and Retry-After); ``retry.with_retries`` waits for
   every attempt's slot, so retries are paced by the same budget.
+- ``spend``: the run's budget in dollars (``SpendLedger``: execution_params.max_cost_usd,
+  every shard's requests held against one ledger in the state dir); ``retry.with_retries``
+  holds each attempt's estimate before it goes and raises ``BudgetExceeded`` past the cap.
+- ``shared_state``: the locked JSON file both of them keep in the state dir.
 
 Nothing here imports engines, prompts or imagegen: they all import it.
 """

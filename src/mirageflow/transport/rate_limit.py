@@ -17,11 +17,12 @@ one retry policy) calls both around every attempt, so a retry is paced like a fi
   tokens are given back (the provider counted none).
 - The provider's headers tighten the pace, never loosen it: ``x-ratelimit-remaining-requests``
   r with ``x-ratelimit-reset-requests`` s (OpenAI's durations: ``6m0s``, ``20ms``; likewise
-  ``-tokens``) mean no more than r in the next s: until then requests are spaced s / r
+  ``-tokens``), or Anthropic's ``anthropic-ratelimit-requests-remaining`` with
+  ``anthropic-ratelimit-requests-reset`` (an RFC 3339 time; likewise ``-tokens``) mean no more than r in the next s: until then requests are spaced s / r
   apart (r = 0: none before s has passed). A 429's or 503's ``Retry-After`` pauses every
   request until then (the retry policy also waits it for the refused request itself).
 - Shared by the shards of a run (``shared_file``: ``<state_dir>/rate_limits/<processor>.json``):
-  the numbers live in that file, read and written under an fcntl lock for each request,
+  the numbers live in that file (transport/shared_state.py), read and written under an fcntl lock for each request,
   so all the shards that run at once, on this machine or on the cluster's nodes, draw on
   one budget, whatever their number; a shard alone gets the whole of it. The file holds
   wall-clock times (``time.time()``: the nodes' clocks are assumed in step, as NTP keeps
@@ -40,16 +41,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import json
 import logging
 import math
 import os
 import re
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
+
+from mirageflow.transport.shared_state import SharedState
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +100,31 @@ def usage_tokens(response: Any) -> int | None:
         return None
 
 
-def _header_window(headers: dict, dimension: str) -> tuple[int, float] | None:
-    """(remaining, seconds until reset) of one dimension's rate-limit headers, when both are there."""
-    remaining, reset = headers.get(f"x-ratelimit-remaining-{dimension}"), headers.get(f"x-ratelimit-reset-{dimension}")
-    if remaining is None or reset is None:
+def seconds_until(text: str | None, now: float | None = None) -> float | None:
+    """Seconds from ``now`` to an RFC 3339 time (Anthropic's reset headers: ``2026-12-03T20:01:30Z``), at least 0."""
+    if not text:
         return None
-    seconds = parse_duration(reset)
+    try:
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def _header_window(headers: dict, dimension: str) -> tuple[int, float] | None:
+    """(remaining, seconds until reset) of one dimension's rate-limit headers, when both are there:
+    OpenAI's ``x-ratelimit-remaining-<dim>`` with a duration, or Anthropic's
+    ``anthropic-ratelimit-<dim>-remaining`` with an RFC 3339 reset time."""
+    remaining, reset = headers.get(f"x-ratelimit-remaining-{dimension}"), headers.get(f"x-ratelimit-reset-{dimension}")
+    if remaining is not None and reset is not None:
+        seconds = parse_duration(reset)
+    else:
+        remaining = headers.get(f"anthropic-ratelimit-{dimension}-remaining")
+        seconds = seconds_until(headers.get(f"anthropic-ratelimit-{dimension}-reset"))
+    if remaining is None:
+        return None
     try:
         left = int(float(remaining))
     except ValueError:
@@ -122,9 +143,9 @@ class RateLimiter:
             TOKENS: 60.0 / limits.tokens_per_minute if limits.tokens_per_minute else None,
         }
         self.shared_file = Path(shared_file) if shared_file is not None else None
-        self._fd: int | None = None
+        self._shared = SharedState(self.shared_file, f"{what}: rate limits") if self.shared_file is not None else None
         self._memory: dict = {}
-        self._thread_lock = threading.Lock()  # fcntl locks exclude processes, not threads of one
+        self._thread_lock = threading.Lock()
 
     @property
     def counts_tokens(self) -> bool:
@@ -134,33 +155,16 @@ class RateLimiter:
 
     @contextlib.contextmanager
     def _state(self) -> Iterator[dict]:
-        with self._thread_lock:
-            if self.shared_file is None:
+        if self._shared is None:
+            with self._thread_lock:
                 yield self._memory
-                return
-            if self._fd is None:
-                self.shared_file.parent.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.shared_file, os.O_RDWR | os.O_CREAT, 0o644)
-            fd = self._fd
-            fcntl.lockf(fd, fcntl.LOCK_EX)  # POSIX locks: NFS and Lustre (flock mounts) honour them across nodes
-            try:
-                raw = os.pread(fd, 1 << 16, 0)
-                try:
-                    state = json.loads(raw) if raw else {}
-                except ValueError:  # a writer killed mid-write: start afresh (one burst at worst)
-                    log.warning("%s: unreadable rate-limit state %s; starting it afresh", self.what, self.shared_file)
-                    state = {}
-                yield state
-                data = json.dumps(state, separators=(",", ":")).encode()
-                os.pwrite(fd, data, 0)
-                os.ftruncate(fd, len(data))
-            finally:
-                fcntl.lockf(fd, fcntl.LOCK_UN)
+            return
+        with self._shared.use() as state:
+            yield state
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._shared is not None:
+            self._shared.close()
 
     # ------------------------------------------------------------------ before and after a request
 

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable, NamedTuple
 
 from mirageflow.transport.http_client import DeadlineExceeded, HTTPClient, Response, ResponseTooLarge, TransportError
 from mirageflow.transport.rate_limit import RateLimiter
+from mirageflow.transport.spend import SpendLedger
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ async def with_retries(
     final: Callable[[Any], bool] | None = None,
     limiter: RateLimiter | None = None,
     tokens: int = 0,
+    spend: SpendLedger | None = None,
+    cost_estimate: float = 0.0,
 ) -> Response:
     """``attempt()`` (one request, bounded by ``policy.timeout``) until it is not transient,
     at most ``policy.retries`` times more. Returns a 2xx answer (with ``json_answer``: one
@@ -142,12 +145,17 @@ async def with_retries(
     once (the same answer again on a retry). ``on_transport_error`` may raise instead of
     retrying (the server process is gone). ``limiter``: each attempt waits for its slot under
     the processor's limits (``tokens``: the request's estimate) and the limiter learns from
-    its answer (usage, rate-limit headers, Retry-After)."""
+    its answer (usage, rate-limit headers, Retry-After). ``spend``: each attempt first holds
+    ``cost_estimate`` dollars in the run's spend ledger (transport/spend.py), raising
+    BudgetExceeded, unsent, when that would pass the run's budget; its answer settles it."""
     last, last_error = "", None
     for n in range(policy.retries + 1):
         retry_after, last_error = None, None
-        ticket = await limiter.acquire(tokens) if limiter is not None else None
+        held = await spend.reserve(cost_estimate) if spend is not None else 0.0
+        response, sent = None, False
         try:
+            ticket = await limiter.acquire(tokens) if limiter is not None else None
+            sent = True
             response = await attempt()
         except ResponseTooLarge:
             raise
@@ -180,6 +188,9 @@ async def with_retries(
             else:
                 last = f"HTTP {status}: {error_message(response.content, 200)}"
                 retry_after = response.headers.get("retry-after")
+        finally:
+            if spend is not None:  # the hold becomes the answer's cost (nothing, when nothing was sent)
+                spend.settle(held, response, sent)
         if n == policy.retries:
             break
         delay = backoff_delay(n, policy.base_delay, policy.max_delay, retry_after)
