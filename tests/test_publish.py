@@ -146,6 +146,7 @@ def test_the_card_is_the_runs_figures_with_the_hubs_header_and_no_secret(tmp_pat
     agg = json.loads((tmp_path / "state" / "metrics.json").read_text())["aggregate"]
     assert f"| source rows processed | {agg['total_rows_processed']} |" in body
     assert f"| shards completed | {SHARDS} of {SHARDS} |" in body
+    assert agg["cost_usd"] == 0 and "| cost (USD) | $0.0000 |" in body  # a server on 127.0.0.1: self-hosted, free
     assert f"| `out` | `{tmp_path / 'in.jsonl'}` | {SHARDS * ROWS_PER_SHARD} |" in body
     assert "| `llm` | openai | `org/model` |" in body
     assert "Summarise" not in body and "{{ q }}" in body  # the prompt as written
@@ -153,6 +154,17 @@ def test_the_card_is_the_runs_figures_with_the_hubs_header_and_no_secret(tmp_pat
     assert "key: q" in body  # a JMESPath key is no secret
     cfg = load_config(config_file, environ={})
     assert write_local_cards(cfg, config_file) and (tmp_path / "out" / "README.md").read_text() == card  # the same run, the same card
+
+
+def test_the_cards_cost_says_what_has_no_known_price():
+    from mirageflow.publish.card import _run_section
+
+    def cost(agg):
+        (line,) = [line for line in _run_section(agg) if line.startswith("| cost (USD) |")]
+        return line
+
+    assert cost({"cost_usd": 1.5, "cost_unpriced_tokens": 120}) == "| cost (USD) | $1.5000 (+ 120 tokens with no known price) |"
+    assert cost({"cost_usd": None, "cost_unpriced_tokens": 0}) == "| cost (USD) | n/a |"
 
 
 def test_the_card_names_the_commit_the_driver_fetched_for_a_hub_model(tmp_path):

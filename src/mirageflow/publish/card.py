@@ -243,6 +243,7 @@ def _run_section(agg: dict) -> list[str]:
         ("GPUs", f"{fmt(agg.get('num_gpus'))} {', '.join(agg.get('gpu_names') or [])}".rstrip()),
         ("GPU-hours (allocated)", fmt(agg.get("gpu_hours_allocated"))),
         ("GPU-days per billion output tokens", fmt(agg.get("gpu_days_per_billion_tokens_wall"))),
+        ("cost (USD)", _cost(agg)),
     ]
     lines = ["## Run", "", "From the run's metrics.json.", "", "| figure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
@@ -251,6 +252,14 @@ def _run_section(agg: dict) -> list[str]:
         lines += ["", "Rows failed by class:", "", "| class | rows |", "|---|---|"]
         lines += [f"| {k} | {fmt(v)} |" for k, v in sorted(by_class.items())]
     return lines + [""]
+
+
+def _cost(agg: dict) -> str:
+    """The run's spend as metrics.json has it (stats/pricing.py): tokens with no known price are
+    said, never counted as free."""
+    spent, unpriced = agg.get("cost_usd"), agg.get("cost_unpriced_tokens") or 0
+    text = "n/a" if spent is None else f"${spent:,.4f}"
+    return f"{text} (+ {fmt(unpriced)} tokens with no known price)" if unpriced else text
 
 
 def _dedup_section(cfg: PipelineConfig, inputs: CardInputs) -> list[str]:
