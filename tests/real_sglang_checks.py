@@ -38,7 +38,7 @@ def processor(**server_args):
     args.update(server_args)
     return ProcessorConfig(
         type="llm", backend="sglang", server_args=ServerArgs(**args), sampling_params={}, chat_template_kwargs={},
-        apply_chat_template=False, torch_threads=None, server_command=None,
+        apply_chat_template=False, torch_threads=None,
     )  # fmt: skip
 
 

@@ -31,6 +31,8 @@ SECTIONS: dict[type, list[tuple[str, ...]]] = {
     T.ProcessorConfig: [("processors", "[]")],
     T.CustomProcessor: [("processors", "[]")],
     T.BatchSettings: [("processors", "[]")],
+    T.LaunchedServer: [("processors", "[]")],
+    T.ApiOptions: [("processors", "[]")],
     T.ImageGenProcessor: [
         ("processors", "[]"),
         ("processors", "[]", "external"),
@@ -45,7 +47,11 @@ SECTIONS: dict[type, list[tuple[str, ...]]] = {
     T.PipelineConfig: [(), ("loading_params",), ("processing_params",)],
 }
 # a field whose schema key has another name
-KEY_OF = {(T.BatchSettings, "endpoint"): "batch_endpoint", (T.ImageGenProcessor, "default_params"): "default_sampling_params"}
+KEY_OF = {
+    (T.BatchSettings, "endpoint"): "batch_endpoint",
+    (T.ImageGenProcessor, "default_params"): "default_sampling_params",
+    **{(T.LaunchedServer, name): key for key, name in build.LAUNCH_KEYS.items()},
+}
 # fields that share a key name with the schema but are not that key's value (the key is another section's)
 NOT_THE_KEY = {
     (T.OutputVar, "kind"),  # the output's type resolved to its step kind (llm | custom | filter | image_gen)
@@ -187,6 +193,82 @@ def test_every_enum_of_a_field_is_a_literal():
         and (cls, f.name) not in NOT_THE_KEY
     ]
     assert missing == []
+
+
+# --------------------------------------------------------------------------- one option group per backend
+
+# processors[] keys that only some backends read: each is a field of one option group, none of ProcessorConfig
+# itself (the schema keeps them flat in processors[])
+GROUPED_KEYS = {
+    "launch": (T.LaunchedServer, set(build.LAUNCH_KEYS)),
+    "api": (T.ApiOptions, set(build.API_KEYS)),
+    "batch": (T.BatchSettings, {"provider", "max_chunk_bytes", "max_requests_per_chunk", "completion_window", "poll_seconds"}),
+}
+
+
+def test_processor_config_holds_no_backends_own_key():
+    own = {f.name for f in dataclasses.fields(T.ProcessorConfig)}
+    assert own & set().union(*(keys for _, keys in GROUPED_KEYS.values())) == set()
+    for group, (cls, keys) in GROUPED_KEYS.items():
+        assert {KEY_OF.get((cls, f.name), f.name) for f in dataclasses.fields(cls)} >= keys, group
+        assert eval({f.name: f.type for f in dataclasses.fields(T.ProcessorConfig)}[group], vars(T)) == cls | None
+
+
+def _processor(tmp_path, **keys) -> T.ProcessorConfig:
+    raw = pipeline_config(tmp_path / "in.jsonl", model="m", processor=keys)
+    (proc,) = loading.load_config(raw, check_paths=False).processors.values()
+    return proc
+
+
+# backend -> the option groups its processors have (auto: those of every backend it may pick; its vllm_server is
+# fed through the openai backend)
+GROUPS = {
+    "transformers": set(),
+    "sglang": set(),
+    "sglang_server": {"launch"},
+    "vllm_server": {"launch"},
+    "openai": {"api"},
+    "auto": {"launch", "api"},
+}
+
+
+@pytest.mark.parametrize("backend", list(GROUPS))
+def test_each_backend_has_its_option_groups(tmp_path, backend):
+    url = {"base_url": "http://h:1/v1"} if registry.capabilities(backend).needs_base_url else {}
+    proc = _processor(tmp_path, backend=backend, server_command=["launcher"], max_concurrency=3, max_restarts=1, **url)
+    assert {group for group in GROUPED_KEYS if getattr(proc, group) is not None} == GROUPS[backend]
+    if proc.launch is not None:
+        assert (proc.launch.command, proc.launch.max_restarts, proc.launch.start_timeout) == (["launcher"], 1, 900)
+    if proc.api is not None:
+        assert (proc.api.max_concurrency, proc.api.retry_base_delay) == (3, None)
+
+
+def _of_type(tmp_path, entry: dict) -> T.ProcessorConfig:
+    raw = pipeline_config(tmp_path / "in.jsonl")
+    raw["processors"] = [entry]
+    raw["processing_params"]["outputs"][0]["type"] = entry["type"]
+    return loading.load_config(raw, check_paths=False).processors[entry["type"]]
+
+
+def test_a_batch_processor_has_only_the_batch_group(tmp_path):
+    proc = _of_type(tmp_path, {"type": "batch_api", "provider": "openai"})
+    assert (proc.launch, proc.api, proc.batch.provider) == (None, None, "openai")
+
+
+def test_an_api_llm_processor_has_the_api_group_with_mmirages_defaults(tmp_path):
+    proc = _of_type(tmp_path, {"type": "api_llm", "model": "gpt", "max_concurrency": 2})
+    assert (proc.backend, proc.launch, proc.api) == ("openai", None, T.ApiOptions(max_concurrency=2, retry_base_delay=1.0))
+
+
+def test_a_groups_key_on_a_backend_without_the_group_is_said_to_change_nothing(tmp_path):
+    raw = pipeline_config(
+        tmp_path / "in.jsonl", model="m", processor={"backend": "sglang", "server_env": {"A": 1}, "retry_base_delay": 2.0}
+    )
+    warnings = loading.load_config(raw, check_paths=False).warnings
+    assert [w for w in warnings if "changes nothing for backend" in w] == [
+        "processors[0].server_env: changes nothing for backend sglang (only sglang_server and vllm_server launch a server)",
+        "processors[0].retry_base_delay: changes nothing for backend sglang (only backend openai and type api_llm read it)",
+    ]
 
 
 # --------------------------------------------------------------------------- reading the config

@@ -14,7 +14,8 @@ import pytest
 
 from fakes import alive, drive, stand_in_command
 from fakes.fake_http import Behaviour, FakeServer
-from mirageflow.config import ConfigError, ProcessorConfig, ServerArgs, load_config
+from mirageflow.config import ConfigError, LaunchedServer, ProcessorConfig, ServerArgs, load_config
+from mirageflow.config.build import LAUNCH_KEYS
 from mirageflow.engines.wire import Request
 from mirageflow.engines.http import EngineError, backoff_delay, parse_prometheus, redact
 from mirageflow.engines.openai_engine import OpenAIEngine
@@ -35,11 +36,13 @@ def processor(backend="sglang_server", model="org/model", extra=None, apply_chat
     server_args.update(fields.pop("server_args", {}))
     defaults = dict(
         type="llm", backend=backend, server_args=ServerArgs(**server_args), sampling_params={}, chat_template_kwargs={},
-        apply_chat_template=apply_chat_template, torch_threads=None, server_command=stand_in_command(),
-        server_start_timeout=10.0, request_timeout=10.0, max_retries=3,
+        apply_chat_template=apply_chat_template, torch_threads=None, request_timeout=10.0, max_retries=3,
     )  # fmt: skip
+    # the launched server's keys, as processors[] spells them (ProcessorConfig.launch holds them)
+    launch = {"command": stand_in_command(), "start_timeout": 10.0}
+    launch.update({LAUNCH_KEYS[key]: fields.pop(key) for key in list(fields) if key in LAUNCH_KEYS})
     defaults.update(fields)
-    return ProcessorConfig(**defaults)
+    return ProcessorConfig(**defaults, launch=LaunchedServer(**launch))
 
 
 def req(i, prompt=None, schema=None, messages=None, **params) -> Request:
@@ -568,9 +571,13 @@ def test_config_keys_and_openai_needs_base_url(tmp_path):
     with pytest.raises(ConfigError, match=r"processors\[0\]\.base_url: required by backend openai"):
         load_config(cfg)
     cfg["processors"][0].update(base_url="http://h:1/v1", api_key_env="KEY", max_retries="2", server_command=["x", "y"])
-    proc = load_config(cfg).processors["llm"]
-    assert (proc.base_url, proc.api_key_env, proc.max_retries, proc.server_command) == ("http://h:1/v1", "KEY", 2, ["x", "y"])
-    assert (proc.server_start_timeout, proc.request_timeout, proc.model) == (900, 600, None)
+    loaded = load_config(cfg)
+    proc = loaded.processors["llm"]
+    assert (proc.base_url, proc.api_key_env, proc.max_retries, proc.launch) == ("http://h:1/v1", "KEY", 2, None)
+    assert [w for w in loaded.warnings if "server_command" in w] == [
+        "processors[0].server_command: changes nothing for backend openai (only sglang_server and vllm_server launch a server)"
+    ]
+    assert (proc.request_timeout, proc.model) == (600, None)
 
 
 def test_a_password_in_base_url_and_an_api_key_flag_are_never_shown():

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from fakes import alive, drive, vllm_stand_in_command
-from mirageflow.config import ProcessorConfig, ServerArgs, load_config
+from mirageflow.config import LaunchedServer, ProcessorConfig, ServerArgs, load_config
+from mirageflow.config.build import LAUNCH_KEYS
 from mirageflow.engines.base import EngineError, EngineStopped
 from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Request
@@ -31,11 +32,13 @@ def processor(extra=None, **fields) -> ProcessorConfig:
     server_args.update(fields.pop("server_args", {}))
     defaults = dict(
         type="llm", backend="vllm_server", server_args=ServerArgs(**server_args), sampling_params={}, chat_template_kwargs={},
-        apply_chat_template=True, torch_threads=None, server_command=vllm_stand_in_command(),
-        server_start_timeout=10.0, request_timeout=10.0, max_retries=3,
+        apply_chat_template=True, torch_threads=None, request_timeout=10.0, max_retries=3,
     )  # fmt: skip
+    # the launched server's keys, as processors[] spells them (ProcessorConfig.launch holds them)
+    launch = {"command": vllm_stand_in_command(), "start_timeout": 10.0}
+    launch.update({LAUNCH_KEYS[key]: fields.pop(key) for key in list(fields) if key in LAUNCH_KEYS})
     defaults.update(fields)
-    return ProcessorConfig(**defaults)
+    return ProcessorConfig(**defaults, launch=LaunchedServer(**launch))
 
 
 @pytest.fixture
@@ -238,7 +241,7 @@ def test_config_refuses_nothing_new_and_keeps_fingerprints(tmp_path):
     base["processors"][0]["server_env"] = {"VLLM_CPU_KVCACHE_SPACE": 2}
     base["processors"][0]["native_n"] = True  # allowed on vllm_server
     b = load_config(base, check_paths=False)
-    assert records_identity(a) == records_identity(b) and b.processors["llm"].server_env == {"VLLM_CPU_KVCACHE_SPACE": 2}
+    assert records_identity(a) == records_identity(b) and b.processors["llm"].launch.env == {"VLLM_CPU_KVCACHE_SPACE": 2}
     assert Path(vllm_stand_in_command()[1]).exists()
 
 

@@ -22,7 +22,7 @@ from fakes import drive, stand_in_command
 from fakes.configs import pipeline_config
 from fakes.fake_http import Behaviour, FakeServer
 from mirageflow.prompts import images
-from mirageflow.config import ConfigError, DatasetConfig, ProcessorConfig, ServerArgs, load_config
+from mirageflow.config import ConfigError, DatasetConfig, LaunchedServer, ProcessorConfig, ServerArgs, load_config
 from mirageflow.engines.wire import Request
 from mirageflow.errors import RowError
 
@@ -305,7 +305,7 @@ def test_sglang_server_sends_text_and_image_data(tmp_path, tiny_vlm, monkeypatch
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     a = _img(RED)
-    proc = _sglang_processor(tiny_vlm, "sglang_server", server_command=stand_in_command(), server_start_timeout=20.0,
+    proc = _sglang_processor(tiny_vlm, "sglang_server", launch=LaunchedServer(stand_in_command(), start_timeout=20.0),
                              request_timeout=10.0, max_retries=0)  # fmt: skip
     engine = SGLangServerEngine(proc, log_dir=tmp_path)
     engine.load()

@@ -56,9 +56,9 @@ def test_api_llm_is_our_openai_engine_with_mmirages_defaults(tmp_path, data):
         "openai", "openai/gpt-4o-mini", "https://openrouter.ai/api/v1", "OPENROUTER_API_KEY",
     )  # fmt: skip
     assert proc.sampling_params == {"temperature": 0.1, "max_new_tokens": 64}  # OpenAI's max_tokens, our name
-    assert (proc.max_concurrency, proc.max_retries, proc.retry_base_delay) == (4, 3, 1.0)
+    assert (proc.api.max_concurrency, proc.max_retries, proc.api.retry_base_delay) == (4, 3, 1.0)
     bare = load_config(_cfg(tmp_path, data, {"type": "api_llm", "model": "m"}), environ={}).processors["api_llm"]
-    assert (bare.base_url, bare.api_key_env, bare.max_concurrency, bare.max_retries) == (
+    assert (bare.base_url, bare.api_key_env, bare.api.max_concurrency, bare.max_retries) == (
         "https://api.openai.com/v1",
         "OPENAI_API_KEY",
         8,

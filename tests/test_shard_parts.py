@@ -11,10 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from tqdm import tqdm
+
+from mirageflow.data.readers import SourceRow
+from mirageflow.errors import RowError, RowErrorClass
 from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
+from mirageflow.shard.row_feeder import RowFeeder
 from mirageflow.shard.signals import StopSignals
+from mirageflow.shard.steps.base import FILTERED
 from mirageflow.stats.formulas import PhaseTimer
 
 
@@ -24,6 +30,52 @@ def _params(**kw):
         checkpoint_min_seconds=0.0,
     )  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
+
+
+# --------------------------------------------------------------------------- RowFeeder
+
+
+def _feeder(n: int, committed_before: set[int], **params):
+    """A feeder of n samples per row over one dataset whose units ``committed_before`` were committed at resume;
+    what it books goes to ``booked``."""
+    booked = []
+    cfg = SimpleNamespace(shard=_params(**params), n_samples=n, datasets=[SimpleNamespace(index=0)])
+    commits = SimpleNamespace(
+        add=lambda ds, record, error, tally=None: booked.append(("add", ds, record, error)),
+        add_filtered=lambda ds, unit: booked.append(("filtered", ds, unit)),
+    )  # fmt: skip
+    feeder = RowFeeder(cfg, 3, None, ErrorBudget(cfg.shard, 3, "errors.jsonl"), SimpleNamespace(take_tally=lambda *a: None), None)
+    feeder.begin(SimpleNamespace(committed_before=lambda ds: committed_before.__contains__), commits)
+    feeder.bar = tqdm(disable=True)
+    return feeder, booked
+
+
+def test_row_feeder_counts_a_row_when_its_last_pending_sample_is_booked():
+    feeder, booked = _feeder(3, committed_before={0})  # row 0's sample 0 was committed before this attempt
+    row0, row1 = SourceRow(0, {"q": "a"}), SourceRow(1, {"q": "b"})
+    feeder.finished(0, row0, {"a": 1}, None, 1)
+    feeder.finished(0, row1, FILTERED, None, 0)
+    assert feeder.rows_finished == 0
+    feeder.finished(0, row0, {"a": 2}, None, 2)
+    assert feeder.rows_finished == 1  # row 0: samples 1 and 2 were its pending ones
+    feeder.finished(0, row1, {"a": 3}, None, 1)
+    feeder.finished(0, row1, {"a": 4}, None, 2)
+    assert feeder.rows_finished == 2
+    assert ("filtered", 0, 3) in booked and len(booked) == 5  # row 1 sample 0: unit 1 * 3 + 0
+
+
+def test_row_feeder_books_a_row_error_and_halts_on_the_budgets_verdict_the_first_reason_kept():
+    feeder, booked = _feeder(1, committed_before=set(), max_errors=1)
+    error = RowError("parse", RowErrorClass.JSON_PARSE, "not JSON from http://user:secretpw@h:1/v1", raw="{")
+    feeder.finished(0, SourceRow(4, {}), None, error)
+    assert feeder.abort is None
+    feeder.finished(0, SourceRow(5, {}), None, error)  # the second error: past max_errors
+    assert isinstance(feeder.abort, ShardFailed) and "shard 3" in str(feeder.abort)
+    feeder.halt(RuntimeError("later"))
+    assert isinstance(feeder.abort, ShardFailed)  # the first reason wins
+    (_, ds, record, entry) = booked[0]
+    assert (ds, record, entry["source_index"], entry["error"], entry["raw"]) == (0, None, 4, "json_parse", "{")
+    assert "secretpw" not in entry["message"] and "sample_index" not in entry
 
 
 # --------------------------------------------------------------------------- ErrorBudget

@@ -13,7 +13,9 @@ import pytest
 from conftest import run_workflow
 from fakes.configs import pipeline_config
 
+from mirageflow import cli
 from mirageflow.report import terminal
+from mirageflow.state.remaining import running_rate, shard_rate
 from mirageflow.files import atomic_write_json
 
 
@@ -130,6 +132,26 @@ def test_progress_says_so_when_no_rate_is_measured_instead_of_zero(tmp_path):
     atomic_write_json(state / "shard_1/progress.json", _progress(rows_total=12, rows_per_sec=None, inflight=12))
     line = live.line()
     assert "rows 12/36 (33%)" in line and "0.30 rows/s" in line and "ETA 00:01:20" in line  # 24 rows at 12 rows / 40 s
+
+
+def test_the_live_line_and_mmirage_status_show_the_same_rates_of_the_same_files(tmp_path):
+    """One derivation (state/remaining.py): status shows each running shard's rate, the live line their sum."""
+    state = _state(tmp_path)
+    progress = {
+        1: _progress(rows_done=4, samples_per_sec=2.5, rows_per_sec=2.5, tokens_per_sec=100.0),
+        2: _progress(rows_done=2, rows_per_sec=1.5, tokens_per_sec=50.0),  # written before samples were counted apart
+        3: _progress(phase="loading"),  # not generating: no rate to wait for
+    }
+    for shard, p in progress.items():
+        atomic_write_json(state / f"shard_{shard}/progress.json", p)
+    status = [cli._status_line({"shard_id": i, "state": "running", "progress": p}) for i, p in progress.items()]
+    assert "2.500 rows/s, 100.0 tok/s" in status[0] and "1.500 rows/s, 50.000 tok/s" in status[1]
+    assert [shard_rate(p) for p in progress.values()] == [2.5, 1.5, None]
+    assert running_rate(list(progress.values())) == (4.0, 150.0)
+    line = terminal.LiveProgress(state, 4, 1.0, lambda s: None).line()
+    assert "4.00 rows/s, 150 tok/s" in line and "ETA 00:00:08" in line  # 34 rows left at 4 rows/s: 8.5 s
+    progress[2]["rows_per_sec"] = None  # a generating shard without a rate: no sum (the thread's window has seen nothing)
+    assert running_rate(list(progress.values())) is None
 
 
 def test_progress_interval_is_short_on_a_terminal_long_in_a_log_and_can_be_set():

@@ -467,6 +467,7 @@ def _healing(s) -> dict:
 
 def _status_line(s: dict, n_samples: int = 1) -> str:
     from mirageflow.numbers import fmt
+    from mirageflow.state.remaining import shard_rate
     from mirageflow.state.shards import progress_work
 
     p = s.get("progress") or {}
@@ -480,7 +481,7 @@ def _status_line(s: dict, n_samples: int = 1) -> str:
     detail = ""
     if s["state"] == "running":
         unit = "rows" if n_samples == 1 else "samples"
-        rate = p.get("samples_per_sec") if p.get("samples_per_sec") is not None else p.get("rows_per_sec")
+        rate = shard_rate(p)
         eta = p.get("eta_human") or ("n/a" + (f" ({p['eta_note']})" if p.get("eta_note") else ""))
         detail = (
             f"phase {p.get('phase', '?')}, {fmt(rate)} {unit}/s, {fmt(p.get('tokens_per_sec'))} tok/s, ETA {eta}"

@@ -10,11 +10,13 @@ any module) does not import the validation's dependencies, nor the modules they 
 """
 
 from mirageflow.config.types import (
+    ApiOptions,
     CustomProcessor,
     DatasetConfig,
     DedupParams,
     ExecutionParams,
     InputVar,
+    LaunchedServer,
     OutputVar,
     PipelineConfig,
     ProcessorConfig,
@@ -25,12 +27,14 @@ from mirageflow.config.types import (
 _FROM_LOADING = ("ConfigError", "load_config", "processor_identity", "records_identity")
 
 __all__ = [
+    "ApiOptions",
     "ConfigError",
     "CustomProcessor",
     "DatasetConfig",
     "DedupParams",
     "ExecutionParams",
     "InputVar",
+    "LaunchedServer",
     "OutputVar",
     "PipelineConfig",
     "ProcessorConfig",

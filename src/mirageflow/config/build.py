@@ -29,7 +29,9 @@ from mirageflow.config.types import (
     CustomProcessor,
     DatasetConfig,
     DedupParams,
+    ApiOptions,
     ExecutionParams,
+    LaunchedServer,
     PublishParams,
     ImageGenProcessor,
     ImageOutput,
@@ -96,7 +98,7 @@ def build(cfg: dict, check_paths: bool) -> tuple[PipelineConfig, list[str]]:
         preserve_columns=tuple(pp["preserve_columns"]),
         dedup=dedup,
         execution=execution,
-        warnings=tuple(_chat_template_warnings(cfg)),
+        warnings=tuple(_chat_template_warnings(cfg) + _unread_option_warnings(cfg)),
         fresh_answers=cfg["fresh_answers"],
     ), problems
 
@@ -207,7 +209,7 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
             f"{where}.native_n: only the {_listed(able, 'and')} backend{'s send' if len(able) > 1 else ' sends'} one request "
             f"with n; backend '{p['backend']}' sends one request per sample (see the key's description)"
         )
-    if p["backend"] not in (API_LLM_BACKEND, registry.AUTO):
+    if p["backend"] not in API_OPTION_BACKENDS:
         problems += _rate_limit_problems(p, where, f"backend is {p['backend']}")
     sampling = _max_tokens(dict(p["default_sampling_params"]), f"{where}.default_sampling_params", p["backend"], problems)
     kwargs = dict(p["chat_template_kwargs"])
@@ -225,19 +227,12 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         base_url=p["base_url"],
         api_key_env=p["api_key_env"],
         model=p["model"],
-        server_command=p["server_command"],
-        server_env=p["server_env"],
-        server_start_timeout=p["server_start_timeout"],
         request_timeout=p["request_timeout"],
         max_retries=p["max_retries"] if p["max_retries"] is not None else DEFAULT_MAX_RETRIES,
-        max_restarts=p["max_restarts"],
-        hang_seconds=p["hang_seconds"],
         native_n=p["native_n"],
         index=i,
-        max_concurrency=p.get("max_concurrency"),
-        retry_base_delay=p.get("retry_base_delay"),
-        max_requests_per_minute=p.get("max_requests_per_minute"),
-        max_tokens_per_minute=p.get("max_tokens_per_minute"),
+        launch=_launch_options(p),
+        api=_api_options(p),
         pricing=p.get("pricing"),
     ), problems
 
@@ -260,11 +255,56 @@ def _max_tokens(params: dict, where: str, backend: str | None, problems: list[st
 
 
 RATE_LIMIT_KEYS = ("max_requests_per_minute", "max_tokens_per_minute")  # backend openai's pace
+
 API_LLM_BACKEND = "openai"  # the engine that runs MMIRAGE's api_llm processors (an OpenAI-compatible server)
 API_LLM_DEFAULTS = {  # MMIRAGE's api_llm (core/process/processors/api_llm/config.py)
     "base_url": "https://api.openai.com/v1", "api_key_env": "OPENAI_API_KEY", "max_concurrency": 8, "max_retries": 3,
     "retry_base_delay": 1.0,
 }  # fmt: skip
+
+
+# ProcessorConfig's option groups (config/types.py): the flat processors[] keys each group holds (key -> field) and
+# the backends that have it; a model processor of another backend has None there.
+LAUNCH_KEYS = {"server_command": "command", "server_env": "env", "server_start_timeout": "start_timeout",
+               "max_restarts": "max_restarts", "hang_seconds": "hang_seconds"}  # fmt: skip
+API_KEYS = ("max_concurrency", "retry_base_delay", *RATE_LIMIT_KEYS)
+# the backends paced by the api group (auto: the vllm_server it may pick is fed through the openai backend)
+API_OPTION_BACKENDS = (API_LLM_BACKEND, registry.AUTO)
+
+
+def _launch_options(p: dict) -> LaunchedServer | None:
+    """The launched server's options, for a backend that launches one (auto: where it may pick one)."""
+    if not registry.launches_server(p["backend"]):
+        return None
+    return LaunchedServer(**{name: p[key] for key, name in LAUNCH_KEYS.items()})
+
+
+def _api_options(p: dict) -> ApiOptions | None:
+    """An OpenAI-compatible endpoint's concurrency and pace (the schema gives these keys no default: None)."""
+    return ApiOptions(**{key: p.get(key) for key in API_KEYS}) if p["backend"] in API_OPTION_BACKENDS else None
+
+
+def _unread_option_warnings(cfg: dict) -> list[str]:
+    """A group's key set on a model processor whose backend has no such group: it changes nothing there (said, not
+    refused, as before the groups; the rate limits are refused, _rate_limit_problems). The keys with a schema default
+    are left out: their default is always there."""
+    found = []
+    for i, p in enumerate(cfg["processors"]):
+        if p["type"] not in ("llm", "api_llm") or p["backend"] not in registry.config_backends():
+            continue
+        backend = API_LLM_BACKEND if p["type"] == "api_llm" and p["backend"] == registry.AUTO else p["backend"]
+        if not registry.launches_server(backend):
+            launching = _listed(registry.backends_that_launch(), "and")
+            found += [
+                f"processors[{i}].{key}: changes nothing for backend {backend} (only {launching} launch a server)"
+                for key in ("server_command", "server_env") if p.get(key) is not None
+            ]  # fmt: skip
+        if backend not in API_OPTION_BACKENDS:
+            found += [
+                f"processors[{i}].{key}: changes nothing for backend {backend} (only backend {API_LLM_BACKEND} and type api_llm read it)"
+                for key in ("max_concurrency", "retry_base_delay") if p.get(key) is not None
+            ]  # fmt: skip
+    return found
 
 
 def _api_llm_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tuple[ProcessorConfig, list[str]]:

@@ -522,8 +522,9 @@ def _processor_problems(cfg: PipelineConfig, proc: ProcessorConfig, environ: Map
     where = f"processors[{proc.index}]"
     problems = []
     if registry.capabilities(proc.backend).loads_model:
-        launches = registry.backend_entry(proc.backend).launched if proc.backend != registry.AUTO else False
-        problems += engine_problems(where, proc.backend, proc.server_command if launches else None, environ)
+        # auto: which backend (and so whether server_command is run) is the node's to decide
+        command = proc.launch.command if proc.launch is not None and proc.backend != registry.AUTO else None
+        problems += engine_problems(where, proc.backend, command, environ)
     if not registry.capabilities(proc.backend).loads_model:  # a remote server: its API key, no model files
         name = proc.api_key_env
         if name and not environ.get(name):

@@ -131,35 +131,57 @@ DEFAULT_MAX_RETRIES = 5  # processors[].max_retries: null (the schema's default)
 
 
 @dataclass(frozen=True)
+class LaunchedServer:
+    """The server a shard launches and supervises (engines/server_restarts.py): the options of backends
+    sglang_server and vllm_server, and of auto (which may pick vllm_server). The schema keeps them flat in
+    ``processors[]``; each field's key is named beside it."""
+
+    command: list[str] | None = None  # server_command: the launcher the flags follow (None: the package's)
+    env: dict | None = None  # server_env: extra environment of the launched server only
+    start_timeout: float = 900.0  # server_start_timeout
+    # a server that dies or freezes is restarted in the job this many times; frozen: no answer, no health
+    # for hang_seconds
+    max_restarts: int = 3
+    hang_seconds: float | None = 300.0
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """How many requests an OpenAI-compatible endpoint gets at once and at what pace: the options of backend
+    openai (type api_llm), and of auto (whose vllm_server is fed through the openai backend)."""
+
+    max_concurrency: int | None = None  # requests in flight (MMIRAGE's api_llm); None: the engine's default
+    retry_base_delay: float | None = None  # first retry delay; None: the engine's default
+    # the pace the run's shards keep together (transport/rate_limit.py); None: no limit
+    max_requests_per_minute: float | None = None
+    max_tokens_per_minute: float | None = None
+
+
+@dataclass(frozen=True)
 class ProcessorConfig:
+    """A ``processors[]`` entry that runs a language model (types llm, api_llm, batch_api). What every backend
+    reads is here; what only some backends have is in one option group each, set where the backend has it and
+    None elsewhere (config/build.py fills them): ``launch`` (a launched server), ``api`` (an OpenAI-compatible
+    endpoint's pace), ``batch`` (a provider's batch API)."""
+
     type: ModelProcessorType
     backend: LLMBackend
     server_args: ServerArgs
     sampling_params: dict
     chat_template_kwargs: dict
     apply_chat_template: bool
-    torch_threads: int | None
-    # sglang_server / vllm_server / openai backends (see the schema for each)
+    torch_threads: int | None  # transformers (and auto, which may pick it)
+    # where requests go: openai, batch_api; vllm_server names its served model with model (see the schema)
     base_url: str | None = None
     api_key_env: str | None = None
     model: str | None = None
-    server_command: list[str] | None = None
-    server_env: dict | None = None  # extra environment of a launched server (vllm_server, sglang_server)
-    server_start_timeout: float = 900.0
     request_timeout: float = 600.0
     max_retries: int = DEFAULT_MAX_RETRIES
-    # a launched server (vllm_server, sglang_server) that dies or freezes is restarted in the job
-    # this many times (engines/server_restarts.py); frozen: no answer, no health for hang_seconds
-    max_restarts: int = 3
-    hang_seconds: float | None = 300.0
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
+    launch: LaunchedServer | None = None  # sglang_server, vllm_server, auto
+    api: ApiOptions | None = None  # openai (type api_llm), auto
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)
-    max_concurrency: int | None = None  # openai: requests in flight (MMIRAGE's api_llm); None: the engine's default
-    retry_base_delay: float | None = None  # openai: first retry delay; None: the engine's default
-    # openai: the pace the run's shards keep together (transport/rate_limit.py); None: no limit
-    max_requests_per_minute: float | None = None
-    max_tokens_per_minute: float | None = None
     nodes: int = 1  # nodes its engine spans: execution_params.nodes (engines/server_ranks.py)
     # what its tokens cost (stats/pricing.py): {input_per_million, cached_input_per_million, output_per_million, gpu_hour_usd}
     pricing: dict | None = None

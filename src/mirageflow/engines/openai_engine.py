@@ -60,7 +60,7 @@ import json
 import logging
 import os
 
-from mirageflow.config.types import ProcessorConfig
+from mirageflow.config.types import ApiOptions, ProcessorConfig
 from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request, usage_counts
 from mirageflow.stats.pricing import cached_prompt_tokens
 from mirageflow.errors import RowErrorClass as E
@@ -113,10 +113,12 @@ class OpenAIEngine(LoopEngine):
         self.base_url = (processor.base_url or "").rstrip("/")
         self.shown_url = display_url(self.base_url)  # what messages and status files show
         self.model = processor.model or processor.server_args.model_path
-        # processors[].max_concurrency (MMIRAGE's api_llm) and retry_base_delay, when set
-        self.max_inflight = processor.max_concurrency or DEFAULT_MAX_INFLIGHT
-        if processor.retry_base_delay is not None:
-            self.retry_base_delay = processor.retry_base_delay
+        # processors[].max_concurrency (MMIRAGE's api_llm) and retry_base_delay, when set; no api group (the
+        # client of an explicit vllm_server): the engine's own
+        self.api = processor.api or ApiOptions()
+        self.max_inflight = self.api.max_concurrency or DEFAULT_MAX_INFLIGHT
+        if self.api.retry_base_delay is not None:
+            self.retry_base_delay = self.api.retry_base_delay
         self._client: HTTPClient | None = None
         self._limiter: RateLimiter | None = None
         self._output_seen = [0, 0]  # (completion tokens, choices) answered: the estimate without max_new_tokens
@@ -145,7 +147,7 @@ class OpenAIEngine(LoopEngine):
             )
         except ValueError as e:
             raise EngineError(f"backend openai: processors[].base_url: {e}") from None
-        limits = RateLimits(self.processor.max_requests_per_minute, self.processor.max_tokens_per_minute)
+        limits = RateLimits(self.api.max_requests_per_minute, self.api.max_tokens_per_minute)
         # configured limits are the run's (a file its shards share); headers alone pace this shard
         shared = self.rate_limit_file if any(limits) else None
         self._limiter = RateLimiter(limits, shared, what=f"backend openai at {self.shown_url}")

@@ -125,6 +125,18 @@ def backends_that(capable) -> list[str]:
     return sorted(name for name, b in BACKENDS.items() if b.configurable and capable(b.can))
 
 
+def launches_server(backend: str) -> bool:
+    """Whether a configured backend launches a server of its own (processors[].server_command and the other keys of
+    ProcessorConfig.launch apply); ``auto``: whether one of its picks does."""
+    names = AUTO_PICKS if backend == AUTO else (backend,)
+    return any(_backend(name).launched for name in names)
+
+
+def backends_that_launch() -> list[str]:
+    """The configurable backends that launch a server, sorted (for messages)."""
+    return sorted(name for name, b in BACKENDS.items() if b.configurable and b.launched)
+
+
 def _backend(backend: str) -> Backend:
     try:
         return BACKENDS[backend]

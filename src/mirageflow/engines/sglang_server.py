@@ -53,7 +53,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from mirageflow.config.types import ProcessorConfig, ServerArgs
+from mirageflow.config.types import LaunchedServer, ProcessorConfig, ServerArgs
 from mirageflow.engines.tokens import PromptTokenizer
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.errors import RowErrorClass as E
@@ -101,6 +101,8 @@ class SGLangServerEngine(Supervised, LoopEngine):
         super().__init__()
         self.processor = processor
         self.server_args = processor.server_args
+        # its group is None only in a processor built without the loader (a test): the schema's defaults then
+        self.launch = processor.launch or LaunchedServer()
         self.extra = dict(self.server_args.extra_engine_args)
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
@@ -119,7 +121,7 @@ class SGLangServerEngine(Supervised, LoopEngine):
     # ------------------------------------------------------------------ start
 
     def build_command(self, port: int) -> list[str]:
-        launcher = list(self.processor.server_command or [sys.executable, "-m", "sglang.launch_server"])
+        launcher = list(self.launch.command or [sys.executable, "-m", "sglang.launch_server"])
         args = self.server_args.engine_args()
         args["tp_size"], args["dp_size"] = resolve_parallelism(self.server_args)
         args.update(self.extra)
@@ -132,12 +134,12 @@ class SGLangServerEngine(Supervised, LoopEngine):
     def load(self) -> None:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="mirageflow-sglang-server-"))
         self.log_path = log_dir / "sglang_server.log"
-        env = {str(k): str(v) for k, v in (self.processor.server_env or {}).items()}
+        env = {str(k): str(v) for k, v in (self.launch.env or {}).items()}
         self.supervisor = supervisor = ServerSupervisor(
             "the SGLang server", self.build_command, self.log_path, env, host=self.host, ready_path="/health_generate",
-            probe_path="/health", start_timeout=float(self.processor.server_start_timeout),
+            probe_path="/health", start_timeout=float(self.launch.start_timeout),
             poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
-            max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
+            max_restarts=self.launch.max_restarts, hang_seconds=self.launch.hang_seconds,
             span=NodeSpan.from_slurm(self.processor.nodes) if self.processor.nodes > 1 else None, rank_flags=RANKS,
         )  # fmt: skip
         supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._fail_all
@@ -167,8 +169,8 @@ class SGLangServerEngine(Supervised, LoopEngine):
                     "server_start_seconds": round(started, 3),
                     "max_inflight": self.max_inflight,
                     "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
-                    "max_restarts": self.processor.max_restarts,
-                    "hang_seconds": self.processor.hang_seconds,
+                    "max_restarts": self.launch.max_restarts,
+                    "hang_seconds": self.launch.hang_seconds,
                     **span_details(self.server),
                 },
             )

@@ -45,7 +45,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mirageflow.config.types import ProcessorConfig, ServerArgs
+from mirageflow.config.types import LaunchedServer, ProcessorConfig, ServerArgs
 from mirageflow.engines.base import Engine
 from mirageflow.engines.http import redact
 from mirageflow.transport.http_client import get_blocking
@@ -97,6 +97,8 @@ class VLLMServerEngine(Supervised, Engine):
         self.processor = processor
         self.batch_size = batch_size
         self.server_args = processor.server_args
+        # its group is None only in a processor built without the loader (a test): the schema's defaults then
+        self.launch = processor.launch or LaunchedServer()
         self.extra = dict(self.server_args.extra_engine_args)
         self.max_inflight = default_max_inflight(self.server_args)
         self.log_dir = Path(log_dir) if log_dir else None
@@ -110,7 +112,7 @@ class VLLMServerEngine(Supervised, Engine):
     # ------------------------------------------------------------------ start
 
     def launcher(self) -> list[str]:
-        return list(self.processor.server_command or [sys.executable, *LAUNCHER])
+        return list(self.launch.command or [sys.executable, *LAUNCHER])
 
     def build_command(self, port: int) -> list[str]:
         args: dict = {}
@@ -132,7 +134,7 @@ class VLLMServerEngine(Supervised, Engine):
         return [*self.launcher(), "--model", model, "--host", self.host, "--port", str(port), *server_flags(args)]
 
     def server_env(self) -> dict[str, str]:
-        env = {str(k): str(v) for k, v in (self.processor.server_env or {}).items()}
+        env = {str(k): str(v) for k, v in (self.launch.env or {}).items()}
         if "LD_PRELOAD" not in env:
             lib = iomp_preload(self.launcher())
             if lib:
@@ -144,9 +146,9 @@ class VLLMServerEngine(Supervised, Engine):
         env = self.server_env()
         self.supervisor = supervisor = ServerSupervisor(
             "the vLLM server", self.build_command, log_dir / "vllm_server.log", env, host=self.host, ready_path="/health",
-            probe_path="/health", start_timeout=float(self.processor.server_start_timeout),
+            probe_path="/health", start_timeout=float(self.launch.start_timeout),
             poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
-            max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
+            max_restarts=self.launch.max_restarts, hang_seconds=self.launch.hang_seconds,
             span=NodeSpan.from_slurm(self.processor.nodes) if self.processor.nodes > 1 else None, rank_flags=RANKS,
         )  # fmt: skip
         supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._on_final
@@ -172,8 +174,8 @@ class VLLMServerEngine(Supervised, Engine):
                     "served_model_name": self.served_model,
                     "max_retries": self.processor.max_retries,
                     "request_timeout": self.processor.request_timeout,
-                    "max_restarts": self.processor.max_restarts,
-                    "hang_seconds": self.processor.hang_seconds,
+                    "max_restarts": self.launch.max_restarts,
+                    "hang_seconds": self.launch.hang_seconds,
                     **span_details(self.server),
                 },
             )

@@ -47,7 +47,7 @@ from mirageflow.numbers import fmt_rate, percent
 from mirageflow.shard.progress import RateWindow
 from mirageflow.state import layout as L
 from mirageflow.state.records import read
-from mirageflow.state.remaining import cost_forecast, eta_seconds, indexed_rows
+from mirageflow.state.remaining import cost_forecast, eta_seconds, indexed_rows, running_rate
 from mirageflow.state.shards import (
     PROGRESS_STALE_SECONDS,
     ShardState,
@@ -340,15 +340,13 @@ class LiveProgress:
     def _rates(self, running: list[dict]) -> tuple[float | None, float | None, str]:
         """(samples/s, tokens/s, why there is none): the running shards' own rates, summed, when
         every generating shard has one; else what this thread saw finish in its window."""
-        generating = [p for p in running if p.get("phase") == "generating"]
-        own = [p.get("samples_per_sec") if p.get("samples_per_sec") is not None else p.get("rows_per_sec") for p in generating]
-        if generating and all(r for r in own):
-            tps = [p["tokens_per_sec"] for p in generating if p.get("tokens_per_sec") is not None]
-            return sum(own), (sum(tps) if tps else None), ""
+        summed = running_rate(running)
+        if summed is not None:
+            return *summed, ""
         rate, tokens_rate, covered = self._window.rates()
         if rate:
             return rate, tokens_rate, ""
-        if not generating:
+        if not any(p.get("phase") == "generating" for p in running):
             return None, None, "not generating yet"
         return None, None, "nothing finished yet" if covered < 1.0 else f"nothing finished in the last {covered:.0f} s"
 
@@ -398,58 +396,80 @@ def run_summary(
     from mirageflow.state.shards import count, shard_states
 
     state_dir = Path(pipeline.state_dir)
-    paths = L.StateLayout(state_dir)
-    n = pipeline.n_samples
     states = shard_states(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, recorded_fingerprint(state_dir))
-    metrics = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, states=states)
-    agg = metrics["aggregate"]
+    agg = compute_metrics(state_dir, pipeline.num_shards, pipeline.shard.lease_timeout_seconds, states=states)["aggregate"]
     counts = count(states)
     # shards a stop signal ended (the driver's, forwarded, or their own: a time limit)
     stopped = [s for s in states if s.state == "failed" and s.signal] if interrupted else []
-    head = (
-        f"mirageflow: run interrupted by {signal_name(interrupted)}"
-        if interrupted
-        else "mirageflow: run finished"
-        if ok and counts["done"] == pipeline.num_shards
-        else "mirageflow: run FAILED"
-        if not ok
-        else "mirageflow: run stopped"
-    )
-    lines = [f"{head} (state_dir {state_dir})"]
-    shards = f"shards: {counts['done']} of {pipeline.num_shards} done"
+    failed = [s for s in states if s.state == "failed" and s not in stopped]
+    named = {s.shard_id for s in failed + stopped}
+    others = [j for j in failed_jobs if not (j["rule"] == "shard" and _job_shard(j) in named)]
+    lines = [
+        f"{_headline(ok, interrupted, counts['done'] == pipeline.num_shards)} (state_dir {state_dir})",
+        "  " + _shards_line(states, counts, len(stopped), pipeline.num_shards),
+        "  " + _rows_line(agg, pipeline.n_samples),
+        *_tokens_lines(agg),
+        *_results_lines(pipeline, all_done=counts["done"] == pipeline.num_shards),
+        *_stopped_lines(states, stopped, agg, state_dir),
+        *_failure_paragraphs(failed, others, states, state_dir, config_hint),
+        *_closing_lines(ok, interrupted, command, failed or others, state_dir),
+    ]
+    return "\n".join(lines)
+
+
+def _headline(ok: bool, interrupted: int | None, all_done: bool) -> str:
+    if interrupted:
+        return f"mirageflow: run interrupted by {signal_name(interrupted)}"
+    if not ok:
+        return "mirageflow: run FAILED"
+    return "mirageflow: run finished" if all_done else "mirageflow: run stopped"
+
+
+def _shards_line(states: list[ShardState], counts: dict, stopped: int, num_shards: int) -> str:
+    """Shards done, stopped, failed, running and not run (a stale status.json said so)."""
+    shards = f"shards: {counts['done']} of {num_shards} done"
     if stopped:
-        shards += f", {len(stopped)} stopped"
-    if counts["failed"] - len(stopped):
-        shards += f", {counts['failed'] - len(stopped)} failed"
+        shards += f", {stopped} stopped"
+    if counts["failed"] - stopped:
+        shards += f", {counts['failed'] - stopped} failed"
     if counts["running"]:
         shards += f", {counts['running']} still running"
     if counts["pending"]:
         stale = sum(1 for s in states if s.stale)
         shards += f", {counts['pending']} not run" + (f" ({stale} with a stale status.json of an earlier config)" if stale else "")
-    lines.append("  " + shards)
+    return shards
+
+
+def _rows_line(agg: dict, n: int) -> str:
+    """Rows (samples) ok and failed by class, filtered."""
     by_class = agg.get("rows_failed_by_class") or {}
-    failed_rows = agg.get("total_rows_failed") or 0
     ok_rows = (agg.get("total_rows_processed") or 0) + (agg.get("rows_processed_failed_shards") or 0)
-    unit = "rows" if n == 1 else "samples"
-    rows = f"{unit}: {ok_rows:,} ok, {failed_rows:,} failed"
+    rows = f"{'rows' if n == 1 else 'samples'}: {ok_rows:,} ok, {agg.get('total_rows_failed') or 0:,} failed"
     if by_class:
         rows += " (" + ", ".join(f"{k} {v:,}" for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])) + ")"
     if agg.get("total_rows_filtered"):
         rows += f", {agg['total_rows_filtered']:,} filtered"
     if n > 1:
         rows += f" ({n} samples per row: one record each)"
-    lines.append("  " + rows)
-    if agg.get("total_output_tokens"):
-        tps = agg.get("tokens_per_sec")
-        lines.append(
-            f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(tps)} tok/s over generation"
-            + (f" (wall clock {agg['wall_clock_runtime_human']} while shards ran)" if agg.get("wall_clock_runtime_human") else "")
-        )
+    return rows
+
+
+def _tokens_lines(agg: dict) -> list[str]:
+    if not agg.get("total_output_tokens"):
+        return []
+    wall = f" (wall clock {agg['wall_clock_runtime_human']} while shards ran)" if agg.get("wall_clock_runtime_human") else ""
+    return [f"  output tokens: {agg['total_output_tokens']:,}, {fmt_rate(agg.get('tokens_per_sec'))} tok/s over generation{wall}"]
+
+
+def _results_lines(pipeline: PipelineConfig, all_done: bool) -> list[str]:
+    """Where the outputs and the report are, and the previous run's results kept until this run's replace them."""
     from mirageflow.state.pipeline import previous_results
 
+    paths = L.StateLayout(pipeline.state_dir)
     previous = previous_results(pipeline)
     kept = {str(p) for p in previous["outputs"]} if previous else set()
-    if counts["done"] == pipeline.num_shards:
+    lines = []
+    if all_done:
         for ds in pipeline.datasets:
             merged = L.merged_dir(ds.output_dir)
             if pipeline.merge and merged.exists() and str(merged) not in kept:
@@ -463,33 +483,48 @@ def run_summary(
             f"  the previous run's results, kept until this run's replace them ({previous['why']}, {previous['since']}): "
             + ", ".join(f"{p}/" if p.is_dir() else str(p) for p in previous["outputs"])
         )
+    return lines
+
+
+def _stopped_lines(states: list[ShardState], stopped: list[ShardState], agg: dict, state_dir: Path) -> list[str]:
+    """Where the failed rows are, and what each shard a signal stopped committed."""
+    paths = L.StateLayout(state_dir)
+    lines = []
     with_errors = [s.shard_id for s in states if _nonempty(paths.errors(s.shard_id))]
-    if failed_rows and with_errors:
+    if agg.get("total_rows_failed") and with_errors:
         shown = ", ".join(map(str, with_errors[:10])) + (" ..." if len(with_errors) > 10 else "")
         lines.append(f"  failed rows: {state_dir}/shard_<id>/errors.jsonl (shards {shown})")
     for s in stopped[:20]:
         lines.append(f"  shard {s.shard_id} stopped with {_committed(s)} committed")
     if len(stopped) > 20:
         lines.append(f"  ... and {len(stopped) - 20} more stopped shards")
-    failed = [s for s in states if s.state == "failed" and s not in stopped]
+    return lines
+
+
+def _failure_paragraphs(
+    failed: list[ShardState], others: list[dict], states: list[ShardState], state_dir: Path, config_hint: str | None
+) -> list[str]:  # fmt: skip
+    """A paragraph per failed shard, then per failed job that is not a failed shard's (20 of each at most)."""
     retry = f"Rerun it with `mmirage retry --config {config_hint}`" if config_hint else "Rerun the same command to retry it"
     retry += " (it resumes from its last commit)."
+    lines = []
     for s in failed[:20]:
-        lines.append("")
-        lines.append(failure_paragraph(s, state_dir, retry_hint=retry))
+        lines += ["", failure_paragraph(s, state_dir, retry_hint=retry)]
     if len(failed) > 20:
         lines.append(f"... and {len(failed) - 20} more failed shards: mmirage status --config {config_hint or '<config>'}")
-    named = {s.shard_id for s in failed + stopped}
-    others = [j for j in failed_jobs if not (j["rule"] == "shard" and _job_shard(j) in named)]
     for job in others[:20]:
-        lines.append("")
-        lines.append(job_paragraph(job, states))
+        lines += ["", job_paragraph(job, states)]
+    return lines
+
+
+def _closing_lines(ok: bool, interrupted: int | None, command: str | None, named_failures, state_dir: Path) -> list[str]:
+    """How to continue an interrupted run; where to look when a run failed and nothing above says why."""
     if interrupted:
-        lines.append("")
-        lines.append("Nothing finished is lost. Run the same command to continue: " + (command or "the snakemake command of this run"))
-    elif not ok and not failed and not others:
-        lines.append(f"No shard failed and Snakemake named no failed job: see Snakemake's error above (the logs are in {paths.logs_dir}/).")
-    return "\n".join(lines)
+        return ["", "Nothing finished is lost. Run the same command to continue: " + (command or "the snakemake command of this run")]
+    if not ok and not named_failures:
+        logs = L.StateLayout(state_dir).logs_dir
+        return [f"No shard failed and Snakemake named no failed job: see Snakemake's error above (the logs are in {logs}/)."]
+    return []
 
 
 def signal_name(signum: int) -> str:

@@ -293,7 +293,7 @@ def _unit(path: RowPath, trace: UnitTrace, row, sample, record, error) -> dict:
 
 
 async def _preview_dataset(path: RowPath, steps: list, ds, source: list, generate: bool) -> list[dict]:
-    """Each unit of the dataset's first rows through the shard's row path, as ShardRunner._worker runs them."""
+    """Each unit of the dataset's first rows through the shard's row path, as RowFeeder._worker (shard/row_feeder.py) runs them."""
     trace = UnitTrace(ds.index, path.n, generate)
     path.observe = trace
 

@@ -1,8 +1,10 @@
 """The shard job: rows -> variables -> prompts -> engine -> records -> writer, observed by stats.
 
 ``run_shard`` processes shard ``shard_id`` of every dataset in the config. ``ShardRunner``
-keeps setup and feeding; its collaborators each own one concern: ``RowPath`` (a row, or a
-row's samples, through the steps), ``ErrorBudget`` (row outcomes, when the shard fails),
+keeps the setup (restore, engines, steps) and the attempt's end; its collaborators each own
+one concern: ``RowFeeder`` (shard/row_feeder.py: the worker coroutines that feed the pending
+rows and book each finished one), ``RowPath`` (a row, or a row's samples, through the steps),
+``ErrorBudget`` (row outcomes, when the shard fails),
 ``CommitQueue`` (pending batches, the writer thread, the ticker), ``ShardMetrics`` (phases,
 tokens, GPUs, sums over attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoint`` and
 ``Lease`` (state on disk).
@@ -23,45 +25,41 @@ tokens, GPUs, sums over attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoin
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import logging
 import os
 import signal
 import socket
-import sys
 import traceback
 from pathlib import Path
 from typing import Callable
 
-from tqdm import tqdm
 
 from mirageflow.stats import formulas as stats
 from mirageflow.stats import pricing
 from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
 from mirageflow.shard import cached_answers, request_cache
 from mirageflow.config import PipelineConfig, processor_identity
-from mirageflow.data.readers import ShardSlice, SourceRow, content_digest, load_shard, write_index
+from mirageflow.data.readers import ShardSlice, content_digest, load_shard, write_index
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine
 from mirageflow.engines.registry import capabilities, create_engine
 from mirageflow.imagegen import ImageGenerator, make_generator
 from mirageflow.shard.progress import ProgressReporter
 from mirageflow.prompts.images import RowImages
-from mirageflow.errors import RowError
 from mirageflow.prompts.templates import Extractor, RecordRenderer, columns_read
 from mirageflow.redact import redact_text
 from mirageflow.shard.accounting import check_accounting, check_images
 from mirageflow.shard.budget import ErrorBudget
 from mirageflow.shard.commits import CommitQueue
 from mirageflow.shard.failures import ShardFailed, ShardInterrupted
-from mirageflow.shard import feed, prefix_order
+from mirageflow.shard import feed
 from mirageflow.shard.metrics import ShardMetrics
+from mirageflow.shard.row_feeder import RowFeeder
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
 from mirageflow.shard.steps import python as python_steps
-from mirageflow.shard.steps.base import FILTERED, Step
 from mirageflow.shard.steps.image import ImageStep, ShardImages
 from mirageflow.shard.steps.llm import LLMStep
 from mirageflow.state import layout as L
@@ -81,10 +79,6 @@ def index_datasets(cfg: PipelineConfig) -> None:
     shards without Snakemake (tests, benchmarks)."""
     for ds in cfg.datasets:
         write_index(ds, cfg.num_shards, index_path(cfg.state_dir, ds.index))
-
-
-# Rows in flight when no output is an LLM's (custom and filter steps only).
-NO_ENGINE_WINDOW = 64
 
 
 class ShardRunner:
@@ -120,12 +114,7 @@ class ShardRunner:
         self.live: ProgressReporter | None = None
         self.resumed = 0  # units (samples; rows when n_samples is 1) committed before this attempt
         self.resumed_rows = 0  # source rows whose every sample was committed before this attempt
-        self.rows_finished = 0  # source rows this attempt finished the last sample of (n_samples > 1)
-        self._row_left: dict[tuple[int, int], int] = {}  # (dataset, row) -> samples still to finish
-        self._committed: dict[int, Callable[[int], bool]] = {}  # dataset -> was this unit committed at resume
-        self.abort: BaseException | None = None  # why feeding stopped early (first reason wins)
-        self._stopping: asyncio.Event | None = None
-        self._bar = None
+        self.feeder = RowFeeder(cfg, shard_id, self.rows, self.budget, self.metrics, self.columns)
 
     # ------------------------------------------------------------------ setup
 
@@ -155,14 +144,14 @@ class ShardRunner:
             self.rows.cache = self.cache
         self.live.attempt = self.metrics.attempt  # the shard's own attempt number, now that the earlier ones are known
         self.resumed, self.resumed_rows = cp.committed_units(), cp.complete_rows()
-        self._committed = {ds.index: cp.committed_before(ds.index) for ds in self.cfg.datasets}
         self.budget.resume(
             sum(len(p.done) for p in cp.datasets.values()), cp.failed_classes(), sum(len(p.filtered) for p in cp.datasets.values())
         )  # fmt: skip
         self.commits = CommitQueue(
             cp, self.lease, self.params, self.metrics.timer, self.shard_id, lambda: self.metrics.save_attempt(self.budget.computed), self.cache
         )  # fmt: skip
-        self.commits.on_failure = self._halt
+        self.commits.on_failure = self.feeder.halt
+        self.feeder.begin(cp, self.commits)
         if self.resumed:
             log.info("resuming shard %d: %s already committed are skipped", self.shard_id, cp.describe_committed())
 
@@ -220,117 +209,6 @@ class ShardRunner:
             with self.metrics.timer.phase("warmup"):
                 for engine in warming:
                     engine.warmup()
-
-    def _finished(self, ds_index: int, row: SourceRow, record: dict | None, exc: RowError | None, sample: int | None = None) -> None:
-        """Book one finished row (its record, FILTERED, or its RowError) with the budget and the commit queue."""
-        if record is FILTERED:
-            verdict = self.budget.record_filtered()
-            self.commits.add_filtered(ds_index, row.index if sample is None else row.index * self.n + sample)
-        elif exc is None:
-            verdict = self.budget.record_ok()
-            self.commits.add(ds_index, record, None, self.metrics.take_tally(ds_index, row.index, sample))
-        else:
-            entry = {
-                "dataset": ds_index,
-                "source_index": row.index,
-                "stage": exc.stage,
-                "error": exc.kind,
-                "message": redact_text(str(exc)),
-            }
-            if sample is not None:
-                entry["sample_index"] = sample
-            if exc.raw is not None:
-                entry["raw"] = exc.raw
-            verdict = self.budget.record_failure(exc.kind)
-            self.commits.add(ds_index, None, entry)
-        if sample is not None:
-            self._count_row(ds_index, row.index)
-        self._bar.update(1)
-        if verdict is not None:
-            self._halt(verdict)
-
-    def _count_row(self, ds_index: int, row_index: int) -> None:
-        """One more sample of a row finished: count the row once its last pending sample has."""
-        key = (ds_index, row_index)
-        left = self._row_left.get(key)
-        if left is None:  # the row's first sample this attempt: the others committed before need not finish
-            committed = self._committed[ds_index]
-            left = sum(1 for k in range(self.n) if not committed(row_index * self.n + k))
-        if left <= 1:
-            self._row_left.pop(key, None)
-            self.rows_finished += 1
-        else:
-            self._row_left[key] = left - 1
-
-    def _halt(self, exc: BaseException | None = None) -> None:
-        """Stop feeding rows: the shard failed (exc) or was interrupted; rows in flight are cancelled."""
-        if exc is not None and self.abort is None:
-            self.abort = exc
-        if self._stopping is not None:
-            self._stopping.set()
-
-    # ------------------------------------------------------------------ feeding
-
-    async def _worker(self, rows, steps) -> None:
-        """Take the next row (or a row's pending samples), run it through every output, book
-        it; until no row is left."""
-        try:
-            for ds_index, row, sample in rows:
-                if self.abort or self._stopping.is_set():
-                    return
-                try:
-                    if sample.__class__ is list:
-                        results = await self.rows.row_samples(row, steps, ds_index, sample)
-                    else:
-                        results = (await self.rows.one(row, steps, ds_index, sample),)
-                except ShardFailed as e:  # engine crash, lost connection, a Python step's worker killed by a signal: the shard cannot go on
-                    self._halt(e)
-                    return
-                for k, record, exc in results:
-                    self._finished(ds_index, row, record, exc, k)
-        except Exception as e:  # reading the dataset failed
-            self._halt(e)
-
-    async def _generate(self, slices: list[ShardSlice], steps: list[Step], engines: dict[str, Engine]) -> None:
-        main = asyncio.current_task()
-        self._stopping = asyncio.Event()
-        self.signals.attach(asyncio.get_running_loop(), lambda: (main.cancel(), self._halt()))
-        self.commits.start()
-        ticker = asyncio.create_task(self.commits.ticker())
-        waiting_on = [*engines.values(), *self.image_gens.values()]
-        window = self.params.max_inflight or min((e.max_inflight for e in waiting_on), default=NO_ENGINE_WINDOW)
-        # no more workers than units left (a batch engine takes 100,000 at once)
-        window = max(1, min(window, self.live.rows_total * self.n - self.checkpoint.committed_units()))
-        if self.rows.grouped is not None:  # a worker holds a row's n samples
-            window = max(1, window // self.n)
-        # rows sharing a prompt prefix fed together, for the engine's prefix cache (records unchanged)
-        units = feed.shard_units(
-            self.shard_id, self.cfg.datasets, slices, self.checkpoint.committed_before, self.n, self.rows.grouped is not None,
-            columns=self.columns,
-        )  # fmt: skip
-        rows = prefix_order.feed_order(self.params.prefix_order, units, steps, self.rows.extract, window)
-        try:
-            workers = asyncio.gather(*(self._worker(rows, steps) for _ in range(window)))
-            stopping = asyncio.create_task(self._stopping.wait())
-            try:
-                await asyncio.wait([workers, stopping], return_when=asyncio.FIRST_COMPLETED)
-            finally:  # stopped, or done: cancelling the gather cancels the workers still running
-                workers.cancel()
-                stopping.cancel()
-                await asyncio.wait([workers, stopping])
-                # a cancelled gather finishes with CancelledError as its exception, which
-                # asyncio logs as "never retrieved" (a traceback per stopped shard) unless read
-                if not workers.cancelled():
-                    workers.exception()
-        except asyncio.CancelledError:
-            if not self.signals.signum:
-                raise
-        finally:
-            ticker.cancel()
-            await self.commits.drain()  # the last batch handed over: written before the loop ends
-            self.signals.detach()
-            for generator in self.image_gens.values():  # their HTTP clients belong to this loop
-                await generator.aclose()
 
     # ------------------------------------------------------------------ the shard
 
@@ -404,21 +282,16 @@ class ShardRunner:
         self.live.set_phase("generating")
         if loaded:
             self.metrics.sampler.start()
-        self._bar = tqdm(
-            total=self.live.rows_total * self.n, initial=self.checkpoint.committed_units(), desc=f"shard {self.shard_id}",
-            unit="row" if self.n == 1 else "sample", file=sys.stderr, mininterval=2.0,
-        )  # fmt: skip
         # Take what is alive now (model, libraries: ~400k objects with transformers) out of
         # the cyclic GC's view: a full collection during generation would walk them all
         # (0.3 s each on a 2-core machine) while the event loop, and so the engine, waits.
         gc.freeze()
         try:
             with self.metrics.timer.phase("generate"):
-                asyncio.run(self._generate(slices, steps, engines))
+                self.feeder.feed(slices, steps, engines, self.image_gens, self.signals)
         finally:
             self.commits.stop()
             gc.unfreeze()
-            self._bar.close()
             if loaded:
                 self.metrics.sampler.stop()
                 self.metrics.write_gpu_samples(self.shard_dir, self.shard_id)
@@ -426,13 +299,12 @@ class ShardRunner:
         self.commits.flush()  # whatever finished, also when interrupted
         if self.signals.signum:
             raise self._interrupted(self.signals.signum)
-        if isinstance(self.abort, cached_answers.AnswerNotCached) and not loaded:
-            self.abort = None
-            # what this pass committed is skipped by the next one (_rows, _count_row)
-            self._committed = {ds.index: self.checkpoint.committed_before(ds.index) for ds in self.cfg.datasets}
+        if isinstance(self.feeder.abort, cached_answers.AnswerNotCached) and not loaded:
+            self.feeder.abort = None
+            self.feeder.skip_committed()  # what this pass committed is skipped by the next one
             return True
-        if self.abort:
-            raise self.abort
+        if self.feeder.abort:
+            raise self.feeder.abort
         return False
 
     def _model_step(self, output, images: ShardImages, engines: dict[str, Engine]):
@@ -536,7 +408,7 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
     cp = runner.checkpoint
     return {
         "samples_done": samples,  # finished: committed, or handed to the writer
-        "rows_done": samples if runner.n == 1 else runner.resumed_rows + runner.rows_finished,
+        "rows_done": samples if runner.n == 1 else runner.resumed_rows + runner.feeder.rows_finished,
         "samples_committed": cp.committed_units() if cp is not None else None,
         "rows_failed": sum(runner.budget.failed_now.values()),
         "output_tokens": runner.metrics.output_tokens,

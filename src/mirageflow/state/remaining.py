@@ -1,8 +1,10 @@
-"""What is left of a run: the one derivation of the ETA and the GPU-hours still needed.
+"""What is left of a run: the one derivation of the rates, the ETA and the GPU-hours still needed.
 
 ``eta_seconds`` is the one ETA formula (units left over a measured rate): a shard's
 progress.json (shard/progress.py), the driver's live line (report/terminal.py) and the
-run's ETA below all use it. ``remaining`` projects the whole run from the shard states
+run's ETA below all use it. ``shard_rate`` reads a running shard's rate from its
+progress.json and ``running_rate`` sums the run's: `mmirage status` shows the one per shard,
+the live line the other, so the two agree on the same files. ``remaining`` projects the whole run from the shard states
 (``state.shards.ShardState``): `mmirage status` shows it, and metrics.json's
 ``gpu_hours_remaining_estimate`` is its GPU-hours (report/aggregate.py).
 
@@ -26,6 +28,25 @@ def eta_seconds(units_left: float | None, rate: float | None) -> float | None:
     if not rate or units_left is None:
         return None
     return max(0, units_left) / rate
+
+
+def shard_rate(progress: ProgressRecord) -> float | None:
+    """A running shard's units (samples; rows when n_samples is 1) per second over its rate window, as its
+    progress.json says; None when nothing finished in the window. A progress.json written before samples were
+    counted apart has rows_per_sec only."""
+    rate = progress.get("samples_per_sec")
+    return progress.get("rows_per_sec") if rate is None else rate
+
+
+def running_rate(running: list[ProgressRecord]) -> tuple[float, float | None] | None:
+    """(units/s, output tokens/s) of the run now: the generating shards' own rates, summed. None unless every
+    generating shard has a rate (a shard without one is not idle: its batch may be in flight)."""
+    generating = [p for p in running if p.get("phase") == "generating"]
+    own = [shard_rate(p) for p in generating]
+    if not generating or not all(own):
+        return None
+    tokens = [p["tokens_per_sec"] for p in generating if p.get("tokens_per_sec") is not None]
+    return sum(own), (sum(tokens) if tokens else None)
 
 
 @dataclass(frozen=True)
