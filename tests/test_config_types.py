@@ -144,6 +144,7 @@ _OUTPUT_TYPES = _enum("processing_params", "outputs", "[]", "type")
 CHOICES = {
     (T.DatasetConfig, "type"): (T.DatasetType, {v.lower() for v in _enum("loading_params", "datasets", "[]", "type")}),
     (T.DatasetConfig, "output_format"): (T.OutputFormat, _enum("loading_params", "datasets", "[]", "output_format")),
+    (T.DatasetConfig, "shard_boundaries"): (T.ShardBoundaries, _enum("loading_params", "datasets", "[]", "shard_boundaries")),
     (T.InputVar, "type"): (T.InputType, _enum("processing_params", "inputs", "[]", "type")),
     # every output type but the two that run as llm steps (build.py's OUTPUT_TYPES maps them)
     (T.OutputVar, "kind"): (T.StepKind, _OUTPUT_TYPES - {"api_llm", "batch_api"}),

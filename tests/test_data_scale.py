@@ -284,3 +284,67 @@ def test_a_hugging_face_shard_reads_only_its_columns(tmp_path):
     ds = dataset(tmp_path / "hf", "loadable")
     assert [r.value for r in read_shard(ds, readers.ShardSlice(1, 3), columns=frozenset({"x"}))] == [{"x": 2}, {"x": 3}]
     assert [r.value for r in read_shard(ds, readers.ShardSlice(0, 1))] == [{"q": "a", "x": 1}]
+
+
+# --------------------------------------------------------------------------- shards on row-group boundaries
+
+
+def test_row_group_starts_are_the_group_starts_nearest_to_mmirages():
+    from mirageflow.data.sharding import row_group_starts
+
+    assert row_group_starts([100] * 10, 4) == [0, 200, 500, 700]  # ideal 0, 250, 500, 750: ties go to the earlier start
+    assert row_group_starts([100] * 10, 10) == [shard_range(1000, 10, s)[0] for s in range(10)]  # groups of a shard's size
+    assert row_group_starts([1000], 3) == [0, 0, 1000]  # one group: one shard has it, the others are empty
+    assert row_group_starts([10, 500, 10, 10], 4) == [0, 10, 510, 510]  # ideal 266 and 398: both nearest 510 (one empty)
+
+
+def test_a_parquet_dataset_sharded_on_row_groups_reads_every_row_once_and_no_group_twice(tmp_path, monkeypatch):
+    """shard_boundaries: row_groups: each shard starts at a row group's first row, so no shard
+    decodes rows of a group only to skip them; together the shards read every row once."""
+    files = []
+    for k, sizes in enumerate(([100] * 4, [50, 150, 100])):  # two files, groups of unequal sizes
+        path = tmp_path / f"part-{k}.parquet"
+        start = sum(sum(s) for s in ([100] * 4, [50, 150, 100])[:k])
+        writer = pq.ParquetWriter(path, pa.schema([("a", pa.int64())]))
+        for n in sizes:
+            writer.write_table(pa.table({"a": list(range(start, start + n))}))
+            start += n
+        writer.close()
+        files.append(path)
+    ds = DatasetConfig(index=0, path=str(tmp_path), type="parquet", output_dir="unused", output_format="parquet", split=None,
+                       shard_boundaries="row_groups")  # fmt: skip
+    index = tmp_path.parent / "dataset_0.index.json"
+    write_index(ds, 3, index)
+    pieces = [load_shard(index, ds, 3, s) for s in range(3)]
+    edges = {0, 100, 200, 300, 400, 450, 600, 700}
+    assert [p.start for p in pieces] == [0, 200, 450] and all(p.start in edges for p in pieces)
+    decoded = []
+    real_iter = pq.ParquetFile.iter_batches
+
+    def counting(self, *args, row_groups=None, **kwargs):
+        for batch in real_iter(self, *args, row_groups=row_groups, **kwargs):
+            decoded.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
+    got = [r.value["a"] for p in pieces for r in read_shard(ds, p, columns=frozenset({"a"}))]
+    assert got == list(range(700)) and sum(decoded) == 700  # every row once, none decoded to be skipped
+
+    rows_ds = dataset(tmp_path, "parquet")  # the default, MMIRAGE's formula: the index says which it was built for
+    with pytest.raises(ValueError, match="built for shard_boundaries: row_groups"):
+        load_shard(index, rows_ds, 3, 0)
+    assert "shard_boundaries" in (dataset_changed(rows_ds, ContentCache(tmp_path / "c.json"), index) or "")
+
+
+def test_row_group_boundaries_are_refused_on_a_dataset_that_is_not_parquet(tmp_path):
+    import yaml
+    from fakes.configs import pipeline_config
+    from mirageflow.config import load_config
+    from mirageflow.config.loading import ConfigError
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"q": "x"}\n')
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(pipeline_config(data, dataset={"shard_boundaries": "row_groups"})))
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.shard_boundaries: row_groups needs a Parquet dataset"):
+        load_config(config, environ={})

@@ -545,6 +545,8 @@ def _datasets(entries: list[dict], check_paths: bool) -> tuple[list[DatasetConfi
             problems.append(
                 f"{where}.output_dir: empty (a ${{VAR}} that expands to nothing?); outputs would be written to the working directory's root"
             )
+        if ds["shard_boundaries"] == "row_groups" and ds["type"].lower() != "parquet":
+            problems.append(f"{where}.shard_boundaries: row_groups needs a Parquet dataset (type: parquet), not {ds['type']}")
         datasets.append(
             DatasetConfig(
                 index=len(datasets),
@@ -555,6 +557,7 @@ def _datasets(entries: list[dict], check_paths: bool) -> tuple[list[DatasetConfi
                 split=ds["split"],
                 image_base_path=os.path.expanduser(ds["image_base_path"]) if ds.get("image_base_path") else None,
                 allow_images_outside_base=bool(ds.get("allow_images_outside_base", False)),
+                shard_boundaries=ds["shard_boundaries"],
                 where=where,
             )
         )

@@ -280,7 +280,7 @@ def records_identity(cfg: PipelineConfig) -> dict:
     Processors (backend, model, server args, sampling, chat template settings; not how the
     engine is reached or waited for: base_url, api_key_env, timeouts, retries, torch
     threads), processing_params (inputs, outputs with their prompts and schemas,
-    output_schema, remove_columns) and each dataset's path, type, split, output format and
+    output_schema, remove_columns) and each dataset's path, type, split, output format, shard boundaries and
     output directory. Comments, execution_params, shard_params, stats, retry_failed_rows
     and the state_dir are not part of it. The workflow reruns shards when its hash changes
     (``<state_dir>/records.fingerprint``, see mirageflow.state.pipeline).
@@ -298,6 +298,7 @@ def records_identity(cfg: PipelineConfig) -> dict:
             # only when set: configs without images keep their fingerprint
             | ({"image_base_path": d.image_base_path} if d.image_base_path else {})
             | ({"allow_images_outside_base": True} if d.allow_images_outside_base else {})
+            | ({"shard_boundaries": d.shard_boundaries} if d.shard_boundaries != "rows" else {})  # which rows a shard holds
             for d in cfg.datasets
         ],
     }

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # annotations only: the parsed schema of a JSON output
 # against its enum). The schema refuses any other value before these types are built.
 DatasetType = Literal["jsonl", "parquet", "loadable"]  # loading_params.datasets[].type, lower-cased
 OutputFormat = Literal["parquet", "jsonl"]
+ShardBoundaries = Literal["rows", "row_groups"]  # MMIRAGE's formula, or a Parquet dataset's row-group starts
 InputType = Literal["text", "image"]
 StepKind = Literal["llm", "custom", "filter", "image_gen"]  # outputs[].type as a step (api_llm, batch_api: llm)
 ImageOutputMode = Literal["path", "pil"]
@@ -53,6 +54,7 @@ class DatasetConfig:
     split: str | None
     image_base_path: str | None = None  # relative image paths start here (default: the dataset's folder)
     allow_images_outside_base: bool = False  # image paths may leave image_base_path (prompts/images.py)
+    shard_boundaries: ShardBoundaries = "rows"  # data/sharding.py
     where: str = ""  # its entry's key path, loading_params.datasets[i] (one entry is several datasets with {split: path})
 
     @property

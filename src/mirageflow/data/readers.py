@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 from mirageflow.config.types import DatasetConfig
-from mirageflow.data.sharding import shard_range
+from mirageflow.data.sharding import row_group_starts, shard_range
 from mirageflow.files import ContentCache, atomic_write_bytes, atomic_write_json, digest_of, open_regular, stat_key
 from mirageflow.errors import MirageflowError, RowError, RowErrorClass as E
 
@@ -474,8 +474,9 @@ def _open_parquet(path: str, rows: int):
     return pf
 
 
-def _index_parquet_file(path: str) -> tuple[int, list]:
-    """A Parquet file's row count and [stat identity, footer identity], from its footer alone."""
+def _index_parquet_file(path: str) -> tuple[int, list, list[int]]:
+    """A Parquet file's row count, [stat identity, footer identity] and its row groups' row
+    counts, from its footer alone."""
     import pyarrow.parquet as pq
 
     try:
@@ -483,12 +484,13 @@ def _index_parquet_file(path: str) -> tuple[int, list]:
             key = stat_key(os.fstat(f.fileno()))
             identity = parquet_footer_identity(path, f)
             f.seek(0)
-            rows = pq.ParquetFile(f).metadata.num_rows
+            meta = pq.ParquetFile(f).metadata
+            rows, groups = meta.num_rows, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     except Exception as e:
         raise DatasetReadError(
             f"{path}: cannot read this Parquet file's footer ({type(e).__name__}: {e}); replace the file, then rerun"
         ) from e
-    return rows, [key, identity]
+    return rows, [key, identity], groups
 
 
 # Rows decoded at a time from a Parquet row group, and the read buffer of a column chunk:
@@ -681,14 +683,18 @@ def write_index(ds: DatasetConfig, num_shards: int, path: str | Path) -> dict:
     if ds.type == "jsonl":
         rows, table, content[ds.path] = index_jsonl(ds.path, num_shards)
     elif ds.type == "parquet":
-        files = []
+        files, groups = [], []
         for f in parquet_files(ds.path):
-            n, content[f] = _index_parquet_file(f)
+            n, content[f], file_groups = _index_parquet_file(f)
             files.append({"path": f, "rows": n})
+            groups += file_groups
         if not files:
             raise FileNotFoundError(f"no Parquet files at '{ds.path}'")
         rows = sum(f["rows"] for f in files)
         header["files"] = files
+        if ds.shard_boundaries == "row_groups":  # each shard's first row, in the table (16 bytes a shard)
+            header["shard_boundaries"] = "row_groups"
+            table = b"".join(SHARD_START.pack(start, 0) for start in row_group_starts(groups, num_shards))
     else:
         rows = len(load_hf(ds))  # memory-mapped: the length reads no rows
         for f in dataset_files(ds):
@@ -717,17 +723,30 @@ def load_shard(path: str | Path, ds: DatasetConfig, num_shards: int, shard_id: i
         raise ValueError(
             f"dataset '{ds.path}' changed after it was indexed; rerun so the index rule runs again (snakemake --forcerun index_dataset)"
         )
+    if header.get("shard_boundaries", "rows") != ds.shard_boundaries:
+        raise ValueError(f"{path} was built for shard_boundaries: {header.get('shard_boundaries', 'rows')}; rerun its index rule")
+    if ds.shard_boundaries == "row_groups":
+        start, stop = _table_entry(path, shard_id)[0], header["rows"]
+        if shard_id + 1 < num_shards:
+            stop = _table_entry(path, shard_id + 1)[0]
+        return ShardSlice(start, stop, files=header.get("files"))
     start, stop = shard_range(header["rows"], num_shards, shard_id)
     if ds.type != "jsonl":
         return ShardSlice(start, stop, files=header.get("files"))
+    offset, line = _table_entry(path, shard_id)
+    return ShardSlice(start, stop, offset, line)
+
+
+def _table_entry(path: Path, shard_id: int) -> tuple[int, int]:
+    """Shard ``shard_id``'s entry of the index's table: (byte offset, line) of a JSONL shard's
+    first row, (first row, 0) of a Parquet shard on row-group boundaries."""
     table = offsets_path(path)
     with open(table, "rb") as f:
         f.seek(shard_id * SHARD_START.size)
         entry = f.read(SHARD_START.size)
     if len(entry) != SHARD_START.size:
         raise ValueError(f"{table} has no entry for shard {shard_id}; rerun the index rule")
-    offset, line = SHARD_START.unpack(entry)
-    return ShardSlice(start, stop, offset, line)
+    return SHARD_START.unpack(entry)
 
 
 def read_shard(ds: DatasetConfig, shard: ShardSlice, skip=lambda i: False, columns: frozenset[str] | None = None) -> Iterator[SourceRow]:

@@ -56,6 +56,8 @@ def dataset_changed(ds, cache: ContentCache, index_path: str | os.PathLike) -> s
         header = json.loads(Path(index_path).read_text())
     except (OSError, ValueError):
         return None  # not indexed yet (or damaged: its rule runs anyway)
+    if isinstance(header, dict) and header.get("shard_boundaries", "rows") != ds.shard_boundaries:
+        return f"it was indexed for shard_boundaries: {header.get('shard_boundaries', 'rows')}, the config says {ds.shard_boundaries}"
     recorded = header.get("content") if isinstance(header, dict) else None
     if not isinstance(recorded, dict):
         return None  # an index from before content hashes: mtimes only
