@@ -30,7 +30,9 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C
 
-from mirageflow.data.dedup import DedupParams, dedup_dataset, normalize, shingles
+from mirageflow.config.types import DedupParams
+from mirageflow.data.dedup import normalize, shingles
+from mirageflow.data.dedup_stages import dedup_dataset
 from mirageflow.data.writers import records_table, write_merged
 
 
