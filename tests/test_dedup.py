@@ -312,6 +312,12 @@ def test_the_stages_remove_what_the_single_job_removed(tmp_path, fmt, partitions
     assert [r["source_index"] for r in kept] == [r["source_index"] for r, k in zip(everything, keep) if k]
 
 
+def test_one_dedup_job_per_eight_shards_at_least_one_at_most_the_cap():
+    from mirageflow.data.dedup import MAX_PARTITIONS, dedup_partitions
+
+    assert [dedup_partitions(SimpleNamespace(num_shards=n)) for n in (1, 8, 9, 200, 10**6)] == [1, 1, 2, 25, MAX_PARTITIONS]
+
+
 def test_a_chain_of_near_duplicates_keeps_what_no_kept_record_covers():
     a = " ".join(f"w{i}" for i in range(40))
     b = " ".join(f"w{i}" for i in range(3, 43))  # ~0.86 to a
@@ -464,8 +470,8 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
         "deduplication_params": {"enabled": True, "text_field": "text"},
     }  # fmt: skip
     proc = run_workflow(tmp_path, cfg)
-    # two shards: each stage runs as two jobs (data/dedup_stages.py)
-    assert proc.text.count("rule dedup_signatures:") == 2 and proc.text.count("rule dedup_pairs:") == 2
+    # two shards: each stage is one job (one per 8 shards: dedup_partitions; several: the tests above)
+    assert proc.text.count("rule dedup_signatures:") == 1 and proc.text.count("rule dedup_pairs:") == 1
     kept = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/deduplicated").glob("*.parquet"))])
     assert kept.column("id").to_pylist() == [0, 1, 4]
     merged = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/merged").glob("*.parquet"))])
@@ -485,7 +491,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
     cfg["deduplication_params"]["fuzzy"] = False
     proc = run_workflow(tmp_path, cfg, "--rerun-triggers", "mtime")
     assert shard_jobs(proc) == 0 and "rule dedup:" in proc.text
-    assert proc.text.count("rule dedup_signatures:") == 2 and proc.text.count("rule dedup_pairs:") == 2  # stale stages too
+    assert proc.text.count("rule dedup_signatures:") == 1 and proc.text.count("rule dedup_pairs:") == 1  # stale stages too
     counts = json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())
     assert (counts["near_duplicates_removed"], counts["rows_out"]) == (0, 4)
     assert json.loads((tmp_path / "state/metrics.json").read_text())["deduplication"][0]["rows_out"] == 4

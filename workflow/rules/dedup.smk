@@ -5,7 +5,7 @@
 #   dedup_pairs       partition p of P: only p's entries of every job -> duplicate edges
 #   dedup             every partition's edges -> the decisions (today's greedy rule), then
 #                     <output_dir>/deduplicated/, the counts and the list of removed records
-# P is dedup_partitions (one per shard, at most 64). In the default target only when
+# P is dedup_partitions (one per 8 shards, at most 256). In the default target only when
 # deduplication_params.enabled (default_targets in common.smk).
 
 

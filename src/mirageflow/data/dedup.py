@@ -74,15 +74,17 @@ def shingles(text: str, k: int) -> set[bytes]:
     return {text[i : i + k].encode("utf-8") for i in range(len(text) - k + 1)}
 
 
-# at most this many jobs per stage (and partitions): stage 1 and 2 files are one per job and
-# partition, and a cluster job's fixed cost is paid by each
-MAX_PARTITIONS = 64
+# One dedup job per this many shards: a stage job's memory follows the rows of its shards
+# (its share of the entries), and a job's fixed cost (imports; a cluster job's parse) is
+# paid once per 8 shards rather than per shard.
+SHARDS_PER_DEDUP_JOB = 8
+MAX_PARTITIONS = 256  # each pairs job opens every signatures job's files
 
 
 def dedup_partitions(cfg: PipelineConfig) -> int:
-    """How many parallel jobs each dedup stage runs (and band partitions): one per shard, up to
-    MAX_PARTITIONS (the workflow's rules and the jobs agree through this function)."""
-    return max(1, min(int(cfg.num_shards), MAX_PARTITIONS))
+    """How many parallel jobs each dedup stage runs (and band partitions): one per 8 shards,
+    at least 1, at most MAX_PARTITIONS (the workflow's rules and the jobs agree through this)."""
+    return max(1, min(-(-int(cfg.num_shards) // SHARDS_PER_DEDUP_JOB), MAX_PARTITIONS))
 
 
 _PARAM_KEYS = ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle_size")
