@@ -312,6 +312,23 @@ def test_the_stages_remove_what_the_single_job_removed(tmp_path, fmt, partitions
     assert [r["source_index"] for r in kept] == [r["source_index"] for r, k in zip(everything, keep) if k]
 
 
+@pytest.mark.parametrize("k, num_perm", [(1, 32), (3, 128), (5, 128), (5, 7)])
+def test_the_signatures_are_datasketchs_minhash(k, num_perm):
+    """Signer (numpy, CRC-32 by tables for ASCII) gives the values datasketch's MinHash gives."""
+    import zlib
+
+    from datasketch import MinHash
+
+    from mirageflow.data.dedup_stages import Signer
+
+    signer, base = Signer(params(num_perm=num_perm, shingle_size=k)), MinHash(num_perm=num_perm, seed=1)
+    texts = ["", "a", "abcd", BASE, NEAR, "café été naïve résumé " * 5, "🙂 emoji 🙂 and text", "x" * 9000, OTHER * 80]
+    for text in map(normalize, texts):
+        m = MinHash(num_perm=num_perm, seed=1, permutations=base.permutations, scheme=base.scheme, hashfunc=zlib.crc32)
+        m.update_batch(list(shingles(text, k)))
+        assert m.hashvalues.tolist() == signer.signature(text).tolist(), text[:30]
+
+
 def test_one_dedup_job_per_eight_shards_at_least_one_at_most_the_cap():
     from mirageflow.data.dedup import MAX_PARTITIONS, dedup_partitions
 
