@@ -61,10 +61,6 @@ PART_SHIFT = 32
 _PARAM_KEYS = ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle_size")
 
 
-def row_id(part: int, position: int) -> int:
-    return (part << PART_SHIFT) | position
-
-
 def bands_of(params: DedupParams) -> tuple[int, int]:
     """(bands, rows per band) of datasketch's MinHashLSH for these parameters; (0, 0) when
     there is no banding (exact only, or threshold 1: equal signatures)."""
