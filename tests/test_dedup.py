@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,16 +24,15 @@ from fakes.configs import pipeline_config
 from fakes.fake_http import FakeServer
 
 from mirageflow.config import ConfigError, load_config
+from mirageflow.config.types import DedupParams
 from mirageflow.data.dedup import (
     DedupError,
-    Deduplicator,
-    DedupParams,
-    dedup_dataset,
     normalize,
     read_dedup_counts,
     remove_stale_dedup_outputs,
     shingles,
 )
+from mirageflow.data.dedup_stages import dedup_dataset
 from mirageflow.data.writers import is_json_field, records_table, write_merged
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -47,9 +47,21 @@ def params(**kw) -> DedupParams:
     return DedupParams(**{**base, **kw})
 
 
-def run(texts: list, **kw) -> list:
-    d = Deduplicator(params(**kw))
-    return [d.check(i, t) for i, t in enumerate(texts)]
+def run(texts: list, partitions: int = 2, **kw) -> list:
+    """Each text's fate through every stage (data/dedup_stages.py): None (kept), or (kind, the
+    kept row it duplicates, similarity); the texts in two merged JSONL parts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, ds = dataset(Path(tmp), "jsonl")
+        lines = [json.dumps({"text": t, "source_index": i}).encode() + b"\n" for i, t in enumerate(texts)]
+        half = len(lines) // 2
+        write_merged([lines[:half], lines[half:]], Path(ds.output_dir) / "merged", "jsonl")
+        write_manifest(cfg, len(lines))
+        dedup_dataset(cfg, ds, params(**kw), Path(tmp) / "c.json", Path(tmp) / "r.jsonl", partitions=partitions)
+        removed = {r["row"]: r for r in map(json.loads, (Path(tmp) / "r.jsonl").read_text().splitlines())}
+    return [
+        (removed[i]["kind"], removed[i]["duplicate_of_row"], removed[i].get("similarity")) if i in removed else None
+        for i in range(len(texts))
+    ]
 
 
 # --------------------------------------------------------------------------- the passes
@@ -221,6 +233,170 @@ def test_damaged_inputs_name_the_file(tmp_path):
         dedup_dataset(cfg, ds, params(), tmp_path / "c.json", tmp_path / "r.jsonl")
 
 
+# --------------------------------------------------------------------------- the stages against the single job
+
+
+def hostile_records(seed: int) -> list[list]:
+    """Merged parts of records: originals, exact copies (other case, spacing) and near copies
+    (one word replaced) across parts, chains of near copies (A~B, B~C, A!~C: the single job
+    keeps A and C), a part of one text repeated, empty parts, records without text."""
+    import random
+
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(300)]
+    originals = [" ".join(rng.choices(words, k=rng.randint(12, 40))) for _ in range(60)]
+    chain = [" ".join(words[i : i + 30]) for i in range(0, 6)]  # each one word on from the last
+    texts = []
+    for i in range(240):
+        r = rng.random()
+        if r < 0.4:
+            texts.append(rng.choice(originals))
+        elif r < 0.55:
+            texts.append("  " + rng.choice(originals).upper().replace(" ", "  ") + "\n")
+        elif r < 0.8:
+            w = rng.choice(originals).split()
+            w[rng.randrange(len(w))] = "zebra"
+            texts.append(" ".join(w))
+        elif r < 0.9:
+            texts.append(rng.choice(chain))
+        else:
+            # no text, not text, short texts; "aaaaaa" and "aaaaaaa": one shingle, equal signatures
+            texts.append(rng.choice([None, 7, "short", "shorts", "aaaaaa", "aaaaaaa"]))
+    records = [{"text": t, "source_index": i} if t is not None else {"source_index": i} for i, t in enumerate(texts)]
+    same = [{"text": originals[0], "source_index": 1000 + i} for i in range(30)]  # all duplicates
+    return [records[:70], [], records[70:150], same, [], records[150:]]
+
+
+VARIANTS = [
+    {},
+    {"exact": False},
+    {"fuzzy": False},
+    {"threshold": 1.0},
+    {"threshold": 1.0, "exact": False},
+    {"threshold": 0.5, "num_perm": 32, "shingle_size": 3},
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+@pytest.mark.parametrize("partitions", [1, 3, 4])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_the_stages_remove_what_the_single_job_removed(tmp_path, fmt, partitions, variant):
+    from dedup_reference import reference
+
+    p = params(**VARIANTS[variant])
+    parts = hostile_records(seed=variant)
+    cfg, ds = dataset(tmp_path, fmt)
+    if fmt == "jsonl":
+        items = [[json.dumps(r).encode() + b"\n" for r in part] for part in parts]
+    else:
+        items = [
+            records_table(part) if part else pa.table({"text": pa.array([], pa.string()), "source_index": pa.array([], pa.int64())})
+            for part in parts
+        ]
+    write_merged(items, Path(ds.output_dir) / "merged", fmt)
+    everything = [r for part in parts for r in part]
+    write_manifest(cfg, len(everything))
+    counts = dedup_dataset(cfg, ds, p, tmp_path / "c.json", tmp_path / "r.jsonl", partitions=partitions)
+
+    keep, removed_lines, expected = reference(everything, p)
+    assert (tmp_path / "r.jsonl").read_bytes() == b"".join(removed_lines)
+    assert (counts["exact_duplicates_removed"], counts["near_duplicates_removed"], counts["rows_without_text"]) == (
+        expected["exact"], expected["near"], expected["rows_without_text"],
+    )  # fmt: skip
+    assert counts["near_duplicates_removed"] > 0 or not p.fuzzy
+    out = sorted((Path(ds.output_dir) / "deduplicated").glob(f"part-*.{fmt}"))
+    if fmt == "jsonl":
+        kept = [json.loads(x) for path in out for x in path.read_text().splitlines()]
+    else:
+        kept = [r for path in out for r in pq.read_table(path).to_pylist()]
+    assert [r["source_index"] for r in kept] == [r["source_index"] for r, k in zip(everything, keep) if k]
+
+
+@pytest.mark.parametrize("k, num_perm", [(1, 32), (3, 128), (5, 128), (5, 7)])
+def test_the_signatures_are_datasketchs_minhash(k, num_perm):
+    """Signer (numpy, CRC-32 by tables for ASCII) gives the values datasketch's MinHash gives."""
+    import zlib
+
+    from datasketch import MinHash
+
+    from mirageflow.data.dedup_stages import Signer
+
+    signer, base = Signer(params(num_perm=num_perm, shingle_size=k)), MinHash(num_perm=num_perm, seed=1)
+    texts = ["", "a", "abcd", BASE, NEAR, "café été naïve résumé " * 5, "🙂 emoji 🙂 and text", "x" * 9000, OTHER * 80]
+    for text in map(normalize, texts):
+        m = MinHash(num_perm=num_perm, seed=1, permutations=base.permutations, scheme=base.scheme, hashfunc=zlib.crc32)
+        m.update_batch(list(shingles(text, k)))
+        assert m.hashvalues.tolist() == signer.signature(text).tolist(), text[:30]
+
+
+def test_one_dedup_job_per_eight_shards_at_least_one_at_most_the_cap():
+    from mirageflow.data.dedup import MAX_PARTITIONS, dedup_partitions
+
+    assert [dedup_partitions(SimpleNamespace(num_shards=n)) for n in (1, 8, 9, 200, 10**6)] == [1, 1, 2, 25, MAX_PARTITIONS]
+
+
+def test_a_chain_of_near_duplicates_keeps_what_no_kept_record_covers():
+    a = " ".join(f"w{i}" for i in range(40))
+    b = " ".join(f"w{i}" for i in range(3, 43))  # ~0.86 to a
+    c = " ".join(f"w{i}" for i in range(6, 46))  # ~0.86 to b, ~0.73 to a
+    out = run([a, b, c], threshold=0.8)
+    assert out[0] is None and out[1][:2] == ("near", 0) and out[2] is None
+
+
+def test_all_duplicates_cost_one_edge_per_record_not_per_pair(tmp_path):
+    """Equal signatures are one class: each copy gets one edge to the first, none between copies."""
+    from mirageflow.data import dedup_stages as stages
+    from mirageflow.state.layout import StateLayout
+
+    cfg, ds = dataset(tmp_path, "jsonl")
+    lines = [json.dumps({"text": BASE, "source_index": i}).encode() + b"\n" for i in range(200)]
+    write_merged([lines[:100], lines[100:]], Path(ds.output_dir) / "merged", "jsonl")
+    write_manifest(cfg, 200)
+    counts = dedup_dataset(cfg, ds, params(exact=False), tmp_path / "c.json", tmp_path / "r.jsonl", partitions=3)
+    assert (counts["near_duplicates_removed"], counts["rows_out"]) == (199, 1)
+    edges = stages.load_edges([StateLayout(cfg.state_dir).dedup_edges(0, k) for k in range(3)])
+    assert len(edges) == 199 and set(edges["kind"].tolist()) == {stages.EDGE_CLASS}
+
+
+def test_a_pairs_job_reads_only_its_partition_of_each_signature_file(tmp_path):
+    """Stage 2's memory is its share: entries of the other partitions, replaced by entries that
+    would make many edges, change nothing in its output."""
+    import numpy as np
+
+    from mirageflow.data import dedup_stages as stages
+    from mirageflow.state.layout import StateLayout
+
+    cfg, ds = dataset(tmp_path, "jsonl")
+    parts = hostile_records(seed=0)
+    items = [[json.dumps(r).encode() + b"\n" for r in part] for part in parts]
+    write_merged(items, Path(ds.output_dir) / "merged", "jsonl")
+    write_manifest(cfg, sum(map(len, parts)))
+    n, p = 3, params()
+    paths = StateLayout(cfg.state_dir)
+    files = [paths.dedup_signatures(0, k) for k in range(n)]
+    for job in range(n):
+        stages.write_signatures(Path(ds.output_dir) / "merged", "jsonl", p, n, job, files[job])
+    for partition in range(n):
+        stages.write_pairs(p, n, partition, files, tmp_path / f"before_{partition}.npy")
+    before = [np.load(tmp_path / f"before_{k}.npy") for k in range(n)]
+    assert all(len(e) for e in before)
+    target = 1
+    for job, f in enumerate(files):
+        meta = json.loads(f["meta"].read_text())
+        for kind, offsets in (("classes", meta["class_offsets"]), ("bands", meta["band_offsets"])):
+            entries = np.load(f[kind])
+            lo, hi = offsets[target], offsets[target + 1]
+            outside = np.ones(len(entries), dtype=bool)
+            outside[lo:hi] = False
+            # every entry elsewhere now claims one class and one bucket: one edge per entry if read
+            for name in entries.dtype.names:
+                if name != "row":
+                    entries[name][outside] = entries[name][0] if len(entries) else 0
+            np.save(f[kind], entries)
+    stages.write_pairs(p, n, target, files, tmp_path / "after.npy")
+    assert np.load(tmp_path / "after.npy").tobytes() == before[target].tobytes()
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -278,8 +454,10 @@ def test_changed_parameters_remove_the_old_outputs(tmp_path):
     same = {k: getattr(cfg.dedup, k) for k in ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle_size")}
     counts.write_text(json.dumps(same))
     assert remove_stale_dedup_outputs(cfg) == [] and counts.exists()
+    (tmp_path / "s/dedup/dataset_0").mkdir()  # the stages' files (data/dedup_stages.py)
     counts.write_text(json.dumps({**same, "threshold": 0.5}))
     assert remove_stale_dedup_outputs(cfg) and not counts.exists() and not (tmp_path / "o/deduplicated").exists()
+    assert not (tmp_path / "s/dedup/dataset_0").exists()
 
 
 # --------------------------------------------------------------------------- end to end
@@ -298,7 +476,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
     cfg = {
         "processors": [{"type": "llm", "backend": "openai", "base_url": server.url + "/v1", "server_args": {"model_path": "fake-model"},
                         "default_sampling_params": {"max_new_tokens": 3}, "max_retries": 0}],
-        "loading_params": {"state_dir": "state", "num_shards": 1,
+        "loading_params": {"state_dir": "state", "num_shards": 2,
                            "datasets": [{"path": "in.jsonl", "type": "jsonl", "output_dir": "out", "output_format": "parquet"}]},
         "processing_params": {
             "inputs": [{"name": "text", "key": "text"}, {"name": "id", "key": "id"}],
@@ -308,7 +486,9 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
         },
         "deduplication_params": {"enabled": True, "text_field": "text"},
     }  # fmt: skip
-    run_workflow(tmp_path, cfg)
+    proc = run_workflow(tmp_path, cfg)
+    # two shards: each stage is one job (one per 8 shards: dedup_partitions; several: the tests above)
+    assert proc.text.count("rule dedup_signatures:") == 1 and proc.text.count("rule dedup_pairs:") == 1
     kept = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/deduplicated").glob("*.parquet"))])
     assert kept.column("id").to_pylist() == [0, 1, 4]
     merged = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/merged").glob("*.parquet"))])
@@ -328,12 +508,13 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
     cfg["deduplication_params"]["fuzzy"] = False
     proc = run_workflow(tmp_path, cfg, "--rerun-triggers", "mtime")
     assert shard_jobs(proc) == 0 and "rule dedup:" in proc.text
+    assert proc.text.count("rule dedup_signatures:") == 1 and proc.text.count("rule dedup_pairs:") == 1  # stale stages too
     counts = json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())
     assert (counts["near_duplicates_removed"], counts["rows_out"]) == (0, 4)
     assert json.loads((tmp_path / "state/metrics.json").read_text())["deduplication"][0]["rows_out"] == 4
 
     # `mmirage merge` deduplicates too when enabled (and still never starts a shard)
-    for path in (tmp_path / "state/dedup").iterdir():
+    for path in (tmp_path / "state/dedup").glob("dataset_0*.*"):
         path.unlink()
     proc = subprocess.run(
         [sys.executable, "-m", "mirageflow.cli", "merge", "--config", "pipeline.yaml"], cwd=tmp_path, capture_output=True, text=True

@@ -30,7 +30,7 @@ from fakes.fake_hub import FakeHub, HubRepo
 from fakes.runs import finish_shard
 
 from mirageflow.config import load_config
-from mirageflow.data.dedup import dedup_dataset
+from mirageflow.data.dedup_stages import dedup_dataset
 from mirageflow.data.merge import merge_dataset
 from mirageflow.files import atomic_write_json
 from mirageflow.hub_models import hub_models, marker_path

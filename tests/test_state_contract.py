@@ -117,6 +117,9 @@ def test_the_rules_take_their_paths_from_the_layout(tmp_path, tiny_model):
         paths.engine_endpoint(0), paths.shard_log(0), paths.shard_log(1), paths.engine_log(0), paths.log("aggregate"),
         paths.log("index_dataset_0"), paths.log("merge_0"), paths.log("dedup_0"), paths.log("records_fingerprint"),
         paths.log("card"),
+        # the dedup stages: one job each for 2 shards (data/dedup_stages.py)
+        *paths.dedup_signatures(0, 0).values(), paths.dedup_edges(0, 0),
+        paths.log("dedup_signatures_0_0"), paths.log("dedup_pairs_0_0"),
     }  # fmt: skip
     assert {str(p) for p in expected} <= named, {str(p) for p in expected} - named
     assert {p for p in named if p.startswith("state/")} <= {str(p) for p in expected}, "a rule names a state path the layout does not"

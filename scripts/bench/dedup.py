@@ -30,7 +30,9 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C
 
-from mirageflow.data.dedup import DedupParams, dedup_dataset, normalize, shingles
+from mirageflow.config.types import DedupParams
+from mirageflow.data.dedup import normalize, shingles
+from mirageflow.data.dedup_stages import dedup_dataset
 from mirageflow.data.writers import records_table, write_merged
 
 
@@ -150,7 +152,7 @@ def main() -> None:
 {args.rows:,} synthetic records (30-60 words): 80% originals, 10% exact copies (other case
 and spacing), 10% near copies (one word replaced; {len(near_above)} of {len(injected_near)} at a true
 5-shingle Jaccard >= 0.85 to their original), each after its original. Merged output in 2
-parts; `dedup_dataset` end to end (read, decide, write deduplicated/, removed list,
+parts; `dedup_dataset` end to end (the stages in one process, one job each: read, decide, write deduplicated/, removed list,
 counts); {pinned}, {args.repeats} interleaved repeats, median. Found: injected copies removed
 (near: those at or above the threshold; "below" counts near copies under it that were
 removed anyway, by their MinHash estimate). Peak RSS is the whole benchmark process.

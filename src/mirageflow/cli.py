@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from mirageflow.config.types import PipelineConfig
+from mirageflow.data.dedup import DEDUP_RULES
 from mirageflow.errors import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, EngineDeathClass, InputError
 from mirageflow.state.layout import StateLayout
 
@@ -358,7 +359,7 @@ def cmd_retry(args) -> int:
         )
         return EXIT_OK
     # the report, merged outputs, card (and upload), from the shards as they are now: no shard may start here
-    flags = ["--allowed-rules", "aggregate", "merge", "dedup", "card", "publish", "--rerun-triggers", "mtime"]
+    flags = ["--allowed-rules", "aggregate", "merge", *DEDUP_RULES, "card", "publish", "--rerun-triggers", "mtime"]
     return _run(snakemake_command(args.config, flags=flags, targets=default_targets(cfg), **common))
 
 
@@ -602,7 +603,7 @@ def cmd_merge(args) -> int:
     rules = ["merge"]
     if cfg.dedup is not None:  # deduplication_params.enabled: deduplicate the merged output too
         targets += [str(paths.dedup_counts(ds.index)) for ds in cfg.datasets]
-        rules.append("dedup")
+        rules += DEDUP_RULES
     flags = ["--allowed-rules", *rules, "--rerun-triggers", "mtime"]
     if args.output_path:  # MMIRAGE's merge fills a batch_api run's placeholders from the results there
         print(

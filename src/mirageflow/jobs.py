@@ -352,11 +352,39 @@ def merge(config: str, ds_index: int, output: str) -> None:
     atomic_write_json(output, manifest)
 
 
-def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
-    from mirageflow.data.dedup import dedup_dataset
+def dedup_signatures(config: str, ds_index: int, job: int) -> None:
+    """Dedup stage 1, job ``job``: signatures and entries of its merged parts (data/dedup_stages.py)."""
+    from mirageflow.data.dedup import dedup_partitions
+    from mirageflow.data.dedup_stages import write_signatures
+    from mirageflow.state.layout import StateLayout, merged_dir
 
     cfg = _config(config)
-    result = dedup_dataset(cfg, cfg.datasets[ds_index], cfg.dedup, counts, removed)
+    ds = cfg.datasets[ds_index]
+    files = StateLayout(cfg.state_dir).dedup_signatures(ds_index, job)
+    meta = write_signatures(merged_dir(ds.output_dir), ds.output_format, cfg.dedup, dedup_partitions(cfg), job, files)
+    logging.info("signatures of %d merged parts (%d rows)", len(meta["parts"]), sum(p["rows"] for p in meta["parts"]))
+
+
+def dedup_pairs(config: str, ds_index: int, partition: int) -> None:
+    """Dedup stage 2, partition ``partition``: its duplicate edges (data/dedup_stages.py)."""
+    from mirageflow.data.dedup import dedup_partitions
+    from mirageflow.data.dedup_stages import write_pairs
+    from mirageflow.state.layout import StateLayout
+
+    cfg = _config(config)
+    paths, n = StateLayout(cfg.state_dir), dedup_partitions(cfg)
+    files = [paths.dedup_signatures(ds_index, k) for k in range(n)]
+    edges = write_pairs(cfg.dedup, n, partition, files, paths.dedup_edges(ds_index, partition))
+    logging.info("partition %d: %d duplicate edges", partition, edges)
+
+
+def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
+    """Dedup's last stage: the decisions from every partition's edges, then deduplicated/."""
+    from mirageflow.data.dedup import dedup_partitions
+    from mirageflow.data.dedup_stages import write_deduplicated
+
+    cfg = _config(config)
+    result = write_deduplicated(cfg, cfg.datasets[ds_index], cfg.dedup, dedup_partitions(cfg), counts, removed)
     logging.info("deduplicated %s", json.dumps(result))
 
 
@@ -426,7 +454,13 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("merge", help="merge one dataset's shard outputs")
     p.add_argument("dataset", type=int)
     p.add_argument("output")
-    p = sub.add_parser("dedup", help="deduplicate one dataset's merged output (deduplication_params)")
+    p = sub.add_parser("dedup-signatures", help="dedup stage 1: one job's signatures (deduplication_params)")
+    p.add_argument("dataset", type=int)
+    p.add_argument("job_index", type=int, metavar="job")
+    p = sub.add_parser("dedup-pairs", help="dedup stage 2: one partition's duplicate edges")
+    p.add_argument("dataset", type=int)
+    p.add_argument("partition", type=int)
+    p = sub.add_parser("dedup", help="deduplicate one dataset's merged output from the stages' edges (deduplication_params)")
     p.add_argument("dataset", type=int)
     p.add_argument("counts")
     p.add_argument("removed")
@@ -458,6 +492,10 @@ def main(argv: list[str] | None = None) -> None:
         hub_model(args.config, args.model, args.output)
     elif args.job == "dedup":
         dedup(args.config, args.dataset, args.counts, args.removed)
+    elif args.job == "dedup-signatures":
+        dedup_signatures(args.config, args.dataset, args.job_index)
+    elif args.job == "dedup-pairs":
+        dedup_pairs(args.config, args.dataset, args.partition)
     elif args.job == "fingerprint":
         records_fingerprint(args.config, args.output)
     elif args.job == "card":

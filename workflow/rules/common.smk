@@ -23,6 +23,7 @@ from mirageflow.state import pipeline as pipeline_state
 from mirageflow.state.inputs import ContentChanges
 from mirageflow.config import ConfigError
 from mirageflow.config.preflight import validate
+from mirageflow.data.dedup import dedup_partitions
 from mirageflow.redact import install_log_redaction, register_config_secrets
 
 
@@ -98,11 +99,15 @@ if workflow.is_main_process:
             HUB_DOWNLOADS.add(str(hub_models.marker_path(STATE_DIR, state.model)))
 
 DATASET_IDS = [ds.index for ds in PIPELINE.datasets]
+# Parallel jobs per dedup stage (mirageflow/data/dedup.py; the jobs compute the same number).
+DEDUP_PARTITIONS = dedup_partitions(PIPELINE)
 
 
 wildcard_constraints:
     model=r"[^/]+",
     shard=r"\d+",
+    job=r"\d+",
+    partition=r"\d+",
     group=r"\d+",
     ds=r"\d+",
 
@@ -154,11 +159,35 @@ def derived_changed(wildcards):
 
 
 def dedup_changed(wildcards):
-    """The dedup job, when deduplication_params changed since the dataset was deduplicated."""
+    """Every dedup stage's job, when deduplication_params changed since the dataset was deduplicated."""
     why = CONTENT_CHANGES.dedup(int(wildcards.ds))
     for path in (STATE.dedup_counts(wildcards.ds), STATE.dedup_removed(wildcards.ds)):
         CONTENT_CHANGES.force(workflow, str(path), why, logger)
+    if why:
+        for k in range(DEDUP_PARTITIONS):
+            CONTENT_CHANGES.force(workflow, str(STATE.dedup_signatures(wildcards.ds, k)["meta"]), why, logger)
+            CONTENT_CHANGES.force(workflow, str(STATE.dedup_edges(wildcards.ds, k)), why, logger)
     return []
+
+
+def dedup_signature_files(wildcards):
+    """Every dedup_signatures job's files of the dataset (a dedup_pairs job reads a slice of each)."""
+    return [
+        str(path)
+        for k in range(DEDUP_PARTITIONS)
+        for path in STATE.dedup_signatures(wildcards.ds, k).values()
+    ]
+
+
+def dedup_signature_metas(wildcards):
+    return [
+        str(STATE.dedup_signatures(wildcards.ds, k)["meta"])
+        for k in range(DEDUP_PARTITIONS)
+    ]
+
+
+def dedup_edge_files(wildcards):
+    return [str(STATE.dedup_edges(wildcards.ds, k)) for k in range(DEDUP_PARTITIONS)]
 
 
 def hub_model_changed(wildcards):

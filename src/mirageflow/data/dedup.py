@@ -16,10 +16,11 @@ kept; the result is deterministic (fixed MinHash seed, rows taken in order).
   permutations, seed 1) of the normalised text's character shingles of ``shingle_size``
   characters (a text shorter than that is one shingle; each shingle hashed by zlib's
   CRC-32: datasketch's default SHA-1 made the pass ~1.7x slower for the same recall),
-  looked up in a MinHashLSH index of the kept records at ``threshold``, banded to favour
-  recall (``LSH_WEIGHTS``). LSH returns candidates, some below the threshold: a record is
-  removed only when a candidate's estimated Jaccard similarity (the share of equal
-  MinHash values) reaches ``threshold``; it then names the earliest such record.
+  banded as datasketch's MinHashLSH bands it at ``threshold`` (weighted to favour recall:
+  ``LSH_WEIGHTS``): records sharing a band are candidates, some below the threshold: a
+  record is removed only when an earlier *kept* candidate's estimated Jaccard similarity
+  (the share of equal MinHash values) reaches ``threshold``; it then names the earliest
+  such kept record (greedy in merged order: A~B, B~C, A!~C keeps A and C).
   ``threshold: 1`` means equal MinHash signatures (a dictionary; LSH cannot band it). A
   threshold close to 1 with few permutations leaves datasketch fewer than 2 bands: the
   driver refuses it (``dedup_problems``), naming the key.
@@ -29,24 +30,26 @@ removed record (``row``: its position in merged order, its ``source_index``, ``k
 exact or near, ``duplicate_of_row`` and ``duplicate_of``: the kept record's position and
 source_index, with n_samples the two ``sample_index`` values, and for ``near`` the
 estimated ``similarity``), and the rule checks rows_in = rows_out + removed.
+
+The work runs in stages of parallel jobs, each with a bounded share of the data
+(data/dedup_stages.py: signatures per group of merged parts, candidate pairs per band
+partition, then the decisions and the write); this module holds the rule, its parameters
+and the driver's checks (light: no numpy, imported when the workflow is parsed).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
-import zlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Iterable
 
-from mirageflow.config.types import DatasetConfig, DedupParams, OutputVar, PipelineConfig
-from mirageflow.data.writers import PartUnreadable, is_json_field, jsonl_line, write_merged
-from mirageflow.files import atomic_write_bytes, atomic_write_json, digest_of
+from mirageflow.config.types import DatasetConfig, OutputVar, PipelineConfig
+from mirageflow.files import digest_of
 from mirageflow.errors import MirageflowError
-from mirageflow.state.layout import StateLayout, merged_dir
+from mirageflow.state.layout import StateLayout
 
 DEDUP_SUBDIR = "deduplicated"
+DEDUP_RULES = ["dedup_signatures", "dedup_pairs", "dedup"]  # the workflow's dedup stages (workflow/rules/dedup.smk)
 MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same records
 # LSH banding weighted against missed pairs (datasketch's weights: false positives, false
 # negatives): every candidate is verified by its MinHash estimate, so an extra candidate
@@ -71,205 +74,17 @@ def shingles(text: str, k: int) -> set[bytes]:
     return {text[i : i + k].encode("utf-8") for i in range(len(text) - k + 1)}
 
 
-class Deduplicator:
-    """Decides, record by record in order, whether a text duplicates an earlier kept one."""
-
-    def __init__(self, params: DedupParams):
-        from datasketch import MinHash, MinHashLSH
-
-        self.params = params
-        # a record is named by an ident tuple whose first item is its position in merged order
-        self._seen: dict[bytes, tuple] = {}  # exact: digest -> ident of the kept record
-        self._MinHash = MinHash
-        # Generating the permutations is most of a MinHash's construction cost: once here.
-        base = MinHash(num_perm=params.num_perm, seed=MINHASH_SEED)
-        self._perms, self._scheme = base.permutations, base.scheme
-        # threshold 1 (every MinHash value equal) is an exact match of signatures; datasketch's
-        # banding cannot express it (fewer than 2 bands)
-        fuzzy_lsh = params.fuzzy and params.threshold < 1
-        try:
-            self._lsh = MinHashLSH(threshold=params.threshold, num_perm=params.num_perm, weights=LSH_WEIGHTS) if fuzzy_lsh else None
-        except ValueError as e:  # the driver refuses this config (dedup_problems); a job run by hand may not have
-            raise DedupError(f"deduplication_params.threshold: {params.threshold} with num_perm {params.num_perm}: {e}") from None
-        self._signatures: dict[bytes, tuple] = {}  # threshold 1: signature -> ident
-        self._kept: dict[int, Any] = {}  # fuzzy: LSH key -> (ident, hash values)
-        self._next_key = 0
-
-    def check(self, ident: Any, text: str) -> tuple[str, Any, float | None] | None:
-        """None to keep the record (it is then remembered under ``ident``), else (kind, the
-        kept record's ident, estimated similarity for near duplicates). Idents are compared
-        (the earliest kept record wins), so they start with the record's position."""
-        norm = normalize(text)
-        digest = None
-        if self.params.exact:
-            digest = hashlib.blake2b(norm.encode("utf-8"), digest_size=16).digest()
-            first = self._seen.get(digest)
-            if first is not None:
-                return "exact", first, None
-        if self.params.fuzzy:
-            m = self._MinHash(
-                num_perm=self.params.num_perm, seed=MINHASH_SEED, permutations=self._perms, scheme=self._scheme, hashfunc=zlib.crc32
-            )
-            m.update_batch(list(shingles(norm, self.params.shingle_size)))
-            if self._lsh is None:
-                signature = m.hashvalues.tobytes()
-                first = self._signatures.get(signature)
-                if first is not None:
-                    return "near", first, 1.0
-                self._signatures[signature] = ident
-                if digest is not None:
-                    self._seen[digest] = ident
-                return None
-            best = None
-            for key in self._lsh.query(m):
-                kept_index, values = self._kept[key]
-                similarity = float((values == m.hashvalues).mean())
-                if similarity >= self.params.threshold and (best is None or kept_index < best[0]):
-                    best = (kept_index, similarity)
-            if best is not None:
-                return "near", best[0], round(best[1], 4)
-            key, self._next_key = self._next_key, self._next_key + 1
-            self._lsh.insert(key, m)
-            self._kept[key] = (ident, m.hashvalues.copy())
-        if digest is not None:
-            self._seen[digest] = ident
-        return None
+# One dedup job per this many shards: a stage job's memory follows the rows of its shards
+# (its share of the entries), and a job's fixed cost (imports; a cluster job's parse) is
+# paid once per 8 shards rather than per shard.
+SHARDS_PER_DEDUP_JOB = 8
+MAX_PARTITIONS = 256  # each pairs job opens every signatures job's files
 
 
-class _Counter:
-    def __init__(self):
-        self.rows_in = self.rows_without_text = self.exact = self.near = 0
-        self.removed: list[bytes] = []
-
-    def decide(self, dedup: Deduplicator, ordinal: int, record: Any, field: str) -> bool:
-        """Whether to keep the record (counting it either way)."""
-        self.rows_in += 1
-        record = record if isinstance(record, dict) else {}
-        text = record.get(field)
-        if not isinstance(text, str):
-            self.rows_without_text += 1
-            return True
-        # position in merged order; source_index and (n_samples) sample_index as the record has them
-        ident = (ordinal, record.get("source_index"), record.get("sample_index"))
-        found = dedup.check(ident, text)
-        if found is None:
-            return True
-        kind, first, similarity = found
-        if kind == "exact":
-            self.exact += 1
-        else:
-            self.near += 1
-        entry = {"row": ordinal, "source_index": ident[1], "kind": kind, "duplicate_of_row": first[0], "duplicate_of": first[1]}
-        if ident[2] is not None or first[2] is not None:
-            entry["sample_index"], entry["duplicate_of_sample"] = ident[2], first[2]
-        if similarity is not None:
-            entry["similarity"] = similarity
-        self.removed.append(jsonl_line(entry))
-        return False
-
-
-def _merged_parts(merged: Path, fmt: str) -> list[Path]:
-    if not merged.is_dir():
-        raise DedupError(f"{merged}: no merged output to deduplicate (the merge rule writes it)")
-    return sorted(merged.glob(f"part-*.{fmt}"))
-
-
-def _jsonl_kept(parts: list[Path], dedup: Deduplicator, counter: _Counter, field: str) -> Iterator[list[bytes]]:
-    for path in parts:
-        kept = []
-        try:
-            with open(path, "rb") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError as e:
-                        raise DedupError(f"{path}:{lineno}: not a JSON record ({e})") from None
-                    if counter.decide(dedup, counter.rows_in, record, field):
-                        kept.append(line if line.endswith(b"\n") else line + b"\n")
-        except OSError as e:
-            raise DedupError(f"{path}: cannot read this merged part ({e})") from None
-        yield kept
-
-
-def _parquet_kept(parts: list[Path], dedup: Deduplicator, counter: _Counter, field: str) -> Iterator[Any]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for path in parts:
-        try:
-            table = pq.read_table(path)
-        except Exception as e:
-            raise DedupError(f"{path}: cannot read this merged Parquet part ({type(e).__name__}: {e})") from e
-        n = table.num_rows
-        columns = {}  # only the columns read: the text, and what names a record
-        for name in (field, "source_index", "sample_index"):
-            if name in table.column_names:
-                values = table.column(name).to_pylist()
-                if is_json_field(table.schema.field(name)):  # JSON text: the values are what it decodes to
-                    values = [json.loads(v) if v is not None else None for v in values]
-                columns[name] = values
-        keep = []
-        for i in range(n):
-            record = {name: values[i] for name, values in columns.items()}
-            keep.append(counter.decide(dedup, counter.rows_in, record, field))
-        yield table.filter(pa.array(keep, type=pa.bool_()))
-
-
-def dedup_dataset(cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, counts_path: str | Path, removed_path: str | Path) -> dict:
-    """Write ``<output_dir>/deduplicated/``, the removed list and the counts; return the counts."""
-    started = time.monotonic()
-    fmt = ds.output_format
-    merged = merged_dir(ds.output_dir)
-    manifest_path = StateLayout(cfg.state_dir).merge_manifest(ds.index)
-    try:
-        merged_rows = json.loads(manifest_path.read_text(encoding="utf-8"))["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DedupError(f"{manifest_path}: cannot read the merge manifest ({type(e).__name__}: {e}); rerun the merge rule") from None
-    parts = _merged_parts(merged, fmt)
-    dedup, counter = Deduplicator(params), _Counter()
-    field = params.text_field
-    kept_parts = _jsonl_kept(parts, dedup, counter, field) if fmt == "jsonl" else _parquet_kept(parts, dedup, counter, field)
-    out = Path(ds.output_dir) / DEDUP_SUBDIR
-
-    def checked():  # raising here, before the last part is written, leaves no deduplicated/ behind
-        yield from kept_parts
-        if counter.rows_in != merged_rows:
-            raise DedupError(
-                f"{merged}: holds {counter.rows_in} records, its merge manifest {manifest_path} counts {merged_rows}; "
-                "the merged output changed after the merge: rerun the merge rule"
-            )
-
-    try:
-        rows_out = write_merged(checked(), out, fmt)
-    except PartUnreadable as e:
-        raise DedupError(str(e)) from None
-    removed = counter.exact + counter.near
-    if rows_out + removed != counter.rows_in:  # the accounting: every record kept or listed as removed
-        raise DedupError(f"{out}: {rows_out} records written + {removed} removed != {counter.rows_in} read")
-    atomic_write_bytes(Path(removed_path), b"".join(counter.removed))
-    counts = {
-        "dataset": ds.path,
-        "merged_dir": str(merged),
-        "deduplicated_dir": str(out),
-        "removed_list": str(removed_path),
-        "format": fmt,
-        "text_field": field,
-        "exact": params.exact,
-        "fuzzy": params.fuzzy,
-        "threshold": params.threshold,
-        "num_perm": params.num_perm,
-        "shingle_size": params.shingle_size,
-        "rows_in": counter.rows_in,
-        "exact_duplicates_removed": counter.exact,
-        "near_duplicates_removed": counter.near,
-        "rows_out": rows_out,
-        "rows_without_text": counter.rows_without_text,
-        "seconds": round(time.monotonic() - started, 3),
-    }
-    atomic_write_json(Path(counts_path), counts)
-    return counts
+def dedup_partitions(cfg: PipelineConfig) -> int:
+    """How many parallel jobs each dedup stage runs (and band partitions): one per 8 shards,
+    at least 1, at most MAX_PARTITIONS (the workflow's rules and the jobs agree through this)."""
+    return max(1, min(-(-int(cfg.num_shards) // SHARDS_PER_DEDUP_JOB), MAX_PARTITIONS))
 
 
 _PARAM_KEYS = ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle_size")
@@ -322,6 +137,7 @@ def remove_stale_dedup_outputs(cfg: PipelineConfig) -> list[str]:
         counts_path.unlink(missing_ok=True)
         removed_path.unlink(missing_ok=True)
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(StateLayout(cfg.state_dir).dedup_work(ds.index), ignore_errors=True)  # the stages' files
         notes.append(f"deduplication_params changed: dataset {ds.index} ('{ds.path}') is deduplicated again")
     return notes
 

@@ -29,6 +29,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       engines/engine_<g>.stats.json      its loads
       merged/dataset_<k>.json            the merge manifest
       dedup/dataset_<k>.json, .removed.jsonl   deduplication counts and removed records
+      dedup/dataset_<k>/                 the dedup stages' signatures and edges (data/dedup_stages.py)
       metrics.json, summary.md, report.html    the aggregate
       publish/pipeline_id.json           this pipeline's id, written in its dataset card (publish/card.py)
       publish/published.json             the last upload to the Hugging Face Hub (mmirage publish, rule publish)
@@ -138,6 +139,20 @@ class StateLayout:
 
     def dedup_removed(self, ds: Id) -> Path:
         return self.root / "dedup" / f"dataset_{ds}.removed.jsonl"
+
+    def dedup_work(self, ds: Id) -> Path:
+        """The dedup stages' files of a dataset (data/dedup_stages.py)."""
+        return self.root / "dedup" / f"dataset_{ds}"
+
+    def dedup_signatures(self, ds: Id, job: Id) -> dict[str, Path]:
+        """Stage 1 job ``job``'s files: meta (json, written last), sig (MinHash signatures, one
+        row each), bands (band entries by partition), classes (class entries by partition)."""
+        d = self.dedup_work(ds)
+        return {kind: d / f"signatures_{job}.{kind}.{'json' if kind == 'meta' else 'npy'}" for kind in ("meta", "sig", "bands", "classes")}
+
+    def dedup_edges(self, ds: Id, partition: Id) -> Path:
+        """Stage 2 partition ``partition``'s duplicate edges."""
+        return self.dedup_work(ds) / f"edges_{partition}.npy"
 
     def dedup_count_files(self) -> list[Path]:
         """The dedup counts present now, by dataset number."""
