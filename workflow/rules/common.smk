@@ -165,8 +165,15 @@ def dedup_changed(wildcards):
         CONTENT_CHANGES.force(workflow, str(path), why, logger)
     if why:
         for k in range(DEDUP_PARTITIONS):
-            CONTENT_CHANGES.force(workflow, str(STATE.dedup_signatures(wildcards.ds, k)["meta"]), why, logger)
-            CONTENT_CHANGES.force(workflow, str(STATE.dedup_edges(wildcards.ds, k)), why, logger)
+            CONTENT_CHANGES.force(
+                workflow,
+                str(STATE.dedup_signatures(wildcards.ds, k)["meta"]),
+                why,
+                logger,
+            )
+            CONTENT_CHANGES.force(
+                workflow, str(STATE.dedup_edges(wildcards.ds, k)), why, logger
+            )
     return []
 
 
