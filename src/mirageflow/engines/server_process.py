@@ -8,7 +8,8 @@ deadline, and stops the whole process tree: SIGTERM to the group, SIGKILL to wha
 after ``grace`` seconds (vLLM ignores SIGTERM while it compiles; SGLang's scheduler may
 outlive its parent), also at interpreter exit. Error messages quote the log's last lines.
 ``classify_exit`` says why a serving one exited (an ``EngineDeathClass``); the restarts of
-``sglang_server`` and ``vllm_server`` are engines/server_restarts.py's, one ServerProcess per start.
+``sglang_server``, ``vllm_server`` and the diffusion server are engines/server_restarts.py's,
+one ServerProcess per start.
 """
 
 from __future__ import annotations

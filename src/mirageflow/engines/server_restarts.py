@@ -1,5 +1,6 @@
 """A launched inference server that the job restarts when it dies or freezes (not an engine):
-the healing half of ``sglang_server`` and ``vllm_server``, around the one launcher
+the healing half of ``sglang_server``, ``vllm_server`` and image_gen's SGLang diffusion server
+(imagegen/http_images.py), around the one launcher
 (engines/server_process.py).
 
 ``ServerSupervisor`` starts the server (a ``ServerProcess``) on a free port, and from the
@@ -76,11 +77,12 @@ class ServerSupervisor:
     def __init__(
         self, name: str, make_command: Callable[[int], list[str]], log_path: Path, env: dict | None, *, host: str,
         ready_path: str, probe_path: str, start_timeout: float, poll_interval: float, kill_grace: float,
-        max_restarts: int, hang_seconds: float | None,
+        max_restarts: int, hang_seconds: float | None, start_timeout_name: str = "server_start_timeout",
     ):  # fmt: skip
         self.name, self.make_command, self.log_path, self.env, self.host = name, make_command, Path(log_path), env, host
         self.ready_path, self.probe_path = ready_path, probe_path
         self.start_timeout, self.poll_interval, self.kill_grace = start_timeout, poll_interval, kill_grace
+        self.start_timeout_name = start_timeout_name  # the config key of start_timeout, named when it passes
         self.max_restarts, self.hang_seconds = max_restarts, hang_seconds
         # the engine's hooks: a death (its figures of the dead server end), a successor serving at
         # base_url (its client points there), no successor (fail every request in flight now)
@@ -136,7 +138,9 @@ class ServerSupervisor:
 
     def wait_started(self) -> float:
         """``start``'s second half: the wait for the ready probe."""
-        started = self.server.wait_healthy(self.base_url, self.ready_path, self.start_timeout, self.poll_interval)
+        started = self.server.wait_healthy(
+            self.base_url, self.ready_path, self.start_timeout, self.poll_interval, timeout_name=self.start_timeout_name
+        )  # fmt: skip
         self._candidates.remove(self.server)
         return started
 
@@ -209,7 +213,10 @@ class ServerSupervisor:
             try:
                 server, port, command = self._launch()
                 log.info("restarting %s (restart %d of at most %d) on port %d", self.name, self.restarts, self.max_restarts, port)
-                started = server.wait_healthy(f"http://{self.host}:{port}", self.ready_path, self.start_timeout, self.poll_interval)
+                started = server.wait_healthy(
+                    f"http://{self.host}:{port}", self.ready_path, self.start_timeout, self.poll_interval,
+                    timeout_name=self.start_timeout_name,
+                )  # fmt: skip
                 if self.on_restarted is not None:
                     self.on_restarted(server, f"http://{self.host}:{port}")
             except Exception as e:  # noqa: BLE001 - a restart that failed is a death of its own
@@ -361,12 +368,24 @@ class ServerSupervisor:
             server.kill(self.kill_grace)
 
 
-class Supervised:
-    """What an engine that launches its server (sglang_server, vllm_server) shows of it, through
-    its ``supervisor`` (None before load): the server serving now, its port, command and URL,
-    and the restarts and deaths so far (``ShardMetrics`` reads them). Needs ``self.host``."""
+class Restartable:
+    """The restarts and deaths so far of what holds a ``supervisor`` (None before load): an
+    engine that launches its server, or image_gen's SGLang diffusion server (``ShardMetrics``
+    reads them)."""
 
     supervisor: ServerSupervisor | None = None
+
+    def restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else 0
+
+    def deaths(self) -> list[dict]:
+        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
+
+
+class Supervised(Restartable):
+    """What an engine that launches its server (sglang_server, vllm_server) shows of it, through
+    its ``supervisor``: the server serving now, its port, command and URL. Needs ``self.host``."""
+
     host: str
 
     @property
@@ -390,12 +409,6 @@ class Supervised:
     def process(self):
         """The server's Popen (None before load)."""
         return self.server.process if self.server is not None else None
-
-    def restarts(self) -> int:
-        return self.supervisor.restarts if self.supervisor is not None else 0
-
-    def deaths(self) -> list[dict]:
-        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
 
 
 def _final_error(supervisor: ServerSupervisor, last: ServerProcess) -> ServerDied:

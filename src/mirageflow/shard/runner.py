@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+from collections import ChainMap
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -101,7 +102,8 @@ class ShardRunner:
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = paths.shard_server_logs(shard_id)
         self.metrics = ShardMetrics(cfg, attempt)
-        self.metrics.engines = self.engines  # their servers' restarts and deaths, in each attempt's counters
+        # their launched servers' restarts and deaths (LLM engines' and image generators'), in each attempt's counters
+        self.metrics.engines = ChainMap(self.engines, self.image_gens)
         self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/shard/samples.py)
         render = RecordRenderer(
             cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns,
@@ -528,7 +530,7 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
         "output_tokens": runner.metrics.output_tokens,
         "queue_depth": sum(depths) if depths else None,
         "inflight": runner.metrics.tracker.inflight,
-        "engine_restarts": sum(e.restarts() for e in list(runner.engines.values())),
+        "engine_restarts": sum(e.restarts() for e in list(runner.metrics.engines.values())),
     }
 
 
