@@ -183,5 +183,15 @@ class EngineError(MirageflowError, RuntimeError):
     shard fails with this message. Row-level problems are Completions with ``error_kind``."""
 
 
+class EngineDied(EngineError):
+    """The engine died and is not brought back (its restarts are spent, or its death is one a
+    restart cannot help): ``death_class`` is the last death's (an EngineDeathClass value),
+    failure.json's ``failure_class``."""
+
+    def __init__(self, message: str, death_class: str | None = None):
+        super().__init__(message)
+        self.death_class = death_class
+
+
 class EngineStopped(EngineError):
     """``stop()`` was called (SIGTERM/SIGINT): outstanding and later requests fail with it."""

@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
-from mirageflow.engines.base import EngineError, EngineStopped
+from mirageflow.engines.base import EngineDied, EngineStopped
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess, classify_exit
 from mirageflow.errors import EngineDeathClass as D
 from mirageflow.transport.retry import backoff_delay
@@ -55,17 +55,29 @@ DEFAULT_HANG_SECONDS = 300.0
 PROBE_MAX_INTERVAL = 5.0
 
 
-class ServerDied(EngineError):
+class ServerDied(EngineDied):
     """The launched server died and is not restarted: ``max_restarts`` is spent, or the job
     was not yet serving. ``death_class``: the last death's class (an EngineDeathClass value)."""
-
-    def __init__(self, message: str, death_class: str | None = None):
-        super().__init__(message)
-        self.death_class = death_class
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def new_death(death_class: D, cause: str, pid: int | None = None, exit_code: int | None = None) -> dict:
+    """One entry of ``engine_deaths`` (status.json): a launched server's death, or an in-process
+    engine's (its pid is the job's, no exit code)."""
+    return {
+        "class": str(death_class),
+        "at": _now(),
+        "cause": cause,
+        "exit_code": exit_code,
+        "pid": pid,
+        "requests_resent": 0,
+        "restarted_after_seconds": None,  # from the death to the successor's first healthy answer
+        "successor_start_seconds": None,  # of which the successor's own start (the rest: sweep and backoff)
+        "first_answer_after_seconds": None,  # from the death to the successor's first answer to a request
+    }
 
 
 class ServerSupervisor:
@@ -181,17 +193,7 @@ class ServerSupervisor:
         threading.Thread(target=self._heal, args=(server, death), name=f"{self.name}-restart", daemon=True).start()
 
     def _record(self, death_class: D, cause: str, server: ServerProcess | None, exit_code: int | None) -> dict:
-        death = {
-            "class": str(death_class),
-            "at": _now(),
-            "cause": cause,
-            "exit_code": exit_code,
-            "pid": server.pid if server is not None else None,
-            "requests_resent": 0,
-            "restarted_after_seconds": None,  # from the death to the successor's first healthy answer
-            "successor_start_seconds": None,  # of which the successor's own start (the rest: sweep and backoff)
-            "first_answer_after_seconds": None,  # from the death to the successor's first answer to a request
-        }
+        death = new_death(death_class, cause, server.pid if server is not None else None, exit_code)
         self.deaths.append(death)
         return death
 

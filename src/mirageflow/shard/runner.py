@@ -535,7 +535,7 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
 
 
 def _death_class(error: BaseException) -> str | None:
-    """The death class a ServerDied carries, anywhere in ``error``'s chain of causes."""
+    """The death class an EngineDied (a launched server's ServerDied) carries, anywhere in ``error``'s chain of causes."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
