@@ -249,7 +249,7 @@ def by_failure_class(plan: dict, classes: list[str] | None) -> dict:
     class of their launched server, engines/server_restarts.py); all of it without classes."""
     if not classes:
         return plan
-    chosen = [s.shard_id for s in plan["states"] if s.state == "failed" and (s.failure or {}).get("failure_class") in classes]
+    chosen = [s.shard_id for s in plan["states"] if s.state == "failed" and s.failure_class in classes]
     return plan | {
         "unfinished": chosen, "with_failed_rows": [], "stale": [i for i in plan["stale"] if i in chosen],
         "damaged_status": [i for i in plan["damaged_status"] if i in chosen],
@@ -454,8 +454,8 @@ def _healing(s) -> dict:
     record = s.status or s.failure
     restarts = (record.get("stats") or {}).get("engine_restarts") if record else (s.progress or {}).get("engine_restarts")
     out = {"engine_restarts": restarts} if restarts else {}
-    if (s.failure or {}).get("failure_class"):
-        out["failure_class"] = s.failure["failure_class"]
+    if s.failure_class:
+        out["failure_class"] = s.failure_class
     return out
 
 
