@@ -8,6 +8,7 @@ tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -282,3 +283,29 @@ def test_only_errors_that_leave_an_engine_unusable_are_deaths():
     assert classify_engine_error(torch.OutOfMemoryError("CUDA out of memory."))[0] is D.OUT_OF_MEMORY
     assert classify_engine_error(RuntimeError("CUDA error: out of memory"))[0] is D.OUT_OF_MEMORY
     assert classify_engine_error(ValueError("bad shape")) is None  # a bug: raised as it is
+
+
+def test_the_real_vllm_api_server_below_a_job_is_found_for_the_test_and_the_bench_to_kill():
+    """real_vllm_env.api_server_below: the one finder of tests/test_real_vllm.py and
+    scripts/bench/engine_restarts.py (a stand-in tree: a shell whose child's command line names
+    vLLM's API server module)."""
+    import subprocess
+    import sys
+
+    import real_vllm_env
+
+    child = f"{sys.executable} -c 'import time; time.sleep(60)' vllm.entrypoints.openai.api_server"
+    job = subprocess.Popen(["sh", "-c", f"{child}; true"])
+    try:
+        for _ in range(100):
+            found = real_vllm_env.api_server_below(job.pid)
+            if found is not None:
+                break
+            time.sleep(0.05)
+        assert found is not None and found.ppid() == job.pid and "api_server" in found.cmdline()[-1]
+        assert real_vllm_env.api_server_below(found.pid) is None  # nothing below the server itself
+    finally:
+        for p in [found] if found is not None else []:
+            p.kill()
+        job.wait(10)
+    assert real_vllm_env.api_server_below(job.pid) is None  # a job that ended
