@@ -225,6 +225,31 @@ def test_a_launched_server_of_the_engine_service_is_restarted_and_its_shards_go_
     assert metrics["aggregate"]["shared_engines"]["engine_restarts"] == 1
 
 
+def test_a_shared_engine_that_gives_up_names_its_death_class_in_its_shards_failure_json(tmp_path, tiny_model):
+    """The service's stand-in vLLM is killed, and its one restart (max_restarts: 1) exits before
+    serving: the service gives up and its shards fail with failure_class failed_to_start."""
+    from fakes import vllm_stand_in_command
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"title": f"Title number {i}"}) + "\n" for i in range(12)))
+    cfg = pipeline_config(
+        data, model=tiny_model, num_shards=2, dataset={"output_format": "jsonl"}, inputs=["title"],
+        outputs=[{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
+        processor={"backend": "vllm_server", "server_command": vllm_stand_in_command(), "server_start_timeout": 30,
+                   "max_restarts": 1, "max_retries": 0},
+        execution_params={"shards_per_engine": 2, "merge": False},
+        shard_params={"max_inflight": 2},
+    )  # fmt: skip
+    env = {**os.environ, "FAKE_VLLM_DEATHS": "kill:3,exit", "FAKE_VLLM_STARTS": str(tmp_path / "starts"), "FAKE_VLLM_LATENCY": "0.1"}
+    env.pop("LD_PRELOAD", None)
+    proc = run_workflow(tmp_path, cfg, "--cores", "3", env=env, check=False)
+    assert proc.returncode != 0
+    failures = [json.loads(f.read_text()) for f in sorted((tmp_path / "state").glob("shard_*/failure.json"))]
+    assert failures, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(f["failure_class"] == "failed_to_start" for f in failures), [(f["error"], f["failure_class"]) for f in failures]
+    assert all("was restarted 1 times" in f["error"] for f in failures)
+
+
 # --------------------------------------------------------------------------- config, resources
 
 

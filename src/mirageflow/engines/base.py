@@ -193,5 +193,18 @@ class EngineDied(EngineError):
         self.death_class = death_class
 
 
+def death_class_of(error: BaseException) -> str | None:
+    """The death class an EngineDied (a launched server's ServerDied) carries, anywhere in
+    ``error``'s chain of causes: failure.json's ``failure_class``."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found = getattr(error, "death_class", None)
+        if found is not None:
+            return str(found)
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class EngineStopped(EngineError):
     """``stop()`` was called (SIGTERM/SIGINT): outstanding and later requests fail with it."""

@@ -35,7 +35,7 @@ import socket
 from pathlib import Path
 
 from mirageflow.config.types import ProcessorConfig
-from mirageflow.engines.base import EngineError
+from mirageflow.engines.base import EngineDied, EngineError
 from mirageflow.engines.chat_template import ChatTemplate
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.wire import Completion, EngineInfo, Request
@@ -211,7 +211,13 @@ class SharedEngine(LoopEngine):
 
     def _check(self, r) -> None:
         if r.status_code != 200:
-            raise EngineError(f"the {self._where()} failed (HTTP {r.status_code}): {self._error_of(r)}")
+            message = f"the {self._where()} failed (HTTP {r.status_code}): {self._error_of(r)}"
+            try:
+                death_class = r.json().get("failure_class")
+            except (ValueError, AttributeError):
+                death_class = None
+            # the served engine died for good (its launched server's restarts spent): the shard's failure_class
+            raise EngineDied(message, death_class) if death_class else EngineError(message)
 
     async def generate_one(self, request: Request) -> Completion:
         return await self._on_caller_loop(self._generate, request)

@@ -44,7 +44,7 @@ from mirageflow.shard import cached_answers, request_cache
 from mirageflow.config import PipelineConfig, processor_identity
 from mirageflow.data.readers import ShardSlice, SourceRow, content_digest, load_shard, write_index
 from mirageflow.files import atomic_write_json
-from mirageflow.engines.base import Engine
+from mirageflow.engines.base import Engine, death_class_of
 from mirageflow.engines.registry import capabilities, create_engine
 from mirageflow.imagegen import ImageGenerator, make_generator
 from mirageflow.shard.progress import ProgressReporter
@@ -534,18 +534,6 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
     }
 
 
-def _death_class(error: BaseException) -> str | None:
-    """The death class an EngineDied (a launched server's ServerDied) carries, anywhere in ``error``'s chain of causes."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        found = getattr(error, "death_class", None)
-        if found is not None:
-            return str(found)
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def run_shard(
     cfg: PipelineConfig, shard_id: int, attempt: int = 1, engine_factory: Callable = create_engine, row_limit: int | None = None
 ) -> dict:
@@ -582,7 +570,7 @@ def run_shard(
             "error": redact_text(f"{type(e).__name__}: {e}"),
             "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
             # why the engine's launched server died the last time, when that ended the shard (an EngineDeathClass)
-            "failure_class": _death_class(e),
+            "failure_class": death_class_of(e),
             # what a rerun keeps ("3 rows"), for the run summary of an interrupted run
             "committed": runner.checkpoint.describe_committed() if runner.checkpoint is not None else "nothing",
             "traceback": redact_text(traceback.format_exc()),
