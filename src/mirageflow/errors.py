@@ -193,6 +193,14 @@ class EngineDeathClass(enum.StrEnum):
     EXITED_WITH_ERROR = "exited_with_error", "it exited by itself during the run (a Python error, a failed check; its exit code is kept)"
     FROZEN = "frozen", "it answered neither a request nor its health probe for hang_seconds; the job killed its process tree"
     FAILED_TO_START = "failed_to_start", "a restart did not become healthy within server_start_timeout, or exited first"
+    ENGINE_SERVICE_DIED = (
+        "engine_service_died",
+        (
+            "the engine service of the shard's group (shards_per_engine) stopped answering (frozen), or died and no "
+            "restarted service named itself in its endpoint file within $MIRAGEFLOW_ENGINE_RESTART_WAIT or was ready "
+            "within $MIRAGEFLOW_ENGINE_WAIT"
+        ),
+    )
     DEVICE_ERROR = "device_error", "an in-process engine raised an error that leaves it unusable (a CUDA error, a device-side assert)"
 
 

@@ -303,7 +303,7 @@ class ServerSupervisor:
                 raise _fresh(self.final)
             generation, successor = self.generation, self._successor
             if self._dying:  # a restart is under way: wait for it, then send
-                await _wait(successor)
+                await wait_future(successor)
                 continue
             try:
                 answer = await send()
@@ -311,7 +311,7 @@ class ServerSupervisor:
                 if not await self._lost_soon(generation):
                     raise
                 if generation == self.generation:
-                    await _wait(successor)  # raises the final error when there is no successor
+                    await wait_future(successor)  # raises the final error when there is no successor
                 death = self._death_of.get(generation)
                 if death is not None:
                     death["requests_resent"] += 1
@@ -435,7 +435,7 @@ def _fresh(error: BaseException) -> BaseException:
     return error
 
 
-async def _wait(future: Future) -> None:
+async def wait_future(future: Future) -> None:
     """Wait in this event loop for ``future`` (set from a restart thread) without cancelling it
     when this waiter is cancelled (asyncio.wrap_future would: other requests wait on it too)."""
     loop = asyncio.get_running_loop()
