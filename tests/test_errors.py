@@ -86,7 +86,9 @@ def test_the_docs_list_every_row_error_class_as_the_enum_says():
 def test_docs_list_every_engine_death_class_as_the_enum_says():
     from mirageflow.errors import EngineDeathClass
 
-    assert [c.value for c in EngineDeathClass] == ["out_of_memory", "killed_by_signal", "exited_with_error", "frozen", "failed_to_start"]
+    assert [c.value for c in EngineDeathClass] == [
+        "out_of_memory", "killed_by_signal", "exited_with_error", "frozen", "failed_to_start", "engine_service_died", "device_error",
+    ]  # fmt: skip
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "row_error_docs.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     engines = (REPO / "docs" / "engines.md").read_text()

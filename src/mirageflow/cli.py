@@ -860,7 +860,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--failure-class", action="append", metavar="CLASS", choices=[c.value for c in EngineDeathClass],
-        help="only the failed shards whose launched server's last death was of this class (failure.json's failure_class: "
+        help="only the failed shards whose engine's last death was of this class (failure.json's failure_class: "
         + ", ".join(c.value for c in EngineDeathClass) + "); repeatable",
     )  # fmt: skip
     p.add_argument("--cores", default="1", metavar="N", help="cores for a local retry (default 1)")
