@@ -34,6 +34,24 @@ BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds that 
 BUILD_WAIT_SECONDS = 1800.0
 
 
+def api_server_below(pid: int):
+    """The vLLM API server process (a psutil.Process) below ``pid`` (a snakemake run, a shard
+    job), or None: what tests/test_real_vllm.py and scripts/bench/engine_restarts.py kill."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for p in children:
+        try:
+            if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
 def check() -> str | None:
     """None when ``import vllm`` and its OpenAI server module work, else the error."""
     if not PYTHON.exists():

@@ -8,18 +8,21 @@ tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
 from fakes import alive, vllm_stand_in_command
+from fakes.configs import pipeline_config
 from mirageflow.cli import _status_line as status_line
 from mirageflow.cli import by_failure_class, retry_plan, status_summary
 from mirageflow.cli import main as cli_main
 from mirageflow.config import load_config
-from mirageflow.engines.server_process import classify_exit
+from mirageflow.engines.server_process import classify_engine_error, classify_exit
 from mirageflow.engines.server_restarts import ServerSupervisor
+from mirageflow.engines.transformers_engine import TransformersEngine
 from mirageflow.engines.vllm_server import VLLMServerEngine
 from mirageflow.errors import EngineDeathClass as D
 from mirageflow.shard.samples import sample_seed
@@ -176,3 +179,133 @@ def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, 
 )
 def test_a_death_is_classified_from_its_exit_and_its_log(rc, tail, death_class, cause):
     assert classify_exit(rc, tail) == (death_class, cause)
+
+
+# --------------------------------------------------------------------------- in-process engines reload
+
+
+class ModelThatFails(TransformersEngine):
+    """The real transformers engine whose first ``failing_loads`` loaded models raise ``failure``
+    on their third forward call (mid-batch: after some decoding steps), at the model's boundary."""
+
+    failure: BaseException = RuntimeError("CUDA error: an illegal memory access was encountered")
+    failing_loads = 1
+    loads = 0
+
+    def _load_model(self, *args) -> None:
+        super()._load_model(*args)
+        type(self).loads += 1
+        if type(self).loads > self.failing_loads:
+            return
+        forward, calls = self.model.forward, [0]
+
+        def fails_on_the_third_call(*a, **kw):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise self.failure
+            return forward(*a, **kw)
+
+        self.model.forward = fails_on_the_third_call
+
+
+def _transformers_shard(tmp_path: Path, tiny_model: Path, max_restarts: int = 3):
+    tmp_path.mkdir(exist_ok=True)
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"q": f"Tell me about the number {i}"}) + "\n" for i in range(7)))
+    cfg = load_config(pipeline_config(
+        data, model=tiny_model, state_dir=tmp_path / "state", output_dir=tmp_path / "out",
+        processor={"backend": "transformers", "torch_threads": 1, "max_restarts": max_restarts,
+                   "default_sampling_params": {"temperature": 0, "max_new_tokens": 6}},
+        dataset={"output_format": "jsonl"},
+        loading={"batch_size": 3},
+        processing={"remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+        shard_params={"checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+    ))  # fmt: skip
+    index_datasets(cfg)
+    return cfg
+
+
+def _failing(cls_failure=None, failing_loads: int = 1):
+    attrs = {"loads": 0, "failing_loads": failing_loads}
+    if cls_failure is not None:
+        attrs["failure"] = cls_failure
+    engine_class = type("ModelThatFailsHere", (ModelThatFails,), attrs)
+    return lambda processor, batch_size, log_dir=None: engine_class(processor, batch_size)
+
+
+def test_a_transformers_model_with_a_device_error_is_reloaded_and_its_batch_runs_again(tmp_path, tiny_model):
+    reference = run_shard(_transformers_shard(tmp_path / "ref", tiny_model), 0)
+    expected = _records(tmp_path / "ref")
+    assert reference["stats"]["engine_restarts"] == 0
+
+    status = run_shard(_transformers_shard(tmp_path, tiny_model), 0, engine_factory=_failing())
+    st = status["stats"]
+    assert [(a["attempt"], a["outcome"]) for a in st["attempts"]] == [(1, "success")] and st["rows_failed"] == 0
+    assert st["engine_restarts"] == 1
+    (death,) = st["engine_deaths"]
+    assert (death["class"], death["processor"]) == ("device_error", "llm")
+    assert death["cause"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert 1 <= death["requests_resent"] <= 3  # only the rows of the batch in flight, not handed back yet
+    records = _records(tmp_path)  # every row once, the same greedy text as without the failure
+    assert sorted(r["q"] for r in records) == sorted(r["q"] for r in expected)
+    assert {r["q"]: r["a"] for r in records} == {r["q"]: r["a"] for r in expected}
+
+
+@pytest.mark.parametrize(
+    ("failure", "failing_loads", "death_classes", "reloads"),
+    [
+        # a device error on every model: reloaded max_restarts=1 times, then the shard fails
+        (RuntimeError("CUDA error: device-side assert triggered"), 9, ["device_error", "device_error"], 1),
+        # out of memory in the process: its own class, not reloaded (the same batch would run out again)
+        (None, 1, ["out_of_memory"], 0),
+    ],
+)
+def test_a_transformers_model_that_cannot_be_healed_fails_the_shard_with_its_class(
+    tmp_path, tiny_model, failure, failing_loads, death_classes, reloads
+):
+    import torch
+
+    failure = failure or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    cfg = _transformers_shard(tmp_path, tiny_model, max_restarts=1)
+    with pytest.raises(ShardFailed, match=f"the transformers model died {len(death_classes)} times and was reloaded {reloads} times"):
+        run_shard(cfg, 0, engine_factory=_failing(failure, failing_loads))
+    failure_json = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
+    assert failure_json["failure_class"] == death_classes[-1]
+    assert [d["class"] for d in failure_json["stats"]["engine_deaths"]] == death_classes
+    assert failure_json["stats"]["engine_restarts"] == reloads
+
+
+def test_only_errors_that_leave_an_engine_unusable_are_deaths():
+    import torch
+
+    assert classify_engine_error(RuntimeError("CUDA error: an illegal memory access was encountered"))[0] is D.DEVICE_ERROR
+    assert classify_engine_error(RuntimeError("CUDA error: device-side assert triggered"))[0] is D.DEVICE_ERROR
+    assert classify_engine_error(torch.OutOfMemoryError("CUDA out of memory."))[0] is D.OUT_OF_MEMORY
+    assert classify_engine_error(RuntimeError("CUDA error: out of memory"))[0] is D.OUT_OF_MEMORY
+    assert classify_engine_error(ValueError("bad shape")) is None  # a bug: raised as it is
+
+
+def test_the_real_vllm_api_server_below_a_job_is_found_for_the_test_and_the_bench_to_kill():
+    """real_vllm_env.api_server_below: the one finder of tests/test_real_vllm.py and
+    scripts/bench/engine_restarts.py (a stand-in tree: a shell whose child's command line names
+    vLLM's API server module)."""
+    import subprocess
+    import sys
+
+    import real_vllm_env
+
+    child = f"{sys.executable} -c 'import time; time.sleep(60)' vllm.entrypoints.openai.api_server"
+    job = subprocess.Popen(["sh", "-c", f"{child}; true"])
+    try:
+        for _ in range(100):
+            found = real_vllm_env.api_server_below(job.pid)
+            if found is not None:
+                break
+            time.sleep(0.05)
+        assert found is not None and found.ppid() == job.pid and "api_server" in found.cmdline()[-1]
+        assert real_vllm_env.api_server_below(found.pid) is None  # nothing below the server itself
+    finally:
+        for p in [found] if found is not None else []:
+            p.kill()
+        job.wait(10)
+    assert real_vllm_env.api_server_below(job.pid) is None  # a job that ended

@@ -87,7 +87,8 @@ def test_docs_list_every_engine_death_class_as_the_enum_says():
     from mirageflow.errors import EngineDeathClass
 
     assert [c.value for c in EngineDeathClass] == [
-        "out_of_memory", "killed_by_signal", "exited_with_error", "frozen", "failed_to_start", "budget_exceeded",
+        "out_of_memory", "killed_by_signal", "exited_with_error", "frozen", "failed_to_start", "engine_service_died", "device_error",
+        "budget_exceeded",
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "row_error_docs.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

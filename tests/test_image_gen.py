@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import FAKES
+from fakes import FAKES, alive
 from fakes.fake_images import Behaviour, FakeImages, bmp_bomb, png
 
 from mirageflow.cluster.resources import shard_gpus
 from mirageflow.config import ConfigError, load_config
 from mirageflow.config.types import ImageGenProcessor
+from mirageflow.engines.server_restarts import ServerSupervisor
 from mirageflow.imagegen.http_images import GeneratorFailed, SGLangDiffusionServer, request_body, sglang_diffusion_missing
 from mirageflow.imagegen.base import ImageError, ImageJob, decode_image
 from mirageflow.shard import ShardFailed
@@ -303,6 +304,77 @@ def test_backend_sglang_launches_the_diffusion_server_and_stops_it(tmp_path, mon
 
     assert not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == psutil.STATUS_ZOMBIE
     assert shard_gpus(load_config(raw)) == 2
+
+
+def _healing_diffusion_server(tmp_path: Path, monkeypatch, deaths: str, max_restarts: int, texts: list[str]) -> dict:
+    """A config of backend sglang on the stand-in diffusion server whose k-th start dies as
+    ``deaths`` says (FAKE_IMAGES_DEATHS), restarted quickly, two image requests at once."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(SGLangDiffusionServer, "kill_grace", 2.0)
+    monkeypatch.setattr(SGLangDiffusionServer, "health_poll_interval", 0.05)
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 0.05)
+    monkeypatch.setenv("FAKE_IMAGES_DEATHS", deaths)
+    monkeypatch.setenv("FAKE_IMAGES_STARTS", str(tmp_path / "starts"))
+    monkeypatch.setenv("FAKE_IMAGES_REQUEST_LOG", str(tmp_path / "requests.jsonl"))
+    model = tmp_path / "model"
+    model.mkdir()
+    processor = {
+        "backend": "sglang",
+        "sglang": {
+            "model_path": str(model),
+            "server_command": [sys.executable, str(FAKES / "fake_images.py"), "--warmup-seconds", "0.1"],
+            "startup_timeout_seconds": 30,
+            "timeout_seconds": 60,
+            "max_concurrent_requests": 2,
+        },
+        "max_retries": 0,
+        "max_restarts": max_restarts,
+        "hang_seconds": 1.5,
+    }
+    return _config(tmp_path, processor, texts)
+
+
+def test_a_diffusion_server_killed_and_frozen_mid_shard_is_restarted_and_every_image_made_once(tmp_path, monkeypatch):
+    texts = [f"animal {i}" for i in range(12)]
+    raw = _healing_diffusion_server(tmp_path, monkeypatch, "kill:3,freeze:2", max_restarts=3, texts=texts)
+    status = _run(raw)
+
+    st = status["stats"]
+    assert [(a["attempt"], a["outcome"]) for a in st["attempts"]] == [(1, "success")]  # one job attempt
+    assert st["engine_restarts"] == 2 and st["rows_failed"] == 0
+    deaths = st["engine_deaths"]
+    assert [(d["processor"], d["class"]) for d in deaths] == [("image_gen", "killed_by_signal"), ("image_gen", "frozen")]
+    assert "hang_seconds=1.5" in deaths[1]["cause"] and all(d["restarted_after_seconds"] is not None for d in deaths)
+    pids = [int(p) for p in (tmp_path / "starts").read_text().split()]
+    assert [d["pid"] for d in deaths] == pids[:2] and len(pids) == 3
+    assert not any(alive(p) for p in pids)
+
+    records = _records(tmp_path)  # every row's image once, with its file
+    assert [r["caption"] for r in records] == texts
+    assert sorted(p.name for p in (tmp_path / "out" / "images").iterdir()) == sorted(Path(r["image"]).name for r in records)
+    seed_of = {f"A drawing of {r['caption']}": r["pic_seed"] for r in records}
+    asked: dict[str, list] = {}
+    answered: dict[str, list] = {}
+    for line in map(json.loads, (tmp_path / "requests.jsonl").read_text().splitlines()):
+        (asked if line["event"] == "asked" else answered).setdefault(line["prompt"], []).append(line)
+    assert len(asked) == len(texts) and all(len(a) == 1 for a in answered.values())  # never answered twice
+    for prompt, asks in asked.items():
+        assert {a["seed"] for a in asks} == {seed_of[prompt]}  # the same request again: the row's seed
+        assert all(a["pid"] in pids[:2] for a in asks[:-1])  # asked again only of a later server, after its server died
+        assert [pids.index(a["pid"]) for a in asks] == sorted({pids.index(a["pid"]) for a in asks})
+    # each death held at least the request that killed or froze it, sent again to its successor
+    assert any(len(asks) > 1 for asks in asked.values()) and all(d["requests_resent"] >= 1 for d in deaths), deaths
+
+
+def test_a_diffusion_server_that_cannot_come_back_fails_the_shard_with_its_death_class(tmp_path, monkeypatch):
+    raw = _healing_diffusion_server(tmp_path, monkeypatch, "kill:1,exit", max_restarts=1, texts=["a cat", "a dog", "an owl"])
+    with pytest.raises(ShardFailed, match="SGLang's diffusion server died 2 times during the run and was restarted 1 times"):
+        _run(raw)
+    failure = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
+    assert failure["failure_class"] == "failed_to_start" and failure["stats"]["engine_restarts"] == 1
+    assert [d["class"] for d in failure["stats"]["engine_deaths"]] == ["killed_by_signal", "failed_to_start"]
+    assert not any(alive(int(p)) for p in (tmp_path / "starts").read_text().split())
 
 
 def test_backend_sglang_refuses_clearly_without_a_diffusion_server(tmp_path, monkeypatch):

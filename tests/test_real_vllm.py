@@ -287,23 +287,6 @@ def _vllm_server_config(workdir: Path, model: Path, rows: int) -> dict:
     }  # fmt: skip
 
 
-def _server_of(pid: int):
-    """The vLLM API server process below ``pid`` (a snakemake run), or None."""
-    import psutil
-
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return None
-    for p in children:
-        try:
-            if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    return None
-
-
 def _committed(state: Path) -> set[int]:
     try:
         manifest = json.loads((state / "checkpoint.json").read_text())
@@ -336,7 +319,7 @@ def test_vllm_server_killed_three_times_is_restarted_inside_the_job(smollm2_mode
         while len(killed) < 3:  # each server, once it (or its successor) committed two more rows
             assert job.poll() is None, job.stdout.read()[-4000:]
             assert time.monotonic() < deadline, f"only {len(killed)} servers killed in time"
-            victim, committed = _server_of(job.pid), len(_committed(state))
+            victim, committed = real_vllm_env.api_server_below(job.pid), len(_committed(state))
             if victim is not None and victim.pid not in killed and committed >= committed_at_kill + 2:
                 os.killpg(os.getpgid(victim.pid), signal.SIGKILL)  # its own group: the API server and its engine core
                 killed.append(victim.pid)

@@ -108,6 +108,49 @@ def test_protocol_round_trip_matches_the_in_process_engine(tmp_path, tiny_model)
     assert load["output_tokens"] == sum(c.completion_tokens for c in shared)
 
 
+def test_a_client_waits_for_a_restarted_service_and_fails_with_its_class_when_none_comes(tmp_path, tiny_model):
+    """The service process dies (SIGKILL) between requests: the client's requests wait for the
+    restarted service (a new process naming itself in the endpoint file) and are sent to it,
+    with the same answers; when the next one dies and none comes within
+    $MIRAGEFLOW_ENGINE_RESTART_WAIT, they fail with the class engine_service_died."""
+    from mirageflow.engines.base import EngineDied
+
+    cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2, new_tokens=6)
+    proc, endpoint = _start_engine(tmp_path, cfg)
+    successor = None
+    try:
+        pipeline = load_config(yaml.safe_load((tmp_path / "pipeline.yaml").read_text()), environ={})
+        client = SharedEngine(pipeline.processors["llm"], 4, endpoint=endpoint)
+        client.load()
+        requests = [Request(i, None, f"A prompt about {w}", {"temperature": 0.0, "max_new_tokens": 6}) for i, w in enumerate("abc")]
+        before = client.generate(requests)
+        proc.kill()
+        proc.wait()
+
+        def restart():
+            nonlocal successor
+            time.sleep(1.0)
+            successor, _ = _start_engine(tmp_path, cfg)
+
+        threading.Thread(target=restart).start()
+        after = client.generate(requests)  # sent to the dead service first, then to its successor
+        assert [vars(c) for c in after] == [vars(c) for c in before] and client.generation == 1
+        assert json.loads(endpoint.read_text())["pid"] == successor.pid
+
+        successor.kill()
+        successor.wait()
+        client.restart_wait_seconds = 1.0
+        with pytest.raises(EngineDied, match=r"died \(.*\) and no restarted service named itself") as err:
+            client.generate(requests)
+        assert err.value.death_class == "engine_service_died"
+        client.close()
+    finally:
+        for p in (proc, successor):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_client_names_the_endpoint_when_the_engine_cannot_load(tmp_path, tiny_model):
     cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2)
     cfg["processors"][0]["server_args"]["model_path"] = str(tmp_path / "no-model-here")
@@ -180,13 +223,16 @@ def test_an_engine_killed_mid_run_fails_its_shards_clearly_and_a_rerun_completes
 
     watcher = threading.Thread(target=kill_when_generating)
     watcher.start()
-    proc = run_workflow(tmp_path, cfg, "--cores", "3", check=False)
+    # nothing restarts the service: its shards wait $MIRAGEFLOW_ENGINE_RESTART_WAIT for one, then fail
+    env = {**os.environ, "MIRAGEFLOW_ENGINE_RESTART_WAIT": "2"}
+    proc = run_workflow(tmp_path, cfg, "--cores", "3", check=False, env=env)
     watcher.join()
     assert killed and proc.returncode != 0
     failures = [json.loads(f.read_text()) for f in (tmp_path / "state").glob("shard_*/failure.json")]
     assert failures, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # "stopped answering" mid-run, or "exited before it was ready" for a shard still waiting
+    # "died ... no restarted service" mid-run, or "exited before it was ready" for a shard still waiting
     assert any("engine service state/engines/engine_0.json (its log: " in f["error"] for f in failures), failures
+    assert all(f["failure_class"] == "engine_service_died" for f in failures if "no restarted service" in f["error"]), failures
     assert all("EngineFailed" in f["error"] or "EngineError" in f["error"] for f in failures)
 
     run_workflow(tmp_path, cfg, "--cores", "3")
@@ -223,6 +269,31 @@ def test_a_launched_server_of_the_engine_service_is_restarted_and_its_shards_go_
     assert len(pids) == 2 and not any(alive(p) for p in pids)
     metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())
     assert metrics["aggregate"]["shared_engines"]["engine_restarts"] == 1
+
+
+def test_a_shared_engine_that_gives_up_names_its_death_class_in_its_shards_failure_json(tmp_path, tiny_model):
+    """The service's stand-in vLLM is killed, and its one restart (max_restarts: 1) exits before
+    serving: the service gives up and its shards fail with failure_class failed_to_start."""
+    from fakes import vllm_stand_in_command
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"title": f"Title number {i}"}) + "\n" for i in range(12)))
+    cfg = pipeline_config(
+        data, model=tiny_model, num_shards=2, dataset={"output_format": "jsonl"}, inputs=["title"],
+        outputs=[{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
+        processor={"backend": "vllm_server", "server_command": vllm_stand_in_command(), "server_start_timeout": 30,
+                   "max_restarts": 1, "max_retries": 0},
+        execution_params={"shards_per_engine": 2, "merge": False},
+        shard_params={"max_inflight": 2},
+    )  # fmt: skip
+    env = {**os.environ, "FAKE_VLLM_DEATHS": "kill:3,exit", "FAKE_VLLM_STARTS": str(tmp_path / "starts"), "FAKE_VLLM_LATENCY": "0.1"}
+    env.pop("LD_PRELOAD", None)
+    proc = run_workflow(tmp_path, cfg, "--cores", "3", env=env, check=False)
+    assert proc.returncode != 0
+    failures = [json.loads(f.read_text()) for f in sorted((tmp_path / "state").glob("shard_*/failure.json"))]
+    assert failures, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(f["failure_class"] == "failed_to_start" for f in failures), [(f["error"], f["failure_class"]) for f in failures]
+    assert all("was restarted 1 times" in f["error"] for f in failures)
 
 
 # --------------------------------------------------------------------------- config, resources

@@ -199,6 +199,17 @@ def test_a_failure_json_without_stats_or_error_text_is_shown(tmp_path, capsys, m
     assert agg["total_rows_failed"] == 0 and agg["damaged_state_files"] == []
 
 
+def test_the_engine_death_class_that_failed_a_shard_is_a_field_of_its_state(tmp_path):
+    """failure.json's failure_class is read once, by the state machine, as error and signal
+    are: `mmirage status --json`, `mmirage retry --failure-class` and the report take it there."""
+    root = _workdir(tmp_path / "w", 3)
+    atomic_write_json(root / "state/shard_0/failure.json", {"shard_id": 0, "error": "ServerDied: ...", "failure_class": "frozen"})
+    atomic_write_json(root / "state/shard_1/failure.json", {"shard_id": 1, "error": "ShardFailed: rows", "signal": None})
+    states = shard_states(root / "state", 3, LEASE)
+    assert [(s.state, s.failure_class) for s in states[:2]] == [("failed", "frozen"), ("failed", None)]
+    assert states[0].to_json()["failure_class"] == "frozen" and "failure_class" not in states[2].to_json()
+
+
 # --------------------------------------------------------------------------- status.json: never done when damaged
 
 

@@ -37,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C
 import _vllm
 
+sys.path.insert(0, str(C.ROOT / "tests"))  # the real vLLM's environment, shared with tests/test_real_vllm.py
+import real_vllm_env
+
 
 def _committed(state: Path) -> int:
     try:
@@ -45,23 +48,6 @@ def _committed(state: Path) -> int:
         return 0
     entry = manifest["datasets"].get("0") or {}
     return sum(b - a for key in ("done", "failed") for a, b in entry.get(key, []))
-
-
-def _server_of(pid: int):
-    """The vLLM API server process below ``pid`` (the snakemake run), or None."""
-    import psutil
-
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return None
-    for p in children:
-        try:
-            if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    return None
 
 
 def run_mode(work: Path, rows: int, heal: bool) -> dict:
@@ -87,11 +73,11 @@ def run_mode(work: Path, rows: int, heal: bool) -> dict:
     t0 = time.monotonic()
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        while _committed(state) < 2 or _server_of(job.pid) is None:
+        while _committed(state) < 2 or real_vllm_env.api_server_below(job.pid) is None:
             if job.poll() is not None:
                 raise SystemExit(f"the run ended before the kill:\n{job.stdout.read()[-3000:]}")
             time.sleep(0.05)
-        victim = _server_of(job.pid)
+        victim = real_vllm_env.api_server_below(job.pid)
         before = _committed(state)
         os.killpg(os.getpgid(victim.pid), signal.SIGKILL)
         killed = time.monotonic()

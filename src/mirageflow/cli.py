@@ -250,7 +250,7 @@ def by_failure_class(plan: dict, classes: list[str] | None) -> dict:
     class of their launched server, engines/server_restarts.py); all of it without classes."""
     if not classes:
         return plan
-    chosen = [s.shard_id for s in plan["states"] if s.state == "failed" and (s.failure or {}).get("failure_class") in classes]
+    chosen = [s.shard_id for s in plan["states"] if s.state == "failed" and s.failure_class in classes]
     return plan | {
         "unfinished": chosen, "with_failed_rows": [], "stale": [i for i in plan["stale"] if i in chosen],
         "damaged_status": [i for i in plan["damaged_status"] if i in chosen],
@@ -461,8 +461,8 @@ def _healing(s) -> dict:
     record = s.status or s.failure
     restarts = (record.get("stats") or {}).get("engine_restarts") if record else (s.progress or {}).get("engine_restarts")
     out = {"engine_restarts": restarts} if restarts else {}
-    if (s.failure or {}).get("failure_class"):
-        out["failure_class"] = s.failure["failure_class"]
+    if s.failure_class:
+        out["failure_class"] = s.failure_class
     return out
 
 
@@ -920,7 +920,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--failure-class", action="append", metavar="CLASS", choices=[c.value for c in EngineDeathClass],
-        help="only the failed shards whose launched server's last death was of this class, or that the run's budget "
+        help="only the failed shards whose engine's last death was of this class, or that the run's budget "
         "stopped (budget_exceeded) (failure.json's failure_class: "
         + ", ".join(c.value for c in EngineDeathClass) + "); repeatable",
     )  # fmt: skip

@@ -174,10 +174,13 @@ class RowErrorClass(enum.StrEnum):
 
 
 class EngineDeathClass(enum.StrEnum):
-    """Why a launched inference server stopped serving (``engine_deaths[].class`` in status.json,
-    ``failure_class`` in failure.json), told from what can be seen: its exit code or signal,
-    its log's last lines, its health probe. The server's death, not a row's: the job restarts
-    the server (engines/server_restarts.py) and the requests it held are sent again."""
+    """Why a launched inference server, or an in-process engine, stopped serving
+    (``engine_deaths[].class`` in status.json, ``failure_class`` in failure.json), told from
+    what can be seen: its exit code or signal, its log's last lines, its health probe; an
+    in-process engine's exception (engines/server_process.classify_engine_error). The engine's
+    death, not a row's: the job restarts the server (engines/server_restarts.py) or reloads
+    the in-process engine, and the requests it held are sent again. An in-process engine out
+    of memory is not reloaded (the same batch would run out again)."""
 
     def __new__(cls, value: str, meaning: str):
         member = str.__new__(cls, value)
@@ -190,6 +193,15 @@ class EngineDeathClass(enum.StrEnum):
     EXITED_WITH_ERROR = "exited_with_error", "it exited by itself during the run (a Python error, a failed check; its exit code is kept)"
     FROZEN = "frozen", "it answered neither a request nor its health probe for hang_seconds; the job killed its process tree"
     FAILED_TO_START = "failed_to_start", "a restart did not become healthy within server_start_timeout, or exited first"
+    ENGINE_SERVICE_DIED = (
+        "engine_service_died",
+        (
+            "the engine service of the shard's group (shards_per_engine) stopped answering (frozen), or died and no "
+            "restarted service named itself in its endpoint file within $MIRAGEFLOW_ENGINE_RESTART_WAIT or was ready "
+            "within $MIRAGEFLOW_ENGINE_WAIT"
+        ),
+    )
+    DEVICE_ERROR = "device_error", "an in-process engine raised an error that leaves it unusable (a CUDA error, a device-side assert)"
     # not a death: the one other reason failure.json's failure_class names (transport/spend.py)
     BUDGET_EXCEEDED = "budget_exceeded", "no death: the run's spend reached execution_params.max_cost_usd; raise it and rerun to go on"
 

@@ -17,6 +17,11 @@ revoked key). ``api_key``: a Bearer token required when set. Counters: ``request
 
 Run as a script it takes SGLang's diffusion server flags (``--model-path M --host H --port
 P --num-gpus N``) and serves until killed: the ``server_command`` of backend sglang in tests.
+Its deaths come from the environment, as the stand-in vLLM's (fake_http.this_starts_death):
+``FAKE_IMAGES_DEATHS=kill:4,freeze:3,exit,...`` (the k-th start, counted in the file
+``FAKE_IMAGES_STARTS``, SIGKILLs or SIGSTOPs itself on the image request after n answers, or
+exits with code 4 before serving), ``FAKE_IMAGES_REQUEST_LOG`` (a JSON line per image request
+asked and answered: pid, prompt, seed, n).
 """
 
 from __future__ import annotations
@@ -25,17 +30,20 @@ import argparse
 import base64
 import io
 import json
+import os
 import random
+import signal
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 
 try:
-    from fakes.fake_http import LocalHTTPServer
+    from fakes.fake_http import LocalHTTPServer, _log_request, this_starts_death
 except ImportError:  # run as a script from tests/fakes (an SGLang diffusion server stand-in)
-    from fake_http import LocalHTTPServer
+    from fake_http import LocalHTTPServer, _log_request, this_starts_death
 
 
 @dataclass
@@ -46,6 +54,8 @@ class Behaviour:
     warmup_seconds: float = 0.0
     bodies: list = field(default_factory=list)
     url_base: str | None = None  # answer data[0].url on this origin (another FakeImages' /img/...) instead of b64_json
+    death: tuple[str, int] | None = None  # ("kill" | "freeze", n): on the image request after n answers
+    request_log: str | None = None  # a JSON line per image request asked and answered
 
 
 def png(width: int, height: int, seed: int | None) -> bytes:
@@ -69,7 +79,7 @@ class FakeImages(LocalHTTPServer):
     def __init__(self, behaviour: Behaviour | None = None, host: str = "127.0.0.1", port: int = 0):
         self.behaviour = behaviour or Behaviour()
         self.listen(host, port, _handler(self))
-        self.requests = 0
+        self.requests = self.answered = 0
         self.lock = threading.Lock()
         self.started = time.monotonic()
         self.get_headers: list[dict] = []  # the headers of every GET (an image host: was a key sent here?)
@@ -117,6 +127,10 @@ def _handler(server: FakeImages):
                 server.requests += 1
                 count = server.requests
                 b.bodies.append(body)
+            _log_request(b.request_log, "asked", body)
+            if b.death is not None and server.answered >= b.death[1]:
+                print(f"fake images: {b.death[0]} after {server.answered} answers", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if b.death[0] == "kill" else signal.SIGSTOP)
             if b.api_key and self.headers.get("Authorization") != f"Bearer {b.api_key}":
                 return self._send(401, {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}})
             if b.fatal_after is not None and count > b.fatal_after:
@@ -154,6 +168,9 @@ def _handler(server: FakeImages):
             else:
                 data = base64.b64encode(png(width, height, body.get("seed"))).decode()
             self._send(200, {"id": f"img-{count}", "created": int(time.time()), "data": [{"b64_json": data, "revised_prompt": None}]})
+            with server.lock:
+                server.answered += 1
+            _log_request(b.request_log, "answered", body)
 
     return Handler
 
@@ -166,7 +183,12 @@ def main() -> None:
     ap.add_argument("--num-gpus", type=int, default=1)
     ap.add_argument("--warmup-seconds", type=float, default=0.5)
     args, _ = ap.parse_known_args()
-    server = FakeImages(Behaviour(warmup_seconds=args.warmup_seconds), host=args.host, port=args.port)
+    death = this_starts_death(os.environ, "FAKE_IMAGES")
+    if death == ("exit", 0):
+        print("fake images: torch.OutOfMemoryError: CUDA out of memory", flush=True)
+        sys.exit(4)
+    behaviour = Behaviour(warmup_seconds=args.warmup_seconds, death=death, request_log=os.environ.get("FAKE_IMAGES_REQUEST_LOG"))
+    server = FakeImages(behaviour, host=args.host, port=args.port)
     print(f"stand-in diffusion server for {args.model_path} on {server.url} ({args.num_gpus} GPU(s))", flush=True)
     server.httpd.serve_forever(poll_interval=0.05)
 

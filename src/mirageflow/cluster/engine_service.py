@@ -54,7 +54,7 @@ from mirageflow.config.types import PipelineConfig, ProcessorConfig
 from mirageflow.stats import formulas as stats
 from mirageflow.files import atomic_write_json
 from mirageflow.engines import registry
-from mirageflow.engines.base import Engine
+from mirageflow.engines.base import Engine, death_class_of
 from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Request
 from mirageflow.transport.http_client import dumps, loads
@@ -258,7 +258,8 @@ class EngineService:
         except Exception as e:  # the engine broke: the shard fails with this (engines/shared.py)
             self.errors += 1
             log.error("processor %s failed on request %s: %s", msg["processor"], request.id, traceback.format_exc())
-            return 500, {"error": f"{type(e).__name__}: {e}"}
+            # the class of its launched server's last death when the restarts are spent: the shards' failure_class
+            return 500, {"error": f"{type(e).__name__}: {e}", "failure_class": death_class_of(e)}
         self.requests += 1
         self.input_tokens += completion.prompt_tokens
         self.output_tokens += completion.completion_tokens

@@ -487,6 +487,8 @@ def _image_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         output_dir=os.path.expanduser(output_dir) if output_dir else None,
         **_given(p, "parallel_inference", "file_format"),
         max_retries=p["max_retries"] if p["max_retries"] is not None else DEFAULT_MAX_RETRIES,
+        max_restarts=p["max_restarts"],
+        hang_seconds=p["hang_seconds"],
         index=i,
     ), problems
 

@@ -239,6 +239,9 @@ class ImageGenProcessor:
     output_dir: str | None = None  # None: <dataset output_dir>/images
     file_format: ImageFileFormat = "png"
     max_retries: int = DEFAULT_MAX_RETRIES
+    # sglang: its launched server restarted in the job when it dies or freezes (as an LLM server's)
+    max_restarts: int = 3
+    hang_seconds: float | None = 300.0
     index: int = 0
 
 

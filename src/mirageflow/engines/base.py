@@ -189,5 +189,29 @@ class EngineError(MirageflowError, RuntimeError):
     shard fails with this message. Row-level problems are Completions with ``error_kind``."""
 
 
+class EngineDied(EngineError):
+    """The engine died and is not brought back (its restarts are spent, or its death is one a
+    restart cannot help): ``death_class`` is the last death's (an EngineDeathClass value),
+    failure.json's ``failure_class``."""
+
+    def __init__(self, message: str, death_class: str | None = None):
+        super().__init__(message)
+        self.death_class = death_class
+
+
+def death_class_of(error: BaseException) -> str | None:
+    """The death class an EngineDied (a launched server's ServerDied) carries, or the
+    ``failure_class`` of another ending (transport/spend.BudgetExceeded's budget_exceeded),
+    anywhere in ``error``'s chain of causes: failure.json's ``failure_class``."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found = getattr(error, "death_class", None) or getattr(error, "failure_class", None)
+        if found is not None:
+            return str(found)
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class EngineStopped(EngineError):
     """``stop()`` was called (SIGTERM/SIGINT): outstanding and later requests fail with it."""

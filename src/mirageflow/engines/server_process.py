@@ -7,8 +7,11 @@ is called when it exits), waits for a health endpoint to answer 200 within a sta
 deadline, and stops the whole process tree: SIGTERM to the group, SIGKILL to what is left
 after ``grace`` seconds (vLLM ignores SIGTERM while it compiles; SGLang's scheduler may
 outlive its parent), also at interpreter exit. Error messages quote the log's last lines.
-``classify_exit`` says why a serving one exited (an ``EngineDeathClass``); the restarts of
-``sglang_server`` and ``vllm_server`` are engines/server_restarts.py's, one ServerProcess per start.
+``classify_exit`` says why a serving one exited (an ``EngineDeathClass``), and
+``classify_engine_error`` why an in-process engine's exception ends it (the same classes,
+the same out-of-memory markers); the restarts of
+``sglang_server``, ``vllm_server`` and the diffusion server are engines/server_restarts.py's,
+one ServerProcess per start.
 """
 
 from __future__ import annotations
@@ -78,6 +81,27 @@ def exit_signal(rc: int) -> signal.Signals | None:
         return signal.Signals(number) if number else None
     except ValueError:
         return None
+
+
+# What an in-process engine's exception says when the device is left unusable (the CUDA
+# context after an illegal access or a device-side assert): the engine is reloaded.
+_DEVICE_ERROR_MARKERS = (
+    "cuda error", "device-side assert", "cublas_status", "cudnn_status", "illegal memory access", "nccl error",
+)  # fmt: skip
+
+
+def classify_engine_error(error: BaseException) -> tuple[D, str] | None:
+    """Why an in-process engine's ``error`` (raised by its model) ends it, and the cause in
+    words: out of memory (not reloaded), a device error (reloaded), or None (not a death: a
+    bug, raised as it is)."""
+    text = f"{type(error).__name__}: {error}"
+    cause = text.splitlines()[0][:300]
+    low = text.lower()
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError" or any(m in low for m in _OOM_MARKERS):
+        return D.OUT_OF_MEMORY, cause
+    if any(m in low for m in _DEVICE_ERROR_MARKERS):
+        return D.DEVICE_ERROR, cause
+    return None
 
 
 def classify_exit(rc: int, tail: str) -> tuple[D, str]:

@@ -1,5 +1,6 @@
 """A launched inference server that the job restarts when it dies or freezes (not an engine):
-the healing half of ``sglang_server`` and ``vllm_server``, around the one launcher
+the healing half of ``sglang_server``, ``vllm_server`` and image_gen's SGLang diffusion server
+(imagegen/http_images.py), around the one launcher
 (engines/server_process.py).
 
 ``ServerSupervisor`` starts the server (a ``ServerProcess``) on a free port, and from the
@@ -37,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
-from mirageflow.engines.base import EngineError, EngineStopped
+from mirageflow.engines.base import EngineDied, EngineStopped
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess
 from mirageflow.engines.server_ranks import NodeSpan, RankFlags
 from mirageflow.errors import EngineDeathClass as D
@@ -55,17 +56,29 @@ DEFAULT_HANG_SECONDS = 300.0
 PROBE_MAX_INTERVAL = 5.0
 
 
-class ServerDied(EngineError):
+class ServerDied(EngineDied):
     """The launched server died and is not restarted: ``max_restarts`` is spent, or the job
     was not yet serving. ``death_class``: the last death's class (an EngineDeathClass value)."""
-
-    def __init__(self, message: str, death_class: str | None = None):
-        super().__init__(message)
-        self.death_class = death_class
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def new_death(death_class: D, cause: str, pid: int | None = None, exit_code: int | None = None) -> dict:
+    """One entry of ``engine_deaths`` (status.json): a launched server's death, or an in-process
+    engine's (its pid is the job's, no exit code)."""
+    return {
+        "class": str(death_class),
+        "at": _now(),
+        "cause": cause,
+        "exit_code": exit_code,
+        "pid": pid,
+        "requests_resent": 0,
+        "restarted_after_seconds": None,  # from the death to the successor's first healthy answer
+        "successor_start_seconds": None,  # of which the successor's own start (the rest: sweep and backoff)
+        "first_answer_after_seconds": None,  # from the death to the successor's first answer to a request
+    }
 
 
 class ServerSupervisor:
@@ -77,13 +90,15 @@ class ServerSupervisor:
     def __init__(
         self, name: str, make_command: Callable[[int], list[str]], log_path: Path, env: dict | None, *, host: str,
         ready_path: str, probe_path: str, start_timeout: float, poll_interval: float, kill_grace: float,
-        max_restarts: int, hang_seconds: float | None, span: NodeSpan | None = None, rank_flags: RankFlags | None = None,
+        max_restarts: int, hang_seconds: float | None, start_timeout_name: str = "server_start_timeout",
+        span: NodeSpan | None = None, rank_flags: RankFlags | None = None,
     ):  # fmt: skip
         self.name, self.make_command, self.log_path, self.env, self.host = name, make_command, Path(log_path), env, host
         # an engine across nodes (execution_params.nodes > 1): every start is rank 0 here and srun's ranks elsewhere
         self.span, self.rank_flags = span, rank_flags
         self.ready_path, self.probe_path = ready_path, probe_path
         self.start_timeout, self.poll_interval, self.kill_grace = start_timeout, poll_interval, kill_grace
+        self.start_timeout_name = start_timeout_name  # the config key of start_timeout, named when it passes
         self.max_restarts, self.hang_seconds = max_restarts, hang_seconds
         # the engine's hooks: a death (its figures of the dead server end), a successor serving at
         # base_url (its client points there), no successor (fail every request in flight now)
@@ -143,7 +158,9 @@ class ServerSupervisor:
 
     def wait_started(self) -> float:
         """``start``'s second half: the wait for the ready probe."""
-        started = self.server.wait_healthy(self.base_url, self.ready_path, self.start_timeout, self.poll_interval)
+        started = self.server.wait_healthy(
+            self.base_url, self.ready_path, self.start_timeout, self.poll_interval, timeout_name=self.start_timeout_name
+        )  # fmt: skip
         self._candidates.remove(self.server)
         return started
 
@@ -184,17 +201,7 @@ class ServerSupervisor:
         threading.Thread(target=self._heal, args=(server, death), name=f"{self.name}-restart", daemon=True).start()
 
     def _record(self, death_class: D, cause: str, server: ServerProcess | None, exit_code: int | None) -> dict:
-        death = {
-            "class": str(death_class),
-            "at": _now(),
-            "cause": cause,
-            "exit_code": exit_code,
-            "pid": server.pid if server is not None else None,
-            "requests_resent": 0,
-            "restarted_after_seconds": None,  # from the death to the successor's first healthy answer
-            "successor_start_seconds": None,  # of which the successor's own start (the rest: sweep and backoff)
-            "first_answer_after_seconds": None,  # from the death to the successor's first answer to a request
-        }
+        death = new_death(death_class, cause, server.pid if server is not None else None, exit_code)
         self.deaths.append(death)
         return death
 
@@ -216,7 +223,10 @@ class ServerSupervisor:
             try:
                 server, port, command = self._launch()
                 log.info("restarting %s (restart %d of at most %d) on port %d", self.name, self.restarts, self.max_restarts, port)
-                started = server.wait_healthy(f"http://{self.host}:{port}", self.ready_path, self.start_timeout, self.poll_interval)
+                started = server.wait_healthy(
+                    f"http://{self.host}:{port}", self.ready_path, self.start_timeout, self.poll_interval,
+                    timeout_name=self.start_timeout_name,
+                )  # fmt: skip
                 if self.on_restarted is not None:
                     self.on_restarted(server, f"http://{self.host}:{port}")
             except Exception as e:  # noqa: BLE001 - a restart that failed is a death of its own
@@ -301,7 +311,7 @@ class ServerSupervisor:
                 raise _fresh(self.final)
             generation, successor = self.generation, self._successor
             if self._dying:  # a restart is under way: wait for it, then send
-                await _wait(successor)
+                await wait_future(successor)
                 continue
             try:
                 answer = await send()
@@ -309,7 +319,7 @@ class ServerSupervisor:
                 if not await self._lost_soon(generation):
                     raise
                 if generation == self.generation:
-                    await _wait(successor)  # raises the final error when there is no successor
+                    await wait_future(successor)  # raises the final error when there is no successor
                 death = self._death_of.get(generation)
                 if death is not None:
                     death["requests_resent"] += 1
@@ -368,12 +378,24 @@ class ServerSupervisor:
             server.kill(self.kill_grace)
 
 
-class Supervised:
-    """What an engine that launches its server (sglang_server, vllm_server) shows of it, through
-    its ``supervisor`` (None before load): the server serving now, its port, command and URL,
-    and the restarts and deaths so far (``ShardMetrics`` reads them). Needs ``self.host``."""
+class Restartable:
+    """The restarts and deaths so far of what holds a ``supervisor`` (None before load): an
+    engine that launches its server, or image_gen's SGLang diffusion server (``ShardMetrics``
+    reads them)."""
 
     supervisor: ServerSupervisor | None = None
+
+    def restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else 0
+
+    def deaths(self) -> list[dict]:
+        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
+
+
+class Supervised(Restartable):
+    """What an engine that launches its server (sglang_server, vllm_server) shows of it, through
+    its ``supervisor``: the server serving now, its port, command and URL. Needs ``self.host``."""
+
     host: str
 
     @property
@@ -398,12 +420,6 @@ class Supervised:
         """The server's Popen (None before load)."""
         return self.server.process if self.server is not None else None
 
-    def restarts(self) -> int:
-        return self.supervisor.restarts if self.supervisor is not None else 0
-
-    def deaths(self) -> list[dict]:
-        return [dict(d) for d in self.supervisor.deaths] if self.supervisor is not None else []
-
 
 def _final_error(supervisor: ServerSupervisor, last: ServerProcess) -> ServerDied:
     """The death no restart follows, naming each death (time, class, cause) and ``last``'s log tail."""
@@ -427,7 +443,7 @@ def _fresh(error: BaseException) -> BaseException:
     return error
 
 
-async def _wait(future: Future) -> None:
+async def wait_future(future: Future) -> None:
     """Wait in this event loop for ``future`` (set from a restart thread) without cancelling it
     when this waiter is cancelled (asyncio.wrap_future would: other requests wait on it too)."""
     loop = asyncio.get_running_loop()

@@ -14,14 +14,17 @@ that path is rendered by the service (``/chat_prompt``).
 BOS handling, JSON grammar and reasoning are the served engine's own. It runs in the
 caller's event loop over keep-alive connections (transport/http_client.py, JSON by orjson);
 the engine's private loop does the rest (waiting for the service, the heartbeat, prompts
-the service renders). A service that failed to load, died or stopped answering fails the
-shard with an EngineError naming the endpoint file and the service's log, never a hang: a
-connection error fails every outstanding request, and a heartbeat (``GET /health`` every
-``HEARTBEAT_SECONDS``, each with a deadline of ``HEARTBEAT_TIMEOUT``) notices a dead or
-frozen service, so a service that stops answering (e.g. SIGSTOPped) fails its shards
-within HEARTBEAT_SECONDS + HEARTBEAT_TIMEOUT (65 s), whatever its requests were doing. A
-generation itself has no deadline: it may wait its turn behind the other shards' requests.
-The heartbeat also keeps the service's idle watchdog quiet.
+the service renders). A service that failed to load fails the shard with an EngineError
+naming the endpoint file and the service's log. A service that dies or stops answering
+(a connection error, or the heartbeat: ``GET /health`` every ``HEARTBEAT_SECONDS``, each
+with a deadline of ``HEARTBEAT_TIMEOUT``, so a SIGSTOPped service is noticed within 65 s)
+is waited for: a restarted service must name itself (a live process) in the endpoint file
+within ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` seconds (``RESTART_WAIT_SECONDS``) and be ready
+within ``$MIRAGEFLOW_ENGINE_WAIT``; the requests the dead one held are then sent to it
+again, and later requests wait for it. When none comes every outstanding and later request
+fails (EngineDied, class ``engine_service_died``), never a hang. A generation itself has no
+deadline: it may wait its turn behind the other shards' requests. The heartbeat also keeps
+the service's idle watchdog quiet.
 """
 
 from __future__ import annotations
@@ -30,18 +33,26 @@ import asyncio
 import base64
 import dataclasses
 import json
+import logging
 import os
 import socket
 from pathlib import Path
 
 from mirageflow.config.types import ProcessorConfig
-from mirageflow.engines.base import EngineError
+from mirageflow.engines.base import EngineDied, EngineError
+from mirageflow.engines.server_restarts import wait_future
+from mirageflow.errors import EngineDeathClass as D
 from mirageflow.engines.chat_template import ChatTemplate
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.transport.http_client import HTTPClient, TransportError
 
+log = logging.getLogger(__name__)
+
 WAIT_SECONDS = 3600.0  # for the service to load (a large model on a slow filesystem); $MIRAGEFLOW_ENGINE_WAIT
+# for a restarted service to name itself in the endpoint file after its predecessor died; $MIRAGEFLOW_ENGINE_RESTART_WAIT
+RESTART_WAIT_SECONDS = 60.0
+DEAD_GRACE_SECONDS = 5.0  # a process gone this long (not a stale file about to be replaced) will not answer
 HEARTBEAT_SECONDS = 5.0
 HEARTBEAT_TIMEOUT = 60.0  # a /health answer later than this: the service is frozen
 CONTROL_TIMEOUT = 60.0  # /info, /chat_prompt (a template render)
@@ -69,6 +80,11 @@ class SharedEngine(LoopEngine):
         self.processor, self.name, self.endpoint = processor, processor.type, Path(endpoint)
         self.max_inflight = 2 * batch_size  # until /info gives the served engine's
         self.wait_seconds = float(os.environ.get("MIRAGEFLOW_ENGINE_WAIT", WAIT_SECONDS))
+        self.restart_wait_seconds = float(os.environ.get("MIRAGEFLOW_ENGINE_RESTART_WAIT", RESTART_WAIT_SECONDS))
+        self.generation = 0  # services connected to before the one serving now
+        self._successor = None  # a concurrent Future: done when the lost service's successor serves (or never will)
+        self._old_clients: list[HTTPClient] = []  # the clients of services that died (closed with the engine)
+        self._url: str | None = None  # the service's that _client and _control talk to
         self.info = EngineInfo(backend="shared", model_path=processor.server_args.model_path)
         self._client: HTTPClient | None = None  # requests, in the caller's loop
         self._control: HTTPClient | None = None  # the rest, in the private loop
@@ -97,9 +113,13 @@ class SharedEngine(LoopEngine):
             self._close_client_and_loop()
             raise
 
-    async def _connect(self) -> None:
+    async def _connect(self, lost: str | None = None) -> None:
+        """Wait for the service to be ready, then read what it serves. ``lost``: why the
+        service connected to before was lost (a restart's wait: its successor must name itself
+        within ``restart_wait_seconds``, else EngineDied engine_service_died)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_seconds
+        dead_grace = DEAD_GRACE_SECONDS if lost is None else self.restart_wait_seconds
         pause, dead_since = 0.02, None
         while True:
             ep = self._read_endpoint()
@@ -107,10 +127,16 @@ class SharedEngine(LoopEngine):
                 self._service = ep
                 if ep.get("state") == "failed":
                     raise EngineError(f"the {self._where()} failed to load: {ep.get('error')}")
-                # a process gone for 5 s (not a stale file about to be replaced) will not answer
+                # a process gone that long (not a stale file about to be replaced) will not answer
                 if ep.get("hostname") == socket.gethostname() and not _alive(ep.get("pid")):
                     dead_since = dead_since if dead_since is not None else loop.time()
-                    if loop.time() - dead_since > 5:
+                    if loop.time() - dead_since > dead_grace:
+                        if lost is not None:
+                            raise EngineDied(
+                                f"the {self._where()} died ({lost}) and no restarted service named itself in the endpoint "
+                                f"file within {dead_grace:g} s ($MIRAGEFLOW_ENGINE_RESTART_WAIT)",
+                                str(D.ENGINE_SERVICE_DIED),
+                            )
                         raise EngineError(f"the {self._where()} exited before it was ready (process {ep['pid']} is gone)")
                 else:
                     dead_since = None
@@ -119,8 +145,10 @@ class SharedEngine(LoopEngine):
                         f"the {self._where()} runs on {ep['hostname']}, this shard on {socket.gethostname()}: "
                         "a shard and its engine must share a node (one group job)"
                     )
-                if ep.get("port") and self._control is None:
-                    url = f"http://{ep['host']}:{ep['port']}"
+                url = f"http://{ep['host']}:{ep['port']}" if ep.get("port") else None
+                if url is not None and url != self._url and dead_since is None:  # a (new) live service names its port
+                    self._old_clients += [c for c in (self._client, self._control) if c is not None]
+                    self._url = url
                     self._control = HTTPClient(url, timeout=CONTROL_TIMEOUT, trust_env=False)
                     self._client = HTTPClient(url, timeout=None, trust_env=False)  # a generation waits its turn
                 if self._control is not None:
@@ -134,9 +162,10 @@ class SharedEngine(LoopEngine):
                         if r.status_code != 503:
                             raise EngineError(f"the {self._where()} failed to load: {self._error_of(r)}")
             if loop.time() > deadline:
-                raise EngineError(
-                    f"the {self._where()} was not ready after {self.wait_seconds:.0f} s (state: {(ep or {}).get('state', 'no endpoint file')})"
-                )
+                message = f"the {self._where()} was not ready after {self.wait_seconds:.0f} s (state: {(ep or {}).get('state', 'no endpoint file')})"
+                if lost is not None:
+                    raise EngineDied(f"{message}; its predecessor died ({lost})", str(D.ENGINE_SERVICE_DIED))
+                raise EngineError(message)
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 1.0)
         served = await self._json(await self._control.get("/info"))
@@ -163,6 +192,7 @@ class SharedEngine(LoopEngine):
         self._heartbeat = asyncio.create_task(self._beat())
 
     async def _beat(self) -> None:
+        generation = self.generation
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
             try:
@@ -172,25 +202,65 @@ class SharedEngine(LoopEngine):
             except TransportError as e:
                 ok, why = False, f"{type(e).__name__}: {e}"
             if not ok:
-                self._fail_all(EngineError(f"the {self._where()} stopped answering ({why})"))
+                self._lose(generation, why)
                 return
+
+    def _lose(self, generation: int, why: str):
+        """The service of ``generation`` is lost: wait for its successor (one wait for every
+        caller, in the private loop). The Future of that wait; it raises when none comes."""
+        from concurrent.futures import Future
+
+        if generation != self.generation or self._failure is not None:  # its successor serves already, or none will
+            done: Future = Future()
+            if self._failure is not None:
+                done.set_exception(self._failure)
+            else:
+                done.set_result(None)
+            return done
+        if self._successor is None:
+            self._successor = asyncio.run_coroutine_threadsafe(self._reconnect(generation, why), self._loop)
+        return self._successor
+
+    async def _reconnect(self, generation: int, why: str) -> None:
+        log.warning("the %s is lost (%s); waiting for a restarted service", self._where(), why)
+        if self._heartbeat is not None and self._heartbeat is not asyncio.current_task():
+            self._heartbeat.cancel()
+        ep = self._read_endpoint() or self._service
+        try:
+            if ep.get("hostname") == socket.gethostname() and _alive(ep.get("pid")) and ep.get("pid") == self._service.get("pid"):
+                # alive and silent (SIGSTOPped, stuck): frozen, not dead; nothing restarts it
+                raise EngineDied(f"the {self._where()} stopped answering ({why})", str(D.ENGINE_SERVICE_DIED))
+            self._old_clients += [c for c in (self._client, self._control) if c is not None]
+            self._client = self._control = self._url = None
+            await self._connect(lost=why)
+        except BaseException as e:
+            self._fail_all(e)
+            raise
+        finally:
+            self._successor = None
+        self.generation = generation + 1
+        log.warning("the %s serves again (process %s)", self._where(), self._service.get("pid"))
 
     # ------------------------------------------------------------------ requests
 
     async def _chat_prompt(self, messages, kwargs) -> str:
-        r = await self._post(self._control, "/chat_prompt", {"processor": self.name, "messages": messages, "kwargs": kwargs})
+        r = await self._post("/chat_prompt", control=True, body={"processor": self.name, "messages": messages, "kwargs": kwargs})
         if r.status_code == 422:
             raise ValueError(self._error_of(r))  # the template refused the messages: the row's error
         self._check(r)
         return (await self._json(r))["prompt"]
 
-    async def _post(self, client: HTTPClient, path: str, body: dict):
-        try:
-            return await client.post_json(path, body)
-        except TransportError as e:
-            error = EngineError(f"the {self._where()} stopped answering ({type(e).__name__}: {e})")
-            self._fail_all(error)
-            raise error from None
+    async def _post(self, path: str, body: dict, control: bool = False):
+        """``POST path`` to the service; sent again to its successor when it died meanwhile."""
+        while True:
+            generation, client = self.generation, self._control if control else self._client
+            if client is None:  # a restart is under way
+                await wait_future(self._lose(generation, "restarting"))
+                continue
+            try:
+                return await client.post_json(path, body)
+            except TransportError as e:
+                await wait_future(self._lose(generation, f"{type(e).__name__}: {e}"))
 
     @staticmethod
     def _error_of(r) -> str:
@@ -211,21 +281,30 @@ class SharedEngine(LoopEngine):
 
     def _check(self, r) -> None:
         if r.status_code != 200:
-            raise EngineError(f"the {self._where()} failed (HTTP {r.status_code}): {self._error_of(r)}")
+            message = f"the {self._where()} failed (HTTP {r.status_code}): {self._error_of(r)}"
+            try:
+                death_class = r.json().get("failure_class")
+            except (ValueError, AttributeError):
+                death_class = None
+            # the served engine died for good (its launched server's restarts spent): the shard's failure_class
+            raise EngineDied(message, death_class) if death_class else EngineError(message)
 
     async def generate_one(self, request: Request) -> Completion:
         return await self._on_caller_loop(self._generate, request)
 
     async def _generate(self, request: Request) -> Completion:
-        if self._client is None:
+        if self._loop is None:
             raise RuntimeError("SharedEngine: load() was not called, or the engine is closed")
-        r = await self._post(self._client, "/generate", {"processor": self.name, "request": _request_json(request)})
+        r = await self._post("/generate", {"processor": self.name, "request": _request_json(request)})
         self._check(r)
         return Completion(**(await self._json(r))["completion"])
 
     def close(self) -> None:
         if self._heartbeat is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._heartbeat.cancel)
+        for client in self._old_clients:
+            client.close()
+        self._old_clients = []
         self._close_client_and_loop()
 
 

@@ -21,7 +21,10 @@ batch go on is handed back at once (``_early_rows``, checked after each decoding
 the shard commits it, the live line moves and a stop loses only the rows still generating;
 rows with stop strings, which the decoded text decides, come back with their batch. A request with a seed (``Request.seed``: n_samples, or
 ``sampling_params.seed``) samples from its own generator, so a rerun gives the same text
-whatever else shares its batch.
+whatever else shares its batch. A batch that raises an error leaving the model unusable
+(a device error: server_process.classify_engine_error) reloads the model in the job, up to
+``max_restarts`` times, and its rows not yet handed back run again (``_run_healing``); out of
+memory is not reloaded (EngineDied with its class).
 
 JSON outputs (``Request.json_schema``) are constrained as SGLang constrains them: with an
 xgrammar grammar compiled from the schema, applied as a per-row token bitmask on the
@@ -34,6 +37,7 @@ loop on whitespace until the length limit.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -43,11 +47,13 @@ import time
 from collections import deque
 
 from mirageflow.config.types import ProcessorConfig, ServerArgs
-from mirageflow.engines.base import Engine, EngineStopped
+from mirageflow.engines.base import Engine, EngineDied, EngineStopped
 from mirageflow.engines.batch_time import BatchTimeCap
+from mirageflow.engines.server_process import classify_engine_error
+from mirageflow.engines.server_restarts import DEFAULT_MAX_RESTARTS, new_death
 from mirageflow.engines.tokens import PromptTokenizer
 from mirageflow.engines.wire import Completion, EngineInfo, Request
-from mirageflow.errors import RowErrorClass as E
+from mirageflow.errors import EngineDeathClass as D, RowErrorClass as E
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +93,13 @@ class TransformersEngine(Engine):
         if isinstance(processor, ProcessorConfig):
             server_args, sampling = processor.server_args, processor.sampling_params
             torch_threads = torch_threads or processor.torch_threads
+            self.max_restarts = processor.max_restarts
         else:
             server_args, sampling = processor, {}
+            self.max_restarts = DEFAULT_MAX_RESTARTS
+        self._deaths: list[dict] = []  # the model's deaths in this job (device errors reload it: _heal)
+        self._reloads = 0
+        self._final: EngineDied | None = None  # set: the model is dead and not reloaded
         self.server_args = server_args
         self.batch_size = batch_size
         self.max_inflight = 2 * batch_size
@@ -114,7 +125,6 @@ class TransformersEngine(Engine):
     def load(self) -> None:
         import torch
         import transformers
-        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(self.threads)
         extra = dict(self.server_args.extra_engine_args)
@@ -125,32 +135,40 @@ class TransformersEngine(Engine):
         # bf16 on GPU; float32 on CPU, where bf16 matmuls are slow without AMX.
         dtype = extra.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
         path = self.server_args.model_path
-        trust = self.server_args.trust_remote_code
         self.processor, self.tokenizer = load_tokenizer(self.server_args)
         self._prompt_ids = PromptTokenizer(self.tokenizer)  # exactly one BOS when the tokenizer adds one
-        kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust}
-        if "attn_implementation" in extra:
-            kwargs["attn_implementation"] = extra["attn_implementation"]
-        model_class = AutoModelForCausalLM if self.processor is None else transformers.AutoModelForImageTextToText
-        self.model = model_class.from_pretrained(path, **kwargs).to(device).eval()
-        self.device = device
-        config = self.model.config
-        self.max_context = getattr(config, "max_position_embeddings", None) or getattr(
-            getattr(config, "text_config", None), "max_position_embeddings", None
-        )
-        self.eos_ids = self._eos_ids()
+        self._load_model(device, dtype, extra)
+        self._reload_args = (device, dtype, extra)
         self.info = EngineInfo(
             backend="transformers",
             model_path=path,
             versions={"transformers": transformers.__version__, "torch": torch.__version__},
             device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-            details={"dtype": dtype, "torch_threads": self.threads, "batch_size": self.batch_size},
+            details={"dtype": dtype, "torch_threads": self.threads, "batch_size": self.batch_size, "max_restarts": self.max_restarts},
         )
         self._cap = BatchTimeCap(self.batch_size, self.commit_seconds)
         self.info.details["batch_time"] = self._cap.details()
         self._start_continuous_batching(extra.get("continuous_batching", "auto"), extra.get("max_running_requests"))
         self._worker = threading.Thread(target=self._serve, name="transformers-batcher", daemon=True)
         self._worker.start()
+
+    def _load_model(self, device: str, dtype: str, extra: dict) -> None:
+        """The weights, on ``device`` (load, and a reload after a device error: ``_heal``)."""
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": self.server_args.trust_remote_code}
+        if "attn_implementation" in extra:
+            kwargs["attn_implementation"] = extra["attn_implementation"]
+        model_class = AutoModelForCausalLM if self.processor is None else transformers.AutoModelForImageTextToText
+        self.model = model_class.from_pretrained(self.server_args.model_path, **kwargs).to(device).eval()
+        self.device = device
+        config = self.model.config
+        self.max_context = getattr(config, "max_position_embeddings", None) or getattr(
+            getattr(config, "text_config", None), "max_position_embeddings", None
+        )
+        self.eos_ids = self._eos_ids()
 
     def _start_continuous_batching(self, mode, running) -> None:
         """Build the continuous-batching manager when ``mode`` (auto: on CUDA) asks for it."""
@@ -264,13 +282,87 @@ class TransformersEngine(Engine):
             try:
                 if self._stopped.is_set():
                     raise EngineStopped("engine was stopped")
-                results = self._run(batch, hand_back)
+                if self._final is not None:  # the model died for good: later batches fail the same way, not run
+                    raise self._final
+                results = self._run_healing(batch, hand_back)
             except BaseException as e:  # resolve every waiter; never leave a future hanging
                 results = [e] * len(batch)
             finally:
                 self._running = 0
             for i, result in enumerate(results):  # a row handed back while the batch ran is not resolved again
                 hand_back(i, result)
+
+    def _run_healing(self, batch: list, hand_back) -> list:
+        """``_run``; after an error that leaves the model unusable (a device error:
+        server_process.classify_engine_error) the model is reloaded (``_heal``) and the rows of
+        the batch not yet handed back run again, up to ``max_restarts`` times."""
+        results: list = [None] * len(batch)
+        pending = list(range(len(batch)))
+        while True:
+            handed: set[int] = set()
+
+            def early(j: int, completion, pending=pending, handed=handed) -> None:
+                handed.add(pending[j])
+                results[pending[j]] = completion
+                hand_back(pending[j], completion)
+
+            try:
+                for j, completion in enumerate(self._run([batch[i] for i in pending], early)):
+                    results[pending[j]] = completion
+                return results
+            except Exception as e:  # noqa: BLE001 - classified: a device error is healed, anything else raised
+                pending = [i for i in pending if i not in handed]
+                self._heal(e, len(pending))
+
+    def _heal(self, error: Exception, rerun: int) -> None:
+        """``error`` ended a batch: reload the model when it is a device error and the restarts
+        are not spent (``rerun`` rows run again); else raise (EngineDied for a death, with its class)."""
+        found = classify_engine_error(error)
+        if found is None or self._stopped.is_set():
+            raise error
+        death_class, cause = found
+        death = new_death(death_class, cause, os.getpid())
+        self._deaths.append(death)
+        log.error("the transformers model died (%s): %s", death_class, cause)
+        if death_class is not D.DEVICE_ERROR:
+            why = "out of memory: not reloaded, the same batch would run out again"
+        elif self._cb is not None:  # its manager holds the model and its paged cache: not rebuilt here
+            why = "not reloaded under continuous batching"
+        elif self._reloads >= self.max_restarts:
+            why = f"processors[].max_restarts={self.max_restarts} spent"
+        else:
+            why = None
+        if why is not None:
+            listed = "; ".join(f"{i}. {d['at']} {d['class']}: {d['cause']}" for i, d in enumerate(self._deaths, 1))
+            self._final = EngineDied(
+                f"the transformers model died {len(self._deaths)} times and was reloaded {self._reloads} times ({why}): {listed}",
+                str(death_class),
+            )
+            raise self._final from error
+        t0 = time.monotonic()
+        self.model = None
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self._reloads += 1
+        self._load_model(*self._reload_args)
+        death["requests_resent"] = rerun
+        death["restarted_after_seconds"] = death["successor_start_seconds"] = round(time.monotonic() - t0, 3)
+        log.warning(
+            "the transformers model was reloaded in %.1f s (reload %d of at most %d); %d rows run again",
+            time.monotonic() - t0,
+            self._reloads,
+            self.max_restarts,
+            rerun,
+        )
+
+    def restarts(self) -> int:
+        return self._reloads
+
+    def deaths(self) -> list[dict]:
+        return [dict(d) for d in self._deaths]
 
     def _run(self, batch: list, hand_back=None) -> list:
         """The completions of a batch; ``hand_back(i, completion)``, when given, gets each row

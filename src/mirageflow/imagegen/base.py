@@ -101,6 +101,14 @@ class ImageGenerator(abc.ABC):
     async def aclose(self) -> None:  # noqa: B027 - generators without clients of the row loop
         """Close what belongs to the calling event loop (an HTTP client), at the end of generation."""
 
+    def restarts(self) -> int:
+        """How many times this job restarted the generator's launched server (engines/server_restarts.py)."""
+        return 0
+
+    def deaths(self) -> list[dict]:
+        """Each death of the generator's launched server in this job (engines/server_restarts.py)."""
+        return []
+
     def stop(self) -> None:  # noqa: B027 - generators without long calls have nothing to interrupt
         """Interrupt soon (SIGTERM/SIGINT, from any thread)."""
 

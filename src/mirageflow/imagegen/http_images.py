@@ -14,7 +14,9 @@ row error ``content_filter``; any other 4xx ``image_generation_failed``; a timeo
 (``timeout_seconds`` per attempt), 429 and 5xx are retried ``max_retries`` times with
 backoff, then the row fails (``image_timeout``, ``image_generation_failed``); an answer
 without a readable image is ``image_undecodable``. 401, 403, 404 and a server that cannot be
-reached fail the shard (every row would fail). The HTTP layer is the transport room
+reached fail the shard (every row would fail). The launched diffusion server that exits or
+freezes is restarted in the job like a launched LLM server (engines/server_restarts.py:
+``max_restarts``, ``hang_seconds``), and the image requests it held are sent again. The HTTP layer is the transport room
 (transport/: its one retry policy and classification of statuses). The key
 (``api_key_env``) is sent as a Bearer token to base_url's origin only (an image URL the
 answer names elsewhere, or a redirect, is fetched without it) and never written.
@@ -32,8 +34,8 @@ from pathlib import Path
 
 from mirageflow.config.types import ImageGenProcessor
 from mirageflow.engines.base import EngineError
-from mirageflow.engines.http import free_port
 from mirageflow.engines.server_process import LOG_TAIL_LINES, ServerProcess
+from mirageflow.engines.server_restarts import Restartable, ServerSupervisor
 from mirageflow.errors import MirageflowError, RowErrorClass as E
 from mirageflow.imagegen.base import ImageError, ImageGenerator, ImageJob, decode_b64, decode_image
 from mirageflow.redact import redact, redact_text
@@ -81,7 +83,9 @@ class ExternalImages(ImageGenerator):
         self.concurrency = processor.max_concurrent_requests if processor.parallel_inference else 1
         self.max_inflight = max(self.concurrency * 2, 8)
         self._credentials: dict[str, str] = {}
-        self._clients: dict[int, tuple] = {}  # id(event loop) -> (HTTPClient, the loop): its connections belong to that loop
+        # id(event loop) -> (HTTPClient, the loop, its base_url): its connections belong to that loop
+        self._clients: dict[int, tuple] = {}
+        self._stale: list[HTTPClient] = []  # clients of a base_url no longer served (a restarted server's), closed at the end
 
     def load(self) -> None:
         name = self.processor.api_key_env
@@ -101,19 +105,25 @@ class ExternalImages(ImageGenerator):
 
     def _client(self) -> HTTPClient:
         """This event loop's client (at most ``max_concurrent_requests`` requests at once)."""
-        loop = asyncio.get_running_loop()
+        loop, base_url = asyncio.get_running_loop(), self.base_url
         found = self._clients.get(id(loop))
-        if found is None or found[1] is not loop:
+        if found is None or found[1] is not loop or found[2] != base_url:
+            if found is not None and found[1] is loop:
+                self._stale.append(found[0])  # requests may still be unwinding on it
             client = HTTPClient(
-                self.base_url, credentials=self._credentials, max_connections=self.concurrency,
+                base_url, credentials=self._credentials, max_connections=self.concurrency,
                 timeout=float(self.processor.timeout_seconds),
             )  # fmt: skip
-            found = self._clients[id(loop)] = (client, loop)
+            found = self._clients[id(loop)] = (client, loop, base_url)
         return found[0]
 
     async def generate(self, job: ImageJob):
+        return await self._generate(job)
+
+    async def _generate(self, job: ImageJob, on_transport_error=None):
+        """``generate``; ``on_transport_error`` is asked after a connection error (a launched server's death)."""
         client = self._client()
-        data = await self._post(client, request_body(job, self.processor.request_model))
+        data = await self._post(client, request_body(job, self.processor.request_model), on_transport_error)
         what = f"{redact_text(self.base_url)}/images/generations"
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list) or not items or not isinstance(items[0], dict):
@@ -126,14 +136,15 @@ class ExternalImages(ImageGenerator):
             return await asyncio.to_thread(decode_image, raw, what)
         raise ImageError(E.IMAGE_UNDECODABLE, f"{what}: data[0] holds neither b64_json nor url")
 
-    async def _post(self, client: HTTPClient, body: dict) -> dict:
+    async def _post(self, client: HTTPClient, body: dict, on_transport_error=None) -> dict:
         what = f"POST {redact_text(self.base_url)}/images/generations"
         timeout = float(self.processor.timeout_seconds)
         policy = RetryPolicy(int(self.processor.max_retries), self.retry_base_delay, self.retry_max_delay, timeout, "timeout_seconds")
         try:
             response = await send_with_retries(
-                client, "POST", "/images/generations", dumps(body), policy=policy, what=what, permanent_raises=True
-            )
+                client, "POST", "/images/generations", dumps(body), policy=policy, what=what, permanent_raises=True,
+                on_transport_error=on_transport_error,
+            )  # fmt: skip
         except PermanentStatus as e:
             raise GeneratorFailed(f"{e} (check base_url, the model and the key)") from None
         except RetriesExhausted as e:
@@ -172,13 +183,15 @@ class ExternalImages(ImageGenerator):
 
     async def aclose(self) -> None:
         found = self._clients.pop(id(asyncio.get_running_loop()), None)
-        if found is not None:
-            await found[0].aclose()
+        stale, self._stale = self._stale, []
+        for client in [*stale, *([found[0]] if found is not None else [])]:
+            await client.aclose()
 
     def close(self) -> None:
-        for client, _ in list(self._clients.values()):
+        for client in [*self._stale, *(found[0] for found in self._clients.values())]:
             client.close()  # idle connections closed now; one in use closes when its request ends
         self._clients.clear()
+        self._stale = []
 
 
 def sglang_diffusion_missing() -> str | None:
@@ -195,19 +208,26 @@ def sglang_diffusion_missing() -> str | None:
     return None
 
 
-class SGLangDiffusionServer(ExternalImages):
-    """SGLang's diffusion server as a child of the shard job, launched, health-checked and
-    stopped (its whole process tree) by the one launcher, engines/server_process.py."""
+class SGLangDiffusionServer(Restartable, ExternalImages):
+    """SGLang's diffusion server as a child of the shard job, launched, health-checked,
+    restarted when it dies or freezes (engines/server_restarts.py) and stopped (its whole
+    process tree) by the one launcher, engines/server_process.py."""
 
     backend = "sglang"
     health_poll_interval = 0.2
     kill_grace = 30.0
+    host = "127.0.0.1"
 
     def __init__(self, processor: ImageGenProcessor, log_dir=None):
         super().__init__(processor)
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mirageflow-sglang-diffusion-"))
         self.log_path = self.log_dir / "sglang_diffusion_server.log"
-        self.server: ServerProcess | None = None
+        self.supervisor: ServerSupervisor | None = None
+
+    @property
+    def server(self) -> ServerProcess | None:
+        """The server serving now (the dead one while a restart is under way)."""
+        return self.supervisor.server if self.supervisor is not None else None
 
     def command(self, port: int) -> list[str]:
         p = self.processor
@@ -217,7 +237,7 @@ class SGLangDiffusionServer(ExternalImages):
             "--model-path",
             p.model_path,
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(port),
             "--num-gpus",
@@ -230,24 +250,46 @@ class SGLangDiffusionServer(ExternalImages):
             missing = sglang_diffusion_missing()
             if missing:
                 raise GeneratorFailed(f"image_gen backend sglang: {missing}")
-        port = free_port()
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-        self.server = ServerProcess("SGLang's diffusion server", self.command(port), self.log_path)
-        log.info("starting SGLang's diffusion server: %s (log: %s)", self.server.shown_command(), self.log_path)
-        self.server.start()
+        p = self.processor
+        self.supervisor = supervisor = ServerSupervisor(
+            "SGLang's diffusion server", self.command, self.log_path, None, host=self.host, ready_path="/health",
+            probe_path="/health", start_timeout=float(p.startup_timeout_seconds), poll_interval=self.health_poll_interval,
+            kill_grace=self.kill_grace, max_restarts=p.max_restarts, hang_seconds=p.hang_seconds,
+            start_timeout_name="startup_timeout_seconds",
+        )  # fmt: skip
+        supervisor.on_restarted = self._on_restarted
         try:
+            supervisor.start_process()
+            log.info("starting SGLang's diffusion server: %s (log: %s)", self.server.shown_command(), self.log_path)
+            self.base_url = f"{supervisor.base_url}/v1"
             try:  # GET /health answers 200 once the server has warmed up (503 before)
-                self.server.wait_healthy(
-                    f"http://127.0.0.1:{port}", "/health", float(self.processor.startup_timeout_seconds), self.health_poll_interval,
-                    timeout_name="startup_timeout_seconds",
-                )  # fmt: skip
+                supervisor.wait_started()
             except EngineError as e:
                 raise GeneratorFailed(str(e)) from None
             super().load()
+            supervisor.watch()
         except BaseException:
             self.close()
             raise
-        self.info.update({"server_command": redact(self.server.command), "log": str(self.log_path), "pid": self.server.pid})
+        self.info.update({
+            "server_command": redact(self.server.command), "log": str(self.log_path), "pid": self.server.pid,
+            "max_restarts": p.max_restarts, "hang_seconds": p.hang_seconds,
+        })  # fmt: skip
+
+    def _on_restarted(self, server: ServerProcess, base_url: str) -> None:
+        """A successor serves at ``base_url``: later requests go there (each loop's next client)."""
+        self.base_url = f"{base_url}/v1"
+
+    async def generate(self, job: ImageJob):
+        """One image; when the server it was asked of dies, asked again of its successor (only a
+        request the dead server held: an answered one is never asked again)."""
+        supervisor = self.supervisor
+
+        async def send():
+            server = supervisor.server
+            return await self._generate(job, on_transport_error=lambda: supervisor.check_alive(server))
+
+        return await supervisor.call(send)
 
     def _why_gone(self) -> str:
         rc = self.server.poll() if self.server is not None else None
@@ -256,10 +298,12 @@ class SGLangDiffusionServer(ExternalImages):
         return f": the server exited with code {rc}; last {LOG_TAIL_LINES} lines of {self.log_path}:\n{redact_text(self.server.tail())}"
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.terminate()
+        if self.supervisor is not None:
+            self.supervisor.stop()  # no more restarts
+            if self.server is not None:
+                self.server.terminate()
 
     def close(self) -> None:
         super().close()
-        if self.server is not None:
-            self.server.kill(self.kill_grace)
+        if self.supervisor is not None:
+            self.supervisor.kill()

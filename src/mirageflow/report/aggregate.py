@@ -150,7 +150,7 @@ def _failed_shards(states: list[ShardState]) -> list[dict]:
             | {k: fst.get(k) for k in ("rows_processed", "rows_failed")}
             | {"rows_failed_by_class": fst.get("rows_failed_by_class"), "attempts": attempts_count(fst)}
             # the launched servers its job restarted, and the class of the death that ended it (engines/server_restarts.py)
-            | {"engine_restarts": fst.get("engine_restarts") or 0, "failure_class": (s.failure or {}).get("failure_class")}
+            | {"engine_restarts": fst.get("engine_restarts") or 0, "failure_class": s.failure_class}
         )
     return failed
 

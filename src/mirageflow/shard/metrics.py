@@ -62,7 +62,8 @@ class ShardMetrics:
         self.num_gpus = stats.allocated_gpus() * cfg.execution.nodes
         self.checkpoint = None  # where the attempts are kept, once restored
         self.index = 0  # this attempt's place in checkpoint.attempts
-        # the loaded engines, by processor: their launched servers' restarts and deaths (engine_restarts, engine_deaths)
+        # the loaded engines and image generators, by processor: their launched servers' restarts and deaths
+        # (engine_restarts, engine_deaths)
         self.engines: dict = {}
         # dollars of the answers' tokens at each processor's price (None: unknown), and of the GPU-hours
         self.prices = {name: pricing.processor_price(p) for name, p in cfg.processors.items()}

@@ -32,9 +32,9 @@ import os
 import signal
 import socket
 import traceback
+from collections import ChainMap
 from pathlib import Path
 from typing import Callable
-
 
 from mirageflow.stats import formulas as stats
 from mirageflow.stats import pricing
@@ -43,7 +43,7 @@ from mirageflow.shard import cached_answers, request_cache
 from mirageflow.config import PipelineConfig, processor_identity
 from mirageflow.data.readers import ShardSlice, content_digest, load_shard, write_index
 from mirageflow.files import atomic_write_json
-from mirageflow.engines.base import Engine
+from mirageflow.engines.base import Engine, death_class_of
 from mirageflow.engines.registry import capabilities, create_engine
 from mirageflow.imagegen import ImageGenerator, make_generator
 from mirageflow.shard.progress import ProgressReporter
@@ -97,7 +97,8 @@ class ShardRunner:
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
         self.log_dir = paths.shard_server_logs(shard_id)
         self.metrics = ShardMetrics(cfg, attempt)
-        self.metrics.engines = self.engines  # their servers' restarts and deaths, in each attempt's counters
+        # their launched servers' restarts and deaths (LLM engines' and image generators'), in each attempt's counters
+        self.metrics.engines = ChainMap(self.engines, self.image_gens)
         self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/shard/samples.py)
         render = RecordRenderer(
             cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns,
@@ -414,23 +415,10 @@ def _progress_snapshot(runner: ShardRunner) -> dict:
         "output_tokens": runner.metrics.output_tokens,
         "queue_depth": sum(depths) if depths else None,
         "inflight": runner.metrics.tracker.inflight,
-        "engine_restarts": sum(e.restarts() for e in list(runner.engines.values())),
+        "engine_restarts": sum(e.restarts() for e in list(runner.metrics.engines.values())),
         # dollars of every attempt so far, and the tokens no price is known for (stats/pricing.py)
         **dict(zip(("cost_usd", "unpriced_tokens"), runner.metrics.spend_so_far())),
     }
-
-
-def _death_class(error: BaseException) -> str | None:
-    """The failure class anywhere in ``error``'s chain of causes: a ServerDied's death class, or
-    a BudgetExceeded's ``budget_exceeded``."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        found = getattr(error, "death_class", None) or getattr(error, "failure_class", None)
-        if found is not None:
-            return str(found)
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def run_shard(
@@ -468,8 +456,8 @@ def run_shard(
             "finished_at": stats.utc_now(),
             "error": redact_text(f"{type(e).__name__}: {e}"),
             "signal": signal.Signals(e.signum).name if isinstance(e, ShardInterrupted) else None,
-            # why the engine's launched server died the last time, when that ended the shard, or budget_exceeded (an EngineDeathClass)
-            "failure_class": _death_class(e),
+            # why the engine died the last time, when that ended the shard, or budget_exceeded (an EngineDeathClass)
+            "failure_class": death_class_of(e),
             # what a rerun keeps ("3 rows"), for the run summary of an interrupted run
             "committed": runner.checkpoint.describe_committed() if runner.checkpoint is not None else "nothing",
             "traceback": redact_text(traceback.format_exc()),

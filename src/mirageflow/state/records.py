@@ -170,6 +170,7 @@ class FailureRecord(TypedDict, total=False):
     shard_id: int
     error: str
     signal: str | None
+    failure_class: str | None  # the class of the engine death that ended it (an EngineDeathClass value)
     attempt: int
     hostname: str
     finished_at: str

@@ -157,6 +157,7 @@ class ShardState:
     slurm_job_id: str | None = None
     error: str | None = None  # failed: why
     signal: str | None = None  # failed: the signal that stopped it
+    failure_class: str | None = None  # failed: the class of the engine death that ended it (an EngineDeathClass value)
     attempt: int | None = None  # failed: its attempt
     finished_at: str | None = None  # failed: when
 
@@ -179,8 +180,8 @@ class ShardState:
             out |= {"since_update_seconds": self.since_update_seconds, "host": self.host, "slurm_job_id": self.slurm_job_id}
         elif self.state == "failed":
             out |= {
-                "error": self.error, "signal": self.signal, "attempt": self.attempt, "host": self.host,
-                "slurm_job_id": self.slurm_job_id, "finished_at": self.finished_at,
+                "error": self.error, "signal": self.signal, "failure_class": self.failure_class, "attempt": self.attempt,
+                "host": self.host, "slurm_job_id": self.slurm_job_id, "finished_at": self.finished_at,
             }  # fmt: skip
         elif self.state == "pending" and self.status is not None:
             out["stale"] = self.stale
@@ -294,6 +295,7 @@ def _failed_damaged(entry: ShardState, x: DamagedFile, who: dict) -> None:
 def _failed_recorded(entry: ShardState, failure: FailureRecord) -> None:
     """failure.json says why."""
     entry.state, entry.error, entry.signal, entry.attempt = "failed", failure.get("error"), failure.get("signal"), failure.get("attempt")
+    entry.failure_class = failure.get("failure_class")
     entry.host, entry.slurm_job_id, entry.finished_at = failure.get("hostname"), failure.get("slurm_job_id"), failure.get("finished_at")
     entry.failure = failure
 
