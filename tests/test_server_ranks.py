@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from fakes import FAKES, alive, drive, stand_in_command, vllm_stand_in_command
-from test_engine_http import processor, req
+from fakes.http_engines import processor, req
 
 from mirageflow.config import load_config
 from mirageflow.engines.base import EngineError
