@@ -362,11 +362,13 @@ def _wait(what: str, ready, timeout: float, describe) -> None:
 
 
 @pytest.mark.slurm
-def test_a_shard_job_on_the_real_slurm_runs_its_engine_as_two_ranks_and_restarts_them_when_rank_1_is_killed(real_slurm, tmp_path):
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_shard_job_on_the_real_slurm_runs_its_engine_as_two_ranks_and_a_killed_rank_restarts_or_fails_it(real_slurm, tmp_path, restarts):
     """A whole shard (python -m mirageflow.jobs) in a real sbatch job of 2 tasks, its engine the
     SGLang stand-in with nodes: 2: rank 0 in the job's shell, rank 1 through the real srun. Rank 1
-    sees its flags; SIGKILLed mid-run it takes the engine down, the shard restarts both ranks
-    (max_restarts: 1) and completes with every row once; no rank and no job is left."""
+    sees its flags; SIGKILLed mid-run it takes the engine down: with max_restarts: 1 the shard
+    restarts both ranks and completes with every row once, with 0 the job fails naming the lost
+    rank (the rows written so far once each). Either way no rank and no job is left."""
     model = tmp_path / "model"  # its path in every rank's argv: the marker ps looks for
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -374,7 +376,7 @@ def test_a_shard_job_on_the_real_slurm_runs_its_engine_as_two_ranks_and_restarts
     cfg = shard_config(tmp_path, rows, str(model))
     proc_cfg = cfg["processors"][0]
     proc_cfg["server_args"] = {"model_path": str(model), "tp_size": 2, "extra_engine_args": {"max_running_requests": 2}}
-    proc_cfg.update(max_restarts=1, server_start_timeout=180)
+    proc_cfg.update(max_restarts=restarts, server_start_timeout=180)
     cfg["execution_params"] = {"nodes": 2, "gpus": 1}
     config = tmp_path / "pipeline.yaml"
     config.write_text(__import__("yaml").safe_dump(cfg))
@@ -416,27 +418,33 @@ def test_a_shard_job_on_the_real_slurm_runs_its_engine_as_two_ranks_and_restarts
     finally:
         if queued():
             subprocess.run(["scancel", jobid])
-    state = real_slurm.job(jobid)
-    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", f"{state}\n{said()}"
-    # every row once
-    written = [json.loads(line) for p in sorted((tmp_path / "out").rglob("*.jsonl")) for line in p.read_text().splitlines()]
-    assert sorted(r["q"] for r in written) == sorted(f"row {i}" for i in range(rows)), said()
-    # rank 1 (the srun's task 0), both times, was told its place and where rank 0 waits
+    # no rank left (their argv holds the model's path) and no job or step in the queue
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    assert not [line for line in ps.splitlines() if str(model) in line], ps
+    steps = subprocess.run(["squeue", "--noheader", "--steps", "--format=%i"], capture_output=True, text=True).stdout
+    assert not queued() and not [s for s in steps.split() if s.startswith(f"{jobid}.")], steps
+    # rank 1 (the srun's task 0), at each start, was told its place and where rank 0 waits
     host = real_slurm._host()
     rank0_starts, rank1_starts = argv(rank0_log()), argv(ranks_log, "0: ")
-    assert len(rank0_starts) == len(rank1_starts) == 2, said()  # the start and the one restart
+    assert len(rank0_starts) == len(rank1_starts) == 1 + restarts, said()  # the start and any restart
     for rank0, rank1 in zip(rank0_starts, rank1_starts):
         addr = rank0[rank0.index("--dist-init-addr") + 1]
         assert addr.startswith(f"{host}:") and rank1[:-6] == rank0[:-6], (rank0, rank1)
         assert rank1[-6:] == ["--nnodes", "2", "--dist-init-addr", addr, "--node-rank", "1"], rank1
+    state = real_slurm.job(jobid)
+    written = [json.loads(line) for p in sorted((tmp_path / "out").rglob("*.jsonl")) for line in p.read_text().splitlines()]
+    if not restarts:  # the engine is not restarted: the shard fails, naming the lost rank
+        assert state.get("JobState") == "FAILED", f"{state}\n{said()}"
+        failure = json.loads(next((tmp_path / "state").rglob("shard_0/failure.json")).read_text())
+        assert "lost a rank: srun of ranks 1..1" in json.dumps(failure), failure
+        assert 0 < len(written) < rows and len({r["q"] for r in written}) == len(written), said()
+        return
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", f"{state}\n{said()}"
+    # every row once
+    assert sorted(r["q"] for r in written) == sorted(f"row {i}" for i in range(rows)), said()
     # the shard saw the rank's loss and restarted the engine once
     status = json.loads(next((tmp_path / "state").rglob("shard_0/status.json")).read_text())
     assert status["stats"]["rows_processed"] == rows and status["stats"]["rows_failed"] == 0, status["stats"]
     [death] = status["stats"]["engine_deaths"]
     assert status["stats"]["engine_restarts"] == 1 and death["cause"].startswith("lost a rank: srun of ranks 1..1"), death
     assert str(ranks_log) in death["cause"] and death["class"] == "killed_by_signal", death
-    # no rank left (their argv holds the model's path) and no job or step in the queue
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    assert not [line for line in ps.splitlines() if str(model) in line], ps
-    steps = subprocess.run(["squeue", "--noheader", "--steps", "--format=%i"], capture_output=True, text=True).stdout
-    assert not queued() and not [s for s in steps.split() if s.startswith(f"{jobid}.")], steps
