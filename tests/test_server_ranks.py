@@ -3,7 +3,9 @@ rank 0 started by the engine, ranks 1..N-1 by srun, as one server.
 
 The server is the SGLang stand-in (tests/fakes/fake_sglang_server.py), whose ranks meet over
 TCP (fakes/fake_ranks.py) before rank 0 serves; ``srun`` is tests/fakes/fake_srun.py first on
-PATH, running the "other nodes'" ranks as processes here with srun's task environment.
+PATH, running the "other nodes'" ranks as processes here with srun's task environment. The
+tests marked ``slurm`` use the real srun and sbatch of tests/slurm_cluster.py instead: its one
+node holds the "nodes" as tasks of the job, ranks 1..N-1 placed beside rank 0 (NodeSpan.placement).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from fakes import FAKES, alive, drive, stand_in_command, vllm_stand_in_command
-from test_engine_http import processor, req
+from fakes.http_engines import processor, req
 
 from mirageflow.config import load_config
 from mirageflow.engines.base import EngineError
@@ -265,6 +267,21 @@ def test_a_run_that_executes_its_jobs_here_is_refused_before_any_job(tmp_path, s
 
 # --------------------------------------------------------------------------- the real srun (tests/slurm_cluster.py)
 
+
+@pytest.fixture
+def real_slurm():
+    """The real SLURM of tests/slurm_cluster.py (started here when not running), else a skip."""
+    import slurm_cluster
+
+    reason = slurm_cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    started_here = slurm_cluster.start()
+    yield slurm_cluster
+    if started_here:
+        slurm_cluster.stop()
+
+
 # Run as a batch job of 3 tasks on the test cluster's one node: rank 0 in the batch shell, ranks 1
 # and 2 through the real srun, placed beside it (the cluster has no second node for --relative=1).
 REAL_SRUN_JOB = """
@@ -293,27 +310,18 @@ server.kill(5.0)
 """
 
 
-def test_the_ranks_start_under_the_real_srun_and_a_killed_rank_ends_them_all(tmp_path):
-    import slurm_cluster
-
-    reason = slurm_cluster.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    started_here = slurm_cluster.start()
-    try:
-        script = tmp_path / "job.py"
-        script.write_text(REAL_SRUN_JOB)
-        cmd = f"{sys.executable} {script} {tmp_path} {FAKES / 'fake_sglang_server.py'}"
-        proc = subprocess.run(
-            ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks=3", "--cpus-per-task=1", "-t", "5",
-             f"--output={tmp_path / 'job.out'}", f"--wrap={cmd}"],
-            capture_output=True, text=True, timeout=400,
-        )  # fmt: skip
-        output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-        assert proc.returncode == 0, proc.stderr + output
-    finally:
-        if started_here:
-            slurm_cluster.stop()
+@pytest.mark.slurm
+def test_the_ranks_start_under_the_real_srun_and_a_killed_rank_ends_them_all(real_slurm, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(REAL_SRUN_JOB)
+    cmd = f"{sys.executable} {script} {tmp_path} {FAKES / 'fake_sglang_server.py'}"
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks=3", "--cpus-per-task=1", "-t", "5",
+         f"--output={tmp_path / 'job.out'}", f"--wrap={cmd}"],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert proc.returncode == 0, proc.stderr + output
     ranks_log = (tmp_path / "sglang_server.ranks.log").read_text()
     for task in (0, 1):  # SLURM_PROCID from the real srun: node ranks 1 and 2
         [flags] = argv(tmp_path / "sglang_server.ranks.log", f"{task}: ")
@@ -324,3 +332,119 @@ def test_the_ranks_start_under_the_real_srun_and_a_killed_rank_ends_them_all(tmp
     assert result["srun_rc"] is not None  # --kill-on-bad-exit ended the step
     everyone = [int(p) for p in re.findall(r"meeting at \S+, pid (\d+)", ranks_log + (tmp_path / "sglang_server.log").read_text())]
     assert len(everyone) == 3 and not [p for p in everyone if alive(p)], ranks_log
+
+
+# Put on the shard job's PYTHONPATH by the test below (as tests/slurm_cluster.py's fault_env does):
+# the test cluster has one node, so a span of N nodes is realised as N tasks of the job on it.
+# The real NodeSpan.from_slurm reads the job (SLURM_NTASKS standing for its node count); the
+# ranks' srun then places ranks 1..N-1 beside rank 0 instead of --relative=1 on other nodes.
+TASKS_AS_NODES_SITE = """\
+import dataclasses, os
+from mirageflow.engines.server_ranks import NodeSpan
+
+_real = NodeSpan.from_slurm.__func__
+
+def _tasks_as_nodes(cls, nodes, environ=os.environ):
+    span = _real(cls, nodes, {**environ, "SLURM_JOB_NUM_NODES": environ["SLURM_NTASKS"]})
+    others = nodes - 1
+    return dataclasses.replace(span, placement=("--nodes=1", f"--ntasks={others}", f"--ntasks-per-node={others}"))
+
+NodeSpan.from_slurm = classmethod(_tasks_as_nodes)
+"""
+
+
+def _wait(what: str, ready, timeout: float, describe) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:.0f} s for {what}; {describe()}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_shard_job_on_the_real_slurm_runs_its_engine_as_two_ranks_and_a_killed_rank_restarts_or_fails_it(real_slurm, tmp_path, restarts):
+    """A whole shard (python -m mirageflow.jobs) in a real sbatch job of 2 tasks, its engine the
+    SGLang stand-in with nodes: 2: rank 0 in the job's shell, rank 1 through the real srun. Rank 1
+    sees its flags; SIGKILLed mid-run it takes the engine down: with max_restarts: 1 the shard
+    restarts both ranks and completes with every row once, with 0 the job fails naming the lost
+    rank (the rows written so far once each). Either way no rank and no job is left."""
+    model = tmp_path / "model"  # its path in every rank's argv: the marker ps looks for
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    rows = 120
+    cfg = shard_config(tmp_path, rows, str(model))
+    proc_cfg = cfg["processors"][0]
+    proc_cfg["server_args"] = {"model_path": str(model), "tp_size": 2, "extra_engine_args": {"max_running_requests": 2}}
+    proc_cfg.update(max_restarts=restarts, server_start_timeout=180)
+    cfg["execution_params"] = {"nodes": 2, "gpus": 1}
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(__import__("yaml").safe_dump(cfg))
+    index_datasets(load_config(str(config)))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(TASKS_AS_NODES_SITE)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (site, repo / "src", repo / "tests"))),
+           "CUDA_VISIBLE_DEVICES": "0", "FAKE_SGLANG_LATENCY": "0.2"}  # fmt: skip
+    job_out = tmp_path / "job.out"
+    shard = f"{sys.executable} -m mirageflow.jobs --config {config} --log {tmp_path / 'shard_0.log'} shard 0"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--cpus-per-task=1", "-t", "10", "--job-name=ranks-shard",
+         f"--output={job_out}", f"--chdir={tmp_path}", f"--wrap={shard}"],
+        capture_output=True, text=True, timeout=60, env=env, check=True,
+    )  # fmt: skip
+    jobid = submitted.stdout.strip().split(";")[0]
+
+    def queued() -> bool:
+        listed = subprocess.run(["squeue", "--noheader", "--format=%i", f"--jobs={jobid}"], capture_output=True, text=True)
+        return jobid in listed.stdout.split()
+
+    def said() -> str:
+        logs = [job_out, tmp_path / "shard_0.log", *sorted((tmp_path / "state").rglob("sglang_server*.log"))]
+        return "\n".join(f"--- {p}:\n{p.read_text()[-2000:]}" for p in logs if p.exists())
+
+    try:
+        logs = tmp_path / "state"
+        rank0_log = lambda: next(iter(sorted(logs.rglob("sglang_server.log"))), None)  # noqa: E731
+        _wait("both ranks to join and the first rows to be written",
+              lambda: rank0_log() is not None and "all 2 ranks joined" in rank0_log().read_text()
+              and list((tmp_path / "out").rglob("part-*")), 300, said)  # fmt: skip
+        ranks_log = rank0_log().with_name("sglang_server.ranks.log")
+        first = re.search(r"^0: fake rendezvous: rank 1 of 2, meeting at \S+, pid (\d+)", ranks_log.read_text(), re.M)
+        assert first, said()
+        os.kill(int(first.group(1)), signal.SIGKILL)  # rank 1, mid-run
+        _wait(f"job {jobid} to leave squeue", lambda: not queued(), 300, said)
+    finally:
+        if queued():
+            subprocess.run(["scancel", jobid])
+    # no rank left (their argv holds the model's path) and no job or step in the queue
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    assert not [line for line in ps.splitlines() if str(model) in line], ps
+    steps = subprocess.run(["squeue", "--noheader", "--steps", "--format=%i"], capture_output=True, text=True).stdout
+    assert not queued() and not [s for s in steps.split() if s.startswith(f"{jobid}.")], steps
+    # rank 1 (the srun's task 0), at each start, was told its place and where rank 0 waits
+    host = real_slurm._host()
+    rank0_starts, rank1_starts = argv(rank0_log()), argv(ranks_log, "0: ")
+    assert len(rank0_starts) == len(rank1_starts) == 1 + restarts, said()  # the start and any restart
+    for rank0, rank1 in zip(rank0_starts, rank1_starts):
+        addr = rank0[rank0.index("--dist-init-addr") + 1]
+        assert addr.startswith(f"{host}:") and rank1[:-6] == rank0[:-6], (rank0, rank1)
+        assert rank1[-6:] == ["--nnodes", "2", "--dist-init-addr", addr, "--node-rank", "1"], rank1
+    state = real_slurm.job(jobid)
+    written = [json.loads(line) for p in sorted((tmp_path / "out").rglob("*.jsonl")) for line in p.read_text().splitlines()]
+    if not restarts:  # the engine is not restarted: the shard fails, naming the lost rank
+        assert state.get("JobState") == "FAILED", f"{state}\n{said()}"
+        failure = json.loads(next((tmp_path / "state").rglob("shard_0/failure.json")).read_text())
+        assert "lost a rank: srun of ranks 1..1" in json.dumps(failure), failure
+        assert 0 < len(written) < rows and len({r["q"] for r in written}) == len(written), said()
+        return
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", f"{state}\n{said()}"
+    # every row once
+    assert sorted(r["q"] for r in written) == sorted(f"row {i}" for i in range(rows)), said()
+    # the shard saw the rank's loss and restarted the engine once
+    status = json.loads(next((tmp_path / "state").rglob("shard_0/status.json")).read_text())
+    assert status["stats"]["rows_processed"] == rows and status["stats"]["rows_failed"] == 0, status["stats"]
+    [death] = status["stats"]["engine_deaths"]
+    assert status["stats"]["engine_restarts"] == 1 and death["cause"].startswith("lost a rank: srun of ranks 1..1"), death
+    assert str(ranks_log) in death["cause"] and death["class"] == "killed_by_signal", death
