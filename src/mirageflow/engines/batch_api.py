@@ -306,8 +306,6 @@ class BatchApiEngine(LoopEngine):
             cid, line = self.custom_id(request)
         except (ValueError, TypeError) as e:  # a request the provider's format cannot carry (an image type)
             return _failed(request.id, E.INVALID_REQUEST, f"batch_api ({self.settings.provider}): {e}")
-        if self.spend_ledger is not None:
-            self._estimates[cid] = self._estimate_usd(request)
         waiting = self._waiters.get(cid)
         if waiting is not None and not waiting.done():  # the same request again (two outputs, one prompt): one line, one answer
             return await waiting
@@ -318,14 +316,17 @@ class BatchApiEngine(LoopEngine):
             return await self._wait(cid)
         if state == "rejected":
             return _failed(request.id, E.BATCH_REJECTED, entry.get("reason") or "the provider refused the batch")
+        round_ = 0
         if state == "ended":
             outcome = self._stored(cid, request.id)
             if outcome.retry is None:
                 return outcome.completion
             if entry.get("round", 0) >= 1:
                 return self._gave_up(request.id, outcome.retry)
-            return await self._enqueue(cid, line, 1)
-        return await self._enqueue(cid, line, 0)
+            round_ = 1
+        if self.spend_ledger is not None:  # what it adds to its chunk's hold on the budget (_submit)
+            self._estimates[cid] = self._estimate_usd(request)
+        return await self._enqueue(cid, line, round_)
 
     def _estimate_usd(self, request: Request) -> float:
         """A request's dollars before it goes, as the openai backend's: its prompt's characters / 4
