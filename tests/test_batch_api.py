@@ -526,3 +526,55 @@ def test_an_output_file_that_answers_404_says_the_file_is_gone_not_the_key(tmp_p
     assert "HTTP 404" in message and "no longer has this file" in message and "output_file_id" in message
     assert "check the API key" not in message and "check base_url" not in message
     assert "batches.json" in message and "--resubmit-batch" in message
+
+
+# --------------------------------------------------------------------------- budget
+
+
+@pytest.mark.parametrize("booking_lost", [False, True])
+def test_the_budget_holds_a_batch_before_it_is_submitted_and_books_it_once_across_attempts(tmp_path, api, booking_lost):
+    """execution_params.max_cost_usd (transport/spend.py): a batch's estimate (prompt chars / 4 at
+    $1 a token, max_new_tokens 100 at $2) is held before it goes and booked as spend while it is
+    at the provider. Two chunks of 6 requests (~$1,220 each) under a $2,000 cap: the first is
+    submitted, the second refused; the rerun with a raised cap re-attaches the first (not booked
+    again), submits the second, and the spend is the results' usage at the price, by hand.
+    ``booking_lost``: the first attempt was killed after the provider created the batch and
+    before its booking was made and recorded: the re-attach books it, once."""
+    api.trouble.hold.set()  # the first batch stays at the provider while the second is refused
+    pricing = {"input_per_million": 1_000_000, "output_per_million": 2_000_000}
+    raw = _config(tmp_path, api, "openai", max_requests_per_chunk=6, pricing=pricing, default_sampling_params={"max_new_tokens": 100})
+    raw["execution_params"] = {"max_cost_usd": 2000}
+    _rows(tmp_path / "in.jsonl", markers={})
+    with pytest.raises(Exception, match=r"max_cost_usd.*this batch's estimate \$1.*cap \$2000\.0000.*raise execution_params\.max_cost_usd"):
+        _run(raw)
+    failure = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
+    assert failure["failure_class"] == "budget_exceeded"
+    assert (api.batches_created, api.requests_seen) == (1, 6)
+    ((first,),) = [[e for e in _ledger(tmp_path).values() if e["state"] == "submitted"]]
+    spend = tmp_path / "state" / "spend.json"
+    booked = json.loads(spend.read_text())
+    assert booked["spent_usd"] == first["booked_usd"] == first["estimate_usd"] and 1200 < first["estimate_usd"] < 1500
+    assert not booked.get("holds")
+    if booking_lost:
+        saved = json.loads((tmp_path / "state" / "shard_0" / "batches.json").read_text())
+        for entry in saved["batches"].values():
+            entry.pop("booked_usd", None)
+        (tmp_path / "state" / "shard_0" / "batches.json").write_text(json.dumps(saved))
+        spend.write_text(json.dumps({"spent_usd": 0.0}))
+
+    api.trouble.hold.clear()
+    raw["execution_params"]["max_cost_usd"] = 10_000
+    status = _run(raw)
+    assert status["engines"]["batch_api"]["details"]["batches_reattached"] == 1
+    assert (api.batches_created, api.requests_seen) == (2, ROWS)  # no request asked twice
+    assert len(_records(tmp_path)) == ROWS
+    usage = [
+        line["response"]["body"]["usage"]
+        for b in api.batches.values()
+        for line in map(json.loads, api.files[b["output_file_id"]].decode().splitlines())
+    ]  # fmt: skip
+    by_hand = sum(u["prompt_tokens"] * 1 + u["completion_tokens"] * 2 for u in usage)
+    assert len(usage) == ROWS and 0 < by_hand < 1000
+    assert json.loads(spend.read_text())["spent_usd"] == pytest.approx(by_hand, rel=1e-12)  # the first batch's estimate booked once
+    assert sum(e["cost_usd"] for e in _ledger(tmp_path).values()) == pytest.approx(by_hand, rel=1e-12)
+    assert status["stats"]["cost_usd"] == pytest.approx(by_hand, rel=1e-12)

@@ -40,6 +40,10 @@ changes it). The engine answers them when their batch ends:
   or cancelled batch did not run are submitted once more, in a chunk of their own; a
   second miss is the row error ``batch_expired`` / ``batch_cancelled``. A batch still
   running ``deadline_grace_seconds`` past its completion window is cancelled.
+- **Budget.** With ``execution_params.max_cost_usd`` a chunk is held at its requests'
+  estimates before it is spooled or sent (BudgetExceeded past the cap), booked as spend once
+  the provider has it (``booked_usd`` in its entry: a re-attach books nothing again) and
+  corrected to its results' usage at the price when it ends (``cost_usd``): transport/spend.py.
 - **Recorded for people.** status.json -> engines.<name>.details.batches lists every batch
   (id, state, requests, tokens); with ``metadata_output_path`` each submitted batch also
   appends MMIRAGE's receipt line to ``<path without .jsonl>.shard_<id>.jsonl``.
@@ -66,11 +70,13 @@ from mirageflow.engines.batch_providers import (
 )  # fmt: skip
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.errors import RowErrorClass as E
-from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request
+from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request, prompt_chars
 from mirageflow.files import atomic_write_bytes
 from mirageflow.redact import redact_text
 from mirageflow.stats.formulas import utc_now
 from mirageflow.transport.http_client import HTTPClient
+from mirageflow.transport.rate_limit import estimate_tokens
+from mirageflow.transport.spend import BudgetExceeded
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +131,7 @@ class BatchApiEngine(LoopEngine):
         self._waiters: dict[str, asyncio.Future] = {}
         self._where: dict[str, str] = {}  # custom_id -> the newest chunk holding it
         self._results: dict[str, tuple[str, int]] = {}  # custom_id -> (ended chunk, byte offset of its result line)
+        self._estimates: dict[str, float] = {}  # custom_id -> its dollars before it goes (with a budget: spend_ledger)
         self._open: dict[int, _Chunk | None] = {0: None, 1: None}
         self._busy: set[asyncio.Task] = set()  # submissions and watchers
         self._submitting: set[asyncio.Task] = set()
@@ -205,6 +212,7 @@ class BatchApiEngine(LoopEngine):
             for cid in ids:
                 self._where[cid] = key
             if state == "submitted":
+                await self._book(key)
                 self.reattached += 1
                 log.info("re-attaching to batch %s (chunk %s, %s requests)", entry.get("batch_id"), key, entry.get("requests"))
                 self._spawn(self._watch(key))
@@ -308,14 +316,24 @@ class BatchApiEngine(LoopEngine):
             return await self._wait(cid)
         if state == "rejected":
             return _failed(request.id, E.BATCH_REJECTED, entry.get("reason") or "the provider refused the batch")
+        round_ = 0
         if state == "ended":
             outcome = self._stored(cid, request.id)
             if outcome.retry is None:
                 return outcome.completion
             if entry.get("round", 0) >= 1:
                 return self._gave_up(request.id, outcome.retry)
-            return await self._enqueue(cid, line, 1)
-        return await self._enqueue(cid, line, 0)
+            round_ = 1
+        if self.spend_ledger is not None:  # what it adds to its chunk's hold on the budget (_submit)
+            self._estimates[cid] = self._estimate_usd(request)
+        return await self._enqueue(cid, line, round_)
+
+    def _estimate_usd(self, request: Request) -> float:
+        """A request's dollars before it goes, as the openai backend's: its prompt's characters / 4
+        at the input price, its max_new_tokens (else Anthropic's max_tokens) at the output price."""
+        limit = request.sampling_params.get("max_new_tokens") or self.settings.max_tokens
+        output = limit if isinstance(limit, int) and limit > 0 else 0
+        return self.spend_ledger.price.cost(estimate_tokens(prompt_chars(request), 0), output)
 
     def _stored(self, cid: str, rid: int) -> Outcome:
         where = self._results.get(cid)
@@ -356,6 +374,7 @@ class BatchApiEngine(LoopEngine):
         return await fut
 
     def _deliver(self, cid: str, completion: Completion) -> None:
+        self._estimates.pop(cid, None)
         fut = self._waiters.pop(cid, None)
         if fut is not None and not fut.done():
             fut.set_result(completion)
@@ -420,11 +439,39 @@ class BatchApiEngine(LoopEngine):
         if not task.cancelled() and task.exception() is not None:
             error = task.exception()
             log.error("batch_api: %s: %s", type(error).__name__, error)
-            self._fail_all(error if isinstance(error, EngineError) else EngineError(f"batch_api: {type(error).__name__}: {error}"))
+            kept = isinstance(error, (EngineError, BudgetExceeded))  # BudgetExceeded: the shard's failure_class
+            self._fail_all(error if kept else EngineError(f"batch_api: {type(error).__name__}: {error}"))
 
     # ------------------------------------------------------------------ batches
 
     async def _submit(self, chunk: _Chunk) -> None:
+        # the budget (transport/spend.py): the batch's estimate is held before anything is written
+        # or sent (BudgetExceeded when the spend alone and it pass the cap) and booked as spend once
+        # the provider has the batch; its end corrects it to the results' cost (_settle_cost)
+        estimate = sum(self._estimates.get(cid, 0.0) for cid in chunk.ids)
+        held = await self.spend_ledger.reserve(estimate, "this batch") if self.spend_ledger is not None else None
+        try:
+            made, key, data = await self._create(chunk, None if held is None else estimate)
+        except BaseException:
+            if held is not None:
+                self.spend_ledger.settle(held, None, sent=False)  # a batch created all the same is booked when adopted (_restore)
+            raise
+        if made is None:  # refused: nothing to pay
+            if held is not None:
+                self.spend_ledger.settle(held, None, sent=False)
+            return
+        if held is not None:
+            self.spend_ledger.settle(held, None)  # the hold becomes spend: the estimate, booked until the batch ends
+        await self._record(key, state="submitted", batch_id=made["batch_id"], status=made.get("status"), input_file_id=made.get("input_file_id"),
+                           submitted_at=utc_now(), submitted_ts=time.time(), **({} if held is None else {"booked_usd": estimate}))  # fmt: skip
+        log.info("batch %s submitted (chunk %s: %d requests, %d bytes)", made["batch_id"], key, len(chunk.ids), len(data))
+        if self.settings.metadata_output_path:
+            await asyncio.to_thread(self._receipt, key, chunk, data)
+        self._spawn(self._watch(key))
+
+    async def _create(self, chunk: _Chunk, estimate_usd: float | None) -> tuple[dict | None, str, bytes]:
+        """Spool and record a chunk, then have the provider create its batch: (its answer, the
+        chunk's key, its bytes); the answer None when the provider refused it (its rows then fail as batch_rejected)."""
         key = self.ledger.new_key(self.shard_id)
         spool = self.ledger.spool(key)
         data = b"\n".join(chunk.lines) + b"\n"
@@ -434,7 +481,7 @@ class BatchApiEngine(LoopEngine):
             self._where[cid] = key
         await self._record(
             key, provider=self.settings.provider, state="sealed", requests=len(chunk.ids), bytes=len(data), round=chunk.round,
-            sealed_at=utc_now(), flush_reason=chunk.reason,
+            sealed_at=utc_now(), flush_reason=chunk.reason, **({} if estimate_usd is None else {"estimate_usd": estimate_usd}),
         )  # fmt: skip
         try:
             # shielded: a stop() mid-call must not lose the id of a batch the provider created
@@ -444,15 +491,10 @@ class BatchApiEngine(LoopEngine):
             log.error("batch chunk %s (%d requests) refused: %s", key, len(chunk.ids), e)
             for cid in chunk.ids:
                 self._deliver(cid, _failed(_unit(cid), E.BATCH_REJECTED, str(e)))
-            return
+            return None, key, data
         if not made.get("batch_id"):
             raise EngineError(f"batch_api: the provider created chunk {key} but gave no batch id: {made}")
-        await self._record(key, state="submitted", batch_id=made["batch_id"], status=made.get("status"), input_file_id=made.get("input_file_id"),
-                           submitted_at=utc_now(), submitted_ts=time.time())  # fmt: skip
-        log.info("batch %s submitted (chunk %s: %d requests, %d bytes)", made["batch_id"], key, len(chunk.ids), len(data))
-        if self.settings.metadata_output_path:
-            await asyncio.to_thread(self._receipt, key, chunk, data)
-        self._spawn(self._watch(key))
+        return made, key, data
 
     def _receipt(self, key: str, chunk: _Chunk, data: bytes) -> None:
         """MMIRAGE's receipt of one submitted batch, appended to this shard's receipt file."""
@@ -510,6 +552,25 @@ class BatchApiEngine(LoopEngine):
                 raise EngineError(f"batch {batch_id} was cancelled at its deadline and has not ended {CANCEL_WAIT_SECONDS:.0f} s later")
         await self._ended(key, state)
 
+    async def _book(self, key: str) -> None:
+        """Book a submitted batch's estimate as spend unless batches.json says it is (a batch
+        adopted by _restore, or one whose booking was not recorded before a kill): once per batch."""
+        entry = self.ledger.entries[key]
+        if self.spend_ledger is None or entry.get("estimate_usd") is None or entry.get("booked_usd") is not None:
+            return
+        await asyncio.to_thread(self.spend_ledger.book, entry["estimate_usd"])
+        await self._record(key, booked_usd=entry["estimate_usd"])
+
+    async def _settle_cost(self, key: str, cost_usd: float, **fields) -> None:
+        """Record a batch's end (``fields``) and correct its booked estimate to ``cost_usd`` (its
+        results' usage at the processor's price): recorded first, so a restore never corrects it twice."""
+        booked = self.ledger.entries[key].get("booked_usd")
+        if booked is None or self.spend_ledger is None:
+            await self._record(key, **fields)
+            return
+        await self._record(key, cost_usd=cost_usd, **fields)
+        await asyncio.to_thread(self.spend_ledger.book, cost_usd - booked)
+
     def _unusable(self, key: str, error: PermanentAnswer, meaning: str) -> EngineError:
         """The shard's failure for a recorded batch the provider answers 401/403/404 about:
         what happened, where the batch is recorded and the one command that submits it again."""
@@ -526,7 +587,7 @@ class BatchApiEngine(LoopEngine):
         ids = [cid for cid in spooled if self._where.get(cid) == key]
         if self.settings.provider == "openai" and state.status == "failed":  # the input file was refused: nothing ran
             reason = self.provider.refused_outcomes(state)
-            await self._record(key, state="rejected", reason=reason, ended_at=utc_now())
+            await self._settle_cost(key, 0.0, state="rejected", reason=reason, ended_at=utc_now())
             log.error("batch %s (chunk %s): %s", entry.get("batch_id"), key, reason)
             for cid in ids:
                 self._deliver(cid, _failed(_unit(cid), E.BATCH_REJECTED, reason))
@@ -536,9 +597,10 @@ class BatchApiEngine(LoopEngine):
         except PermanentAnswer as e:
             raise self._unusable(key, e, "its results cannot be read") from None
         index, parsed, tokens_in, tokens_out, duplicates, unknown = await asyncio.to_thread(self._index_results, key, set(spooled), True)
-        await self._record(key, state="ended", status=state.status, ended_at=utc_now(), input_tokens=tokens_in, output_tokens=tokens_out,
-                           counts=state.raw.get("request_counts"), results=len(index), duplicate_results=duplicates,
-                           unknown_results=unknown)  # fmt: skip
+        cost = self.spend_ledger.price.cost(tokens_in, tokens_out) if self.spend_ledger is not None else 0.0
+        await self._settle_cost(key, cost, state="ended", status=state.status, ended_at=utc_now(), input_tokens=tokens_in, output_tokens=tokens_out,
+                                counts=state.raw.get("request_counts"), results=len(index), duplicate_results=duplicates,
+                                unknown_results=unknown)  # fmt: skip
         log.info("batch %s %s (chunk %s): %d results", entry.get("batch_id"), state.status, key, len(index))
         self._results.update({cid: where for cid, where in index.items() if self._where.get(cid) == key})
         again = []
@@ -594,3 +656,5 @@ class BatchApiEngine(LoopEngine):
         if self.ledger is not None:
             self.info.details.update(self._details())
         self._close_client_and_loop()
+        if self.spend_ledger is not None:
+            self.spend_ledger.close()

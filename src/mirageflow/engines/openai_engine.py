@@ -61,7 +61,7 @@ import logging
 import os
 
 from mirageflow.config.types import ApiOptions, ProcessorConfig
-from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request, usage_counts
+from mirageflow.engines.wire import BadAnswer, Completion, EngineInfo, Request, prompt_chars, usage_counts
 from mirageflow.stats.pricing import cached_prompt_tokens
 from mirageflow.errors import RowErrorClass as E
 from mirageflow.prompts.images import openai_messages
@@ -282,10 +282,7 @@ class OpenAIEngine(LoopEngine):
 
     def _estimate(self, request: Request, n: int) -> tuple[int, int]:
         """The request's (input, output) tokens before it is sent (the limiter's and the budget's estimate)."""
-        if request.messages is not None and (self.processor.apply_chat_template or request.prompt is None):
-            chars = sum(text_chars(m.get("content")) for m in request.messages) + len(request.response_prefix or "")
-        else:
-            chars = len(request.prompt or "")
+        chars = prompt_chars(request, messages=bool(self.processor.apply_chat_template))
         limit = request.sampling_params.get("max_new_tokens")
         if isinstance(limit, int) and limit > 0:
             output = limit
@@ -317,15 +314,6 @@ class OpenAIEngine(LoopEngine):
             self._limiter.close()
         if self.spend_ledger is not None:
             self.spend_ledger.close()
-
-
-def text_chars(content) -> int:
-    """Characters of a message's text (a string, or OpenAI's content parts' text)."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
-    return 0
 
 
 def _versions() -> dict[str, str]:

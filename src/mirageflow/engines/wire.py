@@ -27,6 +27,24 @@ class Request:
     images: list | None = None
 
 
+def text_chars(content) -> int:
+    """Characters of a message's text (a string, or OpenAI's content parts' text)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
+
+
+def prompt_chars(request: Request, messages: bool = True) -> int:
+    """Characters of what a request sends (the input of its token and cost estimate,
+    transport/rate_limit.estimate_tokens): its messages' text and response prefix, or its
+    prompt when it has no messages or ``messages`` is false (a prompt templated here)."""
+    if request.messages is not None and (messages or request.prompt is None):
+        return sum(text_chars(m.get("content")) for m in request.messages) + len(request.response_prefix or "")
+    return len(request.prompt or "")
+
+
 @dataclass
 class Completion:
     id: int

@@ -411,7 +411,7 @@ def cost_of_preview(cfg: PipelineConfig, result: dict, dataset_rows: list[int | 
     without, each request's estimate, as the budget holds it (its text's characters / 4 at the
     input price, its max_new_tokens at the output price). None when a dataset's size is unknown
     or nothing was previewed; a processor without a known price counts as unpriced."""
-    from mirageflow.engines.openai_engine import text_chars
+    from mirageflow.engines.wire import text_chars
     from mirageflow.state.remaining import cost_forecast
     from mirageflow.stats.pricing import processor_price
     from mirageflow.transport.rate_limit import estimate_tokens

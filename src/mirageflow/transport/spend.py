@@ -18,6 +18,15 @@ its holds no longer count.
 
 A request's estimate: its prompt's characters / 4 at the input price and its
 ``max_new_tokens`` (per choice) at the output price (engines/openai_engine.py).
+
+A provider's batch (engines/batch_api.py) outlives the process that submitted it, so a hold
+(dropped with its process) cannot carry it: its chunk is held with ``reserve`` (the sum of
+its requests' estimates) before it is written or sent, the same BudgetExceeded refusing it;
+once the provider has the batch, ``settle(held, None)`` turns the hold into spend (the
+estimate, booked) and batches.json records ``booked_usd``, so a later attempt that
+re-attaches books nothing again (``book`` books a batch adopted after a kill that never
+recorded it). When the batch ends its entry records ``cost_usd`` (its results' usage at the
+price) and ``book(cost - estimate)`` corrects the spend.
 """
 
 from __future__ import annotations
@@ -64,20 +73,20 @@ class SpendLedger:
         self.host = socket.gethostname()
         self.holder = f"{self.host}:{os.getpid()}"
 
-    async def reserve(self, estimate_usd: float) -> float:
+    async def reserve(self, estimate_usd: float, what: str = "this request") -> float:
         """Hold ``estimate_usd`` for a request about to go. While the requests in flight (anyone's)
         leave no room for it, wait for their answers (they may cost less than they hold); raises
         BudgetExceeded once the spend alone leaves no room: then nothing of the run is in flight,
         so no answer being received is lost when the shard stops."""
         wait = 0.02
         while True:
-            room = self._try_reserve(estimate_usd)
+            room = self._try_reserve(estimate_usd, what)
             if room:
                 return estimate_usd
             await asyncio.sleep(wait)
             wait = min(1.0, wait * 2)
 
-    def _try_reserve(self, estimate_usd: float) -> bool:
+    def _try_reserve(self, estimate_usd: float, what: str) -> bool:
         """Hold it when it fits; False when it would fit once the holds in flight settle."""
         now = time.time()
         with self._file.use() as state:
@@ -88,7 +97,7 @@ class SpendLedger:
             spent = float(state.get("spent_usd") or 0.0)
             if spent + estimate_usd > self.cap:
                 raise BudgetExceeded(
-                    f"the run's spend would pass execution_params.max_cost_usd: ${spent:.4f} spent, this request's "
+                    f"the run's spend would pass execution_params.max_cost_usd: ${spent:.4f} spent, {what}'s "
                     f"estimate ${estimate_usd:.4f}, cap ${self.cap:.4f}; every answer so far is kept: "
                     "raise execution_params.max_cost_usd and rerun to go on"
                 )
@@ -131,6 +140,12 @@ class SpendLedger:
             else:
                 holds.pop(self.holder, None)
             state["spent_usd"] = float(state.get("spent_usd") or 0.0) + cost
+
+    def book(self, usd: float) -> None:
+        """Add ``usd`` to the spend (negative: take it back) without a hold: a provider's batch,
+        booked at its estimate once submitted and corrected by its results' cost when it ends."""
+        with self._file.use() as state:
+            state["spent_usd"] = max(0.0, float(state.get("spent_usd") or 0.0) + usd)
 
     def spent(self) -> float:
         with self._file.use() as state:
