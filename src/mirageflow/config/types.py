@@ -141,9 +141,7 @@ class LaunchedServer:
     command: list[str] | None = None  # server_command: the launcher the flags follow (None: the package's)
     env: dict | None = None  # server_env: extra environment of the launched server only
     start_timeout: float = 900.0  # server_start_timeout
-    # a server that dies or freezes is restarted in the job this many times; frozen: no answer, no health
-    # for hang_seconds
-    max_restarts: int = 3
+    # frozen: no answer, no health for this many seconds (killed, then restarted as max_restarts says)
     hang_seconds: float | None = 300.0
 
 
@@ -181,6 +179,9 @@ class ProcessorConfig:
     max_retries: int = DEFAULT_MAX_RETRIES
     native_n: bool | None = None  # n_samples: one request with n (None: where the backend has it)
     index: int = 0  # position in processors[] (the key path of its problems)
+    # an engine that dies is brought back in the job this many times: a launched server restarted
+    # (engines/server_restarts.py), an in-process transformers model reloaded after a device error
+    max_restarts: int = 3
     launch: LaunchedServer | None = None  # sglang_server, vllm_server, auto
     api: ApiOptions | None = None  # openai (type api_llm), auto
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)
