@@ -90,7 +90,9 @@ def test_auto_can_what_every_backend_it_picks_can():
     # a need any pick has: auto may pick transformers, whose JSON grammar runs here (xgrammar)
     assert capabilities("auto") == Capabilities(loads_model=True, grammar_in_process=True)
     assert capabilities("transformers").grammar_in_process and not capabilities("sglang").grammar_in_process
-    assert capabilities("openai") == Capabilities(templates_server_side=True, native_n=True, loads_model=False, needs_base_url=True)
+    assert capabilities("openai") == Capabilities(
+        templates_server_side=True, native_n=True, loads_model=False, needs_base_url=True, provider_api=True
+    )
 
 
 def test_capabilities_and_config_types_are_read_without_importing_an_engine():

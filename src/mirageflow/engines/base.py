@@ -66,6 +66,7 @@ class Engine(abc.ABC):
     # One engine can span the nodes of a job (execution_params.nodes > 1): rank 0 here, the
     # other ranks started by srun on the other nodes (engines/server_ranks.py).
     spans_nodes: bool = False
+    provider_api: bool = False  # a provider's API that charges per token (registry.Capabilities)
     # warmup() does work (compile, capture graphs): the runner times it as the warmup phase.
     warms_up: bool = False
     # Keeps work of its own in the shard's checkpoint across attempts (a provider's batches):

@@ -114,6 +114,7 @@ def _failed(rid: int, kind: E, message: str) -> Completion:
 class BatchApiEngine(LoopEngine):
     templates_server_side = True  # the provider applies its chat template
     loads_model = False  # the provider has the model
+    provider_api = True  # the provider's batch price per token (stats/pricing.py)
     keeps_state = True  # its batches live in the shard's checkpoint (bind_state before load)
     seal_idle_seconds = SEAL_IDLE_SECONDS
 

@@ -103,6 +103,7 @@ class OpenAIEngine(LoopEngine):
     templates_server_side = True  # the runner sends Request.messages; chat_prompt is not used
     native_n = True  # one request with n (native_samples: unless processors[].native_n is false)
     loads_model = False  # the server at base_url has the model; model_path is its name
+    provider_api = True  # priced per token unless base_url is self-hosted (stats/pricing.py)
     needs_base_url = True
     retry_base_delay = 0.5
     retry_max_delay = 30.0

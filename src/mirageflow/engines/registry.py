@@ -43,6 +43,8 @@ class Capabilities:
     grammar_in_process: bool = False  # JSON outputs constrained here by xgrammar (the driver checks it is installed)
     tokenizer_without_weights: bool = False  # Engine.key_tokenizer: the chat template without the weights (request cache keys)
     spans_nodes: bool = False  # one engine across the nodes of a job (execution_params.nodes > 1; engines/server_ranks.py)
+    # requests go to a provider's API, which charges per token unless it is at a self-hosted address (stats/pricing.py)
+    provider_api: bool = False
 
     @classmethod
     def of(cls, engine: type[Engine] | Engine) -> Capabilities:
@@ -84,11 +86,13 @@ BACKENDS: dict[str, Backend] = {
     ),
     "openai": Backend(
         "mirageflow.engines.openai_engine:OpenAIEngine",
-        Capabilities(templates_server_side=True, native_n=True, loads_model=False, needs_base_url=True),
+        Capabilities(templates_server_side=True, native_n=True, loads_model=False, needs_base_url=True, provider_api=True),
     ),
     # processors of type batch_api (a provider's batch API; the builder sets this backend, not the user)
     "batch_api": Backend(
-        "mirageflow.engines.batch_api:BatchApiEngine", Capabilities(templates_server_side=True, loads_model=False), configurable=False
+        "mirageflow.engines.batch_api:BatchApiEngine",
+        Capabilities(templates_server_side=True, loads_model=False, provider_api=True),
+        configurable=False,
     ),
     # the client of an engine service (execution_params.shards_per_engine); the service loaded the model
     SHARED: Backend("mirageflow.engines.shared:SharedEngine", Capabilities(loads_model=False), configurable=False),
@@ -117,6 +121,7 @@ def capabilities(backend: str) -> Capabilities:
         grammar_in_process=any(c.grammar_in_process for c in picks),
         tokenizer_without_weights=all(c.tokenizer_without_weights for c in picks),
         spans_nodes=all(c.spans_nodes for c in picks),
+        provider_api=any(c.provider_api for c in picks),
     )
 
 

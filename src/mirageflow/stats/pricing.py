@@ -77,10 +77,13 @@ def _self_hosted_url(base_url: str | None) -> bool:
 
 
 def is_hosted(processor) -> bool:
-    """Whether a model processor's tokens go to a paid provider (batch_api; openai at a public address)."""
-    if processor.backend == "batch_api":
-        return True
-    return processor.backend == "openai" and not _self_hosted_url(processor.base_url)
+    """Whether a model processor's tokens go to a paid provider: a backend that sends them to a
+    provider's API (its capability ``provider_api``: batch_api; openai), not at a self-hosted address."""
+    from mirageflow.engines.registry import capabilities
+
+    if not capabilities(processor.backend).provider_api:
+        return False
+    return processor.batch is not None or not _self_hosted_url(processor.base_url)
 
 
 @lru_cache(maxsize=64)
@@ -114,8 +117,8 @@ def processor_price(processor) -> Price | None:
         )
     if not is_hosted(processor):
         return FREE
-    batch = processor.backend == "batch_api"
-    provider = processor.batch.provider if batch and processor.batch is not None else None
+    batch = processor.batch is not None  # a provider's batch API: its batch price
+    provider = processor.batch.provider if batch else None
     model = processor.model or processor.server_args.model_path
     return table_price(model, provider, None if provider else processor.base_url, batch)
 
