@@ -4,6 +4,7 @@ mid-run, SIGTERM ignored, and a shard through the runner. The real vLLM: tests/t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fakes import alive, drive, vllm_stand_in_command
-from mirageflow.config import LaunchedServer, ProcessorConfig, ServerArgs, load_config
-from mirageflow.config.build import LAUNCH_KEYS
+from fakes.http_engines import processor as http_processor
+from mirageflow.config import ProcessorConfig, load_config
 from mirageflow.engines.base import EngineError, EngineStopped
 from mirageflow.engines.registry import create_engine
 from mirageflow.engines.wire import Request
@@ -27,18 +28,12 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "requi
 
 
 def processor(extra=None, **fields) -> ProcessorConfig:
-    server_args = {"model_path": "/models/m", "tp_size": 1, "dp_size": 1, "trust_remote_code": False,
-                   "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
-    server_args.update(fields.pop("server_args", {}))
-    defaults = dict(
-        type="llm", backend="vllm_server", server_args=ServerArgs(**server_args), sampling_params={}, chat_template_kwargs={},
-        apply_chat_template=True, torch_threads=None, request_timeout=10.0, max_retries=3,
-    )  # fmt: skip
-    # the launched server's keys, as processors[] spells them (ProcessorConfig.launch holds them)
-    launch = {"command": vllm_stand_in_command(), "start_timeout": 10.0}
-    launch.update({LAUNCH_KEYS[key]: fields.pop(key) for key in list(fields) if key in LAUNCH_KEYS})
-    defaults.update(fields)
-    return ProcessorConfig(**defaults, launch=LaunchedServer(**launch))
+    """A vllm_server processor on the vLLM stand-in (fakes/http_engines.processor's, chat-templated on the server)."""
+    fields = {"server_command": vllm_stand_in_command(), **fields}
+    server_args = {"trust_remote_code": False, **fields.pop("server_args", {})}
+    served_name = fields.pop("model", None)  # processors[].model (the name the server answers to), not model_path
+    made = http_processor("vllm_server", "/models/m", extra, True, server_args=server_args, **fields)
+    return dataclasses.replace(made, model=served_name)
 
 
 @pytest.fixture

@@ -52,6 +52,7 @@ from __future__ import annotations
 from _common import git_rev, machine, transformers_processor, write_section
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -591,16 +592,22 @@ def section(cmd: str, info: dict, args, dry: dict, parse: dict, run: dict | None
     return "\n".join(lines)
 
 
-def job_parse_main(args, cmd: str, counts: list[int]) -> None:
-    """Part 2 alone (--job-parse-only): minutes instead of the dry runs' hour at 30,000 shards."""
-    load0 = os.getloadavg()[0]
+@contextlib.contextmanager
+def workspace(args):
+    """(root, tiny model, dataset of args.rows rows, the scontrol probe) in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="bench-snakemake-", dir=args.workdir) as tmp:
         root = Path(tmp)
         model = root / "tiny-llama"
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
         dataset = root / "data.jsonl"
         write_dataset(dataset, args.rows)
-        probe = slurm_probe(root)
+        yield root, model, dataset, slurm_probe(root)
+
+
+def job_parse_main(args, cmd: str, counts: list[int]) -> None:
+    """Part 2 alone (--job-parse-only): minutes instead of the dry runs' hour at 30,000 shards."""
+    load0 = os.getloadavg()[0]
+    with workspace(args) as (root, model, dataset, probe):
         parse = job_parse(root, model, dataset, counts, args.repeats, args.floor_python)
     load1 = os.getloadavg()[0]
     info = machine("snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-jobstep")
@@ -665,13 +672,7 @@ def main() -> None:
         return job_parse_main(args, cmd, counts)
 
     load0 = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-snakemake-", dir=args.workdir) as tmp:
-        root = Path(tmp)
-        model = root / "tiny-llama"
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
-        dataset = root / "data.jsonl"
-        write_dataset(dataset, args.rows)
-        probe = slurm_probe(root)
+    with workspace(args) as (root, model, dataset, probe):
         dry = dry_runs(root, model, dataset, counts, args.repeats, modes)
         parse = job_parse(root, model, dataset, counts, args.repeats, args.floor_python)
         parsed = parse_only(root, model, dataset, parse_counts, args.repeats)
