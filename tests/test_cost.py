@@ -99,7 +99,9 @@ def test_cached_input_tokens_are_priced_apart_and_the_batch_price_is_the_tables(
     )
     assert processor_price(local.processors["llm"]).output_per_million == 0.0  # a server of ours
     hosted = load_config(
-        pipeline_config("in.jsonl", processor={"backend": "openai", "base_url": "https://api.example.com/v1", "model": "no-such-model"}),
+        pipeline_config(
+            "in.jsonl", processor={"backend": "openai", "base_url": "https://user:hunter2@api.example.com/v1?key=k3y", "model": "no-such-model"}
+        ),
         check_paths=False,
     )  # fmt: skip
     assert processor_price(hosted.processors["llm"]) is None  # unknown, not 0
@@ -111,6 +113,7 @@ def test_cached_input_tokens_are_priced_apart_and_the_batch_price_is_the_tables(
         load_config(custom, check_paths=False)
     (warning,) = unpriced_warnings(hosted.processors)  # what mmirage check prints
     assert "no price known for model 'no-such-model'" in warning and "processors[].pricing" in warning
+    assert "hunter2" not in warning and "k3y" not in warning and "api.example.com" in warning  # the URL's secrets masked
 
 
 @pytest.mark.parametrize("inflight", [1, 4])

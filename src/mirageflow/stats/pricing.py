@@ -134,13 +134,16 @@ def gpu_hour_usd(processors) -> float | None:
 
 def unpriced_warnings(processors: dict) -> list[str]:
     """One line per hosted processor whose price is unknown (``mmirage check`` shows them)."""
+    from mirageflow.redact import redact_text
+
     out = []
     for name, p in processors.items():
         if processor_price(p) is not None:
             continue
         model = p.model or p.server_args.model_path
+        where = redact_text(p.base_url) if p.base_url else p.backend  # a URL's password or query never printed
         out.append(
-            f"processors[{p.index}] ({name}): no price known for model {model!r} at {p.base_url or p.backend}; "
+            f"processors[{p.index}] ({name}): no price known for model {model!r} at {where}; "
             "its cost shows as unknown and execution_params.max_cost_usd cannot hold it: "
             "set processors[].pricing.input_per_million and output_per_million"
         )
