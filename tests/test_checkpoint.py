@@ -13,7 +13,8 @@ import time
 import pytest
 
 from mirageflow.shard import checkpoint
-from mirageflow.shard.checkpoint import MANIFEST_VERSION, Checkpoint, Lease, ShardBusy, to_ranges
+from mirageflow.shard.checkpoint import Checkpoint, Lease, ShardBusy
+from mirageflow.shard.manifest import MANIFEST_VERSION, CheckpointError, to_ranges
 from mirageflow.data.writers import read_parts, write_part
 from mirageflow.files import atomic_write_json
 
@@ -186,7 +187,7 @@ def test_a_manifest_from_a_newer_version_is_refused_with_the_file_named(tmp_path
     path = _state(tmp_path) / "checkpoint.json"
     saved = json.loads(path.read_text())
     path.write_text(json.dumps({**saved, "format": 99}))
-    with pytest.raises(checkpoint.CheckpointError, match=rf"{path}.*format 99"):
+    with pytest.raises(CheckpointError, match=rf"{path}.*format 99"):
         _ckpt(tmp_path).restore(retry_failed=False)
     assert _parts_on_disk(tmp_path) == ["part-00000.parquet"]
 

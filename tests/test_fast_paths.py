@@ -20,7 +20,7 @@ import pytest
 
 from mirageflow.prompts import json_output
 from mirageflow.prompts import templates as prompts
-from mirageflow.shard.checkpoint import DatasetProgress, merge_ranges, to_ranges
+from mirageflow.shard.manifest import DatasetProgress, merge_ranges, to_ranges
 
 # --------------------------------------------------------------------------- chat templates
 

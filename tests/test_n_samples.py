@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, run_workflow
 from fakes.fake_http import Behaviour, FakeServer
 
-from mirageflow.shard.checkpoint import from_ranges
+from mirageflow.shard.manifest import from_ranges
 from mirageflow.config import ConfigError, load_config, records_identity
 from mirageflow.data.merge import merge_dataset
 from mirageflow.shard.samples import sample_seed

@@ -6,7 +6,7 @@ shard's range of units is its row range times n."""
 from __future__ import annotations
 
 from mirageflow.config.types import PipelineConfig
-from mirageflow.shard.checkpoint import merge_ranges, to_ranges
+from mirageflow.shard.manifest import merge_ranges, to_ranges
 from mirageflow.shard.samples import describe
 from mirageflow.shard.failures import ShardFailed
 from mirageflow.state.layout import image_file
