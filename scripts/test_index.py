@@ -51,6 +51,7 @@ THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.shard.steps": (["test_filter_custom_steps.py", "test_image_gen.py", "test_state_contract.py"], "the steps of the row path"),
     "mirageflow.shard.error_lines": (["test_checkpoint.py", "test_shard.py"], "the checkpoint's row errors"),
     "mirageflow.shard.part_recovery": (["test_checkpoint.py", "test_shard.py"], "the checkpoint's restore"),
+    "mirageflow.shard.shard_engines": (["test_shard.py", "test_cost.py"], "a shard's engines"),
     "mirageflow.shard.ledger": (["test_batch_api.py", "test_image_gen.py"], "batches and images kept across attempts"),
     "mirageflow.shard.tally": (["test_tally.py", "test_shard_parts.py"], "the record tallies of finished shards"),
     "mirageflow.transport.shared_state": (["test_rate_limits.py", "test_cost.py"], "the rate limits' and the spend ledger's shared files"),

@@ -1,9 +1,11 @@
 """The shard job: rows -> variables -> prompts -> engine -> records -> writer, observed by stats.
 
 ``run_shard`` processes shard ``shard_id`` of every dataset in the config. ``ShardRunner``
-keeps the setup (restore, engines, steps) and the attempt's end; its collaborators each own
-one concern: ``RowFeeder`` (shard/row_feeder.py: the worker coroutines that feed the pending
-rows and book each finished one), ``RowPath`` (a row, or a row's samples, through the steps),
+keeps the setup (restore, steps) and the attempt's end; its collaborators each own
+one concern: ``ShardEngines`` (shard/shard_engines.py: the engines, image generators and
+custom steps' pools: loaded, warmed up, stopped, closed), ``RowFeeder``
+(shard/row_feeder.py: the worker coroutines that feed the pending rows and book each
+finished one), ``RowPath`` (a row, or a row's samples, through the steps),
 ``ErrorBudget`` (row outcomes, when the shard fails),
 ``CommitQueue`` (pending batches, the writer thread, the ticker), ``ShardMetrics`` (phases,
 tokens, GPUs, sums over attempts), ``StopSignals`` (SIGTERM/SIGINT), ``Checkpoint`` and
@@ -32,20 +34,17 @@ import os
 import signal
 import socket
 import traceback
-from collections import ChainMap
 from pathlib import Path
 from typing import Callable
 
 from mirageflow.stats import formulas as stats
-from mirageflow.stats import pricing
 from mirageflow.shard.checkpoint import Checkpoint, Lease, data_identity, fingerprint
 from mirageflow.shard import cached_answers, request_cache
-from mirageflow.config import PipelineConfig, processor_identity
+from mirageflow.config import PipelineConfig
 from mirageflow.data.readers import ShardSlice, content_digest, load_shard, write_index
 from mirageflow.files import atomic_write_json
 from mirageflow.engines.base import Engine, death_class_of
-from mirageflow.engines.registry import capabilities, create_engine
-from mirageflow.imagegen import ImageGenerator, make_generator
+from mirageflow.engines.registry import create_engine
 from mirageflow.shard.progress import ProgressReporter
 from mirageflow.prompts.images import RowImages
 from mirageflow.prompts.templates import Extractor, RecordRenderer, columns_read
@@ -57,6 +56,7 @@ from mirageflow.shard.failures import ShardFailed, ShardInterrupted
 from mirageflow.shard import feed
 from mirageflow.shard.metrics import ShardMetrics
 from mirageflow.shard.row_feeder import RowFeeder
+from mirageflow.shard.shard_engines import ShardEngines
 from mirageflow.shard.rows import RowPath
 from mirageflow.shard.signals import StopSignals
 from mirageflow.shard.steps import python as python_steps
@@ -65,7 +65,6 @@ from mirageflow.shard.steps.llm import LLMStep
 from mirageflow.state import layout as L
 from mirageflow.state.inputs import ContentCache, ImageRecorder, images_changed
 from mirageflow.state.layout import StateLayout, shard_output_dir
-from mirageflow.transport.spend import SpendLedger
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +87,12 @@ class ShardRunner:
     ):  # fmt: skip
         self.cfg, self.shard_id, self.params = cfg, shard_id, cfg.shard
         self.row_limit = row_limit  # only the shard's first rows, over its datasets in order (the canary)
-        self.engine_factory = engine_factory
-        self.engines: dict[str, Engine] = {}
-        self.pools: dict[str, python_steps.FunctionPool] = {}  # custom processors' worker processes
-        self.image_gens: dict[str, ImageGenerator] = {}  # image_gen processors' generators (mirageflow.imagegen)
         paths = StateLayout(cfg.state_dir)
         self.shard_dir = paths.shard_dir(shard_id)
         self.lease = Lease(self.shard_dir, self.params.lease_timeout_seconds)
-        self.log_dir = paths.shard_server_logs(shard_id)
         self.metrics = ShardMetrics(cfg, attempt)
-        # their launched servers' restarts and deaths (LLM engines' and image generators'), in each attempt's counters
-        self.metrics.engines = ChainMap(self.engines, self.image_gens)
         self.n = cfg.n_samples  # records per row; above 1 the unit of work is a sample (mirageflow/shard/samples.py)
+        self.shard_engines = ShardEngines(cfg, shard_id, engine_factory, paths.shard_server_logs(shard_id), self.metrics, self.n)
         render = RecordRenderer(
             cfg.output_schema, cfg.remove_columns, [o.name for o in cfg.outputs if o.kind != "filter"], cfg.preserve_columns,
             [f"{o.name}_{k}" for o in cfg.outputs if o.kind == "image_gen" for k in ("path", "seed")],
@@ -116,6 +109,16 @@ class ShardRunner:
         self.resumed = 0  # units (samples; rows when n_samples is 1) committed before this attempt
         self.resumed_rows = 0  # source rows whose every sample was committed before this attempt
         self.feeder = RowFeeder(cfg, shard_id, self.rows, self.budget, self.metrics, self.columns)
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        """The LLM engines by processor (empty until loaded)."""
+        return self.shard_engines.engines
+
+    @property
+    def image_gens(self) -> dict:
+        """The image generators by processor (empty until loaded)."""
+        return self.shard_engines.image_gens
 
     # ------------------------------------------------------------------ setup
 
@@ -166,51 +169,6 @@ class ShardRunner:
         except (OSError, ValueError, KeyError, TypeError) as e:  # load_shard read it a moment ago
             raise ShardFailed(f"cannot read the index of dataset {ds.index}: {e}") from e
 
-    def _cache_identities(self, engines: dict[str, Engine]) -> dict[str, str]:
-        """Per processor, the engine identity of its requests' cache keys (shard/request_cache.py)."""
-        out = {}
-        for name, engine in engines.items():
-            proc = self.cfg.processors[name]
-            # a model this node loads (or its engine service does) has a revision to read; a remote server's is its name
-            revision = request_cache.model_revision(proc.server_args.model_path) if capabilities(proc.backend).loads_model else None
-            out[name] = request_cache.engine_identity(processor_identity(self.cfg, name), engine.info.backend, revision)
-        return out
-
-    def _load_engines(self) -> None:
-        self.live.set_phase("loading")
-        with self.metrics.timer.phase("load"):
-            # a custom step's worker dying of SIGTERM is the job's cancellation only when the shard got one too
-            self.pools = python_steps.start_pools(
-                self.cfg.custom_processors, self.cfg.outputs, stopping=lambda: bool(self.signals and self.signals.signum)
-            )  # fmt: skip
-            for name in {o.processor for o in self.cfg.outputs if o.kind == "llm"}:
-                engine = self.engine_factory(self.cfg.processors[name], self.cfg.batch_size, log_dir=self.log_dir)
-                if self.params.max_inflight:  # engines size their pools at load
-                    engine.max_inflight = self.params.max_inflight
-                engine.commit_seconds = self.params.checkpoint_seconds
-                # one pace for the run's shards under the processor's rate limits
-                engine.rate_limit_file = StateLayout(self.cfg.shared_state_dir).rate_limits(name)
-                engine.spend_ledger = self._spend_ledger(name)
-                if engine.keeps_state:  # a provider's batches, across attempts (engines/batch_api.py)
-                    engine.bind_state(self.checkpoint, self.shard_id, self.n)
-                self.engines[name] = engine
-                engine.load()
-            for name in {o.processor for o in self.cfg.outputs if o.kind == "image_gen"}:
-                self.image_gens[name] = generator = make_generator(self.cfg.image_processors[name], self.log_dir)
-                generator.load()
-            gc.collect()  # what loading left behind, once (counted as load: ~0.3 s with transformers)
-        shares = {
-            e.info.details["shared_engine"]["group"]: e.gpu_share for e in self.engines.values() if e.gpu_share is not None
-        }  # fmt: skip
-        if shares:  # served by an engine service: the GPUs are its, this shard counts its share
-            self.metrics.num_gpus = sum(shares.values())
-        warming = [e for e in self.engines.values() if e.warms_up]
-        if warming:  # engines that warm up (compile, capture graphs) before serving
-            self.live.set_phase("warmup")
-            with self.metrics.timer.phase("warmup"):
-                for engine in warming:
-                    engine.warmup()
-
     # ------------------------------------------------------------------ the shard
 
     def run(self) -> list[dict]:
@@ -225,7 +183,7 @@ class ShardRunner:
         self.lease.acquire()
         try:
             try:
-                with StopSignals(self._stop_engines, self._interrupted) as self.signals:
+                with StopSignals(self.shard_engines.stop, self._interrupted) as self.signals:
                     self._run(slices)
             except BaseException as e:
                 stopped = self._stopped_by_signal(e)
@@ -265,7 +223,7 @@ class ShardRunner:
                 log.info("shard %d: every answer came from the request cache; no engine is loaded", self.shard_id)
                 return
             log.info("shard %d: a request's answer is not in the request cache; loading the engines", self.shard_id)
-        self._load_engines()
+        self.shard_engines.load(self.checkpoint, self.live, stopping=lambda: bool(self.signals and self.signals.signum))
         self._feed(slices, images, self.engines)
 
     def _feed(self, slices: list[ShardSlice], images: ShardImages, engines: dict[str, Engine]) -> bool:
@@ -273,9 +231,11 @@ class ShardRunner:
         when it returns. True: stopped at a request the cache-only stand-ins cannot answer
         (``AnswerNotCached``), the rows it did not finish still to do."""
         loaded = engines is self.engines  # else the stand-ins: no model, no GPU to sample
-        steps = [python_steps.make_step(o, lambda o: self._model_step(o, images, engines), self.pools) for o in self.cfg.outputs]
+        steps = [
+            python_steps.make_step(o, lambda o: self._model_step(o, images, engines), self.shard_engines.pools) for o in self.cfg.outputs
+        ]
         if self.cache is not None:
-            identities = self._cache_identities(engines)
+            identities = self.shard_engines.cache_identities(engines)
             for step in steps:
                 if step.calls_engine:
                     step.use_cache(identities[step.output.processor])
@@ -322,10 +282,6 @@ class ShardRunner:
             before += (piece.stop - piece.start) * self.n
         out_dirs = {ds.index: Path(ds.output_dir) for ds in self.cfg.datasets}
         return ShardImages(self.shard_id, starts, out_dirs, self.n, self.checkpoint.images)
-
-    def _stop_engines(self, signum: int) -> None:
-        for engine in [*self.engines.values(), *self.image_gens.values()]:
-            engine.stop()
 
     def _stopped_by_signal(self, error: BaseException) -> ShardInterrupted | None:
         """The shard's end when a SIGTERM/SIGINT came, whatever exception it surfaced as: the
@@ -375,26 +331,10 @@ class ShardRunner:
             self.live = None
 
     def close(self) -> None:
-        python_steps.close_pools(self.pools)
         recorder = getattr(self.rows.images, "recorder", None)
         if recorder is not None:
             recorder.close()
-        for engine in [*self.engines.values(), *self.image_gens.values()]:
-            try:
-                engine.close()
-            except Exception:  # closing must not hide the shard's own error
-                log.exception("closing engine failed")
-
-    def _spend_ledger(self, processor: str):
-        """The run's spend ledger for a processor's requests under execution_params.max_cost_usd
-        (transport/spend.py); None without a budget, or for a processor that costs nothing."""
-        cap = self.cfg.execution.max_cost_usd
-        price = self.metrics.prices.get(processor)
-        if cap is None or price is None or price == pricing.FREE:
-            return None
-        p = self.cfg.processors[processor]
-        stale = (p.max_retries + 1) * float(p.request_timeout) + p.max_retries * 60.0  # longer than one request can take
-        return SpendLedger(StateLayout(self.cfg.shared_state_dir).spend, cap, price, stale)
+        self.shard_engines.close()
 
     def stats(self) -> dict:
         # what the request cache holds now, for the docs' size figures
