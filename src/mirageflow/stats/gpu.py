@@ -1,9 +1,9 @@
 """GPU utilisation, memory and energy of the GPUs a job holds, sampled through NVML.
 
-``GpuSampler`` resolves the job's GPUs (``CUDA_VISIBLE_DEVICES`` entries: integer indices,
+``GpuInventory`` resolves the job's GPUs (``CUDA_VISIBLE_DEVICES`` entries: integer indices,
 or ``GPU-...``/``MIG-...`` UUIDs through ``nvmlDeviceGetHandleByUUID``; unset = every GPU;
-NVML itself ignores that variable), records their names and the driver version, and, when
-sampling is on, polls them from a thread: the first sample right at ``start()``, then every
+NVML itself ignores that variable) and records their names and the driver version;
+``GpuSampler`` uses it and, when sampling is on, polls them from a thread: the first sample right at ``start()``, then every
 ``interval`` seconds until ``stop()``.
 
 Means are time-weighted: each sample stands for the time until the next one (the last
@@ -97,50 +97,20 @@ class _Timeline:
         return [a[0], total, [avg(x, y) for x, y in zip(a[2], b[2])], [avg(x, y) for x, y in zip(a[3], b[3])]]
 
 
-class GpuSampler:
-    """Samples the job's GPUs in a thread; ``summary()`` gives status.json's GPU stats.
+class GpuInventory:
+    """The job's GPUs as NVML sees them (``CUDA_VISIBLE_DEVICES`` in ``environ`` resolved), the
+    driver version, and why there is nothing to sample (``unavailable``); ``close`` releases NVML."""
 
-    ``sample=False`` only records the GPUs' names and the driver version (no thread).
-    ``clock`` and ``background=False`` (then call ``sample_now()`` yourself) are for tests.
-    """
-
-    def __init__(
-        self,
-        interval: float = 0.5,
-        *,
-        sample: bool = True,
-        environ: Mapping[str, str] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        max_points: int = DEFAULT_MAX_POINTS,
-    ):
-        self.interval = float(interval)
-        self.sample_enabled = sample
-        self.environ = os.environ if environ is None else environ
-        self.clock = clock
-        self.max_points = max_points
+    def __init__(self, environ: Mapping[str, str]):
+        self.environ = environ
         self.nvml = None  # the pynvml module once initialised
         self.devices: list[_Device] = []
         self.driver_version: str | None = None
         self.unavailable: str | None = None  # why there are no samples
         self.nvml_ok = False  # nvmlInit succeeded
-        self.t_start: float | None = None
-        self.t_stop: float | None = None
-        self.started_at: str | None = None
-        self.timeline: _Timeline | None = None
-        self._last_tick: tuple[float, list, list] | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._warned: set[str] = set()
 
-    # ------------------------------------------------------------------ setup
-
-    def _warn_once(self, key: str, message: str, *args) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message, *args)
-
-    def _open(self) -> bool:
+    def open(self) -> bool:
+        """Start NVML and resolve the job's GPUs; False when NVML is not there (``unavailable`` says why)."""
         try:
             import pynvml
         except ImportError as e:
@@ -206,18 +176,69 @@ class GpuSampler:
         # CUDA_DEVICE_ORDER=PCI_BUS_ID, which is what schedulers assume when they set indices.
         return nv.nvmlDeviceGetHandleByIndex(int(entry))
 
+    def close(self) -> None:
+        if self.nvml is not None:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self.nvml = None
+
+
+class GpuSampler:
+    """Samples the job's GPUs in a thread; ``summary()`` gives status.json's GPU stats.
+
+    ``sample=False`` only records the GPUs' names and the driver version (no thread).
+    ``clock`` and ``background=False`` (then call ``sample_now()`` yourself) are for tests.
+    """
+
+    def __init__(
+        self,
+        interval: float = 0.5,
+        *,
+        sample: bool = True,
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_points: int = DEFAULT_MAX_POINTS,
+    ):
+        self.interval = float(interval)
+        self.sample_enabled = sample
+        self.environ = os.environ if environ is None else environ
+        self.clock = clock
+        self.max_points = max_points
+        self.gpus = GpuInventory(self.environ)  # which GPUs, through which NVML
+        self.t_start: float | None = None
+        self.t_stop: float | None = None
+        self.started_at: str | None = None
+        self.timeline: _Timeline | None = None
+        self._last_tick: tuple[float, list, list] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    @property
+    def devices(self) -> list[_Device]:
+        """The GPUs sampled (GpuInventory's, known after ``start``)."""
+        return self.gpus.devices
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
     # ------------------------------------------------------------------ sampling
 
     def start(self, background: bool = True) -> None:
         from mirageflow.stats.formulas import utc_now
 
-        opened = self._open()
+        opened = self.gpus.open()
         if not (opened and self.sample_enabled and self.devices):
             if self.sample_enabled:  # one line, then nulls
-                log.warning("GPU sampling off: %s; GPU figures are null", self.unavailable)
-            self._close_nvml()
+                log.warning("GPU sampling off: %s; GPU figures are null", self.gpus.unavailable)
+            self.gpus.close()
             return
-        nv = self.nvml
+        nv = self.gpus.nvml
         for dev in self.devices:
             try:
                 dev.energy_start_mj = int(nv.nvmlDeviceGetTotalEnergyConsumption(dev.handle))
@@ -243,7 +264,7 @@ class GpuSampler:
                 return
 
     def sample_now(self) -> None:
-        nv = self.nvml
+        nv = self.gpus.nvml
         if nv is None or not self.devices:
             return
         t = self.clock()
@@ -293,9 +314,9 @@ class GpuSampler:
             self._stop.set()
             self._thread.join(timeout=max(5.0, 2 * self.interval))
             self._thread = None
-        if self.nvml is None:
+        if self.gpus.nvml is None:
             return
-        nv = self.nvml
+        nv = self.gpus.nvml
         self.t_stop = self.clock()
         with self._lock:
             if self._last_tick is not None:
@@ -308,15 +329,7 @@ class GpuSampler:
                 dev.energy_joules = (int(nv.nvmlDeviceGetTotalEnergyConsumption(dev.handle)) - dev.energy_start_mj) / 1000.0
             except nv.NVMLError:
                 pass
-        self._close_nvml()
-
-    def _close_nvml(self) -> None:
-        if self.nvml is not None:
-            try:
-                self.nvml.nvmlShutdown()
-            except Exception:
-                pass
-            self.nvml = None
+        self.gpus.close()
 
     # ------------------------------------------------------------------ results
 
@@ -381,10 +394,10 @@ class GpuSampler:
             "gpu_name": names[0] if names and len(set(names)) == 1 else (", ".join(sorted(set(names))) or None),
             "gpu_count": len(self.devices),
             "gpus": [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in self.devices],
-            "driver_version": self.driver_version,
+            "driver_version": self.gpus.driver_version,
             "cuda_visible_devices": self.environ.get("CUDA_VISIBLE_DEVICES"),
-            "nvml": self.nvml_ok,
-            "nvml_unavailable_reason": self.unavailable,
+            "nvml": self.gpus.nvml_ok,
+            "nvml_unavailable_reason": self.gpus.unavailable,
         }
 
     def timeline_json(self) -> dict | None:
