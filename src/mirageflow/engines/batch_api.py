@@ -19,7 +19,7 @@ changes it). The engine answers them when their batch ends:
   (``poll_seconds``, x1.5 per poll, at most ``poll_max_seconds``). Each answer is classified
   by the transport (transport/retry.py): an outage (connection errors, deadlines, 429, 5xx)
   is retried, each call ``max_retries`` times, and polls failing so for
-  ``POLL_OUTAGE_SECONDS`` in a row fail the shard (a rerun re-attaches); a permanent answer
+  ``POLL_OUTAGE_SECONDS`` (batch_polling.py) in a row fail the shard (a rerun re-attaches); a permanent answer
   (401, 403, 404 on a status poll or a results file) fails the shard at once, naming
   batches.json, the batch id and ``mmirage retry --resubmit-batch ID``, which marks the
   batch abandoned so that the rerun submits its requests again.
