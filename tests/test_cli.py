@@ -161,8 +161,13 @@ def test_status_of_a_half_finished_run(half):
     assert "mmirage retry --config pipeline.yaml" in out
     summary = json.loads(mmirage(half, "status", "--config", "pipeline.yaml", "--json").stdout)
     assert [s["state"] for s in summary["shards"]] == ["done", "failed", "running", "pending"]
-    # one running shard: its 300 s plus 2 shards x 600 s (the done shard's runtime), one at a time
-    assert summary["eta_seconds"] == pytest.approx(300 + 2 * 600)
+    # no index yet: the run's size is unknown, so no ETA (state/remaining.py run_progress, as the live line)
+    assert summary["eta_seconds"] is None and summary["eta_note"] == "the run's size is not indexed yet"
+    assert (summary["rows_done"], summary["rate"]) == (3, 0.01)  # the done shard's 2 rows + the running one's 1
+    atomic_write_json(half / "state/datasets/dataset_0.index.json", {"rows": 16, "num_shards": 4})
+    summary = json.loads(mmirage(half, "status", "--config", "pipeline.yaml", "--json").stdout)
+    # the 13 rows left (the shards not started included) at the running shard's 0.01 rows/s
+    assert summary["eta_seconds"] == pytest.approx(13 / 0.01) and summary["eta_human"] == "00:21:40"
     assert summary["gpu_hours_remaining_estimate"] == pytest.approx(600 * (0.75 + 1 + 1) / 3600)
 
     (half / "state/shard_1/failure.json").unlink()  # now nothing failed: incomplete

@@ -432,20 +432,27 @@ def test_gpu_hours_remaining_projection():
     assert gpu_hours_remaining([], [ShardState(0, "pending")], 1) is None
 
 
-def test_the_runs_eta_and_gpu_hours_left_come_from_the_shard_states():
-    """`mmirage status` and metrics.json take what is left of a run from one derivation (state/remaining.py)."""
-    from mirageflow.state.remaining import Remaining, eta_seconds, remaining
+def test_the_runs_eta_is_its_units_left_over_its_rate_now():
+    """`mmirage status` and the live line take the run's ETA from one derivation (state/remaining.py): the units
+    left (the done shards' status.json, the others' progress.json, resumed rows included) over the generating
+    shards' summed rates; the shards not started are in the units left. No rate, no ETA; 0 when all are done."""
+    from mirageflow.state.remaining import eta_seconds, status_progress
 
-    done = ShardState(0, "done", status={**_done(0, 600.0, 1, 4), "shard_id": 0})
-    running = ShardState(1, "running", progress={"eta_seconds": 300.0, "fraction_done": 0.5, "elapsed_seconds": 300.0, "num_gpus": 1})
+    done = ShardState(0, "done", status={**_done(0, 600.0, 1, 4), "shard_id": 0})  # 10 rows
+    # resumed: 6 of its 8 rows came from a checkpoint; its rate is over its window, not since the start
+    running = ShardState(1, "running", progress={"phase": "generating", "rows_done": 8, "rows_total": 10, "rows_per_sec": 0.5,
+                                                 "tokens_per_sec": 20.0, "elapsed_seconds": 10.0, "fraction_done": 0.8})  # fmt: skip
     states = [done, running, ShardState(2, "pending"), ShardState(3, "failed")]
-    left = remaining(states, 4)
-    # the running shard's own ETA, plus the mean runtime for each of the two still to run, one shard at a time
-    assert left.eta_seconds == pytest.approx(300 + 2 * 600)
-    assert left.gpu_hours == pytest.approx(600 * (0.5 + 1 + 1) / 3600)
-    assert remaining([done], 1) == Remaining(0.0, 0.0)  # all done
-    # nothing done and the running shard knows no rate: unknown, not a guess
-    assert remaining([ShardState(0, "running", progress={}), ShardState(1, "pending")], 2).eta_seconds is None
+    progress = status_progress(states, 1, rows_total=40)
+    assert (progress.rows_done, progress.rate, progress.tokens_rate) == (18, 0.5, 20.0)
+    assert progress.eta_seconds == pytest.approx((40 - 18) / 0.5)  # the two shards not started at the rate now
+    assert progress.eta_text() == "ETA 00:00:44" and progress.rate_text() == "0.50 rows/s, 20.0 tok/s"
+    assert status_progress(states, 1, rows_total=None).eta_text() == "ETA n/a (the run's size is not indexed yet)"
+    assert status_progress([done], 1, rows_total=10).eta_seconds == 0.0  # all done
+    # nothing done and the running shard has no rate yet: unknown, not a guess (its elapsed time over its fraction)
+    waiting = ShardState(0, "running", progress={"phase": "generating", "rows_done": 2, "elapsed_seconds": 60.0, "fraction_done": 0.2})
+    assert status_progress([waiting, ShardState(1, "pending")], 1, 20).eta_text() == "ETA n/a (no rate yet)"
+    assert status_progress([ShardState(0, "pending")], 1, 20).eta_text() == "ETA n/a (no shard running)"
     assert (eta_seconds(30, 2.0), eta_seconds(-5, 2.0), eta_seconds(30, None), eta_seconds(30, 0.0)) == (15.0, 0.0, None, None)
 
 

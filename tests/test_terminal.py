@@ -126,12 +126,16 @@ def test_progress_says_so_when_no_rate_is_measured_instead_of_zero(tmp_path):
     line = live.line()
     assert "rows 0/36 (0%), 12 in flight" in line and "rows/s n/a (nothing finished yet)" in line
     assert "ETA n/a (no rate yet)" in line and "0.00" not in line
-    # the batch returns and the shard is done: the run's rate is what this thread saw finish
+    # the batch returns and the shard is done; the next one's batch is in flight: still no rate (the one
+    # derivation, state/remaining.py: no guess from what this thread saw finish), until the shard measures one
     clock["now"] = 1040.0
     atomic_write_json(state / "shard_0/status.json", _status(12))
     atomic_write_json(state / "shard_1/progress.json", _progress(rows_total=12, rows_per_sec=None, inflight=12))
     line = live.line()
-    assert "rows 12/36 (33%)" in line and "0.30 rows/s" in line and "ETA 00:01:20" in line  # 24 rows at 12 rows / 40 s
+    assert "rows 12/36 (33%), 12 in flight" in line and "rows/s n/a (nothing finished yet)" in line and "ETA n/a (no rate yet)" in line
+    atomic_write_json(state / "shard_1/progress.json", _progress(rows_done=6, rows_total=12, rows_per_sec=0.5, rate_window_seconds=12))
+    line = live.line()
+    assert "rows 18/36 (50%)" in line and "0.50 rows/s" in line and "ETA 00:00:36" in line  # 18 rows at 0.5 rows/s
 
 
 def test_the_live_line_and_mmirage_status_show_the_same_rates_of_the_same_files(tmp_path):
@@ -152,6 +156,85 @@ def test_the_live_line_and_mmirage_status_show_the_same_rates_of_the_same_files(
     assert "4.00 rows/s, 150 tok/s" in line and "ETA 00:00:08" in line  # 34 rows left at 4 rows/s: 8.5 s
     progress[2]["rows_per_sec"] = None  # a generating shard without a rate: no sum (the thread's window has seen nothing)
     assert running_rate(list(progress.values())) is None
+
+
+def _reporter(state: Path, shard_id: int, rows_total: int, clock: dict):
+    """A shard's progress.json writer (shard/progress.py), on a clock the test moves."""
+    from mirageflow.shard.progress import ProgressReporter
+
+    snap = {"samples_done": 0, "output_tokens": 0}
+    reporter = ProgressReporter(state / f"shard_{shard_id}/progress.json", shard_id, rows_total, lambda: dict(snap),
+                                clock=lambda: clock["now"])  # fmt: skip
+
+    def write(phase: str, samples: int = 0, tokens: int = 0) -> None:
+        snap.update(samples_done=samples, output_tokens=tokens)
+        reporter.set_phase(phase)
+        reporter.write()
+
+    return write
+
+
+def test_the_live_line_and_mmirage_status_show_the_same_progress_rate_and_eta_of_the_same_files(tmp_path, monkeypatch, capsys):
+    """Issue 35: one derivation of the run's rate and ETA (state/remaining.py run_progress): the live line and
+    `mmirage status` read the same files to the same texts and numbers, whatever the shards are doing."""
+    import shutil
+
+    from mirageflow.state.shards import states_of
+
+    monkeypatch.chdir(tmp_path)
+    state = _state(tmp_path)  # 40 rows, 10 a shard
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"q": f"row {i}"}) + "\n" for i in range(40)))
+    raw = pipeline_config(num_shards=4, processor={"backend": "openai", "base_url": "http://127.0.0.1:9/v1"})
+    (tmp_path / "pipeline.yaml").write_text(json.dumps(raw))
+    cfg = cli._load("pipeline.yaml", check_paths=False)
+
+    def shown(live_line: bool = True):
+        """(the live line's ETA part, `mmirage status`'s text, its --json, the one derivation's figures)"""
+        line = terminal.LiveProgress(state, 4, 1.0, lambda s: None).line()
+        cli.main(["status", "--config", "pipeline.yaml"])
+        text = capsys.readouterr().out
+        cli.main(["status", "--config", "pipeline.yaml", "--json"])
+        summary = json.loads(capsys.readouterr().out)
+        if live_line:  # the two agree before the function is asked
+            eta = line.split(" | ")[3]
+            assert eta.startswith("ETA") and eta in text, (line, text)
+        else:
+            assert line is None
+        from mirageflow.state.remaining import indexed_rows, status_progress
+
+        progress = status_progress(states_of(cfg), 1, indexed_rows(state))
+        for part in (progress.work_text(), progress.rate_text(), progress.eta_text()):
+            assert (line is None or part in line) and part in text, (part, line, text)
+        assert progress.eta_seconds == summary["eta_seconds"]
+        return progress
+
+    # shard 0 done; shard 1 resumed with 4 rows from its checkpoint and made 4 more in 20 s; shard 2 made 2 in 10 s
+    clock = {"now": 0.0}
+    shard_1, shard_2, shard_3 = (_reporter(state, i, 10, clock) for i in (1, 2, 3))
+    atomic_write_json(state / "shard_0/status.json", _status(10))
+    shard_1("generating", 4)
+    clock["now"] = 10.0
+    shard_2("generating")
+    clock["now"] = 20.0
+    shard_1("generating", 8, 80)
+    shard_2("generating", 2, 40)
+    progress = shown()
+    # 20 rows left (shard 3's, not started, included) at 0.2 + 0.2 rows/s: the checkpoint's rows are no speed
+    assert progress.eta_seconds == pytest.approx(50.0) and progress.eta_text() == "ETA 00:00:50"
+    assert progress.work_text() == "rows 20/40 (50%)" and progress.rate_text() == "0.40 rows/s, 8.00 tok/s"
+    # shard 3 starts generating and nothing of it finished yet: no run rate (a sum without it would undercount)
+    shard_3("generating")
+    progress = shown()
+    assert progress.rate_text() == "rows/s n/a (1 of 3 generating shards have no rate yet)"
+    assert progress.eta_text() == "ETA n/a (no rate yet)" and progress.eta_seconds is None
+    # no shard started: no live line; status and the function know no rate and no ETA
+    for shard in range(4):
+        shutil.rmtree(state / f"shard_{shard}")
+    assert shown(live_line=False).eta_text() == "ETA n/a (no shard running)"
+    # shard 1 loads its model: not generating yet
+    shard_1("loading")
+    progress = shown()
+    assert progress.rate_text() == "rows/s n/a (not generating yet)" and progress.eta_text() == "ETA n/a (no rate yet)"
 
 
 def test_progress_interval_is_short_on_a_terminal_long_in_a_log_and_can_be_set():

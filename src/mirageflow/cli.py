@@ -414,15 +414,17 @@ def cmd_stats(args) -> int:
 
 
 def status_summary(cfg: PipelineConfig) -> dict:
-    """Every shard's state, counts, and rough remaining time (used by `mmirage status`)."""
+    """Every shard's state, counts, the run's progress, rate and ETA (state/remaining.py's
+    ``run_progress``, as the live line shows them), GPU-hours and cost (used by `mmirage status`)."""
     from mirageflow.report.terminal import repeats_identically
-    from mirageflow.state.remaining import indexed_rows, remaining, run_cost
+    from mirageflow.state.remaining import gpu_hours_remaining, indexed_rows, run_cost, status_progress
     from mirageflow.state.shards import count, states_of, units_of
     from mirageflow.stats import formulas as stats
 
     states = states_of(cfg)
-    left = remaining(states, cfg.num_shards)
     rows = indexed_rows(cfg.state_dir)
+    progress = status_progress(states, cfg.n_samples, rows)
+    done = [{**s.status, "shard_id": s.shard_id} for s in states if s.state == "done"]
     cost = run_cost(states, cfg.n_samples, rows * cfg.n_samples if rows else None)
     repeats = {s.shard_id: cls for s in states if s.state == "failed" and (cls := repeats_identically(s.failure_stats, str(s.error or "")))}
     gpus = [s.stats.get("num_gpus") if s.state == "done" else (s.progress or {}).get("num_gpus") for s in states]
@@ -437,9 +439,17 @@ def status_summary(cfg: PipelineConfig) -> dict:
         **count(states),
         "stale": [s.shard_id for s in states if s.stale],
         "n_samples": cfg.n_samples,
-        "eta_seconds": left.eta_seconds,
-        "eta_human": stats.human_duration(left.eta_seconds),
-        "gpu_hours_remaining_estimate": left.gpu_hours,
+        "rows_done": progress.rows_done,
+        "samples_done": progress.samples_done,
+        "rows_total": progress.rows_total,
+        "rate": progress.rate,  # samples (rows when n_samples is 1) per second, now
+        "tokens_per_sec": progress.tokens_rate,
+        "rate_note": progress.why or None,
+        "eta_seconds": progress.eta_seconds,
+        "eta_human": stats.human_duration(progress.eta_seconds),
+        "eta_note": progress.eta_why or None,
+        "progress_text": " | ".join((progress.work_text(), progress.rate_text(), progress.eta_text())),
+        "gpu_hours_remaining_estimate": gpu_hours_remaining(done, states, cfg.num_shards),
         "cost_usd": cost.spent_usd,
         "cost_unpriced_tokens": cost.unpriced_tokens,
         "cost_forecast_usd": cost.total_usd,
@@ -552,7 +562,7 @@ def cmd_status(args) -> int:
         gpu_hours = "" if summary["cpu_only"] else f"; GPU-hours remaining {'n/a' if hours is None else f'{hours:.2f}'}"
         print(
             f"done {summary['done']}, running {summary['running']}, failed {summary['failed']}, pending {summary['pending']}; "
-            f"ETA {summary['eta_human'] or 'n/a'} (rough){gpu_hours}" + (" (CPU run)" if summary["cpu_only"] else "")
+            f"{summary['progress_text']}{gpu_hours}" + (" (CPU run)" if summary["cpu_only"] else "")
         )
         if summary["cost_usd"] or summary["cost_unpriced_tokens"]:
             forecast = summary["cost_forecast_usd"]

@@ -8,16 +8,14 @@ here may fail the run: every error is logged at debug level and swallowed.
 
 Live progress: a daemon thread reads the shards' ``progress.json`` files (the shards
 rewrite them every 5 s) and prints one line at most every ``interval`` seconds while a
-shard runs: shards done / running / failed, rows done / total (and samples, with
-n_samples > 1; a percentage never passes 100 %), rows/s and tokens/s, and an ETA only
-where a rate was measured (else it says why not). A shard is done when the state
-contract says so (mirageflow.state.shards.is_done: its status.json belongs to the current
-records fingerprint), so an edited pipeline's stale shards are not counted. The rate is
-the running shards' windowed rates, summed, when every generating shard has one; else what
-this thread saw finish over its own last few minutes (shards whose rows finish in one
-batch report none until it returns). The interval is 10 s when stderr is a terminal and
-60 s otherwise (a SLURM driver's log); ``$MIRAGEFLOW_PROGRESS_SECONDS`` overrides it (0
-turns the lines off).
+shard runs: shards done / running / failed, then the run's rows done / total (and samples,
+with n_samples > 1; a percentage never passes 100 %), rows/s and tokens/s and ETA as
+state/remaining.py's ``run_progress`` derives them, the one derivation `mmirage status`
+shows too (no rate, no ETA: the line says why not; no window of this thread's own). A
+shard is done when the state contract says so (mirageflow.state.shards.is_done: its
+status.json belongs to the current records fingerprint), so an edited pipeline's stale
+shards are not counted. The interval is 10 s when stderr is a terminal and 60 s otherwise
+(a SLURM driver's log); ``$MIRAGEFLOW_PROGRESS_SECONDS`` overrides it (0 turns the lines off).
 
 The summary: shards done / failed, rows ok / failed by class, tokens/s, and where the
 merged output, report.html and the failed rows are; for each failed shard one paragraph
@@ -43,28 +41,23 @@ from typing import Callable
 
 from mirageflow.config.types import PipelineConfig
 from mirageflow.errors import DETERMINISTIC_CLASSES, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
-from mirageflow.numbers import fmt_rate, percent
-from mirageflow.shard.progress import RateWindow
+from mirageflow.numbers import fmt_rate
 from mirageflow.state import layout as L
 from mirageflow.state.records import read
-from mirageflow.state.remaining import cost_forecast, eta_seconds, indexed_rows, running_rate
+from mirageflow.state.remaining import RunProgress, WorkDone, cost_forecast, indexed_rows, run_progress
 from mirageflow.state.shards import (
     PROGRESS_STALE_SECONDS,
     ShardState,
     is_done,
     process_gone,
-    progress_work,
     recorded_fingerprint,
-    units_of,
 )
-from mirageflow.stats import formulas as stats
 
 log = logging.getLogger(__name__)
 
 ENV_INTERVAL = "MIRAGEFLOW_PROGRESS_SECONDS"
 TTY_INTERVAL = 10.0
 LOG_INTERVAL = 60.0
-RATE_WINDOW = 180.0  # seconds of the run behind the driver's own rate (as the shards' progress.json)
 
 
 # --------------------------------------------------------------------------- failures
@@ -172,9 +165,7 @@ class _Scan:
 
     running: list[dict]  # progress.json of each running shard
     failed: int
-    other_rows: int  # work of the shards neither running nor done (failed, or done without status.json yet)
-    other_samples: int
-    other_tokens: int
+    others: list[dict]  # progress.json of the shards neither running nor done (failed, or done without status.json yet)
     other_cost: float = 0.0  # their dollars (progress.json's cost_usd)
 
 
@@ -199,11 +190,10 @@ class LiveProgress:
         self.clock = clock
         self.n = max(1, n_samples)
         self.fingerprint = fingerprint
-        self._done_units: dict[int, tuple[int, int]] = {}  # shard -> (samples, output tokens), once done
-        self._done_cost: dict[int, tuple[float, int]] = {}  # shard -> (dollars, unpriced tokens), once done
+        self._done_work = WorkDone(self.n)  # the done shards' work, each added once
+        self._done_cost: dict[int, tuple[float, int]] = {}  # done shard -> (dollars, unpriced tokens): the shards done
         self._not_done: dict[int, float] = {}  # shard -> mtime of a status.json that is not done (stale, damaged)
         self._total_rows: int | None = None
-        self._window = RateWindow(RATE_WINDOW)  # what this thread saw finish, run-wide
         try:  # progress written before the fingerprint last changed is an earlier config's
             self._since = self.paths.fingerprint.stat().st_mtime if fingerprint is not None else 0.0
         except OSError:
@@ -219,7 +209,7 @@ class LiveProgress:
         return self._total_rows
 
     def _done(self, shard_id: int) -> bool:
-        if shard_id in self._done_units:
+        if shard_id in self._done_cost:
             return True
         path = self.paths.status(shard_id)
         try:
@@ -233,7 +223,7 @@ class LiveProgress:
             self._not_done[shard_id] = mtime
             return False
         st = status.get("stats") or {}
-        self._done_units[shard_id] = (units_of(st), int(st.get("output_tokens") or 0))
+        self._done_work.add_done(st)
         self._done_cost[shard_id] = (float(st.get("cost_usd") or 0.0), int(st.get("unpriced_tokens") or 0))
         return True
 
@@ -243,24 +233,15 @@ class LiveProgress:
         scan = self._scan(now)
         if not scan.running:
             return None
-        done_samples = sum(u for u, _ in self._done_units.values())
-        work = [progress_work(p, self.n) for p in scan.running]
-        samples = done_samples + scan.other_samples + sum(w[1] for w in work)
-        rows = done_samples // self.n + scan.other_rows + sum(w[0] for w in work)
-        tokens = sum(t for _, t in self._done_units.values()) + scan.other_tokens
-        tokens += sum(int(p.get("output_tokens") or 0) for p in scan.running)
-        self._window.add(now, samples, tokens)
         total = self.total_rows()
-        if total:  # what the files say never adds up to more than the run has
-            rows, samples = min(rows, total), min(samples, total * self.n)
-        rate, tokens_rate, why = self._rates(scan.running)
+        progress = run_progress(self._done_work.plus(scan.others + scan.running), scan.running, total)
         parts = [
             self._shards_part(scan.running, scan.failed),
-            self._work_part(rows, samples, total, scan.running),
-            self._rate_part(rate, tokens_rate, why),
-            self._eta_part(rate, total, samples),
+            self._work_part(progress, scan.running),
+            progress.rate_text(),
+            progress.eta_text(),
         ]
-        cost = self._cost_part(scan, samples, total)
+        cost = self._cost_part(scan, progress.samples_done, total)
         return "mirageflow: " + " | ".join(parts + ([cost] if cost else []))
 
     def _cost_part(self, scan: _Scan, samples: int, total: int | None) -> str | None:
@@ -277,7 +258,7 @@ class LiveProgress:
     def _scan(self, now: float) -> _Scan:
         """The shards not done: the running ones' progress.json, how many failed, and the work of
         the others (failed, or done without status.json yet)."""
-        scan = _Scan([], 0, 0, 0, 0)
+        scan = _Scan([], 0, [])
         for shard_id in range(self.num_shards):
             if self._done(shard_id):
                 continue
@@ -293,21 +274,18 @@ class LiveProgress:
                 continue
             phase = p.get("phase")
             fresh = now - mtime < PROGRESS_STALE_SECONDS and not process_gone(p)
-            rows, samples, _ = progress_work(p, self.n)
             if phase == "failed" or (phase != "done" and not fresh):
                 scan.failed += 1
             elif phase != "done":
                 scan.running.append(p)
                 continue
-            scan.other_rows += rows
-            scan.other_samples += samples
-            scan.other_tokens += int(p.get("output_tokens") or 0)
+            scan.others.append(p)
             scan.other_cost += float(p.get("cost_usd") or 0.0)
         return scan
 
     def _shards_part(self, running: list[dict], failed: int) -> str:
         """Shards done, running (and the phases of those not generating), failed."""
-        text = f"shards {len(self._done_units)}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")
+        text = f"shards {len(self._done_cost)}/{self.num_shards} done, {len(running)} running" + (f", {failed} failed" if failed else "")
         phases = sorted({str(p.get("phase")) for p in running} - {"generating"})
         if len(running) == 1 and phases:
             seconds = running[0].get("phase_seconds")
@@ -317,38 +295,10 @@ class LiveProgress:
             text += " (" + ", ".join(f"{n} {ph}" for ph, n in counts.items()) + ")"
         return text
 
-    def _work_part(self, rows: int, samples: int, total: int | None, running: list[dict]) -> str:
+    def _work_part(self, progress: RunProgress, running: list[dict]) -> str:
         """Rows (and samples) done of the run's, and the requests in flight."""
         inflight = sum(int(p.get("inflight") or 0) for p in running)
-        if self.n == 1:
-            text = f"rows {rows:,}/{total:,} ({percent(rows, total)})" if total else f"rows {rows:,}"
-        else:
-            text = (f"rows {rows:,}/{total:,}, samples {samples:,}/{total * self.n:,} ({percent(samples, total * self.n)})"
-                    if total else f"rows {rows:,}, samples {samples:,}")  # fmt: skip
-        return text + (f", {inflight:,} in flight" if inflight else "")
-
-    def _rate_part(self, rate: float | None, tokens_rate: float | None, why: str) -> str:
-        unit = "rows" if self.n == 1 else "samples"
-        return f"{unit}/s n/a ({why})" if rate is None else f"{fmt_rate(rate)} {unit}/s, {fmt_rate(tokens_rate)} tok/s"
-
-    def _eta_part(self, rate: float | None, total: int | None, samples: int) -> str:
-        eta = eta_seconds(total * self.n - samples, rate) if total else None
-        if eta is not None:
-            return f"ETA {stats.human_duration(eta)}"
-        return "ETA n/a" + (" (no rate yet)" if rate is None else "")
-
-    def _rates(self, running: list[dict]) -> tuple[float | None, float | None, str]:
-        """(samples/s, tokens/s, why there is none): the running shards' own rates, summed, when
-        every generating shard has one; else what this thread saw finish in its window."""
-        summed = running_rate(running)
-        if summed is not None:
-            return *summed, ""
-        rate, tokens_rate, covered = self._window.rates()
-        if rate:
-            return rate, tokens_rate, ""
-        if not any(p.get("phase") == "generating" for p in running):
-            return None, None, "not generating yet"
-        return None, None, "nothing finished yet" if covered < 1.0 else f"nothing finished in the last {covered:.0f} s"
+        return progress.work_text() + (f", {inflight:,} in flight" if inflight else "")
 
     def tick(self) -> None:
         try:

@@ -1,23 +1,39 @@
-"""What is left of a run: the one derivation of the rates, the ETA and the GPU-hours still needed.
+"""What is left of a run: the one derivation of its progress, rate and ETA, and of the GPU-hours still needed.
 
-``eta_seconds`` is the one ETA formula (units left over a measured rate): a shard's
-progress.json (shard/progress.py), the driver's live line (report/terminal.py) and the
-run's ETA below all use it. ``shard_rate`` reads a running shard's rate from its
-progress.json and ``running_rate`` sums the run's: `mmirage status` shows the one per shard,
-the live line the other, so the two agree on the same files. ``remaining`` projects the whole run from the shard states
-(``state.shards.ShardState``): `mmirage status` shows it, and metrics.json's
-``gpu_hours_remaining_estimate`` is its GPU-hours (report/aggregate.py).
+``run_progress`` is the one place the run's figures now are derived: the driver's live line
+(report/terminal.py) and `mmirage status` (cli.py) both show its ``RunProgress``, with the same
+texts (``work_text``, ``rate_text``, ``eta_text``), so the same files give the same rows, rate and
+ETA in both. The report (report.html, summary.md, metrics.json) shows no ETA: a finished run has
+none; metrics.json's ``gpu_hours_remaining_estimate`` is ``gpu_hours_remaining`` below.
 
-Both projections take a shard's runtime from the completed shards' mean (without one, the
-running shards extrapolate their own elapsed time over their fraction done): rough figures.
+The rule, one for every reader:
+
+- units are samples (rows when n_samples is 1). Done: the done shards' status.json, every other
+  shard's progress.json (rows resumed from a checkpoint included: they are done). Left: the run's
+  size (the dataset indices, ``indexed_rows``) less what is done.
+- the rate is the run's now: the generating shards' own rates, summed (each shard's progress.json,
+  over its last 3 minutes: rows resumed from a checkpoint never read as speed, a slow model load
+  never as slowness). ``shard_rate`` reads one shard's, ``running_rate`` sums them.
+- the ETA is the units left over that rate (``eta_seconds``: also a shard's own, in its
+  progress.json). Shards not started yet are in the units left, at the rate now: as many shards at
+  a time as run now, and without the model loads still to come (a rough figure).
+- no rate, no ETA (never a guess): "n/a" with the reason while no shard runs, while the running
+  ones load (not generating yet), while a generating shard has no rate yet (its requests are in
+  flight: a batch that has not returned; a sum without it would undercount), or while the run's
+  size is unknown (the index jobs have not run). 0 when every shard is done.
+
+``gpu_hours_remaining`` projects the GPU-hours from the completed shards' mean (without one, the
+running shards extrapolate their own elapsed time over their fraction done): a rough figure.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from mirageflow.state.records import ProgressRecord, StatusRecord
+from mirageflow.numbers import fmt_rate, percent
+from mirageflow.state.records import ProgressRecord, ShardStats, StatusRecord
+from mirageflow.stats.formulas import human_duration
 
 if TYPE_CHECKING:
     from mirageflow.state.shards import ShardState
@@ -49,49 +65,138 @@ def running_rate(running: list[ProgressRecord]) -> tuple[float, float | None] | 
     return sum(own), (sum(tokens) if tokens else None)
 
 
+@dataclass
+class WorkDone:
+    """Units a run has done, summed over its shards' files: a done shard's status.json stats
+    (``add_done``), any other shard's progress.json (``add_progress``: running, failed, or done and
+    not yet recorded; rows resumed from a checkpoint included). The live line keeps one for its done
+    shards (read once) and adds the others' on each tick (``plus``)."""
+
+    n_samples: int = 1
+    rows: int = 0
+    samples: int = 0  # units: samples (rows when n_samples is 1)
+
+    def add_done(self, stats: ShardStats | None) -> None:
+        from mirageflow.state.shards import units_of
+
+        units = units_of(stats)
+        self.samples += units
+        self.rows += units // max(1, self.n_samples)
+
+    def add_progress(self, progress: ProgressRecord) -> None:
+        from mirageflow.state.shards import progress_work
+
+        rows, samples, _ = progress_work(progress, max(1, self.n_samples))
+        self.rows += rows
+        self.samples += samples
+
+    def plus(self, progress: list[ProgressRecord]) -> WorkDone:
+        """A copy with these progress.json's work added."""
+        out = replace(self)
+        for p in progress:
+            out.add_progress(p)
+        return out
+
+
 @dataclass(frozen=True)
-class Remaining:
-    eta_seconds: float | None  # until every shard is done, at as many shards at a time as run now; None: unknown
-    gpu_hours: float | None  # GPU-hours the unfinished shards still need; None: unknown, or no shard holds a GPU
+class RunProgress:
+    """A run's progress now (``run_progress``): what the live line and `mmirage status` show of it."""
+
+    n_samples: int
+    rows_done: int
+    samples_done: int
+    rows_total: int | None  # None: the run's size is unknown (the dataset indices are not written yet)
+    rate: float | None  # units (samples; rows when n_samples is 1) per second, now
+    tokens_rate: float | None  # output tokens per second, now
+    eta_seconds: float | None  # until every shard is done; None: unknown (``eta_why`` says why)
+    why: str = ""  # why there is no rate
+    eta_why: str = ""  # why there is no ETA
+
+    @property
+    def unit(self) -> str:
+        return "rows" if self.n_samples == 1 else "samples"
+
+    def work_text(self) -> str:
+        """The work done of the run's: rows 16/40 (40%); with n_samples > 1, rows 8/20, samples 16/40 (40%)."""
+        rows, samples, total = self.rows_done, self.samples_done, self.rows_total
+        if self.n_samples == 1:
+            return f"rows {rows:,}/{total:,} ({percent(rows, total)})" if total else f"rows {rows:,}"
+        if not total:
+            return f"rows {rows:,}, samples {samples:,}"
+        samples_total = total * self.n_samples
+        return f"rows {rows:,}/{total:,}, samples {samples:,}/{samples_total:,} ({percent(samples, samples_total)})"
+
+    def rate_text(self) -> str:
+        """The rate now: 3.00 rows/s, 150 tok/s; or rows/s n/a (why)."""
+        if self.rate is None:
+            return f"{self.unit}/s n/a ({self.why})"
+        return f"{fmt_rate(self.rate)} {self.unit}/s, {fmt_rate(self.tokens_rate)} tok/s"
+
+    def eta_text(self) -> str:
+        """ETA 00:01:24, or ETA n/a (why)."""
+        return f"ETA {human_duration(self.eta_seconds)}" if self.eta_seconds is not None else f"ETA n/a ({self.eta_why})"
 
 
-def remaining(states: list[ShardState], num_shards: int) -> Remaining:
-    """The run's ETA and remaining GPU-hours, from its shards' states."""
-    statuses = [{**s.status, "shard_id": s.shard_id} for s in states if s.state == "done"]
-    return Remaining(run_eta(states, num_shards), gpu_hours_remaining(statuses, states, num_shards))
+def run_progress(work: WorkDone, running: list[ProgressRecord], rows_total: int | None, all_done: bool = False) -> RunProgress:
+    """The run's progress, rate and ETA (the rule is in this module's docstring).
+
+    ``work``: every shard's work (``WorkDone``), the running ones' included; ``running``: the
+    running shards' progress.json; ``rows_total``: the run's source rows (``indexed_rows``);
+    ``all_done``: every shard is done. The live line and `mmirage status` (``status_progress``) call it."""
+    n = max(1, work.n_samples)
+    rows, samples = work.rows, work.samples
+    if rows_total:  # what the files say never adds up to more than the run has
+        rows, samples = min(rows, rows_total), min(samples, rows_total * n)
+    summed = running_rate(running)
+    rate, tokens_rate = summed if summed is not None else (None, None)
+    why = "" if summed is not None else _no_rate(running)
+    if all_done:
+        eta, eta_why = 0.0, ""
+    elif rate is None:
+        eta, eta_why = None, "no shard running" if not running else "no rate yet"
+    elif not rows_total:
+        eta, eta_why = None, "the run's size is not indexed yet"
+    else:
+        eta, eta_why = eta_seconds(rows_total * n - samples, rate), ""
+    return RunProgress(n, rows, samples, rows_total, rate, tokens_rate, eta, why, eta_why)
+
+
+def _no_rate(running: list[ProgressRecord]) -> str:
+    """Why the running shards give the run no rate (``running_rate`` is None)."""
+    generating = [p for p in running if p.get("phase") == "generating"]
+    if not running:
+        return "no shard running"
+    if not generating:
+        return "not generating yet"
+    without = [p for p in generating if not shard_rate(p)]
+    if len(without) < len(generating):
+        return f"{len(without)} of {len(generating)} generating shards have no rate yet"
+    covered = max(float(p.get("rate_window_seconds") or 0.0) for p in without)
+    return "nothing finished yet" if covered < 1.0 else f"nothing finished in the last {covered:.0f} s"
+
+
+def work_of(states: list[ShardState], n_samples: int) -> WorkDone:
+    """Every shard's work from its state (`mmirage status`): a done shard's status.json, the
+    others' progress.json (running, failed, or finished and not yet recorded; not a stale one's)."""
+    work = WorkDone(n_samples)
+    for s in states:
+        if s.state == "done":
+            work.add_done(s.stats)
+        elif s.progress and (s.state in ("running", "failed") or not s.stale):
+            work.add_progress(s.progress)
+    return work
+
+
+def status_progress(states: list[ShardState], n_samples: int, rows_total: int | None) -> RunProgress:
+    """``run_progress`` of the shard states (`mmirage status`)."""
+    running = [s.progress or {} for s in states if s.state == "running"]
+    return run_progress(work_of(states, n_samples), running, rows_total, all_done=all(s.state == "done" for s in states))
 
 
 def _extrapolated(progress: ProgressRecord | None) -> float | None:
     """A running shard's whole runtime, from its elapsed time over its fraction done (None before it knows one)."""
     p = progress or {}
     return p["elapsed_seconds"] / p["fraction_done"] if p.get("fraction_done") and p.get("elapsed_seconds") else None
-
-
-def run_eta(states: list[ShardState], num_shards: int) -> float | None:
-    """Seconds until every shard is done: the running shards' own ETAs (else the mean runtime
-    less their elapsed time) plus the mean runtime for each shard still to run, over as many
-    shards at a time as run now (at least one). 0 when all are done; None when unknown."""
-    running = [s for s in states if s.state == "running"]
-    runtimes = [s.stats["runtime_seconds"] for s in states if s.state == "done"]
-    if not runtimes:  # nothing done yet: running shards extrapolate their own runtime
-        runtimes = [r for s in running if (r := _extrapolated(s.progress)) is not None]
-    mean_runtime = sum(runtimes) / len(runtimes) if runtimes else None
-    left = []
-    for s in running:
-        p = s.progress or {}
-        if p.get("eta_seconds") is not None:
-            left.append(p["eta_seconds"])
-        elif mean_runtime is not None:
-            left.append(max(0.0, mean_runtime - (p.get("elapsed_seconds") or 0)))
-        else:
-            return None
-    done = sum(1 for s in states if s.state == "done")
-    todo = sum(1 for s in states if s.state in ("pending", "failed"))
-    if done == num_shards:
-        return 0.0
-    if todo and mean_runtime is None:
-        return None
-    return (sum(left) + todo * (mean_runtime or 0)) / max(1, len(running))
 
 
 def gpu_hours_remaining(statuses: list[StatusRecord], states: list[ShardState] | None, num_shards: int) -> float | None:
