@@ -37,10 +37,27 @@ SRC = ENGINES.parent
 # modules that are not engines: the interface, its wire types, helpers, the registry
 SHARED = {
     "base", "wire", "chat_template", "tokens", "registry", "loop", "http", "sglang_common", "json_prefix",
-    "server_process", "server_metrics", "server_restarts", "server_ranks",
+    "server_process", "server_metrics", "server_restarts", "server_ranks", "model_reloads",
 }  # fmt: skip
-# parts of one backend, imported by that backend's module only
-COMPANIONS = {"transformers_cb": "transformers_engine", "batch_time": "transformers_engine", "batch_providers": "batch_api"}
+# parts of one backend, imported by that backend's modules only (its own module and its other parts)
+COMPANIONS = {
+    "transformers_cb": "transformers_engine", "transformers_static": "transformers_engine",
+    "transformers_generate": "transformers_engine", "batch_time": "transformers_engine", "batch_providers": "batch_api",
+}  # fmt: skip
+# the guide's limit on a class's length, and the engine classes not split yet (at most their length now)
+CLASS_LINES = 300
+NOT_SPLIT_YET = {"BatchApiEngine": 548}
+
+
+def test_no_engine_class_grows_past_300_lines():
+    """The guide's limit: a class past it is split along its concerns (the transformers engine:
+    model loading and reloads, static batches, generation, continuous batching)."""
+    for path in sorted(ENGINES.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                allowed = NOT_SPLIT_YET.get(node.name, CLASS_LINES)
+                assert lines <= allowed, f"{path.name}: class {node.name} has {lines} lines (at most {allowed})"
 
 
 def engine_imports(path: Path) -> set[str]:
@@ -61,7 +78,7 @@ def test_no_engine_module_imports_another():
         imported = engine_imports(ENGINES / f"{name}.py")
         assert not imported & engines, f"{name} imports engine module(s) {imported & engines}"
         for companion, owner in COMPANIONS.items():
-            assert companion not in imported or name == owner, f"{name} imports {companion}, a part of {owner}"
+            assert companion not in imported or owner in (name, COMPANIONS.get(name)), f"{name} imports {companion}, a part of {owner}"
     # the interface knows its wire types and its default chat template, no engine, no registry
     assert engine_imports(ENGINES / "base.py") == {"wire", "chat_template"}
     assert engine_imports(ENGINES / "wire.py") == engine_imports(ENGINES / "tokens.py") == set()
