@@ -33,7 +33,6 @@ THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.engines.batch_providers": (["test_batch_api.py"], "the batch_api backend's providers"),
     "mirageflow.engines.loop": (["test_engine_sglang.py", "test_engine_http.py"], "the engines that run a private loop"),
     "mirageflow.engines.tokens": (["test_engine_transformers.py"], "the transformers engine's prompt ids"),
-    "mirageflow.engines.model_reloads": (["test_engine_restarts.py"], "the transformers model's reloads after a device error"),
     "mirageflow.engines.transformers_generate": (["test_engine_transformers.py", "test_images.py"], "the transformers engine's batches"),
     "mirageflow.engines.transformers_static": (["test_engine_transformers.py"], "the transformers engine's static path"),
     "mirageflow.imagegen": (["test_image_gen.py"], "image_gen outputs"),

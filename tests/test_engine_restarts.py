@@ -8,6 +8,7 @@ tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -20,6 +21,8 @@ from mirageflow.cli import _status_line as status_line
 from mirageflow.cli import by_failure_class, retry_plan, status_summary
 from mirageflow.cli import main as cli_main
 from mirageflow.config import load_config
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.model_reloads import ModelReloads
 from mirageflow.engines.server_process import classify_engine_error, classify_exit
 from mirageflow.engines.server_restarts import ServerSupervisor
 from mirageflow.engines.transformers_engine import TransformersEngine
@@ -329,6 +332,26 @@ def test_a_continuous_batching_model_that_dies_at_every_load_fails_the_shard_aft
     assert failure_json["failure_class"] == "device_error"
     assert [d["class"] for d in failure_json["stats"]["engine_deaths"]] == ["device_error", "device_error"]
     assert failure_json["stats"]["engine_restarts"] == 1
+
+
+def test_a_death_both_transformers_paths_see_is_one_reload():
+    """The static batches and the continuous-batching manager share one model: the failures a
+    death causes on both reload it once, and what each ran sends again counts in that death."""
+    loaded = []
+    stopped = threading.Event()
+    reloads = ModelReloads(3, lambda: loaded.append(reloads.generation), stopped)
+    death = RuntimeError("CUDA error: an illegal memory access was encountered")
+    first = reloads.generation
+    reloads.heal(death, 2, first)  # the static batch's two rows not handed back: reloaded
+    reloads.heal(EngineError("the continuous batching manager is rebuilt on the reloaded model"), 3, first)  # its requests
+    assert loaded == [first] and reloads.count == 1 and reloads.generation == first + 1
+    assert [(d["class"], d["requests_resent"]) for d in reloads.deaths] == [("device_error", 5)]
+    with pytest.raises(ValueError, match="bad shape"):  # a bug on the new model is no death
+        reloads.heal(ValueError("bad shape"), 1, reloads.generation)
+    stopped.set()
+    with pytest.raises(RuntimeError, match="CUDA error"):  # a stopped engine is not reloaded
+        reloads.heal(death, 1, reloads.generation)
+    assert loaded == [first] and len(reloads.deaths) == 1
 
 
 def test_only_errors_that_leave_an_engine_unusable_are_deaths():
