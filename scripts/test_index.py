@@ -37,6 +37,8 @@ THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.engines.batch_results": (["test_batch_api.py"], "the batch_api backend's results"),
     "mirageflow.engines.loop": (["test_engine_sglang.py", "test_engine_http.py"], "the engines that run a private loop"),
     "mirageflow.engines.tokens": (["test_engine_transformers.py"], "the transformers engine's prompt ids"),
+    "mirageflow.engines.transformers_generate": (["test_engine_transformers.py", "test_images.py"], "the transformers engine's batches"),
+    "mirageflow.engines.transformers_static": (["test_engine_transformers.py"], "the transformers engine's static path"),
     "mirageflow.imagegen": (["test_image_gen.py"], "image_gen outputs"),
     "mirageflow.imagegen.diffusers_images": (["test_image_gen.py"], "the diffusers image backend"),
     "mirageflow.model_config": (["test_images.py", "test_engine_transformers_cb.py"], "vision models and context checks"),

@@ -37,11 +37,12 @@ SRC = ENGINES.parent
 # modules that are not engines: the interface, its wire types, helpers, the registry
 SHARED = {
     "base", "wire", "chat_template", "tokens", "registry", "loop", "http", "sglang_common", "json_prefix",
-    "server_process", "server_metrics", "server_restarts", "server_ranks",
+    "server_process", "server_metrics", "server_restarts", "server_ranks", "model_reloads",
 }  # fmt: skip
-# parts of one backend, imported by that backend's module and its other parts only
+# parts of one backend, imported by that backend's modules only (its own module and its other parts)
 COMPANIONS = {
-    "transformers_cb": "transformers_engine", "batch_time": "transformers_engine",
+    "transformers_cb": "transformers_engine", "transformers_static": "transformers_engine",
+    "transformers_generate": "transformers_engine", "batch_time": "transformers_engine",
     "batch_providers": "batch_api", "batch_chunks": "batch_api", "batch_polling": "batch_api", "batch_results": "batch_api",
     "batch_budget": "batch_api",
 }  # fmt: skip

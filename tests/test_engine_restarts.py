@@ -8,6 +8,7 @@ tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -20,6 +21,8 @@ from mirageflow.cli import _status_line as status_line
 from mirageflow.cli import by_failure_class, retry_plan, status_summary
 from mirageflow.cli import main as cli_main
 from mirageflow.config import load_config
+from mirageflow.engines.base import EngineError
+from mirageflow.engines.model_reloads import ModelReloads
 from mirageflow.engines.server_process import classify_engine_error, classify_exit
 from mirageflow.engines.server_restarts import ServerSupervisor
 from mirageflow.engines.transformers_engine import TransformersEngine
@@ -208,14 +211,36 @@ class ModelThatFails(TransformersEngine):
         self.model.forward = fails_on_the_third_call
 
 
-def _transformers_shard(tmp_path: Path, tiny_model: Path, max_restarts: int = 3):
+class ManagerThatFails(ModelThatFails):
+    """As ModelThatFails, on the continuous-batching path: the first ``failing_loads`` loaded
+    models raise ``failure`` at the third step of the manager's model (mid-run), at the
+    model's boundary (its input embeddings, which the manager's module tree shares)."""
+
+    def _load_model(self, *args) -> None:
+        TransformersEngine._load_model(self, *args)
+        type(self).loads += 1
+        if type(self).loads > self.failing_loads:
+            return
+        calls = [0]
+
+        def fails_at_the_third_step(module, inputs):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise self.failure
+
+        self.model.get_input_embeddings().register_forward_pre_hook(fails_at_the_third_step)
+
+
+def _transformers_shard(tmp_path: Path, tiny_model: Path, max_restarts: int = 3, continuous: bool = False):
     tmp_path.mkdir(exist_ok=True)
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"q": f"Tell me about the number {i}"}) + "\n" for i in range(7)))
     cfg = load_config(pipeline_config(
         data, model=tiny_model, state_dir=tmp_path / "state", output_dir=tmp_path / "out",
         processor={"backend": "transformers", "torch_threads": 1, "max_restarts": max_restarts,
-                   "default_sampling_params": {"temperature": 0, "max_new_tokens": 6}},
+                   "default_sampling_params": {"temperature": 0, "max_new_tokens": 6},
+                   "server_args": {"model_path": str(tiny_model),
+                                   "extra_engine_args": {"continuous_batching": continuous, "max_running_requests": 3}}},
         dataset={"output_format": "jsonl"},
         loading={"batch_size": 3},
         processing={"remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
@@ -225,11 +250,11 @@ def _transformers_shard(tmp_path: Path, tiny_model: Path, max_restarts: int = 3)
     return cfg
 
 
-def _failing(cls_failure=None, failing_loads: int = 1):
+def _failing(cls_failure=None, failing_loads: int = 1, base: type = ModelThatFails):
     attrs = {"loads": 0, "failing_loads": failing_loads}
     if cls_failure is not None:
         attrs["failure"] = cls_failure
-    engine_class = type("ModelThatFailsHere", (ModelThatFails,), attrs)
+    engine_class = type("ModelThatFailsHere", (base,), attrs)
     return lambda processor, batch_size, log_dir=None: engine_class(processor, batch_size)
 
 
@@ -273,6 +298,60 @@ def test_a_transformers_model_that_cannot_be_healed_fails_the_shard_with_its_cla
     assert failure_json["failure_class"] == death_classes[-1]
     assert [d["class"] for d in failure_json["stats"]["engine_deaths"]] == death_classes
     assert failure_json["stats"]["engine_restarts"] == reloads
+
+
+def test_the_continuous_batching_path_reloads_its_model_after_a_device_error_and_sends_its_requests_again(tmp_path, tiny_model):
+    reference = run_shard(_transformers_shard(tmp_path / "ref", tiny_model, continuous=True), 0)
+    expected = _records(tmp_path / "ref")
+    cb = reference["engines"]["llm"]["details"]["continuous_batching"]
+    assert cb["enabled"] and cb["requests"] == 7 and reference["stats"]["engine_restarts"] == 0  # all on the manager
+
+    status = run_shard(_transformers_shard(tmp_path, tiny_model, continuous=True), 0, engine_factory=_failing(base=ManagerThatFails))
+    st = status["stats"]
+    assert [(a["attempt"], a["outcome"]) for a in st["attempts"]] == [(1, "success")] and st["rows_failed"] == 0
+    assert st["engine_restarts"] == 1
+    (death,) = st["engine_deaths"]
+    assert (death["class"], death["processor"]) == ("device_error", "llm")
+    assert death["cause"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert 1 <= death["requests_resent"] <= 7  # the requests the dead manager held, not those answered before
+    cb = status["engines"]["llm"]["details"]["continuous_batching"]
+    assert cb["enabled"] and cb["static_path_requests"] == {}  # the rebuilt manager served them, counting on
+    records = _records(tmp_path)  # every row once, the same greedy text as without the failure
+    assert sorted(r["q"] for r in records) == sorted(r["q"] for r in expected)
+    assert {r["q"]: r["a"] for r in records} == {r["q"]: r["a"] for r in expected}
+
+
+def test_a_continuous_batching_model_that_dies_at_every_load_fails_the_shard_after_max_restarts(tmp_path, tiny_model):
+    cfg = _transformers_shard(tmp_path, tiny_model, max_restarts=1, continuous=True)
+    failure = RuntimeError("CUDA error: device-side assert triggered")
+    with pytest.raises(
+        ShardFailed, match="the transformers model died 2 times and was reloaded 1 times .processors...max_restarts=1 spent"
+    ):
+        run_shard(cfg, 0, engine_factory=_failing(failure, failing_loads=9, base=ManagerThatFails))
+    failure_json = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
+    assert failure_json["failure_class"] == "device_error"
+    assert [d["class"] for d in failure_json["stats"]["engine_deaths"]] == ["device_error", "device_error"]
+    assert failure_json["stats"]["engine_restarts"] == 1
+
+
+def test_a_death_both_transformers_paths_see_is_one_reload():
+    """The static batches and the continuous-batching manager share one model: the failures a
+    death causes on both reload it once, and what each ran sends again counts in that death."""
+    loaded = []
+    stopped = threading.Event()
+    reloads = ModelReloads(3, lambda: loaded.append(reloads.generation), stopped)
+    death = RuntimeError("CUDA error: an illegal memory access was encountered")
+    first = reloads.generation
+    reloads.heal(death, 2, first)  # the static batch's two rows not handed back: reloaded
+    reloads.heal(EngineError("the continuous batching manager is rebuilt on the reloaded model"), 3, first)  # its requests
+    assert loaded == [first] and reloads.count == 1 and reloads.generation == first + 1
+    assert [(d["class"], d["requests_resent"]) for d in reloads.deaths] == [("device_error", 5)]
+    with pytest.raises(ValueError, match="bad shape"):  # a bug on the new model is no death
+        reloads.heal(ValueError("bad shape"), 1, reloads.generation)
+    stopped.set()
+    with pytest.raises(RuntimeError, match="CUDA error"):  # a stopped engine is not reloaded
+        reloads.heal(death, 1, reloads.generation)
+    assert loaded == [first] and len(reloads.deaths) == 1
 
 
 def test_only_errors_that_leave_an_engine_unusable_are_deaths():

@@ -114,25 +114,25 @@ def pipeline_config(model: Path, jsonl: Path, root: Path, batch_size: int, new_t
 
 
 class BatchLog:
-    """Wraps TransformersEngine._generate_batch to record the batches the batcher forms."""
+    """Wraps the transformers engine's BatchGenerator.generate_batch to record the batches the batcher forms."""
 
     def __init__(self):
-        from mirageflow.engines import transformers_engine as te
+        from mirageflow.engines import transformers_generate as tg
 
         self.sizes: list[int] = []
         self.seconds = 0.0
-        original = te.TransformersEngine._generate_batch
+        original = tg.BatchGenerator.generate_batch
         log = self
 
-        def wrapped(engine, batch, *args, **kwargs):
+        def wrapped(generator, batch, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return original(engine, batch, *args, **kwargs)
+                return original(generator, batch, *args, **kwargs)
             finally:
                 log.seconds += time.perf_counter() - t0
                 log.sizes.append(len(batch))
 
-        te.TransformersEngine._generate_batch = wrapped
+        tg.BatchGenerator.generate_batch = wrapped
 
     def reset(self):
         self.sizes, self.seconds = [], 0.0

@@ -6,7 +6,7 @@ does not move. The shard runner commits every ``execution_params.checkpoint_seco
 (``Engine.commit_seconds``); a batch sized to end within half of that (the other half is
 room for the estimate's error) loses at most one commit interval of work on a stop, however
 long its rows' limits are. Rows that end earlier (their EOS) are handed back as they end
-(transformers_engine's ``_early_rows``); this bounds the rest.
+(transformers_generate's ``_early_rows``); this bounds the rest.
 
 The cost model: a decoding step of b rows takes about a + c*b seconds (a: paid by every step
 whatever the batch, reading the weights; c: per row), fitted by least squares to the steps

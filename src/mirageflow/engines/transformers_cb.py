@@ -21,7 +21,11 @@ gets its own module tree sharing the model's weights (no copy of the weights): t
 
 Results come back through ``manager.get_result`` on a collector thread, which resolves each
 request's future on its event loop; a request the manager fails (or a manager that dies)
-raises :class:`EngineError` in its caller, which fails the shard as any engine error does.
+raises :class:`EngineError` in its caller. When the manager died of an error that leaves the
+model unusable (a device error: the manager records it, :meth:`ContinuousBatcher.cause`) the
+engine reloads the model through its one ModelReloads (model_reloads.py, as the static path
+does), builds a new manager on it (:meth:`ContinuousBatcher.rebuilt`) and sends again the
+requests the dead one held; any other failure fails the shard as any engine error does.
 Used by transformers_engine.py only.
 """
 
@@ -36,6 +40,7 @@ import threading
 import time
 
 from mirageflow.engines.base import Completion, EngineError, EngineStopped, Request
+from mirageflow.engines.server_process import classify_engine_error
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ _STATIC_ONLY = {
 DEFAULT_RUNNING_CUDA = 256  # requests decoding at once on a GPU when max_running_requests is unset
 _CPU_TOKENS_PER_REQUEST = 1024  # CPU KV cache: pages for this many tokens per running request
 _COLLECT_TIMEOUT = 0.2  # seconds the collector waits for a result before checking the manager is alive
+_DEATH_SECONDS = 30.0  # how long a request failed by the manager's death waits for its thread to record why
 
 
 def sampler(params: dict) -> tuple:
@@ -119,10 +125,14 @@ def start(engine, mode, running) -> tuple["ContinuousBatcher | None", dict]:
 class ContinuousBatcher:
     """One transformers ContinuousBatchingManager and the requests waiting on it."""
 
-    def __init__(self, model, tokenizer, eos_ids: set[int], default_params: dict, running: int, device: str, max_context: int | None):
+    def __init__(
+        self, model, tokenizer, eos_ids: set[int], default_params: dict, running: int, device: str, max_context: int | None,
+        stats: dict | None = None,
+    ):  # fmt: skip
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+        self._built_from = (tokenizer, eos_ids, default_params, running, device, max_context)  # rebuilt(): the same
         self.sampler = sampler(default_params)
         self.running = running
         self.eos_ids = sorted(eos_ids)
@@ -147,10 +157,12 @@ class ContinuousBatcher:
         self._ids = itertools.count()
         self._closed = threading.Event()
         # status.json's engines.<name>.details.continuous_batching: this dict, counted as requests come
-        self.stats = {
+        # (a manager rebuilt after a reload goes on counting in its predecessor's)
+        self.stats = stats or {
             "enabled": True, "max_running_requests": running, "attn_implementation": self.attn_implementation,
             "sampler": list(self.sampler), "requests": 0, "static_path_requests": {},
         }  # fmt: skip
+        self._started = False
         self._start_lock = threading.Lock()
         self._collector = threading.Thread(target=self._collect, name="transformers-cb-results", daemon=True)
         self._collector.start()
@@ -164,10 +176,40 @@ class ContinuousBatcher:
         """Capture the manager's CUDA graphs before the first request (the runner times it as the
         warmup phase), then start its thread. Without it the first request starts the manager."""
         with self._start_lock:
-            if not self.manager.is_running():
+            if not self._started:
                 if self.on_cuda:
                     self.manager.warmup()  # before start(), as transformers' generate_batch does
                 self.manager.start()
+                self._started = True
+
+    def rebuilt(self, model) -> ContinuousBatcher:
+        """A new manager on ``model`` (the engine's, reloaded after a device error), counting in
+        the same stats, started (warmed up on CUDA) when this one was."""
+        batcher = ContinuousBatcher(model, *self._built_from, stats=self.stats)
+        if self._started:
+            batcher.warmup()
+        return batcher
+
+    def fatal_error(self) -> BaseException | None:
+        """The exception that ended the manager's thread (transformers records it), if one did."""
+        return getattr(getattr(self.manager, "background_thread_status", None), "fatal_error", None)
+
+    def _failed(self, message: str) -> EngineError:
+        """The error of a request the manager cannot serve: ``message``, and the exception that
+        ended its thread if one did (a device error there is a death: :meth:`cause`)."""
+        fatal = self.fatal_error()
+        return EngineError(message if fatal is None else f"{message}: {type(fatal).__name__}: {fatal}")
+
+    def cause(self, error: Exception) -> Exception:
+        """What killed the manager when ``error`` (a request's failure) says it died of an error
+        that leaves the model unusable: the exception its thread recorded (it fails the requests
+        first, then records it: wait for the thread to end), else ``error`` itself."""
+        if classify_engine_error(error) is None:
+            return error
+        deadline = time.monotonic() + _DEATH_SECONDS
+        while self.manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.fatal_error() or error
 
     def depth(self) -> int:
         return len(self._pending)
@@ -176,8 +218,8 @@ class ContinuousBatcher:
         if self._closed.is_set():
             raise EngineStopped("engine was stopped")
         if not self.manager.is_running():
-            if self.stats["requests"]:
-                raise EngineError("the continuous batching manager is not running (it stopped or failed; see the log)")
+            if self._started:
+                raise self._failed("the continuous batching manager is not running (it stopped or failed; see the log)")
             self.warmup()  # the first request: start it (no warmup on CPU)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -191,7 +233,7 @@ class ContinuousBatcher:
                 self._pending.pop(rid, None)
             if self._closed.is_set():
                 raise EngineStopped("engine was stopped")
-            raise EngineError("the continuous batching manager refused the request: it is stopping or failed (see the log)")
+            raise self._failed("the continuous batching manager refused the request: it is stopping or failed (see the log)")
         self.stats["requests"] += 1
         return await future
 
@@ -206,7 +248,7 @@ class ContinuousBatcher:
             if out is None:
                 if not self.manager.is_running():  # not started yet, or ended: get_result does not wait then
                     if self._pending and not self._closed.is_set():  # its queue is empty: nothing more will come
-                        self.fail_all(EngineError("the continuous batching manager stopped with requests pending (see the log)"))
+                        self.fail_all(self._failed("the continuous batching manager stopped with requests pending (see the log)"))
                     time.sleep(_COLLECT_TIMEOUT)
                 continue
             if not out.is_finished():
@@ -241,8 +283,9 @@ class ContinuousBatcher:
                 pass
             _deliver(future, loop, error)
 
-    def close(self) -> None:
-        self.fail_all(EngineStopped("engine was stopped"))
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop the manager; the requests it holds fail with ``error`` (default: EngineStopped)."""
+        self.fail_all(error or EngineStopped("engine was stopped"))
         self._closed.set()
         try:
             self.manager.stop(block=True, timeout=30, hard_stop=True)
