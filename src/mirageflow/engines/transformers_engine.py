@@ -47,10 +47,11 @@ import time
 from collections import deque
 
 from mirageflow.config.types import ProcessorConfig, ServerArgs
-from mirageflow.engines.base import Engine, EngineDied, EngineStopped
+from mirageflow.engines.base import Engine, EngineStopped
 from mirageflow.engines.batch_time import BatchTimeCap
 from mirageflow.engines.server_process import classify_engine_error
-from mirageflow.engines.server_restarts import DEFAULT_MAX_RESTARTS, new_death
+from mirageflow.engines.reloads import InProcessReloads
+from mirageflow.engines.server_restarts import DEFAULT_MAX_RESTARTS
 from mirageflow.engines.tokens import PromptTokenizer
 from mirageflow.engines.wire import Completion, EngineInfo, Request
 from mirageflow.errors import EngineDeathClass as D, RowErrorClass as E
@@ -97,9 +98,8 @@ class TransformersEngine(Engine):
         else:
             server_args, sampling = processor, {}
             self.max_restarts = DEFAULT_MAX_RESTARTS
-        self._deaths: list[dict] = []  # the model's deaths in this job (device errors reload it: _heal)
-        self._reloads = 0
-        self._final: EngineDied | None = None  # set: the model is dead and not reloaded
+        # the model's deaths in this job (device errors reload it: _heal); final: dead, not reloaded
+        self.reloads = InProcessReloads("the transformers model", self.max_restarts)
         self.server_args = server_args
         self.batch_size = batch_size
         self.max_inflight = 2 * batch_size
@@ -282,8 +282,8 @@ class TransformersEngine(Engine):
             try:
                 if self._stopped.is_set():
                     raise EngineStopped("engine was stopped")
-                if self._final is not None:  # the model died for good: later batches fail the same way, not run
-                    raise self._final
+                if self.reloads.final is not None:  # the model died for good: later batches fail the same way, not run
+                    raise self.reloads.final
                 results = self._run_healing(batch, hand_back)
             except BaseException as e:  # resolve every waiter; never leave a future hanging
                 results = [e] * len(batch)
@@ -321,24 +321,17 @@ class TransformersEngine(Engine):
         if found is None or self._stopped.is_set():
             raise error
         death_class, cause = found
-        death = new_death(death_class, cause, os.getpid())
-        self._deaths.append(death)
-        log.error("the transformers model died (%s): %s", death_class, cause)
+        death = self.reloads.died(death_class, cause)
         if death_class is not D.DEVICE_ERROR:
             why = "out of memory: not reloaded, the same batch would run out again"
         elif self._cb is not None:  # its manager holds the model and its paged cache: not rebuilt here
             why = "not reloaded under continuous batching"
-        elif self._reloads >= self.max_restarts:
+        elif self.reloads.spent:
             why = f"processors[].max_restarts={self.max_restarts} spent"
         else:
             why = None
         if why is not None:
-            listed = "; ".join(f"{i}. {d['at']} {d['class']}: {d['cause']}" for i, d in enumerate(self._deaths, 1))
-            self._final = EngineDied(
-                f"the transformers model died {len(self._deaths)} times and was reloaded {self._reloads} times ({why}): {listed}",
-                str(death_class),
-            )
-            raise self._final from error
+            raise self.reloads.give_up(why) from error
         t0 = time.monotonic()
         self.model = None
         import torch
@@ -346,23 +339,23 @@ class TransformersEngine(Engine):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self._reloads += 1
+        self.reloads.count += 1
         self._load_model(*self._reload_args)
         death["requests_resent"] = rerun
         death["restarted_after_seconds"] = death["successor_start_seconds"] = round(time.monotonic() - t0, 3)
         log.warning(
             "the transformers model was reloaded in %.1f s (reload %d of at most %d); %d rows run again",
             time.monotonic() - t0,
-            self._reloads,
+            self.reloads.count,
             self.max_restarts,
             rerun,
         )
 
     def restarts(self) -> int:
-        return self._reloads
+        return self.reloads.count
 
     def deaths(self) -> list[dict]:
-        return [dict(d) for d in self._deaths]
+        return self.reloads.listing()
 
     def _run(self, batch: list, hand_back=None) -> list:
         """The completions of a batch; ``hand_back(i, completion)``, when given, gets each row
