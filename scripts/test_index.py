@@ -32,6 +32,7 @@ THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.engines.batch_api": (["test_batch_api.py"], "the batch_api backend"),
     "mirageflow.engines.batch_providers": (["test_batch_api.py"], "the batch_api backend's providers"),
     "mirageflow.engines.loop": (["test_engine_sglang.py", "test_engine_http.py"], "the engines that run a private loop"),
+    "mirageflow.engines.reloads": (["test_engine_sglang.py", "test_engine_restarts.py"], "in-process engines reloaded in the job"),
     "mirageflow.engines.tokens": (["test_engine_transformers.py"], "the transformers engine's prompt ids"),
     "mirageflow.imagegen": (["test_image_gen.py"], "image_gen outputs"),
     "mirageflow.imagegen.diffusers_images": (["test_image_gen.py"], "the diffusers image backend"),
