@@ -291,7 +291,7 @@ def test_a_scheduler_crash_mid_shard_reloads_the_engine_and_the_shard_goes_on(fa
     assert death["cause"].startswith("an SGLang subprocess failed and signalled SIGQUIT: a subprocess failed; the log says: ")
     assert "CUDA error: an illegal memory access" in death["cause"]
     assert 1 <= death["requests_resent"] <= 6  # the crashing row and the others in flight, no more than the window
-    assert death["restarted_after_seconds"] >= death["successor_start_seconds"] > 0
+    assert death["first_answer_after_seconds"] >= death["restarted_after_seconds"] >= death["successor_start_seconds"] > 0
 
     records = [json.loads(line) for p in sorted((tmp_path / "out" / "shard_0").glob("*.jsonl")) for line in p.read_text().splitlines()]
     assert sorted(_rows(None, [r["q"] for r in records])) == list(range(40))  # every row exactly once
@@ -339,6 +339,29 @@ def test_a_device_error_raised_from_generate_reloads_the_engine(fake_sglang, fas
     assert 1 <= death["requests_resent"] <= 2  # the failed request, and req(0) if it was still running
     assert death["cause"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert [e.shutdown_calls for e in fake_sglang.ENGINES] == [1, 1]
+
+
+def test_a_stop_during_a_reload_fails_the_waiting_requests_and_starts_no_engine(fake_sglang, monkeypatch, tmp_path):
+    """SIGTERM while the job waits to reload: no new sglang.Engine, requests fail with EngineStopped."""
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 30.0)  # the reload waits in its backoff
+    engine = SGLangEngine(processor(max_restarts=3))
+    engine.load()
+    try:
+
+        def stop_once_dying():
+            deadline = time.monotonic() + 30
+            while not engine.deaths() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            engine.stop()
+
+        threading.Thread(target=stop_once_dying, daemon=True).start()
+        with pytest.raises(EngineStopped), job_log(tmp_path / "job.log"):
+            drive(engine, [req(i) for i in range(3)] + [req(3, "CRASH now")] + [req(i) for i in range(4, 12)])
+    finally:
+        engine.close()
+    assert not engine._reload_thread.is_alive()  # it gave up, with no successor started
+    assert len(fake_sglang.ENGINES) == 1 and engine.restarts() == 0 and len(engine.deaths()) == 1
+    assert fake_sglang.ENGINES[0].shutdown_calls == 1
 
 
 def test_a_crash_while_starting_is_a_load_error(fake_sglang):

@@ -117,6 +117,7 @@ class SGLangEngine(LoopEngine):
         self._dying = False  # the serving engine died; its successor is not serving yet
         self._successor: Future = Future()  # done when the successor serves (or never will)
         self._death_of: dict[int, dict] = {}  # generation -> the death that ended it
+        self._died_at: dict[int, float] = {}  # generation -> when it died (monotonic)
         self._sending: set[asyncio.Task] = set()  # requests awaiting the engine now (engine loop only)
         self._start_crashed = False  # SIGQUIT while a successor started
         self._serving = False  # load() returned: a crash from now on is a death (before: a load error)
@@ -219,6 +220,7 @@ class SGLangEngine(LoopEngine):
             self._dying = True
             generation = self.generation
         self._death_of[generation] = self.reloads.died(death_class, cause)
+        self._died_at[generation] = time.monotonic()
         if self._loop is not None:  # the requests it holds never answer: sent again to the successor
             try:
                 self._loop.call_soon_threadsafe(_cancel_all, self._sending)
@@ -233,8 +235,7 @@ class SGLangEngine(LoopEngine):
     def _reload(self) -> None:
         """The reload thread: shut the dead engine down, then start successors until one serves
         or the reloads are spent."""
-        t0 = time.monotonic()
-        death = self._death_of[self.generation]
+        t0, death = self._died_at[self.generation], self._death_of[self.generation]
         self._shutdown_engine()
         while True:
             if self.reloads.spent or self._closing or self._wake.wait(self.reloads.delay()):
@@ -333,7 +334,11 @@ class SGLangEngine(LoopEngine):
             generation = self.generation
             self._sending.add(task)
             try:
-                return await self._send(request, params)
+                completion = await _ask(self.engine, self._prompt_ids, self.image_token, request, params)
+                before = self._death_of.get(generation - 1)  # the successor's first answer, timed from that death
+                if before is not None and before["first_answer_after_seconds"] is None:
+                    before["first_answer_after_seconds"] = round(time.monotonic() - self._died_at[generation - 1], 3)
+                return completion
             except asyncio.CancelledError:
                 if self._failure is not None or not (self._dying or generation != self.generation):
                     raise
@@ -356,29 +361,10 @@ class SGLangEngine(LoopEngine):
             if death is not None:
                 death["requests_resent"] += 1
 
-    async def _send(self, request: Request, params: dict) -> Completion:
-        """One request to the engine serving now."""
-        engine, text_tokens = self.engine, None
-        if request.images:
-            found = image_inputs(request, self._prompt_ids, self.image_token)
-            if isinstance(found, Completion):
-                return found
-            text, image_data, text_tokens = found
-            out = await engine.async_generate(prompt=text, image_data=image_data, sampling_params=params)
-        elif self._prompt_ids is not None:
-            out = await engine.async_generate(input_ids=self._prompt_ids(request.prompt), sampling_params=params)
-        else:  # skip_tokenizer_init: SGLang has no tokenizer; neither has this engine
-            out = await engine.async_generate(prompt=request.prompt, sampling_params=params)
-        if isinstance(out, list):
-            out = out[0]
-        return with_image_tokens(completion_from_output(request.id, out), text_tokens)
-
     def stop(self) -> None:
         self._closing = True  # no reload from now on; one under way gives up
         self._wake.set()
-        super().stop()  # fail every outstanding request now
-        if not self._successor.done():
-            self._successor.set_exception(EngineStopped("engine was stopped"))
+        super().stop()  # fail every outstanding request now (those waiting for a successor too)
         manager = getattr(self.engine, "tokenizer_manager", None)
         if manager is not None and self._loop is not None:
 
@@ -406,6 +392,24 @@ class SGLangEngine(LoopEngine):
                 self._shutdown_engine()
             finally:
                 self._restore_sigquit()
+
+
+async def _ask(engine, prompt_ids: PromptTokenizer | None, placeholder: str, request: Request, params: dict) -> Completion:
+    """One request to ``engine`` (the sglang.Engine serving now)."""
+    text_tokens = None
+    if request.images:
+        found = image_inputs(request, prompt_ids, placeholder)
+        if isinstance(found, Completion):
+            return found
+        text, image_data, text_tokens = found
+        out = await engine.async_generate(prompt=text, image_data=image_data, sampling_params=params)
+    elif prompt_ids is not None:
+        out = await engine.async_generate(input_ids=prompt_ids(request.prompt), sampling_params=params)
+    else:  # skip_tokenizer_init: SGLang has no tokenizer; neither has this engine
+        out = await engine.async_generate(prompt=request.prompt, sampling_params=params)
+    if isinstance(out, list):
+        out = out[0]
+    return with_image_tokens(completion_from_output(request.id, out), text_tokens)
 
 
 def _children() -> set[int]:
