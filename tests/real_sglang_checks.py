@@ -286,6 +286,18 @@ def run_all() -> None:
         return "watchdog stopped, then kill_process_tree"
 
     @check
+    def a_dead_tokenizer_managers_loop_tasks_are_its_asyncio_tasks():
+        """A reload cancels the dead engine's tasks in our loop: the ones its tokenizer manager
+        keeps in ``asyncio_tasks`` (a task that raised would kill the process)."""
+        import inspect
+
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+        source = inspect.getsource(TokenizerManager.auto_create_handle_loop)
+        assert source.count("self.asyncio_tasks.add(") == source.count("loop.create_task(") >= 2, source
+        return "handle_loop and sigterm_watchdog in asyncio_tasks"
+
+    @check
     def the_fakes_facts_match_the_package():
         from fakes.make_sglang_facts import facts
 

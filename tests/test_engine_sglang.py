@@ -334,6 +334,8 @@ def test_a_device_error_raised_from_generate_reloads_the_engine(fake_sglang, fas
     with SGLangEngine(processor(max_restarts=1)) as engine:
         out = engine.generate([req(0), req(1, "DEVICE_ERROR here"), req(2, "TOO_LONG prompt")])
         (death,) = engine.deaths()
+        dead, successor = (e.tokenizer_manager.asyncio_tasks for e in fake_sglang.ENGINES)
+        assert all(t.cancelled() for t in dead) and not any(t.done() for t in successor)  # the dead one's loop task went
     assert [c.error_kind for c in out] == [None, None, "context_length"]
     assert engine.restarts() == 1 and death["class"] == "device_error"
     assert 1 <= death["requests_resent"] <= 2  # the failed request, and req(0) if it was still running

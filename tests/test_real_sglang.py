@@ -60,6 +60,7 @@ CHECKS = [
     "scraped_metric_names_exist",
     "a_subprocess_killed_without_a_word_is_classified_from_the_watchdogs_line",
     "shutdown_stops_the_watchdog_before_it_kills_the_children",
+    "a_dead_tokenizer_managers_loop_tasks_are_its_asyncio_tasks",
     "the_fakes_facts_match_the_package",
 ]
 

@@ -42,8 +42,8 @@ installed package):
   os.getpid(), include_parent=False)`` kills every child of the process; the fake kills only
   its own, so that it never touches the test's other children).
 - The tokenizer manager binds its receive loop to the first event loop that generates
-  (``auto_create_handle_loop``); real SGLang then hangs on any other loop, this fake
-  raises. From the main thread it also installs the running-phase SIGQUIT handler that
+  (``auto_create_handle_loop``: a task kept in ``asyncio_tasks``); real SGLang then hangs on
+  any other loop, this fake raises. From the main thread it also installs the running-phase SIGQUIT handler that
   kills the process tree (``SignalHandler.running_phase_sigquit_handler``).
 
 Simulation: at most ``max_running_requests`` (default 4) requests run at once, the rest
@@ -209,14 +209,20 @@ class TokenizerManager:
         self.tokenizer = FakeTokenizer()
         self.event_loop = None
         self.aborts: list[dict] = []
+        self.asyncio_tasks: set[asyncio.Task] = set()  # its handle loop's task, as SGLang keeps it
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         self.aborts.append({"rid": rid, "abort_all": abort_all})
+
+    async def handle_loop(self):
+        """Waits on the detokenizer's socket; nothing comes in the fake."""
+        await asyncio.get_running_loop().create_future()
 
     def auto_create_handle_loop(self):
         loop = asyncio.get_running_loop()
         if self.event_loop is None:
             self.event_loop = loop
+            self.asyncio_tasks.add(loop.create_task(self.handle_loop()))
             if threading.current_thread() is threading.main_thread():
                 # SignalHandler.running_phase_sigquit_handler: kill_process_tree(os.getpid())
                 loop.add_signal_handler(signal.SIGQUIT, kill_process_tree, os.getpid())

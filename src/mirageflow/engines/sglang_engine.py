@@ -251,6 +251,8 @@ class SGLangEngine(LoopEngine):
                 if self._start_crashed:
                     raise SGLangCrashed(f"{SIGQUIT_CAUSE} while it started")
             except Exception as e:  # noqa: BLE001 - a reload that failed is a death of its own
+                if engine is not None:  # it started, then a subprocess signalled: its watchdog stops first
+                    _shutdown_quietly(engine)
                 _kill_new_children(children)
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self.reloads.died(D.FAILED_TO_START, f"{type(e).__name__}: {first}"[:300])
@@ -290,20 +292,15 @@ class SGLangEngine(LoopEngine):
         if self.engine is None or self._shut_down:
             return
         self._shut_down = True
-        try:
-            self.engine.shutdown()
-        except Exception:  # noqa: BLE001 - what it leaves is swept below
-            log.warning("shutting the dead SGLang engine down failed", exc_info=True)
-        if self._loop is not None and not self._closing:  # its tokenizer manager's background tasks wait for nothing now
-
-            def drop_background_tasks() -> None:
-                for task in asyncio.all_tasks() - self._tasks:
-                    task.cancel()
-
+        # its tokenizer manager's tasks in the engine loop (handle_loop, sigterm_watchdog) wait for
+        # nothing now, and one that raised would kill the whole process (print_exception_wrapper)
+        background = set(getattr(getattr(self.engine, "tokenizer_manager", None), "asyncio_tasks", None) or ())
+        if background and self._loop is not None and not self._closing:
             try:
-                self._loop.call_soon_threadsafe(drop_background_tasks)
-            except RuntimeError:
+                self._loop.call_soon_threadsafe(_cancel_all, background)
+            except RuntimeError:  # the loop is closed
                 pass
+        _shutdown_quietly(self.engine)
 
     def _restore_sigquit(self) -> None:
         if self._previous_sigquit is not None and threading.current_thread() is threading.main_thread():
@@ -410,6 +407,13 @@ async def _ask(engine, prompt_ids: PromptTokenizer | None, placeholder: str, req
     if isinstance(out, list):
         out = out[0]
     return with_image_tokens(completion_from_output(request.id, out), text_tokens)
+
+
+def _shutdown_quietly(engine) -> None:
+    try:
+        engine.shutdown()
+    except Exception:  # noqa: BLE001 - a dead engine's shutdown may fail; its children are killed anyway
+        log.warning("shutting an SGLang engine down failed", exc_info=True)
 
 
 def _children() -> set[int]:
