@@ -36,6 +36,7 @@ THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.engines.batch_polling": (["test_batch_api.py"], "the batch_api backend's polls"),
     "mirageflow.engines.batch_results": (["test_batch_api.py"], "the batch_api backend's results"),
     "mirageflow.engines.loop": (["test_engine_sglang.py", "test_engine_http.py"], "the engines that run a private loop"),
+    "mirageflow.engines.reloads": (["test_engine_sglang.py", "test_engine_restarts.py"], "in-process engines reloaded in the job"),
     "mirageflow.engines.tokens": (["test_engine_transformers.py"], "the transformers engine's prompt ids"),
     "mirageflow.engines.transformers_generate": (["test_engine_transformers.py", "test_images.py"], "the transformers engine's batches"),
     "mirageflow.engines.transformers_static": (["test_engine_transformers.py"], "the transformers engine's static path"),

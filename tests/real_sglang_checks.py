@@ -1,6 +1,7 @@
 """Run by tests/test_real_sglang.py with the real-sglang interpreter (build/venv-sglang):
 our engine code against the installed sglang 0.5.23. Prints one JSON object: check name ->
-{"ok": bool, "detail": ...}. ``sigquit`` mode instead checks the SIGQUIT handler install."""
+{"ok": bool, "detail": ...}. ``sigquit`` mode instead checks the SIGQUIT handler install
+(and that a reload's engine, built off the main thread, leaves it in place)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def check(fn):
     return fn
 
 
-def processor(**server_args):
+def processor(max_restarts=3, **server_args):
     from mirageflow.config import ProcessorConfig, ServerArgs
 
     args = {"model_path": "/models/m", "tp_size": 2, "dp_size": 1, "trust_remote_code": True,
@@ -38,7 +39,7 @@ def processor(**server_args):
     args.update(server_args)
     return ProcessorConfig(
         type="llm", backend="sglang", server_args=ServerArgs(**args), sampling_params={}, chat_template_kwargs={},
-        apply_chat_template=False, torch_threads=None,
+        apply_chat_template=False, torch_threads=None, max_restarts=max_restarts,
     )  # fmt: skip
 
 
@@ -243,6 +244,60 @@ def run_all() -> None:
         return METRICS
 
     @check
+    def a_subprocess_killed_without_a_word_is_classified_from_the_watchdogs_line():
+        """SGLang's SubprocessWatchdog logs a dead child's exit code and signals SIGQUIT: the
+        line it logs is what server_process.classify_crash reads the class from."""
+        import logging
+
+        from sglang.srt.utils.watchdog import SubprocessWatchdog
+
+        from mirageflow.engines.server_process import classify_crash
+
+        lines, signals = [], []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                lines.append(record.getMessage())
+
+        logger = logging.getLogger("sglang.srt.utils.watchdog")
+        logger.addHandler(Keep())
+        previous = signal.signal(signal.SIGQUIT, lambda signum, frame: signals.append(signum))
+        try:
+            dead = types.SimpleNamespace(is_alive=lambda: False, exitcode=-9, pid=4242)
+            assert SubprocessWatchdog([dead], ["scheduler_0"])._check_processes() is True
+        finally:
+            signal.signal(signal.SIGQUIT, previous)
+        assert signals == [signal.SIGQUIT], signals
+        got = classify_crash("\n".join(lines))
+        assert [str(got[0]), got[1]] == ["killed_by_signal", "a subprocess killed by SIGKILL"], (lines, got)
+        return lines
+
+    @check
+    def shutdown_stops_the_watchdog_before_it_kills_the_children():
+        """A reload shuts the dead engine down: its watchdog must stop first, or the children
+        shutdown kills would be reported (SIGQUIT) as the successor's death."""
+        import inspect
+
+        from sglang.srt.entrypoints.engine import Engine
+
+        source = inspect.getsource(Engine.shutdown)
+        stop, kill = source.index("_subprocess_watchdog.stop()"), source.index("kill_process_tree(os.getpid(), include_parent=False")
+        assert stop < kill, source
+        return "watchdog stopped, then kill_process_tree"
+
+    @check
+    def a_dead_tokenizer_managers_loop_tasks_are_its_asyncio_tasks():
+        """A reload cancels the dead engine's tasks in our loop: the ones its tokenizer manager
+        keeps in ``asyncio_tasks`` (a task that raised would kill the process)."""
+        import inspect
+
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+        source = inspect.getsource(TokenizerManager.auto_create_handle_loop)
+        assert source.count("self.asyncio_tasks.add(") == source.count("loop.create_task(") >= 2, source
+        return "handle_loop and sigterm_watchdog in asyncio_tasks"
+
+    @check
     def the_fakes_facts_match_the_package():
         from fakes.make_sglang_facts import facts
 
@@ -260,11 +315,21 @@ def sigquit(mode: str) -> None:
 
     from mirageflow.engines.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine(processor())
+    engine = SGLangEngine(processor(max_restarts=0))
     engine.engine = types.SimpleNamespace(shutdown=lambda: None, tokenizer_manager=None)  # "loaded"
+    engine._serving = True
     engine._start_loop("test")
     handler = engine._on_sigquit if mode == "ours" else None
     _set_envs_and_config(ServerArgs(model_path=tempfile.gettempdir(), custom_sigquit_handler=handler))
+    if mode == "ours":  # a reload builds its sglang.Engine off the main thread: SGLang leaves our handler there
+        import threading
+
+        reload = threading.Thread(
+            target=_set_envs_and_config, args=(ServerArgs(model_path=tempfile.gettempdir(), custom_sigquit_handler=handler),)
+        )
+        reload.start()
+        reload.join()
+        assert signal.getsignal(signal.SIGQUIT) == engine._on_sigquit, signal.getsignal(signal.SIGQUIT)
     os.kill(os.getpid(), signal.SIGQUIT)
     try:
         engine.generate([__import__("mirageflow.engines.wire", fromlist=["Request"]).Request(0, None, "x", {})])

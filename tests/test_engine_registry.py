@@ -37,7 +37,7 @@ SRC = ENGINES.parent
 # modules that are not engines: the interface, its wire types, helpers, the registry
 SHARED = {
     "base", "wire", "chat_template", "tokens", "registry", "loop", "http", "sglang_common", "json_prefix",
-    "server_process", "server_metrics", "server_restarts", "server_ranks", "model_reloads",
+    "server_process", "server_metrics", "server_restarts", "server_ranks", "model_reloads", "reloads",
 }  # fmt: skip
 # parts of one backend, imported by that backend's modules only (its own module and its other parts)
 COMPANIONS = {

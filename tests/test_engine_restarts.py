@@ -23,7 +23,7 @@ from mirageflow.cli import main as cli_main
 from mirageflow.config import load_config
 from mirageflow.engines.base import EngineError
 from mirageflow.engines.model_reloads import ModelReloads
-from mirageflow.engines.server_process import classify_engine_error, classify_exit
+from mirageflow.engines.server_process import classify_crash, classify_engine_error, classify_exit
 from mirageflow.engines.server_restarts import ServerSupervisor
 from mirageflow.engines.transformers_engine import TransformersEngine
 from mirageflow.engines.vllm_server import VLLMServerEngine
@@ -182,6 +182,40 @@ def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, 
 )
 def test_a_death_is_classified_from_its_exit_and_its_log(rc, tail, death_class, cause):
     assert classify_exit(rc, tail) == (death_class, cause)
+
+
+@pytest.mark.parametrize(
+    ("tail", "death_class", "cause"),
+    [
+        # SGLang's subprocess watchdog: a child that died without a traceback, its exit code logged
+        (
+            "Subprocess scheduler_0 (pid=812) crashed with exit code -9. Triggering SIGQUIT for cleanup...",
+            D.KILLED_BY_SIGNAL,
+            "a subprocess killed by SIGKILL",
+        ),
+        (
+            "Subprocess detokenizer (pid=9) crashed with exit code 3. Triggering SIGQUIT",
+            D.EXITED_WITH_ERROR,
+            "a subprocess exited with code 3",
+        ),
+        # the scheduler's own traceback (it signals, then returns): the line that says why
+        (
+            "Scheduler hit an exception: Traceback\n  x\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\ndone",
+            D.OUT_OF_MEMORY,
+            "a subprocess failed; the log says: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB",
+        ),
+        (
+            "Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access was encountered",
+            D.DEVICE_ERROR,
+            "a subprocess failed; the log says: Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access was encountered",
+        ),
+        ("Scheduler hit an exception: ValueError: bad config", D.EXITED_WITH_ERROR, "a subprocess failed"),
+        (None, D.EXITED_WITH_ERROR, "a subprocess failed (no job log to tell why: stderr is not a file)"),
+    ],
+)
+def test_an_in_process_engines_subprocess_crash_is_classified_from_the_job_log(tail, death_class, cause):
+    """In-process SGLang's SIGQUIT: what the job log's tail shows is all there is to tell why."""
+    assert classify_crash(tail) == (death_class, cause)
 
 
 # --------------------------------------------------------------------------- in-process engines reload

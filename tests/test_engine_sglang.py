@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import re
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,18 +22,39 @@ from mirageflow.engines.wire import Request
 from mirageflow.engines.sglang_common import completion_from_output, engine_kwargs, resolve_parallelism
 from mirageflow.engines.sglang_engine import SGLangCrashed, SGLangEngine
 from mirageflow.engines.base import EngineStopped
+from mirageflow.engines.server_restarts import ServerSupervisor
 
 SCHEMA = json.dumps({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]})
 
 
-def processor(model="org/model", extra=None, **server_args) -> ProcessorConfig:
+def processor(model="org/model", extra=None, max_restarts=3, **server_args) -> ProcessorConfig:
     args = {"model_path": model, "tp_size": 1, "dp_size": 1, "trust_remote_code": True,
             "disable_custom_all_reduce": False, "extra_engine_args": extra or {}}  # fmt: skip
     args.update(server_args)
     return ProcessorConfig(
         type="llm", backend="sglang", server_args=ServerArgs(**args), sampling_params={}, chat_template_kwargs={},
-        apply_chat_template=True, torch_threads=None,
+        apply_chat_template=True, torch_threads=None, max_restarts=max_restarts,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def job_log(path: Path):
+    """This process's stderr (fd 2) is the file ``path``, as in a job: SGLang's children write
+    their tracebacks there, and the engine reads its tail to tell why one failed. (Inside the
+    test: pytest puts its capture file back on fd 2 at each phase.)"""
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield path
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@pytest.fixture
+def fast_reloads(monkeypatch):
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 0.05)  # the backoff reloads share with restarts
 
 
 def req(i, prompt=None, schema=None, **params) -> Request:
@@ -201,21 +226,144 @@ def test_grammar_and_length_failures_are_row_errors(fake_sglang):
     assert all(c.finish_reason == "abort" for c in out[:4])
 
 
-def test_a_scheduler_crash_fails_the_shard_with_its_cause(fake_sglang):
-    """SGLang's scheduler signals SIGQUIT and never answers: every request fails at once."""
+def test_a_scheduler_crash_without_reloads_fails_the_shard_with_its_cause(fake_sglang, tmp_path):
+    """SGLang's scheduler signals SIGQUIT and never answers; max_restarts=0: every request fails at once."""
     t0 = time.monotonic()
-    with pytest.raises(SGLangCrashed, match="SGLang engine crashed; an SGLang subprocess failed and signalled SIGQUIT"):
-        with SGLangEngine(processor(extra={"max_running_requests": 2})) as engine:
+    expected = (
+        r"the SGLang engine died 1 times and was reloaded 0 times \(processors\[\].max_restarts=0: not reloaded\): "
+        r"1\. \S+ device_error: an SGLang subprocess failed and signalled SIGQUIT: a subprocess failed; the log says: "
+        r"fake sglang scheduler: Scheduler hit an exception: RuntimeError: CUDA error"
+    )
+    with pytest.raises(SGLangCrashed, match=expected) as raised, job_log(tmp_path / "job.log"):
+        with SGLangEngine(processor(extra={"max_running_requests": 2}, max_restarts=0)) as engine:
             drive(engine, [req(i) for i in range(5)] + [req(5, "CRASH now")] + [req(i) for i in range(6, 30)])
     assert time.monotonic() - t0 < 5
+    assert raised.value.death_class == "device_error" and "this job's log" in str(raised.value)
     (fake,) = fake_sglang.ENGINES
-    assert fake.shutdown_calls == 1
+    assert fake.shutdown_calls == 1 and fake.scheduler.poll() is not None
     assert engine.queue_depth() == 0
     with pytest.raises(SGLangCrashed):  # and later requests too
         engine.generate([req(99)])
     import signal
 
     assert signal.getsignal(signal.SIGQUIT) != engine._on_sigquit  # handler restored on close
+
+
+def _reload_shard(tmp_path, rows, word_row, word, max_restarts):
+    """A shard of ``rows`` questions on backend sglang; row ``word_row``'s question carries ``word``."""
+    from mirageflow.config import load_config
+    from mirageflow.shard.runner import index_datasets
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"q": f"question {i}" + (f" {word}" if i == word_row else "")}) + "\n" for i in range(rows)))
+    cfg = load_config({
+        "processors": [{"type": "llm", "backend": "sglang", "max_restarts": max_restarts,
+                        "server_args": {"model_path": "org/model", "tp_size": 1, "extra_engine_args": {"max_running_requests": 2}}}],
+        "loading_params": {"state_dir": str(tmp_path / "state"), "num_shards": 1,
+                           "datasets": [{"path": str(data), "type": "JSONL", "output_dir": str(tmp_path / "out"), "output_format": "jsonl"}]},
+        "shard_params": {"max_inflight": 6, "checkpoint_rows": 2, "checkpoint_min_seconds": 0},
+        "processing_params": {"inputs": [{"name": "q", "key": "q"}], "outputs": [{"name": "a", "prompt": "{{ q }}"}],
+                              "remove_columns": True, "output_schema": {"q": "{{ q }}", "a": "{{ a }}"}},
+    })  # fmt: skip
+    index_datasets(cfg)
+    return cfg
+
+
+def _rows(engine, prompts) -> list[int]:
+    return [int(re.search(r"question (\d+)", p).group(1)) for p in prompts]
+
+
+def test_a_scheduler_crash_mid_shard_reloads_the_engine_and_the_shard_goes_on(fake_sglang, fast_reloads, monkeypatch, tmp_path):
+    """Issue 36: the scheduler of the first engine hits a CUDA error on row 20 and signals
+    SIGQUIT; the job reloads SGLang (a new sglang.Engine, the same arguments), sends it only
+    the requests the dead one held, and the shard ends in one attempt with every row once."""
+    from mirageflow.shard.runner import run_shard
+
+    monkeypatch.setattr(fake_sglang, "CRASHING_ENGINES", 1)
+    with job_log(tmp_path / "job.log"):
+        status = run_shard(_reload_shard(tmp_path, 40, 20, "CRASH", max_restarts=2), 0)
+
+    st = status["stats"]
+    assert [(a["attempt"], a["outcome"]) for a in st["attempts"]] == [(1, "success")]
+    assert st["engine_restarts"] == 1 and st["rows_failed"] == 0
+    (death,) = st["engine_deaths"]
+    assert (death["class"], death["processor"], death["pid"]) == ("device_error", "llm", os.getpid())
+    assert death["cause"].startswith("an SGLang subprocess failed and signalled SIGQUIT: a subprocess failed; the log says: ")
+    assert "CUDA error: an illegal memory access" in death["cause"]
+    assert 1 <= death["requests_resent"] <= 6  # the crashing row and the others in flight, no more than the window
+    assert death["first_answer_after_seconds"] >= death["restarted_after_seconds"] >= death["successor_start_seconds"] > 0
+
+    records = [json.loads(line) for p in sorted((tmp_path / "out" / "shard_0").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    assert sorted(_rows(None, [r["q"] for r in records])) == list(range(40))  # every row exactly once
+    dead, successor = fake_sglang.ENGINES
+    assert dead.server_args == successor.server_args  # the same arguments (our SIGQUIT handler included)
+    assert dead.shutdown_calls == 1 and successor.shutdown_calls == 1 and dead.scheduler.poll() is not None
+    tok = successor.tokenizer_manager.tokenizer
+    asked_again = _rows(None, [tok.decode(c["input_ids"]) for c in successor.calls])
+    answered_before = _rows(None, dead.answered)
+    assert answered_before and 20 not in answered_before and 20 in asked_again
+    assert not set(answered_before) & set(asked_again)  # an answered row is never asked again
+    assert sorted(answered_before + _rows(None, successor.answered)) == list(range(40))
+    assert len(asked_again) == len(set(asked_again))
+
+
+def test_a_scheduler_killed_every_time_stops_after_max_restarts_naming_the_class(fake_sglang, fast_reloads, tmp_path):
+    """The scheduler is killed (SIGKILL, no traceback) in every engine: SGLang's watchdog logs
+    its exit code and signals; after max_restarts=2 reloads the shard fails, failure.json
+    naming the class of each death."""
+    from mirageflow.shard import ShardFailed
+    from mirageflow.shard.runner import run_shard
+
+    cfg = _reload_shard(tmp_path, 12, 5, "SCHEDULER_KILLED", max_restarts=2)
+    died = r"the SGLang engine died 3 times and was reloaded 2 times \(processors\[\].max_restarts=2 spent\)"
+    with job_log(tmp_path / "job.log"), pytest.raises(ShardFailed, match=died):
+        run_shard(cfg, 0)
+    failure = json.loads((tmp_path / "state" / "shard_0" / "failure.json").read_text())
+    assert failure["failure_class"] == "killed_by_signal"
+    deaths = failure["stats"]["engine_deaths"]
+    assert [d["class"] for d in deaths] == ["killed_by_signal"] * 3
+    assert all(d["cause"] == "an SGLang subprocess failed and signalled SIGQUIT: a subprocess killed by SIGKILL" for d in deaths)
+    assert failure["stats"]["engine_restarts"] == 2
+    assert len(fake_sglang.ENGINES) == 3 and all(e.shutdown_calls == 1 and e.scheduler.poll() == -9 for e in fake_sglang.ENGINES)
+
+
+def test_a_device_error_raised_from_generate_reloads_the_engine(fake_sglang, fast_reloads, monkeypatch):
+    """A CUDA error out of async_generate leaves the engine unusable: reloaded, the request
+    sent again to the successor (other row errors stay row errors)."""
+    monkeypatch.setattr(fake_sglang, "CRASHING_ENGINES", 1)
+    with SGLangEngine(processor(max_restarts=1)) as engine:
+        out = engine.generate([req(0), req(1, "DEVICE_ERROR here"), req(2, "TOO_LONG prompt")])
+        (death,) = engine.deaths()
+        dead, successor = (e.tokenizer_manager.asyncio_tasks for e in fake_sglang.ENGINES)
+        assert all(t.cancelled() for t in dead) and not any(t.done() for t in successor)  # the dead one's loop task went
+    assert [c.error_kind for c in out] == [None, None, "context_length"]
+    assert engine.restarts() == 1 and death["class"] == "device_error"
+    assert 1 <= death["requests_resent"] <= 2  # the failed request, and req(0) if it was still running
+    assert death["cause"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert [e.shutdown_calls for e in fake_sglang.ENGINES] == [1, 1]
+
+
+def test_a_stop_during_a_reload_fails_the_waiting_requests_and_starts_no_engine(fake_sglang, monkeypatch, tmp_path):
+    """SIGTERM while the job waits to reload: no new sglang.Engine, requests fail with EngineStopped."""
+    monkeypatch.setattr(ServerSupervisor, "restart_base_delay", 30.0)  # the reload waits in its backoff
+    engine = SGLangEngine(processor(max_restarts=3))
+    engine.load()
+    try:
+
+        def stop_once_dying():
+            deadline = time.monotonic() + 30
+            while not engine.deaths() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            engine.stop()
+
+        threading.Thread(target=stop_once_dying, daemon=True).start()
+        with pytest.raises(EngineStopped), job_log(tmp_path / "job.log"):
+            drive(engine, [req(i) for i in range(3)] + [req(3, "CRASH now")] + [req(i) for i in range(4, 12)])
+    finally:
+        engine.close()
+    assert not engine._reload_thread.is_alive()  # it gave up, with no successor started
+    assert len(fake_sglang.ENGINES) == 1 and engine.restarts() == 0 and len(engine.deaths()) == 1
+    assert fake_sglang.ENGINES[0].shutdown_calls == 1
 
 
 def test_a_crash_while_starting_is_a_load_error(fake_sglang):

@@ -179,8 +179,10 @@ class EngineDeathClass(enum.StrEnum):
     what can be seen: its exit code or signal, its log's last lines, its health probe; an
     in-process engine's exception (engines/server_process.classify_engine_error). The engine's
     death, not a row's: the job restarts the server (engines/server_restarts.py) or reloads
-    the in-process engine, and the requests it held are sent again. An in-process engine out
-    of memory is not reloaded (the same batch would run out again)."""
+    the in-process engine, and the requests it held are sent again. An in-process transformers
+    model out of memory is not reloaded (the same batch would run out again); in-process SGLang
+    is (its scheduler sizes its batches), its class read from the job log
+    (engines/server_process.classify_crash)."""
 
     def __new__(cls, value: str, meaning: str):
         member = str.__new__(cls, value)

@@ -30,11 +30,20 @@ installed package):
   ``HTTPException`` (fastapi's: ``status_code``, ``detail``) for aborts with another
   status, e.g. 500 "Grammar accept_token failed" (scheduler_components/
   batch_result_processor.py).
-- A scheduler crash (scheduler.py ``run_scheduler_process``: ``parent_process.send_signal(
-  SIGQUIT)``): SIGQUIT to this process, and the request never answers.
+- The scheduler is a real child process (``Engine.scheduler``, a Popen; SGLang's is a
+  multiprocessing "spawn" child): a scheduler crash is that child logging its traceback to
+  the shared stderr, signalling SIGQUIT to its parent and exiting with code 0 (scheduler.py
+  ``run_scheduler_process``: ``parent_process.send_signal(SIGQUIT)``, then it returns), and
+  the request never answers. A scheduler killed without a word (the OOM killer) is noticed
+  by the subprocess watchdog thread (utils/watchdog.py ``SubprocessWatchdog``: a child that
+  exited with a code other than 0 -> "Subprocess scheduler_0 (pid=N) crashed with exit code
+  -9. Triggering SIGQUIT for cleanup..." logged, SIGQUIT to this process).
+- ``shutdown()`` stops the watchdog and kills the scheduler (SGLang's ``kill_process_tree(
+  os.getpid(), include_parent=False)`` kills every child of the process; the fake kills only
+  its own, so that it never touches the test's other children).
 - The tokenizer manager binds its receive loop to the first event loop that generates
-  (``auto_create_handle_loop``); real SGLang then hangs on any other loop, this fake
-  raises. From the main thread it also installs the running-phase SIGQUIT handler that
+  (``auto_create_handle_loop``: a task kept in ``asyncio_tasks``); real SGLang then hangs on
+  any other loop, this fake raises. From the main thread it also installs the running-phase SIGQUIT handler that
   kills the process tree (``SignalHandler.running_phase_sigquit_handler``).
 
 Simulation: at most ``max_running_requests`` (default 4) requests run at once, the rest
@@ -42,12 +51,16 @@ queue; a request takes ``TOKEN_SECONDS`` per output token; output lengths vary w
 prompt. Magic words in a prompt (text or decoded ids): ``TOO_LONG`` (the tokenizer
 manager's ValueError), ``SCHED_TOO_LONG`` and ``KV_BUDGET`` (the scheduler's length aborts,
 status 400 -> ValueError), ``GRAMMAR_FAIL`` (HTTPException 500), ``ABORT`` (finish_reason
-abort, no status), ``CRASH`` (SIGQUIT, no answer). ``model_path`` "fail-load" fails the
+abort, no status), ``CRASH`` (the scheduler's exception: a CUDA error; SIGQUIT, no answer),
+``SCHEDULER_KILLED`` (the scheduler gets SIGKILL; the watchdog's SIGQUIT, no answer): both
+only in the first ``CRASHING_ENGINES`` engines started (None: all), answered like any prompt
+in later ones; ``DEVICE_ERROR`` (``async_generate`` raises a CUDA error, in the same engines).
+``model_path`` "fail-load" fails the
 constructor; "crash-at-load" signals SIGQUIT, then fails as the real one does when its
 scheduler died; "no-tokenizer" leaves ``tokenizer_manager`` None.
 
-Everything is recorded on the module (``ENGINES``) and each engine (``calls``,
-``peak_in_flight``, ``peak_running``, ``shutdown_calls``).
+Everything is recorded on the module (``ENGINES``) and each engine (``calls``, ``answered``
+(the prompts it answered), ``peak_in_flight``, ``peak_running``, ``shutdown_calls``).
 """
 
 from __future__ import annotations
@@ -57,6 +70,8 @@ import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -69,6 +84,18 @@ TOKEN_SECONDS = 0.0005
 IMAGE_TOKEN = "<image>"  # the fake model's placeholder (a LLaVA's)
 TOKENS_PER_IMAGE = 16  # what each placeholder expands to (counted in prompt_tokens)
 ENGINES: list["Engine"] = []
+CRASHING_ENGINES: int | None = None  # the first engines started that CRASH and SCHEDULER_KILLED crash (None: all)
+SCHEDULER_TRACEBACK = "fake sglang scheduler: Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access"
+# the scheduler child: waits for a word on stdin (its end: the engine is gone), then crashes as told
+_SCHEDULER = f"""
+import os, signal, sys
+word = sys.stdin.readline().strip()
+if word == "crash":
+    print({SCHEDULER_TRACEBACK!r}, file=sys.stderr, flush=True)
+    os.kill(os.getppid(), signal.SIGQUIT)
+elif word == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
 _FACTS = json.loads((Path(__file__).with_name("sglang_facts.json")).read_text())
 _SAMPLING_NAMES = set(_FACTS["sampling_params"])
 _ids = itertools.count()
@@ -182,14 +209,20 @@ class TokenizerManager:
         self.tokenizer = FakeTokenizer()
         self.event_loop = None
         self.aborts: list[dict] = []
+        self.asyncio_tasks: set[asyncio.Task] = set()  # its handle loop's task, as SGLang keeps it
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         self.aborts.append({"rid": rid, "abort_all": abort_all})
+
+    async def handle_loop(self):
+        """Waits on the detokenizer's socket; nothing comes in the fake."""
+        await asyncio.get_running_loop().create_future()
 
     def auto_create_handle_loop(self):
         loop = asyncio.get_running_loop()
         if self.event_loop is None:
             self.event_loop = loop
+            self.asyncio_tasks.add(loop.create_task(self.handle_loop()))
             if threading.current_thread() is threading.main_thread():
                 # SignalHandler.running_phase_sigquit_handler: kill_process_tree(os.getpid())
                 loop.add_signal_handler(signal.SIGQUIT, kill_process_tree, os.getpid())
@@ -210,6 +243,8 @@ class Engine:
         self.in_flight = self.peak_in_flight = 0
         self.running = self.peak_running = 0
         self.shutdown_calls = 0
+        self.answered: list[str] = []
+        self.scheduler: subprocess.Popen | None = None
         self._slots: asyncio.Semaphore | None = None
         ENGINES.append(self)
         # entrypoints/engine.py _set_envs_and_config: the SIGQUIT handler, main thread only
@@ -230,7 +265,7 @@ class Engine:
             # _wait_for_scheduler_ready then notices the dead process
             print(
                 "fake sglang scheduler: torch.OutOfMemoryError: CUDA out of memory while allocating the KV cache",
-                file=__import__("sys").stderr,
+                file=sys.stderr,
                 flush=True,
             )
             os.kill(os.getpid(), signal.SIGQUIT)
@@ -240,6 +275,10 @@ class Engine:
                 "a common cause is the OS OOM killer. Run `dmesg -T | grep -i oom` to check."
             )
         self.tokenizer_manager = None if kwargs["model_path"] == "no-tokenizer" else TokenizerManager()
+        self.scheduler = subprocess.Popen([sys.executable, "-c", _SCHEDULER], stdin=subprocess.PIPE)
+        self._watchdog_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_scheduler, name="subprocess-watchdog", daemon=True)
+        self._watchdog.start()
         try:
             self.loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -344,15 +383,16 @@ class Engine:
             raise ValueError("Request prompt exceeds the KV memory budget: input_len=5000.")
         if "GRAMMAR_FAIL" in prompt:
             raise HTTPException(500, "Grammar accept_token failed: token 1234 is not accepted by the grammar")
-        if "CRASH" in prompt:
-            # the scheduler dies: it logs, signals its parent, and this request never answers
-            print(
-                "fake sglang scheduler: Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access",
-                file=__import__("sys").stderr,
-                flush=True,
-            )
-            threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGQUIT)).start()
-            await asyncio.get_running_loop().create_future()
+        for word in ("SCHEDULER_KILLED", "CRASH"):  # the scheduler dies; this request never answers
+            if word in prompt and self.crashes():
+                try:
+                    self.scheduler.stdin.write(b"die\n" if word == "SCHEDULER_KILLED" else b"crash\n")
+                    self.scheduler.stdin.flush()
+                except OSError:  # it died already (another request's word): no answer either
+                    pass
+                await asyncio.get_running_loop().create_future()
+        if "DEVICE_ERROR" in prompt and self.crashes():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         start = time.monotonic()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.capacity)
@@ -390,10 +430,31 @@ class Engine:
         else:
             text = " ".join(f"w{i}" for i in range(n))
         meta["finish_reason"] = {"type": "length", "length": n} if n >= limit else {"type": "stop", "matched": 2}
+        self.answered.append(prompt)
         return {"text": text, "output_ids": list(range(n)), "meta_info": meta}
+
+    def crashes(self) -> bool:
+        """Whether CRASH and SCHEDULER_KILLED crash this engine (CRASHING_ENGINES)."""
+        return CRASHING_ENGINES is None or ENGINES.index(self) < CRASHING_ENGINES
+
+    def _watch_scheduler(self) -> None:
+        """SubprocessWatchdog._monitor_loop: a child that exited with a code other than 0 -> SIGQUIT, once."""
+        while not self._watchdog_stop.wait(0.02):
+            rc = self.scheduler.poll()
+            if rc is None or rc == 0:
+                continue
+            line = f"Subprocess scheduler_0 (pid={self.scheduler.pid}) crashed with exit code {rc}. Triggering SIGQUIT for cleanup...\n"
+            os.write(2, line.encode())  # SGLang's logger: the process's stderr, the job log
+            os.kill(os.getpid(), signal.SIGQUIT)
+            return
 
     def shutdown(self):
         self.shutdown_calls += 1
+        if self.scheduler is not None:  # the watchdog stops first, then the children go (Engine.shutdown)
+            self._watchdog_stop.set()
+            self._watchdog.join()
+            self.scheduler.kill()
+            self.scheduler.wait()
 
     def __enter__(self):
         return self

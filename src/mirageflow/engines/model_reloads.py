@@ -7,7 +7,9 @@ only the work not yet handed back runs again; out of memory is not reloaded (the
 would run out again); anything else is a bug and is raised as it is. Each death is an entry
 of ``engine_deaths`` (server_restarts.new_death, as a launched server's), each reload one of
 ``engine_restarts``; the death after the limit ends the model for good (``final``: an
-EngineDied naming every death, with the last one's class for failure.json).
+EngineDied naming every death, with the last one's class for failure.json). That bookkeeping
+is reloads.InProcessReloads', shared with in-process SGLang; this class adds what the
+transformers model needs on top: running work again after a reload, and the generations.
 
 Both paths may see one death (they share the model): the model's ``generation`` counts its
 reloads, and work that ran on a generation already replaced runs again on the new model
@@ -18,33 +20,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from mirageflow.engines.base import EngineDied
+from mirageflow.engines.reloads import InProcessReloads
 from mirageflow.engines.server_process import classify_engine_error
-from mirageflow.engines.server_restarts import new_death
 from mirageflow.errors import EngineDeathClass as D
 
 log = logging.getLogger(__name__)
 
 
-class ModelReloads:
+class ModelReloads(InProcessReloads):
     """The deaths and reloads of one in-process model. ``reload()``: load it again (called
     with the reload lock held, so no second reload starts meanwhile); ``stopped``: set when the
     engine is stopped (an error then is not a death)."""
 
     def __init__(self, max_restarts: int, reload: Callable[[], None], stopped: threading.Event, name: str = "the transformers model"):
-        self.max_restarts = max_restarts
-        self.name = name
+        super().__init__(name, max_restarts)
         self._reload = reload
         self._stopped = stopped
-        self.deaths: list[dict] = []
-        self.count = 0  # reloads done
         self.generation = 0  # the loaded model's: one more at each reload
-        self.final: EngineDied | None = None  # set: the model is dead and not reloaded
         self._ended_by: dict[int, dict] = {}  # generation -> the death that ended it
         self._lock = threading.Lock()
 
@@ -99,21 +95,15 @@ class ModelReloads:
             if found is None:
                 raise error
             death_class, cause = found
-            death = new_death(death_class, cause, os.getpid())
-            self.deaths.append(death)
-            log.error("%s died (%s): %s", self.name, death_class, cause)
+            death = self.died(death_class, cause)
             if death_class is not D.DEVICE_ERROR:
                 why = "out of memory: not reloaded, the same batch would run out again"
-            elif self.count >= self.max_restarts:
+            elif self.spent:
                 why = f"processors[].max_restarts={self.max_restarts} spent"
             else:
                 why = None
             if why is not None:
-                listed = "; ".join(f"{i}. {d['at']} {d['class']}: {d['cause']}" for i, d in enumerate(self.deaths, 1))
-                self.final = EngineDied(
-                    f"{self.name} died {len(self.deaths)} times and was reloaded {self.count} times ({why}): {listed}", str(death_class)
-                )
-                raise self.final from error
+                raise self.give_up(why) from error
             t0 = time.monotonic()
             self._reload()
             self.count += 1

@@ -8,7 +8,8 @@ deadline, and stops the whole process tree: SIGTERM to the group, SIGKILL to wha
 after ``grace`` seconds (vLLM ignores SIGTERM while it compiles; SGLang's scheduler may
 outlive its parent), also at interpreter exit. Error messages quote the log's last lines.
 ``classify_exit`` says why a serving one exited (an ``EngineDeathClass``), and
-``classify_engine_error`` why an in-process engine's exception ends it (the same classes,
+``classify_engine_error`` why an in-process engine's exception ends it, and ``classify_crash``
+why its subprocess failed (in-process SGLang's SIGQUIT), from the job log (the same classes,
 the same out-of-memory markers); the restarts of
 ``sglang_server``, ``vllm_server`` and the diffusion server are engines/server_restarts.py's,
 one ServerProcess per start.
@@ -20,6 +21,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -102,6 +104,28 @@ def classify_engine_error(error: BaseException) -> tuple[D, str] | None:
     if any(m in low for m in _DEVICE_ERROR_MARKERS):
         return D.DEVICE_ERROR, cause
     return None
+
+
+# What SGLang's subprocess watchdog logs when a child died without a traceback (utils/watchdog.py
+# SubprocessWatchdog: "Subprocess scheduler_0 (pid=123) crashed with exit code -9"): its exit code.
+_CRASHED_WITH_EXIT_CODE = re.compile(r"crashed with exit code (-?\d+)")
+
+
+def classify_crash(tail: str | None) -> tuple[D, str]:
+    """Why an in-process engine's subprocess failed (it signalled the job, as SGLang's scheduler
+    does), from the job log's last lines ``tail`` (None: no log to read): the exit code its
+    watchdog logged (``classify_exit``), else the log's out-of-memory or device-error markers
+    (the line that has one is quoted), else an error exit."""
+    tail = tail or ""
+    codes = _CRASHED_WITH_EXIT_CODE.findall(tail)
+    if codes:
+        death_class, how = classify_exit(int(codes[-1]), tail)
+        return death_class, f"a subprocess {how}"
+    for death_class, markers in ((D.OUT_OF_MEMORY, _OOM_MARKERS), (D.DEVICE_ERROR, _DEVICE_ERROR_MARKERS)):
+        line = next((ln for ln in reversed(tail.splitlines()) if any(m in ln.lower() for m in markers)), None)
+        if line is not None:
+            return death_class, f"a subprocess failed; the log says: {line.strip()[:300]}"
+    return D.EXITED_WITH_ERROR, "a subprocess failed" + ("" if tail else " (no job log to tell why: stderr is not a file)")
 
 
 def classify_exit(rc: int, tail: str) -> tuple[D, str]:

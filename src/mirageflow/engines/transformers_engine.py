@@ -172,7 +172,7 @@ class TransformersEngine(Engine):
         return self.reloads.count
 
     def deaths(self) -> list[dict]:
-        return [dict(d) for d in self.reloads.deaths]
+        return self.reloads.listing()
 
     # ------------------------------------------------------------------ requests
 
