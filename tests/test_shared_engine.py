@@ -108,47 +108,65 @@ def test_protocol_round_trip_matches_the_in_process_engine(tmp_path, tiny_model)
     assert load["output_tokens"] == sum(c.completion_tokens for c in shared)
 
 
-def test_a_client_waits_for_a_restarted_service_and_fails_with_its_class_when_none_comes(tmp_path, tiny_model):
-    """The service process dies (SIGKILL) between requests: the client's requests wait for the
-    restarted service (a new process naming itself in the endpoint file) and are sent to it,
-    with the same answers; when the next one dies and none comes within
-    $MIRAGEFLOW_ENGINE_RESTART_WAIT, they fail with the class engine_service_died."""
+def _serving_pid(endpoint: Path, other_than: int | None = None, timeout: float = 120) -> int:
+    """The pid of the engine job's serving process once it is ready (a successor of ``other_than``)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            ep = json.loads(endpoint.read_text())
+        except (OSError, ValueError):
+            ep = {}
+        if ep.get("state") == "ready" and ep.get("pid") != other_than:
+            return ep["pid"]
+        time.sleep(0.05)
+    raise AssertionError(f"no ready service in {endpoint} after {timeout} s")
+
+
+def test_the_engine_job_replaces_its_dead_service_and_a_client_fails_with_its_class_when_none_comes(tmp_path, tiny_model):
+    """The engine job's serving process dies (SIGKILL) between requests: the job starts a
+    successor, the client's requests wait for it and are sent to it with the same answers, and
+    the client counts the death (its class from the job: killed_by_signal). When the job itself
+    is gone and its serving process dies, nothing names itself within
+    $MIRAGEFLOW_ENGINE_RESTART_WAIT: the requests fail with the class engine_service_died."""
     from mirageflow.engines.base import EngineDied
 
     cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2, new_tokens=6)
     proc, endpoint = _start_engine(tmp_path, cfg)
-    successor = None
+    serving = []
     try:
         pipeline = load_config(yaml.safe_load((tmp_path / "pipeline.yaml").read_text()), environ={})
         client = SharedEngine(pipeline.processors["llm"], 4, endpoint=endpoint)
         client.load()
         requests = [Request(i, None, f"A prompt about {w}", {"temperature": 0.0, "max_new_tokens": 6}) for i, w in enumerate("abc")]
         before = client.generate(requests)
-        proc.kill()
-        proc.wait()
-
-        def restart():
-            nonlocal successor
-            time.sleep(1.0)
-            successor, _ = _start_engine(tmp_path, cfg)
-
-        threading.Thread(target=restart).start()
+        serving.append(json.loads(endpoint.read_text())["pid"])
+        assert serving[0] != proc.pid  # the job loads nothing itself: its serving process does
+        os.kill(serving[0], signal.SIGKILL)
         after = client.generate(requests)  # sent to the dead service first, then to its successor
         assert [vars(c) for c in after] == [vars(c) for c in before] and client.generation == 1
-        assert json.loads(endpoint.read_text())["pid"] == successor.pid
+        serving.append(_serving_pid(endpoint, other_than=serving[0]))
+        assert proc.poll() is None and client.restarts() == 1
+        (death,) = client.deaths()
+        assert death["class"] == "killed_by_signal" and death["pid"] == serving[0] and death["restarted_after_seconds"] > 0
+        assert [entry["replaced"] for entry in _loads(tmp_path)] == [None, json.loads(endpoint.read_text())["deaths"][0]]
 
-        successor.kill()
-        successor.wait()
+        proc.kill()  # the job gone: nothing replaces its serving process any more
+        proc.wait()
+        os.kill(serving[1], signal.SIGKILL)
         client.restart_wait_seconds = 1.0
         with pytest.raises(EngineDied, match=r"died \(.*\) and no restarted service named itself") as err:
             client.generate(requests)
         assert err.value.death_class == "engine_service_died"
         client.close()
     finally:
-        for p in (proc, successor):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in serving:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_client_names_the_endpoint_when_the_engine_cannot_load(tmp_path, tiny_model):
