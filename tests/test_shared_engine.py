@@ -269,6 +269,7 @@ def test_an_engine_service_killed_mid_run_is_replaced_and_its_shards_go_on(tmp_p
     loads = _loads(tmp_path)
     assert [entry["state"] for entry in loads] == ["ready", "stopped"]  # the killed load never wrote its end
     assert loads[0]["pid"] == killed[0] and loads[1]["replaced"]["class"] == "killed_by_signal"
+    assert json.loads((tmp_path / "state" / "metrics.json").read_text())["aggregate"]["shared_engines"]["service_replacements"] == 1
     resent = 0
     for shard in range(2):
         status = json.loads((tmp_path / "state" / f"shard_{shard}" / "status.json").read_text())

@@ -23,10 +23,14 @@ transport/http_client.py):
 - ``POST /chat_prompt`` ``{"processor", "messages", "kwargs"}`` -> ``{"prompt"}`` (when
   the template has no portable fast path); 422 ``{"error"}`` when the template refuses.
 
+This module is the engine job's serving process: the job itself (cluster/service_restarts.py)
+launches it and replaces it when it dies, up to ``max_restarts`` times; the deaths so far are
+in the endpoint file (``deaths``), carried by each successor.
+
 Its own measurements go to ``<state_dir>/engines/engine_<g>.stats.json``: one entry per
 load (``loads``, appended by each start), with load/warm-up seconds, device, engine info,
-requests served and the restarts and deaths of its launched servers, so the report counts
-each load once. A launched server (``vllm_server``, ``sglang_server``) that dies or freezes
+requests served, the restarts and deaths of its launched servers and the service death it
+``replaced`` (None for the first), so the report counts each load once. A launched server (``vllm_server``, ``sglang_server``) that dies or freezes
 is restarted inside the service (engines/server_restarts.py): the requests it held are sent
 again, the shards' requests wait meanwhile (their heartbeat still answered), within the
 restarts' bound (``max_restarts`` x (backoff + ``server_start_timeout``)), and fail only once
@@ -105,6 +109,8 @@ def shared_engine_summary(state_dir: str | Path, statuses: list[dict]) -> dict |
         "engine_warmup_seconds": sum(entry.get("warmup_seconds") or 0 for entry in loads),
         "engine_requests": sum(entry.get("requests") or 0 for entry in loads),
         "engine_restarts": sum(entry.get("engine_restarts") or 0 for entry in loads),
+        # loads that replaced a dead service (cluster/service_restarts.py): once each, not once per shard
+        "service_replacements": sum(1 for entry in loads if entry.get("replaced")),
         "shards_served": len(served),
         "served_shards_wait_seconds": sum(s["stats"].get("model_load_seconds") or 0 for s in served),
         # what sum_model_load_seconds reports: engine loads once + shards that loaded their own

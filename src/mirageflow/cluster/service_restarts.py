@@ -41,6 +41,7 @@ from mirageflow.config.types import PipelineConfig
 from mirageflow.engines.base import EngineDied, EngineStopped
 from mirageflow.engines.server_restarts import ServerSupervisor
 from mirageflow.engines.shared import HEARTBEAT_SECONDS, WAIT_SECONDS
+from mirageflow.errors import MirageflowError
 from mirageflow.files import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ KILL_GRACE_SECONDS = 15.0  # a serving process writes its stats on SIGTERM; then
 DIED_LINGER_SECONDS = 2 * HEARTBEAT_SECONDS
 
 
-class _Stop(Exception):
+class _Stop(MirageflowError):
     """SIGTERM/SIGINT reached the job."""
 
 

@@ -18,11 +18,15 @@ the service renders). A service that failed to load fails the shard with an Engi
 naming the endpoint file and the service's log. A service that dies or stops answering
 (a connection error, or the heartbeat: ``GET /health`` every ``HEARTBEAT_SECONDS``, each
 with a deadline of ``HEARTBEAT_TIMEOUT``, so a SIGSTOPped service is noticed within 65 s)
-is waited for: a restarted service must name itself (a live process) in the endpoint file
-within ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` seconds (``RESTART_WAIT_SECONDS``) and be ready
-within ``$MIRAGEFLOW_ENGINE_WAIT``; the requests the dead one held are then sent to it
-again, and later requests wait for it. When none comes every outstanding and later request
-fails (EngineDied, class ``engine_service_died``), never a hang. A generation itself has no
+is waited for: a successor (the engine job replaces a dead serving process:
+cluster/service_restarts.py; it says ``restarting`` at once) must name itself (a live process)
+in the endpoint file within ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` seconds
+(``RESTART_WAIT_SECONDS``) and be ready within ``$MIRAGEFLOW_ENGINE_WAIT``; the requests the
+dead one held are then sent to it again, and later requests wait for it. Each death so lived
+through is this engine's (``restarts``, ``deaths``: status.json's ``engine_restarts`` and
+``engine_deaths``), its class the engine job's (the endpoint's ``deaths``). When none comes,
+or the endpoint says ``died`` (the job's replacements are spent), every outstanding and
+later request fails (EngineDied, class ``engine_service_died``), never a hang. A generation itself has no
 deadline: it may wait its turn behind the other shards' requests. The heartbeat also keeps
 the service's idle watchdog quiet.
 """
