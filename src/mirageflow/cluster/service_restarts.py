@@ -109,7 +109,7 @@ def serve_with_replacements(cfg: PipelineConfig, config_path: str, group: int, e
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         supervisor.start_process()
-        _wait_named_ready(endpoint, supervisor.server)
+        _wait_named_ready(endpoint, supervisor.server, supervisor.start_timeout)
         supervisor.wait_started()  # EngineError when it exited before it was ready (its error is in the endpoint file)
         supervisor.watch()
         ended.wait()
@@ -125,11 +125,13 @@ def serve_with_replacements(cfg: PipelineConfig, config_path: str, group: int, e
         supervisor.kill()
 
 
-def _wait_named_ready(endpoint: Path, server) -> None:
-    """Until the first serving process says ready (or failed) in the endpoint file, or exits.
-    Its shards start at that moment; the job, armed only once ``wait_started``'s probe answered,
-    must not lag behind them by its probe's growing interval (a death in between would end the job)."""
-    while server.poll() is None:
+def _wait_named_ready(endpoint: Path, server, timeout: float) -> None:
+    """Until the first serving process says ready (or failed) in the endpoint file, or exits, or
+    ``timeout`` passes (``wait_started`` then says so). Its shards start at that moment; the job,
+    armed only once ``wait_started``'s probe answered, must not lag behind them by its probe's
+    growing interval (a death in between would end the job)."""
+    deadline = time.monotonic() + timeout
+    while server.poll() is None and time.monotonic() < deadline:
         try:
             ep = json.loads(endpoint.read_text())
         except (OSError, ValueError):
