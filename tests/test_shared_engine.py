@@ -1,7 +1,7 @@
 """One engine serving several shards (execution_params.shards_per_engine): the engine
 service and its client over real HTTP with the real tiny model, the workflow end to end
-under `snakemake --cores 1`, an engine killed mid-run, the config checks and the
-resources."""
+under `snakemake --cores 1`, an engine service killed mid-run (replaced by its engine job,
+or more often than max_restarts), the config checks and the resources."""
 
 from __future__ import annotations
 
