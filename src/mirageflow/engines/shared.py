@@ -305,7 +305,7 @@ class SharedEngine(LoopEngine):
                     death["requests_resent"] += 1
                 continue
             death = self._death_of.get(generation - 1)
-            if death is not None and death["first_answer_after_seconds"] is None:
+            if death is not None and death.get("first_answer_after_seconds") is None:
                 death["first_answer_after_seconds"] = round(asyncio.get_running_loop().time() - self._lost_at[generation - 1], 3)
             return answer
 
