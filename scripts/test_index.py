@@ -29,6 +29,7 @@ BEGIN, END = "<!-- test-index:begin -->", "<!-- test-index:end -->"
 THROUGH: dict[str, tuple[list[str], str]] = {
     "mirageflow.cluster.engine_groups": (["test_shared_engine.py", "test_cluster.py"], "execution_params.shards_per_engine's groups"),
     "mirageflow.cluster.engine_service": (["test_shared_engine.py", "test_engine_vllm_server.py"], "execution_params.shards_per_engine"),
+    "mirageflow.cluster.service_restarts": (["test_shared_engine.py"], "the engine job of execution_params.shards_per_engine"),
     "mirageflow.engines.batch_api": (["test_batch_api.py"], "the batch_api backend"),
     "mirageflow.engines.batch_providers": (["test_batch_api.py"], "the batch_api backend's providers"),
     "mirageflow.engines.batch_budget": (["test_cost.py", "test_batch_api.py"], "a batch_api run under max_cost_usd"),

@@ -1,12 +1,13 @@
 """One engine serving several shards (execution_params.shards_per_engine): the engine
 service and its client over real HTTP with the real tiny model, the workflow end to end
-under `snakemake --cores 1`, an engine killed mid-run, the config checks and the
-resources."""
+under `snakemake --cores 1`, an engine service killed mid-run (replaced by its engine job,
+or more often than max_restarts), the config checks and the resources."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,13 +28,13 @@ from mirageflow.engines.wire import Request
 from mirageflow.engines.shared import SharedEngine
 
 
-def _pipeline(tmp_path: Path, model: Path, rows: int, shards: int, k: int, new_tokens: int = 4) -> dict:
+def _pipeline(tmp_path: Path, model: Path, rows: int, shards: int, k: int, new_tokens: int = 4, **processor) -> dict:
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"title": f"Title number {i}"}) + "\n" for i in range(rows)))
     return pipeline_config(
         data, model=model, num_shards=shards, loading={"batch_size": 4}, dataset={"output_format": "jsonl"}, inputs=["title"],
         outputs=[{"name": "headline", "type": "llm", "output_type": "plain", "prompt": "Write a headline for {{ title }}."}],
-        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens}, "torch_threads": 1},
+        processor={"backend": "transformers", "default_sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens}, "torch_threads": 1, **processor},
         execution_params={"shards_per_engine": k, "merge": False},
     )  # fmt: skip
 
@@ -45,6 +46,11 @@ def _records(workdir: Path) -> dict[int, str]:
             r = json.loads(line)
             out[r["title"]] = r["headline"]
     return out
+
+
+def _record_lines(workdir: Path) -> list[str]:
+    """Every record's title, as many times as it was written."""
+    return [json.loads(line)["title"] for f in (workdir / "out").glob("shard_*/*.jsonl") for line in f.read_text().splitlines()]
 
 
 def _loads(workdir: Path, group: int = 0) -> list[dict]:
@@ -108,47 +114,65 @@ def test_protocol_round_trip_matches_the_in_process_engine(tmp_path, tiny_model)
     assert load["output_tokens"] == sum(c.completion_tokens for c in shared)
 
 
-def test_a_client_waits_for_a_restarted_service_and_fails_with_its_class_when_none_comes(tmp_path, tiny_model):
-    """The service process dies (SIGKILL) between requests: the client's requests wait for the
-    restarted service (a new process naming itself in the endpoint file) and are sent to it,
-    with the same answers; when the next one dies and none comes within
-    $MIRAGEFLOW_ENGINE_RESTART_WAIT, they fail with the class engine_service_died."""
+def _serving_pid(endpoint: Path, other_than: int | None = None, timeout: float = 120) -> int:
+    """The pid of the engine job's serving process once it is ready (a successor of ``other_than``)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            ep = json.loads(endpoint.read_text())
+        except (OSError, ValueError):
+            ep = {}
+        if ep.get("state") == "ready" and ep.get("pid") != other_than:
+            return ep["pid"]
+        time.sleep(0.05)
+    raise AssertionError(f"no ready service in {endpoint} after {timeout} s")
+
+
+def test_the_engine_job_replaces_its_dead_service_and_a_client_fails_with_its_class_when_none_comes(tmp_path, tiny_model):
+    """The engine job's serving process dies (SIGKILL) between requests: the job starts a
+    successor, the client's requests wait for it and are sent to it with the same answers, and
+    the client counts the death (its class from the job: killed_by_signal). When the job itself
+    is gone and its serving process dies, nothing names itself within
+    $MIRAGEFLOW_ENGINE_RESTART_WAIT: the requests fail with the class engine_service_died."""
     from mirageflow.engines.base import EngineDied
 
     cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2, new_tokens=6)
     proc, endpoint = _start_engine(tmp_path, cfg)
-    successor = None
+    serving = []
     try:
         pipeline = load_config(yaml.safe_load((tmp_path / "pipeline.yaml").read_text()), environ={})
         client = SharedEngine(pipeline.processors["llm"], 4, endpoint=endpoint)
         client.load()
         requests = [Request(i, None, f"A prompt about {w}", {"temperature": 0.0, "max_new_tokens": 6}) for i, w in enumerate("abc")]
         before = client.generate(requests)
-        proc.kill()
-        proc.wait()
-
-        def restart():
-            nonlocal successor
-            time.sleep(1.0)
-            successor, _ = _start_engine(tmp_path, cfg)
-
-        threading.Thread(target=restart).start()
+        serving.append(json.loads(endpoint.read_text())["pid"])
+        assert serving[0] != proc.pid  # the job loads nothing itself: its serving process does
+        os.kill(serving[0], signal.SIGKILL)
         after = client.generate(requests)  # sent to the dead service first, then to its successor
         assert [vars(c) for c in after] == [vars(c) for c in before] and client.generation == 1
-        assert json.loads(endpoint.read_text())["pid"] == successor.pid
+        serving.append(_serving_pid(endpoint, other_than=serving[0]))
+        assert proc.poll() is None and client.restarts() == 1
+        (death,) = client.deaths()
+        assert death["class"] == "killed_by_signal" and death["pid"] == serving[0] and death["restarted_after_seconds"] > 0
+        assert [entry["replaced"] for entry in _loads(tmp_path)] == [None, json.loads(endpoint.read_text())["deaths"][0]]
 
-        successor.kill()
-        successor.wait()
+        proc.kill()  # the job gone: nothing replaces its serving process any more
+        proc.wait()
+        os.kill(serving[1], signal.SIGKILL)
         client.restart_wait_seconds = 1.0
         with pytest.raises(EngineDied, match=r"died \(.*\) and no restarted service named itself") as err:
             client.generate(requests)
         assert err.value.death_class == "engine_service_died"
         client.close()
     finally:
-        for p in (proc, successor):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in serving:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_client_names_the_endpoint_when_the_engine_cannot_load(tmp_path, tiny_model):
@@ -199,45 +223,84 @@ def test_shards_share_one_load_and_keep_their_own_state(tmp_path, tiny_model, mo
     assert "Nothing to be done" in proc.stdout + proc.stderr and len(_loads(tmp_path)) == 1
 
 
-def test_an_engine_killed_mid_run_fails_its_shards_clearly_and_a_rerun_completes(tmp_path, tiny_model):
-    cfg = _pipeline(tmp_path, tiny_model, rows=200, shards=2, k=2, new_tokens=24)
-    killed = {}
+def _kill_serving_mid_run(workdir: Path, times: int, killed: list[int]) -> threading.Thread:
+    """A thread that SIGKILLs the engine service's serving process ``times`` times, each while
+    its shards generate (the successor of the last one killed), the pids in ``killed``."""
 
     def kill_when_generating():
-        endpoint = tmp_path / "state" / "engines" / "engine_0.json"
+        endpoint = workdir / "state" / "engines" / "engine_0.json"
         deadline, ready = time.time() + 240, None
-        while time.time() < deadline:
+        while time.time() < deadline and len(killed) < times:
             try:
                 ep = json.loads(endpoint.read_text())
-                progress = json.loads((tmp_path / "state" / "shard_0" / "progress.json").read_text())
+                progress = [json.loads((workdir / "state" / f"shard_{i}" / "progress.json").read_text()) for i in (0, 1)]
             except (OSError, ValueError):
-                ep = progress = None
-            if ep and ep.get("state") == "ready":
+                ep, progress = None, []
+            if ep and ep.get("state") == "ready" and ep["pid"] not in killed:
                 ready = ready or time.time()
-            # in the middle of generation: shards start generating within moments of "ready"
-            if ready and ((progress and progress.get("rows_done", 0) > 0) or time.time() - ready > 0.5):
-                os.kill(ep["pid"], signal.SIGKILL)
-                killed["pid"] = ep["pid"]
-                return
+                # in the middle of generation: the first while both shards generate, its successors
+                # within moments of "ready" (the shards are waiting for them)
+                both = len(progress) == 2 and all(p.get("rows_done", 0) > 0 for p in progress)
+                if (both and not killed) or (killed and time.time() - ready > 0.5):
+                    os.kill(ep["pid"], signal.SIGKILL)
+                    killed.append(ep["pid"])
+                    ready = None
             time.sleep(0.1)
 
     watcher = threading.Thread(target=kill_when_generating)
     watcher.start()
-    # nothing restarts the service: its shards wait $MIRAGEFLOW_ENGINE_RESTART_WAIT for one, then fail
+    return watcher
+
+
+def test_an_engine_service_killed_mid_run_is_replaced_and_its_shards_go_on(tmp_path, tiny_model):
+    """The serving process of the engine service is SIGKILLed while its two shards generate:
+    the engine job starts a successor, the requests in flight are sent to it, both shards
+    succeed in their first attempt with every row once, and each counts the one replacement."""
+    cfg = _pipeline(tmp_path, tiny_model, rows=120, shards=2, k=2, new_tokens=24)
+    killed: list[int] = []
+    watcher = _kill_serving_mid_run(tmp_path, 1, killed)
+    # a deadline a replacement must beat by far: the job names its successor at once (state restarting)
     env = {**os.environ, "MIRAGEFLOW_ENGINE_RESTART_WAIT": "2"}
     proc = run_workflow(tmp_path, cfg, "--cores", "3", check=False, env=env)
     watcher.join()
-    assert killed and proc.returncode != 0
+    assert len(killed) == 1 and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    titles = _record_lines(tmp_path)
+    assert sorted(titles) == sorted(f"Title number {i}" for i in range(120))  # every row, exactly once
+    loads = _loads(tmp_path)
+    assert [entry["state"] for entry in loads] == ["ready", "stopped"]  # the killed load never wrote its end
+    assert loads[0]["pid"] == killed[0] and loads[1]["replaced"]["class"] == "killed_by_signal"
+    assert json.loads((tmp_path / "state" / "metrics.json").read_text())["aggregate"]["shared_engines"]["service_replacements"] == 1
+    resent = 0
+    for shard in range(2):
+        status = json.loads((tmp_path / "state" / f"shard_{shard}" / "status.json").read_text())
+        assert [a["outcome"] for a in status["stats"]["attempts"]] == ["success"]
+        assert status["stats"]["engine_restarts"] == 1
+        (death,) = status["stats"]["engine_deaths"]
+        assert death["class"] == "killed_by_signal" and death["pid"] == killed[0]
+        resent += death["requests_resent"]
+    assert resent > 0  # the requests the dead service held were sent again (only those: every row once, above)
+
+
+def test_an_engine_service_killed_more_often_than_max_restarts_fails_its_shards_naming_each_death(tmp_path, tiny_model):
+    cfg = _pipeline(tmp_path, tiny_model, rows=200, shards=2, k=2, new_tokens=24, max_restarts=1)
+    killed: list[int] = []
+    watcher = _kill_serving_mid_run(tmp_path, 2, killed)
+    env = {**os.environ, "MIRAGEFLOW_ENGINE_RESTART_WAIT": "2"}
+    proc = run_workflow(tmp_path, cfg, "--cores", "3", check=False, env=env)
+    watcher.join()
+    assert len(killed) == 2 and proc.returncode != 0
     failures = [json.loads(f.read_text()) for f in (tmp_path / "state").glob("shard_*/failure.json")]
     assert failures, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # "died ... no restarted service" mid-run, or "exited before it was ready" for a shard still waiting
-    assert any("engine service state/engines/engine_0.json (its log: " in f["error"] for f in failures), failures
-    assert all(f["failure_class"] == "engine_service_died" for f in failures if "no restarted service" in f["error"]), failures
-    assert all("EngineFailed" in f["error"] or "EngineError" in f["error"] for f in failures)
+    for f in failures:
+        assert f["failure_class"] == "engine_service_died", f
+        assert "engine service state/engines/engine_0.json (its log: " in f["error"]
+        assert "died 2 times during the run and was restarted 1 times, the most processors[].max_restarts=1 allows" in f["error"]
+        # each death named: the first while serving; the second, of the successor, killed as it became ready
+        # (it may not have answered the job's ready probe yet: then it failed to start)
+        assert re.search(r"allows: 1\. \S+ killed_by_signal: killed by SIGKILL; 2\. \S+ (killed_by_signal|failed_to_start): ", f["error"])
 
     run_workflow(tmp_path, cfg, "--cores", "3")
-    assert len(_records(tmp_path)) == 200  # every row, once: resumed from the checkpoints
-    assert [entry["state"] for entry in _loads(tmp_path)] == ["ready", "stopped"]  # the killed load never wrote its end
+    assert sorted(_record_lines(tmp_path)) == sorted(f"Title number {i}" for i in range(200))  # resumed: every row once
 
 
 def test_a_launched_server_of_the_engine_service_is_restarted_and_its_shards_go_on(tmp_path, tiny_model):

@@ -198,9 +198,9 @@ class EngineDeathClass(enum.StrEnum):
     ENGINE_SERVICE_DIED = (
         "engine_service_died",
         (
-            "the engine service of the shard's group (shards_per_engine) stopped answering (frozen), or died and no "
-            "restarted service named itself in its endpoint file within $MIRAGEFLOW_ENGINE_RESTART_WAIT or was ready "
-            "within $MIRAGEFLOW_ENGINE_WAIT"
+            "the engine service of the shard's group (shards_per_engine) stopped answering (frozen), or died more often "
+            "than its engine job replaces it (max_restarts), or died and no successor named itself in its endpoint file "
+            "within $MIRAGEFLOW_ENGINE_RESTART_WAIT or was ready within $MIRAGEFLOW_ENGINE_WAIT"
         ),
     )
     DEVICE_ERROR = "device_error", "an in-process engine raised an error that leaves it unusable (a CUDA error, a device-side assert)"

@@ -214,11 +214,16 @@ def _log_to(path: str) -> str:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    _log_to_inherited()
+    return attempt
+
+
+def _log_to_inherited() -> None:
+    """The job's logging, to the stdout/stderr it has (``_log_to`` points them at its log first)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
     from mirageflow.redact import install_log_redaction
 
     install_log_redaction()  # no secret in the log, whichever library writes the line (httpx's requests)
-    return attempt
 
 
 def index_dataset(config: str, ds_index: int, output: str) -> None:
@@ -315,20 +320,32 @@ def _record_start_failure(error: str) -> None:
 
 
 def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
-    """Serve engine group ``group`` to its shards until Snakemake stops it (engine_service.py)."""
+    """Serve engine group ``group`` to its shards until Snakemake stops it: launch its serving
+    process (``engine_process``) and replace it when it dies (cluster/service_restarts.py)."""
     cfg = _config(config)
     from mirageflow.cluster.gpu_claim import claim_for_shard
     from mirageflow.cluster.time_limit import arm_time_limit_signal
 
-    claim_for_shard(cfg)  # the engine holds the GPUs its shards would have claimed
+    claim = claim_for_shard(cfg)  # noqa: F841 - held while the job runs: the GPUs its shards would have claimed
     arm_time_limit_signal()
     from mirageflow import hub_models
 
-    hub_models.offline_environment(cfg)
+    hub_models.offline_environment(cfg)  # the serving processes inherit the environment
+    from mirageflow.cluster.service_restarts import serve_with_replacements
+
+    serve_with_replacements(cfg, config, group, endpoint, log)
+
+
+def engine_process(config: str, group: int, endpoint: str, log: str, port: int) -> None:
+    """The engine job's serving process: load engine group ``group`` and serve it on ``port``
+    until SIGTERM (cluster/engine_service.py). ``log``: the job's, which this process writes to."""
+    cfg = _config(config)
+    from mirageflow import hub_models
+
     cfg = hub_models.resolve_local(cfg)  # hub ids -> the snapshots the driver fetched
     from mirageflow.cluster import engine_service
 
-    engine_service.run(cfg, group, endpoint, log_path=log)
+    engine_service.run(cfg, group, endpoint, log_path=log, port=port)
 
 
 def hub_model(config: str, slug: str, output: str) -> None:
@@ -467,6 +484,10 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("engine", help="serve one engine group to its shards (shards_per_engine > 1)")
     p.add_argument("group", type=int)
     p.add_argument("endpoint", help="the endpoint file (the rule's service output)")
+    p = sub.add_parser("engine-process", help="the engine job's serving process (launched by the engine job, not a rule)")
+    p.add_argument("group", type=int)
+    p.add_argument("endpoint")
+    p.add_argument("--port", type=int, required=True)
     p = sub.add_parser("hub_model", help="download one Hugging Face model id into the cache (the driver, before any shard)")
     p.add_argument("model", help="the model's slug (org--name[@revision])")
     p.add_argument("output", help="the marker written once it is complete")
@@ -477,6 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("fingerprint", help="write the records fingerprint the shards depend on")
     p.add_argument("output")
     args = ap.parse_args(argv)
+    if args.job == "engine-process":  # its output goes to the engine job's log already (its stdout and stderr)
+        _log_to_inherited()
+        return engine_process(args.config, args.group, args.endpoint, args.log, args.port)
     _ATTEMPT_LOG["path"] = _log_to(args.log)
     if args.job == "index":
         index_dataset(args.config, args.dataset, args.output)

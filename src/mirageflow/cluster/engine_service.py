@@ -23,10 +23,14 @@ transport/http_client.py):
 - ``POST /chat_prompt`` ``{"processor", "messages", "kwargs"}`` -> ``{"prompt"}`` (when
   the template has no portable fast path); 422 ``{"error"}`` when the template refuses.
 
+This module is the engine job's serving process: the job itself (cluster/service_restarts.py)
+launches it and replaces it when it dies, up to ``max_restarts`` times; the deaths so far are
+in the endpoint file (``deaths``), carried by each successor.
+
 Its own measurements go to ``<state_dir>/engines/engine_<g>.stats.json``: one entry per
 load (``loads``, appended by each start), with load/warm-up seconds, device, engine info,
-requests served and the restarts and deaths of its launched servers, so the report counts
-each load once. A launched server (``vllm_server``, ``sglang_server``) that dies or freezes
+requests served, the restarts and deaths of its launched servers and the service death it
+``replaced`` (None for the first), so the report counts each load once. A launched server (``vllm_server``, ``sglang_server``) that dies or freezes
 is restarted inside the service (engines/server_restarts.py): the requests it held are sent
 again, the shards' requests wait meanwhile (their heartbeat still answered), within the
 restarts' bound (``max_restarts`` x (backoff + ``server_start_timeout``)), and fail only once
@@ -105,6 +109,8 @@ def shared_engine_summary(state_dir: str | Path, statuses: list[dict]) -> dict |
         "engine_warmup_seconds": sum(entry.get("warmup_seconds") or 0 for entry in loads),
         "engine_requests": sum(entry.get("requests") or 0 for entry in loads),
         "engine_restarts": sum(entry.get("engine_restarts") or 0 for entry in loads),
+        # loads that replaced a dead service (cluster/service_restarts.py): once each, not once per shard
+        "service_replacements": sum(1 for entry in loads if entry.get("replaced")),
         "shards_served": len(served),
         "served_shards_wait_seconds": sum(s["stats"].get("model_load_seconds") or 0 for s in served),
         # what sum_model_load_seconds reports: engine loads once + shards that loaded their own
@@ -140,6 +146,9 @@ class EngineService:
         self.last_activity = time.monotonic()
         self.idle_exit = float(os.environ.get("MIRAGEFLOW_ENGINE_IDLE_EXIT", IDLE_EXIT_SECONDS))
         self._entry: int | None = None  # this load's place in the stats file's list
+        # the service's deaths in this job before this process (the engine job writes them in the
+        # endpoint file when one dies: cluster/service_restarts.py); each successor carries them
+        self.deaths = _deaths_in(self.endpoint)
         self._done: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ files
@@ -148,7 +157,7 @@ class EngineService:
         atomic_write_json(self.endpoint, {
             "group": self.group, "state": self.state, "error": self.error, "host": "127.0.0.1", "port": port,
             "hostname": socket.gethostname(), "pid": os.getpid(), "log": self.log_path,
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started_at": self.started_at,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started_at": self.started_at, "deaths": self.deaths,
         })  # fmt: skip
         self.port = port
 
@@ -165,6 +174,8 @@ class EngineService:
             # its launched servers restarted while serving (engines/server_restarts.py); its shards waited meanwhile
             "engine_restarts": sum(e.restarts() for e in self.engines.values()),
             "engine_deaths": [{"processor": name, **d} for name, e in self.engines.items() for d in e.deaths()],
+            # this load replaced a service that died (cluster/service_restarts.py): that death
+            "replaced": self.deaths[-1] if self.deaths else None,
         }  # fmt: skip
 
     def write_stats(self, finished: bool = False) -> None:
@@ -355,12 +366,20 @@ def _jsonable(value):
     return json.loads(json.dumps(value, default=str))
 
 
-def run(cfg: PipelineConfig, group: int, endpoint: str, log_path: str | None = None) -> None:
-    """The engine job: serve group ``group`` until SIGTERM; raises when loading failed."""
+def _deaths_in(endpoint: Path) -> list[dict]:
+    try:
+        return list(json.loads(endpoint.read_text()).get("deaths") or [])
+    except (OSError, ValueError, AttributeError):  # none yet (a first start), or not ours
+        return []
+
+
+def run(cfg: PipelineConfig, group: int, endpoint: str, log_path: str | None = None, port: int = 0) -> None:
+    """The engine job's serving process: serve group ``group`` on ``port`` (0: any) until
+    SIGTERM; raises when loading failed."""
     service = EngineService(cfg, group, Path(endpoint), log_path)
 
     async def main() -> None:
-        server = await asyncio.start_server(service._connection, "127.0.0.1", 0, limit=2**24)
+        server = await asyncio.start_server(service._connection, "127.0.0.1", port, limit=2**24)
         service._write_endpoint(server.sockets[0].getsockname()[1])
         async with server:
             await service.serve(server)

@@ -18,11 +18,15 @@ the service renders). A service that failed to load fails the shard with an Engi
 naming the endpoint file and the service's log. A service that dies or stops answering
 (a connection error, or the heartbeat: ``GET /health`` every ``HEARTBEAT_SECONDS``, each
 with a deadline of ``HEARTBEAT_TIMEOUT``, so a SIGSTOPped service is noticed within 65 s)
-is waited for: a restarted service must name itself (a live process) in the endpoint file
-within ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` seconds (``RESTART_WAIT_SECONDS``) and be ready
-within ``$MIRAGEFLOW_ENGINE_WAIT``; the requests the dead one held are then sent to it
-again, and later requests wait for it. When none comes every outstanding and later request
-fails (EngineDied, class ``engine_service_died``), never a hang. A generation itself has no
+is waited for: a successor (the engine job replaces a dead serving process:
+cluster/service_restarts.py; it says ``restarting`` at once) must name itself (a live process)
+in the endpoint file within ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` seconds
+(``RESTART_WAIT_SECONDS``) and be ready within ``$MIRAGEFLOW_ENGINE_WAIT``; the requests the
+dead one held are then sent to it again, and later requests wait for it. Each death so lived
+through is this engine's (``restarts``, ``deaths``: status.json's ``engine_restarts`` and
+``engine_deaths``), its class the engine job's (the endpoint's ``deaths``). When none comes,
+or the endpoint says ``died`` (the job's replacements are spent), every outstanding and
+later request fails (EngineDied, class ``engine_service_died``), never a hang. A generation itself has no
 deadline: it may wait its turn behind the other shards' requests. The heartbeat also keeps
 the service's idle watchdog quiet.
 """
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from mirageflow.config.types import ProcessorConfig
 from mirageflow.engines.base import EngineDied, EngineError
-from mirageflow.engines.server_restarts import wait_future
+from mirageflow.engines.server_restarts import new_death, wait_future
 from mirageflow.errors import EngineDeathClass as D
 from mirageflow.engines.chat_template import ChatTemplate
 from mirageflow.engines.loop import LoopEngine
@@ -84,6 +88,9 @@ class SharedEngine(LoopEngine):
         self.generation = 0  # services connected to before the one serving now
         self._successor = None  # a concurrent Future: done when the lost service's successor serves (or never will)
         self._old_clients: list[HTTPClient] = []  # the clients of services that died (closed with the engine)
+        self._deaths: list[dict] = []  # the services this shard lived through: engine_deaths (status.json)
+        self._death_of: dict[int, dict] = {}  # generation -> the death that ended its service
+        self._lost_at: dict[int, float] = {}  # generation -> when this shard found its service gone (monotonic)
         self._url: str | None = None  # the service's that _client and _control talk to
         self.info = EngineInfo(backend="shared", model_path=processor.server_args.model_path)
         self._client: HTTPClient | None = None  # requests, in the caller's loop
@@ -123,10 +130,19 @@ class SharedEngine(LoopEngine):
         pause, dead_since = 0.02, None
         while True:
             ep = self._read_endpoint()
+            if ep is None and lost is not None:  # the engine job ended and its output was removed: nothing comes
+                dead_since = dead_since if dead_since is not None else loop.time()
+                if loop.time() - dead_since > dead_grace:
+                    raise EngineDied(
+                        f"the {self._where()} died ({lost}) and its endpoint file is gone: no service follows",
+                        str(D.ENGINE_SERVICE_DIED),
+                    )
             if ep is not None:
                 self._service = ep
                 if ep.get("state") == "failed":
                     raise EngineError(f"the {self._where()} failed to load: {ep.get('error')}")
+                if ep.get("state") == "died":  # the engine job's replacements are spent (cluster/service_restarts.py)
+                    raise EngineDied(f"the {self._where()} died and is not replaced: {ep.get('error')}", str(D.ENGINE_SERVICE_DIED))
                 # a process gone that long (not a stale file about to be replaced) will not answer
                 if ep.get("hostname") == socket.gethostname() and not _alive(ep.get("pid")):
                     dead_since = dead_since if dead_since is not None else loop.time()
@@ -226,6 +242,8 @@ class SharedEngine(LoopEngine):
         if self._heartbeat is not None and self._heartbeat is not asyncio.current_task():
             self._heartbeat.cancel()
         ep = self._read_endpoint() or self._service
+        lost_pid = self._service.get("pid")
+        self._lost_at[generation] = asyncio.get_running_loop().time()
         try:
             if ep.get("hostname") == socket.gethostname() and _alive(ep.get("pid")) and ep.get("pid") == self._service.get("pid"):
                 # alive and silent (SIGSTOPped, stuck): frozen, not dead; nothing restarts it
@@ -238,8 +256,29 @@ class SharedEngine(LoopEngine):
             raise
         finally:
             self._successor = None
+        self._record_death(generation, why, lost_pid)
         self.generation = generation + 1
         log.warning("the %s serves again (process %s)", self._where(), self._service.get("pid"))
+
+    def _record_death(self, generation: int, why: str, pid) -> None:
+        """The death of the service of ``generation``, now replaced: the engine job's record of it
+        (its class from the exit status: the endpoint's ``deaths``), else this shard's."""
+        carried = self._service.get("deaths") or []
+        if carried and carried[-1].get("at") not in {d.get("at") for d in self._deaths}:
+            death = dict(carried[-1])
+        else:  # replaced by something other than the engine job (a person, a wrapper)
+            death = new_death(D.ENGINE_SERVICE_DIED, f"the engine service stopped answering: {why}", pid)
+        death["requests_resent"] = 0
+        death["restarted_after_seconds"] = round(asyncio.get_running_loop().time() - self._lost_at[generation], 3)
+        self._deaths.append(death)
+        self._death_of[generation] = death
+
+    def restarts(self) -> int:
+        """The replacements of the engine service this shard lived through."""
+        return len(self._deaths)
+
+    def deaths(self) -> list[dict]:
+        return [dict(d) for d in self._deaths]
 
     # ------------------------------------------------------------------ requests
 
@@ -258,9 +297,17 @@ class SharedEngine(LoopEngine):
                 await wait_future(self._lose(generation, "restarting"))
                 continue
             try:
-                return await client.post_json(path, body)
+                answer = await client.post_json(path, body)
             except TransportError as e:
                 await wait_future(self._lose(generation, f"{type(e).__name__}: {e}"))
+                death = self._death_of.get(generation)
+                if death is not None:  # it was in flight when its service died: sent again, once per death
+                    death["requests_resent"] += 1
+                continue
+            death = self._death_of.get(generation - 1)
+            if death is not None and death.get("first_answer_after_seconds") is None:
+                death["first_answer_after_seconds"] = round(asyncio.get_running_loop().time() - self._lost_at[generation - 1], 3)
+            return answer
 
     @staticmethod
     def _error_of(r) -> str:
@@ -339,4 +386,8 @@ def _alive(pid) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie (killed, not yet reaped by its engine job) is dead too
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (not Linux): alive as far as we can tell
+        return True
