@@ -329,6 +329,49 @@ def test_the_signatures_are_datasketchs_minhash(k, num_perm):
         assert m.hashvalues.tolist() == signer.signature(text).tolist(), text[:30]
 
 
+def test_the_lsh_banding_is_datasketchs_without_datasketch():
+    """data/minhash.py's banding (numpy) is what datasketch's MinHashLSH picks, refusals included."""
+    from datasketch import MinHashLSH
+
+    from mirageflow.data.dedup import LSH_WEIGHTS
+    from mirageflow.data.minhash import lsh_bands
+
+    for num_perm in (2, 3, 7, 32, 128):
+        for threshold in [i / 20 for i in range(1, 20)] + [0.97, 0.99, 0.995]:
+            try:
+                lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS)
+                expected = (lsh.b, lsh.r)
+            except ValueError:
+                expected = "refused"
+            try:
+                found = lsh_bands(threshold, num_perm, LSH_WEIGHTS)
+            except ValueError:
+                found = "refused"
+            assert found == expected, (num_perm, threshold)
+
+
+def test_a_signatures_job_imports_neither_datasketch_nor_scipy(tmp_path):
+    """datasketch imports scipy (~1-2 CPU-s a process) for arrays numpy computes (data/minhash.py)."""
+    cfg, ds = dataset(tmp_path, "jsonl")
+    lines = [json.dumps({"text": t, "source_index": i}).encode() + b"\n" for i, t in enumerate([BASE, NEAR, OTHER])]
+    write_merged([lines], Path(ds.output_dir) / "merged", "jsonl")
+    script = f"""
+import sys
+from pathlib import Path
+from mirageflow.config.types import DedupParams
+from mirageflow.data.dedup_stages import write_signatures
+from mirageflow.state.layout import StateLayout
+params = DedupParams(**{dict(vars(params()))!r})
+files = StateLayout({cfg.state_dir!r}).dedup_signatures(0, 0)
+files["meta"].parent.mkdir(parents=True)
+meta = write_signatures(Path({ds.output_dir!r}) / "merged", "jsonl", params, 1, 0, files)
+print(meta["bands"], sorted(m for m in sys.modules if m.split(".")[0] in ("datasketch", "scipy")))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["11", "[]"]  # 11 bands of 11 at 0.85 and 128 permutations, nothing imported
+
+
 def test_one_dedup_job_per_eight_shards_at_least_one_at_most_the_cap():
     from mirageflow.data.dedup import MAX_PARTITIONS, dedup_partitions
 

@@ -12,7 +12,8 @@ kept; the result is deterministic (fixed MinHash seed, rows taken in order).
 - Texts are compared normalised as MMIRAGE does: lower case, runs of whitespace as one
   space, no leading or trailing whitespace. ``exact`` removes a record whose normalised
   text equals an earlier kept record's (BLAKE2b-128 digest).
-- ``fuzzy`` then removes near duplicates with datasketch: a MinHash (``num_perm``
+- ``fuzzy`` then removes near duplicates with datasketch's values (computed with numpy,
+  data/minhash.py: datasketch is only the tests' reference): a MinHash (``num_perm``
   permutations, seed 1) of the normalised text's character shingles of ``shingle_size``
   characters (a text shorter than that is one shingle; each shingle hashed by zlib's
   CRC-32: datasketch's default SHA-1 made the pass ~1.7x slower for the same recall),
@@ -159,15 +160,15 @@ def read_dedup_counts(state_dir: str | Path) -> list[dict]:
 
 def dedup_problems(cfg: PipelineConfig) -> list[str]:
     """Driver side (preflight): a threshold below 1 that datasketch's MinHashLSH cannot band
-    with num_perm permutations. Not in load_config: it imports datasketch (scipy) and costs
-    up to ~0.2 s, which every cluster job would pay again."""
+    with num_perm permutations (data/minhash.py finds its banding, with numpy). Not in
+    load_config: it costs ~10-50 ms, which every cluster job would pay again."""
     p = cfg.dedup
     if p is None or not p.fuzzy or p.threshold >= 1:
         return []
-    from datasketch import MinHashLSH
+    from mirageflow.data.minhash import lsh_bands
 
     try:
-        MinHashLSH(threshold=p.threshold, num_perm=p.num_perm, weights=LSH_WEIGHTS)
+        lsh_bands(p.threshold, p.num_perm, LSH_WEIGHTS)
     except ValueError as e:
         return [
             f"deduplication_params.threshold: {p.threshold} with num_perm {p.num_perm} cannot be indexed by "

@@ -48,6 +48,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from mirageflow.config.types import DatasetConfig, DedupParams, PipelineConfig
+from mirageflow.data.minhash import affine32_permutations, lsh_bands
 from mirageflow.data.dedup import DEDUP_SUBDIR, LSH_WEIGHTS, MINHASH_SEED, DedupError, normalize, shingles
 from mirageflow.data.writers import PartUnreadable, is_json_field, jsonl_line, write_merged
 from mirageflow.files import atomic_write_bytes, atomic_write_json
@@ -62,17 +63,15 @@ _PARAM_KEYS = ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle
 
 
 def bands_of(params: DedupParams) -> tuple[int, int]:
-    """(bands, rows per band) of datasketch's MinHashLSH for these parameters; (0, 0) when
-    there is no banding (exact only, or threshold 1: equal signatures)."""
+    """(bands, rows per band) of datasketch's MinHashLSH for these parameters (data/minhash.py
+    computes them without datasketch); (0, 0) when there is no banding (exact only, or
+    threshold 1: equal signatures)."""
     if not params.fuzzy or params.threshold >= 1:
         return 0, 0
-    from datasketch import MinHashLSH
-
     try:
-        lsh = MinHashLSH(threshold=params.threshold, num_perm=params.num_perm, weights=LSH_WEIGHTS)
+        return lsh_bands(params.threshold, params.num_perm, LSH_WEIGHTS)
     except ValueError as e:  # the driver refuses this config (dedup_problems); a job run by hand may not have
         raise DedupError(f"deduplication_params.threshold: {params.threshold} with num_perm {params.num_perm}: {e}") from None
-    return lsh.b, lsh.r
 
 
 def _params_record(params: DedupParams, partitions: int) -> dict:
@@ -168,12 +167,7 @@ class Signer:
     CHUNK = 4096  # shingles at a time: a (CHUNK x num_perm) product in memory
 
     def __init__(self, params: DedupParams):
-        from datasketch import MinHash
-
-        base = MinHash(num_perm=params.num_perm, seed=MINHASH_SEED)
-        if base.scheme != "affine32":  # another datasketch: its values would not be these
-            raise DedupError(f"datasketch's MinHash uses the {base.scheme!r} scheme; this dedup computes 'affine32' (datasketch 2.x)")
-        self._a, self._b = (np.asarray(x, dtype=np.uint32) for x in base.permutations)
+        self._a, self._b = affine32_permutations(params.num_perm, MINHASH_SEED)
         self.k = k = params.shingle_size
         self._zero = np.uint32(zlib.crc32(bytes(k)))
         tables = np.zeros((k, 256), dtype=np.uint32)
