@@ -60,6 +60,11 @@ def build(root: Path, rows: int) -> None:
     (root / "state" / "merged" / "dataset_0.json").write_text(json.dumps({"rows": rows}))
 
 
+def stage_jobs(n: int) -> list[tuple[str, int]]:
+    """(step, jobs) of the dedup stages in order, with n jobs a parallel stage (the workflow's rules)."""
+    return [("signatures", n), ("pairs", n), ("decide", 1), ("write", n), ("finish", 1)]
+
+
 def _peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -69,7 +74,8 @@ def _peak_rss_mb() -> float:
 
 def child(step: str, root: str, k: str) -> dict:
     """One job: ``single`` (the old code, BENCH_OLD_SRC first on sys.path), ``signatures`` k,
-    ``pairs`` k, ``clusters`` (the last stage, deduplicated/ written)."""
+    ``pairs`` k, ``decide``, ``write`` k (its parts of deduplicated/), ``finish`` (the last
+    stage: deduplicated/ in place, the removed list)."""
     if step == "single":
         sys.path.insert(0, os.environ["BENCH_OLD_SRC"])
     from mirageflow.config.types import DedupParams
@@ -95,6 +101,10 @@ def child(step: str, root: str, k: str) -> dict:
             stages.write_signatures(root_p / "out" / "merged", "jsonl", params, n, int(k), files[int(k)])
         elif step == "pairs":
             stages.write_pairs(params, n, int(k), files, paths.dedup_edges(0, int(k)))
+        elif step == "decide":
+            stages.write_decisions(cfg, ds, params, n)
+        elif step == "write":
+            stages.write_kept(cfg, ds, params, n, int(k))
         else:
             stages.write_deduplicated(cfg, ds, params, n, state / "new.json", state / "new.removed.jsonl")
     c1 = os.times()
@@ -153,7 +163,7 @@ def main() -> None:
         build(root, args.rows)
         print(f"built {args.rows:,} rows in {time.perf_counter() - t:.0f} s", flush=True)
         stages = {}
-        for step, jobs in (("signatures", n), ("pairs", n), ("clusters", 1)):
+        for step, jobs in stage_jobs(n):
             stages[step] = stage(step, root, jobs, args.cores)
             print(step, stages[step], flush=True)
         new = json.loads((root / "state" / "new.json").read_text())
@@ -163,7 +173,7 @@ def main() -> None:
         rows_out.append(
             [
                 "stages: all",
-                2 * n + 1,
+                3 * n + 2,
                 C.fmt(total["wall"], 1),
                 C.fmt(total["cpu"], 1),
                 C.fmt(max(s["max_rss_mb"] for s in stages.values())),

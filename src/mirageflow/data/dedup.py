@@ -34,7 +34,8 @@ estimated ``similarity``), and the rule checks rows_in = rows_out + removed.
 
 The work runs in stages of parallel jobs, each with a bounded share of the data
 (data/dedup_stages.py: signatures per group of merged parts, candidate pairs per band
-partition, then the decisions and the write); this module holds the rule, its parameters
+partition, the decisions in one small job, the kept records written per group of merged
+parts, then deduplicated/ put in place with the removed list and the counts); this module holds the rule, its parameters
 and the driver's checks (light: no numpy, imported when the workflow is parsed).
 """
 
@@ -50,7 +51,16 @@ from mirageflow.errors import MirageflowError
 from mirageflow.state.layout import StateLayout
 
 DEDUP_SUBDIR = "deduplicated"
-DEDUP_RULES = ["dedup_signatures", "dedup_pairs", "dedup"]  # the workflow's dedup stages (workflow/rules/dedup.smk)
+# the directory the parallel dedup_write jobs write deduplicated/'s parts into, next to it; the
+# last stage puts it in place (a rename: a reader sees the old deduplicated/ or the new one)
+DEDUP_STAGING = f".{DEDUP_SUBDIR}.parts"
+DEDUP_RULES = [
+    "dedup_signatures",
+    "dedup_pairs",
+    "dedup_decide",
+    "dedup_write",
+    "dedup",
+]  # the workflow's dedup stages (workflow/rules/dedup.smk)
 MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same records
 # LSH banding weighted against missed pairs (datasketch's weights: false positives, false
 # negatives): every candidate is verified by its MinHash estimate, so an extra candidate
@@ -138,6 +148,7 @@ def remove_stale_dedup_outputs(cfg: PipelineConfig) -> list[str]:
         counts_path.unlink(missing_ok=True)
         removed_path.unlink(missing_ok=True)
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out.with_name(DEDUP_STAGING), ignore_errors=True)
         shutil.rmtree(StateLayout(cfg.state_dir).dedup_work(ds.index), ignore_errors=True)  # the stages' files
         notes.append(f"deduplication_params changed: dataset {ds.index} ('{ds.path}') is deduplicated again")
     return notes
