@@ -25,9 +25,17 @@ A record is named by its row id, ``part << 32 | position in the part`` (merged o
      MinHash values) reaches the threshold, emitted in the lowest band where they agree only
      (once per pair). Equal signatures are one class, so an all-duplicates bucket costs one
      entry per class, not one pair per two records.
-3. ``clusters`` (one job): every edge, in row order (memory: the edges, i.e. the duplicates,
-   not the rows), decides greedily as today; then each merged part is read once more and
-   written without its removed rows, and the removed list in row order.
+3. ``decisions`` (one job): every edge, in row order (memory: the edges, i.e. the
+   duplicates, not the rows), decides greedily as today: the removed rows, each with the
+   kept row it duplicates, kind and similarity (``decisions.npy``, sorted by row).
+4. ``kept`` (job k of P, the parts of stage 1's job k): each part read once more, one at a
+   time, and written without its removed rows into ``<output_dir>/.deduplicated.parts/``
+   (read = written + removed, or it fails); its report names each part file (size, mtime)
+   and the source_index/sample_index of its removed rows and of its kept rows that a
+   removed row names (what the removed list needs of its parts).
+5. ``deduplicated/`` in place (one job): every report checked against the merge manifest
+   and the decisions, the parts directory renamed to ``deduplicated/`` at once, and the
+   removed list in row order with the counts.
 
 Why the class collapse keeps today's result: records with equal signatures have the same
 candidates and similarities, so the first one decides for all; the later ones are removed
