@@ -611,9 +611,10 @@ def test_changed_parameters_remove_the_old_outputs(tmp_path):
     counts.write_text(json.dumps(same))
     assert remove_stale_dedup_outputs(cfg) == [] and counts.exists()
     (tmp_path / "s/dedup/dataset_0").mkdir()  # the stages' files (data/dedup_stages.py)
+    (tmp_path / "o/.deduplicated.parts").mkdir()  # parts the dedup_write jobs wrote with the old parameters
     counts.write_text(json.dumps({**same, "threshold": 0.5}))
     assert remove_stale_dedup_outputs(cfg) and not counts.exists() and not (tmp_path / "o/deduplicated").exists()
-    assert not (tmp_path / "s/dedup/dataset_0").exists()
+    assert not (tmp_path / "s/dedup/dataset_0").exists() and not (tmp_path / "o/.deduplicated.parts").exists()
 
 
 # --------------------------------------------------------------------------- end to end
