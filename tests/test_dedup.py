@@ -310,6 +310,119 @@ def test_the_stages_remove_what_the_single_job_removed(tmp_path, fmt, partitions
     else:
         kept = [r for path in out for r in pq.read_table(path).to_pylist()]
     assert [r["source_index"] for r in kept] == [r["source_index"] for r, k in zip(everything, keep) if k]
+    # the parallel writers' parts are, byte for byte, what one writer of the kept records wrote
+    marks = iter(keep)
+    kept_items = []
+    for item in items:
+        mask = [next(marks) for _ in range(len(item) if fmt == "jsonl" else item.num_rows)]
+        kept_items.append([x for x, k in zip(item, mask) if k] if fmt == "jsonl" else item.filter(pa.array(mask, pa.bool_())))
+    write_merged(kept_items, tmp_path / "one_writer", fmt)
+    assert [p.name for p in out] == [p.name for p in sorted((tmp_path / "one_writer").iterdir())]
+    assert all(p.read_bytes() == (tmp_path / "one_writer" / p.name).read_bytes() for p in out)
+
+
+# --------------------------------------------------------------------------- deduplicated/ written by parallel jobs
+
+
+def staged(tmp_path: Path, fmt: str = "jsonl", partitions: int = 2):
+    """Four merged parts (duplicates within and across them) through stages 1-3: (cfg, ds, params)."""
+    from mirageflow.data.dedup_stages import write_decisions, write_pairs, write_signatures
+    from mirageflow.state.layout import StateLayout
+
+    cfg, ds = dataset(tmp_path, fmt)
+    texts = [[BASE, OTHER], [BASE.upper(), "part one's own text, unlike the others"], [NEAR, OTHER + "  "], ["the last part's text", BASE]]
+    rows = [[{"text": t, "source_index": 2 * i + j} for j, t in enumerate(part)] for i, part in enumerate(texts)]
+    items = [[json.dumps(r).encode() + b"\n" for r in part] for part in rows] if fmt == "jsonl" else [records_table(x) for x in rows]
+    write_merged(items, Path(ds.output_dir) / "merged", fmt)
+    write_manifest(cfg, 8)
+    p, paths = params(), StateLayout(cfg.state_dir)
+    files = [paths.dedup_signatures(0, k) for k in range(partitions)]
+    files[0]["meta"].parent.mkdir(parents=True, exist_ok=True)
+    for k in range(partitions):
+        write_signatures(Path(ds.output_dir) / "merged", fmt, p, partitions, k, files[k])
+    for k in range(partitions):
+        write_pairs(p, partitions, k, files, paths.dedup_edges(0, k))
+    assert write_decisions(cfg, ds, p, partitions) == 4  # rows 2 (exact), 4 (near), 5 (exact), 7 (exact)
+    return cfg, ds, p
+
+
+def test_each_write_job_writes_its_own_parts_reading_only_them(tmp_path):
+    from mirageflow.data.dedup_stages import write_kept
+
+    cfg, ds, p = staged(tmp_path)
+    out, staging = Path(ds.output_dir) / "deduplicated", Path(ds.output_dir) / ".deduplicated.parts"
+    (Path(ds.output_dir) / "merged/part-00001.jsonl").write_bytes(b"{damaged\n{damaged\n")  # job 1's part: job 0 never reads it
+    report = write_kept(cfg, ds, p, 2, 0)
+    assert [(x["name"], x["rows_in"], x["rows_out"], x["removed"]) for x in report["parts"]] == [
+        ("part-00000.jsonl", 2, 2, 0), ("part-00002.jsonl", 2, 0, 2),
+    ]  # fmt: skip
+    # the idents the removed list needs: its removed records, and its kept ones a removed record names
+    assert sorted(row for row, _, _ in report["idents"]) == [0, 1, 2 << 32, (2 << 32) | 1]
+    assert sorted(x.name for x in staging.iterdir()) == ["part-00000.jsonl", "part-00002.jsonl"] and not out.exists()
+    with pytest.raises(DedupError, match=r"part-00001.jsonl:1: not a JSON record"):
+        write_kept(cfg, ds, p, 2, 1)
+    assert sorted(x.name for x in staging.iterdir()) == ["part-00000.jsonl", "part-00002.jsonl"]
+
+
+def test_the_last_stage_puts_the_jobs_parts_in_place_and_can_run_again_alone(tmp_path):
+    from mirageflow.data.dedup_stages import write_deduplicated, write_kept
+
+    cfg, ds, p = staged(tmp_path)
+    out, staging = Path(ds.output_dir) / "deduplicated", Path(ds.output_dir) / ".deduplicated.parts"
+    out.mkdir(parents=True)
+    (out / "part-00009.jsonl").write_bytes(b"an earlier run's\n")
+    for job in (1, 0):
+        write_kept(cfg, ds, p, 2, job)
+    (staging / ".part-00003.jsonl.0123456789ab.tmp").write_bytes(b"a killed job's temp file\n")
+    counts = write_deduplicated(cfg, ds, p, 2, tmp_path / "c.json", tmp_path / "r.jsonl")
+    assert (counts["rows_in"], counts["rows_out"], counts["exact_duplicates_removed"], counts["near_duplicates_removed"]) == (8, 4, 3, 1)
+    assert not staging.exists() and sorted(x.name for x in out.iterdir()) == [f"part-0000{i}.jsonl" for i in range(4)]
+    kept = [json.loads(x)["source_index"] for part in sorted(out.iterdir()) for x in part.read_text().splitlines()]
+    assert kept == [0, 1, 3, 6]
+    removed = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["source_index"], r["kind"], r["duplicate_of"]) for r in removed] == [
+        (2, 2, "exact", 0), (4, 4, "near", 0), (5, 5, "exact", 1), (7, 7, "exact", 0),
+    ]  # fmt: skip
+    before = {x.name: x.read_bytes() for x in out.iterdir()}
+    # stopped after the move, or its outputs removed: it runs again alone, from the parts in place
+    (tmp_path / "c.json").unlink()
+    assert write_deduplicated(cfg, ds, p, 2, tmp_path / "c.json", tmp_path / "r.jsonl")["rows_out"] == 4
+    # one job run again (its report removed): its parts are new, the others' are taken from deduplicated/
+    write_kept(cfg, ds, p, 2, 1)
+    assert write_deduplicated(cfg, ds, p, 2, tmp_path / "c.json", tmp_path / "r.jsonl")["rows_out"] == 4
+    assert {x.name: x.read_bytes() for x in out.iterdir()} == before
+
+
+def test_the_write_stages_fail_loudly_when_the_records_do_not_add_up(tmp_path):
+    import numpy as np
+
+    from mirageflow.data.dedup_stages import write_deduplicated, write_kept
+    from mirageflow.state.layout import StateLayout
+
+    cfg, ds, p = staged(tmp_path)
+    paths = StateLayout(cfg.state_dir)
+    decisions = np.load(paths.dedup_decisions(0))
+    wrong = decisions.copy()
+    wrong["row"][-1] = (3 << 32) | 5  # a record part 3 does not have
+    np.save(paths.dedup_decisions(0), wrong)
+    with pytest.raises(DedupError, match=r"decisions.npy: names record 5 of .*part-00003.jsonl, which holds 2"):
+        write_kept(cfg, ds, p, 2, 1)
+    np.save(paths.dedup_decisions(0), decisions)
+    for job in (0, 1):
+        write_kept(cfg, ds, p, 2, job)
+    report = json.loads(paths.dedup_written(0, 1).read_text())
+    report["parts"][0]["rows_out"] += 1  # a record written twice: 2 written + 1 removed from 2
+    paths.dedup_written(0, 1).write_text(json.dumps(report))
+    with pytest.raises(DedupError, match=r"written_1.json: part part-00001.jsonl read 2 records, wrote 2 and removed 1"):
+        write_deduplicated(cfg, ds, p, 2, tmp_path / "c.json", tmp_path / "r.jsonl")
+    write_kept(cfg, ds, p, 2, 1)
+    (Path(ds.output_dir) / ".deduplicated.parts/part-00002.jsonl").write_bytes(b"changed after its job\n")
+    with pytest.raises(DedupError, match=r"part-00002.jsonl: missing, or not the part .*written_0.json says it wrote"):
+        write_deduplicated(cfg, ds, p, 2, tmp_path / "c.json", tmp_path / "r.jsonl")
+    assert not (Path(ds.output_dir) / "deduplicated").exists() and not (tmp_path / "c.json").exists()
+    np.save(paths.dedup_decisions(0), decisions[:-1])  # decided again: the jobs' reports are stale
+    with pytest.raises(DedupError, match=r"written_0.json: not this dedup's stage 4 report .*remove it and rerun"):
+        write_deduplicated(cfg, ds, p, 2, tmp_path / "c.json", tmp_path / "r.jsonl")
 
 
 @pytest.mark.parametrize("k, num_perm", [(1, 32), (3, 128), (5, 128), (5, 7)])
@@ -327,6 +440,49 @@ def test_the_signatures_are_datasketchs_minhash(k, num_perm):
         m = MinHash(num_perm=num_perm, seed=1, permutations=base.permutations, scheme=base.scheme, hashfunc=zlib.crc32)
         m.update_batch(list(shingles(text, k)))
         assert m.hashvalues.tolist() == signer.signature(text).tolist(), text[:30]
+
+
+def test_the_lsh_banding_is_datasketchs_without_datasketch():
+    """data/minhash.py's banding (numpy) is what datasketch's MinHashLSH picks, refusals included."""
+    from datasketch import MinHashLSH
+
+    from mirageflow.data.dedup import LSH_WEIGHTS
+    from mirageflow.data.minhash import lsh_bands
+
+    for num_perm in (2, 3, 7, 32, 128):
+        for threshold in [i / 20 for i in range(1, 20)] + [0.97, 0.99, 0.995]:
+            try:
+                lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS)
+                expected = (lsh.b, lsh.r)
+            except ValueError:
+                expected = "refused"
+            try:
+                found = lsh_bands(threshold, num_perm, LSH_WEIGHTS)
+            except ValueError:
+                found = "refused"
+            assert found == expected, (num_perm, threshold)
+
+
+def test_a_signatures_job_imports_neither_datasketch_nor_scipy(tmp_path):
+    """datasketch imports scipy (~1-2 CPU-s a process) for arrays numpy computes (data/minhash.py)."""
+    cfg, ds = dataset(tmp_path, "jsonl")
+    lines = [json.dumps({"text": t, "source_index": i}).encode() + b"\n" for i, t in enumerate([BASE, NEAR, OTHER])]
+    write_merged([lines], Path(ds.output_dir) / "merged", "jsonl")
+    script = f"""
+import sys
+from pathlib import Path
+from mirageflow.config.types import DedupParams
+from mirageflow.data.dedup_stages import write_signatures
+from mirageflow.state.layout import StateLayout
+params = DedupParams(**{dict(vars(params()))!r})
+files = StateLayout({cfg.state_dir!r}).dedup_signatures(0, 0)
+files["meta"].parent.mkdir(parents=True)
+meta = write_signatures(Path({ds.output_dir!r}) / "merged", "jsonl", params, 1, 0, files)
+print(meta["bands"], sorted(m for m in sys.modules if m.split(".")[0] in ("datasketch", "scipy")))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["11", "[]"]  # 11 bands of 11 at 0.85 and 128 permutations, nothing imported
 
 
 def test_one_dedup_job_per_eight_shards_at_least_one_at_most_the_cap():
@@ -455,9 +611,10 @@ def test_changed_parameters_remove_the_old_outputs(tmp_path):
     counts.write_text(json.dumps(same))
     assert remove_stale_dedup_outputs(cfg) == [] and counts.exists()
     (tmp_path / "s/dedup/dataset_0").mkdir()  # the stages' files (data/dedup_stages.py)
+    (tmp_path / "o/.deduplicated.parts").mkdir()  # parts the dedup_write jobs wrote with the old parameters
     counts.write_text(json.dumps({**same, "threshold": 0.5}))
     assert remove_stale_dedup_outputs(cfg) and not counts.exists() and not (tmp_path / "o/deduplicated").exists()
-    assert not (tmp_path / "s/dedup/dataset_0").exists()
+    assert not (tmp_path / "s/dedup/dataset_0").exists() and not (tmp_path / "o/.deduplicated.parts").exists()
 
 
 # --------------------------------------------------------------------------- end to end
@@ -489,6 +646,8 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
     proc = run_workflow(tmp_path, cfg)
     # two shards: each stage is one job (one per 8 shards: dedup_partitions; several: the tests above)
     assert proc.text.count("rule dedup_signatures:") == 1 and proc.text.count("rule dedup_pairs:") == 1
+    assert proc.text.count("rule dedup_decide:") == 1 and proc.text.count("rule dedup_write:") == 1
+    assert not (tmp_path / "out/.deduplicated.parts").exists()  # the dedup rule moved the parts into deduplicated/
     kept = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/deduplicated").glob("*.parquet"))])
     assert kept.column("id").to_pylist() == [0, 1, 4]
     merged = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out/merged").glob("*.parquet"))])
@@ -509,6 +668,7 @@ def test_workflow_deduplicates_after_merge_and_reports_the_counts(tmp_path, serv
     proc = run_workflow(tmp_path, cfg, "--rerun-triggers", "mtime")
     assert shard_jobs(proc) == 0 and "rule dedup:" in proc.text
     assert proc.text.count("rule dedup_signatures:") == 1 and proc.text.count("rule dedup_pairs:") == 1  # stale stages too
+    assert proc.text.count("rule dedup_decide:") == 1 and proc.text.count("rule dedup_write:") == 1
     counts = json.loads((tmp_path / "state/dedup/dataset_0.json").read_text())
     assert (counts["near_duplicates_removed"], counts["rows_out"]) == (0, 4)
     assert json.loads((tmp_path / "state/metrics.json").read_text())["deduplication"][0]["rows_out"] == 4

@@ -120,6 +120,7 @@ def test_the_rules_take_their_paths_from_the_layout(tmp_path, tiny_model):
         # the dedup stages: one job each for 2 shards (data/dedup_stages.py)
         *paths.dedup_signatures(0, 0).values(), paths.dedup_edges(0, 0),
         paths.log("dedup_signatures_0_0"), paths.log("dedup_pairs_0_0"),
+        paths.dedup_decisions(0), paths.dedup_written(0, 0), paths.log("dedup_decide_0"), paths.log("dedup_write_0_0"),
     }  # fmt: skip
     assert {str(p) for p in expected} <= named, {str(p) for p in expected} - named
     assert {p for p in named if p.startswith("state/")} <= {str(p) for p in expected}, "a rule names a state path the layout does not"

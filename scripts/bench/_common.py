@@ -132,6 +132,20 @@ def pin_to_one_core(core: int | None = None) -> str:
     return f"pinned to one CPU (sched_setaffinity, CPU {core}: the least busy at start)"
 
 
+def peak_rss_mb() -> float:
+    """VmHWM: this process's own peak (ru_maxrss would carry the parent's RSS at fork across exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit("no VmHWM in /proc/self/status")
+
+
+def bytes_read() -> tuple[int, int]:
+    """(rchar, read_bytes) of this process (/proc/self/io): every read, page cache or not; from the disk."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"]), int(fields["read_bytes"])
+
+
 def median(xs):
     return statistics.median(xs)
 

@@ -1,5 +1,5 @@
-"""Data at scale (issue 37): what indexing a dataset and reading a late shard cost at 200k and
-2M rows, and how each grows with 10x the rows.
+"""Data at scale (issue 37): what indexing a dataset, reading a late shard, the merge and the
+dedup cost at 200k and 2M rows, and how each grows with 10x the rows.
 
     python scripts/bench/data_scale.py                       # 200k and 2M rows: ~15-30 min on a busy machine
     python scripts/bench/data_scale.py --sizes 20000 200000  # a quick look
@@ -22,7 +22,12 @@ Steps, with ``num_shards`` 200:
   process and the peak RSS cleared before the measure;
 - ``touch: driver``: after ``os.utime`` (same bytes), the driver's content check at DAG build
   (``state.inputs.dataset_changed``, then the content cache saved);
-- ``touch: job``: then a shard job's ``load_shard`` (it trusts the driver's record).
+- ``touch: job``: then a shard job's ``load_shard`` (it trusts the driver's record);
+- on dedup_scale.py's workspace (its records, ~600 B of text, 10% exact and 10% near
+  copies, as the 200 shards' parts and status files a finished run leaves: its builder):
+  ``merge`` (the merge rule's job, ``merge_dataset``), then each dedup stage, its jobs
+  ``--cores`` at a time (dedup_scale.py's ``stage``: wall of the stage, CPU and bytes read
+  summed over its jobs, the largest job's peak RSS), and all stages together.
 """
 
 from __future__ import annotations
@@ -88,19 +93,6 @@ def build(root: Path, rows: int) -> dict[str, Path]:
 # --------------------------------------------------------------------------- one step, in its own process
 
 
-def _peak_rss_mb() -> float:
-    """VmHWM: this process's own peak (ru_maxrss would carry the parent's RSS at fork across exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise SystemExit("no VmHWM in /proc/self/status")
-
-
-def _io() -> tuple[int, int]:
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["rchar"]), int(fields["read_bytes"])
-
-
 def child(step: str, kind: str, path: str, state: str) -> dict:
     import pyarrow.parquet  # noqa: F401 - imported before the measure, as a job has it
 
@@ -114,8 +106,8 @@ def child(step: str, kind: str, path: str, state: str) -> dict:
     if step == "shard job":  # its own index first (the index job's), then the peak is cleared
         _job_config(kind, path, Path(state), index_only=True)
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
-    base_rss = _peak_rss_mb()
-    r0, c0, t0 = _io(), os.times(), time.perf_counter()
+    base_rss = C.peak_rss_mb()
+    r0, c0, t0 = C.bytes_read(), os.times(), time.perf_counter()
     rows = None
     if step == "index":
         rows = readers.write_index(ds, SHARDS, index)["rows"]
@@ -140,13 +132,13 @@ def child(step: str, kind: str, path: str, state: str) -> dict:
         rows = piece.stop - piece.start
     else:
         raise SystemExit(f"unknown step {step}")
-    t1, c1, r1 = time.perf_counter(), os.times(), _io()
+    t1, c1, r1 = time.perf_counter(), os.times(), C.bytes_read()
     return {
         "wall": t1 - t0,
         "cpu": (c1.user - c0.user) + (c1.system - c0.system),
         "rchar": r1[0] - r0[0],
         "disk": r1[1] - r0[1],
-        "rss_mb": _peak_rss_mb(),
+        "rss_mb": C.peak_rss_mb(),
         "base_rss_mb": base_rss,
         "rows": rows,
     }
@@ -187,6 +179,40 @@ def _shard_job(kind: str, path: str, state: Path) -> int:
     cfg, _ = _job_config(kind, path, state)
     status = run_shard(cfg, LATE, engine_factory=lambda *a, **k: InstantEngine(None, "an answer", 2, chat="none"))
     return status["stats"]["rows_processed"]
+
+
+WORKSPACE = "dedup_scale.py shards"
+
+
+def measure_merge_dedup(root: Path, rows: int, cores: int) -> dict[tuple[str, str], dict]:
+    """The merge, then each dedup stage, on dedup_scale.py's workspace of ``rows`` records."""
+    from types import SimpleNamespace
+
+    import dedup_scale as D
+
+    from mirageflow.data.dedup import dedup_partitions
+
+    t = time.perf_counter()
+    D.build(root, rows, shards=True)
+    print(f"{rows:,} rows of shards for the merge built in {time.perf_counter() - t:.0f} s", flush=True)
+    out = {(WORKSPACE, "merge"): D.run_job("merge", root)}
+    n = dedup_partitions(SimpleNamespace(num_shards=D.SHARDS))
+    stages = []
+    for step, jobs in D.stage_jobs(n):
+        s = D.stage(step, root, jobs, cores)
+        stages.append(s)
+        out[(WORKSPACE, f"dedup: {step} ({jobs} jobs)")] = {**s, "rss_mb": s["max_rss_mb"]}
+        print(step, s, flush=True)
+    out[(WORKSPACE, "dedup: all stages")] = {
+        **{k: sum(s[k] for s in stages) for k in ("wall", "cpu", "rchar")},
+        "rss_mb": max(s["max_rss_mb"] for s in stages),
+    }
+    counts = json.loads((root / "state" / "new.json").read_text())
+    print(
+        f"dedup at {rows:,}: {counts['exact_duplicates_removed']:,} exact, {counts['near_duplicates_removed']:,} near removed", flush=True
+    )
+    shutil.rmtree(root)
+    return out
 
 
 def run_step(step: str, kind: str, path: Path, state: Path, src: str | None = None) -> dict:
@@ -238,6 +264,7 @@ def main() -> None:
     ap.add_argument("--compare-src", help="also measure the smaller size with this copy of src/ (e.g. the code before a change)")
     ap.add_argument("--tmp", help="folder for the datasets (default: a temp dir, removed at the end)")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="dedup jobs at a time (a stage's parallel jobs)")
     args = ap.parse_args()
     cmd = "python scripts/bench/data_scale.py" + ("" if args.sizes == [200_000, 2_000_000] else f" --sizes {args.sizes[0]} {args.sizes[1]}")
     if args.compare_src:
@@ -260,6 +287,7 @@ def main() -> None:
                 other = measure(paths, root, args.compare_src)
             for p in paths.values():  # disk space for the next size
                 p.unlink()
+            results[rows].update(measure_merge_dedup(root / "merge_dedup", rows, args.cores))
             print(f"{rows:,} rows done (built in {build_s[rows]:.0f} s)", flush=True)
 
     table_rows, growth_rows, figures = [], [], {}
@@ -274,7 +302,7 @@ def main() -> None:
         figures[f"{key}_cpu_s_{big}"] = b["cpu"]
         figures[f"{key}_mb_read_{big}"] = b["rchar"] / 1e6
         figures[f"{key}_peak_rss_mb_{big}"] = b["rss_mb"]
-    base_rss = min(r["base_rss_mb"] for res in results.values() for r in res.values())
+    base_rss = min(r["base_rss_mb"] for res in results.values() for r in res.values() if "base_rss_mb" in r)
     files = ", ".join(f"{k} {_mb(sizes_on_disk[big][k])} MB" for k in KINDS)
     compare = ""
     if other:
@@ -286,7 +314,7 @@ def main() -> None:
 
 {C.table(["dataset", "step", "CPU s other", "CPU s this", "MB read other", "MB read this", "peak RSS MB other", "peak RSS MB this"], crow)}
 """
-    body = f"""## Data at scale: index and a late shard's read (`scripts/bench/data_scale.py`)
+    body = f"""## Data at scale: index, a late shard's read, merge and dedup (`scripts/bench/data_scale.py`)
 
 - command: `{cmd}`
 - date: {C.now()}; mirageflow at {C.git_rev()}
@@ -313,6 +341,11 @@ Reading it:
   `mmirage check` warns about), in bounded memory.
 - After `touch` the driver hashes a JSONL file once (a Parquet file: its footer), and a shard
   job then reads nothing of it.
+- Merge and dedup ({WORKSPACE}: dedup_scale.py's records as 200 shards' outputs, JSONL):
+  the merge holds one shard's parts at a time; each dedup stage runs
+  {args.cores} jobs at a time, so its wall is the stage's and its CPU and bytes the sum of
+  its jobs, and its peak RSS the largest job's: a job's share of the rows (8 shards at
+  most), or (decide, finish) the duplicates.
 
 Figures:
 

@@ -30,14 +30,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "tests"))  # fakes: the run's config and shards, as the tests make them
+import _common as C
 
 SHARDS = 200
 PARAMS = {"enabled": True, "exact": True, "fuzzy": True, "text_field": "text", "threshold": 0.85, "num_perm": 128, "shingle_size": 5}
 
 
-def build(root: Path, rows: int) -> None:
-    from mirageflow.data.writers import write_merged
-
+def _lines(rows: int) -> list[bytes]:
+    """The records, in source order, as JSONL lines (module docstring)."""
     rng = random.Random(rows)
     vocab = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 10))) for _ in range(20_000)]
     n_orig = int(rows * 0.8)
@@ -53,28 +54,57 @@ def build(root: Path, rows: int) -> None:
             text = " ".join(words)
         keyed.append((rng.uniform(j + 0.5, n_orig), text))
     keyed.sort(key=lambda kv: kv[0])
-    lines = [(json.dumps({"id": k, "text": t, "source_index": k}) + "\n").encode() for k, (_, t) in enumerate(keyed)]
+    return [(json.dumps({"id": k, "text": t, "source_index": k}) + "\n").encode() for k, (_, t) in enumerate(keyed)]
+
+
+def shard_run_config(root: Path):
+    """The pipeline config of the workspace as a run of SHARDS shards (JSONL out), for the merge."""
+    from fakes.configs import pipeline_config
+
+    from mirageflow.config import load_config
+
+    raw = pipeline_config(
+        root / "in.jsonl", state_dir=root / "state", output_dir=root / "out", num_shards=SHARDS,
+        dataset={"output_format": "jsonl"}, processor={"backend": "openai", "base_url": "http://127.0.0.1:9/v1"},
+    )  # fmt: skip
+    return load_config(raw, check_paths=False)
+
+
+def build(root: Path, rows: int, shards: bool = False) -> None:
+    """The workspace of ``rows`` records in SHARDS parts: merged/ and its manifest (the dedup's
+    input), or (``shards``) each shard's part and status.json as a finished run leaves them
+    (the merge's input: tests/fakes/runs.py's finish_shard)."""
+    from mirageflow.data.writers import write_merged
+
+    lines = _lines(rows)
     per = -(-rows // SHARDS)
+    if shards:
+        from fakes.runs import finish_shard
+
+        cfg = shard_run_config(root)
+        for shard in range(SHARDS):
+            records = [json.loads(x) for x in lines[shard * per : (shard + 1) * per]]
+            finish_shard(cfg, cfg.datasets[0], shard, records, per_part=max(1, len(records)))
+        return
     write_merged((lines[i : i + per] for i in range(0, rows, per)), root / "out" / "merged", "jsonl")
     (root / "state" / "merged").mkdir(parents=True, exist_ok=True)
     (root / "state" / "merged" / "dataset_0.json").write_text(json.dumps({"rows": rows}))
 
 
-def _peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise SystemExit("no VmHWM in /proc/self/status")
+def stage_jobs(n: int) -> list[tuple[str, int]]:
+    """(step, jobs) of the dedup stages in order, with n jobs a parallel stage (the workflow's rules)."""
+    return [("signatures", n), ("pairs", n), ("decide", 1), ("write", n), ("finish", 1)]
 
 
 def child(step: str, root: str, k: str) -> dict:
     """One job: ``single`` (the old code, BENCH_OLD_SRC first on sys.path), ``signatures`` k,
-    ``pairs`` k, ``clusters`` (the last stage, deduplicated/ written)."""
+    ``pairs`` k, ``decide``, ``write`` k (its parts of deduplicated/), ``finish`` (the last
+    stage: deduplicated/ in place, the removed list)."""
     if step == "single":
         sys.path.insert(0, os.environ["BENCH_OLD_SRC"])
     from mirageflow.config.types import DedupParams
 
-    t0, c0 = time.perf_counter(), os.times()
+    t0, c0, r0 = time.perf_counter(), os.times(), C.bytes_read()
     root_p = Path(root)
     cfg = SimpleNamespace(state_dir=str(root_p / "state"), num_shards=SHARDS)
     ds = SimpleNamespace(index=0, path="synthetic", output_dir=str(root_p / "out"), output_format="jsonl")
@@ -84,6 +114,13 @@ def child(step: str, root: str, k: str) -> dict:
         from mirageflow.data.dedup import dedup_dataset as single
 
         single(cfg, ds, params, state / "old.json", state / "old.removed.jsonl")
+    elif step == "merge":  # the merge rule's job: the shards' parts -> merged/ and its manifest
+        from mirageflow.data.merge import merge_dataset
+        from mirageflow.files import atomic_write_json
+        from mirageflow.state.layout import StateLayout
+
+        run = shard_run_config(root_p)
+        atomic_write_json(StateLayout(run.state_dir).merge_manifest(0), merge_dataset(run, run.datasets[0]))
     else:
         from mirageflow.data import dedup_stages as stages
         from mirageflow.data.dedup import dedup_partitions
@@ -95,10 +132,19 @@ def child(step: str, root: str, k: str) -> dict:
             stages.write_signatures(root_p / "out" / "merged", "jsonl", params, n, int(k), files[int(k)])
         elif step == "pairs":
             stages.write_pairs(params, n, int(k), files, paths.dedup_edges(0, int(k)))
+        elif step == "decide":
+            stages.write_decisions(cfg, ds, params, n)
+        elif step == "write":
+            stages.write_kept(cfg, ds, params, n, int(k))
         else:
             stages.write_deduplicated(cfg, ds, params, n, state / "new.json", state / "new.removed.jsonl")
-    c1 = os.times()
-    return {"wall": time.perf_counter() - t0, "cpu": (c1.user - c0.user) + (c1.system - c0.system), "rss_mb": _peak_rss_mb()}
+    c1, r1 = os.times(), C.bytes_read()
+    return {
+        "wall": time.perf_counter() - t0,
+        "cpu": (c1.user - c0.user) + (c1.system - c0.system),
+        "rchar": r1[0] - r0[0],
+        "rss_mb": C.peak_rss_mb(),
+    }
 
 
 def run_job(step: str, root: Path, k: int = 0, old_src: str | None = None) -> dict:
@@ -122,6 +168,7 @@ def stage(step: str, root: Path, jobs: int, cores: int) -> dict:
         "jobs": jobs,
         "wall": time.perf_counter() - t0,
         "cpu": sum(r["cpu"] for r in results),
+        "rchar": sum(r["rchar"] for r in results),
         "max_rss_mb": max(r["rss_mb"] for r in results),
     }
 
@@ -130,8 +177,6 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         print(json.dumps(child(*sys.argv[2:5])))
         return
-    import _common as C
-
     from mirageflow.data.dedup import dedup_partitions
 
     ap = argparse.ArgumentParser()
@@ -153,7 +198,7 @@ def main() -> None:
         build(root, args.rows)
         print(f"built {args.rows:,} rows in {time.perf_counter() - t:.0f} s", flush=True)
         stages = {}
-        for step, jobs in (("signatures", n), ("pairs", n), ("clusters", 1)):
+        for step, jobs in stage_jobs(n):
             stages[step] = stage(step, root, jobs, args.cores)
             print(step, stages[step], flush=True)
         new = json.loads((root / "state" / "new.json").read_text())
@@ -163,7 +208,7 @@ def main() -> None:
         rows_out.append(
             [
                 "stages: all",
-                2 * n + 1,
+                3 * n + 2,
                 C.fmt(total["wall"], 1),
                 C.fmt(total["cpu"], 1),
                 C.fmt(max(s["max_rss_mb"] for s in stages.values())),

@@ -395,8 +395,31 @@ def dedup_pairs(config: str, ds_index: int, partition: int) -> None:
     logging.info("partition %d: %d duplicate edges", partition, edges)
 
 
+def dedup_decide(config: str, ds_index: int) -> None:
+    """Dedup stage 3 (one job): the decisions from every partition's edges (data/dedup_stages.py)."""
+    from mirageflow.data.dedup import dedup_partitions
+    from mirageflow.data.dedup_stages import write_decisions
+
+    cfg = _config(config)
+    removed = write_decisions(cfg, cfg.datasets[ds_index], cfg.dedup, dedup_partitions(cfg))
+    logging.info("%d records to remove", removed)
+
+
+def dedup_write(config: str, ds_index: int, job: int) -> None:
+    """Dedup stage 4, job ``job``: its merged parts without their removed records (data/dedup_stages.py)."""
+    from mirageflow.data.dedup import dedup_partitions
+    from mirageflow.data.dedup_stages import write_kept
+
+    cfg = _config(config)
+    report = write_kept(cfg, cfg.datasets[ds_index], cfg.dedup, dedup_partitions(cfg), job)
+    logging.info(
+        "%d merged parts: %d records read, %d written, %d removed",
+        len(report["parts"]), *(sum(p[k] for p in report["parts"]) for k in ("rows_in", "rows_out", "removed")),
+    )  # fmt: skip
+
+
 def dedup(config: str, ds_index: int, counts: str, removed: str) -> None:
-    """Dedup's last stage: the decisions from every partition's edges, then deduplicated/."""
+    """Dedup's last stage: the written parts in place as deduplicated/, the removed list and the counts."""
     from mirageflow.data.dedup import dedup_partitions
     from mirageflow.data.dedup_stages import write_deduplicated
 
@@ -477,7 +500,14 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("dedup-pairs", help="dedup stage 2: one partition's duplicate edges")
     p.add_argument("dataset", type=int)
     p.add_argument("partition", type=int)
-    p = sub.add_parser("dedup", help="deduplicate one dataset's merged output from the stages' edges (deduplication_params)")
+    p = sub.add_parser("dedup-decide", help="dedup stage 3: the records to remove, from every partition's edges")
+    p.add_argument("dataset", type=int)
+    p = sub.add_parser("dedup-write", help="dedup stage 4: one job's merged parts without their removed records")
+    p.add_argument("dataset", type=int)
+    p.add_argument("job_index", type=int, metavar="job")
+    p = sub.add_parser(
+        "dedup", help="put one dataset's deduplicated parts in place, with the removed list and counts (deduplication_params)"
+    )
     p.add_argument("dataset", type=int)
     p.add_argument("counts")
     p.add_argument("removed")
@@ -520,6 +550,10 @@ def main(argv: list[str] | None = None) -> None:
         dedup_signatures(args.config, args.dataset, args.job_index)
     elif args.job == "dedup-pairs":
         dedup_pairs(args.config, args.dataset, args.partition)
+    elif args.job == "dedup-decide":
+        dedup_decide(args.config, args.dataset)
+    elif args.job == "dedup-write":
+        dedup_write(args.config, args.dataset, args.job_index)
     elif args.job == "fingerprint":
         records_fingerprint(args.config, args.output)
     elif args.job == "card":

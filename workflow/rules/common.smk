@@ -174,6 +174,12 @@ def dedup_changed(wildcards):
             CONTENT_CHANGES.force(
                 workflow, str(STATE.dedup_edges(wildcards.ds, k)), why, logger
             )
+            CONTENT_CHANGES.force(
+                workflow, str(STATE.dedup_written(wildcards.ds, k)), why, logger
+            )
+        CONTENT_CHANGES.force(
+            workflow, str(STATE.dedup_decisions(wildcards.ds)), why, logger
+        )
     return []
 
 
@@ -195,6 +201,11 @@ def dedup_signature_metas(wildcards):
 
 def dedup_edge_files(wildcards):
     return [str(STATE.dedup_edges(wildcards.ds, k)) for k in range(DEDUP_PARTITIONS)]
+
+
+def dedup_written_files(wildcards):
+    """Every dedup_write job's report of the dataset (the dedup rule checks and assembles them)."""
+    return [str(STATE.dedup_written(wildcards.ds, k)) for k in range(DEDUP_PARTITIONS)]
 
 
 def hub_model_changed(wildcards):

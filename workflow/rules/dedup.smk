@@ -3,8 +3,13 @@
 #   dedup_signatures  job k of P: MinHash signatures of the merged parts k, k+P, ..., and their
 #                     class and band entries sorted by partition
 #   dedup_pairs       partition p of P: only p's entries of every job -> duplicate edges
-#   dedup             every partition's edges -> the decisions (today's greedy rule), then
-#                     <output_dir>/deduplicated/, the counts and the list of removed records
+#   dedup_decide      one job: every partition's edges -> the decisions (today's greedy rule):
+#                     the removed rows and what each duplicates
+#   dedup_write       job k of P: the merged parts k, k+P, ... without their removed records,
+#                     into <output_dir>/.deduplicated.parts/, and a report (rows read = written
+#                     + removed per part; the idents the removed list needs)
+#   dedup             one job: the parts in place as <output_dir>/deduplicated/ (a rename), the
+#                     counts and the list of removed records
 # P is dedup_partitions (one per 8 shards, at most 256). In the default target only when
 # deduplication_params.enabled (default_targets in common.smk).
 
@@ -44,11 +49,49 @@ rule dedup_pairs:
         "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} dedup-pairs {wildcards.ds} {wildcards.partition}"
 
 
+rule dedup_decide:
+    input:
+        dedup_signature_metas,
+        dedup_edge_files,
+        changed=dedup_changed,
+    output:
+        str(STATE.dedup_decisions("{ds}")),
+    log:
+        str(STATE.log("dedup_decide_{ds}")),
+    localrule: True
+    conda:
+        "../../environment.yaml"
+    resources:
+        job_config=JOB_CONFIG,
+    shell:
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} dedup-decide {wildcards.ds}"
+
+
+rule dedup_write:
+    input:
+        str(STATE.merge_manifest("{ds}")),
+        str(STATE.dedup_decisions("{ds}")),
+        dedup_signature_metas,
+        changed=dedup_changed,
+    output:
+        str(STATE.dedup_written("{ds}", "{job}")),
+    log:
+        str(STATE.log("dedup_write_{ds}_{job}")),
+    conda:
+        "../../environment.yaml"
+    resources:
+        **cluster_resources("index"),
+        job_config=JOB_CONFIG,
+    shell:
+        "python -m mirageflow.jobs --config {resources.job_config:q} --log {log:q} dedup-write {wildcards.ds} {wildcards.job}"
+
+
 rule dedup:
     input:
         str(STATE.merge_manifest("{ds}")),
         dedup_signature_metas,
-        dedup_edge_files,
+        str(STATE.dedup_decisions("{ds}")),
+        dedup_written_files,
         # no file: deduplication_params changed, it runs again whatever the rerun triggers
         changed=dedup_changed,
     output:

@@ -12,7 +12,8 @@ kept; the result is deterministic (fixed MinHash seed, rows taken in order).
 - Texts are compared normalised as MMIRAGE does: lower case, runs of whitespace as one
   space, no leading or trailing whitespace. ``exact`` removes a record whose normalised
   text equals an earlier kept record's (BLAKE2b-128 digest).
-- ``fuzzy`` then removes near duplicates with datasketch: a MinHash (``num_perm``
+- ``fuzzy`` then removes near duplicates with datasketch's values (computed with numpy,
+  data/minhash.py: datasketch is only the tests' reference): a MinHash (``num_perm``
   permutations, seed 1) of the normalised text's character shingles of ``shingle_size``
   characters (a text shorter than that is one shingle; each shingle hashed by zlib's
   CRC-32: datasketch's default SHA-1 made the pass ~1.7x slower for the same recall),
@@ -33,7 +34,8 @@ estimated ``similarity``), and the rule checks rows_in = rows_out + removed.
 
 The work runs in stages of parallel jobs, each with a bounded share of the data
 (data/dedup_stages.py: signatures per group of merged parts, candidate pairs per band
-partition, then the decisions and the write); this module holds the rule, its parameters
+partition, the decisions in one small job, the kept records written per group of merged
+parts, then deduplicated/ put in place with the removed list and the counts); this module holds the rule, its parameters
 and the driver's checks (light: no numpy, imported when the workflow is parsed).
 """
 
@@ -49,7 +51,16 @@ from mirageflow.errors import MirageflowError
 from mirageflow.state.layout import StateLayout
 
 DEDUP_SUBDIR = "deduplicated"
-DEDUP_RULES = ["dedup_signatures", "dedup_pairs", "dedup"]  # the workflow's dedup stages (workflow/rules/dedup.smk)
+# the directory the parallel dedup_write jobs write deduplicated/'s parts into, next to it; the
+# last stage puts it in place (a rename: a reader sees the old deduplicated/ or the new one)
+DEDUP_STAGING = f".{DEDUP_SUBDIR}.parts"
+DEDUP_RULES = [
+    "dedup_signatures",
+    "dedup_pairs",
+    "dedup_decide",
+    "dedup_write",
+    "dedup",
+]  # the workflow's dedup stages (workflow/rules/dedup.smk)
 MINHASH_SEED = 1  # datasketch's default; fixed so a rerun removes the same records
 # LSH banding weighted against missed pairs (datasketch's weights: false positives, false
 # negatives): every candidate is verified by its MinHash estimate, so an extra candidate
@@ -137,6 +148,7 @@ def remove_stale_dedup_outputs(cfg: PipelineConfig) -> list[str]:
         counts_path.unlink(missing_ok=True)
         removed_path.unlink(missing_ok=True)
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out.with_name(DEDUP_STAGING), ignore_errors=True)
         shutil.rmtree(StateLayout(cfg.state_dir).dedup_work(ds.index), ignore_errors=True)  # the stages' files
         notes.append(f"deduplication_params changed: dataset {ds.index} ('{ds.path}') is deduplicated again")
     return notes
@@ -159,15 +171,15 @@ def read_dedup_counts(state_dir: str | Path) -> list[dict]:
 
 def dedup_problems(cfg: PipelineConfig) -> list[str]:
     """Driver side (preflight): a threshold below 1 that datasketch's MinHashLSH cannot band
-    with num_perm permutations. Not in load_config: it imports datasketch (scipy) and costs
-    up to ~0.2 s, which every cluster job would pay again."""
+    with num_perm permutations (data/minhash.py finds its banding, with numpy). Not in
+    load_config: it costs ~10-50 ms, which every cluster job would pay again."""
     p = cfg.dedup
     if p is None or not p.fuzzy or p.threshold >= 1:
         return []
-    from datasketch import MinHashLSH
+    from mirageflow.data.minhash import lsh_bands
 
     try:
-        MinHashLSH(threshold=p.threshold, num_perm=p.num_perm, weights=LSH_WEIGHTS)
+        lsh_bands(p.threshold, p.num_perm, LSH_WEIGHTS)
     except ValueError as e:
         return [
             f"deduplication_params.threshold: {p.threshold} with num_perm {p.num_perm} cannot be indexed by "

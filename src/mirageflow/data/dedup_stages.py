@@ -25,9 +25,17 @@ A record is named by its row id, ``part << 32 | position in the part`` (merged o
      MinHash values) reaches the threshold, emitted in the lowest band where they agree only
      (once per pair). Equal signatures are one class, so an all-duplicates bucket costs one
      entry per class, not one pair per two records.
-3. ``clusters`` (one job): every edge, in row order (memory: the edges, i.e. the duplicates,
-   not the rows), decides greedily as today; then each merged part is read once more and
-   written without its removed rows, and the removed list in row order.
+3. ``decisions`` (one job): every edge, in row order (memory: the edges, i.e. the
+   duplicates, not the rows), decides greedily as today: the removed rows, each with the
+   kept row it duplicates, kind and similarity (``decisions.npy``, sorted by row).
+4. ``kept`` (job k of P, the parts of stage 1's job k): each part read once more, one at a
+   time, and written without its removed rows into ``<output_dir>/.deduplicated.parts/``
+   (read = written + removed, or it fails); its report names each part file (size, mtime)
+   and the source_index/sample_index of its removed rows and of its kept rows that a
+   removed row names (what the removed list needs of its parts).
+5. ``deduplicated/`` in place (one job): every report checked against the merge manifest
+   and the decisions, the parts directory renamed to ``deduplicated/`` at once, and the
+   removed list in row order with the counts.
 
 Why the class collapse keeps today's result: records with equal signatures have the same
 candidates and similarities, so the first one decides for all; the later ones are removed
@@ -40,6 +48,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import shutil
 import time
 import zlib
 from pathlib import Path
@@ -48,8 +58,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from mirageflow.config.types import DatasetConfig, DedupParams, PipelineConfig
-from mirageflow.data.dedup import DEDUP_SUBDIR, LSH_WEIGHTS, MINHASH_SEED, DedupError, normalize, shingles
-from mirageflow.data.writers import PartUnreadable, is_json_field, jsonl_line, write_merged
+from mirageflow.data.minhash import affine32_permutations, lsh_bands
+from mirageflow.data.dedup import DEDUP_STAGING, DEDUP_SUBDIR, LSH_WEIGHTS, MINHASH_SEED, DedupError, normalize, shingles
+from mirageflow.data.writers import is_json_field, jsonl_line, merged_part_name, replace_dir, write_merged_part
 from mirageflow.files import atomic_write_bytes, atomic_write_json
 from mirageflow.state.layout import StateLayout, merged_dir
 
@@ -62,17 +73,15 @@ _PARAM_KEYS = ("text_field", "exact", "fuzzy", "threshold", "num_perm", "shingle
 
 
 def bands_of(params: DedupParams) -> tuple[int, int]:
-    """(bands, rows per band) of datasketch's MinHashLSH for these parameters; (0, 0) when
-    there is no banding (exact only, or threshold 1: equal signatures)."""
+    """(bands, rows per band) of datasketch's MinHashLSH for these parameters (data/minhash.py
+    computes them without datasketch); (0, 0) when there is no banding (exact only, or
+    threshold 1: equal signatures)."""
     if not params.fuzzy or params.threshold >= 1:
         return 0, 0
-    from datasketch import MinHashLSH
-
     try:
-        lsh = MinHashLSH(threshold=params.threshold, num_perm=params.num_perm, weights=LSH_WEIGHTS)
+        return lsh_bands(params.threshold, params.num_perm, LSH_WEIGHTS)
     except ValueError as e:  # the driver refuses this config (dedup_problems); a job run by hand may not have
         raise DedupError(f"deduplication_params.threshold: {params.threshold} with num_perm {params.num_perm}: {e}") from None
-    return lsh.b, lsh.r
 
 
 def _params_record(params: DedupParams, partitions: int) -> dict:
@@ -168,12 +177,7 @@ class Signer:
     CHUNK = 4096  # shingles at a time: a (CHUNK x num_perm) product in memory
 
     def __init__(self, params: DedupParams):
-        from datasketch import MinHash
-
-        base = MinHash(num_perm=params.num_perm, seed=MINHASH_SEED)
-        if base.scheme != "affine32":  # another datasketch: its values would not be these
-            raise DedupError(f"datasketch's MinHash uses the {base.scheme!r} scheme; this dedup computes 'affine32' (datasketch 2.x)")
-        self._a, self._b = (np.asarray(x, dtype=np.uint32) for x in base.permutations)
+        self._a, self._b = affine32_permutations(params.num_perm, MINHASH_SEED)
         self.k = k = params.shingle_size
         self._zero = np.uint32(zlib.crc32(bytes(k)))
         tables = np.zeros((k, 256), dtype=np.uint32)
@@ -481,109 +485,235 @@ def removed_entry(row: int, ident: tuple, kind: str, first: tuple, similarity: f
     return jsonl_line(entry)
 
 
-# --------------------------------------------------------------------------- the whole dataset
+# --------------------------------------------------------------------------- stage 3: decisions
+
+DECISION = np.dtype([("row", "<u8"), ("of", "<u8"), ("sim", "<f8"), ("kind", "u1")])  # sim: NaN for none
+KINDS = ("exact", "near")
+_POSITION = (1 << PART_SHIFT) - 1
 
 
-def dedup_dataset(
-    cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, counts_path: str | Path, removed_path: str | Path, partitions: int = 1
-) -> dict:
-    """Every stage in this process, one job after the other (the workflow runs them as parallel
-    jobs): write ``<output_dir>/deduplicated/``, the removed list and the counts; return the counts."""
-    started = time.monotonic()
-    _merged_rows(cfg, ds)  # a missing manifest is named before any stage runs
+def _checked_parts(cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, partitions: int):
+    """(state layout, stage 1's metas, merged/'s parts, part index -> its meta entry), the
+    parts checked against those their signatures were computed from."""
     paths = StateLayout(cfg.state_dir)
-    files = [paths.dedup_signatures(ds.index, k) for k in range(partitions)]
-    for job in range(partitions):
-        write_signatures(merged_dir(ds.output_dir), ds.output_format, params, partitions, job, files[job])
-    for partition in range(partitions):
-        write_pairs(params, partitions, partition, files, paths.dedup_edges(ds.index, partition))
-    return write_deduplicated(cfg, ds, params, partitions, counts_path, removed_path, started)
+    merged = merged_dir(ds.output_dir)
+    metas = read_metas([paths.dedup_signatures(ds.index, k) for k in range(partitions)], params, partitions)
+    parts = merged_parts(merged, ds.output_format)
+    seen = {p["index"]: p for m in metas for p in m["parts"]}
+    if sorted(seen) != list(range(len(parts))) or any(seen[i]["name"] != parts[i].name for i in range(len(parts))):
+        raise DedupError(f"{merged}: its parts changed since their signatures were computed; rerun the workflow")
+    return paths, metas, parts, seen
 
 
-def _merged_rows(cfg: PipelineConfig, ds: DatasetConfig) -> int:
-    manifest_path = StateLayout(cfg.state_dir).merge_manifest(ds.index)
+def write_decisions(cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, partitions: int) -> int:
+    """Stage 3 (one job): every partition's edges, in row order, decide (today's greedy rule);
+    the removed rows, sorted, with what each duplicates. Memory: the edges, not the rows."""
+    paths = _checked_parts(cfg, ds, params, partitions)[0]
+    removed = decide(load_edges([paths.dedup_edges(ds.index, k) for k in range(partitions)]))
+    rows = sorted(removed)
+    out = np.zeros(len(rows), dtype=DECISION)
+    out["row"] = rows
+    out["of"] = [removed[r][1] for r in rows]
+    out["sim"] = [np.nan if removed[r][2] is None else removed[r][2] for r in rows]
+    out["kind"] = [KINDS.index(removed[r][0]) for r in rows]
+    _save_npy(paths.dedup_decisions(ds.index), out)
+    return len(out)
+
+
+def _decisions(path: Path, mmap: bool = False):
+    """(the decisions, their file's identity: size and mtime, which the writers' reports name)."""
     try:
-        return json.loads(manifest_path.read_text(encoding="utf-8"))["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DedupError(f"{manifest_path}: cannot read the merge manifest ({type(e).__name__}: {e}); rerun the merge rule") from None
+        decisions = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        if decisions.dtype != DECISION:
+            raise ValueError(f"dtype {decisions.dtype}")
+        st = path.stat()
+    except (OSError, ValueError) as e:
+        raise DedupError(f"{path}: cannot read the dedup decisions ({type(e).__name__}: {e}); rerun the workflow") from None
+    return decisions, [st.st_size, st.st_mtime_ns]
+
+
+# --------------------------------------------------------------------------- stage 4: the kept records
+
+
+def _without(path: Path, fmt: str, field: str, gone: list[int], named: set[int]):
+    """(part ``path`` without the records at positions ``gone``: JSONL lines or an Arrow table,
+    the records it holds, {position: record} of those in ``gone`` or ``named``)."""
+    wanted = set(gone) | named
+    found: dict[int, dict] = {}
+    if fmt == "jsonl":
+        kept, n, drop = [], 0, set(gone)
+        for record, line in part_records(path, fmt, field, wanted):
+            if n in wanted:
+                found[n] = record if isinstance(record, dict) else {}
+            if n not in drop:
+                kept.append(line)
+            n += 1
+        return kept, n, found
+    import pyarrow as pa
+
+    table, columns = parquet_part(path, field)
+    n = table.num_rows
+    for pos in wanted:
+        if pos < n:
+            found[pos] = {name: values[pos] for name, values in columns.items()}
+    mask = [True] * n
+    for pos in gone:
+        if pos < n:
+            mask[pos] = False
+    return table.filter(pa.array(mask, type=pa.bool_())), n, found
+
+
+def _file_id(path: Path) -> list[int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def write_kept(cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, partitions: int, job: int) -> dict:
+    """Stage 4, job ``job`` (the merged parts ``job``, ``job + partitions``, ... as in stage 1):
+    each part without its removed records, into ``deduplicated/``'s staging directory, one
+    part at a time; its report: per part the records read, written and removed (read =
+    written + removed, or it fails) and the file written, and the source_index and
+    sample_index of its removed records and of its kept ones that a removed record names."""
+    paths, metas, parts, seen = _checked_parts(cfg, ds, params, partitions)
+    fmt, field = ds.output_format, params.text_field
+    decisions, decisions_id = _decisions(paths.dedup_decisions(ds.index), mmap=True)
+    mine = [p["index"] for p in metas[job]["parts"]]
+    rows = decisions["row"]
+    named_rows = np.asarray(decisions["of"])
+    named_rows = named_rows[np.isin(named_rows >> np.uint64(PART_SHIFT), np.array(mine, dtype=np.uint64))]
+    staging = Path(ds.output_dir) / DEDUP_STAGING
+    staging.mkdir(parents=True, exist_ok=True)
+    report_parts, idents = [], []
+    for index in mine:
+        path, base = parts[index], index << PART_SHIFT
+        lo, hi = np.searchsorted(rows, np.array([base, base + (1 << PART_SHIFT)], dtype=np.uint64)).tolist()
+        gone = [r & _POSITION for r in rows[lo:hi].tolist()]
+        named = {r & _POSITION for r in named_rows[(named_rows >> np.uint64(PART_SHIFT)) == np.uint64(index)].tolist()}
+        kept, n, found = _without(path, fmt, field, gone, named)
+        if n != seen[index]["rows"]:
+            raise DedupError(f"{path}: holds {n} records, {seen[index]['rows']} when its signatures were computed; rerun the workflow")
+        beyond = [pos for pos in sorted(set(gone) | named) if pos >= n]
+        if beyond:
+            raise DedupError(f"{paths.dedup_decisions(ds.index)}: names record {beyond[0]} of {path}, which holds {n}; rerun the workflow")
+        target = staging / merged_part_name(index, fmt)
+        try:
+            written = write_merged_part(target, kept, fmt)
+        except OSError as e:
+            raise DedupError(f"{target}: cannot write this deduplicated part ({type(e).__name__}: {e})") from None
+        if written + len(gone) != n:  # the accounting: every record kept or removed
+            raise DedupError(f"{target}: {written} records written + {len(gone)} removed != {n} read from {path}")
+        report_parts.append(
+            {"index": index, "name": target.name, "rows_in": n, "rows_out": written, "removed": len(gone), "file": _file_id(target)}
+        )
+        idents += [[base | pos, record.get("source_index"), record.get("sample_index")] for pos, record in sorted(found.items())]
+    report = {
+        "params": _params_record(params, partitions),
+        "job": job,
+        "decisions": decisions_id,
+        "parts": report_parts,
+        "idents": idents,
+    }
+    atomic_write_json(paths.dedup_written(ds.index, job), report, indent=None)
+    return report
+
+
+# --------------------------------------------------------------------------- stage 5: deduplicated/ in place
+
+
+def _reports(paths: StateLayout, ds: DatasetConfig, params: DedupParams, partitions: int, decisions_id: list[int]) -> list[dict]:
+    expected = _params_record(params, partitions)
+    reports = []
+    for job in range(partitions):
+        path = paths.dedup_written(ds.index, job)
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+            if report["params"] != expected or report["job"] != job or report["decisions"] != decisions_id:
+                raise ValueError(f"made for {report['params']} (job {report['job']}) from other decisions, not {expected} (job {job})")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DedupError(
+                f"{path}: not this dedup's stage 4 report ({type(e).__name__}: {e}); remove it and rerun the workflow"
+            ) from None
+        reports.append(report)
+    return reports
+
+
+def _assemble(staging: Path, out: Path, expected: dict[str, tuple[list[int], Path]]) -> None:
+    """Put the parts the stage 4 jobs wrote (name -> (their size and mtime, the report naming
+    them)) in place of ``out`` at once. A part already moved there by an earlier run of this
+    stage (stopped after the move) is linked back; anything else in the staging directory
+    (a killed job's temp file) is dropped; a part missing or changed fails."""
+    staging.mkdir(parents=True, exist_ok=True)
+    for name, (file_id, report) in expected.items():
+        target = staging / name
+        if _file_id(target) == file_id:
+            continue
+        earlier = out / name
+        if _file_id(earlier) != file_id:
+            raise DedupError(f"{target}: missing, or not the part {report} says it wrote; remove {report} and rerun the workflow")
+        target.unlink(missing_ok=True)
+        try:
+            os.link(earlier, target)
+        except OSError:  # no hard links here: a copy keeps the size and mtime
+            shutil.copy2(earlier, target)
+    for extra in staging.iterdir():
+        if extra.name not in expected:
+            shutil.rmtree(extra) if extra.is_dir() and not extra.is_symlink() else extra.unlink()
+    replace_dir(staging, out)
 
 
 def write_deduplicated(
     cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, partitions: int, counts_path: str | Path, removed_path: str | Path,
     started: float | None = None,
 ) -> dict:  # fmt: skip
-    """The last stage: decide from every partition's edges (data/dedup_py), then write
-    ``deduplicated/`` part by part without the removed records, the removed list and the counts."""
-    import pyarrow as pa
-
+    """The last stage (one job): the stage 4 jobs' parts in place as ``deduplicated/``, the
+    removed list (in row order, from the decisions and the jobs' reports) and the counts,
+    after checking every part's accounting against the merge manifest and the decisions."""
     started = time.monotonic() if started is None else started
     fmt, field = ds.output_format, params.text_field
+    paths, _, parts, seen = _checked_parts(cfg, ds, params, partitions)
     merged = merged_dir(ds.output_dir)
-    paths = StateLayout(cfg.state_dir)
     merged_rows = _merged_rows(cfg, ds)
-    metas = read_metas([paths.dedup_signatures(ds.index, k) for k in range(partitions)], params, partitions)
-    parts = merged_parts(merged, fmt)
-    seen = {p["index"]: p for m in metas for p in m["parts"]}
-    if sorted(seen) != list(range(len(parts))) or any(seen[i]["name"] != parts[i].name for i in range(len(parts))):
-        raise DedupError(f"{merged}: its parts changed since their signatures were computed; rerun the workflow")
     rows_in = sum(p["rows"] for p in seen.values())
     if rows_in != merged_rows:
         raise DedupError(
             f"{merged}: holds {rows_in} records, its merge manifest {paths.merge_manifest(ds.index)} counts {merged_rows}; "
             "the merged output changed after the merge: rerun the merge rule"
         )
-    removed = decide(load_edges([paths.dedup_edges(ds.index, k) for k in range(partitions)]))
-    by_part: dict[int, list[int]] = {}  # part -> positions of its removed records, then of the kept ones they name
-    named: dict[int, set[int]] = {}
-    for rid, (_, first, _) in removed.items():
-        by_part.setdefault(rid >> PART_SHIFT, []).append(rid & ((1 << PART_SHIFT) - 1))
-        named.setdefault(first >> PART_SHIFT, set()).add(first & ((1 << PART_SHIFT) - 1))
-    idents: dict[int, tuple] = {}  # row id -> (position in merged order, source_index, sample_index) of a kept record named
-    lines: list[bytes] = []
-    counted = {"exact": 0, "near": 0}
+    decisions, decisions_id = _decisions(paths.dedup_decisions(ds.index))
+    reports = _reports(paths, ds, params, partitions, decisions_id)
+    written = {p["index"]: (p, paths.dedup_written(ds.index, r["job"])) for r in reports for p in r["parts"]}
+    removed_per_part = np.bincount((decisions["row"] >> np.uint64(PART_SHIFT)).astype(np.int64), minlength=len(parts)).tolist()
+    if sorted(written) != list(range(len(parts))):
+        raise DedupError(f"{merged}: {len(parts)} parts, the stage 4 reports name {len(written)}; rerun the workflow")
+    for index, (p, report) in written.items():
+        if (p["rows_in"], p["removed"]) != (seen[index]["rows"], removed_per_part[index]) or p["rows_out"] + p["removed"] != p["rows_in"]:
+            raise DedupError(
+                f"{report}: part {p['name']} read {p['rows_in']} records, wrote {p['rows_out']} and removed {p['removed']}; its merged "
+                f"part holds {seen[index]['rows']} and the decisions remove {removed_per_part[index]}: remove it and rerun the workflow"
+            )
+    first_ordinal = np.cumsum([0] + [seen[i]["rows"] for i in range(len(parts))]).tolist()
+    idents = {row: (source, sample) for r in reports for row, source, sample in r["idents"]}
 
-    def kept_parts():
-        ordinal = 0
-        for index, path in enumerate(parts):
-            gone = sorted(by_part.get(index, []))
-            wanted = set(gone) | named.get(index, set())
-            found = {}
-            if fmt == "jsonl":
-                kept, n, drop = [], 0, set(gone)
-                for record, line in part_records(path, fmt, field, wanted):
-                    if n in wanted:
-                        found[n] = record if isinstance(record, dict) else {}
-                    if n not in drop:
-                        kept.append(line)
-                    n += 1
-            else:
-                table, columns = parquet_part(path, field)
-                n = table.num_rows
-                for pos in wanted:
-                    found[pos] = {name: values[pos] for name, values in columns.items()}
-                mask = [True] * n
-                for pos in gone:
-                    mask[pos] = False
-                kept = table.filter(pa.array(mask, type=pa.bool_()))
-            if n != seen[index]["rows"]:
-                raise DedupError(f"{path}: holds {n} records, {seen[index]['rows']} when its signatures were computed; rerun the workflow")
-            base = index << PART_SHIFT
-            for pos, record in found.items():
-                idents[base | pos] = (ordinal + pos, record.get("source_index"), record.get("sample_index"))
-            for pos in gone:
-                kind, first, similarity = removed[base | pos]
-                counted[kind] += 1
-                lines.append(removed_entry(ordinal + pos, idents.pop(base | pos), kind, idents[first], similarity))
-            ordinal += n
-            yield kept
+    def ordinal(row: int) -> int:
+        return first_ordinal[row >> PART_SHIFT] + (row & _POSITION)
 
+    lines, counted = [], {"exact": 0, "near": 0}
+    for row, of, sim, kind in zip(*(decisions[k].tolist() for k in ("row", "of", "sim", "kind"))):
+        if row not in idents or of not in idents:
+            raise DedupError(
+                f"{paths.dedup_work(ds.index)}: no stage 4 report names record {row if row not in idents else of}; rerun the workflow"
+            )
+        counted[KINDS[kind]] += 1
+        me, first = (ordinal(row), *idents[row]), (ordinal(of), *idents[of])
+        lines.append(removed_entry(me[0], me, KINDS[kind], first, None if sim != sim else sim))
     out = Path(ds.output_dir) / DEDUP_SUBDIR
-    try:
-        rows_out = write_merged(kept_parts(), out, fmt)
-    except PartUnreadable as e:
-        raise DedupError(str(e)) from None
-    if rows_out + len(removed) != rows_in:  # the accounting: every record kept or listed as removed
-        raise DedupError(f"{out}: {rows_out} records written + {len(removed)} removed != {rows_in} read")
+    _assemble(Path(ds.output_dir) / DEDUP_STAGING, out, {p["name"]: (p["file"], report) for p, report in written.values()})
+    rows_out = sum(p["rows_out"] for p, _ in written.values())
+    if rows_out + len(decisions) != rows_in:  # the accounting: every record kept or listed as removed
+        raise DedupError(f"{out}: {rows_out} records written + {len(decisions)} removed != {rows_in} read")
     atomic_write_bytes(Path(removed_path), b"".join(lines))
     counts = {
         "dataset": ds.path,
@@ -607,3 +737,33 @@ def write_deduplicated(
     }
     atomic_write_json(Path(counts_path), counts)
     return counts
+
+
+def _merged_rows(cfg: PipelineConfig, ds: DatasetConfig) -> int:
+    manifest_path = StateLayout(cfg.state_dir).merge_manifest(ds.index)
+    try:
+        return json.loads(manifest_path.read_text(encoding="utf-8"))["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DedupError(f"{manifest_path}: cannot read the merge manifest ({type(e).__name__}: {e}); rerun the merge rule") from None
+
+
+# --------------------------------------------------------------------------- the whole dataset
+
+
+def dedup_dataset(
+    cfg: PipelineConfig, ds: DatasetConfig, params: DedupParams, counts_path: str | Path, removed_path: str | Path, partitions: int = 1
+) -> dict:
+    """Every stage in this process, one job after the other (the workflow runs them as parallel
+    jobs): write ``<output_dir>/deduplicated/``, the removed list and the counts; return the counts."""
+    started = time.monotonic()
+    _merged_rows(cfg, ds)  # a missing manifest is named before any stage runs
+    paths = StateLayout(cfg.state_dir)
+    files = [paths.dedup_signatures(ds.index, k) for k in range(partitions)]
+    for job in range(partitions):
+        write_signatures(merged_dir(ds.output_dir), ds.output_format, params, partitions, job, files[job])
+    for partition in range(partitions):
+        write_pairs(params, partitions, partition, files, paths.dedup_edges(ds.index, partition))
+    write_decisions(cfg, ds, params, partitions)
+    for job in range(partitions):
+        write_kept(cfg, ds, params, partitions, job)
+    return write_deduplicated(cfg, ds, params, partitions, counts_path, removed_path, started)

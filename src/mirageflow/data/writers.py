@@ -357,40 +357,63 @@ def read_parts(shard_dir: Path, fmt: str):
 # --------------------------------------------------------------------------- merged/
 
 
+def write_merged_part(path: Path, item, fmt: str) -> int:
+    """One part file of merged/ (or deduplicated/), atomically (temp name, fsync, rename);
+    returns its rows. ``item`` is an Arrow table, or (JSONL) a list of lines (bytes, each
+    ending in a newline) written byte for byte."""
+    path = Path(path)
+    fd, tmp = new_temp_file(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(item, list):
+                f.writelines(item)
+                rows = len(item)
+            elif fmt == "parquet":
+                import pyarrow.parquet as pq  # not for JSONL lines: a dedup_write job of JSONL parts never loads it
+
+                pq.write_table(item, f)
+                rows = item.num_rows
+            else:
+                f.write(_jsonl_bytes(item.to_pylist()))
+                rows = item.num_rows
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return rows
+
+
+def merged_part_name(index: int, fmt: str) -> str:
+    return f"part-{index:05d}.{fmt}"
+
+
+def replace_dir(new: Path, out_dir: Path) -> None:
+    """Put the directory ``new`` in place of ``out_dir`` (renames: a reader sees the old
+    one or the new one, whole)."""
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(new, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def write_merged(tables: Iterable, out_dir: Path, fmt: str) -> int:
     """Write tables (in order) as merged/part-NNNNN files, replacing the old merged dir atomically.
 
     An item is an Arrow table, or (JSONL) a list of lines (bytes, each ending in a newline)
     written byte for byte.
     """
-    import pyarrow.parquet as pq
-
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_temp_dir(out_dir)
     rows = 0
     try:
         for i, table in enumerate(tables):
-            path = tmp / f"part-{i:05d}.{fmt}"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-            with os.fdopen(fd, "wb") as f:
-                if isinstance(table, list):
-                    f.writelines(table)
-                    rows += len(table)
-                elif fmt == "parquet":
-                    pq.write_table(table, f)
-                    rows += table.num_rows
-                else:
-                    f.write(_jsonl_bytes(table.to_pylist()))
-                    rows += table.num_rows
-                f.flush()
-                os.fsync(f.fileno())
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+            rows += write_merged_part(tmp / merged_part_name(i, fmt), table, fmt)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -29,7 +29,7 @@ rules' paths are these). Each id argument takes an int or a Snakemake wildcard
       engines/engine_<g>.stats.json      its loads
       merged/dataset_<k>.json            the merge manifest
       dedup/dataset_<k>.json, .removed.jsonl   deduplication counts and removed records
-      dedup/dataset_<k>/                 the dedup stages' signatures and edges (data/dedup_stages.py)
+      dedup/dataset_<k>/                 the dedup stages' signatures, edges, decisions, written parts' reports (data/dedup_stages.py)
       metrics.json, summary.md, report.html    the aggregate
       publish/pipeline_id.json           this pipeline's id, written in its dataset card (publish/card.py)
       publish/published.json             the last upload to the Hugging Face Hub (mmirage publish, rule publish)
@@ -153,6 +153,14 @@ class StateLayout:
     def dedup_edges(self, ds: Id, partition: Id) -> Path:
         """Stage 2 partition ``partition``'s duplicate edges."""
         return self.dedup_work(ds) / f"edges_{partition}.npy"
+
+    def dedup_decisions(self, ds: Id) -> Path:
+        """Stage 3's decisions: the removed rows and what each duplicates."""
+        return self.dedup_work(ds) / "decisions.npy"
+
+    def dedup_written(self, ds: Id, job: Id) -> Path:
+        """Stage 4 job ``job``'s report of the deduplicated parts it wrote."""
+        return self.dedup_work(ds) / f"written_{job}.json"
 
     def dedup_count_files(self) -> list[Path]:
         """The dedup counts present now, by dataset number."""
