@@ -292,18 +292,24 @@ def _failing(cls_failure=None, failing_loads: int = 1, base: type = ModelThatFai
     return lambda processor, batch_size, log_dir=None: engine_class(processor, batch_size)
 
 
-def test_a_transformers_model_with_a_device_error_is_reloaded_and_its_batch_runs_again(tmp_path, tiny_model):
-    reference = run_shard(_transformers_shard(tmp_path / "ref", tiny_model), 0)
-    expected = _records(tmp_path / "ref")
-    assert reference["stats"]["engine_restarts"] == 0
-
-    status = run_shard(_transformers_shard(tmp_path, tiny_model), 0, engine_factory=_failing())
+def _one_device_error_reload(status: dict) -> dict:
+    """The death of a shard that went on after one reload of its model (a CUDA error, injected)."""
     st = status["stats"]
     assert [(a["attempt"], a["outcome"]) for a in st["attempts"]] == [(1, "success")] and st["rows_failed"] == 0
     assert st["engine_restarts"] == 1
     (death,) = st["engine_deaths"]
     assert (death["class"], death["processor"]) == ("device_error", "llm")
     assert death["cause"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    return death
+
+
+def test_a_transformers_model_with_a_device_error_is_reloaded_and_its_batch_runs_again(tmp_path, tiny_model):
+    reference = run_shard(_transformers_shard(tmp_path / "ref", tiny_model), 0)
+    expected = _records(tmp_path / "ref")
+    assert reference["stats"]["engine_restarts"] == 0
+
+    status = run_shard(_transformers_shard(tmp_path, tiny_model), 0, engine_factory=_failing())
+    death = _one_device_error_reload(status)
     assert 1 <= death["requests_resent"] <= 3  # only the rows of the batch in flight, not handed back yet
     records = _records(tmp_path)  # every row once, the same greedy text as without the failure
     assert sorted(r["q"] for r in records) == sorted(r["q"] for r in expected)
@@ -341,12 +347,7 @@ def test_the_continuous_batching_path_reloads_its_model_after_a_device_error_and
     assert cb["enabled"] and cb["requests"] == 7 and reference["stats"]["engine_restarts"] == 0  # all on the manager
 
     status = run_shard(_transformers_shard(tmp_path, tiny_model, continuous=True), 0, engine_factory=_failing(base=ManagerThatFails))
-    st = status["stats"]
-    assert [(a["attempt"], a["outcome"]) for a in st["attempts"]] == [(1, "success")] and st["rows_failed"] == 0
-    assert st["engine_restarts"] == 1
-    (death,) = st["engine_deaths"]
-    assert (death["class"], death["processor"]) == ("device_error", "llm")
-    assert death["cause"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    death = _one_device_error_reload(status)
     assert 1 <= death["requests_resent"] <= 7  # the requests the dead manager held, not those answered before
     cb = status["engines"]["llm"]["details"]["continuous_batching"]
     assert cb["enabled"] and cb["static_path_requests"] == {}  # the rebuilt manager served them, counting on

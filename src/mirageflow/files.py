@@ -6,6 +6,7 @@ umask, and any default ACL), never with ``tempfile``'s private 0600 / 0700.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,24 @@ def new_temp_dir(path: Path) -> Path:
         except FileExistsError:
             continue
     raise FileExistsError(f"cannot create a temp directory next to {path}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, durable: bool = True):
+    """A binary file to write at a temp name next to ``path``: on a clean exit it is flushed,
+    fsynced (``durable``) and renamed onto ``path``; on an error it is removed, and ``path``
+    keeps what it had."""
+    path = Path(path)
+    fd, tmp = new_temp_file(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:

@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from mirageflow.files import new_temp_dir, new_temp_file
+from mirageflow.files import atomic_file, new_temp_dir, new_temp_file
 from mirageflow.errors import MirageflowError
 
 ENCODING_KEY = b"mirageflow.encoding"
@@ -297,21 +297,19 @@ def write_part(path: Path, records: list[dict], fmt: str) -> None:
         table = records_table(records)
     else:
         data = _jsonl_bytes(records)
+    if fmt != "parquet":
+        with atomic_file(path) as f:
+            f.write(data)
+        return
     fd, tmp = new_temp_file(path)
     try:
-        if fmt == "parquet":
+        os.close(fd)
+        pq.write_table(table, str(tmp))  # by path: faster than through a Python file; the mode stays
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
             os.close(fd)
-            pq.write_table(table, str(tmp))  # by path: faster than through a Python file; the mode stays
-            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -362,26 +360,18 @@ def write_merged_part(path: Path, item, fmt: str) -> int:
     returns its rows. ``item`` is an Arrow table, or (JSONL) a list of lines (bytes, each
     ending in a newline) written byte for byte."""
     path = Path(path)
-    fd, tmp = new_temp_file(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(item, list):
-                f.writelines(item)
-                rows = len(item)
-            elif fmt == "parquet":
-                import pyarrow.parquet as pq  # not for JSONL lines: a dedup_write job of JSONL parts never loads it
+    with atomic_file(path) as f:
+        if isinstance(item, list):
+            f.writelines(item)
+            rows = len(item)
+        elif fmt == "parquet":
+            import pyarrow.parquet as pq  # not for JSONL lines: a dedup_write job of JSONL parts never loads it
 
-                pq.write_table(item, f)
-                rows = item.num_rows
-            else:
-                f.write(_jsonl_bytes(item.to_pylist()))
-                rows = item.num_rows
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            pq.write_table(item, f)
+            rows = item.num_rows
+        else:
+            f.write(_jsonl_bytes(item.to_pylist()))
+            rows = item.num_rows
     return rows
 
 

@@ -41,6 +41,7 @@ import time
 
 from mirageflow.engines.base import Completion, EngineError, EngineStopped, Request
 from mirageflow.engines.server_process import classify_engine_error
+from mirageflow.engines.transformers_static import deliver
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,7 @@ class ContinuousBatcher:
                 result = self._completion(out, request, n_prompt, limit, skip)
             except Exception as e:  # decoding failed: this request's caller gets it
                 result = EngineError(f"continuous batching: {type(e).__name__}: {e}")
-            _deliver(future, loop, result)
+            deliver(future, loop, result)
 
     def _completion(self, out, request: Request, n_prompt: int, limit: int, skip: bool):
         if out.error is not None or int(out.status) != 3:  # RequestStatus.FINISHED
@@ -281,7 +282,7 @@ class ContinuousBatcher:
                 self.manager.cancel_request(rid)
             except Exception:  # noqa: S110 - best effort: the manager may be gone; the waiter is failed below
                 pass
-            _deliver(future, loop, error)
+            deliver(future, loop, error)
 
     def close(self, error: BaseException | None = None) -> None:
         """Stop the manager; the requests it holds fail with ``error`` (default: EngineStopped)."""
@@ -292,18 +293,3 @@ class ContinuousBatcher:
             self.manager.destroy()
         finally:
             self._collector.join(timeout=5)
-
-
-def _deliver(future: asyncio.Future, loop, result) -> None:
-    def resolve():
-        if future.done():  # the waiter was cancelled (shutdown)
-            return
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # the caller's loop is closed (the shard stopped): nobody waits
-        pass

@@ -105,10 +105,7 @@ class StaticBatcher:
 
             def hand_back(i: int, result, batch=batch) -> None:
                 _, future, loop, _ = batch[i]
-                try:
-                    loop.call_soon_threadsafe(_resolve, future, result)
-                except RuntimeError:  # the caller's loop is closed (the shard stopped): nobody waits
-                    pass
+                deliver(future, loop, result)
 
             def attempt(items: list, early) -> list:
                 return engine.generator.run([item[0] for item in items], early)
@@ -127,10 +124,19 @@ class StaticBatcher:
                 hand_back(i, result)
 
 
-def _resolve(future: asyncio.Future, result) -> None:
-    if future.done():  # the waiter was cancelled (shutdown)
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
+def deliver(future: asyncio.Future, loop, result) -> None:
+    """Resolve ``future`` (of ``loop``, the caller's) from a worker thread with ``result``, an
+    exception or a completion; both transformers paths hand their answers back through it."""
+
+    def resolve() -> None:
+        if future.done():  # the waiter was cancelled (shutdown)
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the caller's loop is closed (the shard stopped): nobody waits
+        pass
