@@ -125,7 +125,7 @@ def test_a_server_killed_three_times_and_frozen_once_is_restarted_and_the_shard_
     assert summary["shards"][0]["engine_restarts"] == 4
     metrics = write_report(tmp_path / "state", 1)
     assert metrics["aggregate"]["engine_restarts"] == 4
-    assert "launched servers restarted inside their jobs" in (tmp_path / "state" / "report.html").read_text()
+    assert "engines restarted or reloaded inside their jobs" in (tmp_path / "state" / "report.html").read_text()
 
 
 def test_a_server_that_cannot_come_back_fails_the_shard_naming_each_death(fast, monkeypatch, tmp_path, capsys):

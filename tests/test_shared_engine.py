@@ -238,9 +238,11 @@ def _kill_serving_mid_run(workdir: Path, times: int, killed: list[int]) -> threa
                 ep, progress = None, []
             if ep and ep.get("state") == "ready" and ep["pid"] not in killed:
                 ready = ready or time.time()
-                # in the middle of generation: the first while both shards generate, its successors
-                # within moments of "ready" (the shards are waiting for them)
-                both = len(progress) == 2 and all(p.get("rows_done", 0) > 0 for p in progress)
+                # in the middle of generation: the first as soon as both shards generate (progress.json
+                # is written at each phase change; a row count comes only every 5 s, and the tiny
+                # model's whole generation may take less), its successors within moments of "ready"
+                # (the shards are waiting for them)
+                both = len(progress) == 2 and all(p.get("phase") == "generating" for p in progress)
                 if (both and not killed) or (killed and time.time() - ready > 0.5):
                     os.kill(ep["pid"], signal.SIGKILL)
                     killed.append(ep["pid"])
@@ -269,7 +271,9 @@ def test_an_engine_service_killed_mid_run_is_replaced_and_its_shards_go_on(tmp_p
     loads = _loads(tmp_path)
     assert [entry["state"] for entry in loads] == ["ready", "stopped"]  # the killed load never wrote its end
     assert loads[0]["pid"] == killed[0] and loads[1]["replaced"]["class"] == "killed_by_signal"
-    assert json.loads((tmp_path / "state" / "metrics.json").read_text())["aggregate"]["shared_engines"]["service_replacements"] == 1
+    aggregate = json.loads((tmp_path / "state" / "metrics.json").read_text())["aggregate"]
+    assert aggregate["shared_engines"]["service_replacements"] == 1
+    assert aggregate["engine_restarts"] == 1  # one replacement, recorded by both shards, counted once
     resent = 0
     for shard in range(2):
         status = json.loads((tmp_path / "state" / f"shard_{shard}" / "status.json").read_text())

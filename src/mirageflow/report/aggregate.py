@@ -10,6 +10,8 @@ additions; ``docs/report.md`` ("Numbers in the report") defines them.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import logging
 from pathlib import Path
 
@@ -155,6 +157,16 @@ def _failed_shards(states: list[ShardState]) -> list[dict]:
     return failed
 
 
+def _engine_restarts(shard_stats: list[dict]) -> int:
+    """The run's engine restarts: the shards' own, each death counted once. The shards of one
+    engine service (shards_per_engine) each record every replacement of it they lived
+    through, the same death (the serving process's pid, the time, the class) in each."""
+    copies = Counter(
+        (d.get("pid"), d.get("at"), d.get("class"), d.get("cause")) for st in shard_stats for d in st.get("engine_deaths") or []
+    )
+    return int(sum(st.get("engine_restarts") or 0 for st in shard_stats)) - sum(n - 1 for n in copies.values())
+
+
 def _shards_section(statuses: list[dict], num_shards: int, missing: list[int], states: list[ShardState], n_samples) -> dict:
     """Which shards are in which state, and their rows: ok, failed (by class), filtered."""
     failed = _failed_shards(states)
@@ -180,8 +192,10 @@ def _shards_section(statuses: list[dict], num_shards: int, missing: list[int], s
         "rows_failed_by_class": failed_by_class,
         "rows_failed_completed_shards": rows_failed_done,
         "rows_failed_failed_shards": rows_failed_failed,
-        # launched servers (vllm_server, sglang_server) restarted inside their shards' jobs
-        "engine_restarts": int(_sum(statuses, "engine_restarts")) + sum(f["engine_restarts"] for f in failed),
+        # engines restarted or reloaded inside their shards' jobs, each once (_engine_restarts)
+        "engine_restarts": _engine_restarts(
+            [s["stats"] for s in statuses] + [s.failure_stats or {} for s in states if s.state == "failed"]
+        ),
         "rows_processed_failed_shards": int(sum(f["rows_processed"] or 0 for f in failed)),
         "figure_scope": FIGURE_SCOPE,
         "damaged_state_files": [{"shard_id": s.shard_id, **x} for s in states for x in s.damaged],

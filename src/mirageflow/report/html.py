@@ -614,7 +614,7 @@ LABELS = {
     "tokens_per_sec_per_gpu": "output tokens/s per GPU",
     "gpu_days_per_billion_tokens": "GPU-days per billion output tokens",
     "total_input_tokens_each_choice": "input tokens, a prompt counted once per choice (as vLLM counts under native n)",
-    "engine_restarts": "launched servers restarted inside their jobs (completed and failed shards)",
+    "engine_restarts": "engines restarted or reloaded inside their jobs, each once (completed and failed shards)",
     "cost_usd": "US dollars spent by every shard's every attempt (completed, failed and running), at each processor's price",
     "cost_unpriced_tokens": "tokens of processors whose price is unknown, left out of the dollars (set processors[].pricing)",
     "cost_forecast_usd": "US dollars the whole run is forecast to cost, at the cost per row done so far (basis beside)",
