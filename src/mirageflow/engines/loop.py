@@ -172,7 +172,7 @@ class LoopEngine(Engine):
         for loop, tasks in loops:
             if not loop.is_closed():
                 try:
-                    loop.call_soon_threadsafe(_cancel_all, tasks)
+                    loop.call_soon_threadsafe(cancel_all, tasks)
                 except RuntimeError:  # loop closed meanwhile
                     pass
 
@@ -183,6 +183,7 @@ class LoopEngine(Engine):
         self._fail_all(EngineStopped("engine was stopped"))
 
 
-def _cancel_all(tasks: set[asyncio.Task]) -> None:
+def cancel_all(tasks: set[asyncio.Task]) -> None:
+    """Cancel each of ``tasks``; run on their loop (``call_soon_threadsafe``)."""
     for task in list(tasks):
         task.cancel()

@@ -64,7 +64,7 @@ from mirageflow.config.types import ProcessorConfig
 from mirageflow.stats import formulas as stats
 from mirageflow.engines.base import EngineDied, EngineError, EngineStopped
 from mirageflow.engines.http import redact, stderr_tail
-from mirageflow.engines.loop import LoopEngine, _cancel_all
+from mirageflow.engines.loop import LoopEngine, cancel_all
 from mirageflow.engines.registry import SGLANG_INSTALL
 from mirageflow.engines.reloads import InProcessReloads
 from mirageflow.engines.server_process import classify_crash, classify_engine_error
@@ -223,7 +223,7 @@ class SGLangEngine(LoopEngine):
         self._died_at[generation] = time.monotonic()
         if self._loop is not None:  # the requests it holds never answer: sent again to the successor
             try:
-                self._loop.call_soon_threadsafe(_cancel_all, self._sending)
+                self._loop.call_soon_threadsafe(cancel_all, self._sending)
             except RuntimeError:  # the loop is closed
                 pass
         if self.reloads.spent:
@@ -297,7 +297,7 @@ class SGLangEngine(LoopEngine):
         background = set(getattr(getattr(self.engine, "tokenizer_manager", None), "asyncio_tasks", None) or ())
         if background and self._loop is not None and not self._closing:
             try:
-                self._loop.call_soon_threadsafe(_cancel_all, background)
+                self._loop.call_soon_threadsafe(cancel_all, background)
             except RuntimeError:  # the loop is closed
                 pass
         _shutdown_quietly(self.engine)
