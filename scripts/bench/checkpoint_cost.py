@@ -271,8 +271,10 @@ Throughput with the instant engine (the `ours_plain` pipeline of `pipeline_overh
 Parquet part file and the manifest, each fsynced, written by the shard's writer thread.
 `checkpoint_default`: every 500 rows but at most once a second (`checkpoint_min_seconds` 1);
 `checkpoint_every_500`: every 500 rows however fast (`checkpoint_min_seconds` 0);
-`checkpoint_off`: `checkpoint_rows` and `checkpoint_seconds` huge, one commit at the end. rows/s per CPU-second
-leaves out time the process waited (fsync, other tenants of the machine).
+`checkpoint_off`: `checkpoint_rows` and `checkpoint_seconds` huge, one commit at the end. A batch that comes
+due while the writer thread still writes the last one grows until that write is done, so there can be
+fewer part files than rows / 500. rows/s per CPU-second leaves out time the process waited (fsync,
+other tenants of the machine).
 
 {C.table(["variant", "median rows/s", "all repeats", "rows per CPU-second", "part files"], tp_rows)}
 
