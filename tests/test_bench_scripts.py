@@ -1,4 +1,4 @@
-"""The benchmarks under scripts/bench/ name only what exists in the code they measure.
+"""The benchmarks under scripts/bench/ start, and name only what exists in the code they measure.
 
 No test runs a benchmark (minutes each), so a refactor that renames or moves what a benchmark
 imports or patches (``ShardRunner._finished``, gone when the feeding moved to ``RowFeeder``)
@@ -9,7 +9,8 @@ lazily). A name of mirageflow or of tests/ (``fakes``, ``slurm_cluster``) is imp
 followed through modules and classes; a name of a sibling benchmark (``_common``,
 ``pipeline_overhead``) is looked up among that file's top-level names (importing it would run
 its imports of optional packages). Third-party names are not checked: their packages may be
-absent here (sglang, MMIRAGE's venv).
+absent here (sglang, MMIRAGE's venv). And each script (not the ``_`` helpers) answers ``--help``:
+its top-level imports and its argument parser work.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,11 @@ def test_each_benchmark_names_only_what_exists(script):
     assert [f for f in found if f.split(": ")[1] not in allowed] == []
     # an entry of NOT_HERE that the script no longer uses, or that exists now, is stale
     assert sorted(allowed) == sorted({f.split(": ")[1] for f in found} & allowed)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("[!_]*.py")))
+def test_each_benchmark_starts(script):
+    """Its top-level imports and its arguments: ``--help`` answers (a third of a second each)."""
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]
