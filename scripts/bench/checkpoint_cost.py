@@ -10,14 +10,14 @@
    effectively off (``checkpoint_rows`` and ``checkpoint_seconds`` huge: one commit at the
    end). Pinned to one CPU, interleaved repeats, medians.
 2. Work redone after a kill: a shard runs in a subprocess with a slow-ish fake engine
-   (5-25 ms per request, 32 in flight); the child appends each finished row (the runner's
-   ``rows_computed``) and each generated request id to logs (unbuffered, so they survive
-   the kill); it is SIGKILLed at a random moment (seeded) after generation started, then
-   rerun to completion with fresh logs. Rows recomputed = rows the second run computed that
-   the first had already finished. Target: at most one commit interval
-   (``checkpoint_rows``, with ``checkpoint_min_seconds: 0``) per kill, plus the rows that
-   finished while the last commit was being written. Each trial also checks that the final
-   output holds every row exactly once.
+   (5-25 ms per request, 32 in flight); the child appends each finished row (booked by the
+   shard's ``RowFeeder.finished``: the ``rows_computed`` count) and each generated request
+   id to logs (unbuffered, so they survive the kill); it is SIGKILLed at a random moment
+   (seeded) after generation started, then rerun to completion with fresh logs. Rows
+   recomputed = rows the second run computed that the first had already finished. Target:
+   at most one commit interval (``checkpoint_rows``, with ``checkpoint_min_seconds: 0``)
+   per kill, plus the rows that finished while the last commit was being written. Each
+   trial also checks that the final output holds every row exactly once.
 """
 
 from __future__ import annotations
@@ -45,26 +45,29 @@ KILL_CHECKPOINT_ROWS = 500
 
 def child(cfg_path: str, log_prefix: str, seed: int) -> None:
     """One shard run; appends each generated request id to LOG.generated (the engine) and
-    each finished row (record or row error handed to the runner's pending commit) to
+    each finished row (record, filtered row or row error booked by the shard's RowFeeder) to
     LOG.finished, unbuffered, so both survive SIGKILL."""
     from _engines import SlowEngine
 
-    from mirageflow.shard import runner as shard
     from mirageflow.config import load_config
+    from mirageflow.shard import row_feeder
+    from mirageflow.shard.runner import run_shard
 
     fd = os.open(f"{log_prefix}.finished", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    original = shard.ShardRunner._finished
+    original = row_feeder.RowFeeder.finished
 
-    def finished(self, ds_index, row, record, exc):  # the runner's own notion of a finished row
+    def finished(self, ds_index, row, record, exc, sample=None):  # the feeder's booking of a finished row
         before = self.budget.computed
-        original(self, ds_index, row, record, exc)
+        original(self, ds_index, row, record, exc, sample)
         if self.budget.computed > before:
             os.write(fd, f"{row.index}\n".encode())
 
-    shard.ShardRunner._finished = finished
+    # the shard's RowFeeder books every finished row (record, filtered or row error) here;
+    # run_shard makes its own, so the class's public method is wrapped in this child process
+    row_feeder.RowFeeder.finished = finished
     cfg = load_config(json.loads(Path(cfg_path).read_text()))
     engine = SlowEngine(delay=(0.005, 0.025), log_path=f"{log_prefix}.generated", seed=seed, max_inflight=32)
-    shard.run_shard(cfg, 0, engine_factory=lambda *a, **k: engine)
+    run_shard(cfg, 0, engine_factory=lambda *a, **k: engine)
 
 
 # --------------------------------------------------------------------------- 1. throughput
@@ -268,16 +271,18 @@ Throughput with the instant engine (the `ours_plain` pipeline of `pipeline_overh
 Parquet part file and the manifest, each fsynced, written by the shard's writer thread.
 `checkpoint_default`: every 500 rows but at most once a second (`checkpoint_min_seconds` 1);
 `checkpoint_every_500`: every 500 rows however fast (`checkpoint_min_seconds` 0);
-`checkpoint_off`: `checkpoint_rows` and `checkpoint_seconds` huge, one commit at the end. rows/s per CPU-second
-leaves out time the process waited (fsync, other tenants of the machine).
+`checkpoint_off`: `checkpoint_rows` and `checkpoint_seconds` huge, one commit at the end. A batch that comes
+due while the writer thread still writes the last one grows until that write is done, so there can be
+fewer part files than rows / 500. rows/s per CPU-second leaves out time the process waited (fsync,
+other tenants of the machine).
 
 {C.table(["variant", "median rows/s", "all repeats", "rows per CPU-second", "part files"], tp_rows)}
 
 Work redone after SIGKILL: a shard of {args.kill_rows:,} rows with a fake engine of 5-25 ms per
 request (32 in flight), `checkpoint_rows` {KILL_CHECKPOINT_ROWS} and `checkpoint_min_seconds` 0, killed at a seeded random moment
 0.2-2.5 s after generation started, then rerun to completion. Recomputed = rows the rerun
-computed that the killed run had already finished (handed to the runner as a record or a
-row error, the `rows_computed` count); regenerated = rows the rerun computed whose
+computed that the killed run had already finished (booked by the shard's row feeder as a
+record or a row error, the `rows_computed` count); regenerated = rows the rerun computed whose
 generation the killed run had completed (also counts rows the engine had answered but
 the runner had not yet collected when the kill came). Every trial's output holds each row
 exactly once.
