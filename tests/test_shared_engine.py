@@ -175,6 +175,33 @@ def test_the_engine_job_replaces_its_dead_service_and_a_client_fails_with_its_cl
                 pass
 
 
+def test_a_serving_process_whose_engine_job_is_killed_stops_and_writes_its_stats(tmp_path, tiny_model):
+    """The engine job is SIGKILLed (it cannot stop its serving process, which runs in a session of
+    its own): the serving process notices its parent is gone and stops as on SIGTERM, within a
+    few seconds, not at its idle exit (kept at 600 s here)."""
+    from fakes import alive
+
+    cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2)
+    proc, endpoint = _start_engine(tmp_path, cfg, env={"MIRAGEFLOW_ENGINE_IDLE_EXIT": "600"})
+    serving = None
+    try:
+        serving = _serving_pid(endpoint)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30  # a generous bound for a loaded machine; it polls every second
+        while alive(serving) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(serving)
+        (load,) = _loads(tmp_path)
+        assert load["pid"] == serving and load["state"] == "stopped" and load["finished_at"] is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if serving is not None and alive(serving):
+            os.kill(serving, signal.SIGKILL)
+
+
 def test_client_names_the_endpoint_when_the_engine_cannot_load(tmp_path, tiny_model):
     cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2)
     cfg["processors"][0]["server_args"]["model_path"] = str(tmp_path / "no-model-here")
@@ -223,9 +250,9 @@ def test_shards_share_one_load_and_keep_their_own_state(tmp_path, tiny_model, mo
     assert "Nothing to be done" in proc.stdout + proc.stderr and len(_loads(tmp_path)) == 1
 
 
-def _kill_serving_mid_run(workdir: Path, times: int, killed: list[int]) -> threading.Thread:
-    """A thread that SIGKILLs the engine service's serving process ``times`` times, each while
-    its shards generate (the successor of the last one killed), the pids in ``killed``."""
+def _kill_serving_mid_run(workdir: Path, times: int, killed: list[int], signum: int = signal.SIGKILL) -> threading.Thread:
+    """A thread that sends ``signum`` to the engine service's serving process ``times`` times, each
+    while its shards generate (the successor of the last one signalled), the pids in ``killed``."""
 
     def kill_when_generating():
         endpoint = workdir / "state" / "engines" / "engine_0.json"
@@ -244,7 +271,7 @@ def _kill_serving_mid_run(workdir: Path, times: int, killed: list[int]) -> threa
                 # (the shards are waiting for them)
                 both = len(progress) == 2 and all(p.get("phase") == "generating" for p in progress)
                 if (both and not killed) or (killed and time.time() - ready > 0.5):
-                    os.kill(ep["pid"], signal.SIGKILL)
+                    os.kill(ep["pid"], signum)
                     killed.append(ep["pid"])
                     ready = None
             time.sleep(0.1)
@@ -283,6 +310,34 @@ def test_an_engine_service_killed_mid_run_is_replaced_and_its_shards_go_on(tmp_p
         assert death["class"] == "killed_by_signal" and death["pid"] == killed[0]
         resent += death["requests_resent"]
     assert resent > 0  # the requests the dead service held were sent again (only those: every row once, above)
+
+
+def test_an_engine_service_frozen_mid_run_is_killed_after_hang_seconds_and_replaced_and_its_shards_go_on(tmp_path, tiny_model):
+    """The serving process is SIGSTOPped while its two shards generate (hang_seconds: 3): the
+    engine job's watchdog finds it silent, kills it and starts a successor; both shards succeed in
+    their first attempt with every row once, and the death's class is frozen everywhere it is
+    counted (each shard's status.json, the engine stats file)."""
+    cfg = _pipeline(tmp_path, tiny_model, rows=240, shards=2, k=2, new_tokens=48, hang_seconds=3)
+    frozen: list[int] = []
+    watcher = _kill_serving_mid_run(tmp_path, 1, frozen, signal.SIGSTOP)
+    env = {**os.environ, "MIRAGEFLOW_ENGINE_RESTART_WAIT": "2"}
+    proc = run_workflow(tmp_path, cfg, "--cores", "3", check=False, env=env)
+    watcher.join()
+    assert len(frozen) == 1 and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(_record_lines(tmp_path)) == sorted(f"Title number {i}" for i in range(240))  # every row, exactly once
+    loads = _loads(tmp_path)
+    assert [entry["state"] for entry in loads] == ["ready", "stopped"]  # the frozen load was SIGKILLed: no end written
+    replaced = loads[1]["replaced"]
+    assert loads[0]["pid"] == frozen[0] and replaced["class"] == "frozen" and replaced["pid"] == frozen[0]
+    assert "processors[].hang_seconds=3" in replaced["cause"]
+    for shard in range(2):
+        status = json.loads((tmp_path / "state" / f"shard_{shard}" / "status.json").read_text())
+        assert [a["outcome"] for a in status["stats"]["attempts"]] == ["success"]
+        (death,) = status["stats"]["engine_deaths"]
+        assert death["class"] == "frozen" and death["pid"] == frozen[0]
+    from fakes import alive
+
+    assert not alive(frozen[0])
 
 
 def test_an_engine_service_killed_more_often_than_max_restarts_fails_its_shards_naming_each_death(tmp_path, tiny_model):
@@ -405,50 +460,164 @@ def test_the_engine_gets_the_heavy_resources_and_the_shards_one_cpu(tmp_path):
 # --------------------------------------------------------------------------- a frozen service
 
 
-def test_a_frozen_service_fails_its_requests_within_the_heartbeat_deadline(tmp_path, monkeypatch):
-    """A service that stops answering (SIGSTOPped, a stuck GIL) with a generation in flight:
-    the heartbeat's deadline fails the shard's requests, never a hang. The service is a
-    stand-in over real sockets (tests/fakes/raw_http.py) that answers /health and /info,
-    then freezes: connections stay open, nothing is answered."""
-    import socket as socket_module
-    from types import SimpleNamespace
+class _StandInService:
+    """A service stand-in over real sockets (tests/fakes/raw_http.py) that answers /health, /info
+    and /generate until ``frozen`` is set, then nothing (connections stay open, as in a
+    SIGSTOPped process) until ``killed`` is set: then it resets them (as the kernel does for a
+    SIGKILLed one). ``process``: a live process standing for the serving one (its pid in the
+    endpoint file)."""
 
-    from fakes.raw_http import RawServer, answer
+    INFO = {"group": 0, "stats_file": "s.json", "num_gpus": 0, "shards": 1, "engines": {"llm": {
+        "info": {"backend": "transformers", "model_path": "m"}, "max_inflight": 4, "chat_template": None}}}  # fmt: skip
+
+    def __init__(self, text: str = "answer"):
+        from fakes.raw_http import RawServer
+
+        self.text, self.frozen, self.killed = text, threading.Event(), threading.Event()
+        self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        self.server = RawServer(self._handle)
+
+    def _handle(self, conn) -> None:
+        from fakes.raw_http import answer
+
+        from mirageflow.engines.wire import Completion
+
+        while (request := conn.read_request()) is not None:
+            line = request[0]
+            if self.frozen.is_set() or (line.startswith("POST /generate") and self.text is None):
+                self.killed.wait(60)
+                conn.reset()
+                return
+            if line.startswith("GET /health"):
+                body = {"state": "ready"}
+            elif line.startswith("GET /info"):
+                body = self.INFO
+            else:
+                rid = json.loads(request[2])["request"]["id"]
+                body = {"completion": vars(Completion(rid, self.text, 1, 1, "stop"))}
+            conn.send(answer(body=json.dumps(body).encode()))
+
+    def endpoint(self, deaths: list | None = None) -> dict:
+        import socket as socket_module
+
+        return {"state": "ready", "host": "127.0.0.1", "port": self.server.port, "hostname": socket_module.gethostname(),
+                "pid": self.process.pid, "deaths": deaths or []}  # fmt: skip
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.killed.set()
+        self.server.stop()
+
+
+def _frozen_service_client(tmp_path: Path, monkeypatch, hang_seconds: float | None, text: str | None = "answer"):
+    """A SharedEngine loaded from a stand-in service; its heartbeat is short (0.2 s, deadline 1 s)."""
+    from types import SimpleNamespace
 
     from mirageflow.engines import shared
 
     monkeypatch.setattr(shared, "HEARTBEAT_SECONDS", 0.2)
     monkeypatch.setattr(shared, "HEARTBEAT_TIMEOUT", 1.0)
-    frozen = threading.Event()
-    info = {"group": 0, "stats_file": "s.json", "num_gpus": 0, "shards": 1, "engines": {"llm": {
-        "info": {"backend": "transformers", "model_path": "m"}, "max_inflight": 4, "chat_template": None}}}  # fmt: skip
-
-    def handler(conn):
-        while (request := conn.read_request()) is not None:
-            if frozen.is_set() or request[0].startswith("POST /generate"):
-                frozen.wait(30)
-                time.sleep(30)  # never answers
-            body = {"state": "ready"} if request[0].startswith("GET /health") else info
-            conn.send(answer(body=json.dumps(body).encode()))
-
-    service = RawServer(handler)
+    service = _StandInService(text)
     endpoint = tmp_path / "engine_0.json"
-    endpoint.write_text(json.dumps({"state": "ready", "host": "127.0.0.1", "port": service.port,
-                                    "hostname": socket_module.gethostname(), "pid": os.getpid()}))  # fmt: skip
-    engine = SharedEngine(SimpleNamespace(type="llm", server_args=SimpleNamespace(model_path="m")), 4, endpoint=endpoint)
+    endpoint.write_text(json.dumps(service.endpoint()))
+    processor = SimpleNamespace(type="llm", server_args=SimpleNamespace(model_path="m"), hang_seconds=hang_seconds)
+    engine = SharedEngine(processor, 4, endpoint=endpoint)
     engine.load()
+    return engine, service, endpoint
+
+
+def test_a_frozen_service_nobody_watches_fails_its_requests_within_the_heartbeat_deadline(tmp_path, monkeypatch):
+    """processors[].hang_seconds: null, so the engine job does not watch its service: one that stops
+    answering (SIGSTOPped, a stuck GIL) with a generation in flight fails the shard's requests
+    within the heartbeat's deadline, never a hang."""
+    engine, service, _ = _frozen_service_client(tmp_path, monkeypatch, hang_seconds=None, text=None)
     try:
         assert engine.max_inflight == 4
-        frozen.set()
+        service.frozen.set()
         t0 = time.monotonic()
         with pytest.raises(
             EngineError,
-            match=r"engine service .*engine_0\.json stopped answering \(DeadlineExceeded: no whole answer .*/health within 1 s\)",
-        ):
+            match=r"engine service .*engine_0\.json stopped answering \(DeadlineExceeded: no whole answer .*/health within 1 s\); "
+            r"processors\[\]\.hang_seconds is null: nothing restarts it",
+        ) as err:
             engine.generate([Request(0, None, "prompt", {})])
+        assert err.value.death_class == "engine_service_died"
         assert time.monotonic() - t0 < 0.2 + 1.0 + 2.0
         with pytest.raises(EngineError, match="stopped answering"):  # and every later request, at once
             engine.generate([Request(1, None, "prompt", {})])
     finally:
         engine.close()
-        service.stop()
+        service.kill()
+
+
+def test_a_shard_waits_for_its_frozen_service_to_be_replaced_and_sends_its_request_again(tmp_path, monkeypatch):
+    """The service freezes with a request in flight; the shard's heartbeat finds it alive but
+    silent and waits (hang_seconds: 2). The engine job (here this test) kills it after its
+    hang_seconds, says restarting, and a successor names itself carrying the frozen death: the
+    request held by the frozen one is answered by the successor, and the shard records the death
+    with the job's class, frozen."""
+    import logging
+    import socket
+
+    from mirageflow.engines.server_restarts import new_death
+    from mirageflow.errors import EngineDeathClass
+
+    engine, frozen, endpoint = _frozen_service_client(tmp_path, monkeypatch, hang_seconds=2.0, text=None)
+    successor = _StandInService("from the successor")
+    noticed = threading.Event()
+
+    class Noticed(logging.Handler):
+        def emit(self, record):
+            if "alive but silent" in record.getMessage():
+                noticed.set()
+
+    def engine_job():
+        assert noticed.wait(30)  # the shard waits before the job acts: the path under test
+        death = new_death(EngineDeathClass.FROZEN, "answered neither a request nor GET /health for 2 s", frozen.process.pid)
+        frozen.kill()
+        endpoint.write_text(json.dumps({"state": "restarting", "hostname": socket.gethostname(), "pid": os.getpid(), "deaths": [death]}))
+        time.sleep(0.5)
+        endpoint.write_text(json.dumps(successor.endpoint([death])))
+
+    handler = Noticed()
+    logging.getLogger("mirageflow.engines.shared").addHandler(handler)
+    job = threading.Thread(target=engine_job)
+    try:
+        frozen.frozen.set()
+        job.start()
+        (completion,) = engine.generate([Request(0, None, "prompt", {})])
+        job.join()
+        assert completion.text == "from the successor" and completion.id == 0
+        assert engine.generation == 1 and engine.restarts() == 1
+        (death,) = engine.deaths()
+        assert death["class"] == "frozen" and death["pid"] == frozen.process.pid and death["requests_resent"] == 1
+        assert [r[0] for r in frozen.server.requests if r[0].startswith("POST")] == ["POST /generate HTTP/1.1"]
+        assert [r[0] for r in successor.server.requests if r[0].startswith("POST")] == ["POST /generate HTTP/1.1"]
+    finally:
+        logging.getLogger("mirageflow.engines.shared").removeHandler(handler)
+        engine.close()
+        frozen.kill()
+        successor.kill()
+
+
+def test_a_frozen_service_that_is_not_replaced_fails_its_shard_after_the_wait(tmp_path, monkeypatch):
+    """hang_seconds is set but nothing kills the frozen service (its engine job is stuck or gone):
+    the shard waits hang_seconds plus the job's probe interval and deadline plus the restart wait,
+    then fails engine_service_died naming the bound, never a hang."""
+    from mirageflow.engines.base import EngineDied
+
+    engine, service, _ = _frozen_service_client(tmp_path, monkeypatch, hang_seconds=0.5, text=None)
+    engine.restart_wait_seconds = 0.5
+    try:
+        service.frozen.set()
+        with pytest.raises(
+            EngineDied, match=r"stopped answering \(.*\) and was not replaced within 1 s \(processors\[\]\.hang_seconds=0\.5, "
+        ) as err:
+            engine.generate([Request(0, None, "prompt", {})])
+        assert err.value.death_class == "engine_service_died"
+        with pytest.raises(EngineDied, match="was not replaced"):  # and every later request, at once
+            engine.generate([Request(1, None, "prompt", {})])
+    finally:
+        engine.close()
+        service.kill()

@@ -198,8 +198,9 @@ class EngineDeathClass(enum.StrEnum):
     ENGINE_SERVICE_DIED = (
         "engine_service_died",
         (
-            "the engine service of the shard's group (shards_per_engine) stopped answering (frozen), or died more often "
-            "than its engine job replaces it (max_restarts), or died and no successor named itself in its endpoint file "
+            "the engine service of the shard's group (shards_per_engine) died or froze more often than its engine job "
+            "replaces it (max_restarts), or stopped answering and was not replaced within hang_seconds and the restart "
+            "wait (at once with hang_seconds: null), or died and no successor named itself in its endpoint file "
             "within $MIRAGEFLOW_ENGINE_RESTART_WAIT or was ready within $MIRAGEFLOW_ENGINE_WAIT"
         ),
     )

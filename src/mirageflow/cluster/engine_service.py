@@ -24,8 +24,13 @@ transport/http_client.py):
   the template has no portable fast path); 422 ``{"error"}`` when the template refuses.
 
 This module is the engine job's serving process: the job itself (cluster/service_restarts.py)
-launches it and replaces it when it dies, up to ``max_restarts`` times; the deaths so far are
-in the endpoint file (``deaths``), carried by each successor.
+launches it and replaces it when it dies or freezes (silent for ``hang_seconds``), up to
+``max_restarts`` times; the deaths so far are in the endpoint file (``deaths``), carried by each
+successor. ``/health`` is answered by the event loop, while the engines generate in threads of
+their own (transformers' batcher, in-process engines' private loops) or wait on their launched
+servers' HTTP answers, so a busy service still answers the job's hang probe and the shards'
+heartbeat. It stops as on SIGTERM (writing its stats) when its engine job is gone (checked every
+``PARENT_POLL_SECONDS``): a job killed with SIGKILL leaves no orphan serving until its idle exit.
 
 Its own measurements go to ``<state_dir>/engines/engine_<g>.stats.json``: one entry per
 load (``loads``, appended by each start), with load/warm-up seconds, device, engine info,
@@ -68,6 +73,7 @@ from mirageflow.cluster.engine_groups import served_processors
 log = logging.getLogger(__name__)
 
 IDLE_EXIT_SECONDS = 600.0
+PARENT_POLL_SECONDS = 1.0  # how often the serving process looks for its engine job
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -320,13 +326,26 @@ class EngineService:
                 self._done.set()
                 return
 
-    async def serve(self, server: asyncio.base_events.Server) -> None:
-        """Load (in a thread, so /health answers meanwhile), then serve until stopped."""
+    async def _parent_watch(self, parent: int) -> None:
+        """Stop as on SIGTERM once ``parent``, the engine job that launched this process, is gone:
+        killed outright (SIGKILL), it could not stop this process, which runs in a session of its
+        own. Its orphan is adopted by another process, so ``getppid`` changes. (Not
+        PR_SET_PDEATHSIG: it fires when the launching *thread* ends, and the job launches
+        successors from short-lived restart threads.)"""
+        while os.getppid() == parent:
+            await asyncio.sleep(PARENT_POLL_SECONDS)
+        log.error("the engine job (process %d) that launched this serving process is gone: stopping", parent)
+        self._done.set()
+
+    async def serve(self, server: asyncio.base_events.Server, parent: int | None = None) -> None:
+        """Load (in a thread, so /health answers meanwhile), then serve until stopped: SIGTERM,
+        idle for ``idle_exit``, or ``parent`` (the engine job's pid) gone."""
         self._done = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._done.set)
         watchdog = asyncio.create_task(self._watchdog())
+        orphan_watch = asyncio.create_task(self._parent_watch(parent)) if parent is not None else None
         try:
             await loop.run_in_executor(None, self.load)
         except Exception as e:
@@ -346,6 +365,8 @@ class EngineService:
             await self._done.wait()
         finally:
             watchdog.cancel()
+            if orphan_watch is not None:
+                orphan_watch.cancel()
             server.close()
             self.state = "stopped"
             self.write_stats(finished=True)
@@ -375,14 +396,15 @@ def _deaths_in(endpoint: Path) -> list[dict]:
 
 def run(cfg: PipelineConfig, group: int, endpoint: str, log_path: str | None = None, port: int = 0) -> None:
     """The engine job's serving process: serve group ``group`` on ``port`` (0: any) until
-    SIGTERM; raises when loading failed."""
+    SIGTERM or until the engine job (its parent) is gone; raises when loading failed."""
+    parent = os.getppid()  # the engine job (cluster/service_restarts.py launched this process)
     service = EngineService(cfg, group, Path(endpoint), log_path)
 
     async def main() -> None:
         server = await asyncio.start_server(service._connection, "127.0.0.1", port, limit=2**24)
         service._write_endpoint(server.sockets[0].getsockname()[1])
         async with server:
-            await service.serve(server)
+            await service.serve(server, parent)
 
     try:
         asyncio.run(main())

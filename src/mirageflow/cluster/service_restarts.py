@@ -19,9 +19,18 @@ the OOM killer, is the one replaced:
   among the processors the service serves: none is reloaded more often than it allows).
   The next death after the last one is final: the endpoint file says ``state: died`` with an
   error naming each death, its shards fail ``engine_service_died``, and the job exits 1.
+- A serving process that answers neither a request nor ``GET /health`` for ``hang_seconds``
+  (processors[].hang_seconds, the smallest non-null among the processors the service serves;
+  all null: never watched) is frozen: the supervisor's watchdog kills its process tree with
+  SIGKILL and it is replaced as a dead one, a death of class ``frozen``. Its shards, which find
+  it alive but silent, wait for the successor meanwhile (engines/shared.py). Its ``/health`` is
+  answered by the serving process's event loop while its engines generate in their own threads
+  (cluster/engine_service.py), so a busy service is not taken for a frozen one.
 - A serving process that exits 0 left by itself (idle for ``$MIRAGEFLOW_ENGINE_IDLE_EXIT``):
   the job ends too. SIGTERM (Snakemake, once the shards are done) stops the serving process
-  (SIGTERM, SIGKILL after a grace) and the job exits 0.
+  (SIGTERM, SIGKILL after a grace) and the job exits 0. A job killed outright (SIGKILL) cannot
+  stop it: the serving process, in a session of its own, notices within a second that its
+  parent is gone and stops as on SIGTERM (cluster/engine_service.py).
 """
 
 from __future__ import annotations
@@ -61,6 +70,12 @@ def max_replacements(cfg: PipelineConfig) -> int:
     return min(cfg.processors[name].max_restarts for name in served_processors(cfg))
 
 
+def service_hang_seconds(cfg: PipelineConfig) -> float | None:
+    """After how many silent seconds the service of ``cfg`` is frozen (see the module's doc)."""
+    watched = [cfg.processors[name].hang_seconds for name in served_processors(cfg)]
+    return min((h for h in watched if h is not None), default=None)
+
+
 def serve_with_replacements(cfg: PipelineConfig, config_path: str, group: int, endpoint: str | Path, log_path: str) -> None:
     """The engine job: launch the serving process of ``group`` and replace it when it dies, until
     SIGTERM. Raises when the first one fails to load, and EngineDied once the replacements are spent."""
@@ -76,7 +91,7 @@ def serve_with_replacements(cfg: PipelineConfig, config_path: str, group: int, e
         f"the engine service of group {group}", command, Path(log_path), None, host="127.0.0.1", ready_path="/health",
         probe_path="/health", start_timeout=float(os.environ.get("MIRAGEFLOW_ENGINE_WAIT", WAIT_SECONDS)),
         start_timeout_name="$MIRAGEFLOW_ENGINE_WAIT", poll_interval=0.2, kill_grace=KILL_GRACE_SECONDS,
-        max_restarts=max_replacements(cfg), hang_seconds=None,  # a frozen service: its shards' heartbeat fails them
+        max_restarts=max_replacements(cfg), hang_seconds=service_hang_seconds(cfg),
     )  # fmt: skip
     ended = threading.Event()  # the serving process left by itself, or no replacement follows
 

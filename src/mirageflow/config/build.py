@@ -232,6 +232,7 @@ def _model_processor(p: dict, i: int, taken: set[str], check_paths: bool) -> tup
         native_n=p["native_n"],
         index=i,
         max_restarts=p["max_restarts"],
+        hang_seconds=p["hang_seconds"],
         launch=_launch_options(p),
         api=_api_options(p),
         pricing=p.get("pricing"),
@@ -266,8 +267,7 @@ API_LLM_DEFAULTS = {  # MMIRAGE's api_llm (core/process/processors/api_llm/confi
 
 # ProcessorConfig's option groups (config/types.py): the flat processors[] keys each group holds (key -> field) and
 # the backends that have it; a model processor of another backend has None there.
-LAUNCH_KEYS = {"server_command": "command", "server_env": "env", "server_start_timeout": "start_timeout",
-               "hang_seconds": "hang_seconds"}  # fmt: skip
+LAUNCH_KEYS = {"server_command": "command", "server_env": "env", "server_start_timeout": "start_timeout"}
 API_KEYS = ("max_concurrency", "retry_base_delay", *RATE_LIMIT_KEYS)
 # the backends paced by the api group (auto: the vllm_server it may pick is fed through the openai backend)
 API_OPTION_BACKENDS = (API_LLM_BACKEND, registry.AUTO)

@@ -141,8 +141,6 @@ class LaunchedServer:
     command: list[str] | None = None  # server_command: the launcher the flags follow (None: the package's)
     env: dict | None = None  # server_env: extra environment of the launched server only
     start_timeout: float = 900.0  # server_start_timeout
-    # frozen: no answer, no health for this many seconds (killed, then restarted as max_restarts says)
-    hang_seconds: float | None = 300.0
 
 
 @dataclass(frozen=True)
@@ -182,6 +180,9 @@ class ProcessorConfig:
     # an engine that dies is brought back in the job this many times: a launched server restarted
     # (engines/server_restarts.py), an in-process transformers model reloaded after a device error
     max_restarts: int = 3
+    # frozen: no answer, no health for this many seconds (killed, then restarted as max_restarts says): a launched
+    # server's, and the engine service's of shards_per_engine (any backend it serves); None: never watched
+    hang_seconds: float | None = 300.0
     launch: LaunchedServer | None = None  # sglang_server, vllm_server, auto
     api: ApiOptions | None = None  # openai (type api_llm), auto
     batch: BatchSettings | None = None  # type batch_api: the provider's batch API (engines/batch_api.py)

@@ -56,6 +56,19 @@ DEFAULT_HANG_SECONDS = 300.0
 PROBE_MAX_INTERVAL = 5.0
 
 
+def hang_probe(hang_seconds: float) -> tuple[float, float]:
+    """The hang watchdog's probe interval and each probe's deadline for ``hang_seconds``."""
+    return min(PROBE_MAX_INTERVAL, hang_seconds / 5), max(0.2, min(30.0, hang_seconds / 2))
+
+
+def frozen_killed_within(hang_seconds: float) -> float:
+    """The longest a frozen server lives once it last answered: the watchdog finds it silent for
+    ``hang_seconds`` at its first probe after that, which is at most an interval plus a deadline
+    later (engines/shared.py waits this long for a frozen engine service to be replaced)."""
+    interval, timeout = hang_probe(hang_seconds)
+    return hang_seconds + interval + timeout
+
+
 class ServerDied(EngineDied):
     """The launched server died and is not restarted: ``max_restarts`` is spent, or the job
     was not yet serving. ``death_class``: the last death's class (an EngineDeathClass value)."""
@@ -282,7 +295,7 @@ class ServerSupervisor:
         from mirageflow.transport.http_client import get_blocking
 
         hang = float(self.hang_seconds)
-        interval, timeout = min(PROBE_MAX_INTERVAL, hang / 5), max(0.2, min(30.0, hang / 2))
+        interval, timeout = hang_probe(hang)
         while not self._wake.wait(interval):
             with self._lock:
                 server, url, dying = self.server, self.base_url + self.probe_path, self._dying

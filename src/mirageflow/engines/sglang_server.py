@@ -139,7 +139,7 @@ class SGLangServerEngine(Supervised, LoopEngine):
             "the SGLang server", self.build_command, self.log_path, env, host=self.host, ready_path="/health_generate",
             probe_path="/health", start_timeout=float(self.launch.start_timeout),
             poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
-            max_restarts=self.processor.max_restarts, hang_seconds=self.launch.hang_seconds,
+            max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
             span=NodeSpan.from_slurm(self.processor.nodes) if self.processor.nodes > 1 else None, rank_flags=RANKS,
         )  # fmt: skip
         supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._fail_all
@@ -170,7 +170,7 @@ class SGLangServerEngine(Supervised, LoopEngine):
                     "max_inflight": self.max_inflight,
                     "prompt_input": "token ids (one BOS)" if self._prompt_ids else "text",
                     "max_restarts": self.processor.max_restarts,
-                    "hang_seconds": self.launch.hang_seconds,
+                    "hang_seconds": self.processor.hang_seconds,
                     **span_details(self.server),
                 },
             )

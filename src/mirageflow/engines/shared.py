@@ -18,17 +18,21 @@ the service renders). A service that failed to load fails the shard with an Engi
 naming the endpoint file and the service's log. A service that dies or stops answering
 (a connection error, or the heartbeat: ``GET /health`` every ``HEARTBEAT_SECONDS``, each
 with a deadline of ``HEARTBEAT_TIMEOUT``, so a SIGSTOPped service is noticed within 65 s)
-is waited for: a successor (the engine job replaces a dead serving process:
-cluster/service_restarts.py; it says ``restarting`` at once) must name itself (a live process)
-in the endpoint file within ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` seconds
-(``RESTART_WAIT_SECONDS``) and be ready within ``$MIRAGEFLOW_ENGINE_WAIT``; the requests the
-dead one held are then sent to it again, and later requests wait for it. Each death so lived
-through is this engine's (``restarts``, ``deaths``: status.json's ``engine_restarts`` and
-``engine_deaths``), its class the engine job's (the endpoint's ``deaths``). When none comes,
-or the endpoint says ``died`` (the job's replacements are spent), every outstanding and
-later request fails (EngineDied, class ``engine_service_died``), never a hang. A generation itself has no
-deadline: it may wait its turn behind the other shards' requests. The heartbeat also keeps
-the service's idle watchdog quiet.
+is waited for: a successor (the engine job replaces a dead serving process, and kills and
+replaces a frozen one, silent for ``hang_seconds``: cluster/service_restarts.py; it says
+``restarting`` at once) must name itself (a live process) in the endpoint file within
+``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` seconds (``RESTART_WAIT_SECONDS``) and be ready within
+``$MIRAGEFLOW_ENGINE_WAIT``; the requests the dead one held are then sent to it again, and
+later requests wait for it. A service found alive but silent must first be gone from the
+endpoint file within this processor's ``processors[].hang_seconds`` plus the job's probe
+interval and deadline plus ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` (server_restarts
+``frozen_killed_within``); with ``hang_seconds: null`` nothing watches it and the shard fails
+at once. Each death so lived through is this engine's (``restarts``, ``deaths``: status.json's
+``engine_restarts`` and ``engine_deaths``), its class the engine job's (the endpoint's
+``deaths``: ``frozen`` for a frozen one). When none comes, or the endpoint says ``died`` (the
+job's replacements are spent), every outstanding and later request fails (EngineDied, class
+``engine_service_died``), never a hang. A generation itself has no deadline: it may wait its
+turn behind the other shards' requests. The heartbeat also keeps the service's idle watchdog quiet.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from pathlib import Path
 
 from mirageflow.config.types import ProcessorConfig
 from mirageflow.engines.base import EngineDied, EngineError
-from mirageflow.engines.server_restarts import new_death, wait_future
+from mirageflow.engines.server_restarts import frozen_killed_within, new_death, wait_future
 from mirageflow.errors import EngineDeathClass as D
 from mirageflow.engines.chat_template import ChatTemplate
 from mirageflow.engines.loop import LoopEngine
@@ -245,9 +249,9 @@ class SharedEngine(LoopEngine):
         lost_pid = self._service.get("pid")
         self._lost_at[generation] = asyncio.get_running_loop().time()
         try:
-            if ep.get("hostname") == socket.gethostname() and _alive(ep.get("pid")) and ep.get("pid") == self._service.get("pid"):
-                # alive and silent (SIGSTOPped, stuck): frozen, not dead; nothing restarts it
-                raise EngineDied(f"the {self._where()} stopped answering ({why})", str(D.ENGINE_SERVICE_DIED))
+            if ep.get("hostname") == socket.gethostname() and _alive(ep.get("pid")) and ep.get("pid") == lost_pid:
+                # alive and silent (SIGSTOPped, stuck): frozen, not dead; the engine job kills it after hang_seconds
+                await _wait_frozen_replaced(self, lost_pid, why)
             self._old_clients += [c for c in (self._client, self._control) if c is not None]
             self._client = self._control = self._url = None
             await self._connect(lost=why)
@@ -363,6 +367,37 @@ class _RemoteTemplateOnly:
 
     def __call__(self, messages, kwargs=None) -> str:
         return self.remote.apply_chat_template(messages, **(kwargs or {}))
+
+
+async def _wait_frozen_replaced(engine: SharedEngine, pid, why: str) -> None:
+    """``engine``'s wait (in its private loop) until the frozen serving process ``pid`` is gone or
+    no longer named in the endpoint file (the engine job killed it and says ``restarting``):
+    within this processor's ``hang_seconds``
+    (the job's watchdog uses the smallest of its processors', so no later than this one's) plus
+    the watchdog's probe interval and deadline, plus ``restart_wait_seconds`` for the job's
+    kill and endpoint write. EngineDied engine_service_died when it stays, or at once when
+    ``hang_seconds`` is null: nobody watches the service then."""
+    hang = engine.processor.hang_seconds
+    if hang is None:
+        raise EngineDied(
+            f"the {engine._where()} stopped answering ({why}); processors[].hang_seconds is null: nothing restarts it",
+            str(D.ENGINE_SERVICE_DIED),
+        )
+    loop = asyncio.get_running_loop()
+    bound = frozen_killed_within(hang) + engine.restart_wait_seconds
+    deadline = loop.time() + bound
+    log.warning("the %s is alive but silent: waiting up to %.0f s for its engine job to replace it", engine._where(), bound)
+    while True:
+        ep = engine._read_endpoint()
+        if ep is None or ep.get("pid") != pid or not _alive(pid):
+            return
+        if loop.time() > deadline:
+            raise EngineDied(
+                f"the {engine._where()} stopped answering ({why}) and was not replaced within {bound:.0f} s "
+                f"(processors[].hang_seconds={hang:g}, $MIRAGEFLOW_ENGINE_RESTART_WAIT={engine.restart_wait_seconds:g})",
+                str(D.ENGINE_SERVICE_DIED),
+            )
+        await asyncio.sleep(0.2)
 
 
 def _request_json(request: Request) -> dict:

@@ -148,7 +148,7 @@ class VLLMServerEngine(Supervised, Engine):
             "the vLLM server", self.build_command, log_dir / "vllm_server.log", env, host=self.host, ready_path="/health",
             probe_path="/health", start_timeout=float(self.launch.start_timeout),
             poll_interval=self.health_poll_interval, kill_grace=self.kill_grace,
-            max_restarts=self.processor.max_restarts, hang_seconds=self.launch.hang_seconds,
+            max_restarts=self.processor.max_restarts, hang_seconds=self.processor.hang_seconds,
             span=NodeSpan.from_slurm(self.processor.nodes) if self.processor.nodes > 1 else None, rank_flags=RANKS,
         )  # fmt: skip
         supervisor.on_death, supervisor.on_restarted, supervisor.on_final = self._on_death, self._on_restarted, self._on_final
@@ -175,7 +175,7 @@ class VLLMServerEngine(Supervised, Engine):
                     "max_retries": self.processor.max_retries,
                     "request_timeout": self.processor.request_timeout,
                     "max_restarts": self.processor.max_restarts,
-                    "hang_seconds": self.launch.hang_seconds,
+                    "hang_seconds": self.processor.hang_seconds,
                     **span_details(self.server),
                 },
             )
