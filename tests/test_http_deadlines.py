@@ -36,10 +36,13 @@ def _processor(backend: str, **fields) -> ProcessorConfig:
     return ProcessorConfig(**defaults)
 
 
-def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hang_seconds", [None, 2.0], ids=["unwatched", "not-replaced"])
+def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp_path, monkeypatch, hang_seconds):
     """Item 3: an engine service that stops answering (SIGSTOPped: connections open, no
     bytes) hung all its shards (`Timeout(None, connect=30)`); it must fail them, naming the
-    endpoint, within a bounded time."""
+    endpoint, within a bounded time: at once when nothing watches it (hang_seconds null), else
+    once its engine job had hang_seconds plus the restart wait to replace it and did not (here
+    no engine job runs: the endpoint names this test's process)."""
     from mirageflow.engines import shared
 
     frozen = threading.Event()
@@ -78,15 +81,20 @@ def test_item3_a_frozen_shared_engine_fails_its_shards_within_a_bounded_time(tmp
     }))  # fmt: skip
     monkeypatch.setattr(shared, "HEARTBEAT_SECONDS", 0.5)
     monkeypatch.setattr(shared, "HEARTBEAT_TIMEOUT", 5.0)  # the bound, not its 60 s default, is under test
-    engine = shared.SharedEngine(_processor("transformers"), 4, endpoint=endpoint)
+    monkeypatch.setenv("MIRAGEFLOW_ENGINE_RESTART_WAIT", "3")
+    engine = shared.SharedEngine(_processor("transformers", hang_seconds=hang_seconds), 4, endpoint=endpoint)
     engine.load()
     try:
         from fakes import drive
 
         request = Request(0, [{"role": "user", "content": "hi"}], "hi", {"max_new_tokens": 3}, None)
+        started = time.monotonic()
         finished, result = run_with_deadline(lambda: drive(engine, [request]), 120)
         assert finished, "a frozen engine service hung its shard for 120 s"
         assert isinstance(result, EngineError) and str(endpoint) in str(result), result
+        # 5 s of silence found it; a watched one then gets 2 s + a probe interval and deadline + 3 s more
+        assert time.monotonic() - started < (10 if hang_seconds is None else 20), time.monotonic() - started
+        assert ("hang_seconds is null" if hang_seconds is None else "was not replaced within") in str(result), result
     finally:
         threading.Thread(target=engine.close, daemon=True).start()
         server.stop()
