@@ -621,3 +621,45 @@ def test_a_frozen_service_that_is_not_replaced_fails_its_shard_after_the_wait(tm
     finally:
         engine.close()
         service.kill()
+
+
+def test_a_service_that_closed_its_connection_and_exits_a_moment_later_is_waited_for_though_nobody_watches(tmp_path, monkeypatch):
+    """A serving process on its way out (killed, or exiting after an error) closes its sockets
+    before its pid is gone: the shard finds it alive though its connection was reset. That is
+    not a frozen service: with hang_seconds null (nothing watches for one) the shard gives it
+    DYING_GRACE_SECONDS to exit, then waits for its successor as after any death, instead of
+    failing at once."""
+    import socket
+
+    from mirageflow.engines.server_restarts import new_death
+    from mirageflow.errors import EngineDeathClass
+
+    engine, dying, endpoint = _frozen_service_client(tmp_path, monkeypatch, hang_seconds=None, text=None)
+    successor = _StandInService("from the successor")
+
+    def engine_job():
+        deadline = time.monotonic() + 30
+        while not any(r[0].startswith("POST /generate") for r in dying.server.requests):  # the request is in flight
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        dying.killed.set()  # its connection is reset, its process still runs a moment
+        time.sleep(1.5)
+        dying.process.kill()
+        dying.process.wait()
+        death = new_death(EngineDeathClass.KILLED_BY_SIGNAL, "killed by SIGKILL", dying.process.pid)
+        endpoint.write_text(json.dumps({"state": "restarting", "hostname": socket.gethostname(), "pid": os.getpid(), "deaths": [death]}))
+        time.sleep(0.3)
+        endpoint.write_text(json.dumps(successor.endpoint([death])))
+
+    job = threading.Thread(target=engine_job)
+    try:
+        job.start()
+        (completion,) = engine.generate([Request(0, None, "prompt", {})])
+        job.join()
+        assert completion.text == "from the successor" and completion.id == 0
+        (death,) = engine.deaths()
+        assert death["class"] == "killed_by_signal" and death["requests_resent"] == 1
+    finally:
+        engine.close()
+        dying.kill()
+        successor.kill()

@@ -27,7 +27,8 @@ later requests wait for it. A service found alive but silent must first be gone 
 endpoint file within this processor's ``processors[].hang_seconds`` plus the job's probe
 interval and deadline plus ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` (server_restarts
 ``frozen_killed_within``); with ``hang_seconds: null`` nothing watches it and the shard fails
-at once. Each death so lived through is this engine's (``restarts``, ``deaths``: status.json's
+at once (or, had it closed the connection, once it still runs ``DYING_GRACE_SECONDS`` later:
+a process on its way out closes its sockets before its pid is gone). Each death so lived through is this engine's (``restarts``, ``deaths``: status.json's
 ``engine_restarts`` and ``engine_deaths``), its class the engine job's (the endpoint's
 ``deaths``: ``frozen`` for a frozen one). When none comes, or the endpoint says ``died`` (the
 job's replacements are spent), every outstanding and later request fails (EngineDied, class
@@ -53,7 +54,7 @@ from mirageflow.errors import EngineDeathClass as D
 from mirageflow.engines.chat_template import ChatTemplate
 from mirageflow.engines.loop import LoopEngine
 from mirageflow.engines.wire import Completion, EngineInfo, Request
-from mirageflow.transport.http_client import HTTPClient, TransportError
+from mirageflow.transport.http_client import DeadlineExceeded, HTTPClient, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ WAIT_SECONDS = 3600.0  # for the service to load (a large model on a slow filesy
 # for a restarted service to name itself in the endpoint file after its predecessor died; $MIRAGEFLOW_ENGINE_RESTART_WAIT
 RESTART_WAIT_SECONDS = 60.0
 DEAD_GRACE_SECONDS = 5.0  # a process gone this long (not a stale file about to be replaced) will not answer
+DYING_GRACE_SECONDS = 10.0  # a process that closed its connections and still runs: exiting (or frozen, if it stays)
 HEARTBEAT_SECONDS = 5.0
 HEARTBEAT_TIMEOUT = 60.0  # a /health answer later than this: the service is frozen
 CONTROL_TIMEOUT = 60.0  # /info, /chat_prompt (a template render)
@@ -217,17 +219,18 @@ class SharedEngine(LoopEngine):
             await asyncio.sleep(HEARTBEAT_SECONDS)
             try:
                 r = await self._control.get("/health", timeout=HEARTBEAT_TIMEOUT)
-                ok = r.status_code == 200
+                ok, silent = r.status_code == 200, False
                 why = f"HTTP {r.status_code}: {r.text[:200]}"
             except TransportError as e:
-                ok, why = False, f"{type(e).__name__}: {e}"
+                ok, why, silent = False, f"{type(e).__name__}: {e}", isinstance(e, DeadlineExceeded)
             if not ok:
-                self._lose(generation, why)
+                self._lose(generation, why, silent)
                 return
 
-    def _lose(self, generation: int, why: str):
-        """The service of ``generation`` is lost: wait for its successor (one wait for every
-        caller, in the private loop). The Future of that wait; it raises when none comes."""
+    def _lose(self, generation: int, why: str, silent: bool = False):
+        """The service of ``generation`` is lost (``silent``: it stopped answering, else it
+        answered an error or closed the connection): wait for its successor (one wait for
+        every caller, in the private loop). The Future of that wait; it raises when none comes."""
         from concurrent.futures import Future
 
         if generation != self.generation or self._failure is not None:  # its successor serves already, or none will
@@ -238,10 +241,10 @@ class SharedEngine(LoopEngine):
                 done.set_result(None)
             return done
         if self._successor is None:
-            self._successor = asyncio.run_coroutine_threadsafe(self._reconnect(generation, why), self._loop)
+            self._successor = asyncio.run_coroutine_threadsafe(self._reconnect(generation, why, silent), self._loop)
         return self._successor
 
-    async def _reconnect(self, generation: int, why: str) -> None:
+    async def _reconnect(self, generation: int, why: str, silent: bool) -> None:
         log.warning("the %s is lost (%s); waiting for a restarted service", self._where(), why)
         if self._heartbeat is not None and self._heartbeat is not asyncio.current_task():
             self._heartbeat.cancel()
@@ -251,7 +254,7 @@ class SharedEngine(LoopEngine):
         try:
             if ep.get("hostname") == socket.gethostname() and _alive(ep.get("pid")) and ep.get("pid") == lost_pid:
                 # alive and silent (SIGSTOPped, stuck): frozen, not dead; the engine job kills it after hang_seconds
-                await _wait_frozen_replaced(self, lost_pid, why)
+                await _wait_frozen_replaced(self, lost_pid, why, silent)
             self._old_clients += [c for c in (self._client, self._control) if c is not None]
             self._client = self._control = self._url = None
             await self._connect(lost=why)
@@ -303,7 +306,7 @@ class SharedEngine(LoopEngine):
             try:
                 answer = await client.post_json(path, body)
             except TransportError as e:
-                await wait_future(self._lose(generation, f"{type(e).__name__}: {e}"))
+                await wait_future(self._lose(generation, f"{type(e).__name__}: {e}", isinstance(e, DeadlineExceeded)))
                 death = self._death_of.get(generation)
                 if death is not None:  # it was in flight when its service died: sent again, once per death
                     death["requests_resent"] += 1
@@ -369,22 +372,22 @@ class _RemoteTemplateOnly:
         return self.remote.apply_chat_template(messages, **(kwargs or {}))
 
 
-async def _wait_frozen_replaced(engine: SharedEngine, pid, why: str) -> None:
-    """``engine``'s wait (in its private loop) until the frozen serving process ``pid`` is gone or
-    no longer named in the endpoint file (the engine job killed it and says ``restarting``):
-    within this processor's ``hang_seconds``
+async def _wait_frozen_replaced(engine: SharedEngine, pid, why: str, silent: bool) -> None:
+    """``engine``'s wait (in its private loop) until the serving process ``pid``, alive though it
+    did not answer, is gone or no longer named in the endpoint file (the engine job killed it and
+    says ``restarting``): within this processor's ``hang_seconds``
     (the job's watchdog uses the smallest of its processors', so no later than this one's) plus
     the watchdog's probe interval and deadline, plus ``restart_wait_seconds`` for the job's
-    kill and endpoint write. EngineDied engine_service_died when it stays, or at once when
-    ``hang_seconds`` is null: nobody watches the service then."""
+    kill and endpoint write. EngineDied engine_service_died when it stays. With ``hang_seconds``
+    null nobody watches the service: a ``silent`` one fails at once, one that closed the
+    connection or answered an error is given ``DYING_GRACE_SECONDS`` to exit (then the job
+    replaces it as any dead one)."""
     hang = engine.processor.hang_seconds
-    if hang is None:
-        raise EngineDied(
-            f"the {engine._where()} stopped answering ({why}); processors[].hang_seconds is null: nothing restarts it",
-            str(D.ENGINE_SERVICE_DIED),
-        )
+    unwatched = "processors[].hang_seconds is null: nothing restarts it"
+    if hang is None and silent:
+        raise EngineDied(f"the {engine._where()} stopped answering ({why}); {unwatched}", str(D.ENGINE_SERVICE_DIED))
     loop = asyncio.get_running_loop()
-    bound = frozen_killed_within(hang) + engine.restart_wait_seconds
+    bound = DYING_GRACE_SECONDS if hang is None else frozen_killed_within(hang) + engine.restart_wait_seconds
     deadline = loop.time() + bound
     log.warning("the %s is alive but silent: waiting up to %.0f s for its engine job to replace it", engine._where(), bound)
     while True:
@@ -392,6 +395,11 @@ async def _wait_frozen_replaced(engine: SharedEngine, pid, why: str) -> None:
         if ep is None or ep.get("pid") != pid or not _alive(pid):
             return
         if loop.time() > deadline:
+            if hang is None:
+                raise EngineDied(
+                    f"the {engine._where()} stopped answering ({why}) and did not exit within {bound:g} s; {unwatched}",
+                    str(D.ENGINE_SERVICE_DIED),
+                )
             raise EngineDied(
                 f"the {engine._where()} stopped answering ({why}) and was not replaced within {bound:.0f} s "
                 f"(processors[].hang_seconds={hang:g}, $MIRAGEFLOW_ENGINE_RESTART_WAIT={engine.restart_wait_seconds:g})",
