@@ -344,6 +344,41 @@ def test_a_shard_killed_between_submit_and_results_reattaches_instead_of_paying_
     assert status["stats"]["output_tokens"] == sum(e["output_tokens"] for e in _ledger(tmp_path).values()) > 0
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_request_asked_while_its_batchs_end_is_recorded_is_answered_not_paid_again(tmp_path, api, provider, monkeypatch):
+    """The moment a chunk's entry says ``ended`` (the ledger's record, in memory before its
+    file is written), a row asking for its request (a rerun's row beside a re-attached batch)
+    is answered from the saved results: were they indexed only after the record, it would
+    find no answer, submit the request once more and pay for it twice."""
+    from mirageflow.engines import batch_results
+    from mirageflow.engines.batch_chunks import unit_of
+    from mirageflow.shard.ledger import BatchLedger
+
+    results_of: dict[int, batch_results.BatchResults] = {}  # id(ledger) -> the engine's results
+    init = batch_results.BatchResults.__init__
+
+    def remembered(self, ledger, prov):
+        init(self, ledger, prov)
+        results_of[id(ledger)] = self
+
+    record, asked = BatchLedger.record, []
+
+    def ask_while_recording(self, key, **fields):
+        record(self, key, **fields)  # the entry says ended from here on
+        if fields.get("state") == "ended":
+            results = results_of[id(self)]
+            for line in self.results(key).read_text().splitlines():
+                cid = json.loads(line)["custom_id"]
+                asked.append((cid, results.stored(cid, unit_of(cid)).retry))
+
+    monkeypatch.setattr(batch_results.BatchResults, "__init__", remembered)
+    monkeypatch.setattr(BatchLedger, "record", ask_while_recording)
+    _run(_config(tmp_path, api, provider, max_requests_per_chunk=5))
+    assert len(asked) == ROWS  # every request was asked for in its batch's window
+    assert [cid for cid, retry in asked if retry is not None] == [], "requests that would have been submitted and paid again"
+    assert api.requests_seen == ROWS
+
+
 def test_a_chunk_sealed_but_never_recorded_as_created_is_found_by_its_key(tmp_path, api):
     """The shard died after OpenAI created the batch and before its id was recorded: the
     rerun finds it by its metadata (mirageflow_chunk) instead of creating another."""

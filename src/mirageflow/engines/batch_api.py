@@ -296,11 +296,13 @@ class BatchApiEngine(LoopEngine):
         except PermanentAnswer as e:
             raise self.poller.unusable(key, e, "its results cannot be read") from None
         index, parsed, tokens_in, tokens_out, duplicates, unknown = await asyncio.to_thread(self.results.index, key, set(spooled), True)
+        # indexed before the end is recorded: a request asked for while the record is written
+        # finds the chunk ended, and must find its answer too (else it would be submitted and paid again)
+        self.results.found.update({cid: index[cid] for cid in self.results.held_by(key, index)})
         await self.budget.settle(key, self.budget.cost(tokens_in, tokens_out), state="ended", status=state.status, ended_at=utc_now(),
                                  input_tokens=tokens_in, output_tokens=tokens_out, counts=state.raw.get("request_counts"),
                                  results=len(index), duplicate_results=duplicates, unknown_results=unknown)  # fmt: skip
         log.info("batch %s %s (chunk %s): %d results", entry.get("batch_id"), state.status, key, len(index))
-        self.results.found.update({cid: index[cid] for cid in self.results.held_by(key, index)})
         again = []
         for cid in ids:
             if cid not in self._waiters:
