@@ -28,9 +28,10 @@ endpoint file within this processor's ``processors[].hang_seconds`` plus the job
 interval and deadline plus ``$MIRAGEFLOW_ENGINE_RESTART_WAIT`` (server_restarts
 ``frozen_killed_within``); with ``hang_seconds: null`` nothing watches it and the shard fails
 at once (or, had it closed the connection, once it still runs ``DYING_GRACE_SECONDS`` later:
-a process on its way out closes its sockets before its pid is gone). Each death so lived through is this engine's (``restarts``, ``deaths``: status.json's
-``engine_restarts`` and ``engine_deaths``), its class the engine job's (the endpoint's
-``deaths``: ``frozen`` for a frozen one). When none comes, or the endpoint says ``died`` (the
+a process on its way out closes its sockets before its pid is gone). Each death so lived
+through is this engine's (``restarts``, ``deaths``: status.json's ``engine_restarts`` and
+``engine_deaths``), its class the engine job's (the endpoint's ``deaths``: ``frozen`` for a
+frozen one). When none comes, or the endpoint says ``died`` (the
 job's replacements are spent), every outstanding and later request fails (EngineDied, class
 ``engine_service_died``), never a hang. A generation itself has no deadline: it may wait its
 turn behind the other shards' requests. The heartbeat also keeps the service's idle watchdog quiet.
@@ -389,7 +390,10 @@ async def _wait_frozen_replaced(engine: SharedEngine, pid, why: str, silent: boo
     loop = asyncio.get_running_loop()
     bound = DYING_GRACE_SECONDS if hang is None else frozen_killed_within(hang) + engine.restart_wait_seconds
     deadline = loop.time() + bound
-    log.warning("the %s is alive but silent: waiting up to %.0f s for its engine job to replace it", engine._where(), bound)
+    if hang is None:
+        log.warning("the %s closed the connection and still runs: waiting up to %g s for it to exit", engine._where(), bound)
+    else:
+        log.warning("the %s is alive but silent: waiting up to %.0f s for its engine job to replace it", engine._where(), bound)
     while True:
         ep = engine._read_endpoint()
         if ep is None or ep.get("pid") != pid or not _alive(pid):
