@@ -202,6 +202,34 @@ def test_a_serving_process_whose_engine_job_is_killed_stops_and_writes_its_stats
             os.kill(serving, signal.SIGKILL)
 
 
+def test_a_serving_process_whose_engine_job_died_before_it_started_stops(tmp_path, tiny_model):
+    """The engine job passes its pid (``--parent``): a job killed before its serving process got
+    to watch it (while Python imported, or the model loaded) is seen gone too, and the process
+    stops once loaded instead of serving nobody until its idle exit (kept at 600 s here)."""
+    cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2)
+    cfg["loading_params"]["state_dir"] = str(tmp_path / "state")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the engine job, dead already
+    endpoint = tmp_path / "state" / "engines" / "engine_0.json"
+    endpoint.parent.mkdir(parents=True)
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "mirageflow.jobs", "--config", str(path), "--log", str(tmp_path / "engine.log"),
+         "engine-process", "0", str(endpoint), "--port", "0", "--parent", str(gone.pid)],
+        env={**os.environ, "MIRAGEFLOW_ENGINE_IDLE_EXIT": "600"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = serving.communicate(timeout=120)  # loading the tiny model takes seconds; the idle exit 600 s
+    finally:
+        if serving.poll() is None:
+            serving.kill()
+            serving.wait()
+    assert f"the engine job (process {gone.pid}) that launched this serving process is gone: stopping" in out, out[-3000:]
+    (load,) = _loads(tmp_path)
+    assert load["state"] == "stopped" and load["finished_at"] is not None
+
+
 def test_client_names_the_endpoint_when_the_engine_cannot_load(tmp_path, tiny_model):
     cfg = _pipeline(tmp_path, tiny_model, rows=1, shards=2, k=2)
     cfg["processors"][0]["server_args"]["model_path"] = str(tmp_path / "no-model-here")

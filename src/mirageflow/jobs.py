@@ -336,16 +336,17 @@ def run_engine(config: str, group: int, endpoint: str, log: str) -> None:
     serve_with_replacements(cfg, config, group, endpoint, log)
 
 
-def engine_process(config: str, group: int, endpoint: str, log: str, port: int) -> None:
+def engine_process(config: str, group: int, endpoint: str, log: str, port: int, parent: int | None = None) -> None:
     """The engine job's serving process: load engine group ``group`` and serve it on ``port``
-    until SIGTERM (cluster/engine_service.py). ``log``: the job's, which this process writes to."""
+    until SIGTERM or until ``parent`` (the engine job's pid) is gone (cluster/engine_service.py).
+    ``log``: the job's, which this process writes to."""
     cfg = _config(config)
     from mirageflow import hub_models
 
     cfg = hub_models.resolve_local(cfg)  # hub ids -> the snapshots the driver fetched
     from mirageflow.cluster import engine_service
 
-    engine_service.run(cfg, group, endpoint, log_path=log, port=port)
+    engine_service.run(cfg, group, endpoint, log_path=log, port=port, parent=parent)
 
 
 def hub_model(config: str, slug: str, output: str) -> None:
@@ -518,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("group", type=int)
     p.add_argument("endpoint")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--parent", type=int, help="the engine job's pid: stop once it is gone (default: this process's parent)")
     p = sub.add_parser("hub_model", help="download one Hugging Face model id into the cache (the driver, before any shard)")
     p.add_argument("model", help="the model's slug (org--name[@revision])")
     p.add_argument("output", help="the marker written once it is complete")
@@ -530,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.job == "engine-process":  # its output goes to the engine job's log already (its stdout and stderr)
         _log_to_inherited()
-        return engine_process(args.config, args.group, args.endpoint, args.log, args.port)
+        return engine_process(args.config, args.group, args.endpoint, args.log, args.port, args.parent)
     _ATTEMPT_LOG["path"] = _log_to(args.log)
     if args.job == "index":
         index_dataset(args.config, args.dataset, args.output)

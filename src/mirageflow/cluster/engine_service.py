@@ -394,10 +394,13 @@ def _deaths_in(endpoint: Path) -> list[dict]:
         return []
 
 
-def run(cfg: PipelineConfig, group: int, endpoint: str, log_path: str | None = None, port: int = 0) -> None:
+def run(cfg: PipelineConfig, group: int, endpoint: str, log_path: str | None = None, port: int = 0, parent: int | None = None) -> None:
     """The engine job's serving process: serve group ``group`` on ``port`` (0: any) until
-    SIGTERM or until the engine job (its parent) is gone; raises when loading failed."""
-    parent = os.getppid()  # the engine job (cluster/service_restarts.py launched this process)
+    SIGTERM or until the engine job ``parent`` is gone; raises when loading failed. ``parent``:
+    the job's pid, as the job passed it (cluster/service_restarts.py), so a job killed before
+    this process got here is seen gone too; None: this process's parent now."""
+    if parent is None:
+        parent = os.getppid()
     service = EngineService(cfg, group, Path(endpoint), log_path)
 
     async def main() -> None:

@@ -84,7 +84,7 @@ def serve_with_replacements(cfg: PipelineConfig, config_path: str, group: int, e
     def command(port: int) -> list[str]:
         return [
             sys.executable, "-m", "mirageflow.jobs", "--config", config_path, "--log", log_path,
-            "engine-process", str(group), str(endpoint), "--port", str(port),
+            "engine-process", str(group), str(endpoint), "--port", str(port), "--parent", str(os.getpid()),
         ]  # fmt: skip
 
     supervisor = ServerSupervisor(
